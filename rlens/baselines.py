@@ -1,0 +1,118 @@
+"""Baselines run on the same test questions as RL-Focal (pure numpy / scikit-learn, no I/O).
+
+Every baseline returns its answer to each test question as an index into the full choice axis, plus
+how many models it calls per question. Methods "chosen on the warm-start split" need one: under the
+``stream`` protocol (no warm start) best-single and best-single-per-task are chosen in hindsight on the
+test stream itself (an optimistic reference) and stacking is not run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.linear_model import LogisticRegression
+
+from rlens.dataset import RecordedDataset
+from rlens.focal.voting import plurality_vote, soft_vote
+
+LOG_FLOOR = 1e-6
+
+
+@dataclass
+class BaselineRun:
+    answers: np.ndarray  # [n_test] choice index
+    models_called: float  # per question
+
+
+def model_predictions(data: RecordedDataset) -> np.ndarray:
+    """Each model's argmax choice [N, M] (padded choices carry probability 0)."""
+    return np.where(data.choice_mask[:, None, :], data.probs, -1.0).argmax(2)
+
+
+def single_models(test: RecordedDataset) -> dict[int, BaselineRun]:
+    predictions = model_predictions(test)
+    return {j: BaselineRun(predictions[:, j], 1.0) for j in range(test.n_models)}
+
+
+def best_single(warm: RecordedDataset, test: RecordedDataset) -> BaselineRun:
+    reference = warm if warm.n_questions else test
+    j = int((model_predictions(reference) == reference.labels[:, None]).mean(0).argmax())
+    return BaselineRun(model_predictions(test)[:, j], 1.0)
+
+
+def best_single_per_task(warm: RecordedDataset, test: RecordedDataset) -> BaselineRun:
+    reference = warm if warm.n_questions else test
+    ref_correct = model_predictions(reference) == reference.labels[:, None]
+    overall = int(ref_correct.mean(0).argmax())
+    predictions = model_predictions(test)
+    answers = predictions[:, overall].copy()
+    for task_id in np.unique(test.task):
+        rows = reference.task == task_id
+        best = int(ref_correct[rows].mean(0).argmax()) if rows.any() else overall
+        answers[test.task == task_id] = predictions[test.task == task_id, best]
+    return BaselineRun(answers, 1.0)
+
+
+def plurality(test: RecordedDataset) -> BaselineRun:
+    answers = plurality_vote(model_predictions(test), test.choice_mask.shape[1], test.probs.sum(1))
+    return BaselineRun(answers, float(test.n_models))
+
+
+def soft_voting(test: RecordedDataset) -> BaselineRun:
+    return BaselineRun(soft_vote(test.probs), float(test.n_models))
+
+
+def oracle(test: RecordedDataset) -> BaselineRun:
+    """Any-model-correct upper bound: the label whenever some model predicted it."""
+    predictions = model_predictions(test)
+    any_right = (predictions == test.labels[:, None]).any(1)
+    return BaselineRun(np.where(any_right, test.labels, predictions[:, 0]), float(test.n_models))
+
+
+def hedge(test: RecordedDataset) -> BaselineRun:
+    """Online Hedge over the models (loss 1 for a wrong answer), weighted vote of their predictions.
+
+    Learning rate sqrt(8 ln M / n) (the standard fixed-horizon choice); weights updated after each label.
+    """
+    predictions = model_predictions(test)
+    n, m = predictions.shape
+    eta = np.sqrt(8 * np.log(max(m, 2)) / max(n, 1))
+    log_w = np.zeros(m)
+    answers = np.zeros(n, dtype=np.int64)
+    for i in range(n):
+        weights = np.exp(log_w - log_w.max())
+        votes = np.zeros(test.choice_mask.shape[1])
+        np.add.at(votes, predictions[i], weights)
+        answers[i] = int(votes.argmax())
+        log_w -= eta * (predictions[i] != test.labels[i])
+    return BaselineRun(answers, float(m))
+
+
+def _stacking_features(data: RecordedDataset, rows: np.ndarray) -> np.ndarray:
+    return np.log(np.maximum(data.probs[rows], LOG_FLOOR)).reshape(len(rows), -1)
+
+
+def stacking(warm: RecordedDataset, test: RecordedDataset) -> BaselineRun | None:
+    """Supervised per-task stacking (LLM-TOPLA-like anchor): logistic regression on every model's
+    log-probabilities of the task's choices, fit on the warm-start split of that task."""
+    if warm.n_questions == 0:
+        return None
+    fallback = best_single_per_task(warm, test).answers
+    answers = fallback.copy()
+    import warnings
+
+    for task_id in np.unique(test.task):
+        train_rows, test_rows = np.flatnonzero(warm.task == task_id), np.flatnonzero(test.task == task_id)
+        if len(np.unique(warm.labels[train_rows])) < 2:
+            continue  # one class (or none) on the warm split: keep the best single model of the task
+        model = LogisticRegression(C=1.0, max_iter=2000)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            model.fit(_stacking_features(warm, train_rows), warm.labels[train_rows])
+        scores = np.full((len(test_rows), test.choice_mask.shape[1]), -np.inf)
+        scores[:, model.classes_] = model.predict_log_proba(_stacking_features(test, test_rows))
+        scores[~test.choice_mask[test_rows]] = -np.inf
+        answers[test_rows] = scores.argmax(1)
+    return BaselineRun(answers, float(test.n_models))

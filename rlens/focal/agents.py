@@ -1,0 +1,93 @@
+"""The two agents and the centralized critic (torch modules).
+
+* :class:`Decider`: shared MLP trunk branching into one Bernoulli head per model (action branching);
+  the sampled pool is never empty (an empty draw becomes the single most likely model).
+* :class:`Fusion`: one network shared across choices scores every choice from the per-choice features;
+  a softmax over the valid choices gives the answer distribution. Works for any pool size and choice count.
+* :class:`CentralCritic`: value of the global state, shared by both agents' advantages (MAPPO).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributions import Bernoulli, Categorical, Distribution
+
+Distribution.set_default_validate_args(False)  # inputs are built by this package; validation costs ~20% per query
+
+
+def mlp(n_in: int, hidden: int, n_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(n_in, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, n_out))
+
+
+class Decider(nn.Module):
+    def __init__(self, obs_dim: int, n_models: int, hidden: int):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
+        self.heads = nn.Linear(hidden, n_models)  # one Bernoulli logit per model
+        nn.init.zeros_(self.heads.weight)
+        nn.init.constant_(self.heads.bias, 1.0)  # start by calling most of the pool
+
+    def distribution(self, obs: torch.Tensor) -> Bernoulli:
+        return Bernoulli(logits=self.heads(self.trunk(obs)))
+
+    @staticmethod
+    def never_empty(pools: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Replace every empty pool by the single model with the highest logit."""
+        empty = pools.sum(-1) == 0
+        if empty.any():
+            fallback = nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(pools.dtype)
+            pools = torch.where(empty[..., None], fallback, pools)
+        return pools
+
+    def act(self, obs: torch.Tensor, greedy: bool, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        dist = self.distribution(obs)
+        if greedy:
+            pools = (dist.logits > 0).float()
+        else:
+            pools = torch.bernoulli(dist.probs, generator=generator)
+        pools = self.never_empty(pools, dist.logits)
+        return pools, dist.log_prob(pools).sum(-1)
+
+
+class Fusion(nn.Module):
+    """score(c) = linear(x_c) + MLP(x_c), starting as a log-linear opinion pool of the chosen models.
+
+    The linear path is initialised to weight 1 / M on each model's masked log-probability (features
+    ``log_prob_features``), the MLP's output layer to zero, so an untrained agent answers like the pool's
+    geometric-mean vote and learning refines it.
+    """
+
+    def __init__(self, feature_dim: int, hidden: int, log_prob_features: slice):
+        super().__init__()
+        self.linear = nn.Linear(feature_dim, 1)
+        self.residual = mlp(feature_dim, hidden, 1)
+        with torch.no_grad():
+            self.linear.weight.zero_()
+            self.linear.bias.zero_()
+            n_models = len(range(feature_dim)[log_prob_features])
+            self.linear.weight[0, log_prob_features] = 1.0 / n_models
+            self.residual[-1].weight.zero_()
+            self.residual[-1].bias.zero_()
+
+    def distribution(self, features: torch.Tensor, choice_mask: torch.Tensor) -> Categorical:
+        """features [..., C, F], choice_mask bool [..., C] -> distribution over the valid choices."""
+        scores = (self.linear(features) + self.residual(features)).squeeze(-1).masked_fill(~choice_mask, -1e9)
+        return Categorical(logits=scores)
+
+    def act(self, features: torch.Tensor, choice_mask: torch.Tensor, greedy: bool, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dist = self.distribution(features, choice_mask)
+        if greedy:
+            answer = dist.probs.argmax(-1)
+        else:
+            answer = torch.multinomial(dist.probs, 1, generator=generator).squeeze(-1)
+        return answer, dist.log_prob(answer), dist.probs
+
+
+class CentralCritic(nn.Module):
+    def __init__(self, state_dim: int, hidden: int):
+        super().__init__()
+        self.value = mlp(state_dim, hidden, 1)
+
+    def forward(self, state: torch.Tensor) -> torch.Tensor:
+        return self.value(state).squeeze(-1)

@@ -1,0 +1,42 @@
+"""Every hyper-parameter of RL-Focal in one dataclass (CleanRL style)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from rlens.focal.metrics import METRIC_NAMES
+
+
+@dataclass(frozen=True)
+class FocalConfig:
+    # sliding window and observations
+    window: int = 64  # W: outcomes kept per stream key
+    metrics: tuple[str, ...] = METRIC_NAMES  # diversity metrics in the Decider's observation
+    recent_rewards: int = 16  # rewards averaged into the Decider's observation
+    use_decider: bool = True  # False: every query goes to the whole pool (ablation "all models")
+    # reward
+    alpha: float = 0.1  # cost weight: reward = +-1 - alpha * cost(pool) / cost(whole pool)
+    # MAPPO
+    gamma: float = 0.5
+    gae_lambda: float = 0.9
+    clip: float = 0.2
+    lr: float = 1e-3
+    update_epochs: int = 4
+    minibatch_size: int = 64
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5
+    hidden: int = 64
+    # schedule
+    update_period: int = 64  # T: online update every T answered queries
+    warm_batch: int = 256  # rollout length of each warm-start update
+    decider_warm_passes: int = 4  # passes over the warm-start split (Algorithm 1, Decider phase)
+    fusion_warm_passes: int = 10  # passes over the warm-start split (Algorithm 1, Fusion phase)
+    joint_warm_passes: int = 2  # then passes updating both agents on the Fusion agent's reward
+    online_greedy: bool = True  # online: Decider takes its most likely pool, Fusion its most likely answer
+    probe_rate: float = 0.05  # online: fraction of queries that also call the rest of the pool to refresh windows
+    feedback_delay: int = 0  # replay: feedback of query t arrives before query t + 1 + delay
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

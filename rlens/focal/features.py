@@ -1,0 +1,62 @@
+"""Observation builders for the Decider, the Fusion agent and the centralized critic (pure numpy).
+
+Decider observation (before any model is called), length 2M + K + 4:
+  previous pool bits [M] | diversity metrics of that pool [K] | its plurality-vote window accuracy |
+  per-model window reliability [M] | window fill | mean recent reward | 1 / n_choices.
+The critic sees the same global state: everything both agents know when the decision is taken. It is not
+conditioned on the chosen models' outputs, which would make it an action-dependent baseline for the Decider.
+
+Fusion observation, one row per choice c (shared network across choices), 5M + 3 features:
+  for each model i: s_i log p_i(c), s_i [c = argmax p_i], s_i r_i log p_i(c), s_i r_i [c = argmax p_i], s_i r_i
+  with s_i = 1 if model i is in the pool (else 0) and r_i its window reliability;
+  then the window's label frequency of c, its log (smoothed), and 1 / n_choices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlens.focal.window import OutcomeWindow
+
+LOG_FLOOR = 1e-6
+FUSION_GLOBAL_FEATURES = 3
+FUSION_FEATURES_PER_MODEL = 5
+
+
+def decider_obs_dim(n_models: int, n_metrics: int) -> int:
+    return 2 * n_models + n_metrics + 4
+
+
+def log_prob_features(n_models: int) -> slice:
+    """Where the masked per-model log-probabilities sit in a Fusion feature row."""
+    return slice(0, n_models)
+
+
+def fusion_feature_dim(n_models: int) -> int:
+    return FUSION_FEATURES_PER_MODEL * n_models + FUSION_GLOBAL_FEATURES
+
+
+def decider_observation(window: OutcomeWindow, previous_pool: np.ndarray, n_choices: int, metric_names: tuple[str, ...], recent: int) -> np.ndarray:
+    metrics, vote_accuracy = window.pool_statistics(previous_pool, metric_names)
+    return np.concatenate(
+        [
+            previous_pool.astype(np.float32),
+            metrics,
+            np.array([vote_accuracy], dtype=np.float32),
+            window.reliability(),
+            np.array([window.fill, window.recent_reward(recent), 1.0 / n_choices], dtype=np.float32),
+        ]
+    )
+
+
+def fusion_observation(probs: np.ndarray, pool: np.ndarray, reliability: np.ndarray, label_prior: np.ndarray) -> np.ndarray:
+    """Per-choice features [C, 5M + 3] for the valid choices of one query (probs [M, C_valid])."""
+    m, c = probs.shape
+    selected = pool.astype(np.float32)[:, None]  # [M, 1]
+    rel = reliability.astype(np.float32)[:, None]
+    log_p = np.log(np.maximum(probs, LOG_FLOOR)) * selected
+    top = (np.arange(c)[None, :] == probs.argmax(1)[:, None]).astype(np.float32) * selected
+    per_model = np.concatenate([log_p, top, rel * log_p, rel * top, np.repeat(rel * selected, c, axis=1)], axis=0)  # [5M, C]
+    prior = label_prior[:c]
+    global_rows = np.stack([prior, np.log(prior + 0.02), np.full(c, 1.0 / c, dtype=np.float32)])
+    return np.concatenate([per_model, global_rows], axis=0).T.astype(np.float32)

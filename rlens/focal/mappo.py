@@ -1,0 +1,116 @@
+"""MAPPO for the two RL-Focal agents: shared GAE advantage from the centralized critic, clipped surrogates.
+
+Read top to bottom: :class:`Transition` (one answered query), :func:`gae`, :func:`mappo_update`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from rlens.focal.agents import CentralCritic, Decider, Fusion
+from rlens.focal.config import FocalConfig
+
+
+@dataclass
+class Transition:
+    """What the learner needs from one answered query."""
+
+    state: np.ndarray  # Decider observation = critic state [S]
+    pool: np.ndarray  # Decider action, float [M]
+    pool_logp: float
+    value: float
+    reward: float
+    fusion_features: np.ndarray | None = None  # [C, F]; None when the Fusion agent did not act
+    answer: int = -1
+    answer_logp: float = 0.0
+
+
+def gae(rewards: np.ndarray, values: np.ndarray, next_value: float, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """Generalised advantage estimation over one sequence of queries; returns (advantages, returns)."""
+    advantages = np.zeros(len(rewards), dtype=np.float32)
+    last = 0.0
+    for t in reversed(range(len(rewards))):
+        following = next_value if t == len(rewards) - 1 else values[t + 1]
+        delta = rewards[t] + gamma * following - values[t]
+        last = delta + gamma * lam * last
+        advantages[t] = last
+    return advantages, advantages + values
+
+
+def _pad_fusion(batch: list[Transition]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack per-choice features of different choice counts into [B, Cmax, F] plus a validity mask."""
+    c_max = max(t.fusion_features.shape[0] for t in batch)
+    feature_dim = batch[0].fusion_features.shape[1]
+    features = np.zeros((len(batch), c_max, feature_dim), dtype=np.float32)
+    mask = np.zeros((len(batch), c_max), dtype=bool)
+    for i, t in enumerate(batch):
+        c = t.fusion_features.shape[0]
+        features[i, :c], mask[i, :c] = t.fusion_features, True
+    return torch.from_numpy(features), torch.from_numpy(mask)
+
+
+def mappo_update(
+    decider: Decider,
+    fusion: Fusion,
+    critic: CentralCritic,
+    optimizer: torch.optim.Optimizer,
+    batch: list[Transition],
+    next_value: float,
+    cfg: FocalConfig,
+    train_decider: bool,
+    train_fusion: bool,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """Several epochs of minibatch PPO on ``batch`` for the selected agents and the critic."""
+    rewards = np.array([t.reward for t in batch], dtype=np.float32)
+    values = np.array([t.value for t in batch], dtype=np.float32)
+    advantages, returns = gae(rewards, values, next_value, cfg.gamma, cfg.gae_lambda)
+    states = torch.from_numpy(np.stack([t.state for t in batch]))
+    pools = torch.from_numpy(np.stack([t.pool for t in batch]).astype(np.float32))
+    old_pool_logp = torch.tensor([t.pool_logp for t in batch])
+    adv_all, ret_all = torch.from_numpy(advantages), torch.from_numpy(returns)
+    if train_fusion:
+        features, choice_mask = _pad_fusion(batch)
+        answers = torch.tensor([t.answer for t in batch])
+        old_answer_logp = torch.tensor([t.answer_logp for t in batch])
+
+    def clipped_surrogate(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+        ratio = (logp - old).exp()
+        return torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip, 1 + cfg.clip)).mean()
+
+    networks = [decider, fusion, critic]
+    stats = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0}
+    n_steps = 0
+    for _ in range(cfg.update_epochs):
+        order = torch.randperm(len(batch), generator=generator)
+        for start in range(0, len(batch), cfg.minibatch_size):
+            mb = order[start : start + cfg.minibatch_size]
+            adv = adv_all[mb]
+            if len(mb) > 1:
+                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+            policy_loss = torch.zeros(())
+            entropy = torch.zeros(())
+            if train_decider:
+                dist = decider.distribution(states[mb])
+                policy_loss = policy_loss + clipped_surrogate(dist.log_prob(pools[mb]).sum(-1), old_pool_logp[mb], adv)
+                entropy = entropy + dist.entropy().sum(-1).mean()
+            if train_fusion:
+                dist = fusion.distribution(features[mb], choice_mask[mb])
+                policy_loss = policy_loss + clipped_surrogate(dist.log_prob(answers[mb]), old_answer_logp[mb], adv)
+                entropy = entropy + dist.entropy().mean()
+            value_loss = 0.5 * (critic(states[mb]) - ret_all[mb]).pow(2).mean()
+            loss = policy_loss - cfg.ent_coef * entropy + cfg.vf_coef * value_loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            for network in networks:  # each network's gradient is clipped on its own (the critic's is the largest)
+                nn.utils.clip_grad_norm_(network.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            stats["policy_loss"] += float(policy_loss.detach())
+            stats["value_loss"] += float(value_loss.detach())
+            stats["entropy"] += float(entropy.detach())
+            n_steps += 1
+    return {k: v / max(n_steps, 1) for k, v in stats.items()}

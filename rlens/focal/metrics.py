@@ -1,0 +1,124 @@
+"""Ensemble diversity metrics over a window of outcomes of one pool (pure numpy, no I/O).
+
+Inputs are the window rows on which every model of the pool was observed:
+``correct`` bool [n, m] (model answered right) and ``predictions`` int [n, m] (chosen choice).
+
+Edge cases are defined so that every metric is always a finite number:
+an empty window gives 0 for every metric (no evidence; the agents also see how full the window is);
+a pool of one model gives focal diversity 0, kappa 1, disagreement 0, Yule's Q 1, correlation 1, entropy 0
+(a model agrees perfectly with itself); a pair statistic with a zero denominator is 0 (no evidence of dependence);
+a focal model that never failed in the window has lambda_j = 1 (none of its failures coincide with another's).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+METRIC_NAMES = ("focal", "kappa", "disagreement", "yule_q", "correlation", "entropy")
+
+
+def focal_diversity(correct: np.ndarray) -> float:
+    """Focal diversity (RL-Focal / EnsembleBench): mean over focal models j of 1 - p(2)/p(1) on the rows where j failed."""
+    n, m = correct.shape
+    if n == 0:
+        return 0.0
+    if m == 1:
+        return 0.0
+    failed = ~correct
+    n_failed = failed.sum(1).astype(np.float64)  # [n] how many of the pool failed on each row
+    rows_j = failed.sum(0).astype(np.float64)  # [m] rows where focal model j failed
+    # p(1) = sum_i (i/m) p_i and p(2) = sum_i i(i-1)/(m(m-1)) p_i, with p_i taken over the rows where j failed.
+    p1 = (failed * (n_failed / m)[:, None]).sum(0)
+    p2 = (failed * (n_failed * (n_failed - 1) / (m * (m - 1)))[:, None]).sum(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lam = np.where(rows_j > 0, 1.0 - p2 / np.where(p1 > 0, p1, 1.0), 1.0)
+    return float(lam.mean())
+
+
+def fleiss_kappa(predictions: np.ndarray, n_categories: int | None = None) -> float:
+    """Fleiss' kappa of the models (raters) over the rows (subjects), categories = predicted choices."""
+    n, m = predictions.shape
+    if n == 0:
+        return 0.0
+    if m == 1:
+        return 1.0
+    k = int(n_categories if n_categories is not None else predictions.max() + 1)
+    counts = np.zeros((n, k))
+    np.add.at(counts, (np.repeat(np.arange(n), m), predictions.ravel()), 1.0)
+    p_row = ((counts**2).sum(1) - m) / (m * (m - 1))
+    p_cat = counts.sum(0) / (n * m)
+    p_bar, p_e = p_row.mean(), float((p_cat**2).sum())
+    if p_e >= 1.0 - 1e-12:
+        return 1.0  # every model always gave the same single category: perfect agreement
+    return float((p_bar - p_e) / (1.0 - p_e))
+
+
+PairCounts = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def pair_counts(correct: np.ndarray) -> PairCounts:
+    """N11, N00, N10, N01 for every pair i < j (vectors of length m(m-1)/2)."""
+    c = correct.astype(np.float64)
+    w = 1.0 - c
+    iu = np.triu_indices(correct.shape[1], k=1)
+    return (c.T @ c)[iu], (w.T @ w)[iu], (c.T @ w)[iu], (w.T @ c)[iu]
+
+
+def pairwise_disagreement(correct: np.ndarray, counts: PairCounts | None = None) -> float:
+    """Mean over pairs of the fraction of rows where exactly one of the two models is correct."""
+    n, m = correct.shape
+    if n == 0 or m == 1:
+        return 0.0
+    _, _, n10, n01 = counts or pair_counts(correct)
+    return float(((n10 + n01) / n).mean())
+
+
+def yule_q(correct: np.ndarray, counts: PairCounts | None = None) -> float:
+    """Mean over pairs of Yule's Q = (N11 N00 - N01 N10) / (N11 N00 + N01 N10)."""
+    n, m = correct.shape
+    if n == 0:
+        return 0.0
+    if m == 1:
+        return 1.0
+    n11, n00, n10, n01 = counts or pair_counts(correct)
+    num, den = n11 * n00 - n01 * n10, n11 * n00 + n01 * n10
+    return float(np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0).mean())
+
+
+def correlation(correct: np.ndarray, counts: PairCounts | None = None) -> float:
+    """Mean over pairs of the correlation coefficient of the two models' correctness."""
+    n, m = correct.shape
+    if n == 0:
+        return 0.0
+    if m == 1:
+        return 1.0
+    n11, n00, n10, n01 = counts or pair_counts(correct)
+    den = np.sqrt((n11 + n10) * (n01 + n00) * (n11 + n01) * (n10 + n00))
+    return float(np.where(den > 0, (n11 * n00 - n01 * n10) / np.where(den > 0, den, 1.0), 0.0).mean())
+
+
+def binary_entropy(correct: np.ndarray) -> float:
+    """Kuncheva's entropy measure E = mean over rows of min(l, m - l) / (m - ceil(m/2)), l = models correct."""
+    n, m = correct.shape
+    if n == 0 or m == 1:
+        return 0.0
+    n_correct = correct.sum(1)
+    return float((np.minimum(n_correct, m - n_correct) / (m - np.ceil(m / 2))).mean())
+
+
+def diversity_metrics(correct: np.ndarray, predictions: np.ndarray, names: tuple[str, ...] = METRIC_NAMES) -> np.ndarray:
+    """The metrics in ``names`` (a subset of METRIC_NAMES, in that order) as a float32 vector."""
+    correct = np.asarray(correct, dtype=bool)
+    predictions = np.asarray(predictions, dtype=np.int64)
+    if correct.shape != predictions.shape or correct.ndim != 2:
+        raise ValueError(f"correct {correct.shape} and predictions {predictions.shape} must both be [rows, models]")
+    counts = pair_counts(correct) if correct.shape[0] and correct.shape[1] > 1 else None
+    compute = {
+        "focal": lambda: focal_diversity(correct),
+        "kappa": lambda: fleiss_kappa(predictions),
+        "disagreement": lambda: pairwise_disagreement(correct, counts),
+        "yule_q": lambda: yule_q(correct, counts),
+        "correlation": lambda: correlation(correct, counts),
+        "entropy": lambda: binary_entropy(correct),
+    }
+    return np.array([compute[name]() for name in names], dtype=np.float32)

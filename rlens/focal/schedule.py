@@ -1,0 +1,128 @@
+"""The RL-Focal training schedule over recorded outputs (the paper's Algorithms 1 and 2).
+
+* :func:`warm_start` (Algorithm 1): the Decider first, rewarded by the interim plurality vote of the pool it picks;
+  then the Fusion agent on the pools of the warm Decider (which is not updated meanwhile); then a few joint
+  MAPPO passes in which both agents learn from the Fusion agent's final answers.
+* :func:`run_online` (Algorithm 2): each query is answered before its label is seen; its feedback arrives
+  ``feedback_delay`` queries later; both agents are updated every ``update_period`` answered queries.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from rlens.dataset import RecordedDataset
+from rlens.focal.config import FocalConfig
+from rlens.focal.engine import FocalEngine
+from rlens.focal.voting import plurality_vote
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question restricted to its valid choices (indices below are positions among them)."""
+
+    key: int
+    probs: np.ndarray  # [M, C_valid]
+    predictions: np.ndarray  # [M] each model's argmax
+    label: int
+
+
+def questions(data: RecordedDataset) -> list[Question]:
+    out = []
+    for i in range(data.n_questions):
+        valid = np.flatnonzero(data.choice_mask[i])
+        probs = data.probs[i][:, valid]
+        out.append(Question(int(data.task[i]), probs, probs.argmax(1), int(np.searchsorted(valid, data.labels[i]))))
+    return out
+
+
+@dataclass
+class OnlineTrace:
+    """Per test question: the answer (position among valid choices), correctness and calls."""
+
+    answers: np.ndarray
+    correct: np.ndarray
+    pool_size: np.ndarray  # models whose answers were fused
+    models_called: np.ndarray  # models actually called (pool plus window-refresh probes)
+
+
+def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, train_fusion: bool, progress: Progress | None) -> None:
+    """One pass over the warm-start split from empty windows, updating the selected agents every ``warm_batch``.
+
+    Recorded data observes every model, so the windows get every model's outcome. Without the Fusion agent
+    the answer is the interim plurality vote of the pool (ties to the larger summed probability).
+    """
+    engine.reset_windows()
+    for q in qs:
+        decision = engine.decide(q.key, q.probs.shape[1], greedy=False)
+        if train_fusion:
+            answer = engine.fuse(decision, q.probs, greedy=False)
+            chosen = answer.answer
+        else:
+            answer, members = None, decision.pool
+            chosen = int(plurality_vote(q.predictions[members][None, :], q.probs.shape[1], q.probs[members].sum(0)[None, :])[0])
+        engine.record(decision, answer, q.predictions, q.label, engine.reward(decision.pool, chosen == q.label))
+        if len(engine.buffer) >= engine.cfg.warm_batch:
+            engine.update(train_decider, train_fusion)
+        if progress:
+            progress(1)
+    engine.update(train_decider, train_fusion)
+
+
+def warm_start(engine: FocalEngine, data: RecordedDataset, progress: Progress | None = None) -> None:
+    """Algorithm 1, then joint MAPPO passes in which the Decider is judged by the Fusion agent's answers."""
+    qs = questions(data)
+    decider_passes, fusion_passes, joint_passes = _warm_passes(engine.cfg)
+    for _ in range(decider_passes):
+        _warm_pass(engine, qs, train_decider=True, train_fusion=False, progress=progress)
+    for _ in range(fusion_passes):
+        _warm_pass(engine, qs, train_decider=False, train_fusion=True, progress=progress)
+    for _ in range(joint_passes):
+        _warm_pass(engine, qs, train_decider=True, train_fusion=True, progress=progress)
+
+
+def _warm_passes(cfg: FocalConfig) -> tuple[int, int, int]:
+    if not cfg.use_decider:
+        return 0, cfg.fusion_warm_passes + cfg.joint_warm_passes, 0
+    return cfg.decider_warm_passes, cfg.fusion_warm_passes, cfg.joint_warm_passes
+
+
+def warm_start_steps(cfg: FocalConfig, n_questions: int) -> int:
+    """Questions the warm start goes through (for progress bars)."""
+    return n_questions * sum(_warm_passes(cfg))
+
+
+def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | None = None, learn: bool = True) -> OnlineTrace:
+    qs = questions(data)
+    cfg = engine.cfg
+    n = len(qs)
+    trace = OnlineTrace(np.zeros(n, np.int64), np.zeros(n, bool), np.zeros(n, np.int64), np.zeros(n, np.int64))
+    pending: deque = deque()
+
+    def deliver(i, decision, answer) -> None:
+        q = qs[i]
+        observed = np.where(decision.called, q.predictions, -1)
+        engine.record(decision, answer, observed, q.label, engine.reward(decision.pool, answer.answer == q.label), learn=learn)
+        if learn and len(engine.buffer) >= cfg.update_period:
+            engine.update()
+
+    for i, q in enumerate(qs):
+        probe = cfg.probe_rate > 0 and engine.rng.random() < cfg.probe_rate
+        decision = engine.decide(q.key, q.probs.shape[1], greedy=cfg.online_greedy, probe=probe)
+        answer = engine.fuse(decision, q.probs, greedy=cfg.online_greedy)
+        trace.answers[i], trace.correct[i] = answer.answer, answer.answer == q.label
+        trace.pool_size[i], trace.models_called[i] = decision.pool.sum(), decision.called.sum()
+        pending.append((i, decision, answer))
+        while len(pending) > cfg.feedback_delay:
+            deliver(*pending.popleft())
+        if progress:
+            progress(1)
+    while pending:
+        deliver(*pending.popleft())
+    return trace

@@ -1,0 +1,26 @@
+"""Voting rules over several models' answers (pure numpy)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def plurality_vote(predictions: np.ndarray, n_choices: int, tiebreak: np.ndarray | None = None) -> np.ndarray:
+    """Most frequent prediction per row of ``predictions`` int [n, k].
+
+    Ties go to the tied choice with the highest ``tiebreak`` score ([n, n_choices], e.g. summed
+    probabilities), or to the lowest choice index without one.
+    """
+    n = predictions.shape[0]
+    votes = np.zeros((n, n_choices))
+    np.add.at(votes, (np.repeat(np.arange(n), predictions.shape[1]), predictions.ravel()), 1.0)
+    if tiebreak is not None:
+        votes = votes + 1e-3 * tiebreak / np.maximum(np.abs(tiebreak).max(1, keepdims=True), 1e-12)
+    return votes.argmax(1)
+
+
+def soft_vote(probs: np.ndarray, selected: np.ndarray | None = None) -> np.ndarray:
+    """Argmax of the mean distribution of the selected models: probs [n, m, C], selected bool [n, m]."""
+    if selected is not None:
+        probs = probs * selected[:, :, None]
+    return probs.sum(1).argmax(1)

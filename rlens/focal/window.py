@@ -1,0 +1,95 @@
+"""Sliding window of recent outcomes per stream key (pure, in memory).
+
+Each row is one answered query: for every model whether it was right (1), wrong (0) or not called (-1),
+its predicted choice (-1 when not called), the correct label (-1 when feedback gave only a reward) and the
+reward the ensemble received. Only models that were actually called have outcomes, so pool statistics use
+the rows on which every member of the pool was observed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlens.focal.metrics import METRIC_NAMES, diversity_metrics
+from rlens.focal.voting import plurality_vote
+
+
+class OutcomeWindow:
+    """Ring buffer of the last ``size`` outcomes of one stream."""
+
+    def __init__(self, n_models: int, size: int):
+        if size < 1:
+            raise ValueError("window size must be at least 1")
+        self.n_models, self.size = n_models, size
+        self.correct = np.full((size, n_models), -1, dtype=np.int8)
+        self.predictions = np.full((size, n_models), -1, dtype=np.int16)
+        self.labels = np.full(size, -1, dtype=np.int16)
+        self.rewards = np.zeros(size, dtype=np.float32)
+        self.count = 0  # rows ever pushed
+
+    def push(self, predictions: np.ndarray, label: int, reward: float) -> None:
+        """Record one query: ``predictions`` int [M] with -1 for models not called, the label (-1 if unknown)."""
+        row = self.count % self.size
+        predictions = np.asarray(predictions)
+        observed = predictions >= 0
+        self.predictions[row] = predictions
+        if label >= 0:
+            self.correct[row] = np.where(observed, predictions == label, -1)
+        else:  # reward-only feedback: nothing is known of the models' correctness
+            self.correct[row] = -1
+        self.labels[row] = label
+        self.rewards[row] = reward
+        self.count += 1
+
+    @property
+    def n_rows(self) -> int:
+        return min(self.count, self.size)
+
+    @property
+    def fill(self) -> float:
+        return self.n_rows / self.size
+
+    def _valid(self) -> slice:
+        return slice(0, self.n_rows)
+
+    def reliability(self) -> np.ndarray:
+        """Per-model accuracy over its observed rows, Laplace-smoothed: (right + 1) / (observed + 2)."""
+        c = self.correct[self._valid()]
+        right = (c == 1).sum(0)
+        seen = (c >= 0).sum(0)
+        return ((right + 1.0) / (seen + 2.0)).astype(np.float32)
+
+    def label_prior(self, n_choices: int) -> np.ndarray:
+        """Frequency of each choice index among the known labels of the window (zeros when none)."""
+        labels = self.labels[self._valid()]
+        labels = labels[(labels >= 0) & (labels < n_choices)]
+        if labels.size == 0:
+            return np.zeros(n_choices, dtype=np.float32)
+        return (np.bincount(labels, minlength=n_choices) / labels.size).astype(np.float32)
+
+    def recent_reward(self, last: int) -> float:
+        """Mean reward of the last ``last`` rows (0 when empty)."""
+        n = self.n_rows
+        if n == 0:
+            return 0.0
+        k = min(last, n)
+        index = (self.count - 1 - np.arange(k)) % self.size
+        return float(self.rewards[index].mean())
+
+    def pool_rows(self, pool: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """correct bool [n, k], predictions [n, k], labels [n] on the rows where every pool member was observed."""
+        members = np.flatnonzero(pool)
+        c = self.correct[self._valid()][:, members]
+        rows = (c >= 0).all(1)
+        return c[rows].astype(bool), self.predictions[self._valid()][rows][:, members].astype(np.int64), self.labels[self._valid()][rows]
+
+    def pool_statistics(self, pool: np.ndarray, metric_names: tuple[str, ...] = METRIC_NAMES) -> tuple[np.ndarray, float]:
+        """Diversity metrics of ``pool`` and the accuracy of its plurality vote over the window (0.5 when unknown)."""
+        correct, predictions, labels = self.pool_rows(pool)
+        metrics = diversity_metrics(correct, predictions, metric_names)
+        known = labels >= 0
+        if not known.any():
+            return metrics, 0.5
+        n_choices = int(max(predictions.max(initial=0), labels.max()) + 1)
+        vote = plurality_vote(predictions[known], n_choices)
+        return metrics, float((vote == labels[known]).mean())

@@ -1,0 +1,1 @@
+"""Importers that turn other tools' outputs into recorded-outputs datasets."""

@@ -1,0 +1,180 @@
+"""Replay harness: RL-Focal, its ablations and every baseline on the same test stream of a recorded dataset.
+
+The RL-Focal variants are independent runs (warm start + online), spread over worker processes; progress is
+reported in "steps" (one step = one question seen by one variant, warm-start passes included).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+import torch
+
+from rlens import baselines
+from rlens.dataset import RecordedDataset
+from rlens.focal.config import FocalConfig
+from rlens.focal.engine import FocalEngine
+from rlens.focal.schedule import OnlineTrace, run_online, warm_start, warm_start_steps
+from rlens.protocols import Protocol, split
+from rlens.results import MethodResult, ReplayResults
+
+# name -> (changes to the configuration, description)
+RL_VARIANTS: dict[str, tuple[dict, str]] = {
+    "rl_focal": ({}, "RL-Focal: Decider (focal diversity + other metrics) and Fusion, MAPPO"),
+    "rl_focal_all_models": ({"use_decider": False}, "ablation: no Decider, Fusion over the whole pool"),
+    "rl_focal_no_diversity": ({"metrics": ()}, "ablation: Decider without diversity metrics"),
+    "rl_focal_kappa": ({"metrics": ("kappa",)}, "ablation: Fleiss' kappa instead of focal diversity"),
+}
+PROGRESS_EVERY = 50
+
+
+@dataclass
+class ReplayRun:
+    results: ReplayResults
+    test: RecordedDataset
+    answers: dict[str, np.ndarray]  # method -> answer (choice index) per test question
+    pool_size: np.ndarray  # RL-Focal's pool per test question
+    models_called: np.ndarray  # RL-Focal's calls per test question (probes included)
+
+
+def variant_steps(config: FocalConfig, n_warm: int, n_test: int, variant: str) -> int:
+    return warm_start_steps(replace(config, **RL_VARIANTS[variant][0]), n_warm) + n_test
+
+
+def run_variant(variant: str, data: RecordedDataset, warm_index: np.ndarray, test_index: np.ndarray, config: FocalConfig, seed: int, report: Callable[[int], None] | None) -> OnlineTrace:
+    """Warm start (when there is a warm split) then online operation, for one RL-Focal variant."""
+    torch.set_num_threads(1)
+    engine = FocalEngine(data.n_models, data.model_costs, replace(config, **RL_VARIANTS[variant][0]), seed=seed)
+    if len(warm_index):
+        warm_start(engine, data.subset(warm_index), report)
+    return run_online(engine, data.subset(test_index), report)
+
+
+class _Batched:
+    """Turns per-step progress calls into one message every PROGRESS_EVERY steps (cheap across processes)."""
+
+    def __init__(self, sink: Callable[[int], None]):
+        self.sink, self.pending = sink, 0
+
+    def __call__(self, n: int) -> None:
+        self.pending += n
+        if self.pending >= PROGRESS_EVERY:
+            self.sink(self.pending)
+            self.pending = 0
+
+    def flush(self) -> None:
+        if self.pending:
+            self.sink(self.pending)
+            self.pending = 0
+
+
+def _variant_in_worker(variant, data, warm_index, test_index, config, seed, progress_queue) -> tuple[str, OnlineTrace]:
+    report = _Batched(progress_queue.put)
+    trace = run_variant(variant, data, warm_index, test_index, config, seed, report)
+    report.flush()
+    return variant, trace
+
+
+def _run_variants(variants, data, warm_index, test_index, config, seed, workers, progress) -> dict[str, OnlineTrace]:
+    if workers <= 1 or len(variants) == 1:
+        traces = {}
+        for variant in variants:
+            report = _Batched(progress) if progress else None
+            traces[variant] = run_variant(variant, data, warm_index, test_index, config, seed, report)
+            if report:
+                report.flush()
+        return traces
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        progress_queue = manager.Queue()
+        futures = [pool.submit(_variant_in_worker, v, data, warm_index, test_index, config, seed, progress_queue) for v in variants]
+        while not all(f.done() for f in futures):
+            try:
+                n = progress_queue.get(timeout=0.1)
+                if progress:
+                    progress(n)
+            except queue.Empty:
+                pass
+        while not progress_queue.empty():
+            n = progress_queue.get()
+            if progress:
+                progress(n)
+        return dict(f.result() for f in futures)
+
+
+def total_steps(data: RecordedDataset, protocol: Protocol, config: FocalConfig, variants: list[str]) -> int:
+    warm_index, test_index = split(data, protocol)
+    return sum(variant_steps(config, len(warm_index), len(test_index), v) for v in variants)
+
+
+def replay(
+    data: RecordedDataset,
+    protocol: Protocol,
+    seed: int = 0,
+    config: FocalConfig | None = None,
+    variants: list[str] | None = None,
+    workers: int = 1,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayRun:
+    """Run every method on the test stream of ``protocol`` and collect results.json's content."""
+    started = time.perf_counter()
+    config = config or FocalConfig()
+    variants = list(RL_VARIANTS) if variants is None else variants
+    unknown = set(variants) - set(RL_VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown RL-Focal variants {sorted(unknown)}; known: {sorted(RL_VARIANTS)}")
+    warm_index, test_index = split(data, protocol)
+    if len(test_index) == 0:
+        raise ValueError("the test stream is empty: every task has too few questions for this protocol")
+    warm, test = data.subset(warm_index), data.subset(test_index)
+    traces = _run_variants(variants, data, warm_index, test_index, config, seed, workers, progress)
+
+    valid_positions = [np.flatnonzero(row) for row in test.choice_mask]
+    answers: dict[str, np.ndarray] = {}
+    calls: dict[str, float] = {}
+    descriptions: dict[str, str] = {}
+    for variant in variants:
+        trace = traces[variant]
+        answers[variant] = np.array([valid_positions[i][a] for i, a in enumerate(trace.answers)])
+        calls[variant] = float(trace.models_called.mean())
+        descriptions[variant] = RL_VARIANTS[variant][1]
+
+    def add(name: str, run: baselines.BaselineRun | None, description: str) -> None:
+        if run is not None:
+            answers[name], calls[name], descriptions[name] = run.answers, run.models_called, description
+
+    hindsight = " (chosen in hindsight on the test stream: no warm split)" if protocol == Protocol.stream else " (chosen on the warm-start split)"
+    for j, run in baselines.single_models(test).items():
+        add(f"single:{data.model_names[j]}", run, "one model alone")
+    add("best_single", baselines.best_single(warm, test), "best single model" + hindsight)
+    add("best_single_per_task", baselines.best_single_per_task(warm, test), "best single model of each task" + hindsight)
+    add("plurality", baselines.plurality(test), "plurality vote of all models (ties: larger summed probability)")
+    add("soft_vote", baselines.soft_voting(test), "argmax of the mean distribution of all models")
+    add("hedge", baselines.hedge(test), "online Hedge weights over the models, weighted vote")
+    add("stacking", baselines.stacking(warm, test), "per-task logistic stacking on log-probabilities, fit on the warm-start split")
+    add("oracle", baselines.oracle(test), "any model correct (upper bound)")
+
+    task_names = {int(t): data.task_name(t) for t in np.unique(test.task)}
+    methods = {}
+    for name, predicted in answers.items():
+        correct = predicted == test.labels
+        per_task = {task_names[t]: float(correct[test.task == t].mean()) for t in task_names}
+        methods[name] = MethodResult(accuracy=float(correct.mean()), per_task=per_task, mean_models_called=calls[name], description=descriptions[name])
+    main = traces.get("rl_focal") or next(iter(traces.values()))
+    results = ReplayResults(
+        protocol=protocol.value,
+        seed=seed,
+        n_test=len(test_index),
+        dataset=data.name,
+        models=data.model_names,
+        methods=methods,
+        config=config.to_dict(),
+        elapsed_s=round(time.perf_counter() - started, 2),
+    )
+    return ReplayRun(results, test, answers, main.pool_size, main.models_called)

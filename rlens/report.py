@@ -1,0 +1,101 @@
+"""Writes a replay's outputs: results.json, report.md, report.png and per_query.csv."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from rlens.replay import ReplayRun  # noqa: E402
+
+PLOTTED = ("rl_focal", "best_single", "best_single_per_task", "soft_vote", "stacking", "hedge")
+ROLLING = 50
+
+
+def _rolling(values: np.ndarray, width: int) -> np.ndarray:
+    cumulative = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(0, ends - width)
+    return (cumulative[ends] - cumulative[starts]) / (ends - starts)
+
+
+def _task_blocks(task: np.ndarray) -> list[tuple[int, int, int]]:
+    """(start, end, task id) of each contiguous block of the stream."""
+    switches = np.flatnonzero(np.diff(task)) + 1
+    bounds = np.concatenate([[0], switches, [len(task)]])
+    return [(int(a), int(b), int(task[a])) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def write_plot(run: ReplayRun, path: Path) -> None:
+    test, results = run.test, run.results
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]})
+    x = np.arange(results.n_test)
+    for name in PLOTTED:
+        if name in run.answers:
+            correct = (run.answers[name] == test.labels).astype(float)
+            style = {"linewidth": 2.2, "color": "black"} if name == "rl_focal" else {"linewidth": 1.1, "alpha": 0.85}
+            top.plot(x, 100 * _rolling(correct, ROLLING), label=f"{name} ({100 * results.methods[name].accuracy:.1f}%)", **style)
+    for axis in (top, bottom):
+        for start, _, _ in _task_blocks(test.task)[1:]:
+            axis.axvline(start, color="grey", linestyle=":", linewidth=0.8)
+    for start, end, task_id in _task_blocks(test.task):
+        top.text((start + end) / 2, 1.5, test.task_name(task_id)[:18], rotation=90, fontsize=7, ha="center", va="bottom", color="dimgrey")
+    top.set_ylabel(f"rolling accuracy (%, last {ROLLING})")
+    top.set_ylim(0, 100)
+    top.legend(loc="upper right", fontsize=8, ncol=2)
+    top.set_title(f"{results.dataset}: protocol {results.protocol}, seed {results.seed}, {results.n_test} test questions (dotted: task switches)")
+    bottom.plot(x, _rolling(run.models_called.astype(float), ROLLING), color="tab:red", label="models called (incl. probes)")
+    bottom.plot(x, _rolling(run.pool_size.astype(float), ROLLING), color="black", label="RL-Focal pool size")
+    bottom.set_ylim(0, len(results.models) + 0.5)
+    bottom.set_ylabel("models")
+    bottom.set_xlabel("test question (stream order)")
+    bottom.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(run: ReplayRun) -> str:
+    results = run.results
+    ranked = sorted(results.methods.items(), key=lambda item: -item[1].accuracy)
+    lines = [
+        f"# Replay of `{results.dataset}` — protocol `{results.protocol}`, seed {results.seed}",
+        "",
+        f"{results.n_test} test questions, {len(results.models)} models, {results.elapsed_s:.1f} s.",
+        "",
+        "| method | accuracy % | models called / query | description |",
+        "|---|---:|---:|---|",
+    ]
+    lines += [f"| {name} | {100 * m.accuracy:.1f} | {m.mean_models_called:.2f} | {m.description} |" for name, m in ranked]
+    tasks = list(results.methods["rl_focal"].per_task) if "rl_focal" in results.methods else list(ranked[0][1].per_task)
+    shown = [name for name in ("rl_focal", "best_single", "best_single_per_task", "soft_vote", "stacking", "oracle") if name in results.methods]
+    lines += ["", "## Per task (accuracy %)", "", "| task | " + " | ".join(shown) + " |", "|---|" + "---:|" * len(shown)]
+    for task in tasks:
+        lines.append(f"| {task} | " + " | ".join(f"{100 * results.methods[n].per_task[task]:.1f}" for n in shown) + " |")
+    lines += ["", "![rolling accuracy and pool size](report.png)", ""]
+    return "\n".join(lines)
+
+
+def write_per_query(run: ReplayRun, path: Path) -> None:
+    names = list(run.answers)
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["position", "task", "label", "rl_focal_pool_size", "rl_focal_models_called", *names])
+        for i in range(run.results.n_test):
+            task = run.test.task_name(run.test.task[i])
+            writer.writerow([i, task, int(run.test.labels[i]), int(run.pool_size[i]), int(run.models_called[i]), *(int(run.answers[n][i]) for n in names)])
+
+
+def write_outputs(run: ReplayRun, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "report.md", out / "report.png", out / "per_query.csv"]
+    paths[0].write_text(run.results.model_dump_json(indent=2) + "\n")
+    paths[1].write_text(markdown(run))
+    write_plot(run, paths[2])
+    write_per_query(run, paths[3])
+    return paths
