@@ -19,7 +19,7 @@ app = typer.Typer(help="rlens: LLM ensembles that learn from feedback.", no_args
 import_app = typer.Typer(help="Build datasets from other tools' outputs.", no_args_is_help=True)
 app.add_typer(import_app, name="import")
 console = Console()
-errors = Console(stderr=True)
+errors = Console(stderr=True, soft_wrap=True)
 
 
 def fail(message: str) -> None:

@@ -17,7 +17,7 @@ class FocalConfig:
     # reward
     alpha: float = 0.1  # cost weight: reward = +-1 - alpha * cost(pool) / cost(whole pool)
     # MAPPO
-    gamma: float = 0.5
+    gamma: float = 0.0  # a pool can change at every query, so later rewards carry no credit for this one
     gae_lambda: float = 0.9
     clip: float = 0.2
     lr: float = 1e-3
@@ -29,7 +29,8 @@ class FocalConfig:
     hidden: int = 64
     # schedule
     update_period: int = 64  # T: online update every T answered queries
-    warm_batch: int = 256  # rollout length of each warm-start update
+    warm_batch: int = 256  # questions per warm-start update
+    warm_rollouts: int = 4  # warm start: each recorded question is played this many times (parallel environments)
     decider_warm_passes: int = 4  # passes over the warm-start split (Algorithm 1, Decider phase)
     fusion_warm_passes: int = 10  # passes over the warm-start split (Algorithm 1, Fusion phase)
     joint_warm_passes: int = 2  # then passes updating both agents on the Fusion agent's reward

@@ -2,8 +2,9 @@
 
 The engine holds the agents, the critic, the per-stream outcome windows and the experience buffer. It does no
 I/O: callers (the replay harness, later the streaming worker and learner) call :meth:`FocalEngine.decide`,
-call the models in ``Decision.called``, then :meth:`FocalEngine.fuse`, and report the outcome with
-:meth:`FocalEngine.record` once feedback arrives.
+call the models in ``Decision.called``, then :meth:`FocalEngine.fuse`; once feedback arrives they add the
+outcome to the stream's window (:meth:`FocalEngine.observe`) and the rewarded transition to the experience
+buffer (:meth:`FocalEngine.remember`); :meth:`FocalEngine.update` runs MAPPO on the buffer.
 """
 
 from __future__ import annotations
@@ -69,25 +70,35 @@ class FocalEngine:
         self.windows.clear()
         self.previous_pool.clear()
 
-    @torch.inference_mode()
-    def decide(self, key: Hashable, n_choices: int, greedy: bool, probe: bool = False) -> Decision:
-        """Choose the pool for one query of stream ``key`` (before any model is called)."""
+    def _state(self, key: Hashable, n_choices: int) -> np.ndarray:
         previous = self.previous_pool.get(key, np.ones(self.n_models, dtype=bool))
-        state = decider_observation(self.window(key), previous, n_choices, self.cfg.metrics, self.cfg.recent_rewards)
-        obs = torch.from_numpy(state)
-        value = float(self.critic(obs))
+        return decider_observation(self.window(key), previous, n_choices, self.cfg.metrics, self.cfg.recent_rewards)
+
+    @torch.inference_mode()
+    def decide(self, key: Hashable, n_choices: int, greedy: bool, probe: bool = False, rollouts: int = 1) -> list[Decision]:
+        """Choose the pool for one query of stream ``key`` (before any model is called).
+
+        ``rollouts`` > 1 draws that many pools from the same state (parallel environments over one recorded
+        question, used in the warm start); the first one becomes the stream's previous pool.
+        """
+        state = self._state(key, n_choices)
+        obs = torch.from_numpy(state).expand(rollouts, -1)
+        value = float(self.critic(obs[0]))
         if self.cfg.use_decider:
-            pool_t, logp = self.decider.act(obs, greedy, self.torch_rng)
-            pool, pool_logp = pool_t.numpy().astype(bool), float(logp)
+            pools_t, logps = self.decider.act(obs, greedy, self.torch_rng)
+            pools, pool_logps = pools_t.numpy().astype(bool), logps.tolist()
         else:
-            pool, pool_logp = np.ones(self.n_models, dtype=bool), 0.0
-        self.previous_pool[key] = pool
-        called = np.ones(self.n_models, dtype=bool) if probe else pool
-        return Decision(key, pool, called, state, pool_logp, value)
+            pools, pool_logps = np.ones((rollouts, self.n_models), dtype=bool), [0.0] * rollouts
+        self.previous_pool[key] = pools[0]
+        everyone = np.ones(self.n_models, dtype=bool)
+        return [Decision(key, pool, everyone if probe else pool, state, logp, value) for pool, logp in zip(pools, pool_logps)]
 
     @torch.inference_mode()
     def fuse(self, decision: Decision, probs: np.ndarray, greedy: bool) -> Answer:
-        """Answer distribution over the valid choices from the pool's distributions ``probs`` [M, C_valid]."""
+        """Answer distribution over the valid choices from the pool's distributions ``probs`` [M, C_valid].
+
+        Rows of models outside the pool are ignored (zeroed), whatever they hold.
+        """
         window = self.window(decision.key)
         features = fusion_observation(probs * decision.pool[:, None], decision.pool, window.reliability(), window.label_prior(probs.shape[1]))
         mask = torch.ones(probs.shape[1], dtype=torch.bool)
@@ -99,39 +110,44 @@ class FocalEngine:
         return (1.0 if correct else -1.0) - self.cfg.alpha * float(self.cost_share[pool].sum())
 
     # --- feedback and learning ----------------------------------------------------------------------------
-    def record(self, decision: Decision, answer: Answer | None, predictions: np.ndarray, label: int, reward: float, learn: bool = True) -> None:
-        """Feedback for one query: update its stream's window and keep the transition for the next update.
+    def observe(self, key: Hashable, predictions: np.ndarray, label: int, reward: float) -> None:
+        """Feedback for one query of stream ``key``: add its outcome to the window.
 
         ``predictions`` int [M] holds each called model's chosen choice and -1 for models not called;
         ``label`` is -1 when the feedback is a bare reward.
         """
-        self.window(decision.key).push(predictions, label, reward)
-        if learn:
-            self.buffer.append(
-                Transition(
-                    state=decision.state,
-                    pool=decision.pool.astype(np.float32),
-                    pool_logp=decision.pool_logp,
-                    value=decision.value,
-                    reward=reward,
-                    fusion_features=None if answer is None else answer.features,
-                    answer=-1 if answer is None else answer.answer,
-                    answer_logp=0.0 if answer is None else answer.answer_logp,
-                )
-            )
+        self.window(key).push(predictions, label, reward)
 
-    def update(self, train_decider: bool = True, train_fusion: bool = True) -> dict[str, float]:
-        """One MAPPO update on the buffered transitions (bootstrapped with the last state's value), then clear them."""
+    def remember(self, decision: Decision, answer: Answer | None, reward: float) -> None:
+        """Keep one rewarded transition for the next update (``answer`` None: the Fusion agent did not act)."""
+        self.buffer.append(
+            Transition(
+                state=decision.state,
+                pool=decision.pool.astype(np.float32),
+                pool_logp=decision.pool_logp,
+                value=decision.value,
+                reward=reward,
+                fusion_features=None if answer is None else answer.features,
+                answer=-1 if answer is None else answer.answer,
+                answer_logp=0.0 if answer is None else answer.answer_logp,
+            )
+        )
+
+    def update(self, train_decider: bool = True, train_fusion: bool = True, envs: int = 1) -> dict[str, float]:
+        """One MAPPO update on the buffered transitions, then clear them.
+
+        The buffer holds ``envs`` interleaved parallel environments (step-major); each environment's GAE is
+        bootstrapped with the value of its last state.
+        """
         if not self.buffer:
             return {}
-        next_value = self.buffer[-1].value
         stats = mappo_update(
             self.decider,
             self.fusion,
             self.critic,
             self.optimizer,
             self.buffer,
-            next_value,
+            envs,
             self.cfg,
             train_decider=train_decider and self.cfg.use_decider,
             train_fusion=train_fusion,

@@ -29,10 +29,10 @@ class Transition:
     answer_logp: float = 0.0
 
 
-def gae(rewards: np.ndarray, values: np.ndarray, next_value: float, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
-    """Generalised advantage estimation over one sequence of queries; returns (advantages, returns)."""
-    advantages = np.zeros(len(rewards), dtype=np.float32)
-    last = 0.0
+def gae(rewards: np.ndarray, values: np.ndarray, next_value: np.ndarray, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """Generalised advantage estimation, arrays [steps, envs] (``next_value`` [envs]); returns (advantages, returns)."""
+    advantages = np.zeros_like(rewards, dtype=np.float32)
+    last = np.zeros(rewards.shape[1], dtype=np.float32)
     for t in reversed(range(len(rewards))):
         following = next_value if t == len(rewards) - 1 else values[t + 1]
         delta = rewards[t] + gamma * following - values[t]
@@ -59,16 +59,23 @@ def mappo_update(
     critic: CentralCritic,
     optimizer: torch.optim.Optimizer,
     batch: list[Transition],
-    next_value: float,
+    envs: int,
     cfg: FocalConfig,
     train_decider: bool,
     train_fusion: bool,
     generator: torch.Generator,
 ) -> dict[str, float]:
-    """Several epochs of minibatch PPO on ``batch`` for the selected agents and the critic."""
-    rewards = np.array([t.reward for t in batch], dtype=np.float32)
-    values = np.array([t.value for t in batch], dtype=np.float32)
-    advantages, returns = gae(rewards, values, next_value, cfg.gamma, cfg.gae_lambda)
+    """Several epochs of minibatch PPO on ``batch`` for the selected agents and the critic.
+
+    ``batch`` is step-major over ``envs`` parallel environments (transition i belongs to environment i % envs);
+    each environment's last value bootstraps its GAE.
+    """
+    if len(batch) % envs:
+        raise ValueError(f"{len(batch)} transitions do not split into {envs} environments")
+    rewards = np.array([t.reward for t in batch], dtype=np.float32).reshape(-1, envs)
+    values = np.array([t.value for t in batch], dtype=np.float32).reshape(-1, envs)
+    advantages, returns = gae(rewards, values, values[-1], cfg.gamma, cfg.gae_lambda)
+    advantages, returns = advantages.reshape(-1), returns.reshape(-1)
     states = torch.from_numpy(np.stack([t.state for t in batch]))
     pools = torch.from_numpy(np.stack([t.pool for t in batch]).astype(np.float32))
     old_pool_logp = torch.tensor([t.pool_logp for t in batch])

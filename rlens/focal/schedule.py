@@ -55,24 +55,30 @@ class OnlineTrace:
 def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, train_fusion: bool, progress: Progress | None) -> None:
     """One pass over the warm-start split from empty windows, updating the selected agents every ``warm_batch``.
 
-    Recorded data observes every model, so the windows get every model's outcome. Without the Fusion agent
-    the answer is the interim plurality vote of the pool (ties to the larger summed probability).
+    Each question is played ``warm_rollouts`` times from the same state (parallel environments over recorded
+    data). Recorded data observes every model, so the window gets every model's outcome. Without the Fusion
+    agent the answer is the interim plurality vote of the pool (ties to the larger summed probability).
     """
+    rollouts = engine.cfg.warm_rollouts
     engine.reset_windows()
     for q in qs:
-        decision = engine.decide(q.key, q.probs.shape[1], greedy=False)
-        if train_fusion:
-            answer = engine.fuse(decision, q.probs, greedy=False)
-            chosen = answer.answer
-        else:
-            answer, members = None, decision.pool
-            chosen = int(plurality_vote(q.predictions[members][None, :], q.probs.shape[1], q.probs[members].sum(0)[None, :])[0])
-        engine.record(decision, answer, q.predictions, q.label, engine.reward(decision.pool, chosen == q.label))
-        if len(engine.buffer) >= engine.cfg.warm_batch:
-            engine.update(train_decider, train_fusion)
+        first_reward = None
+        for decision in engine.decide(q.key, q.probs.shape[1], greedy=False, rollouts=rollouts):
+            if train_fusion:
+                answer = engine.fuse(decision, q.probs, greedy=False)
+                chosen = answer.answer
+            else:
+                answer, members = None, decision.pool
+                chosen = int(plurality_vote(q.predictions[members][None, :], q.probs.shape[1], q.probs[members].sum(0)[None, :])[0])
+            reward = engine.reward(decision.pool, chosen == q.label)
+            engine.remember(decision, answer, reward)
+            first_reward = reward if first_reward is None else first_reward
+        engine.observe(q.key, q.predictions, q.label, first_reward)
+        if len(engine.buffer) >= engine.cfg.warm_batch * rollouts:
+            engine.update(train_decider, train_fusion, envs=rollouts)
         if progress:
             progress(1)
-    engine.update(train_decider, train_fusion)
+    engine.update(train_decider, train_fusion, envs=rollouts)
 
 
 def warm_start(engine: FocalEngine, data: RecordedDataset, progress: Progress | None = None) -> None:
@@ -107,14 +113,16 @@ def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | 
 
     def deliver(i, decision, answer) -> None:
         q = qs[i]
-        observed = np.where(decision.called, q.predictions, -1)
-        engine.record(decision, answer, observed, q.label, engine.reward(decision.pool, answer.answer == q.label), learn=learn)
-        if learn and len(engine.buffer) >= cfg.update_period:
-            engine.update()
+        reward = engine.reward(decision.pool, answer.answer == q.label)
+        engine.observe(q.key, np.where(decision.called, q.predictions, -1), q.label, reward)
+        if learn:
+            engine.remember(decision, answer, reward)
+            if len(engine.buffer) >= cfg.update_period:
+                engine.update()
 
     for i, q in enumerate(qs):
         probe = cfg.probe_rate > 0 and engine.rng.random() < cfg.probe_rate
-        decision = engine.decide(q.key, q.probs.shape[1], greedy=cfg.online_greedy, probe=probe)
+        (decision,) = engine.decide(q.key, q.probs.shape[1], greedy=cfg.online_greedy, probe=probe)
         answer = engine.fuse(decision, q.probs, greedy=cfg.online_greedy)
         trace.answers[i], trace.correct[i] = answer.answer, answer.answer == q.label
         trace.pool_size[i], trace.models_called[i] = decision.pool.sum(), decision.called.sum()

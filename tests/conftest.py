@@ -1,0 +1,29 @@
+"""Shared fixtures: the real bbh_dev data (from ../shared/datasets) and small datasets written to tmp dirs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlens.dataset import RecordedDataset, load_dataset, save_dataset, shared_data_dir
+
+
+@pytest.fixture(scope="session")
+def bbh() -> RecordedDataset:
+    path = shared_data_dir() / "bbh_dev"
+    if not path.is_dir():
+        pytest.skip(f"real dataset not found at {path} (set RLENS_SHARED_DATA)")
+    return load_dataset(path)
+
+
+def bbh_slice(bbh: RecordedDataset, tasks: int, per_task: int) -> RecordedDataset:
+    """The first ``per_task`` questions of the first ``tasks`` tasks, in stream order."""
+    keep = np.concatenate([np.flatnonzero(bbh.task == t)[:per_task] for t in np.unique(bbh.task)[:tasks]])
+    return bbh.subset(keep)
+
+
+@pytest.fixture()
+def bbh_slice_dir(bbh: RecordedDataset, tmp_path: Path) -> Path:
+    return save_dataset(bbh_slice(bbh, tasks=3, per_task=40), tmp_path / "bbh_slice")

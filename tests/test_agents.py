@@ -1,0 +1,71 @@
+"""Agent shapes, masking, the never-empty pool and the Fusion agent's starting point."""
+
+import numpy as np
+import pytest
+import torch
+
+from rlens.focal.agents import CentralCritic, Decider, Fusion
+from rlens.focal.config import FocalConfig
+from rlens.focal.engine import FocalEngine
+from rlens.focal.features import decider_obs_dim, fusion_feature_dim, fusion_observation, log_prob_features
+
+
+def test_decider_never_returns_an_empty_pool():
+    decider = Decider(obs_dim=7, n_models=4, hidden=8)
+    with torch.no_grad():
+        decider.heads.bias.fill_(-20.0)  # every head says "do not call"
+        decider.heads.bias[2] = -10.0
+    pools, logp = decider.act(torch.zeros(16, 7), greedy=False)
+    assert pools.shape == (16, 4) and logp.shape == (16,)
+    assert (pools.sum(1) == 1).all() and (pools[:, 2] == 1).all()  # the most likely model alone
+    greedy, _ = decider.act(torch.zeros(7), greedy=True)
+    assert greedy.tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("n_models, n_choices", [(2, 2), (5, 19), (32, 7)])
+def test_fusion_masks_invalid_choices_for_any_pool_size(n_models, n_choices):
+    fusion = Fusion(fusion_feature_dim(n_models), hidden=16, log_prob_features=log_prob_features(n_models))
+    features = torch.randn(3, n_choices, fusion_feature_dim(n_models))
+    mask = torch.ones(3, n_choices, dtype=torch.bool)
+    mask[0, 1:] = False
+    mask[0, 0] = True
+    mask[1, -1] = False
+    with torch.no_grad():
+        probs = fusion.distribution(features, mask).probs
+    assert probs.shape == (3, n_choices)
+    assert torch.allclose(probs.sum(1), torch.ones(3))
+    assert probs[0, 0].item() == pytest.approx(1.0) and probs[1, -1].item() == 0.0
+
+
+def test_untrained_fusion_is_the_log_linear_pool_of_the_chosen_models():
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(4), size=3).astype(np.float32)  # 3 models, 4 choices
+    pool = np.array([True, False, True])
+    features = fusion_observation(probs * pool[:, None], pool, np.full(3, 0.7, np.float32), np.zeros(4, np.float32))
+    fusion = Fusion(fusion_feature_dim(3), hidden=16, log_prob_features=log_prob_features(3))
+    got = fusion.distribution(torch.from_numpy(features), torch.ones(4, dtype=torch.bool)).probs.detach().numpy()
+    expected = np.exp((np.log(probs[0]) + np.log(probs[2])) / 3)
+    assert got == pytest.approx(expected / expected.sum(), rel=1e-4)
+
+
+def test_fusion_ignores_models_outside_the_pool():
+    engine = FocalEngine(3, config=FocalConfig(), seed=0)
+    (decision,) = engine.decide("s", 4, greedy=True)
+    decision.pool[:] = [True, True, False]
+    probs = np.full((3, 4), 0.25, dtype=np.float32)
+    a = engine.fuse(decision, probs, greedy=True)
+    probs[2] = [1.0, 0.0, 0.0, 0.0]  # a model not in the pool changes its answer
+    b = engine.fuse(decision, probs, greedy=True)
+    assert np.array_equal(a.distribution, b.distribution)
+
+
+def test_engine_shapes_and_reward():
+    cfg = FocalConfig()
+    engine = FocalEngine(5, model_costs=np.array([4.0, 1, 1, 1, 1]), config=cfg, seed=1)
+    decisions = engine.decide("task", n_choices=3, greedy=False, rollouts=6)
+    assert len(decisions) == 6 and decisions[0].state.shape == (decider_obs_dim(5, len(cfg.metrics)),)
+    assert all(d.pool.any() for d in decisions)
+    assert engine.reward(np.array([True, False, False, False, False]), True) == pytest.approx(1 - cfg.alpha * 0.5)
+    assert engine.reward(np.ones(5, bool), False) == pytest.approx(-1 - cfg.alpha)
+    critic = CentralCritic(decider_obs_dim(5, 6), 8)
+    assert critic(torch.zeros(4, decider_obs_dim(5, 6))).shape == (4,)

@@ -1,0 +1,90 @@
+"""Dataset validation and the CLI's one-line errors (exit code 2, the file named, no traceback)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from rlens.cli import app
+from rlens.dataset import DatasetError, load_dataset
+
+runner = CliRunner()
+
+
+def replay_error(data: Path, tmp_path: Path) -> str:
+    result = runner.invoke(app, ["replay", "--data", str(data), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:")
+    return lines[0]
+
+
+def test_load_round_trip(bbh_slice_dir):
+    data = load_dataset(bbh_slice_dir)
+    assert data.n_questions == 120 and data.n_models == 5
+    assert data.task_name(0) == "boolean_expressions"
+    assert np.allclose(data.probs.sum(2), 1, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "breakage, file, words",
+    [
+        (lambda d: (d / "labels.npy").unlink(), "labels.npy", "missing"),
+        (lambda d: (d / "probs.npy").write_bytes(b"not numpy"), "probs.npy", "not a readable"),
+        (lambda d: np.save(d / "labels.npy", np.full(120, 7)), "labels.npy", "not one of its valid choices"),
+        (lambda d: np.save(d / "task.npy", np.zeros(3, np.int64)), "task.npy", "integer array [120]"),
+        (lambda d: np.save(d / "choice_mask.npy", np.ones((120, 3))), "choice_mask.npy", "must be bool"),
+        (lambda d: (d / "models.json").write_text("[{\"index\": 0}]"), "models.json", "lists 1 models"),
+        (lambda d: (d / "models.json").write_text("{oops"), "models.json", "not valid JSON"),
+        (lambda d: np.save(d / "probs.npy", np.load(d / "probs.npy") * 2), "probs.npy", "sum to"),
+        (lambda d: np.save(d / "probs.npy", np.full_like(np.load(d / "probs.npy"), np.nan)), "probs.npy", "NaN"),
+    ],
+)
+def test_bad_dataset_files_give_one_line_errors(bbh_slice_dir, tmp_path, breakage, file, words):
+    breakage(bbh_slice_dir)
+    with pytest.raises(DatasetError) as info:
+        load_dataset(bbh_slice_dir)
+    assert info.value.file.endswith(file) and words in info.value.problem
+    line = replay_error(bbh_slice_dir, tmp_path)
+    assert file in line and words in line
+
+
+def test_missing_directory_and_bad_options(tmp_path):
+    assert "not a directory" in replay_error(tmp_path / "nowhere", tmp_path)
+    result = runner.invoke(app, ["replay", "--data", str(tmp_path), "--protocol", "weekly"])
+    assert result.exit_code == 2 and "weekly" in result.output
+
+
+def test_costs_are_read_from_models_json(bbh_slice_dir):
+    models = json.loads((bbh_slice_dir / "models.json").read_text())
+    models[0]["cost"] = 4.0
+    (bbh_slice_dir / "models.json").write_text(json.dumps(models))
+    assert load_dataset(bbh_slice_dir).model_costs.tolist() == [4.0, 1.0, 1.0, 1.0, 1.0]
+    models[1]["cost"] = -1
+    (bbh_slice_dir / "models.json").write_text(json.dumps(models))
+    with pytest.raises(DatasetError, match="costs must be positive"):
+        load_dataset(bbh_slice_dir)
+
+
+def test_a_dataset_with_another_pool_size_and_choice_counts_is_accepted(tmp_path):
+    rng = np.random.default_rng(0)
+    n, m, c = 40, 7, 4
+    mask = np.zeros((n, c), bool)
+    mask[:, :2] = True
+    mask[20:, 2:] = True  # the stream mixes 2- and 4-choice questions
+    probs = rng.dirichlet(np.ones(c), size=(n, m)) * mask[:, None, :]
+    probs /= probs.sum(2, keepdims=True)
+    directory = tmp_path / "seven"
+    directory.mkdir()
+    np.save(directory / "probs.npy", probs.astype(np.float32))
+    np.save(directory / "choice_mask.npy", mask)
+    np.save(directory / "labels.npy", np.where(np.arange(n) < 20, 1, 3).astype(np.int64))
+    np.save(directory / "task.npy", (np.arange(n) >= 20).astype(np.int64))
+    (directory / "models.json").write_text(json.dumps([{"index": i, "name": f"m{i}"} for i in range(m)]))
+    data = load_dataset(directory)
+    assert data.n_models == 7 and data.task_name(1) == "task_1"  # tasks.json is optional
+    shutil.rmtree(directory)

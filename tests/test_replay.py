@@ -1,0 +1,58 @@
+"""Replay end to end on a slice of the real bbh_dev data: results.json's shape, reports, determinism."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+from typer.testing import CliRunner
+
+from rlens.cli import app
+from rlens.dataset import load_dataset
+from rlens.focal.config import FocalConfig
+from rlens.protocols import Protocol, split
+from rlens.replay import RL_VARIANTS, replay
+from rlens.results import SCHEMA_PATH, ReplayResults
+
+FAST = replace(FocalConfig(), decider_warm_passes=1, fusion_warm_passes=1, joint_warm_passes=1, warm_rollouts=2)
+
+
+def test_paper_protocol_split(bbh):
+    warm, test = split(bbh, Protocol.paper)
+    assert len(test) == 600 and len(warm) == 2400 and not set(warm) & set(test)
+    for task_id in range(12):  # per task: first 80% warm, last 20% test
+        rows = np.flatnonzero(bbh.task == task_id)
+        assert set(rows[:200]) <= set(warm) and set(rows[200:]) <= set(test)
+    warm, test = split(bbh, Protocol.stream)
+    assert len(warm) == 0 and len(test) == 3000
+
+
+def test_cli_replay_writes_every_output(bbh_slice_dir, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["replay", "--data", str(bbh_slice_dir), "--out", str(out), "--seed", "3", "--workers", "2"])
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    ReplayResults.model_validate(results)
+    assert results["protocol"] == "paper" and results["seed"] == 3 and results["n_test"] == 24
+    expected = {"rl_focal", "best_single", "best_single_per_task", "plurality", "soft_vote", "hedge", "stacking", "oracle", *RL_VARIANTS}
+    assert expected <= set(results["methods"])
+    focal = results["methods"]["rl_focal"]
+    assert set(focal["per_task"]) == {"boolean_expressions", "date_understanding", "formal_fallacies"}
+    assert 0 <= focal["accuracy"] <= 1 and 1 <= focal["mean_models_called"] <= 5
+    assert results["methods"]["oracle"]["accuracy"] >= max(m["accuracy"] for m in results["methods"].values())
+    assert (out / "report.png").stat().st_size > 10_000
+    assert "| rl_focal |" in (out / "report.md").read_text()
+    assert len((out / "per_query.csv").read_text().splitlines()) == 25
+    assert "rl_focal" in result.output
+
+
+def test_stream_protocol_and_determinism(bbh_slice_dir):
+    data = load_dataset(bbh_slice_dir)
+    a = replay(data, Protocol.stream, seed=5, config=FAST, variants=["rl_focal"])
+    b = replay(data, Protocol.stream, seed=5, config=FAST, variants=["rl_focal"])
+    assert a.results.n_test == 120 and "stacking" not in a.results.methods
+    assert np.array_equal(a.answers["rl_focal"], b.answers["rl_focal"])
+    assert a.results.methods["rl_focal"] == b.results.methods["rl_focal"]
+
+
+def test_results_schema_file_is_current():
+    assert json.loads(SCHEMA_PATH.read_text()) == ReplayResults.model_json_schema()

@@ -1,0 +1,42 @@
+"""Per-stream outcome windows: partial observation, smoothing, label prior, ring-buffer order."""
+
+import numpy as np
+import pytest
+
+from rlens.focal.window import OutcomeWindow
+
+
+def test_reliability_is_laplace_smoothed_over_observed_rows():
+    window = OutcomeWindow(n_models=3, size=4)
+    assert window.reliability().tolist() == [0.5, 0.5, 0.5]  # empty: (0 + 1) / (0 + 2)
+    window.push(np.array([1, 0, -1]), label=1, reward=1.0)  # model 2 not called
+    window.push(np.array([1, 1, 2]), label=2, reward=-1.0)
+    # model 0: right once of 2 -> 2/4; model 1: 0 of 2 -> 1/4; model 2: 1 of 1 -> 2/3
+    assert window.reliability() == pytest.approx([0.5, 0.25, 2 / 3])
+
+
+def test_pool_rows_use_only_rows_where_every_member_was_observed():
+    window = OutcomeWindow(n_models=3, size=8)
+    window.push(np.array([0, 0, -1]), label=0, reward=1.0)
+    window.push(np.array([0, 1, 1]), label=1, reward=1.0)
+    correct, predictions, labels = window.pool_rows(np.array([True, False, True]))
+    assert correct.tolist() == [[False, True]] and predictions.tolist() == [[0, 1]] and labels.tolist() == [1]
+    metrics, vote_accuracy = window.pool_statistics(np.array([True, True, False]))
+    assert vote_accuracy == 0.5  # row 0: votes 0,0 -> right; row 1: votes 0,1 tie -> 0 -> wrong
+
+
+def test_ring_buffer_keeps_the_last_rows_and_reward_only_feedback():
+    window = OutcomeWindow(n_models=2, size=3)
+    for label in range(5):
+        window.push(np.array([label, 0]), label=label, reward=float(label))
+    assert window.n_rows == 3 and window.fill == 1.0
+    assert window.recent_reward(2) == pytest.approx(3.5)  # rewards 3 and 4
+    assert window.label_prior(5).tolist() == pytest.approx([0, 0, 1 / 3, 1 / 3, 1 / 3])
+    window.push(np.array([1, 1]), label=-1, reward=1.0)  # a bare reward: correctness unknown
+    correct, _, _ = window.pool_rows(np.array([True, True]))
+    assert len(correct) == 2
+
+
+def test_window_size_must_be_positive():
+    with pytest.raises(ValueError):
+        OutcomeWindow(2, 0)
