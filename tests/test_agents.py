@@ -7,11 +7,11 @@ import torch
 from rlens.focal.agents import CentralCritic, Decider, Fusion
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
-from rlens.focal.features import decider_obs_dim, fusion_feature_dim, fusion_observation, log_prob_features
+from rlens.focal.features import critic_state_dim, decider_obs_dim, fusion_feature_dim, fusion_observation, reliability_weighted_log_probs
 
 
 def test_decider_never_returns_an_empty_pool():
-    decider = Decider(obs_dim=7, n_models=4, hidden=8)
+    decider = Decider(obs_dim=7, n_models=4, hidden=8, reliability=slice(3, 7))
     with torch.no_grad():
         decider.heads.bias.fill_(-20.0)  # every head says "do not call"
         decider.heads.bias[2] = -10.0
@@ -22,9 +22,19 @@ def test_decider_never_returns_an_empty_pool():
     assert greedy.tolist() == [0.0, 0.0, 1.0, 0.0]
 
 
+def test_untrained_decider_calls_the_models_close_to_the_most_reliable():
+    decider = Decider(obs_dim=7, n_models=4, hidden=8, reliability=slice(3, 7))
+    obs = torch.tensor([0.0, 0.0, 0.0, 0.60, 0.55, 0.30, 0.45])
+    phi = decider.model_features(obs)
+    assert phi[:, 1].tolist() == pytest.approx([0.0, -0.05, -0.30, -0.15])  # gap to the best
+    assert phi[:, 2].tolist() == pytest.approx([0.0, 1 / 3, 1.0, 2 / 3])  # rank
+    pool, _ = decider.act(obs, greedy=True)
+    assert pool.tolist() == [1.0, 1.0, 0.0, 0.0]  # logit 1 + 10 * gap > 0 only within 0.1 of the best
+
+
 @pytest.mark.parametrize("n_models, n_choices", [(2, 2), (5, 19), (32, 7)])
 def test_fusion_masks_invalid_choices_for_any_pool_size(n_models, n_choices):
-    fusion = Fusion(fusion_feature_dim(n_models), hidden=16, log_prob_features=log_prob_features(n_models))
+    fusion = Fusion(fusion_feature_dim(n_models), hidden=16, reliability_weighted_log_probs=reliability_weighted_log_probs(n_models))
     features = torch.randn(3, n_choices, fusion_feature_dim(n_models))
     mask = torch.ones(3, n_choices, dtype=torch.bool)
     mask[0, 1:] = False
@@ -37,14 +47,15 @@ def test_fusion_masks_invalid_choices_for_any_pool_size(n_models, n_choices):
     assert probs[0, 0].item() == pytest.approx(1.0) and probs[1, -1].item() == 0.0
 
 
-def test_untrained_fusion_is_the_log_linear_pool_of_the_chosen_models():
+def test_untrained_fusion_is_the_reliability_weighted_log_linear_pool():
     rng = np.random.default_rng(0)
     probs = rng.dirichlet(np.ones(4), size=3).astype(np.float32)  # 3 models, 4 choices
     pool = np.array([True, False, True])
-    features = fusion_observation(probs * pool[:, None], pool, np.full(3, 0.7, np.float32), np.zeros(4, np.float32))
-    fusion = Fusion(fusion_feature_dim(3), hidden=16, log_prob_features=log_prob_features(3))
+    reliability = np.array([0.9, 0.5, 0.3], np.float32)
+    features = fusion_observation(probs * pool[:, None], pool, reliability, np.zeros(4, np.float32))
+    fusion = Fusion(fusion_feature_dim(3), hidden=16, reliability_weighted_log_probs=reliability_weighted_log_probs(3))
     got = fusion.distribution(torch.from_numpy(features), torch.ones(4, dtype=torch.bool)).probs.detach().numpy()
-    expected = np.exp((np.log(probs[0]) + np.log(probs[2])) / 3)
+    expected = np.exp(2 / 3 * (0.9 * np.log(probs[0]) + 0.3 * np.log(probs[2])))
     assert got == pytest.approx(expected / expected.sum(), rel=1e-4)
 
 
@@ -67,5 +78,9 @@ def test_engine_shapes_and_reward():
     assert all(d.pool.any() for d in decisions)
     assert engine.reward(np.array([True, False, False, False, False]), True) == pytest.approx(1 - cfg.alpha * 0.5)
     assert engine.reward(np.ones(5, bool), False) == pytest.approx(-1 - cfg.alpha)
-    critic = CentralCritic(decider_obs_dim(5, 6), 8)
-    assert critic(torch.zeros(4, decider_obs_dim(5, 6))).shape == (4,)
+    assert decisions[0].critic_state.shape == (critic_state_dim(5, len(cfg.metrics)),)
+    assert decisions[0].critic_state[-1] == 0.0  # online: no privileged summary
+    (warm,) = engine.decide("task", 3, greedy=False, recorded_probs=np.full((5, 3), 1 / 3, np.float32))
+    assert warm.critic_state[-1] == 1.0
+    critic = CentralCritic(critic_state_dim(5, 6), 8)
+    assert critic(torch.zeros(4, critic_state_dim(5, 6))).shape == (4,)

@@ -21,15 +21,35 @@ def mlp(n_in: int, hidden: int, n_out: int) -> nn.Sequential:
 
 
 class Decider(nn.Module):
-    def __init__(self, obs_dim: int, n_models: int, hidden: int):
+    """logit_j = head_j(trunk(obs)) + u . phi_j, with phi_j = (r_j, r_j - max_i r_i, rank of j) from model j's
+    window reliability r_j (``reliability`` slice of the observation) and u shared by all models.
+
+    The per-model path starts with weight 10 on the gap to the most reliable model, so an untrained Decider
+    calls the models within about 0.1 of the best one; the trunk and heads learn the rest (diversity, cost).
+    """
+
+    GAP_WEIGHT = 10.0
+
+    def __init__(self, obs_dim: int, n_models: int, hidden: int, reliability: slice):
         super().__init__()
+        self.reliability = reliability
         self.trunk = nn.Sequential(nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
         self.heads = nn.Linear(hidden, n_models)  # one Bernoulli logit per model
-        nn.init.zeros_(self.heads.weight)
-        nn.init.constant_(self.heads.bias, 1.0)  # start by calling most of the pool
+        self.per_model = nn.Linear(3, 1, bias=False)  # shared across models
+        with torch.no_grad():
+            self.heads.weight.zero_()
+            self.heads.bias.fill_(1.0)
+            self.per_model.weight.copy_(torch.tensor([[0.0, self.GAP_WEIGHT, 0.0]]))
+
+    def model_features(self, obs: torch.Tensor) -> torch.Tensor:
+        """phi [..., M, 3]: reliability, gap to the most reliable model, rank (0 = most reliable, 1 = least)."""
+        rel = obs[..., self.reliability]
+        gap = rel - rel.max(-1, keepdim=True).values
+        rank = rel.argsort(-1, descending=True).argsort(-1).float() / max(rel.shape[-1] - 1, 1)
+        return torch.stack([rel, gap, rank], dim=-1)
 
     def distribution(self, obs: torch.Tensor) -> Bernoulli:
-        return Bernoulli(logits=self.heads(self.trunk(obs)))
+        return Bernoulli(logits=self.heads(self.trunk(obs)) + self.per_model(self.model_features(obs)).squeeze(-1))
 
     @staticmethod
     def never_empty(pools: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -51,22 +71,22 @@ class Decider(nn.Module):
 
 
 class Fusion(nn.Module):
-    """score(c) = linear(x_c) + MLP(x_c), starting as a log-linear opinion pool of the chosen models.
+    """score(c) = linear(x_c) + MLP(x_c), starting as a reliability-weighted log-linear pool of the chosen models.
 
-    The linear path is initialised to weight 1 / M on each model's masked log-probability (features
-    ``log_prob_features``), the MLP's output layer to zero, so an untrained agent answers like the pool's
-    geometric-mean vote and learning refines it.
+    The linear path is initialised to weight 2 / M on each model's reliability-weighted masked log-probability
+    (features ``reliability_weighted_log_probs``: r_i log p_i(c)), the MLP's output layer to zero, so an
+    untrained agent answers like a geometric-mean vote that trusts reliable models more; learning refines it.
     """
 
-    def __init__(self, feature_dim: int, hidden: int, log_prob_features: slice):
+    def __init__(self, feature_dim: int, hidden: int, reliability_weighted_log_probs: slice):
         super().__init__()
         self.linear = nn.Linear(feature_dim, 1)
         self.residual = mlp(feature_dim, hidden, 1)
         with torch.no_grad():
             self.linear.weight.zero_()
             self.linear.bias.zero_()
-            n_models = len(range(feature_dim)[log_prob_features])
-            self.linear.weight[0, log_prob_features] = 1.0 / n_models
+            n_models = len(range(feature_dim)[reliability_weighted_log_probs])
+            self.linear.weight[0, reliability_weighted_log_probs] = 2.0 / n_models
             self.residual[-1].weight.zero_()
             self.residual[-1].bias.zero_()
 

@@ -15,7 +15,7 @@ class FocalConfig:
     recent_rewards: int = 16  # rewards averaged into the Decider's observation
     use_decider: bool = True  # False: every query goes to the whole pool (ablation "all models")
     # reward
-    alpha: float = 0.1  # cost weight: reward = +-1 - alpha * cost(pool) / cost(whole pool)
+    alpha: float = 0.05  # cost weight: reward = +-1 - alpha * cost(pool) / cost(whole pool)
     # MAPPO
     gamma: float = 0.0  # a pool can change at every query, so later rewards carry no credit for this one
     gae_lambda: float = 0.9
@@ -31,8 +31,8 @@ class FocalConfig:
     update_period: int = 64  # T: online update every T answered queries
     warm_batch: int = 256  # questions per warm-start update
     warm_rollouts: int = 4  # warm start: each recorded question is played this many times (parallel environments)
-    decider_warm_passes: int = 4  # passes over the warm-start split (Algorithm 1, Decider phase)
-    fusion_warm_passes: int = 10  # passes over the warm-start split (Algorithm 1, Fusion phase)
+    decider_warm_passes: int = 1  # passes over the warm-start split (Algorithm 1, Decider phase)
+    fusion_warm_passes: int = 4  # passes over the warm-start split (Algorithm 1, Fusion phase)
     joint_warm_passes: int = 2  # then passes updating both agents on the Fusion agent's reward
     online_greedy: bool = True  # online: Decider takes its most likely pool, Fusion its most likely answer
     probe_rate: float = 0.05  # online: fraction of queries that also call the rest of the pool to refresh windows

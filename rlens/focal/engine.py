@@ -17,7 +17,16 @@ import torch
 
 from rlens.focal.agents import CentralCritic, Decider, Fusion
 from rlens.focal.config import FocalConfig
-from rlens.focal.features import decider_obs_dim, decider_observation, fusion_feature_dim, fusion_observation, log_prob_features
+from rlens.focal.features import (
+    critic_state,
+    critic_state_dim,
+    decider_obs_dim,
+    decider_observation,
+    fusion_feature_dim,
+    fusion_observation,
+    reliability_in_decider_obs,
+    reliability_weighted_log_probs,
+)
 from rlens.focal.mappo import Transition, mappo_update
 from rlens.focal.window import OutcomeWindow
 
@@ -27,7 +36,8 @@ class Decision:
     key: Hashable  # stream key (task) the query belongs to
     pool: np.ndarray  # bool [M]: models whose answers the Fusion agent uses
     called: np.ndarray  # bool [M]: models to call (the pool, plus the rest of it on a window-refresh probe)
-    state: np.ndarray  # Decider observation (= critic state)
+    state: np.ndarray  # Decider observation
+    critic_state: np.ndarray  # centralized critic's input
     pool_logp: float
     value: float
 
@@ -50,9 +60,9 @@ class FocalEngine:
         self.rng = np.random.default_rng(seed)
         self.torch_rng = torch.Generator().manual_seed(seed)
         state_dim = decider_obs_dim(n_models, len(self.cfg.metrics))
-        self.decider = Decider(state_dim, n_models, self.cfg.hidden)
-        self.fusion = Fusion(fusion_feature_dim(n_models), self.cfg.hidden, log_prob_features(n_models))
-        self.critic = CentralCritic(state_dim, self.cfg.hidden)
+        self.decider = Decider(state_dim, n_models, self.cfg.hidden, reliability_in_decider_obs(n_models, len(self.cfg.metrics)))
+        self.fusion = Fusion(fusion_feature_dim(n_models), self.cfg.hidden, reliability_weighted_log_probs(n_models))
+        self.critic = CentralCritic(critic_state_dim(n_models, len(self.cfg.metrics)), self.cfg.hidden)
         params = [*self.decider.parameters(), *self.fusion.parameters(), *self.critic.parameters()]
         self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5)
         self.windows: dict[Hashable, OutcomeWindow] = {}
@@ -75,15 +85,17 @@ class FocalEngine:
         return decider_observation(self.window(key), previous, n_choices, self.cfg.metrics, self.cfg.recent_rewards)
 
     @torch.inference_mode()
-    def decide(self, key: Hashable, n_choices: int, greedy: bool, probe: bool = False, rollouts: int = 1) -> list[Decision]:
+    def decide(self, key: Hashable, n_choices: int, greedy: bool, probe: bool = False, rollouts: int = 1, recorded_probs: np.ndarray | None = None) -> list[Decision]:
         """Choose the pool for one query of stream ``key`` (before any model is called).
 
         ``rollouts`` > 1 draws that many pools from the same state (parallel environments over one recorded
         question, used in the warm start); the first one becomes the stream's previous pool.
+        ``recorded_probs`` [M, C] (warm start only) gives the critic every model's answer.
         """
         state = self._state(key, n_choices)
+        global_state = critic_state(state, recorded_probs, self.n_models)
         obs = torch.from_numpy(state).expand(rollouts, -1)
-        value = float(self.critic(obs[0]))
+        value = float(self.critic(torch.from_numpy(global_state)))
         if self.cfg.use_decider:
             pools_t, logps = self.decider.act(obs, greedy, self.torch_rng)
             pools, pool_logps = pools_t.numpy().astype(bool), logps.tolist()
@@ -91,7 +103,7 @@ class FocalEngine:
             pools, pool_logps = np.ones((rollouts, self.n_models), dtype=bool), [0.0] * rollouts
         self.previous_pool[key] = pools[0]
         everyone = np.ones(self.n_models, dtype=bool)
-        return [Decision(key, pool, everyone if probe else pool, state, logp, value) for pool, logp in zip(pools, pool_logps)]
+        return [Decision(key, pool, everyone if probe else pool, state, global_state, logp, value) for pool, logp in zip(pools, pool_logps)]
 
     @torch.inference_mode()
     def fuse(self, decision: Decision, probs: np.ndarray, greedy: bool) -> Answer:
@@ -123,6 +135,7 @@ class FocalEngine:
         self.buffer.append(
             Transition(
                 state=decision.state,
+                critic_state=decision.critic_state,
                 pool=decision.pool.astype(np.float32),
                 pool_logp=decision.pool_logp,
                 value=decision.value,

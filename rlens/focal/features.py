@@ -3,8 +3,11 @@
 Decider observation (before any model is called), length 2M + K + 4:
   previous pool bits [M] | diversity metrics of that pool [K] | its plurality-vote window accuracy |
   per-model window reliability [M] | window fill | mean recent reward | 1 / n_choices.
-The critic sees the same global state: everything both agents know when the decision is taken. It is not
-conditioned on the chosen models' outputs, which would make it an action-dependent baseline for the Decider.
+Critic state (centralized critic), length (2M + K + 4) + 3M + 1: the Decider observation, then a summary of
+every model's answer to the query — per model its top probability, normalised entropy and agreement with the
+plurality — and a flag. The summary is privileged information available in the warm start (recorded data holds
+every model's answer); online it is zeros with the flag 0, so the critic never depends on which models the
+Decider called (that would make it an action-dependent baseline).
 
 Fusion observation, one row per choice c (shared network across choices), 5M + 3 features:
   for each model i: s_i log p_i(c), s_i [c = argmax p_i], s_i r_i log p_i(c), s_i r_i [c = argmax p_i], s_i r_i
@@ -27,9 +30,32 @@ def decider_obs_dim(n_models: int, n_metrics: int) -> int:
     return 2 * n_models + n_metrics + 4
 
 
-def log_prob_features(n_models: int) -> slice:
-    """Where the masked per-model log-probabilities sit in a Fusion feature row."""
-    return slice(0, n_models)
+def critic_state_dim(n_models: int, n_metrics: int) -> int:
+    return decider_obs_dim(n_models, n_metrics) + 3 * n_models + 1
+
+
+def critic_state(decider_state: np.ndarray, all_probs: np.ndarray | None, n_models: int) -> np.ndarray:
+    """Decider observation + privileged summary of every model's answer ``all_probs`` [M, C] (None online)."""
+    if all_probs is None:
+        return np.concatenate([decider_state, np.zeros(3 * n_models + 1, dtype=np.float32)])
+    c = all_probs.shape[1]
+    top = all_probs.max(1)
+    entropy = -(all_probs * np.log(np.maximum(all_probs, LOG_FLOOR))).sum(1) / np.log(c)
+    predictions = all_probs.argmax(1)
+    plurality = np.bincount(predictions, minlength=c).argmax()
+    summary = np.concatenate([top, entropy, (predictions == plurality).astype(np.float32), [1.0]])
+    return np.concatenate([decider_state, summary.astype(np.float32)])
+
+
+def reliability_in_decider_obs(n_models: int, n_metrics: int) -> slice:
+    """Where the per-model window reliabilities sit in a Decider observation."""
+    start = n_models + n_metrics + 1
+    return slice(start, start + n_models)
+
+
+def reliability_weighted_log_probs(n_models: int) -> slice:
+    """Where the features s_i r_i log p_i(c) sit in a Fusion feature row."""
+    return slice(2 * n_models, 3 * n_models)
 
 
 def fusion_feature_dim(n_models: int) -> int:

@@ -19,7 +19,8 @@ from rlens.focal.config import FocalConfig
 class Transition:
     """What the learner needs from one answered query."""
 
-    state: np.ndarray  # Decider observation = critic state [S]
+    state: np.ndarray  # Decider observation [S]
+    critic_state: np.ndarray  # centralized critic's input
     pool: np.ndarray  # Decider action, float [M]
     pool_logp: float
     value: float
@@ -77,6 +78,7 @@ def mappo_update(
     advantages, returns = gae(rewards, values, values[-1], cfg.gamma, cfg.gae_lambda)
     advantages, returns = advantages.reshape(-1), returns.reshape(-1)
     states = torch.from_numpy(np.stack([t.state for t in batch]))
+    critic_states = torch.from_numpy(np.stack([t.critic_state for t in batch]))
     pools = torch.from_numpy(np.stack([t.pool for t in batch]).astype(np.float32))
     old_pool_logp = torch.tensor([t.pool_logp for t in batch])
     adv_all, ret_all = torch.from_numpy(advantages), torch.from_numpy(returns)
@@ -109,7 +111,7 @@ def mappo_update(
                 dist = fusion.distribution(features[mb], choice_mask[mb])
                 policy_loss = policy_loss + clipped_surrogate(dist.log_prob(answers[mb]), old_answer_logp[mb], adv)
                 entropy = entropy + dist.entropy().mean()
-            value_loss = 0.5 * (critic(states[mb]) - ret_all[mb]).pow(2).mean()
+            value_loss = 0.5 * (critic(critic_states[mb]) - ret_all[mb]).pow(2).mean()
             loss = policy_loss - cfg.ent_coef * entropy + cfg.vf_coef * value_loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

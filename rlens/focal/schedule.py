@@ -63,7 +63,7 @@ def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, tra
     engine.reset_windows()
     for q in qs:
         first_reward = None
-        for decision in engine.decide(q.key, q.probs.shape[1], greedy=False, rollouts=rollouts):
+        for decision in engine.decide(q.key, q.probs.shape[1], greedy=False, rollouts=rollouts, recorded_probs=q.probs):
             if train_fusion:
                 answer = engine.fuse(decision, q.probs, greedy=False)
                 chosen = answer.answer
