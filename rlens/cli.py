@@ -18,7 +18,7 @@ from rlens.protocols import Protocol
 app = typer.Typer(help="rlens: LLM ensembles that learn from feedback.", no_args_is_help=True, add_completion=False)
 import_app = typer.Typer(help="Build datasets from other tools' outputs.", no_args_is_help=True)
 app.add_typer(import_app, name="import")
-console = Console()
+console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
 
 

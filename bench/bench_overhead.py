@@ -1,0 +1,49 @@
+"""Decision overhead per query: diversity metrics + Decider + critic + Fusion forward, on one CPU core.
+
+    python bench/bench_overhead.py [--data DIR] [--queries N]
+
+Windows are filled with the warm-start split first (full windows, as in operation). Times ``decide`` and
+``fuse`` for each test question of the paper protocol and prints median / p90 / p99 in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from rlens.dataset import load_dataset, shared_data_dir
+from rlens.focal.engine import FocalEngine
+from rlens.focal.schedule import questions
+from rlens.protocols import Protocol, split
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=str(shared_data_dir() / "bbh_dev"))
+    parser.add_argument("--repeats", type=int, default=3, help="passes over the test questions")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    data = load_dataset(args.data)
+    warm_index, test_index = split(data, Protocol.paper)
+    engine = FocalEngine(data.n_models, data.model_costs, seed=0)
+    for q in questions(data.subset(warm_index)):
+        engine.observe(q.key, q.predictions, q.label, 1.0)
+    test = questions(data.subset(test_index))
+    timings = []
+    for _ in range(args.repeats):
+        for q in test:
+            start = time.perf_counter()
+            (decision,) = engine.decide(q.key, q.probs.shape[1], greedy=True)
+            engine.fuse(decision, q.probs, greedy=True)
+            timings.append(time.perf_counter() - start)
+    ms = 1000 * np.array(timings)
+    result = {"queries": len(ms), "median_ms": round(float(np.median(ms)), 4), "p90_ms": round(float(np.percentile(ms, 90)), 4), "p99_ms": round(float(np.percentile(ms, 99)), 4), "torch_threads": torch.get_num_threads()}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

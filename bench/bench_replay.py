@@ -1,0 +1,66 @@
+"""Accuracy of RL-Focal and the baselines over several seeds, both protocols (figures for BENCHMARKS.md).
+
+    python bench/bench_replay.py [--data DIR] [--seeds 0 1 2 3 4] [--protocols paper stream] [--out bench/out]
+
+Runs the same code path as ``rlens replay`` (all RL-Focal variants) per seed, writes every run's
+results.json under OUT/<protocol>/seed<k>/ and a summary (mean and sample std over seeds) to
+OUT/summary.json and OUT/summary.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rlens.dataset import load_dataset, shared_data_dir
+from rlens.protocols import Protocol
+from rlens.replay import replay
+from rlens.report import write_outputs
+
+SHOWN = ("rl_focal", "rl_focal_all_models", "rl_focal_no_diversity", "rl_focal_kappa", "best_single", "best_single_per_task", "plurality", "soft_vote", "hedge", "stacking", "oracle")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default=str(shared_data_dir() / "bbh_dev"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--protocols", nargs="+", default=["paper", "stream"], choices=[p.value for p in Protocol])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("bench/out"))
+    args = parser.parse_args()
+    data = load_dataset(args.data)
+    summary: dict = {}
+    for protocol in map(Protocol, args.protocols):
+        runs, seconds = [], []
+        for seed in args.seeds:
+            start = time.perf_counter()
+            run = replay(data, protocol, seed=seed, workers=args.workers)
+            seconds.append(time.perf_counter() - start)
+            write_outputs(run, args.out / protocol.value / f"seed{seed}")
+            runs.append(run.results)
+            focal = run.results.methods["rl_focal"]
+            print(f"{protocol.value} seed {seed}: rl_focal {100 * focal.accuracy:.1f}% calls {focal.mean_models_called:.2f} ({seconds[-1]:.0f} s)", flush=True)
+        methods = {}
+        for name in SHOWN:
+            if name in runs[0].methods:
+                acc = np.array([100 * r.methods[name].accuracy for r in runs])
+                calls = np.array([r.methods[name].mean_models_called for r in runs])
+                methods[name] = {"accuracy_mean": round(float(acc.mean()), 2), "accuracy_std": round(float(acc.std(ddof=1)) if len(acc) > 1 else 0.0, 2), "accuracy_per_seed": acc.round(2).tolist(), "calls_mean": round(float(calls.mean()), 2)}
+        summary[protocol.value] = {"seeds": args.seeds, "n_test": runs[0].n_test, "seconds_per_replay": round(float(np.mean(seconds)), 1), "methods": methods}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    lines = []
+    for protocol, block in summary.items():
+        lines += [f"### {protocol} ({block['n_test']} test questions, seeds {block['seeds']}, {block['seconds_per_replay']} s per replay)", "", "| method | accuracy % mean ± std | per seed | models called |", "|---|---:|---|---:|"]
+        lines += [f"| {n} | {m['accuracy_mean']:.1f} ± {m['accuracy_std']:.1f} | {', '.join(f'{a:.1f}' for a in m['accuracy_per_seed'])} | {m['calls_mean']:.2f} |" for n, m in block["methods"].items()]
+        lines.append("")
+    (args.out / "summary.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
