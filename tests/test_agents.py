@@ -7,27 +7,40 @@ import torch
 from rlens.focal.agents import CentralCritic, Decider, Fusion
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
-from rlens.focal.features import critic_state_dim, decider_obs_dim, fusion_feature_dim, fusion_observation, reliability_weighted_log_probs
+from rlens.focal.metrics import METRIC_NAMES
+from rlens.focal.window import OutcomeWindow
+from rlens.focal.features import critic_state_dim, decider_obs_dim, decider_observation, model_features_in_decider_obs, fusion_feature_dim, fusion_observation, reliability_weighted_log_probs
 
 
 def test_decider_never_returns_an_empty_pool():
-    decider = Decider(obs_dim=7, n_models=4, hidden=8, reliability=slice(3, 7))
+    decider = Decider(obs_dim=15, n_models=4, hidden=8, model_features=slice(3, 15))
     with torch.no_grad():
         decider.heads.bias.fill_(-20.0)  # every head says "do not call"
         decider.heads.bias[2] = -10.0
-    pools, logp = decider.act(torch.zeros(16, 7), greedy=False)
+    pools, logp = decider.act(torch.zeros(16, 15), greedy=False)
     assert pools.shape == (16, 4) and logp.shape == (16,)
     assert (pools.sum(1) == 1).all() and (pools[:, 2] == 1).all()  # the most likely model alone
-    greedy, _ = decider.act(torch.zeros(7), greedy=True)
+    greedy, _ = decider.act(torch.zeros(15), greedy=True)
     assert greedy.tolist() == [0.0, 0.0, 1.0, 0.0]
 
 
+def test_decider_log_prob_matches_the_bernoulli_distribution():
+    decider = Decider(obs_dim=15, n_models=4, hidden=8, model_features=slice(3, 15))
+    obs = torch.randn(32, 15)
+    pools, logp = decider.act(obs, greedy=False, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(logp, decider.distribution(obs).log_prob(pools).sum(-1), atol=1e-5)
+
+
 def test_untrained_decider_calls_the_models_close_to_the_most_reliable():
-    decider = Decider(obs_dim=7, n_models=4, hidden=8, reliability=slice(3, 7))
-    obs = torch.tensor([0.0, 0.0, 0.0, 0.60, 0.55, 0.30, 0.45])
-    phi = decider.model_features(obs)
-    assert phi[:, 1].tolist() == pytest.approx([0.0, -0.05, -0.30, -0.15])  # gap to the best
-    assert phi[:, 2].tolist() == pytest.approx([0.0, 1 / 3, 1.0, 2 / 3])  # rank
+    window = OutcomeWindow(n_models=4, size=64)
+    for row in range(20):  # right 12, 11, 6, 9 times of 20 -> reliability 13/22, 12/22, 7/22, 10/22
+        window.push(np.array([int(row >= 12), int(row >= 11), int(row >= 6), int(row >= 9)]), label=0, reward=0.0)
+    obs = torch.from_numpy(decider_observation(window, np.ones(4, bool), 2, METRIC_NAMES, 16))
+    features = obs[model_features_in_decider_obs(4, len(METRIC_NAMES))].reshape(3, 4)
+    assert features[1].tolist() == pytest.approx([0.0, -1 / 22, -6 / 22, -3 / 22])  # gap to the best
+    assert features[2].tolist() == pytest.approx([0.0, 1 / 3, 1.0, 2 / 3])  # rank
+    decider = Decider(len(obs), 4, hidden=8, model_features=model_features_in_decider_obs(4, len(METRIC_NAMES)))
     pool, _ = decider.act(obs, greedy=True)
     assert pool.tolist() == [1.0, 1.0, 0.0, 0.0]  # logit 1 + 10 * gap > 0 only within 0.1 of the best
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.distributions import Bernoulli, Categorical, Distribution
 
 Distribution.set_default_validate_args(False)  # inputs are built by this package; validation costs ~20% per query
@@ -21,8 +22,8 @@ def mlp(n_in: int, hidden: int, n_out: int) -> nn.Sequential:
 
 
 class Decider(nn.Module):
-    """logit_j = head_j(trunk(obs)) + u . phi_j, with phi_j = (r_j, r_j - max_i r_i, rank of j) from model j's
-    window reliability r_j (``reliability`` slice of the observation) and u shared by all models.
+    """logit_j = head_j(trunk(obs)) + u . phi_j, with phi_j = (r_j, r_j - max_i r_i, rank of j) the per-model
+    features of the observation (``model_features`` slice: [reliability M | gap M | rank M]), u shared by all models.
 
     The per-model path starts with weight 10 on the gap to the most reliable model, so an untrained Decider
     calls the models within about 0.1 of the best one; the trunk and heads learn the rest (diversity, cost).
@@ -30,9 +31,9 @@ class Decider(nn.Module):
 
     GAP_WEIGHT = 10.0
 
-    def __init__(self, obs_dim: int, n_models: int, hidden: int, reliability: slice):
+    def __init__(self, obs_dim: int, n_models: int, hidden: int, model_features: slice):
         super().__init__()
-        self.reliability = reliability
+        self.n_models, self.model_features = n_models, model_features
         self.trunk = nn.Sequential(nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
         self.heads = nn.Linear(hidden, n_models)  # one Bernoulli logit per model
         self.per_model = nn.Linear(3, 1, bias=False)  # shared across models
@@ -41,15 +42,12 @@ class Decider(nn.Module):
             self.heads.bias.fill_(1.0)
             self.per_model.weight.copy_(torch.tensor([[0.0, self.GAP_WEIGHT, 0.0]]))
 
-    def model_features(self, obs: torch.Tensor) -> torch.Tensor:
-        """phi [..., M, 3]: reliability, gap to the most reliable model, rank (0 = most reliable, 1 = least)."""
-        rel = obs[..., self.reliability]
-        gap = rel - rel.max(-1, keepdim=True).values
-        rank = rel.argsort(-1, descending=True).argsort(-1).float() / max(rel.shape[-1] - 1, 1)
-        return torch.stack([rel, gap, rank], dim=-1)
+    def logits(self, obs: torch.Tensor) -> torch.Tensor:
+        phi = obs[..., self.model_features].unflatten(-1, (3, self.n_models)).transpose(-1, -2)  # [..., M, 3]
+        return self.heads(self.trunk(obs)) + self.per_model(phi).squeeze(-1)
 
     def distribution(self, obs: torch.Tensor) -> Bernoulli:
-        return Bernoulli(logits=self.heads(self.trunk(obs)) + self.per_model(self.model_features(obs)).squeeze(-1))
+        return Bernoulli(logits=self.logits(obs))
 
     @staticmethod
     def never_empty(pools: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -61,13 +59,11 @@ class Decider(nn.Module):
         return pools
 
     def act(self, obs: torch.Tensor, greedy: bool, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        dist = self.distribution(obs)
-        if greedy:
-            pools = (dist.logits > 0).float()
-        else:
-            pools = torch.bernoulli(dist.probs, generator=generator)
-        pools = self.never_empty(pools, dist.logits)
-        return pools, dist.log_prob(pools).sum(-1)
+        """(pools, log-probability of each pool); computed without Distribution objects (hot path)."""
+        logits = self.logits(obs)
+        pools = (logits > 0).float() if greedy else torch.bernoulli(torch.sigmoid(logits), generator=generator)
+        pools = self.never_empty(pools, logits)
+        return pools, -F.binary_cross_entropy_with_logits(logits, pools, reduction="none").sum(-1)
 
 
 class Fusion(nn.Module):
@@ -90,18 +86,19 @@ class Fusion(nn.Module):
             self.residual[-1].weight.zero_()
             self.residual[-1].bias.zero_()
 
+    def scores(self, features: torch.Tensor, choice_mask: torch.Tensor) -> torch.Tensor:
+        """features [..., C, F], choice_mask bool [..., C] -> scores [..., C] (-1e9 on invalid choices)."""
+        return (self.linear(features) + self.residual(features)).squeeze(-1).masked_fill(~choice_mask, -1e9)
+
     def distribution(self, features: torch.Tensor, choice_mask: torch.Tensor) -> Categorical:
-        """features [..., C, F], choice_mask bool [..., C] -> distribution over the valid choices."""
-        scores = (self.linear(features) + self.residual(features)).squeeze(-1).masked_fill(~choice_mask, -1e9)
-        return Categorical(logits=scores)
+        return Categorical(logits=self.scores(features, choice_mask))
 
     def act(self, features: torch.Tensor, choice_mask: torch.Tensor, greedy: bool, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dist = self.distribution(features, choice_mask)
-        if greedy:
-            answer = dist.probs.argmax(-1)
-        else:
-            answer = torch.multinomial(dist.probs, 1, generator=generator).squeeze(-1)
-        return answer, dist.log_prob(answer), dist.probs
+        """(answer, its log-probability, the distribution); computed without Distribution objects (hot path)."""
+        log_probs = torch.log_softmax(self.scores(features, choice_mask), -1)
+        probs = log_probs.exp()
+        answer = probs.argmax(-1) if greedy else torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return answer, log_probs.gather(-1, answer.unsqueeze(-1)).squeeze(-1), probs
 
 
 class CentralCritic(nn.Module):

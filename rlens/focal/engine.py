@@ -24,7 +24,7 @@ from rlens.focal.features import (
     decider_observation,
     fusion_feature_dim,
     fusion_observation,
-    reliability_in_decider_obs,
+    model_features_in_decider_obs,
     reliability_weighted_log_probs,
 )
 from rlens.focal.mappo import Transition, mappo_update
@@ -39,7 +39,6 @@ class Decision:
     state: np.ndarray  # Decider observation
     critic_state: np.ndarray  # centralized critic's input
     pool_logp: float
-    value: float
 
 
 @dataclass
@@ -60,7 +59,7 @@ class FocalEngine:
         self.rng = np.random.default_rng(seed)
         self.torch_rng = torch.Generator().manual_seed(seed)
         state_dim = decider_obs_dim(n_models, len(self.cfg.metrics))
-        self.decider = Decider(state_dim, n_models, self.cfg.hidden, reliability_in_decider_obs(n_models, len(self.cfg.metrics)))
+        self.decider = Decider(state_dim, n_models, self.cfg.hidden, model_features_in_decider_obs(n_models, len(self.cfg.metrics)))
         self.fusion = Fusion(fusion_feature_dim(n_models), self.cfg.hidden, reliability_weighted_log_probs(n_models))
         self.critic = CentralCritic(critic_state_dim(n_models, len(self.cfg.metrics)), self.cfg.hidden)
         params = [*self.decider.parameters(), *self.fusion.parameters(), *self.critic.parameters()]
@@ -95,7 +94,6 @@ class FocalEngine:
         state = self._state(key, n_choices)
         global_state = critic_state(state, recorded_probs, self.n_models)
         obs = torch.from_numpy(state).expand(rollouts, -1)
-        value = float(self.critic(torch.from_numpy(global_state)))
         if self.cfg.use_decider:
             pools_t, logps = self.decider.act(obs, greedy, self.torch_rng)
             pools, pool_logps = pools_t.numpy().astype(bool), logps.tolist()
@@ -103,7 +101,7 @@ class FocalEngine:
             pools, pool_logps = np.ones((rollouts, self.n_models), dtype=bool), [0.0] * rollouts
         self.previous_pool[key] = pools[0]
         everyone = np.ones(self.n_models, dtype=bool)
-        return [Decision(key, pool, everyone if probe else pool, state, global_state, logp, value) for pool, logp in zip(pools, pool_logps)]
+        return [Decision(key, pool, everyone if probe else pool, state, global_state, logp) for pool, logp in zip(pools, pool_logps)]
 
     @torch.inference_mode()
     def fuse(self, decision: Decision, probs: np.ndarray, greedy: bool) -> Answer:
@@ -138,7 +136,6 @@ class FocalEngine:
                 critic_state=decision.critic_state,
                 pool=decision.pool.astype(np.float32),
                 pool_logp=decision.pool_logp,
-                value=decision.value,
                 reward=reward,
                 fusion_features=None if answer is None else answer.features,
                 answer=-1 if answer is None else answer.answer,

@@ -1,9 +1,10 @@
 """Observation builders for the Decider, the Fusion agent and the centralized critic (pure numpy).
 
-Decider observation (before any model is called), length 2M + K + 4:
+Decider observation (before any model is called), length 4M + K + 4:
   previous pool bits [M] | diversity metrics of that pool [K] | its plurality-vote window accuracy |
-  per-model window reliability [M] | window fill | mean recent reward | 1 / n_choices.
-Critic state (centralized critic), length (2M + K + 4) + 3M + 1: the Decider observation, then a summary of
+  per-model features [3M]: window reliability r_j, gap r_j - max r, rank (0 = most reliable, 1 = least) |
+  window fill | mean recent reward | 1 / n_choices.
+Critic state (centralized critic), length (4M + K + 4) + 3M + 1: the Decider observation, then a summary of
 every model's answer to the query — per model its top probability, normalised entropy and agreement with the
 plurality — and a flag. The summary is privileged information available in the warm start (recorded data holds
 every model's answer); online it is zeros with the flag 0, so the critic never depends on which models the
@@ -27,7 +28,7 @@ FUSION_FEATURES_PER_MODEL = 5
 
 
 def decider_obs_dim(n_models: int, n_metrics: int) -> int:
-    return 2 * n_models + n_metrics + 4
+    return 4 * n_models + n_metrics + 4
 
 
 def critic_state_dim(n_models: int, n_metrics: int) -> int:
@@ -47,10 +48,10 @@ def critic_state(decider_state: np.ndarray, all_probs: np.ndarray | None, n_mode
     return np.concatenate([decider_state, summary.astype(np.float32)])
 
 
-def reliability_in_decider_obs(n_models: int, n_metrics: int) -> slice:
-    """Where the per-model window reliabilities sit in a Decider observation."""
+def model_features_in_decider_obs(n_models: int, n_metrics: int) -> slice:
+    """Where the per-model features (reliability [M], gap [M], rank [M]) sit in a Decider observation."""
     start = n_models + n_metrics + 1
-    return slice(start, start + n_models)
+    return slice(start, start + 3 * n_models)
 
 
 def reliability_weighted_log_probs(n_models: int) -> slice:
@@ -64,12 +65,17 @@ def fusion_feature_dim(n_models: int) -> int:
 
 def decider_observation(window: OutcomeWindow, previous_pool: np.ndarray, n_choices: int, metric_names: tuple[str, ...], recent: int) -> np.ndarray:
     metrics, vote_accuracy = window.pool_statistics(previous_pool, metric_names)
+    reliability = window.reliability()
+    m = len(reliability)
+    rank = np.argsort(np.argsort(-reliability, kind="stable"), kind="stable") / max(m - 1, 1)
     return np.concatenate(
         [
             previous_pool.astype(np.float32),
             metrics,
             np.array([vote_accuracy], dtype=np.float32),
-            window.reliability(),
+            reliability,
+            reliability - reliability.max(),
+            rank.astype(np.float32),
             np.array([window.fill, window.recent_reward(recent), 1.0 / n_choices], dtype=np.float32),
         ]
     )

@@ -23,7 +23,6 @@ class Transition:
     critic_state: np.ndarray  # centralized critic's input
     pool: np.ndarray  # Decider action, float [M]
     pool_logp: float
-    value: float
     reward: float
     fusion_features: np.ndarray | None = None  # [C, F]; None when the Fusion agent did not act
     answer: int = -1
@@ -69,16 +68,18 @@ def mappo_update(
     """Several epochs of minibatch PPO on ``batch`` for the selected agents and the critic.
 
     ``batch`` is step-major over ``envs`` parallel environments (transition i belongs to environment i % envs);
-    each environment's last value bootstraps its GAE.
+    each environment's last value bootstraps its GAE. Values come from the critic as it is now, which is the
+    critic that was current when the batch was collected (it only changes here).
     """
     if len(batch) % envs:
         raise ValueError(f"{len(batch)} transitions do not split into {envs} environments")
-    rewards = np.array([t.reward for t in batch], dtype=np.float32).reshape(-1, envs)
-    values = np.array([t.value for t in batch], dtype=np.float32).reshape(-1, envs)
-    advantages, returns = gae(rewards, values, values[-1], cfg.gamma, cfg.gae_lambda)
-    advantages, returns = advantages.reshape(-1), returns.reshape(-1)
     states = torch.from_numpy(np.stack([t.state for t in batch]))
     critic_states = torch.from_numpy(np.stack([t.critic_state for t in batch]))
+    with torch.no_grad():
+        values = critic(critic_states).numpy().reshape(-1, envs)
+    rewards = np.array([t.reward for t in batch], dtype=np.float32).reshape(-1, envs)
+    advantages, returns = gae(rewards, values, values[-1], cfg.gamma, cfg.gae_lambda)
+    advantages, returns = advantages.reshape(-1), returns.reshape(-1)
     pools = torch.from_numpy(np.stack([t.pool for t in batch]).astype(np.float32))
     old_pool_logp = torch.tensor([t.pool_logp for t in batch])
     adv_all, ret_all = torch.from_numpy(advantages), torch.from_numpy(returns)

@@ -12,6 +12,8 @@ a focal model that never failed in the window has lambda_j = 1 (none of its fail
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 METRIC_NAMES = ("focal", "kappa", "disagreement", "yule_q", "correlation", "entropy")
@@ -56,11 +58,16 @@ def fleiss_kappa(predictions: np.ndarray, n_categories: int | None = None) -> fl
 PairCounts = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
+@lru_cache(maxsize=64)
+def _upper_pairs(m: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(m, k=1)
+
+
 def pair_counts(correct: np.ndarray) -> PairCounts:
     """N11, N00, N10, N01 for every pair i < j (vectors of length m(m-1)/2)."""
     c = correct.astype(np.float64)
     w = 1.0 - c
-    iu = np.triu_indices(correct.shape[1], k=1)
+    iu = _upper_pairs(correct.shape[1])
     return (c.T @ c)[iu], (w.T @ w)[iu], (c.T @ w)[iu], (w.T @ c)[iu]
 
 

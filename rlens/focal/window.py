@@ -26,6 +26,7 @@ class OutcomeWindow:
         self.labels = np.full(size, -1, dtype=np.int16)
         self.rewards = np.zeros(size, dtype=np.float32)
         self.count = 0  # rows ever pushed
+        self._reliability: np.ndarray | None = None  # cached until the next push
 
     def push(self, predictions: np.ndarray, label: int, reward: float) -> None:
         """Record one query: ``predictions`` int [M] with -1 for models not called, the label (-1 if unknown)."""
@@ -40,6 +41,7 @@ class OutcomeWindow:
         self.labels[row] = label
         self.rewards[row] = reward
         self.count += 1
+        self._reliability = None
 
     @property
     def n_rows(self) -> int:
@@ -54,10 +56,12 @@ class OutcomeWindow:
 
     def reliability(self) -> np.ndarray:
         """Per-model accuracy over its observed rows, Laplace-smoothed: (right + 1) / (observed + 2)."""
-        c = self.correct[self._valid()]
-        right = (c == 1).sum(0)
-        seen = (c >= 0).sum(0)
-        return ((right + 1.0) / (seen + 2.0)).astype(np.float32)
+        if self._reliability is None:
+            c = self.correct[self._valid()]
+            right = (c == 1).sum(0)
+            seen = (c >= 0).sum(0)
+            self._reliability = ((right + 1.0) / (seen + 2.0)).astype(np.float32)
+        return self._reliability
 
     def label_prior(self, n_choices: int) -> np.ndarray:
         """Frequency of each choice index among the known labels of the window (zeros when none)."""
