@@ -79,3 +79,18 @@ def test_updates_are_deterministic_under_a_seed():
 
     a, b = run(), run()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_policy_state_round_trip():
+    trained = toy_engine(seed=3)
+    for decision in trained.decide("s", 2, greedy=False, rollouts=16):
+        trained.remember(decision, trained.fuse(decision, np.array([[0.9, 0.1]] * 3, np.float32), greedy=False), 1.0)
+    trained.update(envs=16)
+    fresh = toy_engine(seed=4)
+    fresh.load_policy_state(trained.policy_state())
+    assert all(torch.equal(a, b) for a, b in zip(trained.policy_state().values(), fresh.policy_state().values()))
+    probs = np.array([[0.2, 0.8], [0.6, 0.4], [0.5, 0.5]], np.float32)
+    (a,) = trained.decide("t", 2, greedy=True)
+    (b,) = fresh.decide("t", 2, greedy=True)
+    assert np.array_equal(a.pool, b.pool)
+    assert np.allclose(trained.fuse(a, probs, greedy=True).distribution, fresh.fuse(b, probs, greedy=True).distribution)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from rlens.focal.metrics import METRIC_NAMES
 
@@ -10,12 +10,12 @@ from rlens.focal.metrics import METRIC_NAMES
 @dataclass(frozen=True)
 class FocalConfig:
     # sliding window and observations
-    window: int = 64  # W: outcomes kept per stream key
+    window: int = 128  # W: outcomes kept per stream key
     metrics: tuple[str, ...] = METRIC_NAMES  # diversity metrics in the Decider's observation
     recent_rewards: int = 16  # rewards averaged into the Decider's observation
     use_decider: bool = True  # False: every query goes to the whole pool (ablation "all models")
     # reward
-    alpha: float = 0.05  # cost weight: reward = +-1 - alpha * cost(pool) / cost(whole pool)
+    alpha: float = 0.08  # cost weight: reward = +-1 - alpha * cost(pool) / cost(whole pool)
     # MAPPO
     gamma: float = 0.0  # a pool can change at every query, so later rewards carry no credit for this one
     gae_lambda: float = 0.9
@@ -37,7 +37,6 @@ class FocalConfig:
     online_greedy: bool = True  # online: Decider takes its most likely pool, Fusion its most likely answer
     probe_rate: float = 0.05  # online: fraction of queries that also call the rest of the pool to refresh windows
     feedback_delay: int = 0  # replay: feedback of query t arrives before query t + 1 + delay
-    extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -55,19 +55,19 @@ class FocalEngine:
         self.n_models = n_models
         costs = np.ones(n_models) if model_costs is None else np.asarray(model_costs, dtype=np.float64)
         self.cost_share = costs / costs.sum()
-        torch.manual_seed(seed)
         self.rng = np.random.default_rng(seed)
         self.torch_rng = torch.Generator().manual_seed(seed)
-        state_dim = decider_obs_dim(n_models, len(self.cfg.metrics))
-        self.decider = Decider(state_dim, n_models, self.cfg.hidden, model_features_in_decider_obs(n_models, len(self.cfg.metrics)))
-        self.fusion = Fusion(fusion_feature_dim(n_models), self.cfg.hidden, reliability_weighted_log_probs(n_models))
-        self.critic = CentralCritic(critic_state_dim(n_models, len(self.cfg.metrics)), self.cfg.hidden)
+        n_metrics = len(self.cfg.metrics)
+        with torch.random.fork_rng(devices=[]):  # seeded initialisation without touching the global RNG
+            torch.manual_seed(seed)
+            self.decider = Decider(decider_obs_dim(n_models, n_metrics), n_models, self.cfg.hidden, model_features_in_decider_obs(n_models, n_metrics))
+            self.fusion = Fusion(fusion_feature_dim(n_models), self.cfg.hidden, reliability_weighted_log_probs(n_models))
+            self.critic = CentralCritic(critic_state_dim(n_models, n_metrics), self.cfg.hidden)
         params = [*self.decider.parameters(), *self.fusion.parameters(), *self.critic.parameters()]
         self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5)
         self.windows: dict[Hashable, OutcomeWindow] = {}
         self.previous_pool: dict[Hashable, np.ndarray] = {}
         self.buffer: list[Transition] = []
-        self.updates = 0
 
     # --- acting -----------------------------------------------------------------------------------------
     def window(self, key: Hashable) -> OutcomeWindow:
@@ -164,7 +164,6 @@ class FocalEngine:
             generator=self.torch_rng,
         )
         self.buffer = []
-        self.updates += 1
         return stats
 
     # --- checkpoints ----------------------------------------------------------------------------------------

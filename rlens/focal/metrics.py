@@ -71,6 +71,12 @@ def pair_counts(correct: np.ndarray) -> PairCounts:
     return (c.T @ c)[iu], (w.T @ w)[iu], (c.T @ w)[iu], (w.T @ c)[iu]
 
 
+def _mean_ratio(numerator: np.ndarray, denominator: np.ndarray) -> float:
+    """Mean over pairs of numerator / denominator, counting a pair with a zero denominator as 0."""
+    safe = np.where(denominator > 0, denominator, 1.0)
+    return float(np.where(denominator > 0, numerator / safe, 0.0).mean())
+
+
 def pairwise_disagreement(correct: np.ndarray, counts: PairCounts | None = None) -> float:
     """Mean over pairs of the fraction of rows where exactly one of the two models is correct."""
     n, m = correct.shape
@@ -88,8 +94,7 @@ def yule_q(correct: np.ndarray, counts: PairCounts | None = None) -> float:
     if m == 1:
         return 1.0
     n11, n00, n10, n01 = counts or pair_counts(correct)
-    num, den = n11 * n00 - n01 * n10, n11 * n00 + n01 * n10
-    return float(np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0).mean())
+    return _mean_ratio(n11 * n00 - n01 * n10, n11 * n00 + n01 * n10)
 
 
 def correlation(correct: np.ndarray, counts: PairCounts | None = None) -> float:
@@ -100,8 +105,7 @@ def correlation(correct: np.ndarray, counts: PairCounts | None = None) -> float:
     if m == 1:
         return 1.0
     n11, n00, n10, n01 = counts or pair_counts(correct)
-    den = np.sqrt((n11 + n10) * (n01 + n00) * (n11 + n01) * (n10 + n00))
-    return float(np.where(den > 0, (n11 * n00 - n01 * n10) / np.where(den > 0, den, 1.0), 0.0).mean())
+    return _mean_ratio(n11 * n00 - n01 * n10, np.sqrt((n11 + n10) * (n01 + n00) * (n11 + n01) * (n10 + n00)))
 
 
 def binary_entropy(correct: np.ndarray) -> float:

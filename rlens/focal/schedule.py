@@ -62,7 +62,7 @@ def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, tra
     rollouts = engine.cfg.warm_rollouts
     engine.reset_windows()
     for q in qs:
-        first_reward = None
+        rewards = []
         for decision in engine.decide(q.key, q.probs.shape[1], greedy=False, rollouts=rollouts, recorded_probs=q.probs):
             if train_fusion:
                 answer = engine.fuse(decision, q.probs, greedy=False)
@@ -70,10 +70,9 @@ def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, tra
             else:
                 answer, members = None, decision.pool
                 chosen = int(plurality_vote(q.predictions[members][None, :], q.probs.shape[1], q.probs[members].sum(0)[None, :])[0])
-            reward = engine.reward(decision.pool, chosen == q.label)
-            engine.remember(decision, answer, reward)
-            first_reward = reward if first_reward is None else first_reward
-        engine.observe(q.key, q.predictions, q.label, first_reward)
+            rewards.append(engine.reward(decision.pool, chosen == q.label))
+            engine.remember(decision, answer, rewards[-1])
+        engine.observe(q.key, q.predictions, q.label, rewards[0])  # the window keeps the first rollout's reward
         if len(engine.buffer) >= engine.cfg.warm_batch * rollouts:
             engine.update(train_decider, train_fusion, envs=rollouts)
         if progress:
