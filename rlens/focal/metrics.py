@@ -26,15 +26,15 @@ def focal_diversity(correct: np.ndarray) -> float:
         return 0.0
     if m == 1:
         return 0.0
-    failed = ~correct
-    n_failed = failed.sum(1).astype(np.float64)  # [n] how many of the pool failed on each row
-    rows_j = failed.sum(0).astype(np.float64)  # [m] rows where focal model j failed
-    # p(1) = sum_i (i/m) p_i and p(2) = sum_i i(i-1)/(m(m-1)) p_i, with p_i taken over the rows where j failed.
-    p1 = (failed * (n_failed / m)[:, None]).sum(0)
-    p2 = (failed * (n_failed * (n_failed - 1) / (m * (m - 1)))[:, None]).sum(0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        lam = np.where(rows_j > 0, 1.0 - p2 / np.where(p1 > 0, p1, 1.0), 1.0)
-    return float(lam.mean())
+    failed = (~correct).astype(np.float64)
+    n_failed = failed.sum(1)  # [n] how many of the pool failed on each row
+    rows_j = failed.sum(0)  # [m] rows where focal model j failed
+    # p(1) = sum_i (i/m) p_i and p(2) = sum_i i(i-1)/(m(m-1)) p_i, with p_i taken over the rows where j failed
+    # (both scaled by the row count, which cancels in the ratio).
+    p1 = failed.T @ (n_failed / m)
+    p2 = failed.T @ (n_failed * (n_failed - 1) / (m * (m - 1)))
+    lam = np.where(rows_j > 0, 1.0 - p2 / np.where(p1 > 0, p1, 1.0), 1.0)
+    return float(lam.sum() / m)
 
 
 def fleiss_kappa(predictions: np.ndarray, n_categories: int | None = None) -> float:
@@ -45,11 +45,10 @@ def fleiss_kappa(predictions: np.ndarray, n_categories: int | None = None) -> fl
     if m == 1:
         return 1.0
     k = int(n_categories if n_categories is not None else predictions.max() + 1)
-    counts = np.zeros((n, k))
-    np.add.at(counts, (np.repeat(np.arange(n), m), predictions.ravel()), 1.0)
+    counts = np.bincount((np.arange(n)[:, None] * k + predictions).ravel(), minlength=n * k).reshape(n, k).astype(np.float64)
     p_row = ((counts**2).sum(1) - m) / (m * (m - 1))
     p_cat = counts.sum(0) / (n * m)
-    p_bar, p_e = p_row.mean(), float((p_cat**2).sum())
+    p_bar, p_e = p_row.sum() / n, float((p_cat**2).sum())
     if p_e >= 1.0 - 1e-12:
         return 1.0  # every model always gave the same single category: perfect agreement
     return float((p_bar - p_e) / (1.0 - p_e))
@@ -74,7 +73,7 @@ def pair_counts(correct: np.ndarray) -> PairCounts:
 def _mean_ratio(numerator: np.ndarray, denominator: np.ndarray) -> float:
     """Mean over pairs of numerator / denominator, counting a pair with a zero denominator as 0."""
     safe = np.where(denominator > 0, denominator, 1.0)
-    return float(np.where(denominator > 0, numerator / safe, 0.0).mean())
+    return float(np.where(denominator > 0, numerator / safe, 0.0).sum() / len(denominator))
 
 
 def pairwise_disagreement(correct: np.ndarray, counts: PairCounts | None = None) -> float:
@@ -83,7 +82,7 @@ def pairwise_disagreement(correct: np.ndarray, counts: PairCounts | None = None)
     if n == 0 or m == 1:
         return 0.0
     _, _, n10, n01 = counts or pair_counts(correct)
-    return float(((n10 + n01) / n).mean())
+    return float((n10 + n01).sum() / (n * len(n10)))
 
 
 def yule_q(correct: np.ndarray, counts: PairCounts | None = None) -> float:
@@ -114,7 +113,7 @@ def binary_entropy(correct: np.ndarray) -> float:
     if n == 0 or m == 1:
         return 0.0
     n_correct = correct.sum(1)
-    return float((np.minimum(n_correct, m - n_correct) / (m - np.ceil(m / 2))).mean())
+    return float(np.minimum(n_correct, m - n_correct).sum() / (n * (m - np.ceil(m / 2))))
 
 
 def diversity_metrics(correct: np.ndarray, predictions: np.ndarray, names: tuple[str, ...] = METRIC_NAMES) -> np.ndarray:

@@ -12,8 +12,7 @@ def plurality_vote(predictions: np.ndarray, n_choices: int, tiebreak: np.ndarray
     probabilities), or to the lowest choice index without one.
     """
     n = predictions.shape[0]
-    votes = np.zeros((n, n_choices))
-    np.add.at(votes, (np.repeat(np.arange(n), predictions.shape[1]), predictions.ravel()), 1.0)
+    votes = np.bincount((np.arange(n)[:, None] * n_choices + predictions).ravel(), minlength=n * n_choices).reshape(n, n_choices).astype(np.float64)
     if tiebreak is not None:
         votes = votes + 1e-3 * tiebreak / np.maximum(np.abs(tiebreak).max(1, keepdims=True), 1e-12)
     return votes.argmax(1)
