@@ -1,0 +1,65 @@
+"""The model-backend interface (one small ABC, like RouteLLM's routers) and its registry.
+
+A backend answers multiple-choice queries with the summed log-likelihood of each choice's continuation,
+exactly as lm-evaluation-harness scores them. Implementations register themselves by name with
+:func:`register_backend`; :func:`create_backend` builds one from its name and options.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ChoiceQuery(BaseModel):
+    """One multiple-choice question: the prompt (context) and the continuations to score."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str = Field(description="query id; the replay backend looks recorded outputs up by it")
+    prompt: str
+    choices: list[str] = Field(min_length=2)
+
+
+class ChoiceScores(BaseModel):
+    """A backend's answer: per choice the summed log-likelihood of its tokens and whether greedy decoding yields it."""
+
+    loglikelihoods: list[float]
+    is_greedy: list[bool]
+
+
+class BackendError(RuntimeError):
+    """A backend could not answer a query (bad input, missing record, failed server call)."""
+
+
+class Backend(ABC):
+    """Scores multiple-choice queries for one model."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def score_choices(self, query: ChoiceQuery) -> ChoiceScores:
+        """Log-likelihood of every choice of ``query`` (raises :class:`BackendError` when it cannot answer)."""
+
+
+B = TypeVar("B", bound=type[Backend])
+BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register_backend(name: str) -> Callable[[B], B]:
+    def register(cls: B) -> B:
+        if name in BACKENDS:
+            raise ValueError(f"backend {name!r} is registered twice")
+        cls.name = name
+        BACKENDS[name] = cls
+        return cls
+
+    return register
+
+
+def create_backend(name: str, **options) -> Backend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name](**options)

