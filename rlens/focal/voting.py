@@ -18,8 +18,6 @@ def plurality_vote(predictions: np.ndarray, n_choices: int, tiebreak: np.ndarray
     return votes.argmax(1)
 
 
-def soft_vote(probs: np.ndarray, selected: np.ndarray | None = None) -> np.ndarray:
-    """Argmax of the mean distribution of the selected models: probs [n, m, C], selected bool [n, m]."""
-    if selected is not None:
-        probs = probs * selected[:, :, None]
+def soft_vote(probs: np.ndarray) -> np.ndarray:
+    """Argmax of the models' mean distribution: probs [n, m, C] -> [n]."""
     return probs.sum(1).argmax(1)
