@@ -38,7 +38,8 @@ def test_cli_replay_writes_every_output(bbh_slice_dir, tmp_path):
     focal = results["methods"]["rl_focal"]
     assert set(focal["per_task"]) == {"boolean_expressions", "date_understanding", "formal_fallacies"}
     assert 0 <= focal["accuracy"] <= 1 and 1 <= focal["mean_models_called"] <= 5
-    assert results["methods"]["oracle"]["accuracy"] >= max(m["accuracy"] for m in results["methods"].values())
+    singles = [m["accuracy"] for name, m in results["methods"].items() if name.startswith("single:")]
+    assert len(singles) == 5 and results["methods"]["oracle"]["accuracy"] >= max(singles)  # any-model-correct
     assert (out / "report.png").stat().st_size > 10_000
     assert "| rl_focal |" in (out / "report.md").read_text()
     assert len((out / "per_query.csv").read_text().splitlines()) == 25
