@@ -8,6 +8,7 @@ test stream itself (an optimistic reference) and stacking is not run.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,8 +102,6 @@ def stacking(warm: RecordedDataset, test: RecordedDataset) -> BaselineRun | None
         return None
     fallback = best_single_per_task(warm, test).answers
     answers = fallback.copy()
-    import warnings
-
     for task_id in np.unique(test.task):
         train_rows, test_rows = np.flatnonzero(warm.task == task_id), np.flatnonzero(test.task == task_id)
         if len(np.unique(warm.labels[train_rows])) < 2:

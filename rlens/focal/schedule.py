@@ -103,7 +103,7 @@ def warm_start_steps(cfg: FocalConfig, n_questions: int) -> int:
     return n_questions * sum(_warm_passes(cfg))
 
 
-def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | None = None, learn: bool = True) -> OnlineTrace:
+def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | None = None) -> OnlineTrace:
     qs = questions(data)
     cfg = engine.cfg
     n = len(qs)
@@ -114,10 +114,9 @@ def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | 
         q = qs[i]
         reward = engine.reward(decision.pool, answer.answer == q.label)
         engine.observe(q.key, np.where(decision.called, q.predictions, -1), q.label, reward)
-        if learn:
-            engine.remember(decision, answer, reward)
-            if len(engine.buffer) >= cfg.update_period:
-                engine.update()
+        engine.remember(decision, answer, reward)
+        if len(engine.buffer) >= cfg.update_period:
+            engine.update()
 
     for i, q in enumerate(qs):
         probe = cfg.probe_rate > 0 and engine.rng.random() < cfg.probe_rate
