@@ -9,14 +9,11 @@ Every problem is raised as a :class:`DatasetError` that names the file and the p
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-SHARED_DATA_ENV = "RLENS_SHARED_DATA"
-DEFAULT_SHARED_DATA = "../shared/datasets"
 PROB_SUM_TOLERANCE = 1e-2
 
 
@@ -69,7 +66,9 @@ class RecordedDataset:
 
 def shared_data_dir() -> Path:
     """Where the shared datasets live: ``$RLENS_SHARED_DATA`` or ``../shared/datasets``."""
-    return Path(os.environ.get(SHARED_DATA_ENV, DEFAULT_SHARED_DATA))
+    from rlens.settings import settings
+
+    return settings().shared_data
 
 
 def _load_array(directory: Path, filename: str) -> np.ndarray:

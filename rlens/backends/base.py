@@ -1,12 +1,14 @@
 """The model-backend interface (one small ABC, like RouteLLM's routers) and its registry.
 
 A backend answers multiple-choice queries with the summed log-likelihood of each choice's continuation,
-exactly as lm-evaluation-harness scores them. Implementations register themselves by name with
-:func:`register_backend`; :func:`create_backend` builds one from its name and options.
+exactly as lm-evaluation-harness scores them, and (where it can) generates text: ``n`` samples of one prompt,
+which :mod:`rlens.answers` turns into an answer distribution for open-ended questions. Implementations register
+themselves by name with :func:`register_backend`; :func:`create_backend` builds one from its name and options.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Callable, ClassVar, TypeVar
 
@@ -29,6 +31,30 @@ class ChoiceScores(BaseModel):
     loglikelihoods: list[float]
     is_greedy: list[bool]
 
+    def probabilities(self) -> list[float]:
+        """The softmax of the log-likelihoods: the model's distribution over the choices."""
+        top = max(self.loglikelihoods)
+        weights = [math.exp(x - top) for x in self.loglikelihoods]
+        return [w / sum(weights) for w in weights]
+
+
+class GenerationRequest(BaseModel):
+    """Sample ``n`` continuations of a prompt (``temperature`` 0: greedy, and ``n`` must be 1)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    prompt: str
+    n: int = Field(1, ge=1, le=64)
+    max_tokens: int = Field(32, ge=1, le=4096)
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    stop: list[str] = Field(default_factory=list, max_length=8)
+    seed: int | None = None
+
+
+class Generations(BaseModel):
+    texts: list[str]
+
 
 class BackendError(RuntimeError):
     """A backend could not answer a query (bad input, missing record, failed server call)."""
@@ -42,6 +68,10 @@ class Backend(ABC):
     @abstractmethod
     def score_choices(self, query: ChoiceQuery) -> ChoiceScores:
         """Log-likelihood of every choice of ``query`` (raises :class:`BackendError` when it cannot answer)."""
+
+    def generate(self, request: GenerationRequest) -> Generations:
+        """``request.n`` continuations of the prompt, each cut before its first stop string."""
+        raise BackendError(f"backend {self.name!r} cannot generate text")
 
 
 B = TypeVar("B", bound=type[Backend])

@@ -9,16 +9,21 @@ Multiple-choice scoring follows lm-evaluation-harness ``loglikelihood``:
 
 The context is run once and its KV cache is shared by every choice, whose remaining tokens go through in one
 batch. A context too long for the model window is cut from the left, keeping the longest choice whole.
+
+Generation samples ``n`` continuations (greedy at temperature 0), seeded when the request gives a seed.
+:meth:`TransformersBackend.prompt_logprobs` gives every prompt token's log-probability and top tokens, which is
+what ``rlens serve-model`` answers to OpenAI ``echo`` + ``logprobs`` requests.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
-from rlens.backends.base import Backend, BackendError, ChoiceQuery, ChoiceScores, register_backend
+from rlens.backends.base import Backend, BackendError, ChoiceQuery, ChoiceScores, GenerationRequest, Generations, register_backend
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -31,6 +36,26 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     whole = tokenizer.encode(context + continuation, add_special_tokens=False)
     context_tokens = tokenizer.encode(context, add_special_tokens=False)
     return context_tokens, whole[len(context_tokens) :]
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """``text`` up to its first stop string, and whether one was found."""
+    cuts = [i for i in (text.find(stop) for stop in stops if stop) if i >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+@dataclass
+class PromptLogprobs:
+    """Per prompt token: id, text, start offset in the prompt, log-probability (None for the first), top tokens."""
+
+    token_ids: list[int]
+    tokens: list[str]
+    offsets: list[int]
+    logprobs: list[float | None]
+    top: list[dict[str, float] | None]
+    next_token: str  # greedy next token after the prompt
+    next_logprob: float
+    next_top: dict[str, float]
 
 
 @register_backend("transformers")
@@ -93,3 +118,73 @@ class TransformersBackend(Backend):
             loglikelihoods.append(total)
             greedy.append(is_greedy)
         return ChoiceScores(loglikelihoods=loglikelihoods, is_greedy=greedy)
+
+    def _window_check(self, n_tokens: int, extra: int, what: str) -> None:
+        if n_tokens + extra > self.max_length:
+            raise BackendError(f"{what}: {n_tokens} prompt tokens + {extra} do not fit the model window of {self.max_length}")
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, texts: list[str], top: int = 1) -> list[PromptLogprobs]:
+        """Log-probability of every token of each text given the tokens before it (one padded batch)."""
+        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        rows = encoded["input_ids"]
+        if any(len(row) == 0 for row in rows):
+            raise BackendError("prompt_logprobs: a prompt encodes to no tokens")
+        for row in rows:
+            self._window_check(len(row), 0, "prompt_logprobs")
+        width = max(map(len, rows))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        ids = torch.full((len(rows), width), pad, dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+        logp = F.log_softmax(self.model(ids, attention_mask=mask).logits.float(), -1).cpu()
+        token_text = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        results = []
+        for i, row in enumerate(rows):
+            steps = logp[i, : len(row)]
+            best = steps.topk(top, -1)
+            tops = [{token_text(int(t)): float(v) for t, v in zip(best.indices[j], best.values[j])} for j in range(len(row))]
+            results.append(
+                PromptLogprobs(
+                    token_ids=list(row),
+                    tokens=[token_text(t) for t in row],
+                    offsets=[start for start, _ in encoded["offset_mapping"][i]],
+                    logprobs=[None] + [float(steps[j - 1, row[j]]) for j in range(1, len(row))],
+                    top=[None] + tops[:-1],
+                    next_token=token_text(int(best.indices[-1, 0])),
+                    next_logprob=float(best.values[-1, 0]),
+                    next_top=tops[-1],
+                )
+            )
+        return results
+
+    def generate(self, request: GenerationRequest) -> Generations:
+        return Generations(texts=[text for text, _ in self.sample(request)])
+
+    @torch.inference_mode()
+    def sample(self, request: GenerationRequest) -> list[tuple[str, str]]:
+        """``request.n`` completions as (text, finish reason: "stop" or "length")."""
+        if request.temperature == 0 and request.n > 1:
+            raise BackendError(f"query {request.id}: n > 1 needs temperature > 0 (greedy decoding gives one answer)")
+        ids = self.tokenizer.encode(request.prompt, add_special_tokens=False) or [self.tokenizer.eos_token_id]
+        self._window_check(len(ids), request.max_tokens, f"query {request.id}")
+        sampling = {"do_sample": True, "temperature": request.temperature, "top_k": 0, "top_p": 1.0} if request.temperature > 0 else {"do_sample": False}
+        with torch.random.fork_rng(devices=[] if self.device == "cpu" else None):
+            if request.seed is not None:
+                torch.manual_seed(request.seed)
+            out = self.model.generate(
+                torch.tensor([ids], device=self.device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=self.device),
+                max_new_tokens=request.max_tokens,
+                num_return_sequences=request.n,
+                pad_token_id=self.tokenizer.eos_token_id,
+                eos_token_id=self.tokenizer.eos_token_id,
+                **sampling,
+            )
+        results = []
+        for sequence in out[:, len(ids) :].tolist():
+            ended = self.tokenizer.eos_token_id in sequence
+            text, stopped = cut_at_stop(self.tokenizer.decode(sequence, skip_special_tokens=True), request.stop)
+            results.append((text, "stop" if stopped or ended else "length"))
+        return results

@@ -1,0 +1,86 @@
+"""``rlens serve-model``: a small OpenAI-compatible completions server over the ``transformers`` backend.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions`` (text prompts, batched; ``echo`` + ``logprobs`` for the
+prompt tokens' log-probabilities; ``n`` samples; ``stop``; ``seed``) and ``GET /health``. It lets the ``openai``
+backend be tested against a real server here, and lets users without GPUs run the whole stack. Requests that the
+server cannot honour (token-id prompts, ``logprobs`` on sampled text without ``echo``) get an OpenAI-style 400.
+One model call runs at a time (a lock), in FastAPI's thread pool.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from rlens.backends.base import BackendError, GenerationRequest
+from rlens.backends.hf import PromptLogprobs, TransformersBackend
+from rlens.backends.openai_protocol import CompletionChoice, CompletionRequest, CompletionResponse, Logprobs, ModelCard, ModelList, Usage
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
+
+
+def echo_choice(index: int, prompt: str, scored: PromptLogprobs, max_tokens: int, want_logprobs: bool) -> CompletionChoice:
+    """The prompt echoed back, plus the greedy next token when ``max_tokens`` is 1."""
+    tokens, offsets, logprobs, top = list(scored.tokens), list(scored.offsets), list(scored.logprobs), list(scored.top)
+    text = prompt
+    if max_tokens:
+        tokens.append(scored.next_token)
+        offsets.append(len(prompt))
+        logprobs.append(scored.next_logprob)
+        top.append(scored.next_top)
+        text += scored.next_token
+    logprob_block = Logprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=top, text_offset=offsets) if want_logprobs else None
+    return CompletionChoice(index=index, text=text, logprobs=logprob_block, finish_reason="length")
+
+
+def create_app(backend: TransformersBackend, model_name: str) -> FastAPI:
+    app = FastAPI(title="rlens serve-model", description=f"OpenAI-compatible completions for {model_name}")
+    lock = threading.Lock()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        return error(400, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "model": model_name}
+
+    @app.get("/v1/models")
+    def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name)])
+
+    @app.post("/v1/completions", response_model=None)
+    def completions(request: CompletionRequest) -> CompletionResponse | JSONResponse:
+        if request.model != model_name:
+            return error(404, f"the model {request.model!r} does not exist; this server serves {model_name!r}", "not_found_error")
+        if request.logprobs is not None and not request.echo:
+            return error(400, "rlens serve-model returns logprobs only with echo (prompt scoring)")
+        if request.echo and (request.max_tokens > 1 or request.n > 1 or request.temperature > 0 and request.max_tokens):
+            return error(400, "echo is supported for prompt scoring: max_tokens 0 or 1, n 1, temperature 0")
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        try:
+            with lock:
+                if request.echo:
+                    for i, (prompt, scored) in enumerate(zip(request.prompts, backend.prompt_logprobs(request.prompts, max(request.logprobs or 1, 1)))):
+                        choices.append(echo_choice(i, prompt, scored, request.max_tokens, request.logprobs is not None))
+                        prompt_tokens += len(scored.tokens)
+                        completion_tokens += request.max_tokens
+                else:
+                    for p, prompt in enumerate(request.prompts):
+                        generation = GenerationRequest(id=str(p), prompt=prompt, n=request.n, max_tokens=request.max_tokens, temperature=request.temperature, stop=request.stops, seed=request.seed)
+                        for k, (text, reason) in enumerate(backend.sample(generation)):
+                            choices.append(CompletionChoice(index=p * request.n + k, text=text, finish_reason=reason))
+        except BackendError as exc:
+            return error(400, str(exc))
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+        return CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name, choices=choices, usage=usage)
+
+    return app
