@@ -14,10 +14,13 @@ from rich.table import Table
 from rlens.dataset import DatasetError, load_dataset
 from rlens.focal.config import FocalConfig
 from rlens.protocols import Protocol
+from rlens.settings import settings
 
 app = typer.Typer(help="rlens: LLM ensembles that learn from feedback.", no_args_is_help=True, add_completion=False)
 import_app = typer.Typer(help="Build datasets from other tools' outputs.", no_args_is_help=True)
 app.add_typer(import_app, name="import")
+zoo_app = typer.Typer(help="The model zoo: small real models, and the streams recorded from them.", no_args_is_help=True)
+app.add_typer(zoo_app, name="zoo")
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
 
@@ -31,6 +34,47 @@ def progress_bar() -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False)
 
 
+def quiet_transformers() -> None:
+    """No transformers progress bars or advisory warnings on the terminal; rlens shows its own progress."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def run_replay(data: Path, protocol: Protocol, seed: int, out: Path, ablations: bool, workers: int, config: FocalConfig) -> None:
+    """Replay a dataset through RL-Focal and the baselines with a progress bar; print the table, write the report."""
+    from rlens.replay import RL_VARIANTS, replay as run, total_steps
+    from rlens.report import write_outputs
+
+    try:
+        dataset = load_dataset(data)
+    except DatasetError as exc:
+        fail(str(exc))
+    variants = list(RL_VARIANTS) if ablations else ["rl_focal"]
+    console.print(f"[bold]{dataset.name}[/]: {dataset.n_questions} questions, {dataset.n_models} models, {len(dataset.task_names)} tasks; protocol {protocol.value}, seed {seed}")
+    try:
+        with progress_bar() as bar:
+            task = bar.add_task("RL-Focal warm start + online", total=total_steps(dataset, protocol, config, variants))
+            result = run(dataset, protocol, seed, config, variants, workers=workers, progress=lambda n: bar.advance(task, n))
+    except ValueError as exc:
+        fail(str(exc))
+    paths = write_outputs(result, out)
+
+    table = Table(title=f"{dataset.name} — {protocol.value} protocol, {result.results.n_test} test questions")
+    table.add_column("method")
+    table.add_column("accuracy %", justify="right")
+    table.add_column("calls / query", justify="right")
+    for name, method in sorted(result.results.methods.items(), key=lambda item: -item[1].accuracy):
+        style = "bold green" if name == "rl_focal" else None
+        table.add_row(name, f"{100 * method.accuracy:.1f}", f"{method.mean_models_called:.2f}", style=style)
+    console.print(table)
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+
+
+WORKERS = typer.Option(min(2, os.cpu_count() or 1), min=1, help="processes for the RL-Focal variants")
+
+
 @app.command()
 def replay(
     data: Path = typer.Option(..., "--data", help="dataset directory in the recorded-outputs format"),
@@ -38,40 +82,96 @@ def replay(
     seed: int = typer.Option(0, help="random seed (runs are deterministic under a seed)"),
     out: Path = typer.Option(Path("out/replay"), help="directory for results.json, report.md, report.png, per_query.csv"),
     ablations: bool = typer.Option(True, help="also run the RL-Focal ablations (all models, no diversity, kappa)"),
-    workers: int = typer.Option(min(2, os.cpu_count() or 1), min=1, help="processes for the RL-Focal variants"),
+    workers: int = WORKERS,
     alpha: float = typer.Option(FocalConfig.alpha, min=0.0, help="cost weight in the reward"),
     window: int = typer.Option(FocalConfig.window, min=1, help="sliding-window length W per stream"),
     update_period: int = typer.Option(FocalConfig.update_period, min=1, help="online MAPPO update every T answered queries"),
     feedback_delay: int = typer.Option(FocalConfig.feedback_delay, min=0, help="feedback of a query arrives this many queries later"),
 ) -> None:
     """Replay a recorded dataset through RL-Focal and every baseline; write the report."""
-    from rlens.replay import RL_VARIANTS, replay as run_replay, total_steps
-    from rlens.report import write_outputs
-
-    try:
-        dataset = load_dataset(data)
-    except DatasetError as exc:
-        fail(str(exc))
     config = replace(FocalConfig(), alpha=alpha, window=window, update_period=update_period, feedback_delay=feedback_delay)
-    variants = list(RL_VARIANTS) if ablations else ["rl_focal"]
-    console.print(f"[bold]{dataset.name}[/]: {dataset.n_questions} questions, {dataset.n_models} models, {len(dataset.task_names)} tasks; protocol {protocol.value}, seed {seed}")
+    run_replay(data, protocol, seed, out, ablations, workers, config)
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("out/demo"), help="directory for results.json, report.md, report.png, per_query.csv"),
+    protocol: Protocol = typer.Option(Protocol.paper, help="paper: per task 80% warm start / 20% online test; stream: cold start"),
+    seed: int = typer.Option(0, help="random seed"),
+    workers: int = WORKERS,
+) -> None:
+    """Replay the bundled zoo stream (5 real small models, 5 task families in blocks) through RL-Focal; no network."""
+    run_replay(settings().demo_data, protocol, seed, out, True, workers, FocalConfig())
+
+
+@app.command("serve-model")
+def serve_model(
+    path: Path = typer.Argument(..., help="model directory (Hugging Face format, or holding a GGUF file)"),
+    port: int = typer.Option(8000, min=1, max=65535, help="TCP port"),
+    host: str = typer.Option("127.0.0.1", help="interface to listen on"),
+    gguf_file: str | None = typer.Option(None, help="GGUF file inside the directory"),
+    name: str | None = typer.Option(None, help="served model name (default: the directory's name)"),
+    device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
+) -> None:
+    """Serve a local model over an OpenAI-compatible completions API (/v1/completions, /v1/models)."""
+    import uvicorn
+
+    from rlens.backends.base import BackendError
+    from rlens.backends.hf import TransformersBackend
+    from rlens.serve import create_app
+
+    quiet_transformers()
+    try:
+        backend = TransformersBackend.load(path, gguf_file=gguf_file, device=device)
+    except (BackendError, OSError, ValueError) as exc:
+        fail(f"cannot load {path}: {exc}")
+    name = name or path.name
+    console.print(f"serving [bold]{name}[/] at http://{host}:{port}/v1")
+    uvicorn.run(create_app(backend, name), host=host, port=port, log_level="warning")
+
+
+@zoo_app.command("build")
+def zoo_build(out: Path | None = typer.Option(None, help="zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)")) -> None:
+    """Train the zoo's specialists (seeded, a few minutes on CPU) and write the manifest with SmolLM2."""
+    from rlens.zoo.build import SPECIALISTS, build_zoo
+
+    quiet_transformers()
+    out = out or settings().zoo_dir
     try:
         with progress_bar() as bar:
-            task = bar.add_task("RL-Focal warm start + online", total=total_steps(dataset, protocol, config, variants))
-            run = run_replay(dataset, protocol, seed, config, variants, workers=workers, progress=lambda n: bar.advance(task, n))
-    except ValueError as exc:
+            task = bar.add_task(f"training {len(SPECIALISTS)} specialists", total=sum(s.steps for s in SPECIALISTS))
+            models = build_zoo(out, progress=lambda n: bar.advance(task, n))
+    except FileNotFoundError as exc:
         fail(str(exc))
-    paths = write_outputs(run, out)
+    for model in models:
+        console.print(f"  {model.name:14s} {model.tokenizer:8s} {model.parameters / 1e6:8.2f} M params  {model.path}")
+    console.print(f"wrote {out}")
 
-    table = Table(title=f"{dataset.name} — {protocol.value} protocol, {run.results.n_test} test questions")
-    table.add_column("method")
-    table.add_column("accuracy %", justify="right")
-    table.add_column("calls / query", justify="right")
-    for name, method in sorted(run.results.methods.items(), key=lambda item: -item[1].accuracy):
-        style = "bold green" if name == "rl_focal" else None
-        table.add_row(name, f"{100 * method.accuracy:.1f}", f"{method.mean_models_called:.2f}", style=style)
-    console.print(table)
-    console.print("wrote " + ", ".join(str(p) for p in paths))
+
+@zoo_app.command("record")
+def zoo_record(
+    zoo: Path | None = typer.Option(None, help="built zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)"),
+    out: Path = typer.Option(Path("out/zoo_mc"), help="dataset directory to write"),
+    blocks: int = typer.Option(10, min=1, help="task blocks in the stream (the task switches at each block)"),
+    block_size: int = typer.Option(120, min=1, help="questions per block"),
+    seed: int = typer.Option(0, help="seed of the question stream"),
+) -> None:
+    """Ask every zoo model every question of a generated multiple-choice stream; save it as a dataset."""
+    from rlens.zoo.build import load_zoo
+    from rlens.zoo.record import record_stream
+
+    quiet_transformers()
+    try:
+        models = load_zoo(zoo or settings().zoo_dir)
+    except FileNotFoundError as exc:
+        fail(str(exc))
+    with progress_bar() as bar:
+        task = bar.add_task("scoring", total=blocks * block_size * len(models))
+        dataset = record_stream(models, out, blocks, block_size, seed, progress=lambda n: bar.advance(task, n))
+    accuracy = (dataset.probs.argmax(2) == dataset.labels[:, None]).mean(0)
+    for name, acc in zip(dataset.model_names, accuracy):
+        console.print(f"  {name:14s} accuracy {100 * acc:5.1f} %")
+    console.print(f"wrote {out}: {dataset.n_questions} questions x {dataset.n_models} models")
 
 
 @import_app.command("lm-eval")

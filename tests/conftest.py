@@ -27,3 +27,15 @@ def bbh_slice(bbh: RecordedDataset, tasks: int, per_task: int) -> RecordedDatase
 @pytest.fixture()
 def bbh_slice_dir(bbh: RecordedDataset, tmp_path: Path) -> Path:
     return save_dataset(bbh_slice(bbh, tasks=3, per_task=40), tmp_path / "bbh_slice")
+
+
+@pytest.fixture(scope="session")
+def quick_zoo(tmp_path_factory) -> Path:
+    """The zoo's specialists built by the real builder, with 25 training steps each (same tokenizers, same shapes)."""
+    from dataclasses import replace
+
+    from rlens.zoo.build import SPECIALISTS, build_zoo
+
+    out = tmp_path_factory.mktemp("zoo")
+    build_zoo(out, [replace(spec, steps=25) for spec in SPECIALISTS])
+    return out

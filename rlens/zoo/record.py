@@ -1,0 +1,68 @@
+"""``rlens zoo record``: run every zoo model on a generated multiple-choice stream and save it as a dataset.
+
+The stream is :func:`rlens.zoo.tasks.block_stream` (task families in blocks, so the stream has task switches). Each
+model's choice probabilities are the softmax of its lm-eval log-likelihoods. Besides the usual dataset files the
+directory gets ``questions.jsonl`` (prompt, choices, family of every row), so real backends can be asked the same
+questions later. The bundled ``zoo_mc`` dataset (``rlens demo``) is made by this module.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from rlens.backends.base import ChoiceQuery
+from rlens.dataset import RecordedDataset, save_dataset
+from rlens.zoo.build import ZooModel, load_backend
+from rlens.zoo.tasks import FAMILIES, N_CHOICES, Question, block_stream
+
+QUESTIONS_FILE = "questions.jsonl"
+
+
+def record_stream(
+    models: list[ZooModel],
+    out: Path,
+    blocks: int = 10,
+    block_size: int = 120,
+    seed: int = 0,
+    progress: Callable[[int], None] = lambda n: None,
+) -> RecordedDataset:
+    """Ask every model every question of the stream; write and return the dataset."""
+    families = list(FAMILIES)
+    questions = block_stream(families, blocks, block_size, seed)
+    probs = np.zeros((len(questions), len(models), N_CHOICES), dtype=np.float32)
+    for m, model in enumerate(models):
+        backend = load_backend(model)
+        for i, question in enumerate(questions):
+            scores = backend.score_choices(ChoiceQuery(id=str(i), prompt=question.prompt, choices=question.choices))
+            probs[i, m] = scores.probabilities()
+            progress(1)
+        del backend
+    dataset = RecordedDataset(
+        name=out.name,
+        probs=probs,
+        choice_mask=np.ones((len(questions), N_CHOICES), dtype=bool),
+        labels=np.array([q.label for q in questions], dtype=np.int64),
+        task=np.array([families.index(q.family) for q in questions], dtype=np.int64),
+        model_names=[m.name for m in models],
+        model_costs=np.array([m.cost for m in models]),
+        task_names=dict(enumerate(families)),
+    )
+    save_dataset(dataset, out)
+    write_questions(questions, out / QUESTIONS_FILE)
+    return dataset
+
+
+def write_questions(questions: list[Question], path: Path) -> None:
+    with path.open("w") as f:
+        for q in questions:
+            f.write(json.dumps({"prompt": q.prompt, "choices": q.choices, "family": q.family}) + "\n")
+
+
+def read_questions(path: Path) -> list[Question]:
+    """The questions of a recorded stream (labels come from the dataset's ``labels.npy``, not from here)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [Question(r["family"], r["prompt"], r["choices"], -1) for r in rows]

@@ -1,0 +1,130 @@
+"""The zoo: task families (answers checked independently), tokenizers (GPT-2 subset == full GPT-2 on the corpus,
+round-trips), the builder (seeded, deterministic), and the bundled dataset."""
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiktoken
+
+from rlens.dataset import load_dataset
+from rlens.settings import settings
+from rlens.zoo.build import SPECIALISTS, bpe_corpus, load_zoo, train_specialist
+from rlens.zoo.record import QUESTIONS_FILE, read_questions
+from rlens.zoo.tasks import ANTONYMS, FAMILIES, N_CHOICES, block_stream, make_question
+from rlens.zoo.tokenizers import GPT2_PATTERN, char_tokenizer, gpt2_subset_tokenizer, load_gpt2_ranks
+
+
+def solve(prompt: str) -> str:
+    """Each family's answer computed from the prompt text alone."""
+    body = prompt.removeprefix("Q: ").removesuffix("\nA:")
+    if m := re.fullmatch(r"add: (\d+)([+-])(\d+)=", body):
+        a, op, b = int(m[1]), m[2], int(m[3])
+        return str(a + b if op == "+" else a - b)
+    if m := re.fullmatch(r"count (\w) in: (.*)", body):
+        return str(m[2].split().count(m[1]))
+    if m := re.fullmatch(r"sort: (.*)", body):
+        return " ".join(sorted(m[1].split()))
+    if m := re.fullmatch(r"next: (.*)", body):
+        xs = [int(x) for x in m[1].split()]
+        return str(xs[-1] + xs[1] - xs[0])
+    if m := re.fullmatch(r"opposite of (\w+):", body):
+        return {**dict(ANTONYMS), **{b: a for a, b in ANTONYMS}}[m[1]]
+    raise AssertionError(f"unknown prompt {prompt!r}")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_questions_have_one_correct_choice(family):
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        q = make_question(family, rng)
+        assert len(set(q.choices)) == N_CHOICES and all(c.startswith(" ") for c in q.choices)
+        assert q.prompt.endswith("\nA:")
+        if family != "antonyms":  # some words have two opposites; the generator excludes both from distractors
+            assert q.choices[q.label] == " " + solve(q.prompt)
+            assert sum(c == " " + solve(q.prompt) for c in q.choices) == 1
+
+
+def test_antonym_distractors_are_never_an_opposite():
+    rng = np.random.default_rng(3)
+    for _ in range(500):
+        q = make_question("antonyms", rng)
+        word = q.prompt.split("opposite of ")[1].split(":")[0]
+        opposites = {b for a, b in ANTONYMS if a == word} | {a for a, b in ANTONYMS if b == word}
+        assert q.choices[q.label].strip() in opposites
+        assert not any(c.strip() in opposites for i, c in enumerate(q.choices) if i != q.label)
+
+
+def test_labels_are_uniform_and_streams_are_seeded():
+    rng = np.random.default_rng(0)
+    labels = [make_question("pattern", rng).label for _ in range(2000)]
+    assert np.bincount(labels, minlength=4).min() > 400
+    a, b = block_stream(list(FAMILIES), 7, 5, seed=3), block_stream(list(FAMILIES), 7, 5, seed=3)
+    assert a == b and a != block_stream(list(FAMILIES), 7, 5, seed=4)
+    families = [q.family for q in a][::5]
+    assert len(families) == 7 and all(x != y for x, y in zip(families, families[1:]))  # a switch at every block
+    assert [q.family for q in a] == [f for f in families for _ in range(5)]
+
+
+def test_gpt2_subset_tokenizes_the_corpus_exactly_like_full_gpt2():
+    ranks = load_gpt2_ranks()
+    full = tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    corpus = bpe_corpus(per_family=400)
+    tokenizer = gpt2_subset_tokenizer(corpus, ranks)
+    assert 256 < len(tokenizer) < 2000
+    rng = np.random.default_rng(11)  # other questions than the corpus's, same families
+    texts = [q.prompt + c for q in (make_question(f, rng) for f in FAMILIES for _ in range(100)) for c in q.choices]
+    for text in texts:
+        ours = tokenizer.convert_ids_to_tokens(tokenizer.encode(text, add_special_tokens=False))
+        theirs = [full.decode_single_token_bytes(t) for t in full.encode_ordinary(text)]
+        assert [bytearray(tokenizer.convert_tokens_to_string([t]), "utf-8") for t in ours] == theirs
+
+
+@pytest.mark.parametrize("make", [char_tokenizer, lambda: gpt2_subset_tokenizer(bpe_corpus(per_family=50))])
+def test_tokenizers_round_trip(make):
+    tokenizer = make()
+    for text in ["Q: add: 12+7=\nA: 19", "  two  spaces, Tabs\tand UPPER {x} ~!", "sort: a c b\nA: a b c"]:
+        assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_training_is_seeded_and_deterministic(tmp_path):
+    from safetensors.numpy import load_file
+
+    spec = replace(SPECIALISTS[1], steps=8)
+    train_specialist(spec, tmp_path / "a")
+    train_specialist(spec, tmp_path / "b")
+    train_specialist(replace(spec, seed=99), tmp_path / "c")
+    a, b, c = (load_file(tmp_path / d / spec.name / "model.safetensors") for d in "abc")
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert any(not np.array_equal(a[k], c[k]) for k in a)
+
+
+def test_quick_zoo_manifest(quick_zoo):
+    models = load_zoo(quick_zoo)
+    assert [m.name for m in models] == ["smollm2-135m", *(s.name for s in SPECIALISTS)]
+    assert {m.tokenizer for m in models} == {"smollm2", "char", "gpt2"}
+    assert all(Path(m.path).is_dir() for m in models)
+    assert models[0].cost > 100 * models[1].cost  # SmolLM2 costs its parameter count
+
+
+def test_load_zoo_names_the_build_command(tmp_path):
+    with pytest.raises(FileNotFoundError, match="rlens zoo build"):
+        load_zoo(tmp_path)
+
+
+def test_bundled_dataset_is_consistent():
+    directory = settings().demo_data
+    dataset = load_dataset(directory)
+    questions = read_questions(directory / QUESTIONS_FILE)
+    assert len(questions) == dataset.n_questions and dataset.n_models == 5
+    for q, label, task in zip(questions, dataset.labels, dataset.task):
+        assert dataset.task_names[int(task)] == q.family
+        if q.family != "antonyms":
+            assert q.choices[label] == " " + solve(q.prompt)
+    accuracy = (dataset.probs.argmax(2) == dataset.labels[:, None]).mean(0)
+    assert accuracy.max() < 0.9  # no model solves the stream alone
+    manifest = {m["name"] for m in json.loads((directory / "models.json").read_text())}
+    assert manifest == {"smollm2-135m", *(s.name for s in SPECIALISTS)}
