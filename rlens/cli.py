@@ -19,6 +19,8 @@ from rlens.settings import settings
 app = typer.Typer(help="rlens: LLM ensembles that learn from feedback.", no_args_is_help=True, add_completion=False)
 import_app = typer.Typer(help="Build datasets from other tools' outputs.", no_args_is_help=True)
 app.add_typer(import_app, name="import")
+pool_app = typer.Typer(help="Pool configurations: the models a worker ensembles.", no_args_is_help=True)
+app.add_typer(pool_app, name="pool")
 zoo_app = typer.Typer(help="The model zoo: small real models, and the streams recorded from them.", no_args_is_help=True)
 app.add_typer(zoo_app, name="zoo")
 console = Console(soft_wrap=True)
@@ -38,6 +40,7 @@ def quiet_transformers() -> None:
     """No transformers progress bars or advisory warnings on the terminal; rlens shows its own progress."""
     from transformers.utils import logging as hf_logging
 
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's own tqdm bar
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
@@ -96,7 +99,7 @@ def replay(
 @app.command()
 def demo(
     out: Path = typer.Option(Path("out/demo"), help="directory for results.json, report.md, report.png, per_query.csv"),
-    protocol: Protocol = typer.Option(Protocol.paper, help="paper: per task 80% warm start / 20% online test; stream: cold start"),
+    protocol: Protocol = typer.Option(Protocol.stream, help="stream: cold start, learning online over the whole stream; paper: per task 80% warm start / 20% test"),
     seed: int = typer.Option(0, help="random seed"),
     workers: int = WORKERS,
 ) -> None:
@@ -128,6 +131,38 @@ def serve_model(
     name = name or path.name
     console.print(f"serving [bold]{name}[/] at http://{host}:{port}/v1")
     uvicorn.run(create_app(backend, name), host=host, port=port, log_level="warning")
+
+
+@pool_app.command("check")
+def pool_check(config: Path = typer.Argument(..., help="pool configuration (JSON)")) -> None:
+    """Build every backend of a pool and ask each a probe question; exit 1 if any fails."""
+    import time
+
+    from rlens.backends.base import BackendError, ChoiceQuery
+    from rlens.pool import PoolConfigError, build_backend, load_pool_config
+
+    quiet_transformers()
+    try:
+        pool = load_pool_config(config)
+    except PoolConfigError as exc:
+        fail(str(exc))
+    probe = ChoiceQuery(id="0", prompt="Q: add: 2+2=\nA:", choices=[" 4", " 5"])
+    table = Table(title=f"{config}: {len(pool.models)} models")
+    for column in ("model", "backend", "cost", "probe", "latency ms"):
+        table.add_column(column)
+    failed = 0
+    for model in pool.models:
+        try:
+            backend = build_backend(model)
+            loaded = time.perf_counter()
+            scores = backend.score_choices(probe)
+            status, latency = f"ok: P(' 4') = {scores.probabilities()[0]:.2f}", f"{1000 * (time.perf_counter() - loaded):.1f}"
+        except (BackendError, OSError, ValueError, KeyError) as exc:
+            status, latency, failed = f"[red]failed: {exc}[/]", "-", failed + 1
+        table.add_row(model.name, model.backend, f"{model.cost:g}", status, latency)
+    console.print(table)
+    if failed:
+        raise typer.Exit(1)
 
 
 @zoo_app.command("build")

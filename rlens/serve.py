@@ -4,14 +4,21 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions`` (text prompts, batched; 
 prompt tokens' log-probabilities; ``n`` samples; ``stop``; ``seed``) and ``GET /health``. It lets the ``openai``
 backend be tested against a real server here, and lets users without GPUs run the whole stack. Requests that the
 server cannot honour (token-id prompts, ``logprobs`` on sampled text without ``echo``) get an OpenAI-style 400.
-One model call runs at a time (a lock), in FastAPI's thread pool.
+One model call runs at a time (a lock), in FastAPI's thread pool. :class:`ServerProcess` runs the server as a
+child process (tests, benchmarks, the local stack).
 """
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
+
+import httpx
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -84,3 +91,37 @@ def create_app(backend: TransformersBackend, model_name: str) -> FastAPI:
         return CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name, choices=choices, usage=usage)
 
     return app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``rlens serve-model`` in a child process on a free local port; ready once ``/health`` answers."""
+
+    def __init__(self, path: Path, name: str, gguf_file: str | None = None, startup_s: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        command = [sys.executable, "-m", "rlens.cli", "serve-model", str(path), "--port", str(self.port), "--name", name]
+        if gguf_file:
+            command += ["--gguf-file", gguf_file]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"serve-model exited with {self.process.returncode}: {self.process.stdout.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"serve-model {path} did not answer /health within {startup_s:g} s")
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies as a crashed one would."""
+        self.process.kill()
+        self.process.wait()

@@ -46,8 +46,8 @@ def reference_loglikelihood(backend: TransformersBackend, context: str, continua
 
 
 def test_registry():
-    assert {"replay", "transformers"} <= set(BACKENDS)
-    with pytest.raises(ValueError, match="known: replay"):
+    assert {"openai", "replay", "transformers"} <= set(BACKENDS)
+    with pytest.raises(ValueError, match="known: openai, replay, transformers"):
         create_backend("nope")
     with pytest.raises(ValueError, match="registered twice"):
         register_backend("replay")(type("Again", (Backend,), {"score_choices": lambda self, q: None}))
@@ -122,3 +122,15 @@ def test_smollm2_gguf_scores_match_reference():
 def test_load_rejects_a_missing_directory(tmp_path):
     with pytest.raises(BackendError, match="not a model directory"):
         TransformersBackend.load(tmp_path / "none")
+
+
+@pytest.mark.parametrize("name", ["arith-char", "count-bpe", "order-char", "pattern-bpe"])
+def test_zoo_specialist_scores_match_reference(quick_zoo, name):
+    from rlens.zoo.tasks import FAMILIES, make_question
+
+    backend = TransformersBackend.load(quick_zoo / name)
+    rng = np.random.default_rng(5)
+    for family in FAMILIES:
+        q = make_question(family, rng)
+        scores = backend.score_choices(ChoiceQuery(id="z", prompt=q.prompt, choices=q.choices))
+        assert scores.loglikelihoods == pytest.approx([reference_loglikelihood(backend, q.prompt, c) for c in q.choices], abs=1e-4)

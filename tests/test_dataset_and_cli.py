@@ -88,3 +88,18 @@ def test_a_dataset_with_another_pool_size_and_choice_counts_is_accepted(tmp_path
     data = load_dataset(directory)
     assert data.n_models == 7 and data.task_name(1) == "task_1"  # tasks.json is optional
     shutil.rmtree(directory)
+
+
+def test_demo_is_the_main_job_on_the_bundled_stream(tmp_path):
+    """`rlens demo` with no data argument: RL-Focal learns the bundled stream from a cold start and beats every
+    single model and the soft vote while calling fewer than half of the models."""
+    import json
+
+    result = runner.invoke(app, ["demo", "--out", str(tmp_path), "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in tmp_path.iterdir()} == {"results.json", "report.md", "report.png", "per_query.csv"}
+    methods = json.loads((tmp_path / "results.json").read_text())["methods"]
+    rl = methods["rl_focal"]
+    assert rl["accuracy"] > methods["best_single"]["accuracy"] + 0.2
+    assert rl["accuracy"] > methods["soft_vote"]["accuracy"] + 0.1
+    assert rl["mean_models_called"] < 2.5

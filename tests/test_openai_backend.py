@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,40 +18,11 @@ import pytest
 from rlens.backends import BackendError, ChoiceQuery, GenerationRequest, create_backend
 from rlens.ensemble import PoolCaller
 from rlens.focal.engine import FocalEngine
+from rlens.serve import ServerProcess
 from rlens.zoo.build import SMOLLM2_GGUF, load_backend, load_zoo, smollm2_dir
 from rlens.zoo.tasks import FAMILIES, make_question
 
 QUESTION = ChoiceQuery(id="q1", prompt="Q: add: 12+7=\nA:", choices=[" 19", " 18", " 29", " 20"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ModelServer:
-    """`rlens serve-model` in its own process."""
-
-    def __init__(self, path: Path, name: str, gguf_file: str | None = None):
-        self.port = free_port()
-        command = [sys.executable, "-m", "rlens.cli", "serve-model", str(path), "--port", str(self.port), "--name", name]
-        self.process = subprocess.Popen(command + (["--gguf-file", gguf_file] if gguf_file else []), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"serve-model exited: {self.process.stdout.read().decode()}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-        raise RuntimeError("serve-model did not come up in 90 s")
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +32,7 @@ def zoo_models(quick_zoo):
 
 @pytest.fixture(scope="module")
 def servers(zoo_models):
-    started = {name: ModelServer(Path(zoo_models[name].path), name) for name in ("arith-char", "count-bpe")}
+    started = {name: ServerProcess(Path(zoo_models[name].path), name) for name in ("arith-char", "count-bpe")}
     yield started
     for server in started.values():
         server.kill()
@@ -89,7 +56,7 @@ def test_served_scores_equal_in_process_scores(servers, zoo_models, name):
 
 @pytest.mark.skipif(os.environ.get("RLENS_SKIP_SMOLLM2") == "1", reason="RLENS_SKIP_SMOLLM2=1")
 def test_served_smollm2_equals_in_process():
-    server = ModelServer(smollm2_dir(), "smollm2", SMOLLM2_GGUF)
+    server = ServerProcess(smollm2_dir(), "smollm2", SMOLLM2_GGUF)
     try:
         from rlens.backends.hf import TransformersBackend
 
@@ -215,7 +182,7 @@ def test_a_hung_server_times_out_and_never_hangs_the_caller(misbehaving):
 
 
 def test_killed_server_is_a_per_query_failure_and_the_pool_still_answers(zoo_models):
-    server = ModelServer(Path(zoo_models["order-char"].path), "order-char")
+    server = ServerProcess(Path(zoo_models["order-char"].path), "order-char")
     pool = {
         "order-char@http": create_backend("openai", base_url=server.url, model="order-char", timeout_s=2, retries=1, backoff_s=0.05),
         "arith-char": load_backend(zoo_models["arith-char"]),

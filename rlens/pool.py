@@ -1,0 +1,84 @@
+"""The pool configuration: which models a worker ensembles and how to reach each (a JSON file, typed).
+
+```json
+{"models": [
+  {"name": "llama-8b", "backend": "openai", "cost": 8, "options": {"base_url": "http://llama-8b:8000/v1", "model": "llama-8b"}},
+  {"name": "arith-char", "backend": "transformers", "cost": 0.1, "options": {"path": "~/.cache/rlens/zoo/arith-char"}}
+]}
+```
+
+``backend`` is a registered backend name; ``options`` are its constructor's options. For ``transformers`` they are
+``path`` (and optional ``gguf_file``, ``device``), loaded with :meth:`TransformersBackend.load`; for ``replay``,
+``dataset`` (a dataset directory) and ``model`` (index or name). ``openai`` options
+not given fall back to the settings (``RLENS_HTTP_*``). The model order of the file is the pool's model order.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from rlens.backends.base import BACKENDS, Backend, create_backend
+from rlens.settings import settings
+
+
+class PoolModel(BaseModel):
+    name: str = Field(min_length=1)
+    backend: str
+    cost: float = Field(1.0, gt=0)
+    options: dict = Field(default_factory=dict)
+
+    @field_validator("backend")
+    @classmethod
+    def _known(cls, backend: str) -> str:
+        if backend not in BACKENDS and backend != "transformers":
+            raise ValueError(f"unknown backend {backend!r}; known: {', '.join(sorted({*BACKENDS, 'transformers'}))}")
+        return backend
+
+
+class PoolConfig(BaseModel):
+    models: list[PoolModel] = Field(min_length=1)
+
+    @field_validator("models")
+    @classmethod
+    def _unique(cls, models: list[PoolModel]) -> list[PoolModel]:
+        names = [m.name for m in models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        return models
+
+
+class PoolConfigError(ValueError):
+    pass
+
+
+def load_pool_config(path: Path) -> PoolConfig:
+    try:
+        return PoolConfig.model_validate(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise PoolConfigError(f"{path}: file not found") from None
+    except json.JSONDecodeError as exc:
+        raise PoolConfigError(f"{path}: not valid JSON ({exc})") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise PoolConfigError(f"{path}: {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+
+
+def build_backend(model: PoolModel) -> Backend:
+    """The backend of one pool entry (loads local models; opens the HTTP client of remote ones)."""
+    if model.backend == "transformers":
+        from rlens.backends.hf import TransformersBackend
+
+        options = dict(model.options)
+        return TransformersBackend.load(Path(options.pop("path")).expanduser(), **options)
+    if model.backend == "replay":
+        from rlens.dataset import load_dataset
+
+        return create_backend("replay", **{**model.options, "dataset": load_dataset(Path(model.options["dataset"]).expanduser())})
+    if model.backend == "openai":
+        s = settings()
+        defaults = {"timeout_s": s.http_timeout_s, "retries": s.http_retries, "max_concurrency": s.http_max_concurrency}
+        return create_backend("openai", **{**defaults, **model.options})
+    return create_backend(model.backend, **model.options)

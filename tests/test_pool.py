@@ -1,0 +1,49 @@
+"""Pool configurations: validation errors name the field; `rlens pool check` probes every model for real
+(in-process zoo models, a replay model, a dead server) and exits 1 when one fails."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from rlens.cli import app
+from rlens.pool import PoolConfigError, load_pool_config
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{", "not valid JSON"),
+        ('{"models": []}', "models: List should have at least 1 item"),
+        ('{"models": [{"name": "a", "backend": "nope"}]}', "unknown backend 'nope'"),
+        ('{"models": [{"name": "a", "backend": "openai"}, {"name": "a", "backend": "openai"}]}', "unique"),
+        ('{"models": [{"name": "a", "backend": "openai", "cost": 0}]}', "models.0.cost"),
+    ],
+)
+def test_bad_pool_files_are_named_errors(tmp_path, content, message):
+    path = tmp_path / "pool.json"
+    path.write_text(content)
+    with pytest.raises(PoolConfigError, match=message):
+        load_pool_config(path)
+
+
+def test_shipped_pool_files_are_valid():
+    from pathlib import Path
+
+    for path in Path(__file__).parents[1].glob("infra/pool.*.json"):
+        assert load_pool_config(path).models
+
+
+def test_pool_check_probes_every_model(tmp_path, quick_zoo, bbh_slice_dir):
+    pool = {"models": [
+        {"name": "arith", "backend": "transformers", "options": {"path": str(quick_zoo / "arith-char")}},
+        {"name": "recorded", "backend": "replay", "options": {"dataset": str(bbh_slice_dir), "model": 1}},
+        {"name": "dead", "backend": "openai", "options": {"base_url": "http://127.0.0.1:9/v1", "model": "x", "retries": 0, "timeout_s": 1}},
+    ]}
+    path = tmp_path / "pool.json"
+    path.write_text(json.dumps(pool))
+    result = CliRunner().invoke(app, ["pool", "check", str(path)], env={"COLUMNS": "300"})
+    assert result.exit_code == 1, result.output
+    lines = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") > 3}
+    assert "ok: P(' 4')" in lines["arith"] and "ok" in lines["recorded"]
+    assert "failed" in lines["dead"] and "ConnectError" in lines["dead"]
