@@ -20,6 +20,29 @@ class Settings(BaseSettings):
     http_retries: int = Field(2, ge=0, description="openai backend: retries after a transport error, timeout or 5xx")
     http_max_concurrency: int = Field(8, ge=1, description="openai backend: requests in flight per model server")
 
+    # streaming service: Kafka
+    kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers (comma-separated)")
+    kafka_security_protocol: str = Field("PLAINTEXT", description="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL")
+    kafka_sasl_mechanism: str | None = Field(None, description="PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512")
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: str | None = None
+    kafka_ssl_cafile: Path | None = Field(None, description="CA bundle for SSL / SASL_SSL")
+    topic_prefix: str = Field("rlens.", description="topic names are this prefix + queries, answers, feedback, experience, policy, dead-letter")
+    kafka_session_timeout_ms: int = Field(10_000, ge=1000, description="consumer-group session timeout")
+    kafka_heartbeat_ms: int = Field(3_000, ge=100, description="consumer-group heartbeat interval")
+    # streaming service: Redis windows
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for the sliding windows (redis://user:password@host:port/db, rediss:// for TLS)")
+    redis_prefix: str = Field("rlens", description="prefix of every Redis key")
+    window_ttl_s: int = Field(7 * 86400, ge=1, description="a stream's window expires after this long without feedback")
+    dedup_ttl_s: int = Field(86400, ge=1, description="how long a query's applied outcome is remembered (duplicate feedback)")
+    # streaming service: worker and learner
+    pool_file: Path | None = Field(None, description="the worker's pool file (see rlens.pool)")
+    worker_batch: int = Field(32, ge=1, description="queries the worker takes per batch")
+    worker_deadline_s: float = Field(60.0, gt=0, description="a query's models must answer within this")
+    checkpoint_dir: Path = Field(Path("out/learner"), description="the learner's checkpoints")
+    pending_limit: int = Field(100_000, ge=1, description="experience / feedback held while waiting for the other half")
+    pending_ttl_s: float = Field(3600.0, gt=0, description="an unmatched experience or feedback is dropped after this long")
+
 
 def settings() -> Settings:
     return Settings()
