@@ -165,6 +165,86 @@ def pool_check(config: Path = typer.Argument(..., help="pool configuration (JSON
         raise typer.Exit(1)
 
 
+def service_settings(pool: Path | None):
+    """The settings, with ``--pool`` (if given) as the pool file."""
+    return settings().model_copy(update={"pool_file": pool}) if pool else settings()
+
+
+POOL = typer.Option(None, "--pool", help="pool file (default: $RLENS_POOL_FILE)")
+
+
+@app.command()
+def worker(pool: Path | None = POOL) -> None:
+    """Run an ensemble worker: queries from Kafka, answers and experience to Kafka (stops cleanly on SIGTERM)."""
+    from rlens.pool import PoolConfigError
+    from rlens.service.run import run_worker
+
+    quiet_transformers()
+    try:
+        run_worker(service_settings(pool))
+    except (PoolConfigError, ValueError) as exc:
+        fail(str(exc))
+
+
+@app.command()
+def learner(
+    pool: Path | None = POOL,
+    warm_start: Path | None = typer.Option(None, help="dataset to warm-start from when there is no checkpoint yet"),
+) -> None:
+    """Run the learner: joins experience with feedback, updates windows and policy, checkpoints, publishes."""
+    from rlens.pool import PoolConfigError
+    from rlens.service.run import run_learner
+
+    try:
+        run_learner(service_settings(pool), warm_start)
+    except (PoolConfigError, DatasetError, ValueError) as exc:
+        fail(str(exc))
+
+
+@app.command()
+def load(
+    data: Path = typer.Option(settings().demo_data, "--data", help="dataset to play as traffic (default: the bundled stream)"),
+    rate: float = typer.Option(100.0, min=0.001, help="queries per second"),
+    feedback_delay: float = typer.Option(0.0, min=0.0, help="seconds from a query's answer to its feedback"),
+    limit: int | None = typer.Option(None, min=1, help="only the first N questions"),
+    idle_timeout: float = typer.Option(60.0, min=1.0, help="give up after this many seconds without an answer"),
+) -> None:
+    """Play a dataset as live traffic through a running service and print live accuracy."""
+    import asyncio
+
+    from rich.live import Live
+
+    from rlens.service.load import LoadReport, new_run_id, play, queries_of
+    from rlens.zoo.record import QUESTIONS_FILE, read_questions
+
+    try:
+        dataset = load_dataset(data)
+    except DatasetError as exc:
+        fail(str(exc))
+    prompts = [(q.prompt, q.choices) for q in read_questions(data / QUESTIONS_FILE)] if (data / QUESTIONS_FILE).is_file() else None
+    traffic = queries_of(dataset, prompts, new_run_id())[:limit]
+    s = settings()
+
+    def status(report) -> Table:
+        table = Table(title=f"{dataset.name} → {s.kafka_bootstrap}: {rate:g} queries/s, feedback after {feedback_delay:g} s")
+        for column in ("sent", "answered", "accuracy %", "last 200 %", "p50 ms", "p99 ms", "duplicates", "policy"):
+            table.add_column(column, justify="right")
+        table.add_row(
+            str(report.sent), f"{report.answered}/{len(traffic)}", f"{100 * report.accuracy:.1f}", f"{100 * report.recent_accuracy():.1f}",
+            f"{report.latency_percentile(50):.0f}", f"{report.latency_percentile(99):.0f}", str(report.duplicates), str(max(report.policy_versions, default=0)),
+        )
+        return table
+
+    with Live(status(LoadReport()), console=console, refresh_per_second=4) as live:
+        report = asyncio.run(play(s, traffic, rate, feedback_delay, idle_timeout, on_answer=lambda r: live.update(status(r))))
+        live.update(status(report))
+    for task, (correct, answered) in sorted(report.per_task.items()):
+        console.print(f"  {task:40s} {100 * correct / max(answered, 1):5.1f} % of {answered}")
+    console.print(f"answered {report.answered} of {len(traffic)} in {report.elapsed_s:.1f} s; accuracy {100 * report.accuracy:.1f} %; {report.duplicates} duplicate answers")
+    if report.answered < len(traffic):
+        raise typer.Exit(1)
+
+
 @zoo_app.command("build")
 def zoo_build(out: Path | None = typer.Option(None, help="zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)")) -> None:
     """Train the zoo's specialists (seeded, a few minutes on CPU) and write the manifest with SmolLM2."""

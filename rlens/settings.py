@@ -36,7 +36,10 @@ class Settings(BaseSettings):
     window_ttl_s: int = Field(7 * 86400, ge=1, description="a stream's window expires after this long without feedback")
     dedup_ttl_s: int = Field(86400, ge=1, description="how long a query's applied outcome is remembered (duplicate feedback)")
     # streaming service: worker and learner
-    pool_file: Path | None = Field(None, description="the worker's pool file (see rlens.pool)")
+    pool_file: Path | None = Field(None, description="the pool file of the worker and the learner (see rlens.pool)")
+    worker_group: str = Field("rlens-workers", description="the workers' consumer group on the queries topic")
+    learner_group: str = Field("rlens-learner", description="the learner's consumer group")
+    seed: int = Field(0, description="seed of the engines' initial weights and of their sampling")
     worker_batch: int = Field(32, ge=1, description="queries the worker takes per batch")
     worker_deadline_s: float = Field(60.0, gt=0, description="a query's models must answer within this")
     checkpoint_dir: Path = Field(Path("out/learner"), description="the learner's checkpoints")

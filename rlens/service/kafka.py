@@ -1,0 +1,127 @@
+"""Kafka plumbing shared by the worker, the learner and the load generator (FastStream on aiokafka).
+
+- :func:`make_broker`: a ``KafkaBroker`` from the settings (bootstrap, SASL / TLS passthrough, quiet logs).
+- :class:`Topics`: every topic name, from one prefix.
+- :func:`keep_bytes`: a decoder that hands handlers the raw bytes, so that parsing (and dead-lettering what does
+  not parse) is the service's own, never FastStream's.
+- :func:`parse_or_dead_letter`: bytes → a typed message, or a :class:`DeadLetter` with the reason.
+- :func:`publish`: messages out, confirmed by the broker before it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import ssl
+import time
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from faststream.kafka import KafkaBroker
+from pydantic import ValidationError
+
+from rlens.messages import DeadLetter, Message
+from rlens.settings import Settings
+
+M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True)
+class Topics:
+    queries: str
+    answers: str
+    feedback: str
+    experience: str
+    policy: str
+    dead_letter: str
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "Topics":
+        p = settings.topic_prefix
+        return cls(f"{p}queries", f"{p}answers", f"{p}feedback", f"{p}experience", f"{p}policy", f"{p}dead-letter")
+
+
+def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBroker:
+    """A broker for ``settings.kafka_bootstrap``, with SASL / TLS when the settings ask for them."""
+    from faststream.security import SASLPlaintext, SASLScram256, SASLScram512
+
+    security = None
+    protocol = settings.kafka_security_protocol.upper()
+    context = ssl.create_default_context(cafile=str(settings.kafka_ssl_cafile) if settings.kafka_ssl_cafile else None) if "SSL" in protocol else None
+    if protocol.startswith("SASL"):
+        mechanism = {"PLAIN": SASLPlaintext, "SCRAM-SHA-256": SASLScram256, "SCRAM-SHA-512": SASLScram512}.get((settings.kafka_sasl_mechanism or "PLAIN").upper())
+        if mechanism is None:
+            raise ValueError(f"unsupported RLENS_KAFKA_SASL_MECHANISM {settings.kafka_sasl_mechanism!r}")
+        security = mechanism(username=settings.kafka_sasl_username or "", password=settings.kafka_sasl_password or "", ssl_context=context)
+    elif protocol == "SSL":
+        from faststream.security import BaseSecurity
+
+        security = BaseSecurity(ssl_context=context)
+    logger = logging.getLogger("rlens.kafka")
+    logger.setLevel(log_level)
+    return KafkaBroker(settings.kafka_bootstrap, security=security, logger=logger, log_level=logging.DEBUG, max_batch_size=16 * 1024 * 1024)
+
+
+async def keep_bytes(message: Any) -> Any:
+    """FastStream decoder: the raw body (a list of bodies for batch subscribers)."""
+    return message.body
+
+
+def parse_or_dead_letter(model: type[M], record: Any, consumer: str) -> M | DeadLetter:
+    """Parse one consumer record's value as ``model``; what does not parse becomes a dead letter with the reason."""
+    value: bytes = record.value or b""
+    try:
+        return model.model_validate_json(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        reason = f"invalid JSON: {first['msg']}" if first["type"] == "json_invalid" else f"not a valid {model.__name__}: {where}: {first['msg']}"
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+        reason = f"unreadable {model.__name__}: {exc}"
+    return dead_letter(record, reason, consumer)
+
+
+def dead_letter(record: Any, reason: str, consumer: str) -> DeadLetter:
+    """A dead letter for a consumer record (anything with topic, partition, offset, key and value)."""
+    return DeadLetter(
+        topic=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        key_b64=base64.b64encode(record.key).decode() if record.key is not None else None,
+        value_b64=base64.b64encode(record.value or b"").decode(),
+        reason=reason[:2000],
+        consumer=consumer,
+        at=time.time(),
+    )
+
+
+async def publish(broker: KafkaBroker, topic: str, messages: list[Message]) -> None:
+    """Publish every message, keyed by its query id where it has one, and wait until the broker confirmed them all."""
+    await asyncio.gather(*(broker.publish(m.model_dump_json().encode(), topic, key=_key(m)) for m in messages))
+
+
+def _key(message: Message) -> bytes | None:
+    query_id = getattr(message, "query_id", None)
+    return query_id.encode() if query_id else None
+
+
+async def ensure_topics(settings: Settings, partitions: int = 4) -> None:
+    """Create the service's topics (``queries`` with ``partitions`` partitions, so workers can share them)."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.errors import TopicAlreadyExistsError
+
+    topics = Topics.from_settings(settings)
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        wanted = [NewTopic(t, partitions if t == topics.queries else 1, 1) for t in vars(topics).values() if t not in existing]
+        if wanted:
+            try:
+                await admin.create_topics(wanted)
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        await admin.close()

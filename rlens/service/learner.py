@@ -1,0 +1,256 @@
+"""The learner: joins ``experience`` with ``feedback`` by query id, updates the Redis windows, runs MAPPO every T
+joined transitions, checkpoints, and publishes each new ``policy`` version.
+
+:class:`LearnerCore` is the logic without a transport; :func:`create_learner_app` wires it to Kafka.
+
+- **Join.** Either half may come first. Unmatched halves wait in bounded maps (``pending_limit``, oldest evicted)
+  and expire after ``pending_ttl_s``. A query id that was joined is remembered (bounded), so duplicated
+  feedback or redelivered experience is ignored. Feedback that can never join (its label is not a choice of the
+  query) goes to the dead-letter topic.
+- **Reward.** The feedback's ``reward`` if given, else the engine's reward for the answer against ``label``.
+- **Windows.** Each join applies the query's outcome to its stream's Redis window, once per query id; while Redis
+  is unreachable the learner retries with backoff and consumes nothing else, so no outcome is lost.
+- **Exactly-once effect across crashes.** A checkpoint holds the engine (weights, optimizer, RNGs, buffer), the
+  pending joins, the recent query ids and, per partition, the offset after the last record it reflects. Kafka
+  offsets are committed only up to a checkpoint's offsets. After a crash the learner restores the newest
+  checkpoint, skips re-delivered records below its offsets, and so neither loses nor re-applies a transition.
+  Checkpoints are taken after every update, every ``checkpoint_every_s`` seconds while records arrive, and on
+  shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from aiokafka.structs import TopicPartition
+from faststream import AckPolicy, FastStream
+from faststream.kafka import KafkaMessage
+from redis.exceptions import RedisError
+
+from rlens.focal.engine import Answer as EngineAnswer
+from rlens.focal.engine import Decision, FocalEngine
+from rlens.messages import DeadLetter, Experience, Feedback, Policy
+from rlens.service.checkpoint import CheckpointStore
+from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish
+from rlens.service.policy import encode_policy
+from rlens.service.windows import RedisWindows
+from rlens.settings import Settings
+
+log = logging.getLogger("rlens.learner")
+
+
+@dataclass
+class LearnerStats:
+    joined: int = 0  # transitions given to the engine
+    duplicates: int = 0  # experience or feedback for a query already joined
+    expired: int = 0  # unmatched halves dropped after pending_ttl_s
+    evicted: int = 0  # unmatched halves dropped because pending_limit was reached
+    invalid_feedback: int = 0
+    updates: int = 0
+    windows_applied: int = 0  # outcomes added to Redis windows (a replay after a crash adds none twice)
+    redis_retries: int = 0
+    last_update: dict | None = None
+
+
+class LearnerCore:
+    def __init__(self, engine: FocalEngine, models: list[str], windows: RedisWindows, checkpoints: CheckpointStore,
+                 pending_limit: int = 100_000, pending_ttl_s: float = 3600.0, done_limit: int = 200_000):
+        self.engine, self.models, self.windows, self.checkpoints = engine, models, windows, checkpoints
+        self.pending_limit, self.pending_ttl_s, self.done_limit = pending_limit, pending_ttl_s, done_limit
+        self.version = 0
+        self.offsets: dict[str, int] = {}  # "topic:partition" -> offset after the last record reflected in the state
+        self.checkpointed_offsets: dict[str, int] = {}  # the same, as of the newest checkpoint (what Kafka may commit)
+        self.experience: OrderedDict[str, tuple[float, Experience]] = OrderedDict()
+        self.feedback: OrderedDict[str, tuple[float, Feedback, dict]] = OrderedDict()  # + its record, as a dead letter would hold it
+        self.done: OrderedDict[str, float] = OrderedDict()
+        self.stats = LearnerStats()
+        self.name = f"{socket.gethostname()}-{os.getpid()}"
+        self.last_checkpoint = time.monotonic()
+        restored = checkpoints.load_latest(engine)
+        if restored is not None:
+            self._restore(restored)
+
+    # --- state ------------------------------------------------------------------------------------------------
+    def _restore(self, state: dict) -> None:
+        self.version = state["version"]
+        self.offsets = dict(state["offsets"])
+        self.checkpointed_offsets = dict(state["offsets"])
+        self.experience = OrderedDict((q, (t, Experience.model_validate(e))) for q, t, e in state["experience"])
+        self.feedback = OrderedDict((q, (t, Feedback.model_validate(f), r)) for q, t, f, r in state["feedback"])
+        self.done = OrderedDict(state["done"])
+        self.stats = LearnerStats(**state["stats"])
+        log.info("resumed from checkpoint v%d (%d joined)", self.version, self.stats.joined)
+
+    def checkpoint(self) -> None:
+        state = {
+            "offsets": self.offsets,
+            "experience": [[q, t, e.model_dump()] for q, (t, e) in self.experience.items()],
+            "feedback": [[q, t, f.model_dump(), r] for q, (t, f, r) in self.feedback.items()],
+            "done": list(self.done.items()),
+            "stats": asdict(self.stats),
+        }
+        self.checkpoints.save(self.engine, self.version, state)
+        self.checkpointed_offsets = dict(self.offsets)
+        self.last_checkpoint = time.monotonic()
+
+    def already_seen(self, record) -> bool:
+        """True for a record the state already reflects (re-delivered after a restart); else mark it seen."""
+        key = f"{record.topic}:{record.partition}"
+        if record.offset < self.offsets.get(key, 0):
+            return True
+        self.offsets[key] = record.offset + 1
+        return False
+
+    def commit_offsets(self, topic: str) -> dict[TopicPartition, int]:
+        """How far Kafka may commit ``topic``: the newest checkpoint's offsets, never past them."""
+        split = (key.rsplit(":", 1) + [offset] for key, offset in self.checkpointed_offsets.items())
+        return {TopicPartition(t, int(p)): o for t, p, o in split if t == topic}
+
+    def _expire(self, now: float) -> None:
+        for pending in (self.experience, self.feedback):
+            while pending and now - next(iter(pending.values()))[0] > self.pending_ttl_s:
+                pending.popitem(last=False)
+                self.stats.expired += 1
+            while len(pending) > self.pending_limit:
+                pending.popitem(last=False)
+                self.stats.evicted += 1
+
+    # --- records ----------------------------------------------------------------------------------------------
+    async def on_experience(self, experience: Experience) -> tuple[Policy | None, DeadLetter | None]:
+        qid = experience.query_id
+        if qid in self.done or qid in self.experience:
+            self.stats.duplicates += 1
+            return None, None
+        if qid in self.feedback:
+            _, feedback, record = self.feedback.pop(qid)
+            return await self._join(experience, feedback, record)
+        self.experience[qid] = (time.time(), experience)
+        self._expire(time.time())
+        return None, None
+
+    async def on_feedback(self, feedback: Feedback, record) -> tuple[Policy | None, DeadLetter | None]:
+        qid = feedback.query_id
+        if qid in self.done or qid in self.feedback:
+            self.stats.duplicates += 1
+            return None, None
+        coordinates = dead_letter(record, "", "learner").model_dump()
+        if qid in self.experience:
+            _, experience = self.experience.pop(qid)
+            return await self._join(experience, feedback, coordinates)
+        self.feedback[qid] = (time.time(), feedback, coordinates)
+        self._expire(time.time())
+        return None, None
+
+    async def _join(self, experience: Experience, feedback: Feedback, record: dict) -> tuple[Policy | None, DeadLetter | None]:
+        self._remember_done(experience.query_id)
+        if feedback.label is not None and feedback.label >= experience.n_choices:
+            self.stats.invalid_feedback += 1
+            reason = f"label {feedback.label} is not one of query {experience.query_id}'s {experience.n_choices} choices"
+            return None, DeadLetter.model_validate({**record, "reason": reason, "at": time.time()})
+        label = -1 if feedback.label is None else feedback.label
+        pool = np.asarray(experience.pool, dtype=bool)
+        reward = feedback.reward if feedback.reward is not None else self.engine.reward(pool, experience.answer_index == label)
+        await self._apply_window(experience, label, reward)
+        decision = Decision(experience.stream, pool, pool, np.asarray(experience.decider_state, np.float32), np.asarray(experience.critic_state, np.float32), experience.pool_logp)
+        features = np.asarray(experience.fusion_features, np.float32)
+        self.engine.remember(decision, EngineAnswer(experience.answer_index, np.zeros(len(features)), features, experience.answer_logp), reward)
+        self.stats.joined += 1
+        if len(self.engine.buffer) >= self.engine.cfg.update_period:
+            return self.update(), None
+        return None, None
+
+    def _remember_done(self, query_id: str) -> None:
+        self.done[query_id] = time.time()
+        while len(self.done) > self.done_limit:
+            self.done.popitem(last=False)
+
+    async def _apply_window(self, experience: Experience, label: int, reward: float) -> None:
+        delay = 0.05
+        while True:
+            try:
+                if await self.windows.apply(experience.stream, experience.query_id, experience.predictions, label, reward):
+                    self.stats.windows_applied += 1
+                return
+            except (RedisError, OSError) as exc:
+                self.stats.redis_retries += 1
+                log.warning("Redis unreachable (%s); retrying in %.2f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+
+    def update(self) -> Policy:
+        """One MAPPO update on the buffered transitions, a checkpoint, and the new policy version to publish."""
+        self.stats.last_update = self.engine.update()
+        self.stats.updates += 1
+        self.version += 1
+        self.checkpoint()
+        return encode_policy(self.engine, self.version, self.models)
+
+    def current_policy(self) -> Policy:
+        return encode_policy(self.engine, self.version, self.models)
+
+
+def create_learner_app(settings: Settings, core: LearnerCore, checkpoint_every_s: float = 30.0) -> FastStream:
+    """Subscribers on ``experience`` and ``feedback`` (one group, manual commits up to the checkpointed offsets)."""
+    topics = Topics.from_settings(settings)
+    broker = make_broker(settings)
+    options = {
+        "group_id": settings.learner_group, "batch": True, "max_records": 256, "batch_timeout_ms": 20, "auto_offset_reset": "earliest",
+        "ack_policy": AckPolicy.MANUAL, "decoder": keep_bytes,
+        "session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms,
+    }
+    committed: dict[str, int] = {}  # topic -> version last committed for it
+    lock = asyncio.Lock()  # the two subscribers run as separate tasks; the core is not re-entrant
+
+    async def handle(message: KafkaMessage, model: type, topic: str) -> None:
+        async with lock:
+            policies, dead = [], []
+            for record in message.raw_message:
+                if core.already_seen(record):
+                    continue
+                parsed = parse_or_dead_letter(model, record, "learner")
+                if isinstance(parsed, DeadLetter):
+                    dead.append(parsed)
+                    continue
+                policy, rejected = await (core.on_experience(parsed) if model is Experience else core.on_feedback(parsed, record))
+                policies += [policy] if policy else []
+                dead += [rejected] if rejected else []
+            if time.monotonic() - core.last_checkpoint > checkpoint_every_s:
+                core.checkpoint()
+            await publish(broker, topics.dead_letter, dead)
+            await publish(broker, topics.policy, policies[-1:])
+            if committed.get(topic) != core.checkpoints.count:
+                offsets = {tp: o for tp, o in core.commit_offsets(topic).items() if tp in message.consumer.assignment()}
+                if offsets:
+                    await message.consumer.commit(offsets)
+                committed[topic] = core.checkpoints.count
+
+    @broker.subscriber(topics.experience, **options)
+    async def on_experience(bodies: list[bytes], message: KafkaMessage) -> None:
+        await handle(message, Experience, topics.experience)
+
+    @broker.subscriber(topics.feedback, **options)
+    async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
+        await handle(message, Feedback, topics.feedback)
+
+    app = FastStream(broker)
+
+    @app.after_startup
+    async def announce() -> None:  # workers that start after a learner restart get the current policy at once
+        if core.version > 0:
+            await publish(broker, topics.policy, [core.current_policy()])
+        await core.windows.mark_ready("learner", core.name)
+
+    @app.on_shutdown
+    async def final_checkpoint() -> None:
+        async with lock:
+            core.checkpoint()
+        await core.windows.mark_ready("learner", core.name, ready=False)
+
+    return app

@@ -1,0 +1,145 @@
+"""``rlens load``: play a recorded dataset as live traffic and measure the service from the outside.
+
+Queries go out at ``rate`` per second in stream order (stream key = task name, ``reference_id`` = question index,
+so the ``replay`` backend can answer them; prompt and choices from ``questions.jsonl`` when the dataset has it).
+When a query's first answer arrives, its feedback (the correct choice) is sent ``feedback_delay_s`` later.
+Answers are counted once per query id (duplicates are counted apart). The run ends when every query is answered
+and every feedback sent, or when no answer came for ``idle_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from pydantic import ValidationError
+
+from rlens.dataset import RecordedDataset
+from rlens.messages import Answer, Feedback, Query
+from rlens.service.kafka import Topics
+from rlens.settings import Settings
+
+
+@dataclass
+class LoadReport:
+    sent: int = 0
+    answered: int = 0
+    correct: int = 0
+    duplicates: int = 0
+    no_answer: int = 0  # answers with answer_index -1 (no model answered)
+    feedback_sent: int = 0
+    latencies_ms: list[float] = field(default_factory=list)  # send -> answer received
+    outcomes: list[bool] = field(default_factory=list)  # in arrival order
+    per_task: dict[str, list[int]] = field(default_factory=dict)  # task -> [correct, answered]
+    policy_versions: set[int] = field(default_factory=set)
+    elapsed_s: float = 0.0
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / max(self.answered, 1)
+
+    def recent_accuracy(self, last: int = 200) -> float:
+        window = self.outcomes[-last:]
+        return sum(window) / max(len(window), 1)
+
+    def latency_percentile(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
+
+
+def queries_of(dataset: RecordedDataset, prompts: list[tuple[str, list[str]]] | None, run_id: str) -> list[tuple[Query, int]]:
+    """(query, label position among its choices) for every question, in stream order."""
+    out = []
+    for i in range(dataset.n_questions):
+        valid = np.flatnonzero(dataset.choice_mask[i])
+        prompt, choices = prompts[i] if prompts else (f"question {i}", [chr(ord("A") + k) if k < 26 else f"choice {k}" for k in range(len(valid))])
+        query = Query(query_id=f"{run_id}-{i}", stream=dataset.task_name(dataset.task[i]), prompt=prompt, choices=choices, reference_id=str(i))
+        out.append((query, int(np.searchsorted(valid, dataset.labels[i]))))
+    return out
+
+
+async def play(
+    settings: Settings,
+    traffic: list[tuple[Query, int]],
+    rate: float,
+    feedback_delay_s: float = 0.0,
+    idle_timeout_s: float = 60.0,
+    on_answer: Callable[[LoadReport], None] = lambda report: None,
+) -> LoadReport:
+    topics = Topics.from_settings(settings)
+    report = LoadReport()
+    labels = {q.query_id: (label, q.stream) for q, label in traffic}
+    sent_at: dict[str, float] = {}
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, linger_ms=5)
+    consumer = AIOKafkaConsumer(topics.answers, bootstrap_servers=settings.kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
+    await producer.start()
+    await consumer.start()
+    feedback_tasks: list[asyncio.Task] = []
+    start = time.perf_counter()
+
+    async def send_feedback(query_id: str, label: int) -> None:
+        await asyncio.sleep(feedback_delay_s)
+        await producer.send_and_wait(topics.feedback, Feedback(query_id=query_id, label=label).model_dump_json().encode(), key=query_id.encode())
+        report.feedback_sent += 1
+
+    async def send_queries() -> None:
+        for i, (query, _) in enumerate(traffic):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            now = time.time()
+            sent_at[query.query_id] = time.perf_counter()
+            await producer.send(topics.queries, query.model_copy(update={"sent_at": now}).model_dump_json().encode(), key=query.query_id.encode())
+            report.sent += 1
+        await producer.flush()
+
+    sender = asyncio.create_task(send_queries())
+    answered: set[str] = set()
+    last_progress = time.perf_counter()
+    try:
+        while len(answered) < len(traffic) and time.perf_counter() - last_progress < idle_timeout_s:
+            batch = await consumer.getmany(timeout_ms=200)
+            for records in batch.values():
+                for record in records:
+                    try:
+                        answer = Answer.model_validate_json(record.value)
+                    except ValidationError:
+                        continue
+                    if answer.query_id not in labels:
+                        continue  # another run's answer
+                    if answer.query_id in answered:
+                        report.duplicates += 1
+                        continue
+                    answered.add(answer.query_id)
+                    last_progress = time.perf_counter()
+                    label, stream = labels[answer.query_id]
+                    correct = answer.answer_index == label
+                    report.answered += 1
+                    report.correct += correct
+                    report.no_answer += answer.answer_index < 0
+                    report.outcomes.append(correct)
+                    report.per_task.setdefault(stream, [0, 0])
+                    report.per_task[stream][0] += correct
+                    report.per_task[stream][1] += 1
+                    report.policy_versions.add(answer.policy_version)
+                    report.latencies_ms.append(1000 * (time.perf_counter() - sent_at.get(answer.query_id, time.perf_counter())))
+                    feedback_tasks.append(asyncio.create_task(send_feedback(answer.query_id, label)))
+                    on_answer(report)
+            if sender.done() and sender.exception():
+                raise sender.exception()
+        await sender
+        await asyncio.gather(*feedback_tasks)
+    finally:
+        sender.cancel()
+        await consumer.stop()
+        await producer.stop()
+    report.elapsed_s = time.perf_counter() - start
+    return report
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:8]

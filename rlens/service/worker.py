@@ -1,0 +1,194 @@
+"""The ensemble worker: ``queries`` → windows from Redis → Decider → only the chosen backends → Fusion →
+``answers`` + ``experience``.
+
+:class:`WorkerCore` is the whole logic without a transport (tests drive it directly); :func:`create_worker_app`
+wires it to Kafka with FastStream. A batch of queries is parsed (what does not parse goes to the dead-letter
+topic with the reason), the windows of its streams are read from Redis in one round trip (if Redis is down, the
+windows are cold and the worker keeps answering), the pools are chosen, every query's pool is called concurrently
+(:class:`rlens.ensemble.PoolCaller`: failures become records), and the answers are fused. Outputs are published
+before the batch's offsets are committed (at-least-once; answers are keyed and idempotent by query id), so a
+worker killed mid-batch leaves its batch to be answered again by the group.
+
+Policy weights arrive on the ``policy`` topic. A newer version is verified (:func:`decode_policy`) when it
+arrives and swapped in between batches, never during one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from faststream import AckPolicy, FastStream
+from faststream.kafka import KafkaMessage
+from redis.exceptions import RedisError
+
+from rlens.backends.base import Backend, ChoiceQuery
+from rlens.ensemble import PoolCaller
+from rlens.focal.engine import FocalEngine
+from rlens.messages import Answer, DeadLetter, Experience, ModelFailureRecord, Policy, Query
+from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish
+from rlens.service.policy import PolicyError, decode_policy
+from rlens.service.windows import RedisWindows
+from rlens.settings import Settings
+
+log = logging.getLogger("rlens.worker")
+
+
+@dataclass
+class BatchOutput:
+    answers: list[Answer] = field(default_factory=list)
+    experience: list[Experience] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+
+
+@dataclass
+class WorkerStats:
+    answered: int = 0
+    dead_lettered: int = 0
+    no_model_answered: int = 0
+    cold_window_batches: int = 0  # batches answered with cold windows because Redis was unreachable
+    policies_loaded: int = 0
+    policies_rejected: int = 0
+
+
+class WorkerCore:
+    def __init__(self, engine: FocalEngine, models: list[str], backends: dict[str, Backend], windows: RedisWindows, deadline_s: float = 60.0, name: str | None = None):
+        if list(backends) != models:
+            raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
+        self.engine, self.models, self.windows = engine, models, windows
+        self.caller = PoolCaller(backends, deadline_s=deadline_s, max_workers=max(16, 4 * len(models)))
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.policy_version = 0
+        self._next_policy: tuple[int, dict] | None = None
+        self.stats = WorkerStats()
+
+    # --- policy -----------------------------------------------------------------------------------------------
+    def receive_policy(self, policy: Policy) -> None:
+        """Verify a policy now; it is loaded before the next batch. Older or equal versions are ignored."""
+        newest = max(self.policy_version, self._next_policy[0] if self._next_policy else 0)
+        if policy.version <= newest:
+            return
+        try:
+            self._next_policy = (policy.version, decode_policy(policy, self.engine, self.models))
+        except PolicyError as exc:
+            self.stats.policies_rejected += 1
+            log.error("rejected %s", exc)
+
+    def _swap_policy(self) -> None:
+        if self._next_policy is not None:
+            version, tensors = self._next_policy
+            self.engine.load_policy_state(tensors)
+            self.policy_version, self._next_policy = version, None
+            self.stats.policies_loaded += 1
+
+    # --- queries ----------------------------------------------------------------------------------------------
+    async def handle(self, queries: list[Query]) -> BatchOutput:
+        """Answer a batch of parsed queries (open-ended ones are dead-lettered by the caller)."""
+        self._swap_policy()
+        out = BatchOutput()
+        started = time.perf_counter()
+        streams = sorted({q.stream for q in queries})
+        try:
+            self.engine.windows = await self.windows.load(streams)
+        except (RedisError, OSError) as exc:
+            self.stats.cold_window_batches += 1
+            log.warning("Redis unreachable (%s): answering with cold windows", exc)
+            self.engine.reset_windows()
+        cfg = self.engine.cfg
+        decisions = []
+        for q in queries:
+            probe = cfg.probe_rate > 0 and self.engine.rng.random() < cfg.probe_rate
+            decisions.append(self.engine.decide(q.stream, len(q.choices), greedy=cfg.online_greedy, probe=probe)[0])
+        calls = await asyncio.gather(*(asyncio.to_thread(self.caller.score, self._choice_query(q), d.called) for q, d in zip(queries, decisions)))
+        for q, decision, answers in zip(queries, decisions, calls):
+            self._answer(q, decision, answers, started, out)
+        return out
+
+    @staticmethod
+    def _choice_query(q: Query) -> ChoiceQuery:
+        return ChoiceQuery(id=q.reference_id or q.query_id, prompt=q.prompt, choices=q.choices)
+
+    def _answer(self, q: Query, decision, answers, started: float, out: BatchOutput) -> None:
+        names = np.array(self.models)
+        fused_pool = decision.pool & answers.answered
+        failures = [ModelFailureRecord(model=f.model, reason=f.reason) for f in answers.failures]
+        if not fused_pool.any() and answers.answered.any():
+            fused_pool = answers.answered.copy()  # the pool failed but a probed model answered: better than nothing
+        common = {
+            "query_id": q.query_id, "stream": q.stream, "chosen_models": names[decision.pool].tolist(),
+            "answered_models": names[fused_pool].tolist(), "called_models": names[decision.called].tolist(),
+            "failures": failures, "policy_version": self.policy_version, "worker": self.name,
+        }
+        if not fused_pool.any():
+            self.stats.no_model_answered += 1
+            latency = 1000 * (time.perf_counter() - started)
+            out.answers.append(Answer(answer="", answer_index=-1, distribution=[], latency_ms=latency, **common))
+            return
+        answer = self.engine.fuse(replace(decision, pool=fused_pool), answers.probs, greedy=self.engine.cfg.online_greedy)
+        predictions = np.where(answers.answered, answers.probs.argmax(1), -1)
+        latency = 1000 * (time.perf_counter() - started)
+        out.answers.append(Answer(answer=q.choices[answer.answer], answer_index=answer.answer, distribution=answer.distribution.tolist(), latency_ms=latency, **common))
+        out.experience.append(
+            Experience(
+                query_id=q.query_id, stream=q.stream, policy_version=self.policy_version, n_choices=len(q.choices),
+                decider_state=decision.state.tolist(), critic_state=decision.critic_state.tolist(), pool=decision.pool.tolist(),
+                pool_logp=decision.pool_logp, predictions=predictions.tolist(),
+                fusion_features=answer.features.tolist(), answer_index=answer.answer, answer_logp=answer.answer_logp,
+            )
+        )
+        self.stats.answered += 1
+
+
+def create_worker_app(settings: Settings, core: WorkerCore) -> FastStream:
+    """The worker's FastStream app: a batch subscriber on ``queries`` (consumer group) and one on ``policy``."""
+    topics = Topics.from_settings(settings)
+    broker = make_broker(settings)
+    consumer = f"worker {core.name}"
+    group = {"session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms}
+
+    @broker.subscriber(
+        topics.queries, group_id=settings.worker_group, batch=True, max_records=settings.worker_batch, batch_timeout_ms=20,
+        auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR, decoder=keep_bytes, **group,
+    )
+    async def on_queries(bodies: list[bytes], message: KafkaMessage) -> None:
+        queries, dead = [], []
+        for record in message.raw_message:
+            parsed = parse_or_dead_letter(Query, record, consumer)
+            if isinstance(parsed, DeadLetter):
+                dead.append(parsed)
+            elif parsed.choices is None:
+                dead.append(dead_letter(record, "open-ended query (no choices): the rl_focal worker answers multiple-choice queries only", consumer))
+            else:
+                queries.append(parsed)
+        out = await core.handle(queries) if queries else BatchOutput()
+        out.dead_letters.extend(dead)
+        core.stats.dead_lettered += len(dead)
+        await publish(broker, topics.answers, out.answers)
+        await publish(broker, topics.experience, out.experience)
+        await publish(broker, topics.dead_letter, out.dead_letters)
+        # returning acks the batch: its offsets are committed only now, after every output was confirmed
+
+    @broker.subscriber(topics.policy, auto_offset_reset="earliest", decoder=keep_bytes)
+    async def on_policy(body: bytes, message: KafkaMessage) -> None:
+        parsed = parse_or_dead_letter(Policy, message.raw_message, consumer)
+        if isinstance(parsed, DeadLetter):
+            await publish(broker, topics.dead_letter, [parsed])
+        else:
+            core.receive_policy(parsed)
+
+    app = FastStream(broker)
+
+    @app.after_startup
+    async def ready() -> None:
+        await core.windows.mark_ready("worker", core.name)
+
+    @app.on_shutdown
+    async def leaving() -> None:
+        await core.windows.mark_ready("worker", core.name, ready=False)
+
+    return app

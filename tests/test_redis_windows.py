@@ -1,0 +1,92 @@
+"""Redis windows against a real redis-server: rows round-trip into OutcomeWindow, updates apply once per query,
+windows are bounded and expire, concurrent updates from many clients lose nothing."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from redis.asyncio import Redis
+
+from rlens.focal.window import OutcomeWindow
+from rlens.service.local import LocalRedis
+from rlens.service.windows import RedisWindows
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    server = LocalRedis()
+    yield server.url
+    server.stop()
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+async def fresh(url: str, **options) -> tuple[Redis, RedisWindows]:
+    redis = Redis.from_url(url)
+    await redis.flushdb()
+    return redis, RedisWindows(redis, n_models=3, size=4, **options)
+
+
+def test_rows_round_trip_into_the_same_window_as_in_memory(redis_url):
+    async def scenario():
+        redis, windows = await fresh(redis_url)
+        reference = OutcomeWindow(3, 4)
+        rows = [([0, 1, -1], 0, 0.9), ([1, 1, 2], 1, 0.8), ([2, -1, 2], -1, -1.0), ([0, 0, 0], 0, 1.0), ([1, 2, 1], 1, 0.5)]
+        for i, (predictions, label, reward) in enumerate(rows):
+            assert await windows.apply("task-a", f"q{i}", predictions, label, reward)
+            reference.push(np.array(predictions), label, reward)
+        loaded = (await windows.load(["task-a", "task-b"]))
+        window, empty = loaded["task-a"], loaded["task-b"]
+        assert window.n_rows == 4 and empty.n_rows == 0  # bounded to W; a missing key is a cold window
+        np.testing.assert_allclose(window.reliability(), reference.reliability())
+        assert window.recent_reward(4) == pytest.approx(reference.recent_reward(4))
+        assert await redis.llen(windows.window_key("task-a")) == 4
+        await redis.aclose()
+
+    run(scenario())
+
+
+def test_an_outcome_applies_once_per_query(redis_url):
+    async def scenario():
+        redis, windows = await fresh(redis_url)
+        assert await windows.apply("s", "q1", [0, 0, 0], 0, 1.0)
+        assert not await windows.apply("s", "q1", [0, 0, 0], 0, 1.0)
+        assert await windows.apply("s", "q2", [1, 0, 0], 0, 1.0)
+        assert await redis.llen(windows.window_key("s")) == 2
+        with pytest.raises(ValueError, match="pool has 3"):
+            await windows.apply("s", "q3", [0, 0], 0, 1.0)
+        await redis.aclose()
+
+    run(scenario())
+
+
+def test_keys_expire(redis_url):
+    async def scenario():
+        redis, windows = await fresh(redis_url, window_ttl_s=100, dedup_ttl_s=50)
+        await windows.apply("s", "q1", [0, 0, 0], 0, 1.0)
+        assert 90 <= await redis.ttl(windows.window_key("s")) <= 100
+        assert 40 <= await redis.ttl(windows.applied_key("s", "q1")) <= 50
+        await redis.aclose()
+
+    run(scenario())
+
+
+def test_concurrent_duplicated_updates_from_many_clients(redis_url):
+    async def scenario():
+        redis, _ = await fresh(redis_url)
+        clients = [Redis.from_url(redis_url) for _ in range(4)]
+        writers = [RedisWindows(c, n_models=3, size=1000) for c in clients]
+
+        async def apply_all(writer: RedisWindows) -> list[bool]:
+            return [await writer.apply("s", f"q{i}", [i % 3, 0, 0], i % 3, 1.0) for i in range(200)]
+
+        # 4 clients apply the same 200 outcomes at the same time: every one lands exactly once
+        results = await asyncio.gather(*(apply_all(w) for w in writers))
+        assert sum(map(sum, results)) == 200
+        assert await redis.llen(writers[0].window_key("s")) == 200
+        for c in [*clients, redis]:
+            await c.aclose()
+
+    run(scenario())
