@@ -202,6 +202,66 @@ def learner(
 
 
 @app.command()
+def up(
+    pool: Path | None = POOL,
+    replay: Path = typer.Option(settings().demo_data, help="without --pool: serve this recorded dataset's models (replay backends)"),
+    workers: int = typer.Option(2, min=1, help="worker processes (one consumer group)"),
+    partitions: int = typer.Option(4, min=1, help="partitions of the queries topic"),
+    workdir: Path = typer.Option(Path("out/up"), help="logs, the pool file and the learner's checkpoints"),
+    warm_start: Path | None = typer.Option(None, help="dataset to warm-start the learner from (first start only)"),
+    broker_port: int = typer.Option(9092, help="port of the embedded broker (when RLENS_KAFKA_BOOTSTRAP is not set)"),
+) -> None:
+    """Run the whole service here: a Kafka-protocol broker, Redis, the learner and N workers (Ctrl-C stops it).
+
+    RLENS_KAFKA_BOOTSTRAP and RLENS_REDIS_URL point it at real ones instead of starting them. Without RLENS_REDIS_URL
+    it uses the Redis at 127.0.0.1:6379 if one answers, else starts its own.
+    """
+    import signal
+    import time
+
+    from redis import Redis
+    from redis.exceptions import RedisError
+
+    from rlens.service.stack import LocalStack, write_replay_pool
+
+    s = settings()
+    kafka = os.environ.get("RLENS_KAFKA_BOOTSTRAP")
+    redis_url = os.environ.get("RLENS_REDIS_URL")
+    if redis_url is None:
+        try:
+            Redis.from_url(s.redis_url, socket_connect_timeout=0.5).ping()
+            redis_url = s.redis_url
+        except RedisError:
+            pass
+    try:
+        pool_file = pool or write_replay_pool(replay, workdir / "pool.json")
+        stack = LocalStack(s.model_copy(update={"pool_file": pool_file.resolve()}), workdir, partitions, kafka, redis_url, broker_port)
+    except (DatasetError, RuntimeError, FileNotFoundError) as exc:
+        fail(str(exc))
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        stack.start_learner(*(["--warm-start", str(warm_start)] if warm_start else []))
+        for _ in range(workers):
+            stack.start_worker()
+        with console.status("starting the learner and the workers"):
+            stack.wait_ready(180)
+        console.print(f"[bold green]rlens is up[/]: Kafka {stack.settings.kafka_bootstrap}, Redis {stack.settings.redis_url}, pool {pool_file}, {workers} workers; logs in {workdir}")
+        console.print(f"send traffic with: RLENS_KAFKA_BOOTSTRAP={stack.settings.kafka_bootstrap} rlens load --rate 50")
+        while not stop:
+            time.sleep(1)
+            for what in stack.restart_crashed():
+                console.print(f"[yellow]restarted[/] {what}")
+    except KeyboardInterrupt:
+        pass
+    except (RuntimeError, TimeoutError) as exc:
+        stack.stop()
+        fail(str(exc))
+    console.print("stopping (workers drain and commit, the learner checkpoints)")
+    stack.stop()
+
+
+@app.command()
 def load(
     data: Path = typer.Option(settings().demo_data, "--data", help="dataset to play as traffic (default: the bundled stream)"),
     rate: float = typer.Option(100.0, min=0.001, help="queries per second"),

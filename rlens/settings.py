@@ -30,6 +30,7 @@ class Settings(BaseSettings):
     topic_prefix: str = Field("rlens.", description="topic names are this prefix + queries, answers, feedback, experience, policy, dead-letter")
     kafka_session_timeout_ms: int = Field(10_000, ge=1000, description="consumer-group session timeout")
     kafka_heartbeat_ms: int = Field(3_000, ge=100, description="consumer-group heartbeat interval")
+    kafka_fetch_max_wait_ms: int = Field(20, ge=0, description="how long a fetch waits for data (bounds the latency added by polling)")
     # streaming service: Redis windows
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for the sliding windows (redis://user:password@host:port/db, rediss:// for TLS)")
     redis_prefix: str = Field("rlens", description="prefix of every Redis key")

@@ -204,6 +204,7 @@ def create_learner_app(settings: Settings, core: LearnerCore, checkpoint_every_s
         "group_id": settings.learner_group, "batch": True, "max_records": 256, "batch_timeout_ms": 20, "auto_offset_reset": "earliest",
         "ack_policy": AckPolicy.MANUAL, "decoder": keep_bytes,
         "session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms,
+        "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
     }
     committed: dict[str, int] = {}  # topic -> version last committed for it
     lock = asyncio.Lock()  # the two subscribers run as separate tasks; the core is not re-entrant

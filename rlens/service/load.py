@@ -75,7 +75,9 @@ async def play(
     labels = {q.query_id: (label, q.stream) for q, label in traffic}
     sent_at: dict[str, float] = {}
     producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, linger_ms=5)
-    consumer = AIOKafkaConsumer(topics.answers, bootstrap_servers=settings.kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(
+        topics.answers, bootstrap_servers=settings.kafka_bootstrap, group_id=None, auto_offset_reset="earliest", fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+    )
     await producer.start()
     await consumer.start()
     feedback_tasks: list[asyncio.Task] = []

@@ -34,10 +34,10 @@ def write_replay_pool(dataset_dir: Path, path: Path) -> Path:
 
 
 class LocalStack:
-    def __init__(self, settings: Settings, workdir: Path, partitions: int = 4, kafka_bootstrap: str | None = None, redis_url: str | None = None):
+    def __init__(self, settings: Settings, workdir: Path, partitions: int = 4, kafka_bootstrap: str | None = None, redis_url: str | None = None, broker_port: int | None = None):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.broker = None if kafka_bootstrap else LocalBroker()
+        self.broker = None if kafka_bootstrap else LocalBroker(broker_port)
         self.redis = None if redis_url else LocalRedis()
         self.settings = settings.model_copy(update={
             "kafka_bootstrap": kafka_bootstrap or self.broker.bootstrap,
@@ -63,8 +63,21 @@ class LocalStack:
         return process
 
     def start_learner(self, *args: str) -> subprocess.Popen:
+        self.learner_args = args
         self.learner = self._spawn("learner", "learner.log", *args)
         return self.learner
+
+    def restart_crashed(self) -> list[str]:
+        """Start a new process for each one that exited; what was restarted, with exit codes."""
+        restarted = []
+        if self.learner is not None and self.learner.poll() is not None:
+            restarted.append(f"learner (exit {self.learner.returncode})")
+            self.start_learner(*self.learner_args)
+        for i, process in enumerate(self.workers):
+            if process.poll() is not None:
+                restarted.append(f"worker {i} (exit {process.returncode})")
+                self.workers[i] = self._spawn("worker", f"worker-{i}.log")
+        return restarted
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Wait until every running service process has marked itself ready in Redis (its groups joined)."""

@@ -149,7 +149,7 @@ def create_worker_app(settings: Settings, core: WorkerCore) -> FastStream:
     topics = Topics.from_settings(settings)
     broker = make_broker(settings)
     consumer = f"worker {core.name}"
-    group = {"session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms}
+    group = {"session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms, "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms}
 
     @broker.subscriber(
         topics.queries, group_id=settings.worker_group, batch=True, max_records=settings.worker_batch, batch_timeout_ms=20,
@@ -173,7 +173,7 @@ def create_worker_app(settings: Settings, core: WorkerCore) -> FastStream:
         await publish(broker, topics.dead_letter, out.dead_letters)
         # returning acks the batch: its offsets are committed only now, after every output was confirmed
 
-    @broker.subscriber(topics.policy, auto_offset_reset="earliest", decoder=keep_bytes)
+    @broker.subscriber(topics.policy, auto_offset_reset="earliest", decoder=keep_bytes, fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms)
     async def on_policy(body: bytes, message: KafkaMessage) -> None:
         parsed = parse_or_dead_letter(Policy, message.raw_message, consumer)
         if isinstance(parsed, DeadLetter):

@@ -1,0 +1,207 @@
+"""The worker and learner cores without Kafka, against a real redis-server and real replay backends: the join
+(either order, duplicates, invalid labels, expiry, eviction), rewards, exactly-once window updates, checkpoints
+(round trip, resume), policy verification, and answering with cold windows or failing models."""
+
+import asyncio
+import base64
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from redis.asyncio import Redis
+
+from rlens.backends import Backend, BackendError, create_backend
+from rlens.focal.engine import FocalEngine
+from rlens.messages import Experience, Feedback, Query
+from rlens.service.checkpoint import CheckpointStore
+from rlens.service.learner import LearnerCore
+from rlens.service.local import LocalRedis
+from rlens.service.policy import PolicyError, decode_policy, encode_policy
+from rlens.service.windows import RedisWindows
+from rlens.service.worker import WorkerCore
+from rlens.settings import settings
+from rlens.dataset import load_dataset
+from rlens.service.load import queries_of
+
+
+class Record:
+    """A consumer record's coordinates (what the learner keeps of a feedback message)."""
+
+    def __init__(self, offset: int, value: bytes = b"{}"):
+        self.topic, self.partition, self.offset, self.key, self.value = "rlens.feedback", 0, offset, b"k", value
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = LocalRedis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    return load_dataset(settings().demo_data)
+
+
+def windows_for(url: str, n_models: int = 5) -> RedisWindows:
+    return RedisWindows(Redis.from_url(url), n_models, 128)
+
+
+def experience(engine: FocalEngine, qid: str, stream: str = "s", answer: int = 1, n_choices: int = 4) -> Experience:
+    decision = engine.decide(stream, n_choices, greedy=True)[0]
+    probs = np.full((engine.n_models, n_choices), 1 / n_choices)
+    fused = engine.fuse(decision, probs, greedy=True)
+    return Experience(
+        query_id=qid, stream=stream, policy_version=0, n_choices=n_choices, decider_state=decision.state.tolist(),
+        critic_state=decision.critic_state.tolist(), pool=decision.pool.tolist(), pool_logp=decision.pool_logp,
+        predictions=[answer] * engine.n_models, fusion_features=fused.features.tolist(), answer_index=answer, answer_logp=fused.answer_logp,
+    )
+
+
+def learner(tmp_path: Path, url: str, **options) -> LearnerCore:
+    return LearnerCore(FocalEngine(5, seed=0), [f"m{i}" for i in range(5)], windows_for(url), CheckpointStore(tmp_path / "ckpt"), **options)
+
+
+def test_join_in_either_order_ignores_duplicates_and_rewards_correctly(tmp_path, redis_server):
+    async def scenario():
+        await Redis.from_url(redis_server.url).flushdb()
+        core = learner(tmp_path, redis_server.url)
+        worker_engine = FocalEngine(5, seed=0)
+        assert await core.on_experience(experience(worker_engine, "a", answer=1)) == (None, None)
+        await core.on_feedback(Feedback(query_id="a", label=1), Record(0))  # experience first
+        await core.on_feedback(Feedback(query_id="b", label=2), Record(1))  # feedback first
+        await core.on_experience(experience(worker_engine, "b", answer=1))
+        await core.on_feedback(Feedback(query_id="a", label=1), Record(2))  # duplicate feedback
+        await core.on_experience(experience(worker_engine, "b", answer=1))  # redelivered experience
+        await core.on_feedback(Feedback(query_id="c", reward=0.25), Record(3))  # bare reward
+        await core.on_experience(experience(worker_engine, "c"))
+        assert core.stats.joined == 3 and core.stats.duplicates == 2 and core.stats.windows_applied == 3
+        rewards = [t.reward for t in core.engine.buffer]
+        pool_cost = [core.engine.cfg.alpha * core.engine.cost_share[np.asarray(experience(worker_engine, "x").pool)].sum()] * 2
+        assert rewards[0] == pytest.approx(1 - pool_cost[0]) and rewards[1] == pytest.approx(-1 - pool_cost[1]) and rewards[2] == 0.25
+        window = (await core.windows.load(["s"]))["s"]
+        assert window.n_rows == 3 and list(window.labels[:3]) == [1, 2, -1]
+
+    asyncio.run(scenario())
+
+
+def test_feedback_with_a_label_outside_the_choices_is_dead_lettered(tmp_path, redis_server):
+    async def scenario():
+        core = learner(tmp_path, redis_server.url)
+        await core.on_feedback(Feedback(query_id="z", label=7), Record(5, b'{"query_id": "z", "label": 7}'))
+        policy, dead = await core.on_experience(experience(FocalEngine(5, seed=0), "z", n_choices=4))
+        assert policy is None and "label 7 is not one of query z's 4 choices" in dead.reason
+        assert base64.b64decode(dead.value_b64) == b'{"query_id": "z", "label": 7}' and dead.offset == 5
+        assert core.stats.joined == 0 and core.stats.invalid_feedback == 1
+
+    asyncio.run(scenario())
+
+
+def test_pending_halves_expire_and_are_bounded(tmp_path, redis_server):
+    async def scenario():
+        core = learner(tmp_path, redis_server.url, pending_limit=3, pending_ttl_s=3600)
+        engine = FocalEngine(5, seed=0)
+        for i in range(5):
+            await core.on_experience(experience(engine, f"e{i}"))
+        assert list(core.experience) == ["e2", "e3", "e4"] and core.stats.evicted == 2
+        core.pending_ttl_s = 0.0
+        await core.on_feedback(Feedback(query_id="late", label=0), Record(9))
+        assert not core.experience and not core.feedback and core.stats.expired == 4
+
+    asyncio.run(scenario())
+
+
+def test_an_update_every_T_checkpoints_and_publishes_a_verified_policy(tmp_path, redis_server):
+    async def scenario():
+        core = learner(tmp_path, redis_server.url)
+        engine = FocalEngine(5, seed=0)
+        policies = []
+        for i in range(core.engine.cfg.update_period):
+            await core.on_experience(experience(engine, f"q{i}"))
+            policy, _ = await core.on_feedback(Feedback(query_id=f"q{i}", label=i % 4), Record(i))
+            policies += [policy] if policy else []
+        assert [p.version for p in policies] == [1] and core.stats.updates == 1 and not core.engine.buffer
+        tensors = decode_policy(policies[0], engine, core.models)
+        assert all(torch.equal(tensors[k], v) for k, v in core.engine.policy_state().items())
+        assert (tmp_path / "ckpt" / "LATEST").read_text().startswith("v00000001")
+
+    asyncio.run(scenario())
+
+
+def test_checkpoint_round_trip_resumes_exactly(tmp_path, redis_server):
+    async def scenario():
+        core = learner(tmp_path, redis_server.url)
+        engine = FocalEngine(5, seed=0)
+        for i in range(70):  # one update at 64, then 6 transitions in the buffer
+            await core.on_experience(experience(engine, f"q{i}"))
+            core.already_seen(Record(i))
+            await core.on_feedback(Feedback(query_id=f"q{i}", label=1), Record(i))
+        await core.on_experience(experience(engine, "pending"))
+        core.checkpoint()
+        resumed = learner(tmp_path, redis_server.url)
+        assert resumed.version == 1 and resumed.stats == core.stats and resumed.offsets == {"rlens.feedback:0": 70}
+        assert list(resumed.experience) == ["pending"] and len(resumed.engine.buffer) == 6 and "q5" in resumed.done
+        assert all(torch.equal(resumed.engine.policy_state()[k], v) for k, v in core.engine.policy_state().items())
+        a, b = core.engine.optimizer.state_dict(), resumed.engine.optimizer.state_dict()
+        assert all(torch.equal(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"]) and float(a["state"][i]["step"]) == float(b["state"][i]["step"]) for i in a["state"])
+        assert resumed.already_seen(Record(69)) and not resumed.already_seen(Record(70))
+        assert core.engine.update() == pytest.approx(resumed.engine.update())  # same buffer, weights, optimizer, RNG
+
+    asyncio.run(scenario())
+
+
+def test_policies_are_verified_before_loading():
+    engine, models = FocalEngine(3, seed=0), ["a", "b", "c"]
+    good = encode_policy(FocalEngine(3, seed=1), 2, models)
+    assert set(decode_policy(good, engine, models)) == set(engine.policy_state())
+    blob = bytearray(base64.b64decode(good.weights_b64))
+    blob[-1] ^= 0xFF  # one flipped byte in the weights
+    tampered = good.model_copy(update={"weights_b64": base64.b64encode(bytes(blob)).decode()})
+    with pytest.raises(PolicyError, match="SHA-256 mismatch"):
+        decode_policy(tampered, engine, models)
+    with pytest.raises(PolicyError, match="this pool is"):
+        decode_policy(good, engine, ["a", "b", "x"])
+    four_models = encode_policy(FocalEngine(4, seed=0), 2, models + ["d"]).model_copy(update={"models": models})
+    with pytest.raises(PolicyError, match="do not fit this engine"):
+        decode_policy(four_models, engine, models)
+
+
+class Broken(Backend):
+    def score_choices(self, query):
+        raise BackendError("model server is down")
+
+
+def test_worker_answers_with_cold_windows_and_without_failed_models(zoo, redis_server):
+    async def scenario():
+        backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
+        backends[zoo.model_names[2]] = Broken()
+        dead_redis = RedisWindows(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2), 5, 128)
+        core = WorkerCore(FocalEngine(5, seed=0), zoo.model_names, backends, dead_redis)
+        queries = [q for q, _ in queries_of(zoo, None, "t")[:8]]
+        out = await core.handle(queries)
+        assert len(out.answers) == 8 and core.stats.cold_window_batches == 1
+        for answer in out.answers:
+            assert zoo.model_names[2] not in answer.answered_models
+            if zoo.model_names[2] in answer.called_models:
+                assert answer.failures[0].model == zoo.model_names[2] and "model server is down" in answer.failures[0].reason
+        # a newer verified policy is swapped in before the next batch, an older one is ignored
+        core.receive_policy(encode_policy(FocalEngine(5, seed=7), 3, zoo.model_names))
+        core.receive_policy(encode_policy(FocalEngine(5, seed=8), 2, zoo.model_names))
+        assert core.policy_version == 0
+        await core.handle(queries[:1])
+        assert core.policy_version == 3 and torch.equal(core.engine.policy_state()["fusion.linear.weight"], FocalEngine(5, seed=7).policy_state()["fusion.linear.weight"])
+
+    asyncio.run(scenario())
+
+
+def test_worker_rejects_a_backend_list_that_is_not_the_pool(zoo):
+    with pytest.raises(ValueError, match="not the pool's models"):
+        WorkerCore(FocalEngine(2), ["a", "b"], {"b": Broken(), "a": Broken()}, None)
+
+
+def test_query_messages_validate():
+    with pytest.raises(ValueError):
+        Query(query_id="", stream="s", prompt="p", choices=["a", "b"])
+    with pytest.raises(ValueError, match="label or a reward"):
+        Feedback(query_id="q")
