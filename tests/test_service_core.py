@@ -205,3 +205,16 @@ def test_query_messages_validate():
         Query(query_id="", stream="s", prompt="p", choices=["a", "b"])
     with pytest.raises(ValueError, match="label or a reward"):
         Feedback(query_id="q")
+
+
+def test_asyncapi_document_and_message_schemas_are_in_sync():
+    import json
+
+    from rlens.messages import MESSAGES, SCHEMA_DIR
+    from rlens.service.asyncapi import ASYNCAPI_PATH, asyncapi_document
+
+    assert json.loads(ASYNCAPI_PATH.read_text()) == asyncapi_document(), "run python -m rlens.service.asyncapi"
+    for name, model in MESSAGES.items():
+        assert json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text()) == model.model_json_schema(), "run python -m rlens.service.asyncapi"
+    channels = asyncapi_document()["channels"]
+    assert {c["address"] for c in channels.values()} == {"rlens.queries", "rlens.answers", "rlens.feedback", "rlens.experience", "rlens.policy", "rlens.dead-letter"}

@@ -5,7 +5,8 @@
 - :func:`keep_bytes`: a decoder that hands handlers the raw bytes, so that parsing (and dead-lettering what does
   not parse) is the service's own, never FastStream's.
 - :func:`parse_or_dead_letter`: bytes → a typed message, or a :class:`DeadLetter` with the reason.
-- :func:`publish`: messages out, confirmed by the broker before it returns.
+- :func:`typed_publisher` / :func:`publish`: messages out (documented with their schema), confirmed by the broker
+  before :func:`publish` returns.
 """
 
 from __future__ import annotations
@@ -97,9 +98,14 @@ def dead_letter(record: Any, reason: str, consumer: str) -> DeadLetter:
     )
 
 
-async def publish(broker: KafkaBroker, topic: str, messages: list[Message]) -> None:
+def typed_publisher(broker: KafkaBroker, topic: str, model: type[Message], role: str, description: str) -> Any:
+    """A publisher whose payload schema (the pydantic model) appears in the AsyncAPI document as ``topic:role``."""
+    return broker.publisher(topic, schema=model, title=f"{topic}:{role}", description=description)
+
+
+async def publish(publisher: Any, messages: list[Message]) -> None:
     """Publish every message, keyed by its query id where it has one, and wait until the broker confirmed them all."""
-    await asyncio.gather(*(broker.publish(m.model_dump_json().encode(), topic, key=_key(m)) for m in messages))
+    await asyncio.gather(*(publisher.publish(m.model_dump_json().encode(), key=_key(m)) for m in messages))
 
 
 def _key(message: Message) -> bytes | None:

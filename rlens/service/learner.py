@@ -38,7 +38,7 @@ from rlens.focal.engine import Answer as EngineAnswer
 from rlens.focal.engine import Decision, FocalEngine
 from rlens.messages import DeadLetter, Experience, Feedback, Policy
 from rlens.service.checkpoint import CheckpointStore
-from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish
+from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, typed_publisher
 from rlens.service.policy import encode_policy
 from rlens.service.windows import RedisWindows
 from rlens.settings import Settings
@@ -196,10 +196,15 @@ class LearnerCore:
         return encode_policy(self.engine, self.version, self.models)
 
 
-def create_learner_app(settings: Settings, core: LearnerCore, checkpoint_every_s: float = 30.0) -> FastStream:
-    """Subscribers on ``experience`` and ``feedback`` (one group, manual commits up to the checkpointed offsets)."""
+def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_every_s: float = 30.0) -> FastStream:
+    """Subscribers on ``experience`` and ``feedback`` (one group, manual commits up to the checkpointed offsets).
+
+    ``core`` None builds the app only to generate the AsyncAPI document.
+    """
     topics = Topics.from_settings(settings)
     broker = make_broker(settings)
+    policies_out = typed_publisher(broker, topics.policy, Policy, "learner", "a new version of every agent's weights after each update")
+    dead_letters = typed_publisher(broker, topics.dead_letter, DeadLetter, "learner", "feedback and experience that could not be used, with the reason")
     options = {
         "group_id": settings.learner_group, "batch": True, "max_records": 256, "batch_timeout_ms": 20, "auto_offset_reset": "earliest",
         "ack_policy": AckPolicy.MANUAL, "decoder": keep_bytes,
@@ -224,19 +229,19 @@ def create_learner_app(settings: Settings, core: LearnerCore, checkpoint_every_s
                 dead += [rejected] if rejected else []
             if time.monotonic() - core.last_checkpoint > checkpoint_every_s:
                 core.checkpoint()
-            await publish(broker, topics.dead_letter, dead)
-            await publish(broker, topics.policy, policies[-1:])
+            await publish(dead_letters, dead)
+            await publish(policies_out, policies[-1:])
             if committed.get(topic) != core.checkpoints.count:
                 offsets = {tp: o for tp, o in core.commit_offsets(topic).items() if tp in message.consumer.assignment()}
                 if offsets:
                     await message.consumer.commit(offsets)
                 committed[topic] = core.checkpoints.count
 
-    @broker.subscriber(topics.experience, **options)
+    @broker.subscriber(topics.experience, description="JSON Experience messages from the workers (schemas/messages/experience.schema.json)", **options)
     async def on_experience(bodies: list[bytes], message: KafkaMessage) -> None:
         await handle(message, Experience, topics.experience)
 
-    @broker.subscriber(topics.feedback, **options)
+    @broker.subscriber(topics.feedback, description="JSON Feedback messages: label or reward per query id, any delay, duplicates allowed (schemas/messages/feedback.schema.json)", **options)
     async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
         await handle(message, Feedback, topics.feedback)
 
@@ -245,7 +250,7 @@ def create_learner_app(settings: Settings, core: LearnerCore, checkpoint_every_s
     @app.after_startup
     async def announce() -> None:  # workers that start after a learner restart get the current policy at once
         if core.version > 0:
-            await publish(broker, topics.policy, [core.current_policy()])
+            await publish(policies_out, [core.current_policy()])
         await core.windows.mark_ready("learner", core.name)
 
     @app.on_shutdown

@@ -31,7 +31,7 @@ from rlens.backends.base import Backend, ChoiceQuery
 from rlens.ensemble import PoolCaller
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Answer, DeadLetter, Experience, ModelFailureRecord, Policy, Query
-from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish
+from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, typed_publisher
 from rlens.service.policy import PolicyError, decode_policy
 from rlens.service.windows import RedisWindows
 from rlens.settings import Settings
@@ -144,16 +144,23 @@ class WorkerCore:
         self.stats.answered += 1
 
 
-def create_worker_app(settings: Settings, core: WorkerCore) -> FastStream:
-    """The worker's FastStream app: a batch subscriber on ``queries`` (consumer group) and one on ``policy``."""
+def create_worker_app(settings: Settings, core: WorkerCore | None) -> FastStream:
+    """The worker's FastStream app: a batch subscriber on ``queries`` (consumer group) and one on ``policy``.
+
+    ``core`` None builds the app only to generate the AsyncAPI document.
+    """
     topics = Topics.from_settings(settings)
     broker = make_broker(settings)
-    consumer = f"worker {core.name}"
+    consumer = f"worker {core.name}" if core else "worker"
+    answers = typed_publisher(broker, topics.answers, Answer, "worker", "one answer per query (at least once; idempotent by query id)")
+    experience = typed_publisher(broker, topics.experience, Experience, "worker", "what the learner needs to train on an answered query")
+    dead_letters = typed_publisher(broker, topics.dead_letter, DeadLetter, "worker", "queries and policies that could not be used, byte for byte, with the reason")
     group = {"session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms, "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms}
 
     @broker.subscriber(
         topics.queries, group_id=settings.worker_group, batch=True, max_records=settings.worker_batch, batch_timeout_ms=20,
-        auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR, decoder=keep_bytes, **group,
+        auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR, decoder=keep_bytes,
+        description="JSON Query messages (schemas/messages/query.schema.json); anything else is dead-lettered", **group,
     )
     async def on_queries(bodies: list[bytes], message: KafkaMessage) -> None:
         queries, dead = [], []
@@ -168,16 +175,19 @@ def create_worker_app(settings: Settings, core: WorkerCore) -> FastStream:
         out = await core.handle(queries) if queries else BatchOutput()
         out.dead_letters.extend(dead)
         core.stats.dead_lettered += len(dead)
-        await publish(broker, topics.answers, out.answers)
-        await publish(broker, topics.experience, out.experience)
-        await publish(broker, topics.dead_letter, out.dead_letters)
+        await publish(answers, out.answers)
+        await publish(experience, out.experience)
+        await publish(dead_letters, out.dead_letters)
         # returning acks the batch: its offsets are committed only now, after every output was confirmed
 
-    @broker.subscriber(topics.policy, auto_offset_reset="earliest", decoder=keep_bytes, fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms)
+    @broker.subscriber(
+        topics.policy, auto_offset_reset="earliest", decoder=keep_bytes, fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+        description="JSON Policy messages (schemas/messages/policy.schema.json), read by every worker",
+    )
     async def on_policy(body: bytes, message: KafkaMessage) -> None:
         parsed = parse_or_dead_letter(Policy, message.raw_message, consumer)
         if isinstance(parsed, DeadLetter):
-            await publish(broker, topics.dead_letter, [parsed])
+            await publish(dead_letters, [parsed])
         else:
             core.receive_policy(parsed)
 

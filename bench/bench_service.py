@@ -1,0 +1,120 @@
+"""Service throughput and latency on the local stack (tansu broker, redis-server, replay backends).
+
+    python bench/bench_service.py [--queries N] [--workers W] [--out bench/out/service.json]
+
+1. Raw aiokafka consume → produce: N query-sized messages pre-filled in a topic; one consumer-group member reads
+   them in batches and produces one answer-sized message per input (commit after the batch's sends are confirmed,
+   as the worker does). Messages/s from the first record read to the last send confirmed.
+2. The worker: the same N queries (the bundled stream, replay backends) pre-filled in the queries topic, then W
+   workers start; queries/s from the first answer to the N-th (startup excluded). Ratio to (1).
+3. Latency: the whole stack (learner + W workers) under `rlens load` traffic at half the rate measured in (2):
+   p50 / p99 from sending a query to receiving its answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from rlens.dataset import load_dataset
+from rlens.service.kafka import Topics
+from rlens.service.load import play, queries_of
+from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.settings import settings
+
+
+async def prefill(bootstrap: str, topic: str, payloads: list[bytes]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=10, max_batch_size=1 << 20)
+    await producer.start()
+    for i, payload in enumerate(payloads):
+        await producer.send(topic, payload, key=str(i).encode())
+    await producer.flush()
+    await producer.stop()
+
+
+async def raw_pipe(bootstrap: str, source: str, sink: str, n: int, reply: bytes, batch: int) -> float:
+    consumer = AIOKafkaConsumer(source, bootstrap_servers=bootstrap, group_id="raw-bench", auto_offset_reset="earliest", enable_auto_commit=False,
+                                max_poll_records=batch, fetch_max_wait_ms=20, session_timeout_ms=2000, heartbeat_interval_ms=500)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=2)
+    await consumer.start()
+    await producer.start()
+    done, start = 0, None
+    while done < n:
+        for records in (await consumer.getmany(timeout_ms=200, max_records=batch)).values():
+            start = start or time.perf_counter()
+            await asyncio.gather(*[await producer.send(sink, reply, key=r.key) for r in records])
+            await consumer.commit()
+            done += len(records)
+    elapsed = time.perf_counter() - start
+    await consumer.stop()
+    await producer.stop()
+    return n / elapsed
+
+
+async def count_answers(bootstrap: str, topic: str, n: int, timeout_s: float = 300) -> float:
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", fetch_max_wait_ms=20)
+    await consumer.start()
+    seen, first, deadline = set(), None, time.time() + timeout_s
+    while len(seen) < n and time.time() < deadline:
+        for records in (await consumer.getmany(timeout_ms=200)).values():
+            first = first or time.perf_counter()
+            seen.update(r.key for r in records)
+    elapsed = time.perf_counter() - first
+    await consumer.stop()
+    if len(seen) < n:
+        raise RuntimeError(f"only {len(seen)} of {n} queries answered")
+    return n / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--queries", type=int, default=3000)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--load-queries", type=int, default=1200)
+    parser.add_argument("--out", type=Path, default=Path("bench/out/service.json"))
+    args = parser.parse_args()
+    data = settings().demo_data
+    dataset = load_dataset(data)
+    repeat = [i % dataset.n_questions for i in range(args.queries)]
+    traffic = queries_of(dataset.subset(repeat), None, "bench")
+    workdir = Path("bench/out/service-stack")
+    pool = write_replay_pool(data, workdir / "pool.json")
+    config = settings().model_copy(update={"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500})
+    stack = LocalStack(config, workdir)
+    topics = Topics.from_settings(stack.settings)
+    bootstrap = stack.settings.kafka_bootstrap
+    results: dict = {"queries": args.queries, "workers": args.workers, "worker_batch": config.worker_batch}
+    try:
+        payloads = [q.model_dump_json().encode() for q, _ in traffic]
+        reply_size = 700  # an Answer of the bundled stream is about this many bytes
+        asyncio.run(prefill(bootstrap, "raw.in", payloads))
+        results["raw_aiokafka_msgs_per_s"] = asyncio.run(raw_pipe(bootstrap, "raw.in", "raw.out", len(payloads), b"x" * reply_size, config.worker_batch))
+        print(f"raw aiokafka consume->produce: {results['raw_aiokafka_msgs_per_s']:.0f} msgs/s")
+
+        asyncio.run(prefill(bootstrap, topics.queries, payloads))
+        for _ in range(args.workers):
+            stack.start_worker()
+        results["worker_queries_per_s"] = asyncio.run(count_answers(bootstrap, topics.answers, len(payloads)))
+        results["ratio"] = results["worker_queries_per_s"] / results["raw_aiokafka_msgs_per_s"]
+        print(f"worker: {results['worker_queries_per_s']:.0f} queries/s; ratio to raw {results['ratio']:.2f}")
+
+        stack.start_learner()
+        stack.wait_ready(120)
+        rate = results["worker_queries_per_s"] / 2
+        live = queries_of(dataset.subset(list(range(min(args.load_queries, dataset.n_questions)))), None, "latency")
+        report = asyncio.run(play(stack.settings, live, rate=rate, idle_timeout_s=60))
+        results.update(latency_rate=rate, latency_p50_ms=report.latency_percentile(50), latency_p99_ms=report.latency_percentile(99), latency_accuracy=report.accuracy, latency_answered=report.answered)
+        print(f"at {rate:.0f} queries/s: p50 {results['latency_p50_ms']:.1f} ms, p99 {results['latency_p99_ms']:.1f} ms ({report.answered} answered, accuracy {100 * report.accuracy:.1f} %)")
+    finally:
+        stack.stop()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
