@@ -10,12 +10,12 @@ waited for.
 from __future__ import annotations
 
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlens.backends.base import Backend, ChoiceQuery
+from rlens.backends.base import Backend, ChoiceQuery, ChoiceScores
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,26 @@ class PoolAnswers:
     failures: list[ModelFailure] = field(default_factory=list)
 
 
+@dataclass
+class _Done:
+    """The outcome of an inline call, read like a finished Future (without its locks: this is the hot path)."""
+
+    value: ChoiceScores | None = None
+    error: Exception | None = None
+
+    def done(self) -> bool:
+        return True
+
+    def cancel(self) -> bool:
+        return False
+
+    def exception(self) -> Exception | None:
+        return self.error
+
+    def result(self) -> ChoiceScores | None:
+        return self.value
+
+
 class PoolCaller:
     def __init__(self, backends: dict[str, Backend], deadline_s: float = 60.0, max_workers: int = 16):
         """``backends`` in the pool's model order (name -> backend)."""
@@ -47,10 +67,33 @@ class PoolCaller:
 
     def score(self, query: ChoiceQuery, called: np.ndarray) -> PoolAnswers:
         """Ask every model with ``called[m]`` to score ``query``; at most ``deadline_s`` seconds."""
+        return self.score_batch([query], [called])[0]
+
+    @property
+    def blocking(self) -> bool:
+        """Whether some model of the pool blocks (then callers should run :meth:`score_batch` off their event loop)."""
+        return any(b.blocking for b in self.backends)
+
+    def score_batch(self, queries: list[ChoiceQuery], called: list[np.ndarray]) -> list[PoolAnswers]:
+        """:meth:`score` for several queries at once: every (query, model) call runs concurrently, one deadline.
+
+        Non-blocking backends (``Backend.blocking`` False) are called inline, the others in the thread pool.
+        """
+        futures = [{m: self._start(self.backends[m], q) for m in np.flatnonzero(c)} for q, c in zip(queries, called)]
+        wait([f for calls in futures for f in calls.values() if isinstance(f, Future)], timeout=self.deadline_s)
+        return [self._collect(q, calls) for q, calls in zip(queries, futures)]
+
+    def _start(self, backend: Backend, query: ChoiceQuery) -> "Future | _Done":
+        if backend.blocking:
+            return self.executor.submit(backend.score_choices, query)
+        try:
+            return _Done(backend.score_choices(query))
+        except Exception as exc:  # recorded as this model's failure, like an exception in a thread
+            return _Done(error=exc)
+
+    def _collect(self, query: ChoiceQuery, futures: dict) -> PoolAnswers:
         n_choices = len(query.choices)
         result = PoolAnswers(np.zeros((len(self.names), n_choices)), np.zeros(len(self.names), dtype=bool))
-        futures = {m: self.executor.submit(self.backends[m].score_choices, query) for m in np.flatnonzero(called)}
-        wait(futures.values(), timeout=self.deadline_s)
         for m, future in futures.items():
             if not future.done():
                 future.cancel()
@@ -67,4 +110,3 @@ class PoolCaller:
             result.failures.append(ModelFailure(self.names[m], reason))
             self.failure_counts[self.names[m]] += 1
         return result
-

@@ -64,6 +64,7 @@ class Backend(ABC):
     """Scores multiple-choice queries for one model."""
 
     name: ClassVar[str]
+    blocking: ClassVar[bool] = True  # False: answers from memory in microseconds, so callers may call it inline
 
     @abstractmethod
     def score_choices(self, query: ChoiceQuery) -> ChoiceScores:

@@ -14,6 +14,7 @@ from rlens.dataset import RecordedDataset
 
 @register_backend("replay")
 class ReplayBackend(Backend):
+    blocking = False
     def __init__(self, dataset: RecordedDataset, model: int | str):
         self.dataset = dataset
         self.model = dataset.model_names.index(model) if isinstance(model, str) else int(model)

@@ -58,7 +58,10 @@ class Decider(nn.Module):
 
     def act(self, obs: torch.Tensor, greedy: bool, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(pools, log-probability of each pool); computed without Distribution objects (hot path)."""
-        logits = self.logits(obs)
+        return self.sample(self.logits(obs), greedy, generator)
+
+    def sample(self, logits: torch.Tensor, greedy: bool, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pools drawn from (or, greedy, the mode of) given logits, and their log-probabilities."""
         pools = (logits > 0).float() if greedy else torch.bernoulli(torch.sigmoid(logits), generator=generator)
         pools = self.never_empty(pools, logits)
         return pools, -F.binary_cross_entropy_with_logits(logits, pools, reduction="none").sum(-1)

@@ -104,6 +104,54 @@ class FocalEngine:
         return [Decision(key, pool, everyone if probe else pool, state, global_state, logp) for pool, logp in zip(pools, pool_logps)]
 
     @torch.inference_mode()
+    def decide_batch(self, queries: list[tuple[Hashable, int, bool]], greedy: bool) -> list[Decision]:
+        """:meth:`decide` for a batch of (key, n_choices, probe), in order, with one Decider forward per distinct state.
+
+        A state depends only on the stream's window, its previous pool and the choice count; windows do not change
+        within a batch, so queries that share those share the forward (and, greedy, the pool). The decisions equal
+        those of calling :meth:`decide` query by query.
+        """
+        cache: dict[tuple, tuple] = {}
+        decisions = []
+        everyone = np.ones(self.n_models, dtype=bool)
+        for key, n_choices, probe in queries:
+            previous = self.previous_pool.get(key, everyone)
+            slot = (key, n_choices, previous.tobytes())
+            if slot not in cache:
+                state = self._state(key, n_choices)
+                logits = self.decider.logits(torch.from_numpy(state)[None]) if self.cfg.use_decider else None
+                cache[slot] = (state, critic_state(state, None, self.n_models), logits, {})
+            state, global_state, logits, greedy_pool = cache[slot]
+            if not self.cfg.use_decider:
+                pool, logp = everyone, 0.0
+            elif greedy and greedy_pool:
+                pool, logp = greedy_pool["pool"], greedy_pool["logp"]
+            else:
+                pools_t, logps = self.decider.sample(logits, greedy, self.torch_rng)
+                pool, logp = pools_t[0].numpy().astype(bool), float(logps[0])
+                if greedy:
+                    greedy_pool.update(pool=pool, logp=logp)
+            self.previous_pool[key] = pool
+            decisions.append(Decision(key, pool, everyone if probe else pool, state, global_state, logp))
+        return decisions
+
+    @torch.inference_mode()
+    def fuse_batch(self, decisions: list[Decision], probs: list[np.ndarray], greedy: bool) -> list[Answer]:
+        """:meth:`fuse` for a batch (``probs[i]`` [M, C_i]) with one Fusion forward over choices padded to the widest."""
+        features = [
+            fusion_observation(p * d.pool[:, None], d.pool, self.window(d.key).reliability(), self.window(d.key).label_prior(p.shape[1]))
+            for d, p in zip(decisions, probs)
+        ]
+        width = max(f.shape[0] for f in features)
+        padded = np.zeros((len(features), width, features[0].shape[1]), dtype=np.float32)
+        mask = torch.zeros(len(features), width, dtype=torch.bool)
+        for i, f in enumerate(features):
+            padded[i, : len(f)] = f
+            mask[i, : len(f)] = True
+        answers, logps, dists = self.fusion.act(torch.from_numpy(padded), mask, greedy, self.torch_rng)
+        return [Answer(int(answers[i]), dists[i, : len(f)].numpy().copy(), f, float(logps[i])) for i, f in enumerate(features)]
+
+    @torch.inference_mode()
     def fuse(self, decision: Decision, probs: np.ndarray, greedy: bool) -> Answer:
         """Answer distribution over the valid choices from the pool's distributions ``probs`` [M, C_valid].
 

@@ -100,44 +100,47 @@ class WorkerCore:
             log.warning("Redis unreachable (%s): answering with cold windows", exc)
             self.engine.reset_windows()
         cfg = self.engine.cfg
-        decisions = []
-        for q in queries:
-            probe = cfg.probe_rate > 0 and self.engine.rng.random() < cfg.probe_rate
-            decisions.append(self.engine.decide(q.stream, len(q.choices), greedy=cfg.online_greedy, probe=probe)[0])
-        calls = await asyncio.gather(*(asyncio.to_thread(self.caller.score, self._choice_query(q), d.called) for q, d in zip(queries, decisions)))
-        for q, decision, answers in zip(queries, decisions, calls):
-            self._answer(q, decision, answers, started, out)
+        probes = [cfg.probe_rate > 0 and self.engine.rng.random() < cfg.probe_rate for _ in queries]
+        decisions = self.engine.decide_batch([(q.stream, len(q.choices), p) for q, p in zip(queries, probes)], greedy=cfg.online_greedy)
+        choice_queries, called = [self._choice_query(q) for q in queries], [d.called for d in decisions]
+        calls = await asyncio.to_thread(self.caller.score_batch, choice_queries, called) if self.caller.blocking else self.caller.score_batch(choice_queries, called)
+        fused_pools = [self._fused_pool(d, c) for d, c in zip(decisions, calls)]
+        answerable = [i for i, pool in enumerate(fused_pools) if pool.any()]
+        fused = self.engine.fuse_batch([replace(decisions[i], pool=fused_pools[i]) for i in answerable], [calls[i].probs for i in answerable], greedy=cfg.online_greedy) if answerable else []
+        answers = dict(zip(answerable, fused))
+        latency = 1000 * (time.perf_counter() - started)
+        for i, q in enumerate(queries):
+            self._outputs(q, decisions[i], calls[i], fused_pools[i], answers.get(i), latency, out)
         return out
 
     @staticmethod
     def _choice_query(q: Query) -> ChoiceQuery:
         return ChoiceQuery(id=q.reference_id or q.query_id, prompt=q.prompt, choices=q.choices)
 
-    def _answer(self, q: Query, decision, answers, started: float, out: BatchOutput) -> None:
+    @staticmethod
+    def _fused_pool(decision, answers) -> np.ndarray:
+        """The models whose answers the Fusion agent uses: the pool's that answered; if none, any that answered."""
+        pool = decision.pool & answers.answered
+        return pool if pool.any() else answers.answered.copy()
+
+    def _outputs(self, q: Query, decision, answers, fused_pool: np.ndarray, answer, latency: float, out: BatchOutput) -> None:
         names = np.array(self.models)
-        fused_pool = decision.pool & answers.answered
-        failures = [ModelFailureRecord(model=f.model, reason=f.reason) for f in answers.failures]
-        if not fused_pool.any() and answers.answered.any():
-            fused_pool = answers.answered.copy()  # the pool failed but a probed model answered: better than nothing
         common = {
             "query_id": q.query_id, "stream": q.stream, "chosen_models": names[decision.pool].tolist(),
             "answered_models": names[fused_pool].tolist(), "called_models": names[decision.called].tolist(),
-            "failures": failures, "policy_version": self.policy_version, "worker": self.name,
+            "failures": [ModelFailureRecord(model=f.model, reason=f.reason) for f in answers.failures],
+            "policy_version": self.policy_version, "worker": self.name, "latency_ms": latency,
         }
-        if not fused_pool.any():
+        if answer is None:
             self.stats.no_model_answered += 1
-            latency = 1000 * (time.perf_counter() - started)
-            out.answers.append(Answer(answer="", answer_index=-1, distribution=[], latency_ms=latency, **common))
+            out.answers.append(Answer(answer="", answer_index=-1, distribution=[], **common))
             return
-        answer = self.engine.fuse(replace(decision, pool=fused_pool), answers.probs, greedy=self.engine.cfg.online_greedy)
-        predictions = np.where(answers.answered, answers.probs.argmax(1), -1)
-        latency = 1000 * (time.perf_counter() - started)
-        out.answers.append(Answer(answer=q.choices[answer.answer], answer_index=answer.answer, distribution=answer.distribution.tolist(), latency_ms=latency, **common))
+        out.answers.append(Answer(answer=q.choices[answer.answer], answer_index=answer.answer, distribution=answer.distribution.tolist(), **common))
         out.experience.append(
             Experience(
                 query_id=q.query_id, stream=q.stream, policy_version=self.policy_version, n_choices=len(q.choices),
                 decider_state=decision.state.tolist(), critic_state=decision.critic_state.tolist(), pool=decision.pool.tolist(),
-                pool_logp=decision.pool_logp, predictions=predictions.tolist(),
+                pool_logp=decision.pool_logp, predictions=np.where(answers.answered, answers.probs.argmax(1), -1).tolist(),
                 fusion_features=answer.features.tolist(), answer_index=answer.answer, answer_logp=answer.answer_logp,
             )
         )
