@@ -49,7 +49,7 @@ def load_gpt2_ranks(path: Path | None = None) -> dict[bytes, int]:
     return ranks
 
 
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable unicode characters."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     mapping, extra = {}, 0
@@ -96,7 +96,7 @@ def gpt2_subset_tokenizer(corpus: Iterable[str], ranks: dict[bytes, int] | None 
         merges[token] = _split(token, ranks)
         stack.extend(merges[token])
 
-    to_unicode = _byte_to_unicode()
+    to_unicode = byte_to_unicode()
     text = lambda token: "".join(to_unicode[b] for b in token)  # noqa: E731
     ordered = sorted(needed, key=ranks.__getitem__)
     vocab = {text(token): i for i, token in enumerate(ordered)}

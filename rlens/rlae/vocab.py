@@ -1,0 +1,104 @@
+"""The union vocabulary of several tokenizers (GaC-style), keyed by the bytes each token stands for.
+
+Each token is read as its bytes:
+- byte-level BPE (``Ġ`` marks a space, ``Ċ`` a newline): GPT-2's byte↔unicode table;
+- SentencePiece: ``▁`` is a space, ``<0x0A>`` is byte 0x0A;
+- any other (e.g. characters): the token string as UTF-8.
+
+Tokens with the same bytes in several models share one union entry. Special tokens have no bytes and are left out,
+except each model's EOS, which maps to the union's own :data:`EOS` entry. Tokens that are not valid UTF-8 on their
+own (pieces of a multi-byte character) are left out too, so every union token is text that every model can read.
+A model's map into the union is a sparse one-hot matrix [V_model, V_union], stored as its column index per row
+(-1: no column): ``index_add`` applies it, batched over requests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+
+from rlens.zoo.tokenizers import byte_to_unicode
+
+EOS = b"<|union-eos|>"
+SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def tokenizer_kind(tokenizer) -> str:
+    """``byte_level``, ``sentencepiece`` or ``plain``, from the fast tokenizer's decoder."""
+    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
+    if "ByteLevel" in kinds:
+        return "byte_level"
+    if "ByteFallback" in kinds or "Metaspace" in kinds or any(d.get("pattern", {}).get("String") == "▁" for d in decoder.get("decoders", [])):
+        return "sentencepiece"
+    return "plain"
+
+
+def token_bytes(tokenizer) -> list[bytes | None]:
+    """The bytes every token id stands for; None for special tokens."""
+    kind = tokenizer_kind(tokenizer)
+    from_unicode = {ch: b for b, ch in byte_to_unicode().items()}
+    special = set(tokenizer.all_special_ids)
+    out: list[bytes | None] = []
+    for token_id, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if token_id in special or token is None:
+            out.append(None)
+        elif kind == "byte_level":
+            out.append(bytes(from_unicode[ch] for ch in token) if all(ch in from_unicode for ch in token) else token.encode())
+        elif kind == "sentencepiece":
+            match = SP_BYTE.match(token)
+            out.append(bytes([int(match[1], 16)]) if match else token.replace("▁", " ").encode())
+        else:
+            out.append(token.encode())
+    return out
+
+
+def _readable(piece: bytes) -> bool:
+    try:
+        piece.decode("utf-8")
+        return len(piece) > 0
+    except UnicodeDecodeError:
+        return False
+
+
+@dataclass
+class UnionVocab:
+    pieces: list[bytes]  # union id -> bytes (EOS at index 0)
+    index: list[torch.Tensor]  # per model: long [V_model], the union id of each token or -1
+    single: list[dict[int, int]]  # per model: union id -> that model's token id standing for exactly those bytes
+
+    @classmethod
+    def build(cls, tokenizers: list) -> "UnionVocab":
+        pieces: list[bytes] = [EOS]
+        ids: dict[bytes, int] = {EOS: 0}
+        index, single = [], []
+        for tokenizer in tokenizers:
+            column = torch.full((len(tokenizer),), -1, dtype=torch.long)
+            own: dict[int, int] = {}
+            for token_id, piece in enumerate(token_bytes(tokenizer)):
+                if token_id == tokenizer.eos_token_id:
+                    column[token_id] = 0
+                    own[0] = token_id
+                    continue
+                if piece is None or not _readable(piece):
+                    continue
+                if piece not in ids:
+                    ids[piece] = len(pieces)
+                    pieces.append(piece)
+                column[token_id] = ids[piece]
+                own.setdefault(ids[piece], token_id)
+            index.append(column)
+            single.append(own)
+        return cls(pieces, index, single)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def to_union(self, model: int, probs: torch.Tensor) -> torch.Tensor:
+        """Model ``model``'s next-token probabilities [B, V_model] as probabilities over the union [B, V_union]."""
+        mapped = self.index[model] >= 0
+        out = torch.zeros(probs.shape[0], len(self), dtype=probs.dtype)
+        return out.index_add_(1, self.index[model][mapped], probs[:, mapped])
