@@ -216,21 +216,18 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_
 
     async def handle(message: KafkaMessage, model: type, topic: str) -> None:
         async with lock:
-            policies, dead = [], []
             for record in message.raw_message:
                 if core.already_seen(record):
                     continue
                 parsed = parse_or_dead_letter(model, record, "learner")
                 if isinstance(parsed, DeadLetter):
-                    dead.append(parsed)
+                    await publish(dead_letters, [parsed])  # before any checkpoint can mark this record as done
                     continue
                 policy, rejected = await (core.on_experience(parsed) if model is Experience else core.on_feedback(parsed, record))
-                policies += [policy] if policy else []
-                dead += [rejected] if rejected else []
+                await publish(dead_letters, [rejected] if rejected else [])
+                await publish(policies_out, [policy] if policy else [])  # checkpointed already; announced again on restart
             if time.monotonic() - core.last_checkpoint > checkpoint_every_s:
                 core.checkpoint()
-            await publish(dead_letters, dead)
-            await publish(policies_out, policies[-1:])
             if committed.get(topic) != core.checkpoints.count:
                 offsets = {tp: o for tp, o in core.commit_offsets(topic).items() if tp in message.consumer.assignment()}
                 if offsets:
