@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.distributions import Dirichlet, Normal
 
+from rlens.focal.agents import mlp
+
 
 @dataclass(frozen=True)
 class RLAEConfig:
@@ -39,10 +41,6 @@ class RLAEConfig:
     max_grad_norm: float = 0.5
     min_concentration: float = 0.05  # ppo: Dirichlet concentrations stay above this
     init_log_std: float = -0.5  # mappo: the agents' exploration noise on their logits, at the start
-
-
-def mlp(n_in: int, hidden: int, n_out: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(n_in, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, n_out))
 
 
 class DirichletPolicy(nn.Module):
