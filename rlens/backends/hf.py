@@ -46,9 +46,8 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
 
 @dataclass
 class PromptLogprobs:
-    """Per prompt token: id, text, start offset in the prompt, log-probability (None for the first), top tokens."""
+    """Per prompt token: text, start offset in the prompt, log-probability (None for the first), top tokens."""
 
-    token_ids: list[int]
     tokens: list[str]
     offsets: list[int]
     logprobs: list[float | None]
@@ -147,7 +146,6 @@ class TransformersBackend(Backend):
             tops = [{token_text(int(t)): float(v) for t, v in zip(best.indices[j], best.values[j])} for j in range(len(row))]
             results.append(
                 PromptLogprobs(
-                    token_ids=list(row),
                     tokens=[token_text(t) for t in row],
                     offsets=[start for start, _ in encoded["offset_mapping"][i]],
                     logprobs=[None] + [float(steps[j - 1, row[j]]) for j in range(1, len(row))],
