@@ -69,27 +69,62 @@ def greedy_tokens(backend: TransformersBackend, prompt: str, n: int) -> list[int
 def test_one_hot_weights_reproduce_each_models_greedy_output(quick_zoo, smollm2):
     backends = [TransformersBackend.load(quick_zoo / "arith-char"), TransformersBackend.load(quick_zoo / "count-bpe"), smollm2]
     ensemble = TokenEnsemble(backends)
-    for prompt in ["Q: add: 12+7=\nA:", "Question: What is the capital of France?\nAnswer:"]:
-        for m, backend in enumerate(backends):
-            out = ensemble.generate(prompt, np.eye(len(backends))[m], max_tokens=12, span=4)
+    prompts = ["Q: add: 12+7=\nA:", "Question: What is the capital of France?\nAnswer:"]
+    for m, backend in enumerate(backends):
+        for batched, prompt in zip(ensemble.generate_batch(prompts, np.eye(len(backends))[m], max_tokens=12, span=4), prompts):
+            alone = ensemble.generate(prompt, np.eye(len(backends))[m], max_tokens=12, span=4)
             expected = greedy_tokens(backend, prompt, 12)
-            assert [ensemble.vocab.single[m][u] for u in out.union_tokens] == expected  # token for token, same length
-            assert out.contexts[m].appended == expected
-            assert out.text == backend.tokenizer.decode(expected)
+            for out in (alone, batched):
+                assert [ensemble.vocab.single[m][u] for u in out.union_tokens] == expected  # token for token, same length
+                assert out.text == backend.tokenizer.decode(expected)
+                read = expected if out.finish_reason == "stop" else expected[:-1]  # the last token of a cut-off output is not read
+                assert out.appended[m] == read
+
+
+def read_text(ensemble: TokenEnsemble, out) -> str:
+    """The text every model has read: all the chosen tokens, but the last one when the output was cut at max_tokens."""
+    pieces = [ensemble.vocab.pieces[u] for u in out.union_tokens]
+    return b"".join(pieces if out.finish_reason == "stop" else pieces[:-1]).decode()
 
 
 def test_mixed_weights_decode_text_every_model_has_read(quick_zoo, smollm2):
     backends = [TransformersBackend.load(quick_zoo / "arith-char"), smollm2]
     ensemble = TokenEnsemble(backends)
-    calls = []
-    out = ensemble.generate("The capital of France is", lambda span, text: calls.append((span, text)) or np.array([0.3, 0.7]), max_tokens=10, span=4)
+    views = []
+    out = ensemble.generate("The capital of France is", lambda view: views.append(view) or np.array([0.3, 0.7]), max_tokens=10, span=4)
     pieces = [ensemble.vocab.pieces[u] for u in out.union_tokens]
-    generated = b"".join(pieces).decode()
-    assert len(calls) == len(out.span_weights) >= 2
-    for k, (span, text) in enumerate(calls):  # the weights of span k are chosen seeing the text of the first 4k tokens
-        assert span == k and text == b"".join(pieces[: 4 * k]).decode()
-    assert out.text == generated
-    for m, backend in enumerate(backends):  # every model's context holds exactly the generated text, in its own tokens
-        assert backend.tokenizer.decode(out.contexts[m].appended) == generated
+    assert len(views) == len(out.span_weights) >= 2
+    for k, view in enumerate(views):  # the weights of span k are chosen seeing the text of the first 4k tokens
+        assert view.index == k and view.texts == [b"".join(pieces[: 4 * k]).decode()]
+        assert view.entropy.shape == view.agreement.shape == (1, 2)
+    assert out.text == b"".join(pieces).decode()
+    for m, backend in enumerate(backends):  # every model's context holds the generated text, in its own tokens
+        assert backend.tokenizer.decode(out.appended[m]) == read_text(ensemble, out)
     with pytest.raises(ValueError, match="non-negative"):
         ensemble.generate("x", np.array([-1.0, 2.0]), max_tokens=2)
+
+
+def test_a_batch_decodes_what_each_prompt_decodes_alone(quick_zoo, smollm2):
+    """Rows of different lengths, re-tokenized pieces and early finishers share one padded batch per model."""
+    backends = [TransformersBackend.load(quick_zoo / "arith-char"), TransformersBackend.load(quick_zoo / "pattern-bpe"), smollm2]
+    ensemble = TokenEnsemble(backends)
+    prompts = ["Q: add: 3+4=\nA:", "The capital of France is", "Q: next: 2 4 6\nA:", "Once upon a time, in a land far away, there", "Hi"]
+    weights = np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [0.2, 0.6, 0.2], [0.3, 0.3, 0.4], [1.0, 0.0, 0.0]])
+    batch = ensemble.generate_batch(prompts, weights, max_tokens=14, span=4, stop=["\n"])
+    for i, prompt in enumerate(prompts):
+        alone = ensemble.generate(prompt, weights[i], max_tokens=14, span=4, stop=["\n"])
+        assert (batch[i].text, batch[i].union_tokens, batch[i].finish_reason) == (alone.text, alone.union_tokens, alone.finish_reason)
+        assert batch[i].appended == alone.appended
+
+
+def test_span_statistics_are_each_models_entropy_and_agreement(quick_zoo):
+    backend = TransformersBackend.load(quick_zoo / "order-char")
+    ensemble = TokenEnsemble([backend, backend])
+    views = []
+    ensemble.generate("Q: sort: c a b\nA:", lambda view: views.append(view) or np.array([0.5, 0.5]), max_tokens=4, span=4)
+    ids = backend.tokenizer.encode("Q: sort: c a b\nA:", add_special_tokens=False)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(backend.model(torch.tensor([ids])).logits[0, -1], -1)
+    first = float(-(logprobs.exp() * logprobs).sum())
+    np.testing.assert_allclose(views[0].entropy, [[first, first]], rtol=1e-4)  # span 0: the prompt's next-token distribution
+    np.testing.assert_array_equal(views[0].agreement, [[1.0, 1.0]])  # two copies of one model always agree

@@ -1,18 +1,23 @@
-"""Token-level ensemble decoding across models with different tokenizers (the GaC step RLAE builds on).
+"""Token-level ensemble decoding across models with different tokenizers (the GaC step RLAE builds on), batched.
 
 At every step each model's next-token distribution is mapped into the union vocabulary (:class:`UnionVocab`),
-the distributions are mixed with the current weights, and one union token is picked (greedy or sampled). Each
-model then extends its own context with that text: by the one token of its vocabulary that stands for exactly
-those bytes when it has one, else by the text re-tokenized. Every model keeps its KV cache, so a step costs one
-incremental forward per model, never a re-encode of the whole context.
+the distributions are mixed with the current weights, and one union token is picked per request (greedy or
+sampled). Each model then extends its own context with that text: by the one token of its vocabulary that stands
+for exactly those bytes when it has one, else by the text re-tokenized. Every model keeps one KV cache for the whole
+batch, so a step costs one incremental forward per model, never a re-encode of the context.
 
-The weights may change every ``span`` tokens: ``weights(span_index, text_so_far)`` is called at each span start.
-That is where the RLAE agent acts; a fixed array gives the uniform (GaC) or any static ensemble.
+Requests in a batch may read different numbers of tokens at a step (re-tokenization, finished requests). The
+shorter rows are left-padded inside the step; the attention mask hides the padding and explicit position ids count
+only real tokens, so every row computes what it would compute alone.
+
+The weights may change every ``span`` tokens: at each span start ``weights(view)`` gets a :class:`SpanView` (the
+texts so far and cheap statistics of the last span) and returns [B, M] weights. That is where the RLAE agent acts;
+a fixed array gives the uniform (GaC) or any static ensemble.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -22,91 +27,161 @@ from torch.nn import functional as F
 from rlens.backends.hf import TransformersBackend, cut_at_stop
 from rlens.rlae.vocab import UnionVocab
 
-Weights = np.ndarray | Callable[[int, str], np.ndarray]
+
+@dataclass
+class ModelState:
+    """One model's view of a batch of generations."""
+
+    cache: object
+    mask: torch.Tensor  # long [B, T]: 1 where the cache holds a real token, 0 where it holds padding
+    next_logprobs: torch.Tensor  # float [B, V_model], on the CPU
+    lengths: list[int]  # real tokens per row
+    appended: list[list[int]]  # per row: the tokens read after the prompt
 
 
 @dataclass
-class ModelContext:
-    """One model's view of the generation: its tokens, KV cache and next-token log-probabilities."""
+class SpanView:
+    """What the weights callback sees at the start of span ``index``."""
 
-    tokens: list[int]
-    cache: object
-    next_logprobs: torch.Tensor  # [V_model]
-    appended: list[int] = field(default_factory=list)  # tokens added after the prompt
+    index: int
+    texts: list[str]  # per request: the text generated so far
+    active: np.ndarray  # bool [B]: still generating (the weights of finished rows are ignored)
+    entropy: np.ndarray  # [B, M]: mean entropy (nats) of each model's next-token distributions over the last span
+    agreement: np.ndarray  # [B, M]: share of those steps where the model's top token was the pool's consensus top token
+
+
+Weights = np.ndarray | Callable[[SpanView], np.ndarray]
 
 
 @dataclass
 class EnsembleOutput:
     text: str  # cut before the first stop string
-    union_tokens: list[int]  # every chosen token (EOS excluded); each model's context has read all of them
+    union_tokens: list[int]  # every chosen token (EOS excluded)
     span_weights: list[np.ndarray]  # the weights of each span
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    contexts: list[ModelContext]
+    appended: list[list[int]]  # per model: the tokens it read after the prompt (the generated text, in its tokens)
 
 
 class TokenEnsemble:
     def __init__(self, backends: list[TransformersBackend], vocab: UnionVocab | None = None):
         self.backends = backends
         self.vocab = vocab or UnionVocab.build([b.tokenizer for b in backends])
+        self.pad_ids = [b.tokenizer.pad_token_id if b.tokenizer.pad_token_id is not None else b.tokenizer.eos_token_id for b in backends]
+        self._retokenized: list[dict[int, list[int]]] = [{} for _ in backends]
 
     @torch.inference_mode()
-    def _feed(self, backend: TransformersBackend, ids: list[int], context: ModelContext | None) -> ModelContext:
-        """Run ``ids`` through the model after ``context`` (None: from scratch); the new context."""
-        tokens = (context.tokens if context else []) + ids
-        if len(tokens) > backend.max_length:
-            raise ValueError(f"context of {len(tokens)} tokens exceeds the model window of {backend.max_length}")
-        out = backend.model(torch.tensor([ids], device=backend.device), past_key_values=context.cache if context else None, use_cache=True)
-        logprobs = F.log_softmax(out.logits[0, -1].float(), -1).cpu()
-        return ModelContext(tokens, out.past_key_values, logprobs, (context.appended if context else []) + (ids if context else []))
+    def _feed(self, m: int, rows: list[list[int]], state: ModelState | None) -> ModelState:
+        """Model ``m`` reads ``rows[i]`` after row i of ``state`` (None: from scratch); the new state."""
+        backend, width = self.backends[m], max(map(len, rows))
+        if state is not None and width == 0:
+            return state
+        lengths = [(state.lengths[i] if state else 0) + len(row) for i, row in enumerate(rows)]
+        if max(lengths) > backend.max_length:
+            raise ValueError(f"context of {max(lengths)} tokens exceeds the window of {backend.max_length} tokens of model {m}")
+        ids = torch.full((len(rows), width), self.pad_ids[m], dtype=torch.long)
+        new_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            if row:
+                ids[i, width - len(row) :], new_mask[i, width - len(row) :] = torch.tensor(row), 1
+        mask = new_mask if state is None else torch.cat([state.mask, new_mask], 1)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -width:]
+        out = backend.model(
+            input_ids=ids.to(backend.device), attention_mask=mask.to(backend.device), position_ids=positions.to(backend.device),
+            past_key_values=state.cache if state else None, use_cache=True,
+        )
+        logprobs = F.log_softmax(out.logits[:, -1].float(), -1).cpu()
+        if state is None:
+            return ModelState(out.past_key_values, mask, logprobs, lengths, [[] for _ in rows])
+        fed = torch.tensor([len(row) > 0 for row in rows])
+        return ModelState(
+            out.past_key_values, mask, torch.where(fed[:, None], logprobs, state.next_logprobs), lengths,
+            [before + row for before, row in zip(state.appended, rows)],
+        )
 
-    def start(self, prompt: str) -> list[ModelContext]:
-        contexts = []
-        for backend in self.backends:
-            ids = backend.tokenizer.encode(prompt, add_special_tokens=False) or [backend.tokenizer.eos_token_id]
-            contexts.append(self._feed(backend, ids, None))
-        return contexts
+    def start(self, prompts: list[str]) -> list[ModelState]:
+        states = []
+        for m, backend in enumerate(self.backends):
+            rows = [backend.tokenizer.encode(p, add_special_tokens=False) or [backend.tokenizer.eos_token_id] for p in prompts]
+            states.append(self._feed(m, rows, None))
+        return states
 
-    def mix(self, contexts: list[ModelContext], weights: np.ndarray) -> torch.Tensor:
-        """The weighted mixture of the models' next-token distributions over the union [V_union]."""
-        mixed = torch.zeros(len(self.vocab))
-        for m, (context, w) in enumerate(zip(contexts, weights)):
-            if w > 0:
-                mixed += float(w) * self.vocab.to_union(m, context.next_logprobs.exp()[None])[0]
-        return mixed / mixed.sum()
+    def _own_tokens(self, m: int, union_token: int) -> list[int]:
+        """Model ``m``'s tokens for one union token: its own token of the same bytes, else the text re-tokenized."""
+        own = self.vocab.single[m].get(union_token)
+        if own is not None:
+            return [own]
+        cached = self._retokenized[m].get(union_token)
+        if cached is None:
+            cached = self._retokenized[m][union_token] = self.backends[m].tokenizer.encode(self.vocab.pieces[union_token].decode(), add_special_tokens=False)
+        return cached
 
-    def advance(self, contexts: list[ModelContext], union_token: int) -> list[ModelContext]:
-        """Every model reads the chosen union token."""
-        piece = self.vocab.pieces[union_token].decode()
-        advanced = []
-        for m, (backend, context) in enumerate(zip(self.backends, contexts)):
-            own = self.vocab.single[m].get(union_token)
-            ids = [own] if own is not None else backend.tokenizer.encode(piece, add_special_tokens=False)
-            advanced.append(self._feed(backend, ids, context) if ids else context)
-        return advanced
+    def advance(self, states: list[ModelState], union_tokens: list[int | None]) -> list[ModelState]:
+        """Every model reads each row's chosen union token (None: the row reads nothing)."""
+        return [self._feed(m, [self._own_tokens(m, u) if u is not None else [] for u in union_tokens], state) for m, state in enumerate(states)]
 
-    def generate(self, prompt: str, weights: Weights, max_tokens: int = 32, span: int = 8, stop: list[str] | None = None,
-                 greedy: bool = True, generator: torch.Generator | None = None) -> EnsembleOutput:
-        """Decode up to ``max_tokens`` union tokens; weights are (re)set every ``span`` tokens."""
-        contexts = self.start(prompt)
-        chosen: list[int] = []
-        span_weights: list[np.ndarray] = []
-        text, reason = "", "length"
+    def distributions(self, states: list[ModelState]) -> torch.Tensor:
+        """Every model's next-token probabilities over the union [M, B, V_union]."""
+        return torch.stack([self.vocab.to_union(m, state.next_logprobs.exp()) for m, state in enumerate(states)])
+
+    @staticmethod
+    def mix(union_probs: torch.Tensor, weights: np.ndarray) -> torch.Tensor:
+        """The weighted mixture [B, V_union] of [M, B, V_union] distributions under [B, M] weights."""
+        mixed = torch.einsum("mbv,bm->bv", union_probs, torch.as_tensor(weights, dtype=union_probs.dtype))
+        return mixed / mixed.sum(1, keepdim=True)
+
+    @staticmethod
+    def _check_weights(w: np.ndarray, batch: int, n_models: int) -> np.ndarray:
+        w = np.broadcast_to(np.asarray(w, dtype=np.float64), (batch, n_models)) if np.ndim(w) == 1 else np.asarray(w, dtype=np.float64)
+        if w.shape != (batch, n_models) or (w < 0).any() or (w.sum(1) <= 0).any():
+            raise ValueError(f"weights must be [{batch}, {n_models}] (or [{n_models}]) non-negative numbers with a positive sum per row, got shape {w.shape}")
+        return w / w.sum(1, keepdims=True)
+
+    def generate_batch(self, prompts: list[str], weights: Weights, max_tokens: int = 32, span: int = 8, stop: list[str] | None = None,
+                       greedy: bool = True, generator: torch.Generator | None = None) -> list[EnsembleOutput]:
+        """Decode up to ``max_tokens`` union tokens per prompt; the weights are (re)set every ``span`` tokens."""
+        if span < 1:
+            raise ValueError(f"span must be at least 1 token, got {span}")
+        batch, n_models = len(prompts), len(self.backends)
+        states = self.start(prompts)
+        chosen: list[list[int]] = [[] for _ in prompts]
+        span_weights: list[list[np.ndarray]] = [[] for _ in prompts]
+        texts, reasons = [""] * batch, ["length"] * batch
+        active = np.ones(batch, dtype=bool)
+        entropy_sum, agree_sum, steps_in_span = np.zeros((batch, n_models)), np.zeros((batch, n_models)), 0
+        w = None
         for step in range(max_tokens):
+            union_probs = self.distributions(states)
+            logprobs = [s.next_logprobs for s in states]
+            entropy_sum += torch.stack([-(lp.exp() * lp.nan_to_num(neginf=0.0)).sum(-1) for lp in logprobs], 1).numpy()
+            agree_sum += (union_probs.argmax(-1) == union_probs.sum(0).argmax(-1)).T.numpy()
+            steps_in_span += 1
             if step % span == 0:
-                w = np.asarray(weights(step // span, text) if callable(weights) else weights, dtype=np.float64)
-                if w.shape != (len(self.backends),) or (w < 0).any() or w.sum() <= 0:
-                    raise ValueError(f"weights must be {len(self.backends)} non-negative numbers with a positive sum, got {w}")
-                span_weights.append(w / w.sum())
-            mixed = self.mix(contexts, span_weights[-1])
-            token = int(mixed.argmax()) if greedy else int(torch.multinomial(mixed, 1, generator=generator))
-            if token == 0:  # the union EOS
-                reason = "stop"
+                view = SpanView(step // span, list(texts), active.copy(), entropy_sum / steps_in_span, agree_sum / steps_in_span)
+                w = self._check_weights(weights(view) if callable(weights) else weights, batch, n_models)
+                for i in np.flatnonzero(active):
+                    span_weights[i].append(w[i])
+                entropy_sum[:], agree_sum[:], steps_in_span = 0.0, 0.0, 0
+            mixed = self.mix(union_probs, w)
+            tokens = (mixed.argmax(1) if greedy else torch.multinomial(mixed, 1, generator=generator)[:, 0]).tolist()
+            feed: list[int | None] = [None] * batch
+            for i in np.flatnonzero(active):
+                if tokens[i] == 0:  # the union EOS
+                    reasons[i], active[i] = "stop", False
+                    continue
+                chosen[i].append(tokens[i])
+                texts[i] += self.vocab.pieces[tokens[i]].decode()
+                cut, stopped = cut_at_stop(texts[i], stop or [])
+                if stopped:
+                    texts[i], reasons[i], active[i] = cut, "stop", False
+                feed[i] = tokens[i]
+            if not active.any() or step == max_tokens - 1:
                 break
-            chosen.append(token)
-            contexts = self.advance(contexts, token)
-            text += self.vocab.pieces[token].decode()
-            cut, stopped = cut_at_stop(text, stop or [])
-            if stopped:
-                text, reason = cut, "stop"
-                break
-        return EnsembleOutput(text, chosen, span_weights, reason, contexts)
+            states = self.advance(states, [u if active[i] else None for i, u in enumerate(feed)])
+        return [
+            EnsembleOutput(texts[i], chosen[i], span_weights[i], reasons[i], [s.appended[i] for s in states])
+            for i in range(batch)
+        ]
+
+    def generate(self, prompt: str, weights: Weights, **options) -> EnsembleOutput:
+        """One prompt (see :meth:`generate_batch`)."""
+        return self.generate_batch([prompt], weights, **options)[0]
