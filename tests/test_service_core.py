@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from rlens.backends import Backend, BackendError, create_backend
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Experience, Feedback, Query
-from rlens.service.checkpoint import CheckpointStore
+from rlens.checkpoint import CheckpointStore
 from rlens.service.learner import LearnerCore
 from rlens.service.local import LocalRedis
 from rlens.service.policy import PolicyError, decode_policy, encode_policy

@@ -14,7 +14,7 @@ from rlens.dataset import load_dataset
 from rlens.settings import settings
 from rlens.zoo.build import SPECIALISTS, bpe_corpus, load_zoo, train_specialist
 from rlens.zoo.record import QUESTIONS_FILE, read_questions
-from rlens.zoo.tasks import ANTONYMS, FAMILIES, N_CHOICES, block_stream, make_question
+from rlens.zoo.tasks import ANTONYMS, FAMILIES, N_CHOICES, block_stream, exact_match, generation_split, generation_stream, make_question
 from rlens.zoo.tokenizers import GPT2_PATTERN, char_tokenizer, gpt2_subset_tokenizer, load_gpt2_ranks
 
 
@@ -67,6 +67,25 @@ def test_labels_are_uniform_and_streams_are_seeded():
     families = [q.family for q in a][::5]
     assert len(families) == 7 and all(x != y for x, y in zip(families, families[1:]))  # a switch at every block
     assert [q.family for q in a] == [f for f in families for _ in range(5)]
+
+
+def test_generation_tasks_have_exact_references_in_blocks_and_splits():
+    stream = generation_stream(list(FAMILIES), 6, 4, seed=1)
+    assert stream == generation_stream(list(FAMILIES), 6, 4, seed=1) != generation_stream(list(FAMILIES), 6, 4, seed=2)
+    families = [t.family for t in stream][::4]
+    assert all(x != y for x, y in zip(families, families[1:])) and [t.family for t in stream] == [f for f in families for _ in range(4)]
+    for task in generation_split(list(FAMILIES), 300, seed=0):
+        body = task.prompt.removeprefix("Q: ").removesuffix("\nA:")
+        if task.family == "arithmetic":  # "add: 12+7=" -> "19"
+            a, op, b = re.match(r"add: (\d+)([+-])(\d+)=", body).groups()
+            assert task.reference == str(int(a) + int(b) if op == "+" else int(a) - int(b))
+        elif task.family == "ordering":
+            assert task.reference == " ".join(sorted(body.removeprefix("sort: ").split()))
+        elif task.family == "pattern":
+            seq = [int(x) for x in body.removeprefix("next: ").split()]
+            assert task.reference == str(seq[-1] + seq[1] - seq[0])
+    assert {t.family for t in generation_split(list(FAMILIES), 300, seed=0)} == set(FAMILIES)
+    assert exact_match(" 19", "19") and exact_match("a b c\n", "a b c") and not exact_match(" 19 20", "19") and not exact_match("", "19")
 
 
 def test_gpt2_subset_tokenizes_the_corpus_exactly_like_full_gpt2():

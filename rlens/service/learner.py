@@ -37,7 +37,8 @@ from redis.exceptions import RedisError
 from rlens.focal.engine import Answer as EngineAnswer
 from rlens.focal.engine import Decision, FocalEngine
 from rlens.messages import DeadLetter, Experience, Feedback, Policy
-from rlens.service.checkpoint import CheckpointStore
+from rlens.checkpoint import CheckpointStore
+from rlens.service.checkpoint import load_engine, save_engine
 from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, typed_publisher
 from rlens.service.policy import encode_policy
 from rlens.service.windows import RedisWindows
@@ -73,7 +74,7 @@ class LearnerCore:
         self.stats = LearnerStats()
         self.name = f"{socket.gethostname()}-{os.getpid()}"
         self.last_checkpoint = time.monotonic()
-        restored = checkpoints.load_latest(engine)
+        restored = load_engine(checkpoints, engine)
         if restored is not None:
             self._restore(restored)
 
@@ -96,7 +97,7 @@ class LearnerCore:
             "done": list(self.done.items()),
             "stats": asdict(self.stats),
         }
-        self.checkpoints.save(self.engine, self.version, state)
+        save_engine(self.checkpoints, self.engine, self.version, state)
         self.checkpointed_offsets = dict(self.offsets)
         self.last_checkpoint = time.monotonic()
 

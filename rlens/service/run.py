@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.pool import PoolConfig, build_backend, load_pool_config
-from rlens.service.checkpoint import CheckpointStore
+from rlens.checkpoint import CheckpointStore
 from rlens.service.learner import LearnerCore, create_learner_app
 from rlens.service.windows import RedisWindows
 from rlens.service.worker import WorkerCore, create_worker_app

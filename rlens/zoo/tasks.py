@@ -1,5 +1,7 @@
-"""Synthetic task families of the model zoo: seeded generators of multiple-choice questions (pure, no I/O).
+"""Synthetic task families of the model zoo: seeded generators of questions (pure, no I/O).
 
+Each family makes multiple-choice questions (:class:`Question`) and open-ended generation tasks
+(:class:`GenerationTask`: the same prompt, the answer is the generated text, scored by :func:`exact_match`).
 Every question is a prompt ending in ``"\\nA:"`` and choices that each start with a space, so the context /
 continuation split is the same for every tokenizer. Each family has exactly one correct choice and three
 distractors near it (off-by-one numbers, other orders), so that guessing from the surface form does not work.
@@ -31,6 +33,13 @@ class Question:
     prompt: str
     choices: list[str]
     label: int
+
+
+@dataclass(frozen=True)
+class GenerationTask:
+    family: str
+    prompt: str
+    reference: str  # the correct answer, without the leading space the models generate
 
 
 def _numeric_distractors(answer: int, rng: np.random.Generator, low: int = 0) -> list[int]:
@@ -99,16 +108,41 @@ def training_example(family: str, rng: np.random.Generator) -> tuple[str, str]:
     return question.prompt, question.choices[question.label]
 
 
-def block_stream(families: list[str], blocks: int, block_size: int, seed: int) -> list[Question]:
-    """``blocks`` blocks of ``block_size`` questions, the family changing at every block (task switches).
+def make_generation(family: str, rng: np.random.Generator) -> GenerationTask:
+    """One open-ended task of ``family``: the prompt of its multiple-choice question, and the correct answer."""
+    question = make_question(family, rng)
+    return GenerationTask(family, question.prompt, question.choices[question.label].strip())
 
-    Families cycle in a seeded order, reshuffled after each full cycle, never repeating across a cycle's edge.
-    """
-    rng = np.random.default_rng(seed)
+
+def exact_match(text: str, reference: str) -> bool:
+    """The generated text, stripped of surrounding whitespace, is exactly the reference."""
+    return text.strip() == reference
+
+
+def _block_order(families: list[str], blocks: int, rng: np.random.Generator) -> list[str]:
+    """Families cycling in a seeded order, reshuffled after each full cycle, never repeating across a cycle's edge."""
     order: list[str] = []
     while len(order) < blocks:
         cycle = [families[i] for i in rng.permutation(len(families))]
         if order and len(cycle) > 1 and cycle[0] == order[-1]:
             cycle = cycle[1:] + cycle[:1]
         order.extend(cycle)
-    return [make_question(family, rng) for family in order[:blocks] for _ in range(block_size)]
+    return order[:blocks]
+
+
+def block_stream(families: list[str], blocks: int, block_size: int, seed: int) -> list[Question]:
+    """``blocks`` blocks of ``block_size`` questions, the family changing at every block (task switches)."""
+    rng = np.random.default_rng(seed)
+    return [make_question(family, rng) for family in _block_order(families, blocks, rng) for _ in range(block_size)]
+
+
+def generation_stream(families: list[str], blocks: int, block_size: int, seed: int) -> list[GenerationTask]:
+    """Open-ended tasks in blocks of one family each, like :func:`block_stream` (task switches)."""
+    rng = np.random.default_rng(seed)
+    return [make_generation(family, rng) for family in _block_order(families, blocks, rng) for _ in range(block_size)]
+
+
+def generation_split(families: list[str], n: int, seed: int) -> list[GenerationTask]:
+    """``n`` open-ended tasks of uniformly drawn families (a training split: no blocks)."""
+    rng = np.random.default_rng(seed)
+    return [make_generation(str(family), rng) for family in rng.choice(families, size=n)]
