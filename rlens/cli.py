@@ -23,6 +23,8 @@ pool_app = typer.Typer(help="Pool configurations: the models a worker ensembles.
 app.add_typer(pool_app, name="pool")
 zoo_app = typer.Typer(help="The model zoo: small real models, and the streams recorded from them.", no_args_is_help=True)
 app.add_typer(zoo_app, name="zoo")
+rlae_app = typer.Typer(help="RLAE: token-level ensembles whose weights an RL agent sets span by span.", no_args_is_help=True)
+app.add_typer(rlae_app, name="rlae")
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
 
@@ -388,3 +390,140 @@ def import_lm_eval(
 
 if __name__ == "__main__":
     app()
+
+
+DEFAULT_RLAE_MODELS = "arith-char,count-bpe,order-char,pattern-bpe"
+RLAE_FAMILIES = ["arithmetic", "counting", "ordering", "pattern"]
+
+
+def rlae_pool(zoo: Path | None, models: str, pool: Path | None) -> tuple[list[str], list]:
+    """(names, transformers backends) from a pool file or from the zoo by name, with clear errors."""
+    from rlens.pool import PoolConfigError, build_backend, load_pool_config
+    from rlens.zoo.build import load_backend, load_zoo
+
+    quiet_transformers()
+    if pool is not None:
+        try:
+            config = load_pool_config(pool)
+        except PoolConfigError as exc:
+            fail(str(exc))
+        other = [m.name for m in config.models if m.backend != "transformers"]
+        if other:
+            fail(f"{pool}: RLAE reads next-token distributions in process; these models are not `transformers` backends: {', '.join(other)}")
+        return [m.name for m in config.models], [build_backend(m) for m in config.models]
+    try:
+        zoo_models = {m.name: m for m in load_zoo(zoo or settings().zoo_dir)}
+    except FileNotFoundError as exc:
+        fail(str(exc))
+    names = [n.strip() for n in models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in zoo_models]
+    if unknown or len(names) < 1:
+        fail(f"unknown zoo model(s) {', '.join(unknown) or '(none given)'}; the zoo has {', '.join(zoo_models)}")
+    return names, [load_backend(zoo_models[n]) for n in names]
+
+
+def write_training_plot(curve: list[tuple[int, float]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([e for e, _ in curve], [r for _, r in curve], marker=".")
+    ax.set_xlabel("training episodes")
+    ax.set_ylabel("mean reward (exact match) per update")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@rlae_app.command("train")
+def rlae_train(
+    out: Path = typer.Option(Path("out/rlae"), help="run directory: checkpoints, training.png (an existing run resumes)"),
+    variant: str = typer.Option("ppo", help="ppo (one agent, Dirichlet weights) or mappo (one agent per model, centralized critic)"),
+    models: str = typer.Option(DEFAULT_RLAE_MODELS, help="comma-separated zoo models"),
+    zoo: Path | None = typer.Option(None, help="built zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)"),
+    pool: Path | None = typer.Option(None, help="a pool file of `transformers` models instead of zoo models"),
+    tasks: Path | None = typer.Option(None, help="JSON lines of {prompt, reference[, family]} (default: 1000 zoo generation tasks)"),
+    span: int = typer.Option(4, min=1, help="tokens per span: the agent sets the weights every SPAN tokens"),
+    max_tokens: int = typer.Option(16, min=1, help="generated tokens per episode at most"),
+    episodes: int = typer.Option(6144, min=1, help="training episodes"),
+    seed: int = typer.Option(0, help="seed of the policy, the task order and the sampling"),
+) -> None:
+    """Train the RLAE agent offline on prompts + references (reward: exact match), with checkpoints after every update."""
+    from rlens.rlae.agent import RLAEConfig
+    from rlens.rlae.decode import TokenEnsemble
+    from rlens.rlae.observe import SentenceEncoder
+    from rlens.rlae.tasks import TaskFileError, read_tasks
+    from rlens.rlae.train import RLAETrainer
+    from rlens.zoo.tasks import generation_split
+
+    quiet_transformers()
+    if variant not in ("ppo", "mappo"):
+        fail(f"--variant must be ppo or mappo, got {variant!r}")
+    try:
+        train_tasks = read_tasks(tasks) if tasks else generation_split(RLAE_FAMILIES, 1000, seed=100)
+    except TaskFileError as exc:
+        fail(str(exc))
+    names, backends = rlae_pool(zoo, models, pool)
+    cfg = RLAEConfig(variant=variant, span=span, max_tokens=max_tokens, episodes=episodes)
+    try:
+        trainer = RLAETrainer(TokenEnsemble(backends), SentenceEncoder(), names, cfg, out, seed)
+    except ValueError as exc:
+        fail(str(exc))
+    if trainer.state.episodes:
+        console.print(f"resuming {out} at {trainer.state.episodes} episodes")
+    console.print(f"RLAE-{variant.upper()} over {', '.join(names)}; span {span}, {len(train_tasks)} training tasks")
+    with progress_bar() as bar:
+        task = bar.add_task("training", total=episodes)
+        state = trainer.run(train_tasks, lambda n, reward: bar.update(task, advance=n, description=f"training (reward {reward:.2f})"))
+    write_training_plot(state.curve, out / "training.png", f"RLAE-{variant.upper()}, span {span}: {', '.join(names)}")
+    console.print(f"{state.episodes} episodes, {state.updates} updates; last reward {state.curve[-1][1]:.2f}; wrote {out} (training.png)")
+
+
+@rlae_app.command("generate")
+def rlae_generate(
+    prompts: list[str] = typer.Argument(..., help="prompts to answer (the zoo's form: 'Q: add: 12+7=\\nA:'; \\n is read as a newline)"),
+    run: Path | None = typer.Option(None, help="a `rlens rlae train` run directory (its agent sets the weights)"),
+    weights: str | None = typer.Option(None, help="fixed weights instead of an agent: 'uniform' or comma-separated numbers"),
+    models: str = typer.Option(DEFAULT_RLAE_MODELS, help="comma-separated zoo models (with --weights; a run knows its own)"),
+    zoo: Path | None = typer.Option(None, help="built zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)"),
+    pool: Path | None = typer.Option(None, help="a pool file of `transformers` models instead of zoo models"),
+    span: int = typer.Option(4, min=1, help="tokens per span (with --weights; a run knows its own)"),
+    max_tokens: int = typer.Option(16, min=1, help="tokens to generate at most"),
+) -> None:
+    """Generate with the token ensemble: a trained agent's span-wise weights, or fixed weights; prints each span's weights."""
+    import numpy as np
+
+    from rlens.rlae.decode import TokenEnsemble
+    from rlens.rlae.observe import SentenceEncoder
+    from rlens.rlae.train import STOP, load_agent
+
+    quiet_transformers()
+    if (run is None) == (weights is None):
+        fail("give either --run (a trained agent) or --weights (uniform or numbers)")
+    texts = [p.replace("\\n", "\n") for p in prompts]
+    if run is not None:
+        try:
+            agent, run_models, _ = load_agent(run, SentenceEncoder())
+        except FileNotFoundError as exc:
+            fail(str(exc))
+        names, backends = rlae_pool(zoo, ",".join(run_models), pool)
+        if names != run_models:
+            fail(f"the run was trained on {', '.join(run_models)}, the pool has {', '.join(names)}")
+        source, span = agent.weights_fn(texts, greedy=True), agent.cfg.span
+    else:
+        names, backends = rlae_pool(zoo, models, pool)
+        try:
+            source = np.ones(len(names)) if weights == "uniform" else np.array([float(w) for w in weights.split(",")])
+        except ValueError:
+            fail(f"--weights must be 'uniform' or comma-separated numbers, got {weights!r}")
+        if source.shape != (len(names),) or (source < 0).any() or source.sum() <= 0:
+            fail(f"--weights needs {len(names)} non-negative numbers with a positive sum (one per model: {', '.join(names)})")
+    outputs = TokenEnsemble(backends).generate_batch(texts, source, max_tokens=max_tokens, span=span, stop=STOP)
+    for prompt, out in zip(texts, outputs):
+        console.print(f"[bold]{prompt!r}[/] -> {out.text!r} ({out.finish_reason})", highlight=False)
+        for k, w in enumerate(out.span_weights):
+            console.print(f"  span {k}: " + "  ".join(f"{n} {x:.2f}" for n, x in zip(names, w)), highlight=False)

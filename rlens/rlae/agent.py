@@ -29,11 +29,15 @@ from rlens.focal.agents import mlp
 class RLAEConfig:
     variant: Literal["ppo", "mappo"] = "ppo"
     span: int = 8  # tokens per span: the weights change every span
+    max_tokens: int = 16  # generated tokens per episode at most (union tokens)
+    episodes: int = 6144  # training episodes (one generation each)
+    rollout_batch: int = 32  # generations decoded together
+    episodes_per_update: int = 128  # whole episodes gathered before each PPO update
     hidden: int = 128
     gamma: float = 1.0  # episodic: the only reward is the final one
     gae_lambda: float = 0.95
     clip: float = 0.2
-    lr: float = 3e-4
+    lr: float = 1e-3
     update_epochs: int = 4
     minibatch_size: int = 64
     ent_coef: float = 0.001
@@ -41,6 +45,10 @@ class RLAEConfig:
     max_grad_norm: float = 0.5
     min_concentration: float = 0.05  # ppo: Dirichlet concentrations stay above this
     init_log_std: float = -0.5  # mappo: the agents' exploration noise on their logits, at the start
+
+    @property
+    def max_spans(self) -> int:
+        return -(-self.max_tokens // self.span)
 
 
 class DirichletPolicy(nn.Module):

@@ -1,0 +1,140 @@
+"""RLAE-PPO and RLAE-MAPPO against every baseline on the zoo's generation stream (exact match).
+
+    python bench/bench_rlae.py [--zoo DIR] [--smollm2] [--seeds 0 1 2] [--span 4] [--episodes 6144] [--out out/bench_rlae]
+
+Training split: 1000 open-ended tasks of uniformly drawn families (seed 100). Test stream: 8 blocks of 50 tasks,
+the family switching at every block (seed 7). Families: arithmetic, counting, ordering, pattern (no zoo model
+answers the antonyms family). Methods, all decoded greedily with the same stop ("\\n") and token budget:
+each single model; the uniform token ensemble (GaC); the best static weights of a simplex grid (step 0.25) searched
+on 256 training tasks; RL-Focal (warm start on the training split's greedy answers, then online on the stream);
+RLAE-PPO and RLAE-MAPPO trained offline on the training split, then frozen (greedy weights) on the stream.
+Writes results.json, a table (stdout) and accuracy.png (per method, seeds as points; rolling accuracy on the stream).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.progress import Progress
+
+from rlens.rlae.agent import RLAEConfig
+from rlens.rlae.decode import TokenEnsemble
+from rlens.rlae.evaluate import correct, decode_agent, decode_static, grid_search, rl_focal_correct
+from rlens.rlae.observe import SentenceEncoder
+from rlens.rlae.train import RLAETrainer
+from rlens.settings import settings
+from rlens.zoo.build import load_backend, load_zoo
+from rlens.zoo.tasks import generation_split, generation_stream
+
+FAMILIES = ["arithmetic", "counting", "ordering", "pattern"]
+
+
+def plot(results: dict, test_families: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 1.4]})
+    names = list(results["accuracy"])
+    for x, name in enumerate(names):
+        values = results["accuracy"][name]
+        left.bar(x, np.mean(values), color="tab:blue" if name.startswith("rlae") else "tab:gray", alpha=0.7)
+        left.scatter([x] * len(values), values, color="black", s=10, zorder=3)
+    left.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
+    left.set_ylabel("exact match on the test stream")
+    left.set_ylim(0, 1)
+    width = 10
+    for name in ["rlae_ppo", "rlae_mappo", "rl_focal", "uniform (GaC)", results["best_single"]]:
+        per_task = np.mean(results["per_task"][name], 0)
+        right.plot(np.arange(width - 1, len(per_task)), np.convolve(per_task, np.ones(width) / width, mode="valid"), label=name)
+    for b in range(0, len(test_families), 50):
+        right.axvline(b, color="lightgray", lw=0.8)
+        right.text(b + 2, 0.02, test_families[b][:5], fontsize=7, color="gray")
+    right.set_xlabel(f"test stream (rolling mean over {width} tasks; task switch every 50)")
+    right.set_ylim(0, 1.05)
+    right.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--zoo", type=Path, default=None)
+    parser.add_argument("--smollm2", action="store_true", help="include SmolLM2-135M in the pool (about 5x slower)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--span", type=int, default=4)
+    parser.add_argument("--episodes", type=int, default=6144)
+    parser.add_argument("--out", type=Path, default=Path("out/bench_rlae"))
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    zoo = [m for m in load_zoo(args.zoo or settings().zoo_dir) if args.smollm2 or m.name != "smollm2-135m"]
+    names = [m.name for m in zoo]
+    backends = [load_backend(m) for m in zoo]
+    ensemble, encoder = TokenEnsemble(backends), SentenceEncoder()
+    cfg = RLAEConfig(span=args.span, episodes=args.episodes)
+    train, test = generation_split(FAMILIES, 1000, seed=100), generation_stream(FAMILIES, 8, 50, seed=7)
+    args.out.mkdir(parents=True, exist_ok=True)
+    per_task: dict[str, list[list[bool]]] = {}
+    seconds: dict[str, float] = {}
+    focal_calls: list[float] = []
+
+    def record(name: str, hits: np.ndarray, started: float) -> None:
+        per_task.setdefault(name, []).append(hits.tolist())
+        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - started
+
+    with Progress() as bar:
+        task = bar.add_task("single models", total=len(zoo) * (len(train) + len(test)))
+        train_outputs, test_outputs = [], []
+        for m, backend in enumerate(backends):
+            started = time.perf_counter()
+            alone = TokenEnsemble([backend])
+            train_outputs.append(decode_static(alone, train, np.ones(1), cfg, progress=lambda n: bar.advance(task, n)))
+            test_outputs.append(decode_static(alone, test, np.ones(1), cfg, progress=lambda n: bar.advance(task, n)))
+            record(names[m], correct(test_outputs[-1], test), started)
+        task = bar.add_task("uniform + grid search", total=len(test) * 2)
+        started = time.perf_counter()
+        record("uniform (GaC)", correct(decode_static(ensemble, test, np.ones(len(zoo)), cfg, progress=lambda n: bar.advance(task, n)), test), started)
+        started = time.perf_counter()
+        search = grid_search(ensemble, train[:256], cfg, 0.25)
+        record("best static (grid)", correct(decode_static(ensemble, test, search.best, cfg, progress=lambda n: bar.advance(task, n)), test), started)
+        for seed in args.seeds:
+            started = time.perf_counter()
+            hits, called = rl_focal_correct(train_outputs, train, test_outputs, test, names, FAMILIES, seed)
+            record("rl_focal", hits, started)
+            focal_calls.append(float(called.mean()))
+        for variant in ["ppo", "mappo"]:
+            for seed in args.seeds:
+                task = bar.add_task(f"rlae {variant} seed {seed}", total=args.episodes + len(test))
+                started = time.perf_counter()
+                trainer = RLAETrainer(ensemble, encoder, names, replace(cfg, variant=variant), args.out / f"runs/{variant}-{seed}", seed=seed)
+                trainer.run(train, lambda n, reward: bar.update(task, advance=n, description=f"rlae {variant} seed {seed} (reward {reward:.2f})"))
+                texts = decode_agent(ensemble, trainer.agent, test, progress=lambda n: bar.advance(task, n))
+                record(f"rlae_{variant}", correct(texts, test), started)
+
+    accuracy = {name: [float(np.mean(run)) for run in runs] for name, runs in per_task.items()}
+    best_single = max(names, key=lambda n: accuracy[n][0])
+    results = {
+        "models": names, "span": args.span, "episodes": args.episodes, "seeds": args.seeds, "grid_best": search.best.tolist(),
+        "grid_best_train_accuracy": float(search.accuracy.max()), "best_single": best_single, "accuracy": accuracy,
+        "per_family": {name: {f: float(np.mean([np.mean([h for h, t in zip(run, test) if t.family == f]) for run in runs])) for f in FAMILIES} for name, runs in per_task.items()},
+        "seconds": seconds, "rl_focal_mean_calls": float(np.mean(focal_calls)), "per_task": per_task,
+    }
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(results, [t.family for t in test], args.out / "accuracy.png")
+    print(f"| method | exact match (mean over {len(args.seeds)} seeds) | min–max | " + " | ".join(FAMILIES) + " |")
+    print("|---|---|---|" + "---|" * len(FAMILIES))
+    for name, values in accuracy.items():
+        fam = " | ".join(f"{100 * results['per_family'][name][f]:.1f}" for f in FAMILIES)
+        print(f"| {name} | {100 * np.mean(values):.1f} % | {100 * min(values):.1f}–{100 * max(values):.1f} | {fam} |")
+    print(f"grid best weights {dict(zip(names, search.best.round(2)))}; RL-Focal mean calls {np.mean(focal_calls):.2f}")
+
+
+if __name__ == "__main__":
+    main()

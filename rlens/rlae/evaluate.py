@@ -1,0 +1,103 @@
+"""RLAE against its baselines on open-ended tasks (exact match): each single model, the uniform token ensemble (GaC),
+the best static weights found by grid search on the training split, and RL-Focal's selection over the same pool.
+
+RL-Focal needs answer distributions over choices: each model's answer is its greedy output (stripped), the choices
+of a task are the union of the pool's answers, and each model's distribution is one-hot on its own answer
+(``rlens.answers.align``). One extra, never selectable choice holds the label when no model produced the reference,
+so such tasks count as wrong for every method.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from rlens.answers import align
+from rlens.dataset import RecordedDataset
+from rlens.focal.config import FocalConfig
+from rlens.rlae.agent import RLAEConfig
+from rlens.rlae.decode import TokenEnsemble, Weights
+from rlens.rlae.train import STOP, RLAEAgent, rollout
+from rlens.zoo.tasks import GenerationTask, exact_match
+
+Progress = Callable[[int], None]
+
+
+def decode_static(ensemble: TokenEnsemble, tasks: list[GenerationTask], weights: Weights, cfg: RLAEConfig, batch: int = 64,
+                  progress: Progress = lambda n: None) -> list[str]:
+    """The ensemble's greedy outputs under fixed (or callback) weights, ``batch`` tasks at a time."""
+    texts: list[str] = []
+    for start in range(0, len(tasks), batch):
+        chunk = tasks[start : start + batch]
+        texts += [o.text for o in ensemble.generate_batch([t.prompt for t in chunk], weights, max_tokens=cfg.max_tokens, span=cfg.span, stop=STOP)]
+        progress(len(chunk))
+    return texts
+
+
+def decode_agent(ensemble: TokenEnsemble, agent: RLAEAgent, tasks: list[GenerationTask], batch: int = 64, progress: Progress = lambda n: None) -> list[str]:
+    """The ensemble's outputs with the agent's greedy weights (the mean of its policy)."""
+    texts: list[str] = []
+    for start in range(0, len(tasks), batch):
+        chunk = tasks[start : start + batch]
+        texts += [o.text for o in rollout(ensemble, agent, chunk, greedy=True)[0]]
+        progress(len(chunk))
+    return texts
+
+
+def correct(texts: list[str], tasks: list[GenerationTask]) -> np.ndarray:
+    return np.array([exact_match(text, task.reference) for text, task in zip(texts, tasks)])
+
+
+def simplex_grid(n_models: int, step: float) -> np.ndarray:
+    """Every weight vector on the simplex with coordinates in multiples of ``step`` [G, n_models]."""
+    parts = round(1 / step)
+    if abs(parts * step - 1) > 1e-9:
+        raise ValueError(f"the grid step must divide 1, got {step}")
+    points = [c for c in itertools.product(range(parts + 1), repeat=n_models) if sum(c) == parts]
+    return np.array(points, dtype=np.float64) / parts
+
+
+@dataclass
+class GridSearch:
+    best: np.ndarray  # the weights with the highest training accuracy (the first of ties, in grid order)
+    grid: np.ndarray  # [G, M]
+    accuracy: np.ndarray  # [G] on the tasks searched
+
+
+def grid_search(ensemble: TokenEnsemble, tasks: list[GenerationTask], cfg: RLAEConfig, step: float = 0.25, progress: Progress = lambda n: None) -> GridSearch:
+    grid = simplex_grid(len(ensemble.backends), step)
+    accuracy = np.array([correct(decode_static(ensemble, tasks, w, cfg, progress=progress), tasks).mean() for w in grid])
+    return GridSearch(grid[int(accuracy.argmax())], grid, accuracy)
+
+
+def answer_dataset(outputs: list[list[str]], tasks: list[GenerationTask], model_names: list[str], families: list[str]) -> RecordedDataset:
+    """The pool's greedy answers [M][N] as a recorded multiple-choice dataset (see the module docstring)."""
+    aligned = [align([{text.strip(): 1.0} for text in (model[n] for model in outputs)]) for n in range(len(tasks))]
+    width = max(len(choices) for choices, _ in aligned) + 1  # + the never selectable "none of these"
+    probs = np.zeros((len(tasks), len(model_names), width), np.float32)
+    mask = np.zeros((len(tasks), width), bool)
+    labels = np.full(len(tasks), width - 1, np.int64)
+    for n, ((choices, p), task) in enumerate(zip(aligned, tasks)):
+        probs[n, :, : len(choices)], mask[n, : len(choices)] = p, True
+        if task.reference in choices:
+            labels[n] = choices.index(task.reference)
+    family_ids = np.array([families.index(t.family) for t in tasks], np.int64)
+    return RecordedDataset("zoo-generation", probs, mask, labels, family_ids, model_names, np.ones(len(model_names)), dict(enumerate(families)))
+
+
+def rl_focal_correct(train_outputs: list[list[str]], train: list[GenerationTask], test_outputs: list[list[str]], test: list[GenerationTask],
+                     model_names: list[str], families: list[str], seed: int, config: FocalConfig | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """RL-Focal warm-started on the training split, then online on the test stream: (correct, models called) per test task."""
+    from rlens.replay import run_variant
+
+    data = answer_dataset([a + b for a, b in zip(train_outputs, test_outputs)], train + test, model_names, families)
+    threads = torch.get_num_threads()  # run_variant pins one thread (it is meant for worker processes)
+    try:
+        trace = run_variant("rl_focal", data, np.arange(len(train)), np.arange(len(train), len(train) + len(test)), config or FocalConfig(), seed, None)
+    finally:
+        torch.set_num_threads(threads)
+    return trace.correct, trace.models_called
