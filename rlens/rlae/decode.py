@@ -17,6 +17,7 @@ a fixed array gives the uniform (GaC) or any static ensemble.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -68,6 +69,7 @@ class TokenEnsemble:
         self.vocab = vocab or UnionVocab.build([b.tokenizer for b in backends])
         self.pad_ids = [b.tokenizer.pad_token_id if b.tokenizer.pad_token_id is not None else b.tokenizer.eos_token_id for b in backends]
         self._retokenized: list[dict[int, list[int]]] = [{} for _ in backends]
+        self.model_seconds = [0.0] * len(backends)  # time spent in each model's forward passes (for cost figures)
 
     @torch.inference_mode()
     def _feed(self, m: int, rows: list[list[int]], state: ModelState | None) -> ModelState:
@@ -85,11 +87,13 @@ class TokenEnsemble:
                 ids[i, width - len(row) :], new_mask[i, width - len(row) :] = torch.tensor(row), 1
         mask = new_mask if state is None else torch.cat([state.mask, new_mask], 1)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -width:]
+        started = time.perf_counter()
         out = backend.model(
             input_ids=ids.to(backend.device), attention_mask=mask.to(backend.device), position_ids=positions.to(backend.device),
             past_key_values=state.cache if state else None, use_cache=True,
         )
         logprobs = F.log_softmax(out.logits[:, -1].float(), -1).cpu()
+        self.model_seconds[m] += time.perf_counter() - started
         if state is None:
             return ModelState(out.past_key_values, mask, logprobs, lengths, [[] for _ in rows])
         fed = torch.tensor([len(row) > 0 for row in rows])

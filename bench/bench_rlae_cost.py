@@ -1,0 +1,107 @@
+"""What the token ensemble and the RLAE agent cost on top of the models' own compute.
+
+    python bench/bench_rlae_cost.py [--zoo DIR] [--batch 1 32] [--spans 4 8 16] [--tokens 32]
+
+Pools: the 4 zoo specialists, and the same plus SmolLM2-135M. For 64 zoo prompts, decoded with an RLAE-PPO agent
+(untrained: its latency does not depend on its weights) for exactly --tokens tokens (EOS is masked off):
+- model compute: the time of every model's forward passes inside the ensemble, i.e. each model decoding the very
+  tokens it reads (incremental, with its KV cache): the sum of the single models' own decoding time for those tokens;
+- agent: the weights callback (MiniLM embedding of prompt + text, observation, policy);
+- merge: everything else (mapping to the union, mixing, picking, re-tokenizing, padding, span statistics);
+- overhead = (agent + merge) / model compute; target at span 8: <= 15 %.
+Also each model decoding alone (its own greedy tokens, same batch) for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from rlens.rlae.agent import RLAEConfig, make_policy
+from rlens.rlae.decode import TokenEnsemble
+from rlens.rlae.observe import SentenceEncoder, obs_dim
+from rlens.rlae.train import RLAEAgent
+from rlens.settings import settings
+from rlens.zoo.build import load_backend, load_zoo
+from rlens.zoo.tasks import FAMILIES, generation_split
+
+
+class NoEOS(TokenEnsemble):
+    """Masks the union EOS so that every row decodes exactly max_tokens tokens (equal work across settings)."""
+
+    def distributions(self, states):
+        probs = super().distributions(states)
+        probs[:, :, 0] = 0.0
+        return probs
+
+
+def measure(ensemble: NoEOS, agent: RLAEAgent | None, prompts: list[str], batch: int, span: int, tokens: int) -> dict:
+    ensemble.model_seconds = [0.0] * len(ensemble.backends)
+    agent_seconds, spans, generated = 0.0, 0, 0
+    started = time.perf_counter()
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        if agent is None:
+            weights = np.ones(len(ensemble.backends))
+        else:
+            inner = agent.weights_fn(chunk, greedy=True)
+
+            def weights(view, inner=inner):
+                nonlocal agent_seconds, spans
+                t = time.perf_counter()
+                out = inner(view)
+                agent_seconds += time.perf_counter() - t
+                spans += 1
+                return out
+        generated += sum(len(o.union_tokens) for o in ensemble.generate_batch(chunk, weights, max_tokens=tokens, span=span))
+    total = time.perf_counter() - started
+    model = sum(ensemble.model_seconds)
+    return {"total": total, "model": model, "agent": agent_seconds, "merge": total - model - agent_seconds, "spans": spans, "tokens": generated}
+
+
+def own_decoding(backends, prompts: list[str], batch: int, tokens: int) -> float:
+    """Seconds for every model to decode its own greedy tokens alone (summed over the models)."""
+    seconds = 0.0
+    for backend in backends:
+        alone = NoEOS([backend])
+        started = time.perf_counter()
+        for start in range(0, len(prompts), batch):
+            alone.generate_batch(prompts[start : start + batch], np.ones(1), max_tokens=tokens, span=tokens)
+        seconds += time.perf_counter() - started
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--zoo", default=None)
+    parser.add_argument("--batch", type=int, nargs="+", default=[32, 1])
+    parser.add_argument("--spans", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    zoo = load_zoo(args.zoo or settings().zoo_dir)
+    encoder = SentenceEncoder()
+    prompts = [t.prompt for t in generation_split(list(FAMILIES), args.prompts, seed=5)]
+    print("| pool | batch | span | tokens/s | model compute s | agent s | merge s | overhead / model compute | agent ms per span call | own decoding s (sum) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for with_smollm2 in (False, True):
+        models = [m for m in zoo if with_smollm2 or m.name != "smollm2-135m"]
+        backends = [load_backend(m) for m in models]
+        ensemble = NoEOS(backends)
+        measure(ensemble, None, prompts[:4], 4, 8, 4)  # warm-up
+        for batch in args.batch:
+            own = own_decoding(backends, prompts, batch, args.tokens)
+            for span in args.spans:
+                cfg = RLAEConfig(span=span, max_tokens=args.tokens)
+                agent = RLAEAgent(make_policy(obs_dim(len(models)), len(models), cfg, seed=0), encoder, cfg, len(models))
+                r = measure(ensemble, agent, prompts, batch, span, args.tokens)
+                print(f"| {'5 (+SmolLM2)' if with_smollm2 else '4 specialists'} | {batch} | {span} | {r['tokens'] / r['total']:.0f} | {r['model']:.2f} | {r['agent']:.2f} | "
+                      f"{r['merge']:.2f} | {100 * (r['agent'] + r['merge']) / r['model']:.0f} % | {1000 * r['agent'] / max(r['spans'], 1):.1f} | {own:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
