@@ -1,9 +1,10 @@
 """``rlens serve-model``: a small OpenAI-compatible completions server over the ``transformers`` backend.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions`` (text prompts, batched; ``echo`` + ``logprobs`` for the
-prompt tokens' log-probabilities; ``n`` samples; ``stop``; ``seed``) and ``GET /health``. It lets the ``openai``
-backend be tested against a real server here, and lets users without GPUs run the whole stack. Requests that the
-server cannot honour (token-id prompts, ``logprobs`` on sampled text without ``echo``) get an OpenAI-style 400.
+prompt tokens' log-probabilities; ``max_tokens`` 1 + ``logprobs`` k at temperature 0 for the greedy next token and
+its top k; ``n`` samples; ``stop``; ``seed``) and ``GET /health``. It lets the ``openai`` backend be tested against a
+real server here, and lets users without GPUs run the whole stack. Requests that the server cannot honour
+(token-id prompts, ``logprobs`` on several or sampled tokens without ``echo``) get an OpenAI-style 400.
 One model call runs at a time (a lock), in FastAPI's thread pool. :class:`ServerProcess` runs the server as a
 child process (tests, benchmarks, the local stack).
 """
@@ -47,6 +48,14 @@ def echo_choice(index: int, prompt: str, scored: PromptLogprobs, max_tokens: int
     return CompletionChoice(index=index, text=text, logprobs=logprob_block, finish_reason="length")
 
 
+def next_token_choice(index: int, prompt: str, scored: PromptLogprobs, eos_text: str) -> CompletionChoice:
+    """The greedy next token and its top tokens; the EOS ends the text ("" and finish reason "stop"), as vLLM does."""
+    ended = scored.next_token == eos_text
+    text = "" if ended else scored.next_token
+    logprobs = Logprobs(tokens=[scored.next_token], token_logprobs=[scored.next_logprob], top_logprobs=[scored.next_top], text_offset=[len(prompt)])
+    return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason="stop" if ended else "length")
+
+
 def create_app(backend: TransformersBackend, model_name: str) -> FastAPI:
     app = FastAPI(title="rlens serve-model", description=f"OpenAI-compatible completions for {model_name}")
     lock = threading.Lock()
@@ -68,14 +77,21 @@ def create_app(backend: TransformersBackend, model_name: str) -> FastAPI:
     def completions(request: CompletionRequest) -> CompletionResponse | JSONResponse:
         if request.model != model_name:
             return error(404, f"the model {request.model!r} does not exist; this server serves {model_name!r}", "not_found_error")
-        if request.logprobs is not None and not request.echo:
-            return error(400, "rlens serve-model returns logprobs only with echo (prompt scoring)")
+        top_k_only = request.logprobs is not None and not request.echo
+        if top_k_only and (request.max_tokens != 1 or request.n > 1 or request.temperature > 0):
+            return error(400, "rlens serve-model returns logprobs with echo (prompt scoring) or for one greedy token (max_tokens 1, n 1, temperature 0)")
         if request.echo and (request.max_tokens > 1 or request.n > 1 or request.temperature > 0 and request.max_tokens):
             return error(400, "echo is supported for prompt scoring: max_tokens 0 or 1, n 1, temperature 0")
         choices, prompt_tokens, completion_tokens = [], 0, 0
         try:
             with lock:
-                if request.echo:
+                if top_k_only:
+                    eos_text = backend.tokenizer.decode([backend.tokenizer.eos_token_id])
+                    for i, (prompt, scored) in enumerate(zip(request.prompts, backend.prompt_logprobs(request.prompts, max(request.logprobs, 1)))):
+                        choices.append(next_token_choice(i, prompt, scored, eos_text))
+                        prompt_tokens += len(scored.tokens)
+                        completion_tokens += 1
+                elif request.echo:
                     for i, (prompt, scored) in enumerate(zip(request.prompts, backend.prompt_logprobs(request.prompts, max(request.logprobs or 1, 1)))):
                         choices.append(echo_choice(i, prompt, scored, request.max_tokens, request.logprobs is not None))
                         prompt_tokens += len(scored.tokens)

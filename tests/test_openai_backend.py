@@ -84,7 +84,7 @@ def test_server_rejects_bad_requests_with_openai_errors(servers):
     cases = [
         ({"model": "arith-char", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
         ({"model": "arith-char", "prompt": [], "max_tokens": 1}, 400, "empty list"),
-        ({"model": "arith-char", "prompt": "x", "logprobs": 1}, 400, "only with echo"),
+        ({"model": "arith-char", "prompt": "x", "logprobs": 1, "max_tokens": 3}, 400, "one greedy token"),
         ({"model": "arith-char", "prompt": "x", "echo": True, "max_tokens": 5}, 400, "echo"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
         ({"model": "arith-char", "prompt": "x" * 500, "echo": True, "max_tokens": 0, "logprobs": 1}, 400, "model window"),
@@ -223,3 +223,22 @@ def test_pool_deadline_records_a_slow_model(misbehaving, zoo_models):
     assert answers.answered.tolist() == [False, True]
     assert answers.failures[0].reason == "no answer within the 0.5 s deadline"
     caller.close()
+
+
+def test_top_k_ensemble_over_servers_reproduces_each_models_greedy_text(servers, zoo_models):
+    """RLAE over servers (UniTE top-k): one-hot weights give each served model's own greedy text, EOS included."""
+    from rlens.rlae.decode import TokenEnsemble
+    from rlens.rlae.topk import TopKEnsemble
+
+    names = ["arith-char", "count-bpe"]
+    remote = TopKEnsemble([create_backend("openai", base_url=servers[n].url, model=n) for n in names], k=5)
+    local = [TokenEnsemble([load_backend(zoo_models[n])]) for n in names]
+    prompts = ["Q: add: 12+7=\nA:", "Q: count a in: a b a a\nA:", "Q: next: 1 3 5\nA:"]
+    for m in range(2):
+        served = remote.generate_batch(prompts, np.eye(2)[m], max_tokens=8, span=4)
+        alone = local[m].generate_batch(prompts, np.ones(1), max_tokens=8, span=4)
+        assert [(s.text, s.finish_reason) for s in served] == [(a.text, a.finish_reason) for a in alone]
+    mixed = remote.generate_batch(prompts, lambda view: np.tile([0.5, 0.5], (len(view.texts), 1)), max_tokens=8, span=4)
+    assert all(len(o.span_weights) >= 1 and o.text == "".join(remote.pieces[t] for t in o.union_tokens) for o in mixed)
+    with pytest.raises(BackendError, match="model window"):  # a server error reaches the caller clearly
+        remote.generate("x" * 500, np.array([1.0, 0.0]), max_tokens=2)

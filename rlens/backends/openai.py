@@ -143,6 +143,17 @@ class OpenAIBackend(Backend):
             raise BackendError(f"query {query_id}: a choice encodes to no tokens")
         return total, is_greedy
 
+    def next_token_tops(self, prompts: list[str], k: int) -> list[dict[str, float]]:
+        """For each prompt, the server's top ``k`` next tokens (text -> log-probability), from one batched request."""
+        request = CompletionRequest(model=self.model, prompt=prompts, max_tokens=1, temperature=0.0, logprobs=k)
+        tops = []
+        for choice in self._complete(request):
+            lp = choice.logprobs
+            if lp is None or not lp.top_logprobs or not lp.top_logprobs[0]:
+                raise BackendError(f"{self._where()}: malformed completion response: no top logprobs for the next token (the server must return logprobs={k})")
+            tops.append(lp.top_logprobs[0])
+        return tops
+
     def generate(self, request: GenerationRequest) -> Generations:
         completion = CompletionRequest(
             model=self.model, prompt=request.prompt, max_tokens=request.max_tokens, temperature=request.temperature,

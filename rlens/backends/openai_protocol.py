@@ -1,7 +1,8 @@
 """The part of the OpenAI completions API that rlens uses, as pydantic models (client and server share them).
 
 It is the legacy ``/v1/completions`` endpoint that vLLM, SGLang and the llama.cpp server speak: ``echo`` +
-``logprobs`` return the prompt's per-token log-probabilities (choice scoring), ``n`` samples several completions.
+``logprobs`` return the prompt's per-token log-probabilities (choice scoring), ``max_tokens=1`` + ``logprobs=k``
+the top k next tokens (the RLAE top-k ensemble), ``n`` samples several completions.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class CompletionRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     n: int = Field(1, ge=1, le=64)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=20, description="top tokens per position (OpenAI allows 5, vLLM 20 by default)")
     stop: str | list[str] | None = None
     seed: int | None = None
 

@@ -18,6 +18,7 @@ a fixed array gives the uniform (GaC) or any static ensemble.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
@@ -63,9 +64,99 @@ class EnsembleOutput:
     appended: list[list[int]]  # per model: the tokens it read after the prompt (the generated text, in its tokens)
 
 
-class TokenEnsemble:
+class SpanWeightedDecoder(ABC):
+    """The decoding loop shared by the in-process ensemble and the server (top-k) one.
+
+    Subclasses say how to start a batch, what every model's next-token distribution over a common token space is
+    (:meth:`step`: [M, B, U] with the EOS at column 0, and each model's entropy), what text a token stands for, and
+    how every model reads the chosen tokens.
+    """
+
+    n_models: int
+
+    @abstractmethod
+    def start(self, prompts: list[str]) -> list: ...
+
+    @abstractmethod
+    def step(self, states: list) -> tuple[torch.Tensor, np.ndarray]:
+        """(every model's next-token probabilities [M, B, U], their entropies [B, M])."""
+
+    @abstractmethod
+    def piece(self, token: int) -> str: ...
+
+    @abstractmethod
+    def advance(self, states: list, tokens: list[int | None]) -> list:
+        """Every model reads each row's chosen token (None: the row reads nothing)."""
+
+    def appended(self, states: list, row: int) -> list[list[int]]:
+        """Per model, the tokens row ``row`` read after its prompt (empty where a model's tokens are not known here)."""
+        return [[] for _ in range(self.n_models)]
+
+    @staticmethod
+    def mix(union_probs: torch.Tensor, weights: np.ndarray) -> torch.Tensor:
+        """The weighted mixture [B, U] of [M, B, U] distributions under [B, M] weights."""
+        mixed = torch.einsum("mbv,bm->bv", union_probs, torch.as_tensor(weights, dtype=union_probs.dtype))
+        return mixed / mixed.sum(1, keepdim=True)
+
+    @staticmethod
+    def _check_weights(w: np.ndarray, batch: int, n_models: int) -> np.ndarray:
+        w = np.broadcast_to(np.asarray(w, dtype=np.float64), (batch, n_models)) if np.ndim(w) == 1 else np.asarray(w, dtype=np.float64)
+        if w.shape != (batch, n_models) or (w < 0).any() or (w.sum(1) <= 0).any():
+            raise ValueError(f"weights must be [{batch}, {n_models}] (or [{n_models}]) non-negative numbers with a positive sum per row, got shape {w.shape}")
+        return w / w.sum(1, keepdims=True)
+
+    def generate_batch(self, prompts: list[str], weights: Weights, max_tokens: int = 32, span: int = 8, stop: list[str] | None = None,
+                       greedy: bool = True, generator: torch.Generator | None = None) -> list[EnsembleOutput]:
+        """Decode up to ``max_tokens`` tokens per prompt; the weights are (re)set every ``span`` tokens."""
+        if span < 1:
+            raise ValueError(f"span must be at least 1 token, got {span}")
+        batch, n_models = len(prompts), self.n_models
+        states = self.start(prompts)
+        chosen: list[list[int]] = [[] for _ in prompts]
+        span_weights: list[list[np.ndarray]] = [[] for _ in prompts]
+        texts, reasons = [""] * batch, ["length"] * batch
+        active = np.ones(batch, dtype=bool)
+        entropy_sum, agree_sum, steps_in_span = np.zeros((batch, n_models)), np.zeros((batch, n_models)), 0
+        w = None
+        for step in range(max_tokens):
+            union_probs, entropy = self.step(states)
+            entropy_sum += entropy
+            agree_sum += (union_probs.argmax(-1) == union_probs.sum(0).argmax(-1)).T.numpy()
+            steps_in_span += 1
+            if step % span == 0:
+                view = SpanView(step // span, list(texts), active.copy(), entropy_sum / steps_in_span, agree_sum / steps_in_span)
+                w = self._check_weights(weights(view) if callable(weights) else weights, batch, n_models)
+                for i in np.flatnonzero(active):
+                    span_weights[i].append(w[i])
+                entropy_sum[:], agree_sum[:], steps_in_span = 0.0, 0.0, 0
+            mixed = self.mix(union_probs, w)
+            tokens = (mixed.argmax(1) if greedy else torch.multinomial(mixed, 1, generator=generator)[:, 0]).tolist()
+            feed: list[int | None] = [None] * batch
+            for i in np.flatnonzero(active):
+                if tokens[i] == 0:  # the EOS
+                    reasons[i], active[i] = "stop", False
+                    continue
+                chosen[i].append(tokens[i])
+                texts[i] += self.piece(tokens[i])
+                cut, stopped = cut_at_stop(texts[i], stop or [])
+                if stopped:
+                    texts[i], reasons[i], active[i] = cut, "stop", False
+                feed[i] = tokens[i]
+            if not active.any() or step == max_tokens - 1:
+                break
+            states = self.advance(states, [u if active[i] else None for i, u in enumerate(feed)])
+        return [EnsembleOutput(texts[i], chosen[i], span_weights[i], reasons[i], self.appended(states, i)) for i in range(batch)]
+
+    def generate(self, prompt: str, weights: Weights, **options) -> EnsembleOutput:
+        """One prompt (see :meth:`generate_batch`)."""
+        return self.generate_batch([prompt], weights, **options)[0]
+
+
+class TokenEnsemble(SpanWeightedDecoder):
+    """In-process models: full next-token distributions over the union vocabulary, one KV cache per model."""
+
     def __init__(self, backends: list[TransformersBackend], vocab: UnionVocab | None = None):
-        self.backends = backends
+        self.backends, self.n_models = backends, len(backends)
         self.vocab = vocab or UnionVocab.build([b.tokenizer for b in backends])
         self.pad_ids = [b.tokenizer.pad_token_id if b.tokenizer.pad_token_id is not None else b.tokenizer.eos_token_id for b in backends]
         self._retokenized: list[dict[int, list[int]]] = [{} for _ in backends]
@@ -120,72 +211,18 @@ class TokenEnsemble:
         return cached
 
     def advance(self, states: list[ModelState], union_tokens: list[int | None]) -> list[ModelState]:
-        """Every model reads each row's chosen union token (None: the row reads nothing)."""
         return [self._feed(m, [self._own_tokens(m, u) if u is not None else [] for u in union_tokens], state) for m, state in enumerate(states)]
 
     def distributions(self, states: list[ModelState]) -> torch.Tensor:
         """Every model's next-token probabilities over the union [M, B, V_union]."""
         return torch.stack([self.vocab.to_union(m, state.next_logprobs.exp()) for m, state in enumerate(states)])
 
-    @staticmethod
-    def mix(union_probs: torch.Tensor, weights: np.ndarray) -> torch.Tensor:
-        """The weighted mixture [B, V_union] of [M, B, V_union] distributions under [B, M] weights."""
-        mixed = torch.einsum("mbv,bm->bv", union_probs, torch.as_tensor(weights, dtype=union_probs.dtype))
-        return mixed / mixed.sum(1, keepdim=True)
+    def step(self, states: list[ModelState]) -> tuple[torch.Tensor, np.ndarray]:
+        entropy = torch.stack([-(s.next_logprobs.exp() * s.next_logprobs.nan_to_num(neginf=0.0)).sum(-1) for s in states], 1)
+        return self.distributions(states), entropy.numpy()
 
-    @staticmethod
-    def _check_weights(w: np.ndarray, batch: int, n_models: int) -> np.ndarray:
-        w = np.broadcast_to(np.asarray(w, dtype=np.float64), (batch, n_models)) if np.ndim(w) == 1 else np.asarray(w, dtype=np.float64)
-        if w.shape != (batch, n_models) or (w < 0).any() or (w.sum(1) <= 0).any():
-            raise ValueError(f"weights must be [{batch}, {n_models}] (or [{n_models}]) non-negative numbers with a positive sum per row, got shape {w.shape}")
-        return w / w.sum(1, keepdims=True)
+    def piece(self, token: int) -> str:
+        return self.vocab.pieces[token].decode()
 
-    def generate_batch(self, prompts: list[str], weights: Weights, max_tokens: int = 32, span: int = 8, stop: list[str] | None = None,
-                       greedy: bool = True, generator: torch.Generator | None = None) -> list[EnsembleOutput]:
-        """Decode up to ``max_tokens`` union tokens per prompt; the weights are (re)set every ``span`` tokens."""
-        if span < 1:
-            raise ValueError(f"span must be at least 1 token, got {span}")
-        batch, n_models = len(prompts), len(self.backends)
-        states = self.start(prompts)
-        chosen: list[list[int]] = [[] for _ in prompts]
-        span_weights: list[list[np.ndarray]] = [[] for _ in prompts]
-        texts, reasons = [""] * batch, ["length"] * batch
-        active = np.ones(batch, dtype=bool)
-        entropy_sum, agree_sum, steps_in_span = np.zeros((batch, n_models)), np.zeros((batch, n_models)), 0
-        w = None
-        for step in range(max_tokens):
-            union_probs = self.distributions(states)
-            logprobs = [s.next_logprobs for s in states]
-            entropy_sum += torch.stack([-(lp.exp() * lp.nan_to_num(neginf=0.0)).sum(-1) for lp in logprobs], 1).numpy()
-            agree_sum += (union_probs.argmax(-1) == union_probs.sum(0).argmax(-1)).T.numpy()
-            steps_in_span += 1
-            if step % span == 0:
-                view = SpanView(step // span, list(texts), active.copy(), entropy_sum / steps_in_span, agree_sum / steps_in_span)
-                w = self._check_weights(weights(view) if callable(weights) else weights, batch, n_models)
-                for i in np.flatnonzero(active):
-                    span_weights[i].append(w[i])
-                entropy_sum[:], agree_sum[:], steps_in_span = 0.0, 0.0, 0
-            mixed = self.mix(union_probs, w)
-            tokens = (mixed.argmax(1) if greedy else torch.multinomial(mixed, 1, generator=generator)[:, 0]).tolist()
-            feed: list[int | None] = [None] * batch
-            for i in np.flatnonzero(active):
-                if tokens[i] == 0:  # the union EOS
-                    reasons[i], active[i] = "stop", False
-                    continue
-                chosen[i].append(tokens[i])
-                texts[i] += self.vocab.pieces[tokens[i]].decode()
-                cut, stopped = cut_at_stop(texts[i], stop or [])
-                if stopped:
-                    texts[i], reasons[i], active[i] = cut, "stop", False
-                feed[i] = tokens[i]
-            if not active.any() or step == max_tokens - 1:
-                break
-            states = self.advance(states, [u if active[i] else None for i, u in enumerate(feed)])
-        return [
-            EnsembleOutput(texts[i], chosen[i], span_weights[i], reasons[i], [s.appended[i] for s in states])
-            for i in range(batch)
-        ]
-
-    def generate(self, prompt: str, weights: Weights, **options) -> EnsembleOutput:
-        """One prompt (see :meth:`generate_batch`)."""
-        return self.generate_batch([prompt], weights, **options)[0]
+    def appended(self, states: list[ModelState], row: int) -> list[list[int]]:
+        return [s.appended[row] for s in states]
