@@ -396,9 +396,12 @@ DEFAULT_RLAE_MODELS = "arith-char,count-bpe,order-char,pattern-bpe"
 RLAE_FAMILIES = ["arithmetic", "counting", "ordering", "pattern"]
 
 
-def rlae_pool(zoo: Path | None, models: str, pool: Path | None) -> tuple[list[str], list]:
-    """(names, transformers backends) from a pool file or from the zoo by name, with clear errors."""
+def rlae_decoder(zoo: Path | None, models: str, pool: Path | None, top_k: int) -> tuple[list[str], object]:
+    """(model names, decoder): zoo models by name or a pool of `transformers` models decode in process
+    (``TokenEnsemble``); a pool of `openai` servers decodes over their top-k next tokens (``TopKEnsemble``)."""
     from rlens.pool import PoolConfigError, build_backend, load_pool_config
+    from rlens.rlae.decode import TokenEnsemble
+    from rlens.rlae.topk import TopKEnsemble
     from rlens.zoo.build import load_backend, load_zoo
 
     quiet_transformers()
@@ -407,19 +410,20 @@ def rlae_pool(zoo: Path | None, models: str, pool: Path | None) -> tuple[list[st
             config = load_pool_config(pool)
         except PoolConfigError as exc:
             fail(str(exc))
-        other = [m.name for m in config.models if m.backend != "transformers"]
-        if other:
-            fail(f"{pool}: RLAE reads next-token distributions in process; these models are not `transformers` backends: {', '.join(other)}")
-        return [m.name for m in config.models], [build_backend(m) for m in config.models]
+        kinds = {m.backend for m in config.models}
+        if kinds not in ({"transformers"}, {"openai"}):
+            fail(f"{pool}: an RLAE pool is all `transformers` models (in process) or all `openai` servers (top-k), got {', '.join(sorted(kinds))}")
+        names, backends = [m.name for m in config.models], [build_backend(m) for m in config.models]
+        return names, TokenEnsemble(backends) if kinds == {"transformers"} else TopKEnsemble(backends, top_k)
     try:
         zoo_models = {m.name: m for m in load_zoo(zoo or settings().zoo_dir)}
     except FileNotFoundError as exc:
         fail(str(exc))
     names = [n.strip() for n in models.split(",") if n.strip()]
     unknown = [n for n in names if n not in zoo_models]
-    if unknown or len(names) < 1:
+    if unknown or not names:
         fail(f"unknown zoo model(s) {', '.join(unknown) or '(none given)'}; the zoo has {', '.join(zoo_models)}")
-    return names, [load_backend(zoo_models[n]) for n in names]
+    return names, TokenEnsemble([load_backend(zoo_models[n]) for n in names])
 
 
 def write_training_plot(curve: list[tuple[int, float]], path: Path, title: str) -> None:
@@ -445,7 +449,8 @@ def rlae_train(
     variant: str = typer.Option("ppo", help="ppo (one agent, Dirichlet weights) or mappo (one agent per model, centralized critic)"),
     models: str = typer.Option(DEFAULT_RLAE_MODELS, help="comma-separated zoo models"),
     zoo: Path | None = typer.Option(None, help="built zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)"),
-    pool: Path | None = typer.Option(None, help="a pool file of `transformers` models instead of zoo models"),
+    pool: Path | None = typer.Option(None, help="a pool file instead of zoo models: all `transformers`, or all `openai` servers (top-k)"),
+    top_k: int = typer.Option(5, min=1, max=20, help="with a pool of servers: top tokens asked of each per step"),
     tasks: Path | None = typer.Option(None, help="JSON lines of {prompt, reference[, family]} (default: 1000 zoo generation tasks)"),
     span: int = typer.Option(4, min=1, help="tokens per span: the agent sets the weights every SPAN tokens"),
     max_tokens: int = typer.Option(16, min=1, help="generated tokens per episode at most"),
@@ -454,7 +459,6 @@ def rlae_train(
 ) -> None:
     """Train the RLAE agent offline on prompts + references (reward: exact match), with checkpoints after every update."""
     from rlens.rlae.agent import RLAEConfig
-    from rlens.rlae.decode import TokenEnsemble
     from rlens.rlae.observe import SentenceEncoder
     from rlens.rlae.tasks import TaskFileError, read_tasks
     from rlens.rlae.train import RLAETrainer
@@ -467,10 +471,10 @@ def rlae_train(
         train_tasks = read_tasks(tasks) if tasks else generation_split(RLAE_FAMILIES, 1000, seed=100)
     except TaskFileError as exc:
         fail(str(exc))
-    names, backends = rlae_pool(zoo, models, pool)
+    names, decoder = rlae_decoder(zoo, models, pool, top_k)
     cfg = RLAEConfig(variant=variant, span=span, max_tokens=max_tokens, episodes=episodes)
     try:
-        trainer = RLAETrainer(TokenEnsemble(backends), SentenceEncoder(), names, cfg, out, seed)
+        trainer = RLAETrainer(decoder, SentenceEncoder(), names, cfg, out, seed)
     except ValueError as exc:
         fail(str(exc))
     if trainer.state.episodes:
@@ -490,14 +494,14 @@ def rlae_generate(
     weights: str | None = typer.Option(None, help="fixed weights instead of an agent: 'uniform' or comma-separated numbers"),
     models: str = typer.Option(DEFAULT_RLAE_MODELS, help="comma-separated zoo models (with --weights; a run knows its own)"),
     zoo: Path | None = typer.Option(None, help="built zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)"),
-    pool: Path | None = typer.Option(None, help="a pool file of `transformers` models instead of zoo models"),
+    pool: Path | None = typer.Option(None, help="a pool file instead of zoo models: all `transformers`, or all `openai` servers (top-k)"),
+    top_k: int = typer.Option(5, min=1, max=20, help="with a pool of servers: top tokens asked of each per step"),
     span: int = typer.Option(4, min=1, help="tokens per span (with --weights; a run knows its own)"),
     max_tokens: int = typer.Option(16, min=1, help="tokens to generate at most"),
 ) -> None:
     """Generate with the token ensemble: a trained agent's span-wise weights, or fixed weights; prints each span's weights."""
     import numpy as np
 
-    from rlens.rlae.decode import TokenEnsemble
     from rlens.rlae.observe import SentenceEncoder
     from rlens.rlae.train import STOP, load_agent
 
@@ -510,19 +514,19 @@ def rlae_generate(
             agent, run_models, _ = load_agent(run, SentenceEncoder())
         except FileNotFoundError as exc:
             fail(str(exc))
-        names, backends = rlae_pool(zoo, ",".join(run_models), pool)
+        names, decoder = rlae_decoder(zoo, ",".join(run_models), pool, top_k)
         if names != run_models:
             fail(f"the run was trained on {', '.join(run_models)}, the pool has {', '.join(names)}")
         source, span = agent.weights_fn(texts, greedy=True), agent.cfg.span
     else:
-        names, backends = rlae_pool(zoo, models, pool)
+        names, decoder = rlae_decoder(zoo, models, pool, top_k)
         try:
             source = np.ones(len(names)) if weights == "uniform" else np.array([float(w) for w in weights.split(",")])
         except ValueError:
             fail(f"--weights must be 'uniform' or comma-separated numbers, got {weights!r}")
         if source.shape != (len(names),) or (source < 0).any() or source.sum() <= 0:
             fail(f"--weights needs {len(names)} non-negative numbers with a positive sum (one per model: {', '.join(names)})")
-    outputs = TokenEnsemble(backends).generate_batch(texts, source, max_tokens=max_tokens, span=span, stop=STOP)
+    outputs = decoder.generate_batch(texts, source, max_tokens=max_tokens, span=span, stop=STOP)
     for prompt, out in zip(texts, outputs):
         console.print(f"[bold]{prompt!r}[/] -> {out.text!r} ({out.finish_reason})", highlight=False)
         for k, w in enumerate(out.span_weights):

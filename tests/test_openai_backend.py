@@ -242,3 +242,19 @@ def test_top_k_ensemble_over_servers_reproduces_each_models_greedy_text(servers,
     assert all(len(o.span_weights) >= 1 and o.text == "".join(remote.pieces[t] for t in o.union_tokens) for o in mixed)
     with pytest.raises(BackendError, match="model window"):  # a server error reaches the caller clearly
         remote.generate("x" * 500, np.array([1.0, 0.0]), max_tokens=2)
+
+
+def test_rlae_generate_over_a_pool_of_servers(servers, zoo_models, tmp_path):
+    from typer.testing import CliRunner
+
+    from rlens.cli import app
+
+    pool = tmp_path / "servers.json"
+    pool.write_text(json.dumps({"models": [{"name": n, "backend": "openai", "options": {"base_url": servers[n].url, "model": n}} for n in ("arith-char", "count-bpe")]}))
+    result = CliRunner().invoke(app, ["rlae", "generate", "--pool", str(pool), "--weights", "1,0", "--top-k", "3", "Q: add: 12+7=\\nA:"])
+    assert result.exit_code == 0 and "span 0: arith-char 1.00  count-bpe 0.00" in result.output, result.output
+    mixed = tmp_path / "mixed.json"
+    mixed.write_text(json.dumps({"models": [{"name": "a", "backend": "openai", "options": {"base_url": servers["arith-char"].url, "model": "arith-char"}},
+                                            {"name": "b", "backend": "transformers", "options": {"path": zoo_models["count-bpe"].path}}]}))
+    result = CliRunner().invoke(app, ["rlae", "generate", "--pool", str(mixed), "--weights", "uniform", "x"])
+    assert result.exit_code == 2 and "all `transformers` models (in process) or all `openai` servers" in result.output

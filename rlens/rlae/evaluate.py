@@ -20,14 +20,14 @@ from rlens.answers import align
 from rlens.dataset import RecordedDataset
 from rlens.focal.config import FocalConfig
 from rlens.rlae.agent import RLAEConfig
-from rlens.rlae.decode import TokenEnsemble, Weights
+from rlens.rlae.decode import SpanWeightedDecoder, Weights
 from rlens.rlae.train import STOP, RLAEAgent, rollout
 from rlens.zoo.tasks import GenerationTask, exact_match
 
 Progress = Callable[[int], None]
 
 
-def decode_static(ensemble: TokenEnsemble, tasks: list[GenerationTask], weights: Weights, cfg: RLAEConfig, batch: int = 64,
+def decode_static(ensemble: SpanWeightedDecoder, tasks: list[GenerationTask], weights: Weights, cfg: RLAEConfig, batch: int = 64,
                   progress: Progress = lambda n: None) -> list[str]:
     """The ensemble's greedy outputs under fixed (or callback) weights, ``batch`` tasks at a time."""
     texts: list[str] = []
@@ -38,7 +38,7 @@ def decode_static(ensemble: TokenEnsemble, tasks: list[GenerationTask], weights:
     return texts
 
 
-def decode_agent(ensemble: TokenEnsemble, agent: RLAEAgent, tasks: list[GenerationTask], batch: int = 64, progress: Progress = lambda n: None) -> list[str]:
+def decode_agent(ensemble: SpanWeightedDecoder, agent: RLAEAgent, tasks: list[GenerationTask], batch: int = 64, progress: Progress = lambda n: None) -> list[str]:
     """The ensemble's outputs with the agent's greedy weights (the mean of its policy)."""
     texts: list[str] = []
     for start in range(0, len(tasks), batch):
@@ -68,8 +68,8 @@ class GridSearch:
     accuracy: np.ndarray  # [G] on the tasks searched
 
 
-def grid_search(ensemble: TokenEnsemble, tasks: list[GenerationTask], cfg: RLAEConfig, step: float = 0.25, progress: Progress = lambda n: None) -> GridSearch:
-    grid = simplex_grid(len(ensemble.backends), step)
+def grid_search(ensemble: SpanWeightedDecoder, tasks: list[GenerationTask], cfg: RLAEConfig, step: float = 0.25, progress: Progress = lambda n: None) -> GridSearch:
+    grid = simplex_grid(ensemble.n_models, step)
     accuracy = np.array([correct(decode_static(ensemble, tasks, w, cfg, progress=progress), tasks).mean() for w in grid])
     return GridSearch(grid[int(accuracy.argmax())], grid, accuracy)
 

@@ -18,7 +18,7 @@ import torch
 
 from rlens.checkpoint import CheckpointStore, load_optimizer, optimizer_tensors
 from rlens.rlae.agent import RLAEConfig, Span, make_policy, update
-from rlens.rlae.decode import EnsembleOutput, SpanView, TokenEnsemble
+from rlens.rlae.decode import EnsembleOutput, SpanView, SpanWeightedDecoder
 from rlens.rlae.observe import SentenceEncoder, obs_dim, observation
 from rlens.zoo.tasks import GenerationTask, exact_match
 
@@ -53,7 +53,7 @@ class RLAEAgent:
         return weights
 
 
-def rollout(ensemble: TokenEnsemble, agent: RLAEAgent, tasks: list[GenerationTask], greedy: bool,
+def rollout(ensemble: SpanWeightedDecoder, agent: RLAEAgent, tasks: list[GenerationTask], greedy: bool,
             generator: torch.Generator | None = None) -> tuple[list[EnsembleOutput], list[list[Span]], np.ndarray]:
     """Decode ``tasks`` with the agent's weights; (outputs, each episode's spans with its reward, rewards)."""
     prompts = [t.prompt for t in tasks]
@@ -76,7 +76,7 @@ class TrainState:
 class RLAETrainer:
     """Offline training on prompts + references, checkpointed under ``out_dir``; resumes from its latest checkpoint."""
 
-    def __init__(self, ensemble: TokenEnsemble, encoder: SentenceEncoder, model_names: list[str], cfg: RLAEConfig, out_dir: Path, seed: int = 0):
+    def __init__(self, ensemble: SpanWeightedDecoder, encoder: SentenceEncoder, model_names: list[str], cfg: RLAEConfig, out_dir: Path, seed: int = 0):
         self.ensemble, self.model_names, self.cfg, self.seed = ensemble, model_names, cfg, seed
         self.policy = make_policy(obs_dim(len(model_names)), len(model_names), cfg, seed)
         self.agent = RLAEAgent(self.policy, encoder, cfg, len(model_names))
