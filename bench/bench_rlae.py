@@ -25,7 +25,7 @@ from rich.progress import Progress
 
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
-from rlens.rlae.evaluate import correct, decode_agent, decode_static, grid_search, rl_focal_correct
+from rlens.rlae.evaluate import correct, decode, grid_search, rl_focal_correct
 from rlens.rlae.observe import SentenceEncoder
 from rlens.rlae.train import RLAETrainer
 from rlens.settings import settings
@@ -95,15 +95,15 @@ def main() -> None:
         for m, backend in enumerate(backends):
             started = time.perf_counter()
             alone = TokenEnsemble([backend])
-            train_outputs.append(decode_static(alone, train, np.ones(1), cfg, progress=lambda n: bar.advance(task, n)))
-            test_outputs.append(decode_static(alone, test, np.ones(1), cfg, progress=lambda n: bar.advance(task, n)))
+            train_outputs.append(decode(alone, train, np.ones(1), cfg, progress=lambda n: bar.advance(task, n)))
+            test_outputs.append(decode(alone, test, np.ones(1), cfg, progress=lambda n: bar.advance(task, n)))
             record(names[m], correct(test_outputs[-1], test), started)
         task = bar.add_task("uniform + grid search", total=len(test) * 2)
         started = time.perf_counter()
-        record("uniform (GaC)", correct(decode_static(ensemble, test, np.ones(len(zoo)), cfg, progress=lambda n: bar.advance(task, n)), test), started)
+        record("uniform (GaC)", correct(decode(ensemble, test, np.ones(len(zoo)), cfg, progress=lambda n: bar.advance(task, n)), test), started)
         started = time.perf_counter()
         search = grid_search(ensemble, train[:256], cfg, 0.25)
-        record("best static (grid)", correct(decode_static(ensemble, test, search.best, cfg, progress=lambda n: bar.advance(task, n)), test), started)
+        record("best static (grid)", correct(decode(ensemble, test, search.best, cfg, progress=lambda n: bar.advance(task, n)), test), started)
         for seed in args.seeds:
             started = time.perf_counter()
             hits, called = rl_focal_correct(train_outputs, train, test_outputs, test, names, FAMILIES, seed)
@@ -115,7 +115,7 @@ def main() -> None:
                 started = time.perf_counter()
                 trainer = RLAETrainer(ensemble, encoder, names, replace(cfg, variant=variant), args.out / f"runs/{variant}-{seed}", seed=seed)
                 trainer.run(train, lambda n, reward: bar.update(task, advance=n, description=f"rlae {variant} seed {seed} (reward {reward:.2f})"))
-                texts = decode_agent(ensemble, trainer.agent, test, progress=lambda n: bar.advance(task, n))
+                texts = decode(ensemble, test, trainer.agent, cfg, progress=lambda n: bar.advance(task, n))
                 record(f"rlae_{variant}", correct(texts, test), started)
 
     accuracy = {name: [float(np.mean(run)) for run in runs] for name, runs in per_task.items()}

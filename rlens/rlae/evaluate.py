@@ -21,30 +21,23 @@ from rlens.dataset import RecordedDataset
 from rlens.focal.config import FocalConfig
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import SpanWeightedDecoder, Weights
-from rlens.rlae.train import STOP, RLAEAgent, rollout
+from rlens.rlae.train import STOP, RLAEAgent
 from rlens.zoo.tasks import GenerationTask, exact_match
 
 Progress = Callable[[int], None]
 
 
-def decode_static(ensemble: SpanWeightedDecoder, tasks: list[GenerationTask], weights: Weights, cfg: RLAEConfig, batch: int = 64,
-                  progress: Progress = lambda n: None) -> list[str]:
-    """The ensemble's greedy outputs under fixed (or callback) weights, ``batch`` tasks at a time."""
+def decode(ensemble: SpanWeightedDecoder, tasks: list[GenerationTask], weights: Weights | RLAEAgent, cfg: RLAEConfig, batch: int = 64,
+           progress: Progress = lambda n: None) -> list[str]:
+    """The ensemble's greedy outputs, ``batch`` tasks at a time, under fixed weights or an agent's greedy weights
+    (the mean of its policy; the agent's own span and token budget then apply)."""
+    cfg = weights.cfg if isinstance(weights, RLAEAgent) else cfg
     texts: list[str] = []
     for start in range(0, len(tasks), batch):
-        chunk = tasks[start : start + batch]
-        texts += [o.text for o in ensemble.generate_batch([t.prompt for t in chunk], weights, max_tokens=cfg.max_tokens, span=cfg.span, stop=STOP)]
-        progress(len(chunk))
-    return texts
-
-
-def decode_agent(ensemble: SpanWeightedDecoder, agent: RLAEAgent, tasks: list[GenerationTask], batch: int = 64, progress: Progress = lambda n: None) -> list[str]:
-    """The ensemble's outputs with the agent's greedy weights (the mean of its policy)."""
-    texts: list[str] = []
-    for start in range(0, len(tasks), batch):
-        chunk = tasks[start : start + batch]
-        texts += [o.text for o in rollout(ensemble, agent, chunk, greedy=True)[0]]
-        progress(len(chunk))
+        prompts = [t.prompt for t in tasks[start : start + batch]]
+        source = weights.weights_fn(prompts, greedy=True) if isinstance(weights, RLAEAgent) else weights
+        texts += [o.text for o in ensemble.generate_batch(prompts, source, max_tokens=cfg.max_tokens, span=cfg.span, stop=STOP)]
+        progress(len(prompts))
     return texts
 
 
@@ -70,7 +63,7 @@ class GridSearch:
 
 def grid_search(ensemble: SpanWeightedDecoder, tasks: list[GenerationTask], cfg: RLAEConfig, step: float = 0.25, progress: Progress = lambda n: None) -> GridSearch:
     grid = simplex_grid(ensemble.n_models, step)
-    accuracy = np.array([correct(decode_static(ensemble, tasks, w, cfg, progress=progress), tasks).mean() for w in grid])
+    accuracy = np.array([correct(decode(ensemble, tasks, w, cfg, progress=progress), tasks).mean() for w in grid])
     return GridSearch(grid[int(accuracy.argmax())], grid, accuracy)
 
 

@@ -12,8 +12,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlens.rlae.decode import SpanView
-
 EMBED_DIM = 384
 
 
@@ -50,7 +48,7 @@ def obs_dim(n_models: int) -> int:
     return EMBED_DIM + 1 + 2 * n_models
 
 
-def observation(embeddings: np.ndarray, view: SpanView, max_spans: int) -> np.ndarray:
-    """[B, obs_dim] from the embeddings of prompt + text [B, 384] and the span's statistics."""
-    position = np.full((len(embeddings), 1), min(view.index / max(max_spans, 1), 1.0))
-    return np.concatenate([embeddings, position, np.log1p(view.entropy), view.agreement], 1).astype(np.float32)
+def observation(embeddings: np.ndarray, span_index: int, entropy: np.ndarray, agreement: np.ndarray, max_spans: int) -> np.ndarray:
+    """[B, obs_dim] from the embeddings of prompt + text [B, 384] and the last span's statistics [B, M] (a SpanView's)."""
+    position = np.full((len(embeddings), 1), min(span_index / max(max_spans, 1), 1.0))
+    return np.concatenate([embeddings, position, np.log1p(entropy), agreement], 1).astype(np.float32)

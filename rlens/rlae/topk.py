@@ -59,14 +59,14 @@ class TopKEnsemble(SpanWeightedDecoder):
         tops = list(self.pool.map(lambda backend: backend.next_token_tops(asked, self.k), self.backends))
         for text in {text for model in tops for top in model for text in top}:  # give every new text its id first
             self._id(text)
-        probs = torch.zeros(self.n_models, len(rows.contexts), len(self.pieces), dtype=torch.float64)
+        probs = torch.zeros(self.n_models, len(rows.contexts), len(self.pieces))
         probs[:, rows.done, 0] = 1.0  # finished rows: a certain EOS (never read)
         for m, model in enumerate(tops):
             for row, top in zip(live, model):
                 for text, logprob in top.items():
                     probs[m, row, self._id(text)] += float(np.exp(logprob))
         probs /= probs.sum(-1, keepdim=True)
-        entropy = -(probs * probs.clamp_min(1e-300).log()).sum(-1).T.numpy()
+        entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1).T.numpy()
         return probs, entropy
 
     def piece(self, token: int) -> str:

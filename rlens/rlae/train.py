@@ -9,7 +9,7 @@ interrupted run resumes after its last update with the same result as an uninter
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -34,14 +34,11 @@ class RLAEAgent:
     def weights_fn(self, prompts: list[str], greedy: bool, generator: torch.Generator | None = None,
                    record: list[list[Span]] | None = None) -> Callable[[SpanView], np.ndarray]:
         """The decoder's weights callback for one batch; each active row's decision is appended to ``record[row]``."""
-        n_models = self.n_models
-
         def weights(view: SpanView) -> np.ndarray:
-            out = np.full((len(prompts), n_models), 1.0 / n_models)
+            out = np.full((len(prompts), self.n_models), 1.0 / self.n_models)
             rows = np.flatnonzero(view.active)
             embeddings = self.encoder.encode([prompts[i] + view.texts[i] for i in rows])
-            sub = SpanView(view.index, [view.texts[i] for i in rows], view.active[rows], view.entropy[rows], view.agreement[rows])
-            obs = observation(embeddings, sub, self.cfg.max_spans)
+            obs = observation(embeddings, view.index, view.entropy[rows], view.agreement[rows], self.cfg.max_spans)
             with torch.no_grad():
                 action, logp, value = self.policy.act(torch.from_numpy(obs), greedy=greedy, generator=generator)
             out[rows] = self.policy.weights(action).double().numpy()
@@ -70,7 +67,7 @@ def rollout(ensemble: SpanWeightedDecoder, agent: RLAEAgent, tasks: list[Generat
 class TrainState:
     episodes: int = 0
     updates: int = 0
-    curve: list[tuple[int, float]] | None = None  # (episodes so far, mean reward of the update's episodes)
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (episodes so far, mean reward of the update's episodes)
 
 
 class RLAETrainer:
@@ -83,7 +80,7 @@ class RLAETrainer:
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=cfg.lr, eps=1e-5)
         self.rng = np.random.default_rng(seed)
         self.generator = torch.Generator().manual_seed(seed)
-        self.state = TrainState(curve=[])
+        self.state = TrainState()
         self.store = CheckpointStore(Path(out_dir), keep=2)
         restored = self.store.load_latest()
         if restored is not None:
