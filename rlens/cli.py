@@ -29,6 +29,10 @@ console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
 
 
+DEFAULT_RLAE_MODELS = "arith-char,count-bpe,order-char,pattern-bpe"  # the zoo's specialists of the RLAE families
+RLAE_FAMILIES = ["arithmetic", "counting", "ordering", "pattern"]
+
+
 def fail(message: str) -> None:
     errors.print(f"[bold red]error:[/] {message}", highlight=False)
     raise typer.Exit(2)
@@ -191,7 +195,7 @@ def worker(pool: Path | None = POOL) -> None:
 @app.command()
 def learner(
     pool: Path | None = POOL,
-    warm_start: Path | None = typer.Option(None, help="dataset to warm-start from when there is no checkpoint yet"),
+    warm_start: Path | None = typer.Option(None, help="when there is no checkpoint yet, start from: a recorded dataset (rl_focal), an `rlens rlae train` run (rlae)"),
 ) -> None:
     """Run the learner: joins experience with feedback, updates windows and policy, checkpoints, publishes."""
     from rlens.pool import PoolConfigError
@@ -206,11 +210,13 @@ def learner(
 @app.command()
 def up(
     pool: Path | None = POOL,
-    replay: Path = typer.Option(settings().demo_data, help="without --pool: serve this recorded dataset's models (replay backends)"),
+    strategy: str = typer.Option(settings().strategy, help="rl_focal (multiple-choice queries) or rlae (open-ended queries)"),
+    replay: Path = typer.Option(settings().demo_data, help="rl_focal without --pool: serve this recorded dataset's models (replay backends)"),
+    zoo_models: str = typer.Option(DEFAULT_RLAE_MODELS, help="rlae without --pool: these zoo models, in process (needs `rlens zoo build`)"),
     workers: int = typer.Option(2, min=1, help="worker processes (one consumer group)"),
     partitions: int = typer.Option(4, min=1, help="partitions of the queries topic"),
     workdir: Path = typer.Option(Path("out/up"), help="logs, the pool file and the learner's checkpoints"),
-    warm_start: Path | None = typer.Option(None, help="dataset to warm-start the learner from (first start only)"),
+    warm_start: Path | None = typer.Option(None, help="warm-start the learner (first start only): a recorded dataset (rl_focal), an `rlens rlae train` run (rlae)"),
     broker_port: int = typer.Option(9092, help="port of the embedded broker (when RLENS_KAFKA_BOOTSTRAP is not set)"),
 ) -> None:
     """Run the whole service here: a Kafka-protocol broker, Redis, the learner and N workers (Ctrl-C stops it).
@@ -224,9 +230,11 @@ def up(
     from redis import Redis
     from redis.exceptions import RedisError
 
-    from rlens.service.stack import LocalStack, write_replay_pool
+    from rlens.service.stack import LocalStack, write_replay_pool, write_zoo_pool
 
-    s = settings()
+    if strategy not in ("rl_focal", "rlae"):
+        fail(f"--strategy must be rl_focal or rlae, got {strategy!r}")
+    s = settings().model_copy(update={"strategy": strategy})
     kafka = os.environ.get("RLENS_KAFKA_BOOTSTRAP")
     redis_url = os.environ.get("RLENS_REDIS_URL")
     if redis_url is None:
@@ -236,7 +244,12 @@ def up(
         except RedisError:
             pass
     try:
-        pool_file = pool or write_replay_pool(replay, workdir / "pool.json")
+        if pool is not None:
+            pool_file = pool
+        elif strategy == "rlae":
+            pool_file = write_zoo_pool(s.zoo_dir, [n.strip() for n in zoo_models.split(",")], workdir / "pool.json")
+        else:
+            pool_file = write_replay_pool(replay, workdir / "pool.json")
         stack = LocalStack(s.model_copy(update={"pool_file": pool_file.resolve()}), workdir, partitions, kafka, redis_url, broker_port)
     except (DatasetError, RuntimeError, FileNotFoundError) as exc:
         fail(str(exc))
@@ -248,8 +261,8 @@ def up(
             stack.start_worker()
         with console.status("starting the learner and the workers"):
             stack.wait_ready(180)
-        console.print(f"[bold green]rlens is up[/]: Kafka {stack.settings.kafka_bootstrap}, Redis {stack.settings.redis_url}, pool {pool_file}, {workers} workers; logs in {workdir}")
-        console.print(f"send traffic with: RLENS_KAFKA_BOOTSTRAP={stack.settings.kafka_bootstrap} rlens load --rate 50")
+        console.print(f"[bold green]rlens is up[/] ({strategy}): Kafka {stack.settings.kafka_bootstrap}, Redis {stack.settings.redis_url}, pool {pool_file}, {workers} workers; logs in {workdir}")
+        console.print(f"send traffic with: RLENS_KAFKA_BOOTSTRAP={stack.settings.kafka_bootstrap} rlens load --rate 50" + (" --tasks zoo" if strategy == "rlae" else ""))
         while not stop:
             time.sleep(1)
             for what in stack.restart_crashed():
@@ -265,30 +278,40 @@ def up(
 
 @app.command()
 def load(
-    data: Path = typer.Option(settings().demo_data, "--data", help="dataset to play as traffic (default: the bundled stream)"),
+    data: Path = typer.Option(settings().demo_data, "--data", help="dataset to play as multiple-choice traffic (default: the bundled stream)"),
+    tasks: str | None = typer.Option(None, help="open-ended traffic (rlae) instead: a JSON-lines task file {prompt, reference[, family]}, or 'zoo' for the zoo's generation stream (8 blocks of 50, task switches)"),
     rate: float = typer.Option(100.0, min=0.001, help="queries per second"),
     feedback_delay: float = typer.Option(0.0, min=0.0, help="seconds from a query's answer to its feedback"),
     limit: int | None = typer.Option(None, min=1, help="only the first N questions"),
     idle_timeout: float = typer.Option(60.0, min=1.0, help="give up after this many seconds without an answer"),
 ) -> None:
-    """Play a dataset as live traffic through a running service and print live accuracy."""
+    """Play a dataset (or open-ended tasks) as live traffic through a running service and print live accuracy."""
     import asyncio
 
     from rich.live import Live
 
-    from rlens.service.load import LoadReport, new_run_id, play, queries_of
+    from rlens.rlae.tasks import TaskFileError, read_tasks
+    from rlens.service.load import LoadReport, new_run_id, open_ended_queries, play, queries_of
     from rlens.zoo.record import QUESTIONS_FILE, read_questions
+    from rlens.zoo.tasks import generation_stream
 
-    try:
-        dataset = load_dataset(data)
-    except DatasetError as exc:
-        fail(str(exc))
-    prompts = [(q.prompt, q.choices) for q in read_questions(data / QUESTIONS_FILE)] if (data / QUESTIONS_FILE).is_file() else None
-    traffic = queries_of(dataset, prompts, new_run_id())[:limit]
+    if tasks is not None:
+        try:
+            open_ended = generation_stream(RLAE_FAMILIES, 8, 50, seed=7) if tasks == "zoo" else read_tasks(Path(tasks))
+        except TaskFileError as exc:
+            fail(str(exc))
+        name, traffic = "zoo generation stream" if tasks == "zoo" else tasks, open_ended_queries(open_ended, new_run_id())[:limit]
+    else:
+        try:
+            dataset = load_dataset(data)
+        except DatasetError as exc:
+            fail(str(exc))
+        prompts = [(q.prompt, q.choices) for q in read_questions(data / QUESTIONS_FILE)] if (data / QUESTIONS_FILE).is_file() else None
+        name, traffic = dataset.name, queries_of(dataset, prompts, new_run_id())[:limit]
     s = settings()
 
     def status(report) -> Table:
-        table = Table(title=f"{dataset.name} → {s.kafka_bootstrap}: {rate:g} queries/s, feedback after {feedback_delay:g} s")
+        table = Table(title=f"{name} → {s.kafka_bootstrap}: {rate:g} queries/s, feedback after {feedback_delay:g} s")
         for column in ("sent", "answered", "accuracy %", "last 200 %", "p50 ms", "p99 ms", "duplicates", "policy"):
             table.add_column(column, justify="right")
         table.add_row(
@@ -392,16 +415,12 @@ if __name__ == "__main__":
     app()
 
 
-DEFAULT_RLAE_MODELS = "arith-char,count-bpe,order-char,pattern-bpe"
-RLAE_FAMILIES = ["arithmetic", "counting", "ordering", "pattern"]
 
 
 def rlae_decoder(zoo: Path | None, models: str, pool: Path | None, top_k: int) -> tuple[list[str], object]:
-    """(model names, decoder): zoo models by name or a pool of `transformers` models decode in process
-    (``TokenEnsemble``); a pool of `openai` servers decodes over their top-k next tokens (``TopKEnsemble``)."""
-    from rlens.pool import PoolConfigError, build_backend, load_pool_config
+    """(model names, decoder): zoo models by name, or a pool file (:func:`rlens.pool.build_rlae_decoder`)."""
+    from rlens.pool import PoolConfigError, build_rlae_decoder, load_pool_config
     from rlens.rlae.decode import TokenEnsemble
-    from rlens.rlae.topk import TopKEnsemble
     from rlens.zoo.build import load_backend, load_zoo
 
     quiet_transformers()
@@ -410,11 +429,10 @@ def rlae_decoder(zoo: Path | None, models: str, pool: Path | None, top_k: int) -
             config = load_pool_config(pool)
         except PoolConfigError as exc:
             fail(str(exc))
-        kinds = {m.backend for m in config.models}
-        if kinds not in ({"transformers"}, {"openai"}):
-            fail(f"{pool}: an RLAE pool is all `transformers` models (in process) or all `openai` servers (top-k), got {', '.join(sorted(kinds))}")
-        names, backends = [m.name for m in config.models], [build_backend(m) for m in config.models]
-        return names, TokenEnsemble(backends) if kinds == {"transformers"} else TopKEnsemble(backends, top_k)
+        try:
+            return [m.name for m in config.models], build_rlae_decoder(config, top_k)
+        except PoolConfigError as exc:
+            fail(f"{pool}: {exc}")
     try:
         zoo_models = {m.name: m for m in load_zoo(zoo or settings().zoo_dir)}
     except FileNotFoundError as exc:

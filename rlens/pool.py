@@ -82,3 +82,16 @@ def build_backend(model: PoolModel) -> Backend:
         defaults = {"timeout_s": s.http_timeout_s, "retries": s.http_retries, "max_concurrency": s.http_max_concurrency}
         return create_backend("openai", **{**defaults, **model.options})
     return create_backend(model.backend, **model.options)
+
+
+def build_rlae_decoder(config: PoolConfig, top_k: int = 5):
+    """The token ensemble of a pool for RLAE: all `transformers` models decode in process (``TokenEnsemble``); all
+    `openai` servers decode over their top-k next tokens (``TopKEnsemble``). Any other pool is a :class:`PoolConfigError`."""
+    from rlens.rlae.decode import TokenEnsemble
+    from rlens.rlae.topk import TopKEnsemble
+
+    kinds = {m.backend for m in config.models}
+    if kinds not in ({"transformers"}, {"openai"}):
+        raise PoolConfigError(f"an RLAE pool is all `transformers` models (in process) or all `openai` servers (top-k), got {', '.join(sorted(kinds))}")
+    backends = [build_backend(m) for m in config.models]
+    return TokenEnsemble(backends) if kinds == {"transformers"} else TopKEnsemble(backends, top_k)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -37,6 +38,7 @@ class Settings(BaseSettings):
     window_ttl_s: int = Field(7 * 86400, ge=1, description="a stream's window expires after this long without feedback")
     dedup_ttl_s: int = Field(86400, ge=1, description="how long a query's applied outcome is remembered (duplicate feedback)")
     # streaming service: worker and learner
+    strategy: Literal["rl_focal", "rlae"] = Field("rl_focal", description="rl_focal: multiple-choice queries (Decider + Fusion); rlae: open-ended queries (span-weighted token ensemble)")
     pool_file: Path | None = Field(None, description="the pool file of the worker and the learner (see rlens.pool)")
     worker_group: str = Field("rlens-workers", description="the workers' consumer group on the queries topic")
     learner_group: str = Field("rlens-learner", description="the learner's consumer group")
@@ -46,6 +48,14 @@ class Settings(BaseSettings):
     checkpoint_dir: Path = Field(Path("out/learner"), description="the learner's checkpoints")
     pending_limit: int = Field(100_000, ge=1, description="experience / feedback held while waiting for the other half")
     pending_ttl_s: float = Field(3600.0, gt=0, description="an unmatched experience or feedback is dropped after this long")
+    # streaming service: the rlae strategy
+    rlae_variant: Literal["ppo", "mappo"] = Field("ppo", description="ppo (one agent, Dirichlet weights) or mappo (one agent per model, centralized critic)")
+    rlae_span: int = Field(4, ge=1, description="tokens per span: the agent sets the weights every this many tokens")
+    rlae_max_tokens: int = Field(16, ge=1, description="tokens generated per query at most")
+    rlae_stop: list[str] = Field(["\n"], description="generation stops before the first of these strings (JSON list)")
+    rlae_top_k: int = Field(5, ge=1, le=20, description="pools of openai servers: top tokens asked of each server per step")
+    rlae_update_episodes: int = Field(64, ge=1, description="rewarded generations between two online PPO updates")
+    rlae_explore: bool = Field(True, description="sample the weights from the policy (on-policy experience for the learner); false: the policy's mean")
 
 
 def settings() -> Settings:

@@ -19,7 +19,8 @@ from rlens.service.learner import LearnerCore
 from rlens.service.local import LocalRedis
 from rlens.service.policy import PolicyError, decode_policy, encode_policy
 from rlens.service.windows import RedisWindows
-from rlens.service.worker import WorkerCore
+from rlens.service.online import FocalOnlineTrainer
+from rlens.service.worker import FocalWorker
 from rlens.settings import settings
 from rlens.dataset import load_dataset
 from rlens.service.load import queries_of
@@ -60,7 +61,8 @@ def experience(engine: FocalEngine, qid: str, stream: str = "s", answer: int = 1
 
 
 def learner(tmp_path: Path, url: str, **options) -> LearnerCore:
-    return LearnerCore(FocalEngine(5, seed=0), [f"m{i}" for i in range(5)], windows_for(url), CheckpointStore(tmp_path / "ckpt"), **options)
+    models = [f"m{i}" for i in range(5)]
+    return LearnerCore(FocalOnlineTrainer(FocalEngine(5, seed=0), models), models, windows_for(url), CheckpointStore(tmp_path / "ckpt"), **options)
 
 
 def test_join_in_either_order_ignores_duplicates_and_rewards_correctly(tmp_path, redis_server):
@@ -77,8 +79,8 @@ def test_join_in_either_order_ignores_duplicates_and_rewards_correctly(tmp_path,
         await core.on_feedback(Feedback(query_id="c", reward=0.25), Record(3))  # bare reward
         await core.on_experience(experience(worker_engine, "c"))
         assert core.stats.joined == 3 and core.stats.duplicates == 2 and core.stats.windows_applied == 3
-        rewards = [t.reward for t in core.engine.buffer]
-        pool_cost = [core.engine.cfg.alpha * core.engine.cost_share[np.asarray(experience(worker_engine, "x").pool)].sum()] * 2
+        rewards = [t.reward for t in core.trainer.engine.buffer]
+        pool_cost = [core.trainer.engine.cfg.alpha * core.trainer.engine.cost_share[np.asarray(experience(worker_engine, "x").pool)].sum()] * 2
         assert rewards[0] == pytest.approx(1 - pool_cost[0]) and rewards[1] == pytest.approx(-1 - pool_cost[1]) and rewards[2] == 0.25
         window = (await core.windows.load(["s"]))["s"]
         assert window.n_rows == 3 and list(window.labels[:3]) == [1, 2, -1]
@@ -117,13 +119,13 @@ def test_an_update_every_T_checkpoints_and_publishes_a_verified_policy(tmp_path,
         core = learner(tmp_path, redis_server.url)
         engine = FocalEngine(5, seed=0)
         policies = []
-        for i in range(core.engine.cfg.update_period):
+        for i in range(core.trainer.engine.cfg.update_period):
             await core.on_experience(experience(engine, f"q{i}"))
             policy, _ = await core.on_feedback(Feedback(query_id=f"q{i}", label=i % 4), Record(i))
             policies += [policy] if policy else []
-        assert [p.version for p in policies] == [1] and core.stats.updates == 1 and not core.engine.buffer
-        tensors = decode_policy(policies[0], engine, core.models)
-        assert all(torch.equal(tensors[k], v) for k, v in core.engine.policy_state().items())
+        assert [p.version for p in policies] == [1] and core.stats.updates == 1 and not core.trainer.engine.buffer
+        tensors = decode_policy(policies[0], shapes(engine), core.models, "rl_focal")
+        assert all(torch.equal(tensors[k], v) for k, v in core.trainer.engine.policy_state().items())
         assert (tmp_path / "ckpt" / "LATEST").read_text().startswith("v00000001")
 
     asyncio.run(scenario())
@@ -141,30 +143,40 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path, redis_server):
         core.checkpoint()
         resumed = learner(tmp_path, redis_server.url)
         assert resumed.version == 1 and resumed.stats == core.stats and resumed.offsets == {"rlens.feedback:0": 70}
-        assert list(resumed.experience) == ["pending"] and len(resumed.engine.buffer) == 6 and "q5" in resumed.done
-        assert all(torch.equal(resumed.engine.policy_state()[k], v) for k, v in core.engine.policy_state().items())
-        a, b = core.engine.optimizer.state_dict(), resumed.engine.optimizer.state_dict()
+        assert list(resumed.experience) == ["pending"] and len(resumed.trainer.engine.buffer) == 6 and "q5" in resumed.done
+        assert all(torch.equal(resumed.trainer.engine.policy_state()[k], v) for k, v in core.trainer.engine.policy_state().items())
+        a, b = core.trainer.engine.optimizer.state_dict(), resumed.trainer.engine.optimizer.state_dict()
         assert all(torch.equal(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"]) and float(a["state"][i]["step"]) == float(b["state"][i]["step"]) for i in a["state"])
         assert resumed.already_seen(Record(69)) and not resumed.already_seen(Record(70))
-        assert core.engine.update() == pytest.approx(resumed.engine.update())  # same buffer, weights, optimizer, RNG
+        assert core.trainer.engine.update() == pytest.approx(resumed.trainer.engine.update())  # same buffer, weights, optimizer, RNG
 
     asyncio.run(scenario())
 
 
+def shapes(engine: FocalEngine) -> dict:
+    return {k: v.shape for k, v in engine.policy_state().items()}
+
+
+def focal_policy(engine: FocalEngine, version: int, models: list[str]):
+    return encode_policy(engine.policy_state(), version, models, "rl_focal")
+
+
 def test_policies_are_verified_before_loading():
     engine, models = FocalEngine(3, seed=0), ["a", "b", "c"]
-    good = encode_policy(FocalEngine(3, seed=1), 2, models)
-    assert set(decode_policy(good, engine, models)) == set(engine.policy_state())
+    good = focal_policy(FocalEngine(3, seed=1), 2, models)
+    assert set(decode_policy(good, shapes(engine), models, "rl_focal")) == set(engine.policy_state())
     blob = bytearray(base64.b64decode(good.weights_b64))
     blob[-1] ^= 0xFF  # one flipped byte in the weights
     tampered = good.model_copy(update={"weights_b64": base64.b64encode(bytes(blob)).decode()})
     with pytest.raises(PolicyError, match="SHA-256 mismatch"):
-        decode_policy(tampered, engine, models)
+        decode_policy(tampered, shapes(engine), models, "rl_focal")
     with pytest.raises(PolicyError, match="this pool is"):
-        decode_policy(good, engine, ["a", "b", "x"])
-    four_models = encode_policy(FocalEngine(4, seed=0), 2, models + ["d"]).model_copy(update={"models": models})
-    with pytest.raises(PolicyError, match="do not fit this engine"):
-        decode_policy(four_models, engine, models)
+        decode_policy(good, shapes(engine), ["a", "b", "x"], "rl_focal")
+    with pytest.raises(PolicyError, match="is an rl_focal policy, this worker runs rlae"):
+        decode_policy(good, shapes(engine), models, "rlae")
+    four_models = focal_policy(FocalEngine(4, seed=0), 2, models + ["d"]).model_copy(update={"models": models})
+    with pytest.raises(PolicyError, match="do not fit this worker"):
+        decode_policy(four_models, shapes(engine), models, "rl_focal")
 
 
 class Broken(Backend):
@@ -177,7 +189,7 @@ def test_worker_answers_with_cold_windows_and_without_failed_models(zoo, redis_s
         backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
         backends[zoo.model_names[2]] = Broken()
         dead_redis = RedisWindows(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2), 5, 128)
-        core = WorkerCore(FocalEngine(5, seed=0), zoo.model_names, backends, dead_redis)
+        core = FocalWorker(FocalEngine(5, seed=0), zoo.model_names, backends, dead_redis)
         queries = [q for q, _ in queries_of(zoo, None, "t")[:8]]
         out = await core.handle(queries)
         assert len(out.answers) == 8 and core.stats.cold_window_batches == 1
@@ -186,8 +198,8 @@ def test_worker_answers_with_cold_windows_and_without_failed_models(zoo, redis_s
             if zoo.model_names[2] in answer.called_models:
                 assert answer.failures[0].model == zoo.model_names[2] and "model server is down" in answer.failures[0].reason
         # a newer verified policy is swapped in before the next batch, an older one is ignored
-        core.receive_policy(encode_policy(FocalEngine(5, seed=7), 3, zoo.model_names))
-        core.receive_policy(encode_policy(FocalEngine(5, seed=8), 2, zoo.model_names))
+        core.receive_policy(focal_policy(FocalEngine(5, seed=7), 3, zoo.model_names))
+        core.receive_policy(focal_policy(FocalEngine(5, seed=8), 2, zoo.model_names))
         assert core.policy_version == 0
         await core.handle(queries[:1])
         assert core.policy_version == 3 and torch.equal(core.engine.policy_state()["fusion.linear.weight"], FocalEngine(5, seed=7).policy_state()["fusion.linear.weight"])
@@ -197,13 +209,13 @@ def test_worker_answers_with_cold_windows_and_without_failed_models(zoo, redis_s
 
 def test_worker_rejects_a_backend_list_that_is_not_the_pool(zoo):
     with pytest.raises(ValueError, match="not the pool's models"):
-        WorkerCore(FocalEngine(2), ["a", "b"], {"b": Broken(), "a": Broken()}, None)
+        FocalWorker(FocalEngine(2), ["a", "b"], {"b": Broken(), "a": Broken()}, None)
 
 
 def test_query_messages_validate():
     with pytest.raises(ValueError):
         Query(query_id="", stream="s", prompt="p", choices=["a", "b"])
-    with pytest.raises(ValueError, match="label or a reward"):
+    with pytest.raises(ValueError, match="a label, a reference or a reward"):
         Feedback(query_id="q")
 
 

@@ -1,16 +1,18 @@
-"""The learner: joins ``experience`` with ``feedback`` by query id, updates the Redis windows, runs MAPPO every T
-joined transitions, checkpoints, and publishes each new ``policy`` version.
+"""The learner: joins ``experience`` with ``feedback`` by query id, updates the Redis windows, runs a strategy's
+update every so many joined transitions, checkpoints, and publishes each new ``policy`` version.
 
-:class:`LearnerCore` is the logic without a transport; :func:`create_learner_app` wires it to Kafka.
+:class:`LearnerCore` is the logic without a transport; what is trained (RL-Focal's engine or the RLAE agent) is its
+:class:`rlens.service.online.OnlineTrainer`. :func:`create_learner_app` wires it to Kafka.
 
 - **Join.** Either half may come first. Unmatched halves wait in bounded maps (``pending_limit``, oldest evicted)
   and expire after ``pending_ttl_s``. A query id that was joined is remembered (bounded), so duplicated
   feedback or redelivered experience is ignored. Feedback that can never join (its label is not a choice of the
-  query) goes to the dead-letter topic.
-- **Reward.** The feedback's ``reward`` if given, else the engine's reward for the answer against ``label``.
-- **Windows.** Each join applies the query's outcome to its stream's Redis window, once per query id; while Redis
-  is unreachable the learner retries with backoff and consumes nothing else, so no outcome is lost.
-- **Exactly-once effect across crashes.** A checkpoint holds the engine (weights, optimizer, RNGs, buffer), the
+  query, a reference for a multiple-choice query, a label for an open-ended one) goes to the dead-letter topic.
+- **Reward.** The feedback's ``reward`` if given, else the trainer's: RL-Focal's reward for the answer against
+  ``label``, RLAE's exact match of the generated text with ``reference``.
+- **Windows.** (rl_focal) Each join applies the query's outcome to its stream's Redis window, once per query id;
+  while Redis is unreachable the learner retries with backoff and consumes nothing else, so no outcome is lost.
+- **Exactly-once effect across crashes.** A checkpoint holds the trainer (weights, optimizer, RNGs, buffer), the
   pending joins, the recent query ids and, per partition, the offset after the last record it reflects. Kafka
   offsets are committed only up to a checkpoint's offsets. After a crash the learner restores the newest
   checkpoint, skips re-delivered records below its offsets, and so neither loses nor re-applies a transition.
@@ -28,18 +30,15 @@ import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
-import numpy as np
 from aiokafka.structs import TopicPartition
 from faststream import AckPolicy, FastStream
 from faststream.kafka import KafkaMessage
 from redis.exceptions import RedisError
 
-from rlens.focal.engine import Answer as EngineAnswer
-from rlens.focal.engine import Decision, FocalEngine
-from rlens.messages import DeadLetter, Experience, Feedback, Policy
 from rlens.checkpoint import CheckpointStore
-from rlens.service.checkpoint import load_engine, save_engine
+from rlens.messages import EXPERIENCE, DeadLetter, Feedback, Message, Policy
 from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, typed_publisher
+from rlens.service.online import FeedbackError, OnlineTrainer
 from rlens.service.policy import encode_policy
 from rlens.service.windows import RedisWindows
 from rlens.settings import Settings
@@ -49,7 +48,7 @@ log = logging.getLogger("rlens.learner")
 
 @dataclass
 class LearnerStats:
-    joined: int = 0  # transitions given to the engine
+    joined: int = 0  # transitions given to the trainer
     duplicates: int = 0  # experience or feedback for a query already joined
     expired: int = 0  # unmatched halves dropped after pending_ttl_s
     evicted: int = 0  # unmatched halves dropped because pending_limit was reached
@@ -61,20 +60,20 @@ class LearnerStats:
 
 
 class LearnerCore:
-    def __init__(self, engine: FocalEngine, models: list[str], windows: RedisWindows, checkpoints: CheckpointStore,
+    def __init__(self, trainer: OnlineTrainer, models: list[str], windows: RedisWindows, checkpoints: CheckpointStore,
                  pending_limit: int = 100_000, pending_ttl_s: float = 3600.0, done_limit: int = 200_000):
-        self.engine, self.models, self.windows, self.checkpoints = engine, models, windows, checkpoints
+        self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.pending_limit, self.pending_ttl_s, self.done_limit = pending_limit, pending_ttl_s, done_limit
         self.version = 0
         self.offsets: dict[str, int] = {}  # "topic:partition" -> offset after the last record reflected in the state
         self.checkpointed_offsets: dict[str, int] = {}  # the same, as of the newest checkpoint (what Kafka may commit)
-        self.experience: OrderedDict[str, tuple[float, Experience]] = OrderedDict()
+        self.experience: OrderedDict[str, tuple[float, Message]] = OrderedDict()
         self.feedback: OrderedDict[str, tuple[float, Feedback, dict]] = OrderedDict()  # + its record, as a dead letter would hold it
         self.done: OrderedDict[str, float] = OrderedDict()
         self.stats = LearnerStats()
         self.name = f"{socket.gethostname()}-{os.getpid()}"
         self.last_checkpoint = time.monotonic()
-        restored = load_engine(checkpoints, engine)
+        restored = trainer.load(checkpoints)
         if restored is not None:
             self._restore(restored)
 
@@ -83,7 +82,7 @@ class LearnerCore:
         self.version = state["version"]
         self.offsets = dict(state["offsets"])
         self.checkpointed_offsets = dict(state["offsets"])
-        self.experience = OrderedDict((q, (t, Experience.model_validate(e))) for q, t, e in state["experience"])
+        self.experience = OrderedDict((q, (t, self.trainer.experience.model_validate(e))) for q, t, e in state["experience"])
         self.feedback = OrderedDict((q, (t, Feedback.model_validate(f), r)) for q, t, f, r in state["feedback"])
         self.done = OrderedDict(state["done"])
         self.stats = LearnerStats(**state["stats"])
@@ -97,7 +96,7 @@ class LearnerCore:
             "done": list(self.done.items()),
             "stats": asdict(self.stats),
         }
-        save_engine(self.checkpoints, self.engine, self.version, state)
+        self.trainer.save(self.checkpoints, self.version, state)
         self.checkpointed_offsets = dict(self.offsets)
         self.last_checkpoint = time.monotonic()
 
@@ -124,7 +123,14 @@ class LearnerCore:
                 self.stats.evicted += 1
 
     # --- records ----------------------------------------------------------------------------------------------
-    async def on_experience(self, experience: Experience) -> tuple[Policy | None, DeadLetter | None]:
+    def warm_start(self, source) -> None:
+        """Start the trainer from offline training when there is no checkpoint yet (a later start resumes instead)."""
+        if self.version == 0:
+            self.trainer.warm_start(source)
+            self.version = 1
+            self.checkpoint()
+
+    async def on_experience(self, experience: Message) -> tuple[Policy | None, DeadLetter | None]:
         qid = experience.query_id
         if qid in self.done or qid in self.experience:
             self.stats.duplicates += 1
@@ -149,21 +155,19 @@ class LearnerCore:
         self._expire(time.time())
         return None, None
 
-    async def _join(self, experience: Experience, feedback: Feedback, record: dict) -> tuple[Policy | None, DeadLetter | None]:
+    async def _join(self, experience: Message, feedback: Feedback, record: dict) -> tuple[Policy | None, DeadLetter | None]:
         self._remember_done(experience.query_id)
-        if feedback.label is not None and feedback.label >= experience.n_choices:
+        try:
+            reward = self.trainer.reward(experience, feedback)
+        except FeedbackError as exc:
             self.stats.invalid_feedback += 1
-            reason = f"label {feedback.label} is not one of query {experience.query_id}'s {experience.n_choices} choices"
-            return None, DeadLetter.model_validate({**record, "reason": reason, "at": time.time()})
-        label = -1 if feedback.label is None else feedback.label
-        pool = np.asarray(experience.pool, dtype=bool)
-        reward = feedback.reward if feedback.reward is not None else self.engine.reward(pool, experience.answer_index == label)
-        await self._apply_window(experience, label, reward)
-        decision = Decision(experience.stream, pool, pool, np.asarray(experience.decider_state, np.float32), np.asarray(experience.critic_state, np.float32), experience.pool_logp)
-        features = np.asarray(experience.fusion_features, np.float32)
-        self.engine.remember(decision, EngineAnswer(experience.answer_index, np.zeros(len(features)), features, experience.answer_logp), reward)
+            return None, DeadLetter.model_validate({**record, "reason": str(exc), "at": time.time()})
+        row = self.trainer.window_row(experience, feedback)
+        if row is not None:
+            await self._apply_window(experience, *row, reward)
+        self.trainer.remember(experience, reward)
         self.stats.joined += 1
-        if len(self.engine.buffer) >= self.engine.cfg.update_period:
+        if self.trainer.update_due():
             return self.update(), None
         return None, None
 
@@ -172,11 +176,11 @@ class LearnerCore:
         while len(self.done) > self.done_limit:
             self.done.popitem(last=False)
 
-    async def _apply_window(self, experience: Experience, label: int, reward: float) -> None:
+    async def _apply_window(self, experience: Message, predictions: list[int], label: int, reward: float) -> None:
         delay = 0.05
         while True:
             try:
-                if await self.windows.apply(experience.stream, experience.query_id, experience.predictions, label, reward):
+                if await self.windows.apply(experience.stream, experience.query_id, predictions, label, reward):
                     self.stats.windows_applied += 1
                 return
             except (RedisError, OSError) as exc:
@@ -186,15 +190,15 @@ class LearnerCore:
                 delay = min(2 * delay, 2.0)
 
     def update(self) -> Policy:
-        """One MAPPO update on the buffered transitions, a checkpoint, and the new policy version to publish."""
-        self.stats.last_update = self.engine.update()
+        """One update on the buffered transitions, a checkpoint, and the new policy version to publish."""
+        self.stats.last_update = self.trainer.update()
         self.stats.updates += 1
         self.version += 1
         self.checkpoint()
-        return encode_policy(self.engine, self.version, self.models)
+        return self.current_policy()
 
     def current_policy(self) -> Policy:
-        return encode_policy(self.engine, self.version, self.models)
+        return encode_policy(self.trainer.policy_tensors(), self.version, self.models, self.trainer.strategy)
 
 
 def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_every_s: float = 30.0) -> FastStream:
@@ -224,7 +228,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_
                 if isinstance(parsed, DeadLetter):
                     await publish(dead_letters, [parsed])  # before any checkpoint can mark this record as done
                     continue
-                policy, rejected = await (core.on_experience(parsed) if model is Experience else core.on_feedback(parsed, record))
+                policy, rejected = await (core.on_feedback(parsed, record) if model is Feedback else core.on_experience(parsed))
                 await publish(dead_letters, [rejected] if rejected else [])
                 await publish(policies_out, [policy] if policy else [])  # checkpointed already; announced again on restart
             if time.monotonic() - core.last_checkpoint > checkpoint_every_s:
@@ -235,11 +239,13 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_
                     await message.consumer.commit(offsets)
                 committed[topic] = core.checkpoints.count
 
-    @broker.subscriber(topics.experience, description="JSON Experience messages from the workers (schemas/messages/experience.schema.json)", **options)
-    async def on_experience(bodies: list[bytes], message: KafkaMessage) -> None:
-        await handle(message, Experience, topics.experience)
+    experience_model = EXPERIENCE[settings.strategy]
 
-    @broker.subscriber(topics.feedback, description="JSON Feedback messages: label or reward per query id, any delay, duplicates allowed (schemas/messages/feedback.schema.json)", **options)
+    @broker.subscriber(topics.experience, description=f"JSON {experience_model.__name__} messages from the {settings.strategy} workers", **options)
+    async def on_experience(bodies: list[bytes], message: KafkaMessage) -> None:
+        await handle(message, experience_model, topics.experience)
+
+    @broker.subscriber(topics.feedback, description="JSON Feedback messages: label, reference or reward per query id, any delay, duplicates allowed (schemas/messages/feedback.schema.json)", **options)
     async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
         await handle(message, Feedback, topics.feedback)
 

@@ -1,8 +1,11 @@
-"""``rlens load``: play a recorded dataset as live traffic and measure the service from the outside.
+"""``rlens load``: play a recorded dataset or open-ended tasks as live traffic and measure the service from the outside.
 
-Queries go out at ``rate`` per second in stream order (stream key = task name, ``reference_id`` = question index,
-so the ``replay`` backend can answer them; prompt and choices from ``questions.jsonl`` when the dataset has it).
-When a query's first answer arrives, its feedback (the correct choice) is sent ``feedback_delay_s`` later.
+Multiple-choice traffic (:func:`queries_of`, for ``rl_focal``): queries in stream order (stream key = task name,
+``reference_id`` = question index, so the ``replay`` backend can answer them; prompt and choices from
+``questions.jsonl`` when the dataset has it); an answer is correct when it picks the label. Open-ended traffic
+(:func:`open_ended_queries`, for ``rlae``): prompts without choices (stream key = task family); an answer is correct
+when its text is exactly the reference. Queries go out at ``rate`` per second.
+When a query's first answer arrives, its feedback (the label, or the reference text) is sent ``feedback_delay_s`` later.
 Answers are counted once per query id (duplicates are counted apart). The run ends when every query is answered
 and every feedback sent, or when no answer came for ``idle_timeout_s``.
 """
@@ -23,6 +26,9 @@ from rlens.dataset import RecordedDataset
 from rlens.messages import Answer, Feedback, Query
 from rlens.service.kafka import Topics
 from rlens.settings import Settings
+from rlens.zoo.tasks import GenerationTask, exact_match
+
+Outcome = int | str  # the correct choice's position, or the reference text of an open-ended query
 
 
 @dataclass
@@ -31,7 +37,7 @@ class LoadReport:
     answered: int = 0
     correct: int = 0
     duplicates: int = 0
-    no_answer: int = 0  # answers with answer_index -1 (no model answered)
+    no_answer: int = 0  # answers with failures and nothing answered
     feedback_sent: int = 0
     latencies_ms: list[float] = field(default_factory=list)  # send -> answer received
     outcomes: list[bool] = field(default_factory=list)  # in arrival order
@@ -62,9 +68,22 @@ def queries_of(dataset: RecordedDataset, prompts: list[tuple[str, list[str]]] | 
     return out
 
 
+def open_ended_queries(tasks: list[GenerationTask], run_id: str) -> list[tuple[Query, str]]:
+    """(query, reference) for every open-ended task, in order; the stream key is the task's family."""
+    return [(Query(query_id=f"{run_id}-{i}", stream=t.family, prompt=t.prompt), t.reference) for i, t in enumerate(tasks)]
+
+
+def is_correct(answer: Answer, outcome: Outcome) -> bool:
+    return exact_match(answer.answer, outcome) if isinstance(outcome, str) else answer.answer_index == outcome
+
+
+def feedback_for(query_id: str, outcome: Outcome) -> Feedback:
+    return Feedback(query_id=query_id, reference=outcome) if isinstance(outcome, str) else Feedback(query_id=query_id, label=outcome)
+
+
 async def play(
     settings: Settings,
-    traffic: list[tuple[Query, int]],
+    traffic: list[tuple[Query, Outcome]],
     rate: float,
     feedback_delay_s: float = 0.0,
     idle_timeout_s: float = 60.0,
@@ -72,7 +91,7 @@ async def play(
 ) -> LoadReport:
     topics = Topics.from_settings(settings)
     report = LoadReport()
-    labels = {q.query_id: (label, q.stream) for q, label in traffic}
+    outcomes = {q.query_id: (outcome, q.stream) for q, outcome in traffic}
     sent_at: dict[str, float] = {}
     producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, linger_ms=5)
     consumer = AIOKafkaConsumer(
@@ -83,9 +102,9 @@ async def play(
     feedback_tasks: list[asyncio.Task] = []
     start = time.perf_counter()
 
-    async def send_feedback(query_id: str, label: int) -> None:
+    async def send_feedback(query_id: str, outcome: Outcome) -> None:
         await asyncio.sleep(feedback_delay_s)
-        await producer.send_and_wait(topics.feedback, Feedback(query_id=query_id, label=label).model_dump_json().encode(), key=query_id.encode())
+        await producer.send_and_wait(topics.feedback, feedback_for(query_id, outcome).model_dump_json().encode(), key=query_id.encode())
         report.feedback_sent += 1
 
     async def send_queries() -> None:
@@ -111,25 +130,25 @@ async def play(
                         answer = Answer.model_validate_json(record.value)
                     except ValidationError:
                         continue
-                    if answer.query_id not in labels:
+                    if answer.query_id not in outcomes:
                         continue  # another run's answer
                     if answer.query_id in answered:
                         report.duplicates += 1
                         continue
                     answered.add(answer.query_id)
                     last_progress = time.perf_counter()
-                    label, stream = labels[answer.query_id]
-                    correct = answer.answer_index == label
+                    outcome, stream = outcomes[answer.query_id]
+                    correct = is_correct(answer, outcome)
                     report.answered += 1
                     report.correct += correct
-                    report.no_answer += answer.answer_index < 0
+                    report.no_answer += not answer.answered_models
                     report.outcomes.append(correct)
                     report.per_task.setdefault(stream, [0, 0])
                     report.per_task[stream][0] += correct
                     report.per_task[stream][1] += 1
                     report.policy_versions.add(answer.policy_version)
                     report.latencies_ms.append(1000 * (time.perf_counter() - sent_at.get(answer.query_id, time.perf_counter())))
-                    feedback_tasks.append(asyncio.create_task(send_feedback(answer.query_id, label)))
+                    feedback_tasks.append(asyncio.create_task(send_feedback(answer.query_id, outcome)))
                     on_answer(report)
             if sender.done() and sender.exception():
                 raise sender.exception()

@@ -10,11 +10,13 @@ from redis.asyncio import Redis
 
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
-from rlens.pool import PoolConfig, build_backend, load_pool_config
 from rlens.checkpoint import CheckpointStore
+from rlens.pool import PoolConfig, build_backend, build_rlae_decoder, load_pool_config
+from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.service.learner import LearnerCore, create_learner_app
+from rlens.service.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
 from rlens.service.windows import RedisWindows
-from rlens.service.worker import WorkerCore, create_worker_app
+from rlens.service.worker import FocalWorker, Worker, create_worker_app
 from rlens.settings import Settings
 
 
@@ -33,32 +35,48 @@ def build_windows(settings: Settings, n_models: int, size: int) -> RedisWindows:
     return RedisWindows(redis, n_models, size, settings.redis_prefix, settings.window_ttl_s, settings.dedup_ttl_s)
 
 
-def build_worker(settings: Settings) -> WorkerCore:
+def rlae_config(settings: Settings) -> RLAEConfig:
+    return RLAEConfig(variant=settings.rlae_variant, span=settings.rlae_span, max_tokens=settings.rlae_max_tokens, episodes_per_update=settings.rlae_update_episodes)
+
+
+def rlae_policy(settings: Settings, n_models: int):
+    """The RLAE policy every worker and the learner start from (the same weights, from the seed)."""
+    from rlens.rlae.observe import obs_dim
+
+    return make_policy(obs_dim(n_models), n_models, rlae_config(settings), settings.seed)
+
+
+def build_worker(settings: Settings) -> Worker:
+    """The worker of ``settings.strategy``."""
     pool = pool_of(settings)
+    names = [m.name for m in pool.models]
+    if settings.strategy == "rlae":
+        from rlens.rlae.observe import SentenceEncoder
+        from rlens.rlae.train import RLAEAgent
+        from rlens.service.rlae_worker import RLAEWorker
+
+        agent = RLAEAgent(rlae_policy(settings, len(names)).eval(), SentenceEncoder(), rlae_config(settings), len(names))
+        windows = build_windows(settings, len(names), 1)  # only its readiness mark: rlae keeps no outcome windows
+        return RLAEWorker(build_rlae_decoder(pool, settings.rlae_top_k), agent, names, windows, settings.rlae_stop, settings.rlae_explore, settings.seed)
     engine = build_engine(settings, pool)
     backends = {m.name: build_backend(m) for m in pool.models}
-    return WorkerCore(engine, [m.name for m in pool.models], backends, build_windows(settings, len(pool.models), engine.cfg.window), settings.worker_deadline_s)
+    return FocalWorker(engine, names, backends, build_windows(settings, len(names), engine.cfg.window), settings.worker_deadline_s)
 
 
 def build_learner(settings: Settings, warm_start: Path | None = None) -> LearnerCore:
-    """The learner, resumed from its newest checkpoint; a fresh one warm-started from ``warm_start`` if given."""
+    """The learner of ``settings.strategy``, resumed from its newest checkpoint; a fresh one warm-started from
+    ``warm_start`` if given (rl_focal: a recorded dataset; rlae: an `rlens rlae train` run directory)."""
     pool = pool_of(settings)
-    engine = build_engine(settings, pool)
-    core = LearnerCore(
-        engine, [m.name for m in pool.models], build_windows(settings, len(pool.models), engine.cfg.window),
-        CheckpointStore(settings.checkpoint_dir), settings.pending_limit, settings.pending_ttl_s,
-    )
-    if warm_start is not None and core.version == 0:
-        from rlens.dataset import load_dataset
-        from rlens.focal.schedule import warm_start as run_warm_start
-
-        data = load_dataset(warm_start)
-        if data.model_names != core.models:
-            raise ValueError(f"warm-start dataset models {data.model_names} are not the pool's {core.models}")
-        run_warm_start(engine, data)
-        engine.reset_windows()
-        core.version = 1
-        core.checkpoint()
+    names = [m.name for m in pool.models]
+    trainer: OnlineTrainer
+    if settings.strategy == "rlae":
+        trainer, window = RLAEOnlineTrainer(rlae_policy(settings, len(names)), rlae_config(settings), names, settings.seed), 1
+    else:
+        engine = build_engine(settings, pool)
+        trainer, window = FocalOnlineTrainer(engine, names), engine.cfg.window
+    core = LearnerCore(trainer, names, build_windows(settings, len(names), window), CheckpointStore(settings.checkpoint_dir), settings.pending_limit, settings.pending_ttl_s)
+    if warm_start is not None:
+        core.warm_start(warm_start)
     return core
 
 

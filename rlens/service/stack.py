@@ -33,6 +33,23 @@ def write_replay_pool(dataset_dir: Path, path: Path) -> Path:
     return path
 
 
+def write_zoo_pool(zoo_dir: Path, names: list[str], path: Path) -> Path:
+    """A pool file of zoo models by name, as in-process ``transformers`` backends (what the rlae strategy runs)."""
+    from rlens.zoo.build import load_zoo
+
+    zoo = {m.name: m for m in load_zoo(zoo_dir)}
+    unknown = [n for n in names if n not in zoo]
+    if unknown:
+        raise FileNotFoundError(f"zoo model(s) {', '.join(unknown)} not in {zoo_dir}; it has {', '.join(zoo)}")
+    models = [
+        {"name": n, "backend": "transformers", "cost": zoo[n].cost, "options": {"path": zoo[n].path, **({"gguf_file": zoo[n].gguf_file} if zoo[n].gguf_file else {})}}
+        for n in names
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"models": models}, indent=1))
+    return path
+
+
 class LocalStack:
     def __init__(self, settings: Settings, workdir: Path, partitions: int = 4, kafka_bootstrap: str | None = None, redis_url: str | None = None, broker_port: int | None = None):
         self.workdir = Path(workdir)
@@ -50,8 +67,8 @@ class LocalStack:
 
     def env(self) -> dict[str, str]:
         """The environment of the child processes: the stack's settings as RLENS_* variables."""
-        values = self.settings.model_dump(exclude_none=True)
-        return {**os.environ, **{f"RLENS_{k.upper()}": str(v) for k, v in values.items()}}
+        values = self.settings.model_dump(mode="json", exclude_none=True)
+        return {**os.environ, **{f"RLENS_{k.upper()}": json.dumps(v) if isinstance(v, (list, dict)) else str(v) for k, v in values.items()}}
 
     def _spawn(self, command: str, log_name: str, *args: str) -> subprocess.Popen:
         log = open(self.workdir / log_name, "ab")

@@ -1,8 +1,9 @@
-"""The ensemble worker: ``queries`` → windows from Redis → Decider → only the chosen backends → Fusion →
-``answers`` + ``experience``.
+"""The ensemble worker: ``queries`` → a strategy's answers → ``answers`` + ``experience``.
 
-:class:`WorkerCore` is the whole logic without a transport (tests drive it directly); :func:`create_worker_app`
-wires it to Kafka with FastStream. A batch of queries is parsed (what does not parse goes to the dead-letter
+:class:`Worker` is what every strategy's worker shares (the policy slot, counters, which queries it takes);
+:class:`FocalWorker` is the ``rl_focal`` strategy: windows from Redis → Decider → only the chosen backends →
+Fusion (the ``rlae`` one is :class:`rlens.service.rlae_worker.RLAEWorker`). Both are the whole logic without a
+transport (tests drive them directly); :func:`create_worker_app` wires one to Kafka with FastStream. A batch of queries is parsed (what does not parse goes to the dead-letter
 topic with the reason), the windows of its streams are read from Redis in one round trip (if Redis is down, the
 windows are cold and the worker keeps answering), the pools are chosen, every query's pool is called concurrently
 (:class:`rlens.ensemble.PoolCaller`: failures become records), and the answers are fused. Outputs are published
@@ -20,9 +21,11 @@ import logging
 import os
 import socket
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch
 from faststream import AckPolicy, FastStream
 from faststream.kafka import KafkaMessage
 from redis.exceptions import RedisError
@@ -30,7 +33,7 @@ from redis.exceptions import RedisError
 from rlens.backends.base import Backend, ChoiceQuery
 from rlens.ensemble import PoolCaller
 from rlens.focal.engine import FocalEngine
-from rlens.messages import Answer, DeadLetter, Experience, ModelFailureRecord, Policy, Query
+from rlens.messages import EXPERIENCE, Answer, DeadLetter, Experience, Message, ModelFailureRecord, Policy, Query
 from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, typed_publisher
 from rlens.service.policy import PolicyError, decode_policy
 from rlens.service.windows import RedisWindows
@@ -42,7 +45,7 @@ log = logging.getLogger("rlens.worker")
 @dataclass
 class BatchOutput:
     answers: list[Answer] = field(default_factory=list)
-    experience: list[Experience] = field(default_factory=list)
+    experience: list[Message] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
 
 
@@ -50,22 +53,38 @@ class BatchOutput:
 class WorkerStats:
     answered: int = 0
     dead_lettered: int = 0
-    no_model_answered: int = 0
+    no_model_answered: int = 0  # answered with an empty answer and the failures
     cold_window_batches: int = 0  # batches answered with cold windows because Redis was unreachable
     policies_loaded: int = 0
     policies_rejected: int = 0
 
 
-class WorkerCore:
-    def __init__(self, engine: FocalEngine, models: list[str], backends: dict[str, Backend], windows: RedisWindows, deadline_s: float = 60.0, name: str | None = None):
-        if list(backends) != models:
-            raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
-        self.engine, self.models, self.windows = engine, models, windows
-        self.caller = PoolCaller(backends, deadline_s=deadline_s, max_workers=max(16, 4 * len(models)))
+class Worker(ABC):
+    """One strategy's worker: answers batches of queries; verified policy versions are swapped in between batches."""
+
+    strategy: str
+
+    def __init__(self, models: list[str], windows: RedisWindows, name: str | None = None):
+        self.models, self.windows = models, windows
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.policy_version = 0
         self._next_policy: tuple[int, dict] | None = None
         self.stats = WorkerStats()
+
+    @abstractmethod
+    def rejects(self, query: Query) -> str | None:
+        """Why this worker cannot answer ``query`` (it goes to the dead-letter topic), or None."""
+
+    @abstractmethod
+    async def handle(self, queries: list[Query]) -> BatchOutput:
+        """Answer a batch of queries this worker accepts."""
+
+    @abstractmethod
+    def policy_tensors(self) -> dict[str, torch.Tensor]:
+        """The weights a policy message replaces."""
+
+    @abstractmethod
+    def load_policy(self, tensors: dict[str, torch.Tensor]) -> None: ...
 
     # --- policy -----------------------------------------------------------------------------------------------
     def receive_policy(self, policy: Policy) -> None:
@@ -74,22 +93,45 @@ class WorkerCore:
         if policy.version <= newest:
             return
         try:
-            self._next_policy = (policy.version, decode_policy(policy, self.engine, self.models))
+            expected = {k: v.shape for k, v in self.policy_tensors().items()}
+            self._next_policy = (policy.version, decode_policy(policy, expected, self.models, self.strategy))
         except PolicyError as exc:
             self.stats.policies_rejected += 1
             log.error("rejected %s", exc)
 
-    def _swap_policy(self) -> None:
+    def swap_policy(self) -> None:
+        """Load the newest verified policy, if one arrived since the last batch."""
         if self._next_policy is not None:
             version, tensors = self._next_policy
-            self.engine.load_policy_state(tensors)
+            self.load_policy(tensors)
             self.policy_version, self._next_policy = version, None
             self.stats.policies_loaded += 1
 
+
+class FocalWorker(Worker):
+    """The ``rl_focal`` strategy: multiple-choice queries, the Decider's pool, the Fusion agent's answer."""
+
+    strategy = "rl_focal"
+
+    def __init__(self, engine: FocalEngine, models: list[str], backends: dict[str, Backend], windows: RedisWindows, deadline_s: float = 60.0, name: str | None = None):
+        if list(backends) != models:
+            raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
+        super().__init__(models, windows, name)
+        self.engine = engine
+        self.caller = PoolCaller(backends, deadline_s=deadline_s, max_workers=max(16, 4 * len(models)))
+
+    def rejects(self, query: Query) -> str | None:
+        return "open-ended query (no choices): the rl_focal worker answers multiple-choice queries only" if query.choices is None else None
+
+    def policy_tensors(self) -> dict[str, torch.Tensor]:
+        return self.engine.policy_state()
+
+    def load_policy(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.engine.load_policy_state(tensors)
+
     # --- queries ----------------------------------------------------------------------------------------------
     async def handle(self, queries: list[Query]) -> BatchOutput:
-        """Answer a batch of parsed queries (open-ended ones are dead-lettered by the caller)."""
-        self._swap_policy()
+        self.swap_policy()
         out = BatchOutput()
         started = time.perf_counter()
         streams = sorted({q.stream for q in queries})
@@ -147,17 +189,18 @@ class WorkerCore:
         self.stats.answered += 1
 
 
-def create_worker_app(settings: Settings, core: WorkerCore | None) -> FastStream:
+def create_worker_app(settings: Settings, core: Worker | None) -> FastStream:
     """The worker's FastStream app: a batch subscriber on ``queries`` (consumer group) and one on ``policy``.
 
-    ``core`` None builds the app only to generate the AsyncAPI document.
+    ``core`` None builds the app of ``settings.strategy`` only to generate the AsyncAPI document.
     """
     topics = Topics.from_settings(settings)
     broker = make_broker(settings)
     consumer = f"worker {core.name}" if core else "worker"
-    answers = typed_publisher(broker, topics.answers, Answer, "worker", "one answer per query (at least once; idempotent by query id)")
-    experience = typed_publisher(broker, topics.experience, Experience, "worker", "what the learner needs to train on an answered query")
-    dead_letters = typed_publisher(broker, topics.dead_letter, DeadLetter, "worker", "queries and policies that could not be used, byte for byte, with the reason")
+    role = f"worker ({settings.strategy})"
+    answers = typed_publisher(broker, topics.answers, Answer, role, "one answer per query (at least once; idempotent by query id)")
+    experience = typed_publisher(broker, topics.experience, EXPERIENCE[settings.strategy], role, "what the learner needs to train on an answered query")
+    dead_letters = typed_publisher(broker, topics.dead_letter, DeadLetter, role, "queries and policies that could not be used, byte for byte, with the reason")
     group = {"session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms, "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms}
 
     @broker.subscriber(
@@ -171,8 +214,8 @@ def create_worker_app(settings: Settings, core: WorkerCore | None) -> FastStream
             parsed = parse_or_dead_letter(Query, record, consumer)
             if isinstance(parsed, DeadLetter):
                 dead.append(parsed)
-            elif parsed.choices is None:
-                dead.append(dead_letter(record, "open-ended query (no choices): the rl_focal worker answers multiple-choice queries only", consumer))
+            elif reason := core.rejects(parsed):
+                dead.append(dead_letter(record, reason, consumer))
             else:
                 queries.append(parsed)
         out = await core.handle(queries) if queries else BatchOutput()

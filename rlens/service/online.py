@@ -1,0 +1,196 @@
+"""What the learner trains, per strategy: one small interface, :class:`OnlineTrainer`, and its two implementations.
+
+The learner (:mod:`rlens.service.learner`) joins an experience with its feedback and hands the pair over:
+:meth:`~OnlineTrainer.reward` turns the feedback into a reward (or says why it cannot), :meth:`~OnlineTrainer.window_row`
+gives the outcome for the stream's Redis window (RL-Focal only), :meth:`~OnlineTrainer.remember` buffers the
+transition, and when :meth:`~OnlineTrainer.update_due`, :meth:`~OnlineTrainer.update` runs one PPO update. The
+trainer saves and restores itself in the learner's checkpoints and gives the tensors a policy message carries.
+
+- :class:`FocalOnlineTrainer` (``rl_focal``): the FocalEngine's MAPPO on Decider + Fusion transitions.
+- :class:`RLAEOnlineTrainer` (``rlae``): PPO / MAPPO on the RLAE agent's span decisions; the reward of a generation
+  is the feedback's ``reward``, else exact match with its ``reference``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlens.checkpoint import CheckpointStore, load_optimizer, optimizer_tensors
+from rlens.focal.engine import Answer as EngineAnswer
+from rlens.focal.engine import Decision, FocalEngine
+from rlens.messages import Experience, Feedback, Message, RLAEExperience
+from rlens.rlae.agent import RLAEConfig, Span, update
+from rlens.service.checkpoint import load_engine, save_engine
+from rlens.zoo.tasks import exact_match
+
+
+class FeedbackError(ValueError):
+    """Feedback that cannot train on its experience (it goes to the dead-letter topic with this reason)."""
+
+
+class OnlineTrainer(ABC):
+    strategy: str
+    experience: type[Message]  # the experience message this trainer learns from
+
+    @abstractmethod
+    def reward(self, experience: Message, feedback: Feedback) -> float:
+        """The transition's reward; :class:`FeedbackError` when the feedback does not fit the experience."""
+
+    def window_row(self, experience: Message, feedback: Feedback) -> tuple[list[int], int] | None:
+        """(per-model predictions, label) for the stream's Redis window, or None when the strategy keeps none."""
+        return None
+
+    @abstractmethod
+    def remember(self, experience: Message, reward: float) -> None: ...
+
+    @abstractmethod
+    def update_due(self) -> bool: ...
+
+    @abstractmethod
+    def update(self) -> dict:
+        """One update on the buffered transitions; its statistics."""
+
+    @abstractmethod
+    def policy_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    @abstractmethod
+    def save(self, store: CheckpointStore, version: int, state: dict) -> Path:
+        """A checkpoint of the trainer plus the learner's JSON-able ``state``."""
+
+    @abstractmethod
+    def load(self, store: CheckpointStore) -> dict | None:
+        """Restore from the newest checkpoint; the learner's state, or None without one."""
+
+    @abstractmethod
+    def warm_start(self, source: Path) -> None:
+        """Start from offline training (first start only)."""
+
+
+class FocalOnlineTrainer(OnlineTrainer):
+    strategy, experience = "rl_focal", Experience
+
+    def __init__(self, engine: FocalEngine, models: list[str]):
+        self.engine, self.models = engine, models
+
+    def reward(self, experience: Experience, feedback: Feedback) -> float:
+        if feedback.label is None and feedback.reward is None:
+            raise FeedbackError(f"feedback for multiple-choice query {experience.query_id} needs a label or a reward, got only a reference")
+        if feedback.label is not None and feedback.label >= experience.n_choices:
+            raise FeedbackError(f"label {feedback.label} is not one of query {experience.query_id}'s {experience.n_choices} choices")
+        if feedback.reward is not None:
+            return feedback.reward
+        return self.engine.reward(np.asarray(experience.pool, dtype=bool), experience.answer_index == feedback.label)
+
+    def window_row(self, experience: Experience, feedback: Feedback) -> tuple[list[int], int]:
+        return experience.predictions, -1 if feedback.label is None else feedback.label
+
+    def remember(self, experience: Experience, reward: float) -> None:
+        pool = np.asarray(experience.pool, dtype=bool)
+        decision = Decision(experience.stream, pool, pool, np.asarray(experience.decider_state, np.float32), np.asarray(experience.critic_state, np.float32), experience.pool_logp)
+        features = np.asarray(experience.fusion_features, np.float32)
+        self.engine.remember(decision, EngineAnswer(experience.answer_index, np.zeros(len(features)), features, experience.answer_logp), reward)
+
+    def update_due(self) -> bool:
+        return len(self.engine.buffer) >= self.engine.cfg.update_period
+
+    def update(self) -> dict:
+        return self.engine.update()
+
+    def policy_tensors(self) -> dict[str, torch.Tensor]:
+        return self.engine.policy_state()
+
+    def save(self, store: CheckpointStore, version: int, state: dict) -> Path:
+        return save_engine(store, self.engine, version, state)
+
+    def load(self, store: CheckpointStore) -> dict | None:
+        return load_engine(store, self.engine)
+
+    def warm_start(self, source: Path) -> None:
+        """Algorithm 1 on a recorded dataset of the pool's models."""
+        from rlens.dataset import load_dataset
+        from rlens.focal.schedule import warm_start
+
+        data = load_dataset(source)
+        if data.model_names != self.models:
+            raise ValueError(f"warm-start dataset models {data.model_names} are not the pool's {self.models}")
+        warm_start(self.engine, data)
+        self.engine.reset_windows()
+
+
+class RLAEOnlineTrainer(OnlineTrainer):
+    strategy, experience = "rlae", RLAEExperience
+
+    def __init__(self, policy: torch.nn.Module, cfg: RLAEConfig, models: list[str], seed: int = 0):
+        self.policy, self.cfg, self.models = policy, cfg, models
+        self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr, eps=1e-5)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.buffer: list[Span] = []  # whole episodes, the reward on each one's last span
+        self.episodes = 0  # in the buffer
+
+    def reward(self, experience: RLAEExperience, feedback: Feedback) -> float:
+        if feedback.reward is not None:
+            return feedback.reward
+        if feedback.reference is None:
+            raise FeedbackError(f"feedback for open-ended query {experience.query_id} needs a reference text or a reward, got only a label")
+        return float(exact_match(experience.text, feedback.reference))
+
+    def remember(self, experience: RLAEExperience, reward: float) -> None:
+        spans = [Span(np.asarray(s.obs, np.float32), np.asarray(s.action, np.float32), s.logp, s.value) for s in experience.spans]
+        spans[-1].reward, spans[-1].last = reward, True
+        self.buffer += spans
+        self.episodes += 1
+
+    def update_due(self) -> bool:
+        return self.episodes >= self.cfg.episodes_per_update
+
+    def update(self) -> dict:
+        rewards = [s.reward for s in self.buffer if s.last]
+        stats = update(self.policy, self.optimizer, self.buffer, self.cfg, self.generator)
+        self.buffer, self.episodes = [], 0
+        return {**stats, "episodes": len(rewards), "mean_reward": float(np.mean(rewards))}
+
+    def policy_tensors(self) -> dict[str, torch.Tensor]:
+        return self.policy.state_dict()
+
+    def save(self, store: CheckpointStore, version: int, state: dict) -> Path:
+        adam, meta = optimizer_tensors(self.optimizer)
+        payload = {
+            **state, "models": self.models, "config": asdict(self.cfg), "optimizer": meta,
+            "buffer": [{"obs": s.obs.tolist(), "action": s.action.tolist(), "logp": s.logp, "value": s.value, "reward": s.reward, "last": s.last} for s in self.buffer],
+        }
+        return store.save(version, {"policy": self.policy.state_dict(), "optimizer": {**adam, "rng.torch": self.generator.get_state()}}, payload)
+
+    def load(self, store: CheckpointStore) -> dict | None:
+        restored = store.load_latest()
+        if restored is None:
+            return None
+        tensors, state = restored
+        self._check_run(store.directory, state)
+        self.policy.load_state_dict(tensors["policy"])
+        load_optimizer(self.optimizer, tensors["optimizer"], state["optimizer"])
+        self.generator.set_state(tensors["optimizer"]["rng.torch"])
+        self.buffer = [Span(np.asarray(s["obs"], np.float32), np.asarray(s["action"], np.float32), s["logp"], s["value"], s["reward"], s["last"]) for s in state["buffer"]]
+        self.episodes = sum(s.last for s in self.buffer)
+        return state
+
+    def warm_start(self, source: Path) -> None:
+        """The policy of an offline ``rlens rlae train`` run (its latest checkpoint) over the same models."""
+        restored = CheckpointStore(Path(source)).load_latest()
+        if restored is None:
+            raise ValueError(f"{source} holds no RLAE checkpoint: train one with `rlens rlae train --out {source}`")
+        tensors, state = restored
+        self._check_run(source, state)
+        self.policy.load_state_dict(tensors["policy"])
+
+    def _check_run(self, where: Path, state: dict) -> None:
+        if state["models"] != self.models:
+            raise ValueError(f"{where} was trained on models {state['models']}, the pool is {self.models}")
+        theirs = {k: state["config"][k] for k in ("variant", "span", "max_tokens")}
+        ours = {k: getattr(self.cfg, k) for k in theirs}
+        if theirs != ours:
+            raise ValueError(f"{where} holds an RLAE agent with {theirs}, the settings ask for {ours} (RLENS_RLAE_VARIANT / _SPAN / _MAX_TOKENS)")

@@ -1,0 +1,92 @@
+"""The ``rlae`` strategy's worker: open-ended queries → the span-weighted token ensemble, its weights set every span
+by the RLAE agent → ``answers`` (the generated text, each span's weights) + ``experience`` (the agent's decisions).
+
+A batch is decoded together (:class:`rlens.rlae.decode.SpanWeightedDecoder`: in-process models or model servers'
+top-k) in a thread, so the consumer keeps its group membership while models run. If the batch fails (a server
+down, a prompt longer than a model's window), each query is decoded alone, and a query that still fails is
+answered with an empty text and the reason, without experience; the others are answered normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from rlens.backends.base import BackendError
+from rlens.messages import Answer, ModelFailureRecord, Query, RLAEExperience, SpanDecision
+from rlens.rlae.agent import Span
+from rlens.rlae.decode import EnsembleOutput, SpanWeightedDecoder
+from rlens.rlae.train import RLAEAgent
+from rlens.service.windows import RedisWindows
+from rlens.service.worker import BatchOutput, Worker
+
+log = logging.getLogger("rlens.worker")
+
+
+class RLAEWorker(Worker):
+    """Answers open-ended queries with the token ensemble; ``explore`` samples the weights (on-policy experience)."""
+
+    strategy = "rlae"
+
+    def __init__(self, decoder: SpanWeightedDecoder, agent: RLAEAgent, models: list[str], windows: RedisWindows,
+                 stop: list[str], explore: bool = True, seed: int = 0, name: str | None = None):
+        if decoder.n_models != len(models) or agent.n_models != len(models):
+            raise ValueError(f"the decoder has {decoder.n_models} models and the agent {agent.n_models}, the pool {len(models)}")
+        super().__init__(models, windows, name)
+        self.decoder, self.agent, self.stop, self.explore = decoder, agent, stop, explore
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def rejects(self, query: Query) -> str | None:
+        return "multiple-choice query: the rlae worker answers open-ended queries (no choices) only" if query.choices is not None else None
+
+    def policy_tensors(self) -> dict[str, torch.Tensor]:
+        return self.agent.policy.state_dict()
+
+    def load_policy(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.agent.policy.load_state_dict(tensors)
+
+    def _decode(self, prompts: list[str]) -> tuple[list[EnsembleOutput], list[list[Span]]]:
+        record: list[list[Span]] = [[] for _ in prompts]
+        weights = self.agent.weights_fn(prompts, greedy=not self.explore, generator=self.generator, record=record)
+        cfg = self.agent.cfg
+        return self.decoder.generate_batch(prompts, weights, max_tokens=cfg.max_tokens, span=cfg.span, stop=self.stop), record
+
+    def _decode_each(self, prompts: list[str]) -> list[tuple[EnsembleOutput, list[Span]] | str]:
+        """Every prompt's (output, spans), decoded as one batch or, if the batch fails, one by one; a failure's reason."""
+        try:
+            return list(zip(*self._decode(prompts)))
+        except (BackendError, ValueError) as exc:
+            if len(prompts) == 1:
+                return [f"{type(exc).__name__}: {exc}"]
+            log.warning("a batch of %d failed (%s); decoding its queries one by one", len(prompts), exc)
+        return [result for prompt in prompts for result in self._decode_each([prompt])]
+
+    async def handle(self, queries: list[Query]) -> BatchOutput:
+        self.swap_policy()
+        started = time.perf_counter()
+        results = await asyncio.to_thread(self._decode_each, [q.prompt for q in queries])
+        latency = 1000 * (time.perf_counter() - started)
+        out = BatchOutput()
+        common = {"called_models": self.models, "policy_version": self.policy_version, "worker": self.name, "latency_ms": latency, "strategy": "rlae"}
+        for q, result in zip(queries, results):
+            if isinstance(result, str):
+                self.stats.no_model_answered += 1
+                out.answers.append(Answer(
+                    query_id=q.query_id, stream=q.stream, answer="", answer_index=-1, distribution=[], chosen_models=[], answered_models=[],
+                    failures=[ModelFailureRecord(model="ensemble", reason=result)], **common,
+                ))
+                continue
+            output, spans = result
+            out.answers.append(Answer(
+                query_id=q.query_id, stream=q.stream, answer=output.text, answer_index=-1, distribution=[], chosen_models=self.models,
+                answered_models=self.models, span_weights=[w.tolist() for w in output.span_weights], finish_reason=output.finish_reason, **common,
+            ))
+            out.experience.append(RLAEExperience(
+                query_id=q.query_id, stream=q.stream, policy_version=self.policy_version, text=output.text,
+                spans=[SpanDecision(obs=s.obs.tolist(), action=s.action.tolist(), logp=s.logp, value=s.value) for s in spans],
+            ))
+            self.stats.answered += 1
+        return out

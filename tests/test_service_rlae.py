@@ -1,0 +1,187 @@
+"""The rlae strategy of the streaming service on real models (the zoo's specialists, MiniLM): the worker answers
+open-ended queries with the agent's span weights and isolates a query that cannot be decoded; the learner joins
+experience with reference feedback, rewards exact match, updates the agent online, checkpoints and resumes
+exactly, warm-starts from an offline run; and the whole path on the wire (tansu broker, redis-server, processes)."""
+
+import asyncio
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from rlens.backends.hf import TransformersBackend
+from rlens.checkpoint import CheckpointStore
+from rlens.messages import DeadLetter, Feedback, Query
+from rlens.rlae.agent import RLAEConfig, make_policy
+from rlens.rlae.decode import TokenEnsemble
+from rlens.rlae.observe import SentenceEncoder, obs_dim
+from rlens.rlae.train import RLAEAgent, RLAETrainer
+from rlens.service.kafka import Topics
+from rlens.service.learner import LearnerCore
+from rlens.service.load import open_ended_queries, play
+from rlens.service.online import RLAEOnlineTrainer
+from rlens.service.rlae_worker import RLAEWorker
+from rlens.service.stack import LocalStack, write_zoo_pool
+from rlens.settings import settings
+from rlens.zoo.tasks import exact_match, generation_split
+
+MODELS = ["arith-char", "count-bpe", "order-char"]
+CFG = RLAEConfig(span=2, max_tokens=6, episodes_per_update=8, rollout_batch=8, minibatch_size=8, hidden=16)
+FAMILIES = ["arithmetic", "counting", "ordering"]
+
+
+class Record:
+    """A consumer record's coordinates (what the learner keeps of a feedback message)."""
+
+    def __init__(self, offset: int, value: bytes = b"{}"):
+        self.topic, self.partition, self.offset, self.key, self.value = "rlens.feedback", 0, offset, b"k", value
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return SentenceEncoder()
+
+
+@pytest.fixture(scope="module")
+def ensemble(quick_zoo):
+    return TokenEnsemble([TransformersBackend.load(quick_zoo / name) for name in MODELS])
+
+
+def new_worker(ensemble, encoder, explore: bool = True, seed: int = 0) -> RLAEWorker:
+    agent = RLAEAgent(make_policy(obs_dim(len(MODELS)), len(MODELS), CFG, seed=0), encoder, CFG, len(MODELS))
+    return RLAEWorker(ensemble, agent, MODELS, None, stop=["\n"], explore=explore, seed=seed, name="w")
+
+
+def new_learner(tmp_path: Path) -> LearnerCore:
+    trainer = RLAEOnlineTrainer(make_policy(obs_dim(len(MODELS)), len(MODELS), CFG, seed=0), CFG, MODELS, seed=0)
+    return LearnerCore(trainer, MODELS, None, CheckpointStore(tmp_path / "ckpt"))
+
+
+def test_worker_answers_open_ended_queries_with_span_weights_and_isolates_a_failing_one(ensemble, encoder):
+    worker = new_worker(ensemble, encoder, explore=False)
+    tasks = generation_split(FAMILIES, 6, seed=3)
+    queries = [q for q, _ in open_ended_queries(tasks, "t")]
+    assert worker.rejects(queries[0]) is None
+    assert "answers open-ended queries" in worker.rejects(Query(query_id="mc", stream="s", prompt="p", choices=["a", "b"]))
+    too_long = Query(query_id="long", stream="s", prompt="Q: add: " + "1+" * (2 * max(b.max_length for b in ensemble.backends)) + "1=\nA:")
+    out = asyncio.run(worker.handle(queries[:3] + [too_long] + queries[3:]))
+    alone = asyncio.run(new_worker(ensemble, encoder, explore=False).handle(queries))  # the same queries without the bad one
+    answers = {a.query_id: a for a in out.answers}
+    assert len(out.answers) == 7 and len(out.experience) == 6 and worker.stats.answered == 6 and worker.stats.no_model_answered == 1
+    assert answers["long"].answer == "" and answers["long"].answered_models == [] and "exceeds the window" in answers["long"].failures[0].reason
+    for expected, experience in zip(alone.answers, out.experience):
+        answer = answers[expected.query_id]
+        assert answer.strategy == "rlae" and answer.answer_index == -1 and answer.answer == experience.text == expected.answer
+        assert answer.span_weights == expected.span_weights and len(experience.spans) == len(answer.span_weights) >= 1
+        for span, weights in zip(experience.spans, answer.span_weights):
+            assert sum(weights) == pytest.approx(1.0) and len(span.obs) == obs_dim(len(MODELS))
+            # the experience holds the action that set the weights of its span
+            np.testing.assert_allclose(worker.agent.policy.weights(torch.tensor(span.action)).numpy(), weights, atol=1e-6)
+
+
+def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_load_each_version(ensemble, encoder, tmp_path):
+    async def scenario():
+        worker, core = new_worker(ensemble, encoder), new_learner(tmp_path)
+        initial = {k: v.clone() for k, v in core.trainer.policy.state_dict().items()}
+        tasks = generation_split(FAMILIES, 11, seed=4)
+        out = await worker.handle([q for q, _ in open_ended_queries(tasks, "q")])
+        experience = {e.query_id: e for e in out.experience}
+        policies, dead = [], []
+        # q-0: bare reward; q-1: only a label (dead letter); q-2 feedback before its experience; the rest references
+        for i, task in enumerate(tasks):
+            qid = f"q-{i}"
+            feedback = Feedback(query_id=qid, reward=0.5) if i == 0 else Feedback(query_id=qid, label=1) if i == 1 else Feedback(query_id=qid, reference=task.reference)
+            pair = [core.on_feedback(feedback, Record(i)), core.on_experience(experience[qid])]
+            for step in pair if i == 2 else pair[::-1]:
+                policy, rejected = await step
+                policies += [policy] if policy else []
+                dead += [rejected] if rejected else []
+        await core.on_feedback(Feedback(query_id="q-3", reference="dup"), Record(99))  # duplicate feedback: ignored
+        assert core.stats.joined == 10 and core.stats.duplicates == 1 and core.stats.invalid_feedback == 1
+        assert len(dead) == 1 and "needs a reference text or a reward, got only a label" in dead[0].reason
+        assert [p.version for p in policies] == [1] and policies[0].strategy == "rlae" and core.trainer.episodes == 2
+        rewards = core.stats.last_update["mean_reward"]
+        expected = [0.5] + [float(exact_match(experience[f"q-{i}"].text, tasks[i].reference)) for i in range(2, 9)]
+        assert rewards == pytest.approx(np.mean(expected))
+        assert any(not torch.equal(initial[k], v) for k, v in core.trainer.policy.state_dict().items())  # the update changed the agent
+        worker.receive_policy(policies[0])
+        await worker.handle([Query(query_id="next", stream="s", prompt=tasks[0].prompt)])
+        assert worker.policy_version == 1
+        assert all(torch.equal(core.trainer.policy.state_dict()[k], v) for k, v in worker.agent.policy.state_dict().items())
+        # a checkpoint with two episodes buffered resumes to the very same next update
+        core.checkpoint()
+        resumed = new_learner(tmp_path)
+        assert resumed.version == 1 and resumed.trainer.episodes == 2 and resumed.stats == core.stats and "q-10" in resumed.done
+        for _ in range(6):
+            for c in (core, resumed):
+                c.trainer.remember(experience["q-5"], 1.0)
+        assert core.trainer.update() == pytest.approx(resumed.trainer.update())
+        assert all(torch.equal(resumed.trainer.policy.state_dict()[k], v) for k, v in core.trainer.policy.state_dict().items())
+
+    asyncio.run(scenario())
+
+
+def test_learner_warm_starts_from_an_offline_run_of_the_same_models_and_settings(ensemble, encoder, tmp_path):
+    offline = RLAETrainer(ensemble, encoder, MODELS, replace(CFG, episodes=8), tmp_path / "run", seed=1)
+    offline.run(generation_split(FAMILIES, 8, seed=5))
+    core = new_learner(tmp_path)
+    core.warm_start(tmp_path / "run")
+    assert core.version == 1 and (tmp_path / "ckpt" / "LATEST").read_text().startswith("v00000001")
+    assert all(torch.equal(offline.policy.state_dict()[k], v) for k, v in core.trainer.policy.state_dict().items())
+    other_span = RLAEOnlineTrainer(make_policy(obs_dim(3), 3, replace(CFG, span=4)), replace(CFG, span=4), MODELS)
+    with pytest.raises(ValueError, match="the settings ask for"):
+        other_span.warm_start(tmp_path / "run")
+    other_models = RLAEOnlineTrainer(make_policy(obs_dim(3), 3, CFG), CFG, ["a", "b", "c"])
+    with pytest.raises(ValueError, match="was trained on models"):
+        other_models.warm_start(tmp_path / "run")
+    with pytest.raises(ValueError, match="holds no RLAE checkpoint"):
+        other_models.warm_start(tmp_path / "empty")
+
+
+def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_policies_reach_the_workers(quick_zoo, tmp_path):
+    pool = write_zoo_pool(quick_zoo, MODELS, tmp_path / "pool.json")
+    config = settings().model_copy(update={
+        "pool_file": pool, "strategy": "rlae", "rlae_span": 2, "rlae_max_tokens": 6, "rlae_update_episodes": 16, "worker_batch": 8,
+        "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500,
+    })
+    stack = LocalStack(config, tmp_path)
+    stack.start_learner()
+    stack.start_worker()
+    topics = Topics.from_settings(stack.settings)
+    tasks = generation_split(FAMILIES, 52, seed=6)
+
+    async def scenario():
+        producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap)
+        await producer.start()
+        await producer.send_and_wait(topics.queries, Query(query_id="mc", stream="s", prompt="p", choices=["a", "b"]).model_dump_json().encode())
+        await producer.stop()
+        first = await play(stack.settings, open_ended_queries(tasks[:48], "a"), rate=50, idle_timeout_s=90)
+        await asyncio.sleep(3.0)  # the third policy reaches the worker
+        then = await play(stack.settings, open_ended_queries(tasks[48:], "b"), rate=50, idle_timeout_s=60)
+        consumer = AIOKafkaConsumer(topics.dead_letter, bootstrap_servers=stack.settings.kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
+        await consumer.start()
+        dead: list[DeadLetter] = []
+        deadline = time.time() + 30
+        while time.time() < deadline and not dead:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                dead += [DeadLetter.model_validate_json(r.value) for r in records]
+        await consumer.stop()
+        return first, then, dead
+
+    try:
+        stack.wait_ready(120)
+        first, then, dead = asyncio.run(scenario())
+        time.sleep(1.0)  # the last feedback reaches the learner
+    finally:
+        stack.stop()
+    directory = stack.settings.checkpoint_dir
+    state = json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
+    assert first.answered == 48 and first.duplicates == 0 and first.no_answer == 0 and then.answered == 4
+    assert state["stats"]["joined"] == 52 and state["stats"]["updates"] == 3 and len(state["buffer"]) > 0
+    assert then.policy_versions == {3}  # the workers run the learner's newest version
+    assert [d.reason for d in dead] == ["multiple-choice query: the rlae worker answers open-ended queries (no choices) only"]
