@@ -41,9 +41,14 @@ class LoadReport:
     feedback_sent: int = 0
     latencies_ms: list[float] = field(default_factory=list)  # send -> answer received
     outcomes: list[bool] = field(default_factory=list)  # in arrival order
+    streams: list[str] = field(default_factory=list)  # each answer's stream, in arrival order
+    versions: list[int] = field(default_factory=list)  # each answer's policy version, in arrival order
     per_task: dict[str, list[int]] = field(default_factory=dict)  # task -> [correct, answered]
-    policy_versions: set[int] = field(default_factory=set)
     elapsed_s: float = 0.0
+
+    @property
+    def policy_versions(self) -> set[int]:
+        return set(self.versions)
 
     @property
     def accuracy(self) -> float:
@@ -143,10 +148,11 @@ async def play(
                     report.correct += correct
                     report.no_answer += not answer.answered_models
                     report.outcomes.append(correct)
+                    report.streams.append(stream)
+                    report.versions.append(answer.policy_version)
                     report.per_task.setdefault(stream, [0, 0])
                     report.per_task[stream][0] += correct
                     report.per_task[stream][1] += 1
-                    report.policy_versions.add(answer.policy_version)
                     report.latencies_ms.append(1000 * (time.perf_counter() - sent_at.get(answer.query_id, time.perf_counter())))
                     feedback_tasks.append(asyncio.create_task(send_feedback(answer.query_id, outcome)))
                     on_answer(report)

@@ -1,0 +1,150 @@
+"""RLAE learning online in the live service: the rlae strategy on the local stack, fed the zoo's generation stream.
+
+    python bench/bench_rlae_online.py [--zoo DIR] [--blocks 24] [--block-size 100] [--rate 40] [--offline-episodes 1024] [--out out/bench_rlae_online]
+
+The local stack (tansu broker, redis-server, one learner, one worker) runs the rlae strategy over the zoo's 4
+specialists, in process: span 4, at most 16 tokens, stop at a newline, weights sampled from the policy (the
+worker's default, so the learner gets on-policy experience), one PPO update per 64 rewarded answers. Traffic:
+the zoo's generation stream, the family switching every block (seed 7), at R queries/s; each answer's feedback
+(the reference text: the learner rewards exact match) is sent as soon as it arrives. Two runs:
+
+- cold: the learner starts from the untrained policy and learns only from the stream;
+- warm: the learner is warm-started from an offline `rlens rlae train` run of N episodes on the training split.
+
+Writes results.json and online.png (rolling exact match of the served answers, and the policy version, against
+answers received).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlens.rlae.agent import RLAEConfig
+from rlens.rlae.decode import TokenEnsemble
+from rlens.rlae.observe import SentenceEncoder
+from rlens.rlae.train import RLAETrainer
+from rlens.service.load import LoadReport, open_ended_queries, play
+from rlens.service.stack import LocalStack, write_zoo_pool
+from rlens.settings import settings
+from rlens.zoo.build import load_backend, load_zoo
+from rlens.zoo.tasks import generation_split, generation_stream
+
+FAMILIES = ["arithmetic", "counting", "ordering", "pattern"]
+MODELS = ["arith-char", "count-bpe", "order-char", "pattern-bpe"]
+SPAN, MAX_TOKENS = 4, 16
+
+
+def offline_run(zoo: Path, episodes: int, out: Path) -> Path:
+    """An offline RLAE-PPO run on the training split (what `rlens rlae train` does), for the warm start."""
+    torch.set_num_threads(2)
+    models = {m.name: m for m in load_zoo(zoo)}
+    ensemble = TokenEnsemble([load_backend(models[n]) for n in MODELS])
+    cfg = RLAEConfig(span=SPAN, max_tokens=MAX_TOKENS, episodes=episodes)
+    RLAETrainer(ensemble, SentenceEncoder(), MODELS, cfg, out, seed=0).run(generation_split(FAMILIES, 1000, seed=100))
+    return out
+
+
+def live_run(zoo: Path, traffic, rate: float, workdir: Path, warm_start: Path | None) -> tuple[LoadReport, dict]:
+    pool = write_zoo_pool(zoo, MODELS, workdir / "pool.json")
+    config = settings().model_copy(update={
+        "pool_file": pool, "strategy": "rlae", "rlae_span": SPAN, "rlae_max_tokens": MAX_TOKENS,
+        "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500,
+    })
+    stack = LocalStack(config, workdir)
+    try:
+        stack.start_learner(*(["--warm-start", str(warm_start)] if warm_start else []))
+        stack.start_worker()
+        stack.wait_ready(180)
+        report = asyncio.run(play(stack.settings, traffic, rate=rate, idle_timeout_s=120))
+        time.sleep(2.0)  # the last feedback reaches the learner
+    finally:
+        stack.stop()
+    directory = stack.settings.checkpoint_dir
+    state = json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
+    return report, state
+
+
+def summary(report: LoadReport, state: dict, block_size: int) -> dict:
+    outcomes = np.array(report.outcomes, dtype=float)
+    cycle = len(FAMILIES) * block_size
+    return {
+        "answered": report.answered, "duplicates": report.duplicates, "no_answer": report.no_answer,
+        "accuracy": report.accuracy, "first_cycle": float(outcomes[:cycle].mean()), "last_cycle": float(outcomes[-cycle:].mean()),
+        "per_block": [float(outcomes[i : i + block_size].mean()) for i in range(0, len(outcomes), block_size)],
+        "per_family_last_cycle": {f: float(np.mean([o for o, s in zip(report.outcomes[-cycle:], report.streams[-cycle:]) if s == f])) for f in FAMILIES},
+        "policy_versions": max(report.versions), "updates": state["stats"]["updates"], "joined": state["stats"]["joined"],
+        "queries_per_s": report.answered / report.elapsed_s, "p50_ms": report.latency_percentile(50), "p99_ms": report.latency_percentile(99),
+        "outcomes": report.outcomes, "streams": report.streams, "versions": report.versions,
+    }
+
+
+def plot(results: dict, block_size: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), sharex=True, gridspec_kw={"height_ratios": [2.2, 1]})
+    width = block_size
+    for name, run in results["runs"].items():
+        outcomes = np.array(run["outcomes"], dtype=float)
+        x = np.arange(width, len(outcomes) + 1)
+        top.plot(x, np.convolve(outcomes, np.ones(width) / width, mode="valid"), label=f"{name} (overall {100 * run['accuracy']:.1f} %)")
+        bottom.plot(np.arange(1, len(outcomes) + 1), run["versions"], label=name)
+    streams = next(iter(results["runs"].values()))["streams"]
+    for b in range(0, len(streams), block_size):
+        for ax in (top, bottom):
+            ax.axvline(b, color="lightgray", lw=0.7)
+        top.text(b + 3, 0.02, streams[b][:5], fontsize=7, color="gray")
+    for label, value, style in (("offline RLAE-PPO (frozen, greedy)", 0.859, ":"), ("best single model", 0.507, "--"), ("uniform (GaC)", 0.122, "-.")):
+        top.axhline(value, color="black", lw=0.8, ls=style, label=label)
+    top.set_ylabel(f"exact match (rolling {width})")
+    top.set_ylim(0, 1.02)
+    top.legend(fontsize=8, loc="lower right")
+    top.set_title("RLAE in the live service: served answers while the learner updates online (family switches every block)", fontsize=10)
+    bottom.set_ylabel("policy version")
+    bottom.set_xlabel("answers received")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--zoo", type=Path, default=None)
+    parser.add_argument("--blocks", type=int, default=24)
+    parser.add_argument("--block-size", type=int, default=100)
+    parser.add_argument("--rate", type=float, default=40.0)
+    parser.add_argument("--offline-episodes", type=int, default=1024, help="the warm start's offline training (0: no warm run)")
+    parser.add_argument("--out", type=Path, default=Path("out/bench_rlae_online"))
+    args = parser.parse_args()
+    zoo = args.zoo or settings().zoo_dir
+    args.out.mkdir(parents=True, exist_ok=True)
+    tasks = generation_stream(FAMILIES, args.blocks, args.block_size, seed=7)
+    runs = {"cold": None}
+    if args.offline_episodes:
+        started = time.perf_counter()
+        runs["warm"] = offline_run(zoo, args.offline_episodes, args.out / "offline")
+        print(f"offline run: {args.offline_episodes} episodes in {time.perf_counter() - started:.0f} s")
+    results = {"settings": {**vars(args), "zoo": str(zoo), "out": str(args.out), "models": MODELS, "span": SPAN, "max_tokens": MAX_TOKENS}, "runs": {}}
+    for name, warm in runs.items():
+        report, state = live_run(zoo, open_ended_queries(tasks, f"online-{name}"), args.rate, args.out / name, warm)
+        results["runs"][name] = summary(report, state, args.block_size)
+        run = results["runs"][name]
+        print(f"{name}: {100 * run['accuracy']:.1f} % overall, first cycle {100 * run['first_cycle']:.1f} %, last cycle {100 * run['last_cycle']:.1f} %; "
+              f"{run['updates']} updates, {run['answered']} answered ({run['queries_per_s']:.1f}/s, p50 {run['p50_ms']:.0f} ms, p99 {run['p99_ms']:.0f} ms)")
+        print("  per block: " + " ".join(f"{100 * a:.0f}" for a in run["per_block"]))
+        print("  last cycle per family: " + ", ".join(f"{f} {100 * a:.1f}" for f, a in run["per_family_last_cycle"].items()))
+    (args.out / "results.json").write_text(json.dumps(results))
+    plot(results, args.block_size, args.out / "online.png")
+    print(f"wrote {args.out}/results.json and online.png")
+
+
+if __name__ == "__main__":
+    main()
