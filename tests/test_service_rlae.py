@@ -185,3 +185,18 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
     assert state["stats"]["joined"] == 52 and state["stats"]["updates"] == 3 and len(state["buffer"]) > 0
     assert then.policy_versions == {3}  # the workers run the learner's newest version
     assert [d.reason for d in dead] == ["multiple-choice query: the rlae worker answers open-ended queries (no choices) only"]
+
+
+def test_cli_errors_for_bad_open_ended_traffic_and_strategy(tmp_path):
+    from typer.testing import CliRunner
+
+    from rlens.cli import app
+
+    bad = tmp_path / "tasks.jsonl"
+    bad.write_text('{"prompt": "Q: add: 1+1=\\nA:", "reference": "2"}\n{"prompt": "no reference"}\n')
+    result = CliRunner().invoke(app, ["load", "--tasks", str(bad)])
+    assert result.exit_code == 2 and f"{bad}:2: not a task line" in result.output
+    result = CliRunner().invoke(app, ["up", "--strategy", "rl_focus"])
+    assert result.exit_code == 2 and "--strategy must be rl_focal or rlae" in result.output
+    result = CliRunner().invoke(app, ["up", "--strategy", "rlae", "--zoo-models", "no-such-model", "--workdir", str(tmp_path / "up")], env={"RLENS_ZOO_DIR": str(tmp_path)})
+    assert result.exit_code == 2 and "build the zoo first" in result.output
