@@ -1,6 +1,6 @@
 """RLAE learning online in the live service: the rlae strategy on the local stack, fed the zoo's generation stream.
 
-    python bench/bench_rlae_online.py [--zoo DIR] [--blocks 24] [--block-size 100] [--rate 40] [--offline-episodes 1024] [--out out/bench_rlae_online]
+    python bench/bench_rlae_online.py [--zoo DIR] [--blocks 24] [--block-size 100] [--rate 40] [--offline-episodes 1024] [--lr 1e-3] [--out out/bench_rlae_online]
 
 The local stack (tansu broker, redis-server, one learner, one worker) runs the rlae strategy over the zoo's 4
 specialists, in process: span 4, at most 16 tokens, stop at a newline, weights sampled from the policy (the
@@ -51,10 +51,10 @@ def offline_run(zoo: Path, episodes: int, out: Path) -> Path:
     return out
 
 
-def live_run(zoo: Path, traffic, rate: float, workdir: Path, warm_start: Path | None) -> tuple[LoadReport, dict]:
+def live_run(zoo: Path, traffic, rate: float, lr: float, workdir: Path, warm_start: Path | None) -> tuple[LoadReport, dict]:
     pool = write_zoo_pool(zoo, MODELS, workdir / "pool.json")
     config = settings().model_copy(update={
-        "pool_file": pool, "strategy": "rlae", "rlae_span": SPAN, "rlae_max_tokens": MAX_TOKENS,
+        "pool_file": pool, "strategy": "rlae", "rlae_span": SPAN, "rlae_max_tokens": MAX_TOKENS, "rlae_lr": lr,
         "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500,
     })
     stack = LocalStack(config, workdir)
@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=100)
     parser.add_argument("--rate", type=float, default=40.0)
     parser.add_argument("--offline-episodes", type=int, default=1024, help="the warm start's offline training (0: no warm run)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of the online updates (RLENS_RLAE_LR)")
     parser.add_argument("--out", type=Path, default=Path("out/bench_rlae_online"))
     args = parser.parse_args()
     zoo = args.zoo or settings().zoo_dir
@@ -134,7 +135,7 @@ def main() -> None:
         print(f"offline run: {args.offline_episodes} episodes in {time.perf_counter() - started:.0f} s")
     results = {"settings": {**vars(args), "zoo": str(zoo), "out": str(args.out), "models": MODELS, "span": SPAN, "max_tokens": MAX_TOKENS}, "runs": {}}
     for name, warm in runs.items():
-        report, state = live_run(zoo, open_ended_queries(tasks, f"online-{name}"), args.rate, args.out / name, warm)
+        report, state = live_run(zoo, open_ended_queries(tasks, f"online-{name}"), args.rate, args.lr, args.out / name, warm)
         results["runs"][name] = summary(report, state, args.block_size)
         run = results["runs"][name]
         print(f"{name}: {100 * run['accuracy']:.1f} % overall, first cycle {100 * run['first_cycle']:.1f} %, last cycle {100 * run['last_cycle']:.1f} %; "

@@ -55,6 +55,8 @@ class Settings(BaseSettings):
     rlae_stop: list[str] = Field(["\n"], description="generation stops before the first of these strings (JSON list)")
     rlae_top_k: int = Field(5, ge=1, le=20, description="pools of openai servers: top tokens asked of each server per step")
     rlae_update_episodes: int = Field(64, ge=1, description="rewarded generations between two online PPO updates")
+    rlae_lr: float = Field(1e-3, gt=0, description="learning rate of the online PPO updates")
+    rlae_rehearsal: int = Field(32, ge=0, description="per stream, earlier episodes replayed in every update (against forgetting across task switches); 0: none")
     rlae_explore: bool = Field(True, description="sample the weights from the policy (on-policy experience for the learner); false: the policy's mean")
 
 

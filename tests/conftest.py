@@ -39,3 +39,11 @@ def quick_zoo(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zoo")
     build_zoo(out, [replace(spec, steps=25) for spec in SPECIALISTS])
     return out
+
+
+@pytest.fixture(scope="session")
+def encoder():
+    """The frozen MiniLM sentence encoder of the RLAE agent."""
+    from rlens.rlae.observe import SentenceEncoder
+
+    return SentenceEncoder()

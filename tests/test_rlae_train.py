@@ -15,18 +15,13 @@ from rlens.cli import app
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.evaluate import answer_dataset, simplex_grid
-from rlens.rlae.observe import EMBED_DIM, SentenceEncoder, minilm_path, obs_dim
+from rlens.rlae.observe import EMBED_DIM, minilm_path, obs_dim
 from rlens.rlae.tasks import TaskFileError, read_tasks
 from rlens.rlae.train import RLAETrainer, load_agent, rollout
 from rlens.zoo.tasks import GenerationTask, exact_match, generation_split
 
 MODELS = ["arith-char", "count-bpe", "order-char"]
 CFG = RLAEConfig(span=2, max_tokens=6, episodes=32, rollout_batch=8, episodes_per_update=16, minibatch_size=16, hidden=16)
-
-
-@pytest.fixture(scope="module")
-def encoder():
-    return SentenceEncoder()
 
 
 @pytest.fixture(scope="module")

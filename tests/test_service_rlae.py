@@ -19,7 +19,7 @@ from rlens.checkpoint import CheckpointStore
 from rlens.messages import DeadLetter, Feedback, Query
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.rlae.decode import TokenEnsemble
-from rlens.rlae.observe import SentenceEncoder, obs_dim
+from rlens.rlae.observe import obs_dim
 from rlens.rlae.train import RLAEAgent, RLAETrainer
 from rlens.service.kafka import Topics
 from rlens.service.learner import LearnerCore
@@ -43,11 +43,6 @@ class Record:
 
 
 @pytest.fixture(scope="module")
-def encoder():
-    return SentenceEncoder()
-
-
-@pytest.fixture(scope="module")
 def ensemble(quick_zoo):
     return TokenEnsemble([TransformersBackend.load(quick_zoo / name) for name in MODELS])
 
@@ -58,7 +53,7 @@ def new_worker(ensemble, encoder, explore: bool = True, seed: int = 0) -> RLAEWo
 
 
 def new_learner(tmp_path: Path) -> LearnerCore:
-    trainer = RLAEOnlineTrainer(make_policy(obs_dim(len(MODELS)), len(MODELS), CFG, seed=0), CFG, MODELS, seed=0)
+    trainer = RLAEOnlineTrainer(make_policy(obs_dim(len(MODELS)), len(MODELS), CFG, seed=0), CFG, MODELS, seed=0, rehearsal=2)
     return LearnerCore(trainer, MODELS, None, CheckpointStore(tmp_path / "ckpt"))
 
 
@@ -103,6 +98,8 @@ def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_loa
                 dead += [rejected] if rejected else []
         await core.on_feedback(Feedback(query_id="q-3", reference="dup"), Record(99))  # duplicate feedback: ignored
         assert core.stats.joined == 10 and core.stats.duplicates == 1 and core.stats.invalid_feedback == 1
+        # the rehearsal memory keeps each stream's latest 2 episodes of the update (those of q-0, q-2..q-8)
+        assert {s: len(e) for s, e in core.trainer.memory.items()} == {s: min(2, [t.family for t in tasks[:9]].count(s) - (s == tasks[1].family)) for s in FAMILIES}
         assert len(dead) == 1 and "needs a reference text or a reward, got only a label" in dead[0].reason
         assert [p.version for p in policies] == [1] and policies[0].strategy == "rlae" and core.trainer.episodes == 2
         rewards = core.stats.last_update["mean_reward"]
@@ -120,7 +117,9 @@ def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_loa
         for _ in range(6):
             for c in (core, resumed):
                 c.trainer.remember(experience["q-5"], 1.0)
-        assert core.trainer.update() == pytest.approx(resumed.trainer.update())
+        remembered = sum(len(e) for e in resumed.trainer.memory.values())
+        stats = core.trainer.update()
+        assert stats == pytest.approx(resumed.trainer.update()) and stats["rehearsed"] == remembered > 0
         assert all(torch.equal(resumed.trainer.policy.state_dict()[k], v) for k, v in core.trainer.policy.state_dict().items())
 
     asyncio.run(scenario())
@@ -182,7 +181,7 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
     directory = stack.settings.checkpoint_dir
     state = json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
     assert first.answered == 48 and first.duplicates == 0 and first.no_answer == 0 and then.answered == 4
-    assert state["stats"]["joined"] == 52 and state["stats"]["updates"] == 3 and len(state["buffer"]) > 0
+    assert state["stats"]["joined"] == 52 and state["stats"]["updates"] == 3 and state["fresh"] == 4
     assert then.policy_versions == {3}  # the workers run the learner's newest version
     assert [d.reason for d in dead] == ["multiple-choice query: the rlae worker answers open-ended queries (no choices) only"]
 

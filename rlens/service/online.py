@@ -7,14 +7,16 @@ transition, and when :meth:`~OnlineTrainer.update_due`, :meth:`~OnlineTrainer.up
 trainer saves and restores itself in the learner's checkpoints and gives the tensors a policy message carries.
 
 - :class:`FocalOnlineTrainer` (``rl_focal``): the FocalEngine's MAPPO on Decider + Fusion transitions.
-- :class:`RLAEOnlineTrainer` (``rlae``): PPO / MAPPO on the RLAE agent's span decisions; the reward of a generation
-  is the feedback's ``reward``, else exact match with its ``reference``.
+- :class:`RLAEOnlineTrainer` (``rlae``): PPO / MAPPO on the RLAE agent's span decisions, with a per-stream
+  rehearsal of earlier episodes against forgetting across task switches; the reward of a generation is the
+  feedback's ``reward``, else exact match with its ``reference``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict
+from collections import OrderedDict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +27,7 @@ from rlens.focal.engine import Answer as EngineAnswer
 from rlens.focal.engine import Decision, FocalEngine
 from rlens.messages import Experience, Feedback, Message, RLAEExperience
 from rlens.rlae.agent import RLAEConfig, Span, update
+from rlens.rlae.observe import obs_dim
 from rlens.service.checkpoint import load_engine, save_engine
 from rlens.zoo.tasks import exact_match
 
@@ -122,15 +125,32 @@ class FocalOnlineTrainer(OnlineTrainer):
         self.engine.reset_windows()
 
 
+Episode = tuple[str, list[Span]]  # (stream, the spans of one generation, its reward on the last)
+REHEARSAL_STREAMS = 16  # rehearsal memory: the streams updated most recently
+
+
 class RLAEOnlineTrainer(OnlineTrainer):
+    """PPO / MAPPO on the agent's span decisions, every ``cfg.episodes_per_update`` rewarded generations.
+
+    A stream that switches task (blocks of one family, then another) makes plain online PPO forget: each update
+    fits the family of the moment. So every update also replays, per stream, the latest ``rehearsal`` episodes of
+    earlier updates (at most :data:`REHEARSAL_STREAMS` streams): their ratios are taken against the policy that
+    acted, so the clipped objective pulls the policy back toward what earned reward there, and their values come
+    from the current critic.
+    """
+
     strategy, experience = "rlae", RLAEExperience
 
-    def __init__(self, policy: torch.nn.Module, cfg: RLAEConfig, models: list[str], seed: int = 0):
-        self.policy, self.cfg, self.models = policy, cfg, models
+    def __init__(self, policy: torch.nn.Module, cfg: RLAEConfig, models: list[str], seed: int = 0, rehearsal: int = 0):
+        self.policy, self.cfg, self.models, self.rehearsal = policy, cfg, models, rehearsal
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr, eps=1e-5)
         self.generator = torch.Generator().manual_seed(seed)
-        self.buffer: list[Span] = []  # whole episodes, the reward on each one's last span
-        self.episodes = 0  # in the buffer
+        self.fresh: list[Episode] = []  # since the last update
+        self.memory: OrderedDict[str, list[list[Span]]] = OrderedDict()  # per stream, its latest earlier episodes
+
+    @property
+    def episodes(self) -> int:
+        return len(self.fresh)
 
     def reward(self, experience: RLAEExperience, feedback: Feedback) -> float:
         if feedback.reward is not None:
@@ -142,28 +162,48 @@ class RLAEOnlineTrainer(OnlineTrainer):
     def remember(self, experience: RLAEExperience, reward: float) -> None:
         spans = [Span(np.asarray(s.obs, np.float32), np.asarray(s.action, np.float32), s.logp, s.value) for s in experience.spans]
         spans[-1].reward, spans[-1].last = reward, True
-        self.buffer += spans
-        self.episodes += 1
+        self.fresh.append((experience.stream, spans))
 
     def update_due(self) -> bool:
-        return self.episodes >= self.cfg.episodes_per_update
+        return len(self.fresh) >= self.cfg.episodes_per_update
 
     def update(self) -> dict:
-        rewards = [s.reward for s in self.buffer if s.last]
-        stats = update(self.policy, self.optimizer, self.buffer, self.cfg, self.generator)
-        self.buffer, self.episodes = [], 0
-        return {**stats, "episodes": len(rewards), "mean_reward": float(np.mean(rewards))}
+        replayed = [s for episodes in self.memory.values() for episode in episodes for s in episode]
+        if replayed:
+            with torch.no_grad():
+                values = self.policy.critic(torch.from_numpy(np.stack([s.obs for s in replayed]))).squeeze(-1).tolist()
+            replayed = [replace(s, value=v) for s, v in zip(replayed, values)]
+        stats = update(self.policy, self.optimizer, [s for _, spans in self.fresh for s in spans] + replayed, self.cfg, self.generator)
+        rewards = [spans[-1].reward for _, spans in self.fresh]
+        stats = {**stats, "episodes": len(rewards), "mean_reward": float(np.mean(rewards)), "rehearsed": sum(s.last for s in replayed)}
+        if self.rehearsal:
+            for stream, spans in self.fresh:
+                kept = self.memory.setdefault(stream, [])
+                kept.append(spans)
+                del kept[: -self.rehearsal]
+                self.memory.move_to_end(stream)
+            while len(self.memory) > REHEARSAL_STREAMS:
+                self.memory.popitem(last=False)
+        self.fresh = []
+        return stats
 
     def policy_tensors(self) -> dict[str, torch.Tensor]:
         return self.policy.state_dict()
 
     def save(self, store: CheckpointStore, version: int, state: dict) -> Path:
         adam, meta = optimizer_tensors(self.optimizer)
-        payload = {
-            **state, "models": self.models, "config": asdict(self.cfg), "optimizer": meta,
-            "buffer": [{"obs": s.obs.tolist(), "action": s.action.tolist(), "logp": s.logp, "value": s.value, "reward": s.reward, "last": s.last} for s in self.buffer],
+        episodes = self.fresh + [(stream, spans) for stream, kept in self.memory.items() for spans in kept]
+        spans = [s for _, episode in episodes for s in episode]
+        dim, m = obs_dim(len(self.models)), len(self.models)
+        tensors = {
+            "obs": torch.from_numpy(np.stack([s.obs for s in spans])) if spans else torch.zeros(0, dim),
+            "action": torch.from_numpy(np.stack([s.action for s in spans])) if spans else torch.zeros(0, m),
         }
-        return store.save(version, {"policy": self.policy.state_dict(), "optimizer": {**adam, "rng.torch": self.generator.get_state()}}, payload)
+        payload = {
+            **state, "models": self.models, "config": asdict(self.cfg), "optimizer": meta, "fresh": len(self.fresh),
+            "episodes": [[stream, [[s.logp, s.value, s.reward] for s in episode]] for stream, episode in episodes],
+        }
+        return store.save(version, {"policy": self.policy.state_dict(), "optimizer": {**adam, "rng.torch": self.generator.get_state()}, "episodes": tensors}, payload)
 
     def load(self, store: CheckpointStore) -> dict | None:
         restored = store.load_latest()
@@ -174,8 +214,16 @@ class RLAEOnlineTrainer(OnlineTrainer):
         self.policy.load_state_dict(tensors["policy"])
         load_optimizer(self.optimizer, tensors["optimizer"], state["optimizer"])
         self.generator.set_state(tensors["optimizer"]["rng.torch"])
-        self.buffer = [Span(np.asarray(s["obs"], np.float32), np.asarray(s["action"], np.float32), s["logp"], s["value"], s["reward"], s["last"]) for s in state["buffer"]]
-        self.episodes = sum(s.last for s in self.buffer)
+        obs, action, row = tensors["episodes"]["obs"].numpy(), tensors["episodes"]["action"].numpy(), 0
+        episodes: list[Episode] = []
+        for stream, spans in state["episodes"]:
+            episode = [Span(obs[row + k], action[row + k], logp, value, reward) for k, (logp, value, reward) in enumerate(spans)]
+            episode[-1].last = True
+            episodes.append((stream, episode))
+            row += len(spans)
+        self.fresh, self.memory = episodes[: state["fresh"]], OrderedDict()
+        for stream, episode in episodes[state["fresh"] :]:
+            self.memory.setdefault(stream, []).append(episode)
         return state
 
     def warm_start(self, source: Path) -> None:

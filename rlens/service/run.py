@@ -36,7 +36,10 @@ def build_windows(settings: Settings, n_models: int, size: int) -> RedisWindows:
 
 
 def rlae_config(settings: Settings) -> RLAEConfig:
-    return RLAEConfig(variant=settings.rlae_variant, span=settings.rlae_span, max_tokens=settings.rlae_max_tokens, episodes_per_update=settings.rlae_update_episodes)
+    return RLAEConfig(
+        variant=settings.rlae_variant, span=settings.rlae_span, max_tokens=settings.rlae_max_tokens,
+        episodes_per_update=settings.rlae_update_episodes, lr=settings.rlae_lr,
+    )
 
 
 def rlae_policy(settings: Settings, n_models: int):
@@ -70,7 +73,8 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
     names = [m.name for m in pool.models]
     trainer: OnlineTrainer
     if settings.strategy == "rlae":
-        trainer, window = RLAEOnlineTrainer(rlae_policy(settings, len(names)), rlae_config(settings), names, settings.seed), 1
+        trainer = RLAEOnlineTrainer(rlae_policy(settings, len(names)), rlae_config(settings), names, settings.seed, settings.rlae_rehearsal)
+        window = 1
     else:
         engine = build_engine(settings, pool)
         trainer, window = FocalOnlineTrainer(engine, names), engine.cfg.window

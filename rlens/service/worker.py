@@ -3,12 +3,14 @@
 :class:`Worker` is what every strategy's worker shares (the policy slot, counters, which queries it takes);
 :class:`FocalWorker` is the ``rl_focal`` strategy: windows from Redis → Decider → only the chosen backends →
 Fusion (the ``rlae`` one is :class:`rlens.service.rlae_worker.RLAEWorker`). Both are the whole logic without a
-transport (tests drive them directly); :func:`create_worker_app` wires one to Kafka with FastStream. A batch of queries is parsed (what does not parse goes to the dead-letter
-topic with the reason), the windows of its streams are read from Redis in one round trip (if Redis is down, the
-windows are cold and the worker keeps answering), the pools are chosen, every query's pool is called concurrently
-(:class:`rlens.ensemble.PoolCaller`: failures become records), and the answers are fused. Outputs are published
-before the batch's offsets are committed (at-least-once; answers are keyed and idempotent by query id), so a
-worker killed mid-batch leaves its batch to be answered again by the group.
+transport (tests drive them directly); :func:`create_worker_app` wires one to Kafka with FastStream.
+
+A batch of queries is parsed (what does not parse, or is of the other strategy's kind, goes to the dead-letter
+topic with the reason). For ``rl_focal``, the windows of its streams are read from Redis in one round trip (if
+Redis is down, the windows are cold and the worker keeps answering), the pools are chosen, every query's pool is
+called concurrently (:class:`rlens.ensemble.PoolCaller`: failures become records), and the answers are fused.
+Outputs are published before the batch's offsets are committed (at-least-once; answers are keyed and idempotent
+by query id), so a worker killed mid-batch leaves its batch to be answered again by the group.
 
 Policy weights arrive on the ``policy`` topic. A newer version is verified (:func:`decode_policy`) when it
 arrives and swapped in between batches, never during one.
