@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def offline_run(zoo: Path, episodes: int, out: Path) -> Path:
 
 
 def live_run(zoo: Path, traffic, rate: float, lr: float, workdir: Path, warm_start: Path | None) -> tuple[LoadReport, dict]:
+    shutil.rmtree(workdir, ignore_errors=True)  # a fresh learner (no checkpoint of an earlier run to resume)
     pool = write_zoo_pool(zoo, MODELS, workdir / "pool.json")
     config = settings().model_copy(update={
         "pool_file": pool, "strategy": "rlae", "rlae_span": SPAN, "rlae_max_tokens": MAX_TOKENS, "rlae_lr": lr,
@@ -102,12 +104,12 @@ def plot(results: dict, block_size: int, path: Path) -> None:
     for b in range(0, len(streams), block_size):
         for ax in (top, bottom):
             ax.axvline(b, color="lightgray", lw=0.7)
-        top.text(b + 3, 0.02, streams[b][:5], fontsize=7, color="gray")
+        top.text(b + 3, 0.02, streams[min(b + block_size // 2, len(streams) - 1)][:5], fontsize=7, color="gray")  # mid-block: arrival order jitters at the edges
     for label, value, style in (("offline RLAE-PPO (frozen, greedy)", 0.859, ":"), ("best single model", 0.507, "--"), ("uniform (GaC)", 0.122, "-.")):
         top.axhline(value, color="black", lw=0.8, ls=style, label=label)
     top.set_ylabel(f"exact match (rolling {width})")
     top.set_ylim(0, 1.02)
-    top.legend(fontsize=8, loc="lower right")
+    top.legend(fontsize=8, loc="upper left")
     top.set_title("RLAE in the live service: served answers while the learner updates online (family switches every block)", fontsize=10)
     bottom.set_ylabel("policy version")
     bottom.set_xlabel("answers received")
@@ -131,6 +133,7 @@ def main() -> None:
     runs = {"cold": None}
     if args.offline_episodes:
         started = time.perf_counter()
+        shutil.rmtree(args.out / "offline", ignore_errors=True)
         runs["warm"] = offline_run(zoo, args.offline_episodes, args.out / "offline")
         print(f"offline run: {args.offline_episodes} episodes in {time.perf_counter() - started:.0f} s")
     results = {"settings": {**vars(args), "zoo": str(zoo), "out": str(args.out), "models": MODELS, "span": SPAN, "max_tokens": MAX_TOKENS}, "runs": {}}
