@@ -142,10 +142,11 @@ def test_learner_warm_starts_from_an_offline_run_of_the_same_models_and_settings
         other_models.warm_start(tmp_path / "empty")
 
 
-def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_policies_reach_the_workers(quick_zoo, tmp_path):
+@pytest.mark.parametrize("variant", ["ppo", "mappo"])  # a MAPPO policy (1.4 MB here) exceeds Kafka's default 1 MB message size
+def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_policies_reach_the_workers(quick_zoo, tmp_path, variant):
     pool = write_zoo_pool(quick_zoo, MODELS, tmp_path / "pool.json")
     config = settings().model_copy(update={
-        "pool_file": pool, "strategy": "rlae", "rlae_span": 2, "rlae_max_tokens": 6, "rlae_update_episodes": 16, "worker_batch": 8,
+        "pool_file": pool, "strategy": "rlae", "rlae_variant": variant, "rlae_span": 2, "rlae_max_tokens": 6, "rlae_update_episodes": 16, "worker_batch": 8,
         "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500,
     })
     stack = LocalStack(config, tmp_path)

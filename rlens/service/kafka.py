@@ -27,6 +27,7 @@ from rlens.messages import DeadLetter, Message
 from rlens.settings import Settings
 
 M = TypeVar("M", bound=Message)
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # policies are large (RLAE-MAPPO over 4 models: 1.8 MB); the broker's topic limit must allow them
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,10 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
         security = BaseSecurity(ssl_context=context)
     logger = logging.getLogger("rlens.kafka")
     logger.setLevel(log_level)
-    return KafkaBroker(settings.kafka_bootstrap, security=security, logger=logger, log_level=logging.DEBUG, max_batch_size=16 * 1024 * 1024)
+    return KafkaBroker(
+        settings.kafka_bootstrap, security=security, logger=logger, log_level=logging.DEBUG,
+        max_batch_size=MAX_MESSAGE_BYTES, max_request_size=MAX_MESSAGE_BYTES,
+    )
 
 
 async def keep_bytes(message: Any) -> Any:
