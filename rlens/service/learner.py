@@ -239,7 +239,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_
                     await message.consumer.commit(offsets)
                 committed[topic] = core.checkpoints.count
 
-    experience_model = EXPERIENCE[settings.strategy]
+    experience_model = core.trainer.experience if core else EXPERIENCE[settings.strategy]
 
     @broker.subscriber(topics.experience, description=f"JSON {experience_model.__name__} messages from the {settings.strategy} workers", **options)
     async def on_experience(bodies: list[bytes], message: KafkaMessage) -> None:
