@@ -44,7 +44,10 @@ def progress_bar() -> Progress:
 
 def quiet_transformers() -> None:
     """No transformers progress bars or advisory warnings on the terminal; rlens shows its own progress."""
-    from transformers.utils import logging as hf_logging
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # the service runs without the model extras (the `hf` extra)
+        return
 
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's own tqdm bar
     hf_logging.set_verbosity_error()
@@ -201,10 +204,23 @@ def learner(
     from rlens.pool import PoolConfigError
     from rlens.service.run import run_learner
 
+    from rlens.checkpoint import CheckpointLockError
+
     try:
         run_learner(service_settings(pool), warm_start)
-    except (PoolConfigError, DatasetError, ValueError) as exc:
+    except (PoolConfigError, DatasetError, ValueError, CheckpointLockError) as exc:
         fail(str(exc))
+
+
+@app.command()
+def secrets() -> None:
+    """Print fresh values of the service's secrets as RLENS_* lines (an env file): the feedback secret for the
+    workers, the learner and the gateway; the policy signing key for the learner only; the verify key for the workers."""
+    from rlens.service.security import generate_secrets
+
+    print("# rlens service secrets: RLENS_POLICY_SIGNING_KEY belongs to the learner alone")
+    for name, value in generate_secrets().items():
+        print(f"{name}={value}")
 
 
 @app.command()
@@ -230,6 +246,7 @@ def up(
     from redis import Redis
     from redis.exceptions import RedisError
 
+    from rlens.service.security import redact_url
     from rlens.service.stack import LocalStack, write_replay_pool, write_zoo_pool
 
     if strategy not in ("rl_focal", "rlae"):
@@ -239,8 +256,8 @@ def up(
     redis_url = os.environ.get("RLENS_REDIS_URL")
     if redis_url is None:
         try:
-            Redis.from_url(s.redis_url, socket_connect_timeout=0.5).ping()
-            redis_url = s.redis_url
+            Redis.from_url(s.redis_url.get_secret_value(), socket_connect_timeout=0.5).ping()
+            redis_url = s.redis_url.get_secret_value()
         except RedisError:
             pass
     try:
@@ -261,7 +278,8 @@ def up(
             stack.start_worker()
         with console.status("starting the learner and the workers"):
             stack.wait_ready(180)
-        console.print(f"[bold green]rlens is up[/] ({strategy}): Kafka {stack.settings.kafka_bootstrap}, Redis {stack.settings.redis_url}, pool {pool_file}, {workers} workers; logs in {workdir}")
+        redis_shown = redact_url(stack.settings.redis_url.get_secret_value())
+        console.print(f"[bold green]rlens is up[/] ({strategy}): Kafka {stack.settings.kafka_bootstrap}, Redis {redis_shown}, pool {pool_file}, {workers} workers; logs and secrets.env in {workdir}")
         console.print(f"send traffic with: RLENS_KAFKA_BOOTSTRAP={stack.settings.kafka_bootstrap} rlens load --rate 50" + (" --tasks zoo" if strategy == "rlae" else ""))
         while not stop:
             time.sleep(1)

@@ -11,17 +11,30 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
-
-Strategy = Literal["rl_focal", "rlae"]
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+Strategy = Literal["rl_focal", "rlae"]
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas" / "messages"
+
+# Bounds of every message field: a message outside them is dead-lettered when it is read, so nothing downstream
+# (windows, buffers, checkpoints, the agents' tensors) ever holds a value it cannot represent.
+MAX_MODELS = 64
+MAX_CHOICES = 64
+MAX_TEXT = 100_000  # characters of a prompt, an answer text or a reference
+MAX_VECTOR = 4096  # floats in one observation vector
+MAX_SPANS = 512
+MAX_ABS = 1e6  # magnitude of any observation value
+Real = Annotated[float, Field(ge=-MAX_ABS, le=MAX_ABS)]
+Key = Annotated[str, Field(min_length=1, max_length=256)]
+Choice = Annotated[int, Field(ge=-1, lt=MAX_CHOICES)]  # a choice position, -1 for none
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    """Every wire message: JSON, frozen, unknown fields ignored, no NaN or infinity anywhere."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
     schema_version: Literal[1] = 1
 
@@ -29,15 +42,17 @@ class Message(BaseModel):
 class Query(Message):
     """A question to answer. Multiple choice when ``choices`` is given; open-ended otherwise."""
 
-    query_id: str = Field(min_length=1, max_length=256)
-    stream: str = Field(min_length=1, max_length=256, description="stream / task key: the sliding window it belongs to")
-    prompt: str = Field(max_length=100_000)
-    choices: list[str] | None = Field(None, min_length=2, max_length=64)
-    reference_id: str | None = Field(None, description="the question's id in a recorded dataset (replay backend)")
+    query_id: Key
+    stream: Key = Field(description="stream / task key: the sliding window it belongs to")
+    prompt: str = Field(max_length=MAX_TEXT)
+    choices: list[Annotated[str, Field(max_length=10_000)]] | None = Field(None, min_length=2, max_length=MAX_CHOICES)
+    reference_id: str | None = Field(None, max_length=256, description="the question's id in a recorded dataset (replay backend)")
     sent_at: float | None = Field(None, description="unix time the producer sent it (latency accounting)")
 
 
 class ModelFailureRecord(BaseModel):
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
+
     model: str
     reason: str
 
@@ -58,16 +73,20 @@ class Answer(Message):
     strategy: Strategy = "rl_focal"
     span_weights: list[list[float]] = Field(default_factory=list, description="rlae: the ensemble weights of each span, one per model")
     finish_reason: str | None = Field(None, description="rlae: 'stop' (end of text or a stop string) or 'length'")
+    feedback_token: str = Field("", description="what this query's Feedback must carry as its token (binds feedback to the answer); empty when no model answered")
 
 
 class Feedback(Message):
     """The outcome of an answered query: the correct choice (``label``) or the correct text (``reference``, open-ended
-    queries: the reward is exact match), or a bare ``reward``; a given ``reward`` is used as is."""
+    queries: the reward is exact match), or a bare ``reward``; a given ``reward`` is used as is. ``token`` is the
+    answer's ``feedback_token``: feedback without it is dead-lettered, so only who received the answer can rate it."""
 
-    query_id: str = Field(min_length=1, max_length=256)
-    label: int | None = Field(None, ge=0)
-    reference: str | None = Field(None, max_length=100_000, description="the correct answer text of an open-ended query")
-    reward: float | None = Field(None, ge=-10, le=10)
+    query_id: Key
+    token: str = Field(min_length=1, max_length=128, description="the answer's feedback_token")
+    stream: Key | None = Field(None, description="if given, it must be the query's stream")
+    label: int | None = Field(None, ge=0, lt=MAX_CHOICES)
+    reference: str | None = Field(None, max_length=MAX_TEXT, description="the correct answer text of an open-ended query")
+    reward: float | None = Field(None, ge=-1, le=1)
 
     @model_validator(mode="after")
     def _has_outcome(self) -> "Feedback":
@@ -80,29 +99,29 @@ class Experience(Message):
     """What the learner needs from one answered rl_focal query to train both agents once its feedback arrives."""
 
     strategy: Literal["rl_focal"] = "rl_focal"
-    query_id: str
-    stream: str
+    query_id: Key
+    stream: Key
     policy_version: int = Field(ge=0)
-    n_choices: int = Field(ge=2)
-    decider_state: list[float]
-    critic_state: list[float]
-    pool: list[bool]
-    pool_logp: float
-    predictions: list[int] = Field(description="per model: its top choice, -1 where not called or failed (the window row)")
-    fusion_features: list[list[float]] = Field(description="the Fusion agent's observation [choices, features]")
-    answer_index: int = Field(ge=0)
-    answer_logp: float
+    n_choices: int = Field(ge=2, le=MAX_CHOICES)
+    decider_state: list[Real] = Field(max_length=MAX_VECTOR)
+    critic_state: list[Real] = Field(max_length=MAX_VECTOR)
+    pool: list[bool] = Field(max_length=MAX_MODELS)
+    pool_logp: float = Field(le=0, ge=-MAX_ABS)
+    predictions: list[Choice] = Field(max_length=MAX_MODELS, description="per model: its top choice, -1 where not called or failed (the window row)")
+    fusion_features: list[Annotated[list[Real], Field(max_length=MAX_VECTOR)]] = Field(max_length=MAX_CHOICES, description="the Fusion agent's observation [choices, features]")
+    answer_index: int = Field(ge=0, lt=MAX_CHOICES)
+    answer_logp: float = Field(le=0, ge=-MAX_ABS)
 
 
 class SpanDecision(BaseModel):
     """One weighting decision of the RLAE agent: its observation at the span start, its action, log-prob and value."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
-    obs: list[float]
-    action: list[float]
-    logp: float
-    value: float
+    obs: list[Real] = Field(max_length=MAX_VECTOR)
+    action: list[Real] = Field(max_length=MAX_MODELS)
+    logp: Real
+    value: Real
 
 
 class RLAEExperience(Message):
@@ -110,33 +129,44 @@ class RLAEExperience(Message):
     and the agent's decision at every span."""
 
     strategy: Literal["rlae"] = "rlae"
-    query_id: str
-    stream: str
+    query_id: Key
+    stream: Key
     policy_version: int = Field(ge=0)
-    text: str
-    spans: list[SpanDecision] = Field(min_length=1)
+    text: str = Field(max_length=MAX_TEXT)
+    spans: list[SpanDecision] = Field(min_length=1, max_length=MAX_SPANS)
 
 
 class Policy(Message):
-    """Versioned weights of every agent of a strategy: a safetensors blob (base64) and its SHA-256."""
+    """Versioned weights of every agent of a strategy: a safetensors blob (base64), its SHA-256, and the learner's
+    Ed25519 signature over (strategy, epoch, version, models, SHA-256). Workers order policies by (epoch, version):
+    a learner takes a new, larger epoch at every start, so a restarted learner's versions supersede the old ones."""
 
     strategy: Strategy = "rl_focal"
+    epoch: int = Field(ge=0, description="the publishing learner's start (milliseconds since 1970)")
     version: int = Field(ge=1)
     created_at: float
-    n_models: int = Field(ge=1)
-    models: list[str]
+    n_models: int = Field(ge=1, le=MAX_MODELS)
+    models: list[Key] = Field(max_length=MAX_MODELS)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    signature: str = Field(max_length=128, description="base64 Ed25519 signature of signed_bytes() by the learner's key")
     weights_b64: str
+
+    def signed_bytes(self) -> bytes:
+        """What the learner signs: everything that says what the weights are, never the weights' encoding."""
+        return json.dumps([self.strategy, self.epoch, self.version, self.models, self.sha256], separators=(",", ":")).encode()
 
 
 class DeadLetter(Message):
-    """A message a consumer could not use, byte for byte, and why."""
+    """A message a consumer could not use, and why: its coordinates, its first bytes, its size and SHA-256."""
 
     topic: str
     partition: int
     offset: int
     key_b64: str | None
-    value_b64: str
+    value_b64: str = Field(description="the value's first DEAD_LETTER_VALUE_BYTES bytes (all of it when value_truncated is false)")
+    value_bytes: int = Field(0, ge=0, description="the whole value's size")
+    value_sha256: str = Field("", description="the whole value's SHA-256 (hex)")
+    value_truncated: bool = False
     reason: str
     consumer: str
     at: float

@@ -11,7 +11,6 @@ child process (tests, benchmarks, the local stack).
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from fastapi.responses import JSONResponse
 
 from rlens.backends.base import BackendError, GenerationRequest
 from rlens.backends.hf import PromptLogprobs, TransformersBackend
+from rlens.service.local import free_port
 from rlens.backends.openai_protocol import CompletionChoice, CompletionRequest, CompletionResponse, Logprobs, ModelCard, ModelList, Usage
 
 
@@ -107,12 +107,6 @@ def create_app(backend: TransformersBackend, model_name: str) -> FastAPI:
         return CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name, choices=choices, usage=usage)
 
     return app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PACKAGE_DATA = Path(__file__).parent / "data"
@@ -26,17 +26,23 @@ class Settings(BaseSettings):
     kafka_security_protocol: str = Field("PLAINTEXT", description="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL")
     kafka_sasl_mechanism: str | None = Field(None, description="PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512")
     kafka_sasl_username: str | None = None
-    kafka_sasl_password: str | None = None
+    kafka_sasl_password: SecretStr | None = None
     kafka_ssl_cafile: Path | None = Field(None, description="CA bundle for SSL / SASL_SSL")
+    kafka_acks: Literal["all", "1"] = Field("all", description="producer acknowledgements: all (every in-sync replica; the default) or 1 (the leader only)")
+    kafka_replication: int = Field(1, ge=1, description="replication factor of the topics the service creates (3 on a real cluster, with min.insync.replicas=2)")
     topic_prefix: str = Field("rlens.", description="topic names are this prefix + queries, answers, feedback, experience, policy, dead-letter")
     kafka_session_timeout_ms: int = Field(10_000, ge=1000, description="consumer-group session timeout")
     kafka_heartbeat_ms: int = Field(3_000, ge=100, description="consumer-group heartbeat interval")
     kafka_fetch_max_wait_ms: int = Field(20, ge=0, description="how long a fetch waits for data (bounds the latency added by polling)")
     # streaming service: Redis windows
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for the sliding windows (redis://user:password@host:port/db, rediss:// for TLS)")
+    redis_url: SecretStr = Field(SecretStr("redis://127.0.0.1:6379/0"), description="Redis for the sliding windows (redis://user:password@host:port/db, rediss:// for TLS)")
     redis_prefix: str = Field("rlens", description="prefix of every Redis key")
     window_ttl_s: int = Field(7 * 86400, ge=1, description="a stream's window expires after this long without feedback")
     dedup_ttl_s: int = Field(86400, ge=1, description="how long a query's applied outcome is remembered (duplicate feedback)")
+    # streaming service: trust (see rlens.service.security; `rlens secrets` generates all three)
+    feedback_secret: SecretStr | None = Field(None, description="workers, learner, gateway: the HMAC key of the answers' feedback tokens")
+    policy_signing_key: SecretStr | None = Field(None, description="learner only: Ed25519 private key (base64) that signs policies")
+    policy_verify_key: str | None = Field(None, description="workers: the learner's Ed25519 public key (base64); only policies it verifies are loaded")
     # streaming service: worker and learner
     strategy: Literal["rl_focal", "rlae"] = Field("rl_focal", description="rl_focal: multiple-choice queries (Decider + Fusion); rlae: open-ended queries (span-weighted token ensemble)")
     pool_file: Path | None = Field(None, description="the pool file of the worker and the learner (see rlens.pool)")

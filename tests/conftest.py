@@ -30,6 +30,24 @@ def bbh_slice_dir(bbh: RecordedDataset, tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def redis_server():
+    """A redis-server of the tests' own (free port, no persistence)."""
+    from rlens.service.local import LocalRedis
+
+    server = LocalRedis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def zoo() -> RecordedDataset:
+    """The bundled zoo_mc stream (5 models, 1200 questions)."""
+    from rlens.settings import settings
+
+    return load_dataset(settings().demo_data)
+
+
+@pytest.fixture(scope="session")
 def quick_zoo(tmp_path_factory) -> Path:
     """The zoo's specialists built by the real builder, with 25 training steps each (same tokenizers, same shapes)."""
     from dataclasses import replace

@@ -60,6 +60,7 @@ def test_an_interrupted_run_resumes_to_the_same_policy(ensemble, encoder, tmp_pa
     straight.run(tasks)
     first = RLAETrainer(ensemble, encoder, MODELS, replace(CFG, episodes=16), tmp_path / "cut", seed=3)
     first.run(tasks)  # "crashes" after its first update and checkpoint
+    first.store.close()  # ... and its process, which held the directory's lock, is gone
     resumed = RLAETrainer(ensemble, encoder, MODELS, CFG, tmp_path / "cut", seed=3)
     assert resumed.state.episodes == 16 and resumed.state.updates == 1
     resumed.run(tasks)
@@ -69,6 +70,7 @@ def test_an_interrupted_run_resumes_to_the_same_policy(ensemble, encoder, tmp_pa
     agent, models, state = load_agent(tmp_path / "cut", encoder)
     assert models == MODELS and state["episodes"] == 32
     assert all(torch.equal(a, b) for a, b in zip(agent.policy.state_dict().values(), resumed.policy.state_dict().values()))
+    resumed.store.close()
     with pytest.raises(ValueError, match="other models, settings or seed"):
         RLAETrainer(ensemble, encoder, MODELS, replace(CFG, span=3), tmp_path / "cut", seed=3)
 

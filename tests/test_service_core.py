@@ -16,14 +16,12 @@ from rlens.focal.engine import FocalEngine
 from rlens.messages import Experience, Feedback, Query
 from rlens.checkpoint import CheckpointStore
 from rlens.service.learner import LearnerCore
-from rlens.service.local import LocalRedis
 from rlens.service.policy import PolicyError, decode_policy, encode_policy
 from rlens.service.windows import RedisWindows
 from rlens.service.online import FocalOnlineTrainer
 from rlens.service.worker import FocalWorker
-from rlens.settings import settings
-from rlens.dataset import load_dataset
 from rlens.service.load import queries_of
+from trust import SIGNER, TOKENS, VERIFIER, token
 
 
 class Record:
@@ -31,18 +29,6 @@ class Record:
 
     def __init__(self, offset: int, value: bytes = b"{}"):
         self.topic, self.partition, self.offset, self.key, self.value = "rlens.feedback", 0, offset, b"k", value
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = LocalRedis()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def zoo():
-    return load_dataset(settings().demo_data)
 
 
 def windows_for(url: str, n_models: int = 5) -> RedisWindows:
@@ -62,7 +48,12 @@ def experience(engine: FocalEngine, qid: str, stream: str = "s", answer: int = 1
 
 def learner(tmp_path: Path, url: str, **options) -> LearnerCore:
     models = [f"m{i}" for i in range(5)]
-    return LearnerCore(FocalOnlineTrainer(FocalEngine(5, seed=0), models), models, windows_for(url), CheckpointStore(tmp_path / "ckpt"), **options)
+    return LearnerCore(FocalOnlineTrainer(FocalEngine(5, seed=0), models), models, windows_for(url), CheckpointStore(tmp_path / "ckpt"), SIGNER, TOKENS, **options)
+
+
+def fb(qid: str, **outcome) -> Feedback:
+    """Feedback that carries its answer's token."""
+    return Feedback(query_id=qid, token=token(qid), **outcome)
 
 
 def test_join_in_either_order_ignores_duplicates_and_rewards_correctly(tmp_path, redis_server):
@@ -70,14 +61,14 @@ def test_join_in_either_order_ignores_duplicates_and_rewards_correctly(tmp_path,
         await Redis.from_url(redis_server.url).flushdb()
         core = learner(tmp_path, redis_server.url)
         worker_engine = FocalEngine(5, seed=0)
-        assert await core.on_experience(experience(worker_engine, "a", answer=1)) == (None, None)
-        await core.on_feedback(Feedback(query_id="a", label=1), Record(0))  # experience first
-        await core.on_feedback(Feedback(query_id="b", label=2), Record(1))  # feedback first
-        await core.on_experience(experience(worker_engine, "b", answer=1))
-        await core.on_feedback(Feedback(query_id="a", label=1), Record(2))  # duplicate feedback
-        await core.on_experience(experience(worker_engine, "b", answer=1))  # redelivered experience
-        await core.on_feedback(Feedback(query_id="c", reward=0.25), Record(3))  # bare reward
-        await core.on_experience(experience(worker_engine, "c"))
+        assert await core.on_experience(experience(worker_engine, "a", answer=1), Record(0)) == (None, None)
+        await core.on_feedback(fb("a", label=1), Record(0))  # experience first
+        await core.on_feedback(fb("b", label=2), Record(1))  # feedback first
+        await core.on_experience(experience(worker_engine, "b", answer=1), Record(0))
+        await core.on_feedback(fb("a", label=1), Record(2))  # duplicate feedback
+        await core.on_experience(experience(worker_engine, "b", answer=1), Record(0))  # redelivered experience
+        await core.on_feedback(fb("c", reward=0.25), Record(3))  # bare reward
+        await core.on_experience(experience(worker_engine, "c"), Record(0))
         assert core.stats.joined == 3 and core.stats.duplicates == 2 and core.stats.windows_applied == 3
         rewards = [t.reward for t in core.trainer.engine.buffer]
         pool_cost = [core.trainer.engine.cfg.alpha * core.trainer.engine.cost_share[np.asarray(experience(worker_engine, "x").pool)].sum()] * 2
@@ -91,8 +82,8 @@ def test_join_in_either_order_ignores_duplicates_and_rewards_correctly(tmp_path,
 def test_feedback_with_a_label_outside_the_choices_is_dead_lettered(tmp_path, redis_server):
     async def scenario():
         core = learner(tmp_path, redis_server.url)
-        await core.on_feedback(Feedback(query_id="z", label=7), Record(5, b'{"query_id": "z", "label": 7}'))
-        policy, dead = await core.on_experience(experience(FocalEngine(5, seed=0), "z", n_choices=4))
+        await core.on_feedback(fb("z", label=7), Record(5, b'{"query_id": "z", "label": 7}'))
+        policy, dead = await core.on_experience(experience(FocalEngine(5, seed=0), "z", n_choices=4), Record(0))
         assert policy is None and "label 7 is not one of query z's 4 choices" in dead.reason
         assert base64.b64decode(dead.value_b64) == b'{"query_id": "z", "label": 7}' and dead.offset == 5
         assert core.stats.joined == 0 and core.stats.invalid_feedback == 1
@@ -105,10 +96,10 @@ def test_pending_halves_expire_and_are_bounded(tmp_path, redis_server):
         core = learner(tmp_path, redis_server.url, pending_limit=3, pending_ttl_s=3600)
         engine = FocalEngine(5, seed=0)
         for i in range(5):
-            await core.on_experience(experience(engine, f"e{i}"))
+            await core.on_experience(experience(engine, f"e{i}"), Record(0))
         assert list(core.experience) == ["e2", "e3", "e4"] and core.stats.evicted == 2
         core.pending_ttl_s = 0.0
-        await core.on_feedback(Feedback(query_id="late", label=0), Record(9))
+        await core.on_feedback(fb("late", label=0), Record(9))
         assert not core.experience and not core.feedback and core.stats.expired == 4
 
     asyncio.run(scenario())
@@ -120,11 +111,11 @@ def test_an_update_every_T_checkpoints_and_publishes_a_verified_policy(tmp_path,
         engine = FocalEngine(5, seed=0)
         policies = []
         for i in range(core.trainer.engine.cfg.update_period):
-            await core.on_experience(experience(engine, f"q{i}"))
-            policy, _ = await core.on_feedback(Feedback(query_id=f"q{i}", label=i % 4), Record(i))
+            await core.on_experience(experience(engine, f"q{i}"), Record(0))
+            policy, _ = await core.on_feedback(fb(f"q{i}", label=i % 4), Record(i))
             policies += [policy] if policy else []
         assert [p.version for p in policies] == [1] and core.stats.updates == 1 and not core.trainer.engine.buffer
-        tensors = decode_policy(policies[0], shapes(engine), core.models, "rl_focal")
+        tensors = decode_policy(policies[0], engine.policy_state(), core.models, "rl_focal", VERIFIER)
         assert all(torch.equal(tensors[k], v) for k, v in core.trainer.engine.policy_state().items())
         assert (tmp_path / "ckpt" / "LATEST").read_text().startswith("v00000001")
 
@@ -136,11 +127,12 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path, redis_server):
         core = learner(tmp_path, redis_server.url)
         engine = FocalEngine(5, seed=0)
         for i in range(70):  # one update at 64, then 6 transitions in the buffer
-            await core.on_experience(experience(engine, f"q{i}"))
+            await core.on_experience(experience(engine, f"q{i}"), Record(0))
             core.already_seen(Record(i))
-            await core.on_feedback(Feedback(query_id=f"q{i}", label=1), Record(i))
-        await core.on_experience(experience(engine, "pending"))
+            await core.on_feedback(fb(f"q{i}", label=1), Record(i))
+        await core.on_experience(experience(engine, "pending"), Record(0))
         core.checkpoint()
+        core.checkpoints.close()  # one learner per checkpoint directory: the first one leaves
         resumed = learner(tmp_path, redis_server.url)
         assert resumed.version == 1 and resumed.stats == core.stats and resumed.offsets == {"rlens.feedback:0": 70}
         assert list(resumed.experience) == ["pending"] and len(resumed.trainer.engine.buffer) == 6 and "q5" in resumed.done
@@ -153,30 +145,26 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path, redis_server):
     asyncio.run(scenario())
 
 
-def shapes(engine: FocalEngine) -> dict:
-    return {k: v.shape for k, v in engine.policy_state().items()}
-
-
-def focal_policy(engine: FocalEngine, version: int, models: list[str]):
-    return encode_policy(engine.policy_state(), version, models, "rl_focal")
+def focal_policy(engine: FocalEngine, version: int, models: list[str], epoch: int = 1):
+    return encode_policy(engine.policy_state(), version, epoch, models, "rl_focal", SIGNER)
 
 
 def test_policies_are_verified_before_loading():
     engine, models = FocalEngine(3, seed=0), ["a", "b", "c"]
     good = focal_policy(FocalEngine(3, seed=1), 2, models)
-    assert set(decode_policy(good, shapes(engine), models, "rl_focal")) == set(engine.policy_state())
+    assert set(decode_policy(good, engine.policy_state(), models, "rl_focal", VERIFIER)) == set(engine.policy_state())
     blob = bytearray(base64.b64decode(good.weights_b64))
     blob[-1] ^= 0xFF  # one flipped byte in the weights
     tampered = good.model_copy(update={"weights_b64": base64.b64encode(bytes(blob)).decode()})
     with pytest.raises(PolicyError, match="SHA-256 mismatch"):
-        decode_policy(tampered, shapes(engine), models, "rl_focal")
+        decode_policy(tampered, engine.policy_state(), models, "rl_focal", VERIFIER)
     with pytest.raises(PolicyError, match="this pool is"):
-        decode_policy(good, shapes(engine), ["a", "b", "x"], "rl_focal")
+        decode_policy(good, engine.policy_state(), ["a", "b", "x"], "rl_focal", VERIFIER)
     with pytest.raises(PolicyError, match="is an rl_focal policy, this worker runs rlae"):
-        decode_policy(good, shapes(engine), models, "rlae")
-    four_models = focal_policy(FocalEngine(4, seed=0), 2, models + ["d"]).model_copy(update={"models": models})
+        decode_policy(good, engine.policy_state(), models, "rlae", VERIFIER)
+    four_models = focal_policy(FocalEngine(4, seed=0), 2, models)  # signed, for this pool, but a 4-model policy's tensors
     with pytest.raises(PolicyError, match="do not fit this worker"):
-        decode_policy(four_models, shapes(engine), models, "rl_focal")
+        decode_policy(four_models, engine.policy_state(), models, "rl_focal", VERIFIER)
 
 
 class Broken(Backend):
@@ -189,7 +177,7 @@ def test_worker_answers_with_cold_windows_and_without_failed_models(zoo, redis_s
         backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
         backends[zoo.model_names[2]] = Broken()
         dead_redis = RedisWindows(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2), 5, 128)
-        core = FocalWorker(FocalEngine(5, seed=0), zoo.model_names, backends, dead_redis)
+        core = FocalWorker(FocalEngine(5, seed=0), zoo.model_names, backends, dead_redis, VERIFIER, TOKENS)
         queries = [q for q, _ in queries_of(zoo, None, "t")[:8]]
         out = await core.handle(queries)
         assert len(out.answers) == 8 and core.stats.cold_window_batches == 1
@@ -209,14 +197,14 @@ def test_worker_answers_with_cold_windows_and_without_failed_models(zoo, redis_s
 
 def test_worker_rejects_a_backend_list_that_is_not_the_pool(zoo):
     with pytest.raises(ValueError, match="not the pool's models"):
-        FocalWorker(FocalEngine(2), ["a", "b"], {"b": Broken(), "a": Broken()}, None)
+        FocalWorker(FocalEngine(2), ["a", "b"], {"b": Broken(), "a": Broken()}, None, VERIFIER, TOKENS)
 
 
 def test_query_messages_validate():
     with pytest.raises(ValueError):
         Query(query_id="", stream="s", prompt="p", choices=["a", "b"])
     with pytest.raises(ValueError, match="a label, a reference or a reward"):
-        Feedback(query_id="q")
+        Feedback(query_id="q", token="t")
 
 
 def test_asyncapi_document_and_message_schemas_are_in_sync():

@@ -29,6 +29,7 @@ from rlens.service.rlae_worker import RLAEWorker
 from rlens.service.stack import LocalStack, write_zoo_pool
 from rlens.settings import settings
 from rlens.zoo.tasks import exact_match, generation_split
+from trust import SIGNER, TOKENS, VERIFIER, token
 
 MODELS = ["arith-char", "count-bpe", "order-char"]
 CFG = RLAEConfig(span=2, max_tokens=6, episodes_per_update=8, rollout_batch=8, minibatch_size=8, hidden=16)
@@ -49,12 +50,12 @@ def ensemble(quick_zoo):
 
 def new_worker(ensemble, encoder, explore: bool = True, seed: int = 0) -> RLAEWorker:
     agent = RLAEAgent(make_policy(obs_dim(len(MODELS)), len(MODELS), CFG, seed=0), encoder, CFG, len(MODELS))
-    return RLAEWorker(ensemble, agent, MODELS, None, stop=["\n"], explore=explore, seed=seed, name="w")
+    return RLAEWorker(ensemble, agent, MODELS, None, VERIFIER, TOKENS, stop=["\n"], explore=explore, seed=seed, name="w")
 
 
 def new_learner(tmp_path: Path) -> LearnerCore:
     trainer = RLAEOnlineTrainer(make_policy(obs_dim(len(MODELS)), len(MODELS), CFG, seed=0), CFG, MODELS, seed=0, rehearsal=2)
-    return LearnerCore(trainer, MODELS, None, CheckpointStore(tmp_path / "ckpt"))
+    return LearnerCore(trainer, MODELS, None, CheckpointStore(tmp_path / "ckpt"), SIGNER, TOKENS)
 
 
 def test_worker_answers_open_ended_queries_with_span_weights_and_isolates_a_failing_one(ensemble, encoder):
@@ -90,13 +91,13 @@ def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_loa
         # q-0: bare reward; q-1: only a label (dead letter); q-2 feedback before its experience; the rest references
         for i, task in enumerate(tasks):
             qid = f"q-{i}"
-            feedback = Feedback(query_id=qid, reward=0.5) if i == 0 else Feedback(query_id=qid, label=1) if i == 1 else Feedback(query_id=qid, reference=task.reference)
-            pair = [core.on_feedback(feedback, Record(i)), core.on_experience(experience[qid])]
+            feedback = Feedback(query_id=qid, token=token(qid), reward=0.5) if i == 0 else Feedback(query_id=qid, token=token(qid), label=1) if i == 1 else Feedback(query_id=qid, token=token(qid), reference=task.reference)
+            pair = [core.on_feedback(feedback, Record(i)), core.on_experience(experience[qid], Record(i))]
             for step in pair if i == 2 else pair[::-1]:
                 policy, rejected = await step
                 policies += [policy] if policy else []
                 dead += [rejected] if rejected else []
-        await core.on_feedback(Feedback(query_id="q-3", reference="dup"), Record(99))  # duplicate feedback: ignored
+        await core.on_feedback(Feedback(query_id="q-3", token=token("q-3"), reference="dup"), Record(99))  # duplicate feedback: ignored
         assert core.stats.joined == 10 and core.stats.duplicates == 1 and core.stats.invalid_feedback == 1
         # the rehearsal memory keeps each stream's latest 2 episodes of the update (those of q-0, q-2..q-8)
         assert {s: len(e) for s, e in core.trainer.memory.items()} == {s: min(2, [t.family for t in tasks[:9]].count(s) - (s == tasks[1].family)) for s in FAMILIES}
@@ -112,6 +113,7 @@ def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_loa
         assert all(torch.equal(core.trainer.policy.state_dict()[k], v) for k, v in worker.agent.policy.state_dict().items())
         # a checkpoint with two episodes buffered resumes to the very same next update
         core.checkpoint()
+        core.checkpoints.close()
         resumed = new_learner(tmp_path)
         assert resumed.version == 1 and resumed.trainer.episodes == 2 and resumed.stats == core.stats and "q-10" in resumed.done
         for _ in range(6):

@@ -6,30 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import time
 from pathlib import Path
 
-import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
-from rlens.dataset import load_dataset
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import run_online
-from rlens.messages import DeadLetter, Feedback, Query
-from rlens.service.kafka import Topics
+from rlens.messages import DeadLetter, Experience, Feedback, Policy, Query
+from rlens.service.kafka import DEAD_LETTER_VALUE_BYTES, Topics, ensure_topics
 from rlens.service.load import play, queries_of
-from rlens.service.local import LocalRedis
+from rlens.service.local import LocalBroker, LocalRedis
 from rlens.service.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
 N = 600  # the first 5 task blocks of the bundled stream
-
-
-@pytest.fixture(scope="module")
-def zoo():
-    return load_dataset(settings().demo_data)
 
 
 def make_stack(tmp_path: Path, workers: int = 1, **options) -> LocalStack:
@@ -110,7 +104,7 @@ def redis_outcomes(stack: LocalStack) -> tuple[int, int]:
     """(applied-outcome markers, rows in all windows) in the stack's Redis."""
     from redis import Redis
 
-    redis = Redis.from_url(stack.settings.redis_url)
+    redis = Redis.from_url(stack.settings.redis_url.get_secret_value())
     prefix = stack.settings.redis_prefix
     markers = sum(1 for _ in redis.scan_iter(f"{prefix}:applied:*", count=1000))
     rows = sum(redis.llen(key) for key in redis.scan_iter(f"{prefix}:win:*"))
@@ -152,6 +146,24 @@ def test_redis_restarted_empty_keeps_the_service_answering(tmp_path, zoo):
     assert stats["joined"] == N and stats["windows_applied"] == N  # every outcome reached the new Redis
 
 
+def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path, zoo):
+    stack = make_stack(tmp_path)
+    try:
+        before = asyncio.run(play(stack.settings, traffic(zoo, "before", 200), rate=60, idle_timeout_s=60))
+        time.sleep(2.0)  # the learner has read past offset 200 on experience and feedback
+        port = stack.broker.port
+        stack.broker.stop()
+        stack.broker = LocalBroker(port)  # memory storage: every topic starts again at offset 0
+        asyncio.run(ensure_topics(stack.settings))
+        after = asyncio.run(play(stack.settings, traffic(zoo, "after", 200), rate=60, idle_timeout_s=120))
+        time.sleep(2.0)
+    finally:
+        stack.stop()
+    assert before.answered == 200 and after.answered == 200
+    stats = final_learner_state(stack)["stats"]
+    assert stats["joined"] == 400 and stats["new_logs"] >= 2  # experience and feedback: both new logs were read
+
+
 MALFORMED = st.one_of(
     st.binary(max_size=300),
     st.text(max_size=200).map(str.encode),
@@ -180,21 +192,42 @@ def is_valid(model, payload: bytes) -> bool:
         return False
 
 
-def test_ten_thousand_fuzzed_messages_go_to_the_dead_letter_topic(tmp_path, zoo):
+def schema_valid_poison(zoo) -> dict[str, list[bytes]]:
+    """Messages that parse but must not be used: a policy signed by another key with a huge version, an experience
+    of the wrong shape, feedback with a forged token, an experience whose query was never asked."""
+    from rlens.service.policy import encode_policy
+    from rlens.service.security import PolicySigner, generate_secrets
+
+    attacker = PolicySigner(generate_secrets()["RLENS_POLICY_SIGNING_KEY"])
+    forged = encode_policy(FocalEngine(5, seed=9).policy_state(), 2**62, 2**40, zoo.model_names, "rl_focal", attacker)
+    short = Experience(query_id="short", stream="s", policy_version=0, n_choices=2, decider_state=[0.1] * 3, critic_state=[0.0], pool=[True],
+                       pool_logp=0.0, predictions=[0], fusion_features=[[0.0], [0.0]], answer_index=0, answer_logp=0.0)
+    return {
+        "policy": [forged.model_dump_json().encode()],
+        "experience": [short.model_dump_json().encode()],
+        "feedback": [Feedback(query_id=f"fuzz-{i}", token="0" * 32, label=0).model_dump_json().encode() for i in range(5)],
+    }
+
+
+def test_fuzzed_and_poisoned_messages_on_every_topic_are_dead_lettered_and_the_service_keeps_its_policy(tmp_path, zoo):
     payloads = fuzzed_payloads(10_000)
     assert len(payloads) >= 9_000
     stack = make_stack(tmp_path)
     topics = Topics.from_settings(stack.settings)
-    to_queries = [p for p in payloads[::2] if not is_valid(Query, p)]
-    to_feedback = [p for p in payloads[1::2] if not is_valid(Feedback, p)]
+    poison = schema_valid_poison(zoo)
+    sent = {  # topic -> (payloads, the consumer that must dead-letter them)
+        topics.queries: ([p for p in payloads[0::4] if not is_valid(Query, p)], "worker"),
+        topics.feedback: ([p for p in payloads[1::4] if not is_valid(Feedback, p)] + poison["feedback"], "learner"),
+        topics.experience: ([p for p in payloads[2::4] if not is_valid(Experience, p)] + poison["experience"], "learner"),
+        topics.policy: ([p for p in payloads[3::4][:500] if not is_valid(Policy, p)] + poison["policy"], "worker"),
+    }
 
     async def scenario():
         producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap, linger_ms=20)
         await producer.start()
-        for payload in to_queries:
-            await producer.send(topics.queries, payload)
-        for payload in to_feedback:
-            await producer.send(topics.feedback, payload)
+        for topic, (messages, _) in sent.items():
+            for payload in messages:
+                await producer.send(topic, payload)
         await producer.flush()
         report = await play(stack.settings, traffic(zoo, "fuzz", 200), rate=100, idle_timeout_s=90)
         await producer.stop()
@@ -202,7 +235,7 @@ def test_ten_thousand_fuzzed_messages_go_to_the_dead_letter_topic(tmp_path, zoo)
         await consumer.start()
         dead: list[DeadLetter] = []
         deadline = time.time() + 90
-        while time.time() < deadline and len(dead) < len(to_queries) + len(to_feedback):
+        while time.time() < deadline and len(dead) < sum(len(m) for m, _ in sent.values()):
             for records in (await consumer.getmany(timeout_ms=500)).values():
                 dead += [DeadLetter.model_validate_json(r.value) for r in records]
         await consumer.stop()
@@ -215,7 +248,11 @@ def test_ten_thousand_fuzzed_messages_go_to_the_dead_letter_topic(tmp_path, zoo)
         stack.stop()
     assert alive  # no crash
     assert report.answered == 200 and report.duplicates == 0  # valid traffic unaffected
-    for topic, sent, consumer in ((topics.queries, to_queries, "worker"), (topics.feedback, to_feedback, "learner")):
+    assert max(report.policy_versions) < 2**62 and report.accuracy > 0.5  # the forged policy was never served
+    for topic, (messages, consumer) in sent.items():
         letters = [d for d in dead if d.topic == topic]
-        assert sorted(base64.b64decode(d.value_b64) for d in letters) == sorted(sent)  # each one, byte for byte
+        # each one: its first bytes and the hash of all of them
+        assert sorted((base64.b64decode(d.value_b64), d.value_sha256) for d in letters) == sorted((m[:DEAD_LETTER_VALUE_BYTES], hashlib.sha256(m).hexdigest()) for m in messages), topic
         assert all(d.reason and d.consumer.startswith(consumer) for d in letters)
+    reasons = " | ".join(d.reason for d in dead)
+    assert "bad signature" in reasons and "decider_state has 3 values" in reasons and "feedback token does not match" in reasons

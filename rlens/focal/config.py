@@ -11,6 +11,7 @@ from rlens.focal.metrics import METRIC_NAMES
 class FocalConfig:
     # sliding window and observations
     window: int = 128  # W: outcomes kept per stream key
+    max_streams: int = 10_000  # per-stream state the engine keeps (previous pools), least recently used dropped first
     metrics: tuple[str, ...] = METRIC_NAMES  # diversity metrics in the Decider's observation
     recent_rewards: int = 16  # rewards averaged into the Decider's observation
     use_decider: bool = True  # False: every query goes to the whole pool (ablation "all models")

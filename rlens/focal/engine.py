@@ -9,6 +9,7 @@ buffer (:meth:`FocalEngine.remember`); :meth:`FocalEngine.update` runs MAPPO on 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -66,7 +67,7 @@ class FocalEngine:
         params = [*self.decider.parameters(), *self.fusion.parameters(), *self.critic.parameters()]
         self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5)
         self.windows: dict[Hashable, OutcomeWindow] = {}
-        self.previous_pool: dict[Hashable, np.ndarray] = {}
+        self.previous_pool: OrderedDict[Hashable, np.ndarray] = OrderedDict()  # at most cfg.max_streams, LRU
         self.buffer: list[Transition] = []
 
     # --- acting -----------------------------------------------------------------------------------------
@@ -78,6 +79,12 @@ class FocalEngine:
     def reset_windows(self) -> None:
         self.windows.clear()
         self.previous_pool.clear()
+
+    def _remember_pool(self, key: Hashable, pool: np.ndarray) -> None:
+        self.previous_pool[key] = pool
+        self.previous_pool.move_to_end(key)
+        if len(self.previous_pool) > self.cfg.max_streams:
+            self.previous_pool.popitem(last=False)
 
     def _state(self, key: Hashable, n_choices: int) -> np.ndarray:
         previous = self.previous_pool.get(key, np.ones(self.n_models, dtype=bool))
@@ -99,7 +106,7 @@ class FocalEngine:
             pools, pool_logps = pools_t.numpy().astype(bool), logps.tolist()
         else:
             pools, pool_logps = np.ones((rollouts, self.n_models), dtype=bool), [0.0] * rollouts
-        self.previous_pool[key] = pools[0]
+        self._remember_pool(key, pools[0])
         everyone = np.ones(self.n_models, dtype=bool)
         return [Decision(key, pool, everyone if probe else pool, state, global_state, logp) for pool, logp in zip(pools, pool_logps)]
 
@@ -131,7 +138,7 @@ class FocalEngine:
                 pool, logp = pools_t[0].numpy().astype(bool), float(logps[0])
                 if greedy:
                     greedy_pool.update(pool=pool, logp=logp)
-            self.previous_pool[key] = pool
+            self._remember_pool(key, pool)
             decisions.append(Decision(key, pool, everyone if probe else pool, state, global_state, logp))
         return decisions
 

@@ -84,7 +84,11 @@ class RLAETrainer:
         self.store = CheckpointStore(Path(out_dir), keep=2)
         restored = self.store.load_latest()
         if restored is not None:
-            self._restore(*restored)
+            try:
+                self._restore(*restored)
+            except ValueError:
+                self.store.close()  # not our run: leave the directory to whoever owns it
+                raise
 
     def _restore(self, tensors: dict[str, dict[str, torch.Tensor]], state: dict) -> None:
         settings = {**asdict(self.cfg), "episodes": state["config"]["episodes"]}  # a run may be extended to more episodes
@@ -129,7 +133,7 @@ class RLAETrainer:
 
 def load_agent(run_dir: Path, encoder: SentenceEncoder) -> tuple[RLAEAgent, list[str], dict]:
     """The trained agent of a ``rlens rlae train`` run (its latest checkpoint), its model names and its state."""
-    restored = CheckpointStore(Path(run_dir)).load_latest()
+    restored = CheckpointStore(Path(run_dir), lock=False).load_latest()
     if restored is None:
         raise FileNotFoundError(f"{run_dir} holds no RLAE checkpoint: train one with `rlens rlae train --out {run_dir}`")
     tensors, state = restored

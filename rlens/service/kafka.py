@@ -4,15 +4,18 @@
 - :class:`Topics`: every topic name, from one prefix.
 - :func:`keep_bytes`: a decoder that hands handlers the raw bytes, so that parsing (and dead-lettering what does
   not parse) is the service's own, never FastStream's.
-- :func:`parse_or_dead_letter`: bytes → a typed message, or a :class:`DeadLetter` with the reason.
+- :func:`parse_or_dead_letter`: bytes → a typed message, or a :class:`DeadLetter` with the reason (its coordinates,
+  the first :data:`DEAD_LETTER_VALUE_BYTES` bytes, the size and SHA-256 of the whole value).
 - :func:`typed_publisher` / :func:`publish`: messages out (documented with their schema), confirmed by the broker
-  before :func:`publish` returns.
+  (``acks=all`` by default) before :func:`publish` returns. :func:`publish_dead_letters` never raises: a dead
+  letter the broker refuses is logged with its coordinates and reason instead, so it cannot block the consumer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import logging
 import ssl
@@ -28,6 +31,8 @@ from rlens.settings import Settings
 
 M = TypeVar("M", bound=Message)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # policies are large (RLAE-MAPPO over 4 models: 1.8 MB); the broker's topic limit must allow them
+DEAD_LETTER_VALUE_BYTES = 4096  # a dead letter keeps this much of the value (its size and hash say the rest)
+log = logging.getLogger("rlens.kafka")
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,8 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
         mechanism = {"PLAIN": SASLPlaintext, "SCRAM-SHA-256": SASLScram256, "SCRAM-SHA-512": SASLScram512}.get((settings.kafka_sasl_mechanism or "PLAIN").upper())
         if mechanism is None:
             raise ValueError(f"unsupported RLENS_KAFKA_SASL_MECHANISM {settings.kafka_sasl_mechanism!r}")
-        security = mechanism(username=settings.kafka_sasl_username or "", password=settings.kafka_sasl_password or "", ssl_context=context)
+        password = settings.kafka_sasl_password.get_secret_value() if settings.kafka_sasl_password else ""
+        security = mechanism(username=settings.kafka_sasl_username or "", password=password, ssl_context=context)
     elif protocol == "SSL":
         from faststream.security import BaseSecurity
 
@@ -65,7 +71,7 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
     logger.setLevel(log_level)
     return KafkaBroker(
         settings.kafka_bootstrap, security=security, logger=logger, log_level=logging.DEBUG,
-        max_batch_size=MAX_MESSAGE_BYTES, max_request_size=MAX_MESSAGE_BYTES,
+        max_batch_size=MAX_MESSAGE_BYTES, max_request_size=MAX_MESSAGE_BYTES, acks=-1 if settings.kafka_acks == "all" else 1,
     )
 
 
@@ -89,13 +95,18 @@ def parse_or_dead_letter(model: type[M], record: Any, consumer: str) -> M | Dead
 
 
 def dead_letter(record: Any, reason: str, consumer: str) -> DeadLetter:
-    """A dead letter for a consumer record (anything with topic, partition, offset, key and value)."""
+    """A dead letter for a consumer record (anything with topic, partition, offset, key and value); its size is
+    bounded whatever the record's."""
+    value: bytes = record.value or b""
     return DeadLetter(
         topic=record.topic,
         partition=record.partition,
         offset=record.offset,
-        key_b64=base64.b64encode(record.key).decode() if record.key is not None else None,
-        value_b64=base64.b64encode(record.value or b"").decode(),
+        key_b64=base64.b64encode(record.key[:256]).decode() if record.key is not None else None,
+        value_b64=base64.b64encode(value[:DEAD_LETTER_VALUE_BYTES]).decode(),
+        value_bytes=len(value),
+        value_sha256=hashlib.sha256(value).hexdigest(),
+        value_truncated=len(value) > DEAD_LETTER_VALUE_BYTES,
         reason=reason[:2000],
         consumer=consumer,
         at=time.time(),
@@ -110,6 +121,15 @@ def typed_publisher(broker: KafkaBroker, topic: str, model: type[Message], role:
 async def publish(publisher: Any, messages: list[Message]) -> None:
     """Publish every message, keyed by its query id where it has one, and wait until the broker confirmed them all."""
     await asyncio.gather(*(publisher.publish(m.model_dump_json().encode(), key=_key(m)) for m in messages))
+
+
+async def publish_dead_letters(publisher: Any, letters: list[DeadLetter]) -> int:
+    """Publish dead letters; one the broker refuses is logged (coordinates and reason) instead. How many were published."""
+    results = await asyncio.gather(*(publisher.publish(d.model_dump_json().encode(), key=_key(d)) for d in letters), return_exceptions=True)
+    for letter, result in zip(letters, results):
+        if isinstance(result, BaseException):
+            log.error("could not publish the dead letter of %s:%d@%d (%s): %s", letter.topic, letter.partition, letter.offset, letter.reason, result)
+    return sum(not isinstance(r, BaseException) for r in results)
 
 
 def _key(message: Message) -> bytes | None:
@@ -127,7 +147,8 @@ async def ensure_topics(settings: Settings, partitions: int = 4) -> None:
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        wanted = [NewTopic(t, partitions if t == topics.queries else 1, 1) for t in vars(topics).values() if t not in existing]
+        replication = settings.kafka_replication
+        wanted = [NewTopic(t, partitions if t == topics.queries else 1, replication) for t in vars(topics).values() if t not in existing]
         if wanted:
             try:
                 await admin.create_topics(wanted)

@@ -4,20 +4,37 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
 :class:`LearnerCore` is the logic without a transport; what is trained (RL-Focal's engine or the RLAE agent) is its
 :class:`rlens.service.online.OnlineTrainer`. :func:`create_learner_app` wires it to Kafka.
 
+- **Trust.** Feedback whose token is not its query's (:class:`rlens.service.security.FeedbackTokens`) is
+  dead-lettered on arrival, before it is held or counted, so a forged feedback can neither train nor block the true
+  one. An experience that does not fit the pool (:meth:`OnlineTrainer.check`) is dead-lettered before it is held.
+  Any other failure while handling one record dead-letters that record only.
 - **Join.** Either half may come first. Unmatched halves wait in bounded maps (``pending_limit``, oldest evicted)
   and expire after ``pending_ttl_s``. A query id that was joined is remembered (bounded), so duplicated
   feedback or redelivered experience is ignored. Feedback that can never join (its label is not a choice of the
-  query, a reference for a multiple-choice query, a label for an open-ended one) goes to the dead-letter topic.
+  query, a reference for a multiple-choice query, a label for an open-ended one, another stream than the query's)
+  goes to the dead-letter topic.
 - **Reward.** The feedback's ``reward`` if given, else the trainer's: RL-Focal's reward for the answer against
   ``label``, RLAE's exact match of the generated text with ``reference``.
-- **Windows.** (rl_focal) Each join applies the query's outcome to its stream's Redis window, once per query id;
-  while Redis is unreachable the learner retries with backoff and consumes nothing else, so no outcome is lost.
+- **Windows.** (rl_focal) Each join applies the query's outcome to its stream's Redis window, once per query id.
+  While Redis is unreachable the learner retries with backoff for at most ``redis_wait_s``, then keeps the outcome
+  in a backlog (checkpointed, bounded) that is applied, in order, once Redis answers again; learning goes on.
+- **Updates.** An update whose weights are not finite (or that raises) is undone: the weights and the optimizer
+  return to their state before it, its transitions are dropped, and no policy is published.
+- **Policies** are signed (:class:`rlens.service.security.PolicySigner`) and ordered by (epoch, version); the epoch
+  is the learner's start time in milliseconds, so a restarted learner's policies supersede its predecessor's.
 - **Exactly-once effect across crashes.** A checkpoint holds the trainer (weights, optimizer, RNGs, buffer), the
   pending joins, the recent query ids and, per partition, the offset after the last record it reflects. Kafka
   offsets are committed only up to a checkpoint's offsets. After a crash the learner restores the newest
   checkpoint, skips re-delivered records below its offsets, and so neither loses nor re-applies a transition.
   Checkpoints are taken after every update, every ``checkpoint_every_s`` seconds while records arrive, and on
   shutdown.
+- **A new log.** A broker that lost its data (tansu's memory storage restarted, a topic recreated, ``rlens up``
+  reusing a checkpoint with a fresh broker) serves offsets below the checkpoint's. A record below the stored offset
+  is a redelivery while the partition's log end is at or above that offset, and a new log when the log end is below
+  it: then the learner warns, forgets that partition's offset and reads the new log from its start (the join's
+  duplicate check and the windows' once-per-query markers keep a misjudged redelivery harmless). A new log that has
+  already grown past the old offset when it is first read cannot be told apart: recreate topics only with the
+  learner stopped, or give the learner a fresh checkpoint directory.
 """
 
 from __future__ import annotations
@@ -37,13 +54,20 @@ from redis.exceptions import RedisError
 
 from rlens.checkpoint import CheckpointStore
 from rlens.messages import EXPERIENCE, DeadLetter, Feedback, Message, Policy
-from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, typed_publisher
+from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
 from rlens.service.online import FeedbackError, OnlineTrainer
-from rlens.service.policy import encode_policy
+from rlens.service.policy import encode_policy, non_finite
+from rlens.service.security import FeedbackTokens, PolicySigner
 from rlens.service.windows import RedisWindows
 from rlens.settings import Settings
 
 log = logging.getLogger("rlens.learner")
+
+
+def partition_of(key: str) -> TopicPartition:
+    """``"topic:partition"`` → its TopicPartition."""
+    topic, partition = key.rsplit(":", 1)
+    return TopicPartition(topic, int(partition))
 
 
 @dataclass
@@ -53,17 +77,29 @@ class LearnerStats:
     expired: int = 0  # unmatched halves dropped after pending_ttl_s
     evicted: int = 0  # unmatched halves dropped because pending_limit was reached
     invalid_feedback: int = 0
+    forged_feedback: int = 0  # feedback whose token is not its query's
+    invalid_experience: int = 0  # experience that does not fit the pool
+    failed_records: int = 0  # records whose handling raised (dead-lettered)
     updates: int = 0
+    rejected_updates: int = 0  # updates undone (non-finite weights, or they raised)
     windows_applied: int = 0  # outcomes added to Redis windows (a replay after a crash adds none twice)
     redis_retries: int = 0
+    window_backlog_dropped: int = 0  # outcomes dropped because the backlog was full during a long Redis outage
+    new_logs: int = 0  # partitions found restarted from offset 0 (a broker that lost its data)
     last_update: dict | None = None
 
 
 class LearnerCore:
     def __init__(self, trainer: OnlineTrainer, models: list[str], windows: RedisWindows, checkpoints: CheckpointStore,
-                 pending_limit: int = 100_000, pending_ttl_s: float = 3600.0, done_limit: int = 200_000):
+                 signer: PolicySigner, tokens: FeedbackTokens, pending_limit: int = 100_000, pending_ttl_s: float = 3600.0,
+                 done_limit: int = 200_000, redis_wait_s: float = 10.0, backlog_limit: int = 100_000):
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
+        self.signer, self.tokens = signer, tokens
         self.pending_limit, self.pending_ttl_s, self.done_limit = pending_limit, pending_ttl_s, done_limit
+        self.redis_wait_s, self.backlog_limit = redis_wait_s, backlog_limit
+        self.window_backlog: list[list] = []  # [stream, query id, predictions, label, reward] not yet in Redis, oldest first
+        self._redis_retry_at = 0.0  # after a bounded wait gave up: no new try before this (monotonic clock)
+        self.epoch = time.time_ns() // 1_000_000
         self.version = 0
         self.offsets: dict[str, int] = {}  # "topic:partition" -> offset after the last record reflected in the state
         self.checkpointed_offsets: dict[str, int] = {}  # the same, as of the newest checkpoint (what Kafka may commit)
@@ -85,6 +121,7 @@ class LearnerCore:
         self.experience = OrderedDict((q, (t, self.trainer.experience.model_validate(e))) for q, t, e in state["experience"])
         self.feedback = OrderedDict((q, (t, Feedback.model_validate(f), r)) for q, t, f, r in state["feedback"])
         self.done = OrderedDict(state["done"])
+        self.window_backlog = state.get("window_backlog", [])
         self.stats = LearnerStats(**state["stats"])
         log.info("resumed from checkpoint v%d (%d joined)", self.version, self.stats.joined)
 
@@ -94,6 +131,7 @@ class LearnerCore:
             "experience": [[q, t, e.model_dump()] for q, (t, e) in self.experience.items()],
             "feedback": [[q, t, f.model_dump(), r] for q, (t, f, r) in self.feedback.items()],
             "done": list(self.done.items()),
+            "window_backlog": self.window_backlog,
             "stats": asdict(self.stats),
         }
         self.trainer.save(self.checkpoints, self.version, state)
@@ -108,10 +146,22 @@ class LearnerCore:
         self.offsets[key] = record.offset + 1
         return False
 
+    def below_offsets(self, records) -> set[str]:
+        """The "topic:partition" keys of records below the offsets the state reflects (redeliveries, or a new log)."""
+        return {f"{r.topic}:{r.partition}" for r in records if r.offset < self.offsets.get(f"{r.topic}:{r.partition}", 0)}
+
+    def new_log(self, key: str, log_end: int) -> None:
+        """Partition ``key`` restarted from offset 0 (its log ends at ``log_end``, below our offset): read it anew."""
+        log.warning("%s ends at offset %d, below the %d this learner reached: a new log (broker data lost?); reading it from the start",
+                    key, log_end, self.offsets[key])
+        self.offsets[key] = 0
+        self.checkpointed_offsets[key] = 0
+        self.stats.new_logs += 1
+
     def commit_offsets(self, topic: str) -> dict[TopicPartition, int]:
         """How far Kafka may commit ``topic``: the newest checkpoint's offsets, never past them."""
-        split = (key.rsplit(":", 1) + [offset] for key, offset in self.checkpointed_offsets.items())
-        return {TopicPartition(t, int(p)): o for t, p, o in split if t == topic}
+        partitions = {partition_of(key): offset for key, offset in self.checkpointed_offsets.items()}
+        return {tp: offset for tp, offset in partitions.items() if tp.topic == topic}
 
     def _expire(self, now: float) -> None:
         for pending in (self.experience, self.feedback):
@@ -130,11 +180,14 @@ class LearnerCore:
             self.version = 1
             self.checkpoint()
 
-    async def on_experience(self, experience: Message) -> tuple[Policy | None, DeadLetter | None]:
+    async def on_experience(self, experience: Message, record) -> tuple[Policy | None, DeadLetter | None]:
         qid = experience.query_id
         if qid in self.done or qid in self.experience:
             self.stats.duplicates += 1
             return None, None
+        if reason := self.trainer.check(experience):
+            self.stats.invalid_experience += 1
+            return None, dead_letter(record, f"experience does not fit the pool: {reason}", "learner")
         if qid in self.feedback:
             _, feedback, record = self.feedback.pop(qid)
             return await self._join(experience, feedback, record)
@@ -144,6 +197,9 @@ class LearnerCore:
 
     async def on_feedback(self, feedback: Feedback, record) -> tuple[Policy | None, DeadLetter | None]:
         qid = feedback.query_id
+        if not self.tokens.valid(qid, feedback.token):
+            self.stats.forged_feedback += 1
+            return None, dead_letter(record, f"feedback token does not match query {qid} (not from its answer)", "learner")
         if qid in self.done or qid in self.feedback:
             self.stats.duplicates += 1
             return None, None
@@ -158,13 +214,16 @@ class LearnerCore:
     async def _join(self, experience: Message, feedback: Feedback, record: dict) -> tuple[Policy | None, DeadLetter | None]:
         self._remember_done(experience.query_id)
         try:
+            if feedback.stream is not None and feedback.stream != experience.stream:
+                raise FeedbackError(f"feedback for stream {feedback.stream!r}, query {experience.query_id} is on stream {experience.stream!r}")
             reward = self.trainer.reward(experience, feedback)
         except FeedbackError as exc:
             self.stats.invalid_feedback += 1
             return None, DeadLetter.model_validate({**record, "reason": str(exc), "at": time.time()})
         row = self.trainer.window_row(experience, feedback)
         if row is not None:
-            await self._apply_window(experience, *row, reward)
+            self.window_backlog.append([experience.stream, experience.query_id, *row, reward])
+            await self.apply_windows()
         self.trainer.remember(experience, reward)
         self.stats.joined += 1
         if self.trainer.update_due():
@@ -176,29 +235,59 @@ class LearnerCore:
         while len(self.done) > self.done_limit:
             self.done.popitem(last=False)
 
-    async def _apply_window(self, experience: Message, predictions: list[int], label: int, reward: float) -> None:
-        delay = 0.05
-        while True:
+    async def apply_windows(self) -> None:
+        """Apply the window backlog to Redis in order, retrying for at most ``redis_wait_s``; what Redis did not
+        take stays in the backlog (bounded: the oldest outcomes go first) for the next call."""
+        delay, waited = 0.05, 0.0
+        while self.window_backlog and time.monotonic() >= self._redis_retry_at:
+            stream, query_id, predictions, label, reward = self.window_backlog[0]
             try:
-                if await self.windows.apply(experience.stream, experience.query_id, predictions, label, reward):
+                if await self.windows.apply(stream, query_id, predictions, label, reward):
                     self.stats.windows_applied += 1
-                return
+                self.window_backlog.pop(0)
+            except ValueError as exc:  # a row no window can hold: drop it, never block the ones behind it
+                log.error("outcome of query %s dropped: %s", query_id, exc)
+                self.window_backlog.pop(0)
             except (RedisError, OSError) as exc:
                 self.stats.redis_retries += 1
+                if waited >= self.redis_wait_s:
+                    log.warning("Redis unreachable (%s): %d outcomes wait in the backlog; next try in 2 s", exc, len(self.window_backlog))
+                    self._redis_retry_at = time.monotonic() + 2.0
+                    break
                 log.warning("Redis unreachable (%s); retrying in %.2f s", exc, delay)
                 await asyncio.sleep(delay)
+                waited += delay
                 delay = min(2 * delay, 2.0)
+        if len(self.window_backlog) > self.backlog_limit:
+            dropped = len(self.window_backlog) - self.backlog_limit
+            del self.window_backlog[:dropped]
+            self.stats.window_backlog_dropped += dropped
 
-    def update(self) -> Policy:
-        """One update on the buffered transitions, a checkpoint, and the new policy version to publish."""
-        self.stats.last_update = self.trainer.update()
+    def update(self) -> Policy | None:
+        """One update on the buffered transitions, a checkpoint, and the new policy version to publish; None
+        (and the update undone, its transitions dropped) when it raised or left non-finite weights."""
+        before = self.trainer.snapshot()
+        try:
+            stats = self.trainer.update()
+            problem = f"non-finite weights in {bad[:3]}" if (bad := non_finite(self.trainer.policy_tensors())) else None
+        except Exception as exc:  # a numerical failure must not stop learning: undo it and go on
+            log.exception("update failed")
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem:
+            self.trainer.restore(before)
+            self.trainer.clear()
+            self.stats.rejected_updates += 1
+            log.error("update undone, its transitions dropped: %s", problem)
+            return None
+        self.stats.last_update = stats
         self.stats.updates += 1
         self.version += 1
         self.checkpoint()
+        log.info("update %d: policy v%d (epoch %d), %d transitions joined", self.stats.updates, self.version, self.epoch, self.stats.joined)
         return self.current_policy()
 
     def current_policy(self) -> Policy:
-        return encode_policy(self.trainer.policy_tensors(), self.version, self.models, self.trainer.strategy)
+        return encode_policy(self.trainer.policy_tensors(), self.version, self.epoch, self.models, self.trainer.strategy, self.signer)
 
 
 def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_every_s: float = 30.0) -> FastStream:
@@ -217,19 +306,36 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_
         "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
     }
     committed: dict[str, int] = {}  # topic -> version last committed for it
+    background: list[asyncio.Task] = []
     lock = asyncio.Lock()  # the two subscribers run as separate tasks; the core is not re-entrant
+
+    async def detect_new_logs(message: KafkaMessage) -> None:
+        below = core.below_offsets(message.raw_message)
+        if below:
+            partitions = {key: partition_of(key) for key in below}
+            ends = await message.consumer.end_offsets(list(partitions.values()))
+            for key, tp in partitions.items():
+                if ends.get(tp, core.offsets[key]) < core.offsets[key]:
+                    core.new_log(key, ends[tp])
 
     async def handle(message: KafkaMessage, model: type, topic: str) -> None:
         async with lock:
+            await detect_new_logs(message)
+            await core.apply_windows()  # what a Redis outage left in the backlog
             for record in message.raw_message:
                 if core.already_seen(record):
                     continue
                 parsed = parse_or_dead_letter(model, record, "learner")
                 if isinstance(parsed, DeadLetter):
-                    await publish(dead_letters, [parsed])  # before any checkpoint can mark this record as done
+                    await publish_dead_letters(dead_letters, [parsed])  # before any checkpoint can mark this record as done
                     continue
-                policy, rejected = await (core.on_feedback(parsed, record) if model is Feedback else core.on_experience(parsed))
-                await publish(dead_letters, [rejected] if rejected else [])
+                try:
+                    policy, rejected = await (core.on_feedback(parsed, record) if model is Feedback else core.on_experience(parsed, record))
+                except Exception as exc:  # one record's failure must not stop the others
+                    log.exception("record %s:%d@%d failed", record.topic, record.partition, record.offset)
+                    core.stats.failed_records += 1
+                    policy, rejected = None, dead_letter(record, f"learner failed on it: {type(exc).__name__}: {exc}", "learner")
+                await publish_dead_letters(dead_letters, [rejected] if rejected else [])
                 await publish(policies_out, [policy] if policy else [])  # checkpointed already; announced again on restart
             if time.monotonic() - core.last_checkpoint > checkpoint_every_s:
                 core.checkpoint()
@@ -255,7 +361,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_
     async def announce() -> None:  # workers that start after a learner restart get the current policy at once
         if core.version > 0:
             await publish(policies_out, [core.current_policy()])
-        await core.windows.mark_ready("learner", core.name)
+        background.append(asyncio.create_task(core.windows.keep_ready("learner", core.name)))
 
     @app.on_shutdown
     async def final_checkpoint() -> None:

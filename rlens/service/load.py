@@ -5,7 +5,8 @@ Multiple-choice traffic (:func:`queries_of`, for ``rl_focal``): queries in strea
 ``questions.jsonl`` when the dataset has it); an answer is correct when it picks the label. Open-ended traffic
 (:func:`open_ended_queries`, for ``rlae``): prompts without choices (stream key = task family); an answer is correct
 when its text is exactly the reference. Queries go out at ``rate`` per second.
-When a query's first answer arrives, its feedback (the label, or the reference text) is sent ``feedback_delay_s`` later.
+When a query's first answer arrives, its feedback (the label, or the reference text, with the answer's feedback
+token) is sent ``feedback_delay_s`` later.
 Answers are counted once per query id (duplicates are counted apart). The run ends when every query is answered
 and every feedback sent, or when no answer came for ``idle_timeout_s``.
 """
@@ -82,8 +83,10 @@ def is_correct(answer: Answer, outcome: Outcome) -> bool:
     return exact_match(answer.answer, outcome) if isinstance(outcome, str) else answer.answer_index == outcome
 
 
-def feedback_for(query_id: str, outcome: Outcome) -> Feedback:
-    return Feedback(query_id=query_id, reference=outcome) if isinstance(outcome, str) else Feedback(query_id=query_id, label=outcome)
+def feedback_for(answer: Answer, outcome: Outcome) -> Feedback:
+    """The feedback of ``answer`` (its query id and token) with the correct ``outcome``."""
+    common = {"query_id": answer.query_id, "token": answer.feedback_token}
+    return Feedback(**common, reference=outcome) if isinstance(outcome, str) else Feedback(**common, label=outcome)
 
 
 async def play(
@@ -107,9 +110,9 @@ async def play(
     feedback_tasks: list[asyncio.Task] = []
     start = time.perf_counter()
 
-    async def send_feedback(query_id: str, outcome: Outcome) -> None:
+    async def send_feedback(answer: Answer, outcome: Outcome) -> None:
         await asyncio.sleep(feedback_delay_s)
-        await producer.send_and_wait(topics.feedback, feedback_for(query_id, outcome).model_dump_json().encode(), key=query_id.encode())
+        await producer.send_and_wait(topics.feedback, feedback_for(answer, outcome).model_dump_json().encode(), key=answer.query_id.encode())
         report.feedback_sent += 1
 
     async def send_queries() -> None:
@@ -154,7 +157,8 @@ async def play(
                     report.per_task[stream][0] += correct
                     report.per_task[stream][1] += 1
                     report.latencies_ms.append(1000 * (time.perf_counter() - sent_at.get(answer.query_id, time.perf_counter())))
-                    feedback_tasks.append(asyncio.create_task(send_feedback(answer.query_id, outcome)))
+                    if answer.feedback_token:  # an answer with no model behind it has nothing to rate
+                        feedback_tasks.append(asyncio.create_task(send_feedback(answer, outcome)))
                     on_answer(report)
             if sender.done() and sender.exception():
                 raise sender.exception()

@@ -12,7 +12,13 @@ import socket
 import subprocess
 import time
 
-from rlens.serve import free_port
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _wait_for_port(port: int, process: subprocess.Popen, what: str, timeout_s: float = 20.0) -> None:

@@ -1,10 +1,14 @@
 """What the learner trains, per strategy: one small interface, :class:`OnlineTrainer`, and its two implementations.
 
 The learner (:mod:`rlens.service.learner`) joins an experience with its feedback and hands the pair over:
-:meth:`~OnlineTrainer.reward` turns the feedback into a reward (or says why it cannot), :meth:`~OnlineTrainer.window_row`
+:meth:`~OnlineTrainer.check` says whether an experience fits the pool (its shapes and ranges; one that does not
+is dead-lettered before it is held), :meth:`~OnlineTrainer.reward` turns the feedback into a reward (or says why it
+cannot), :meth:`~OnlineTrainer.window_row`
 gives the outcome for the stream's Redis window (RL-Focal only), :meth:`~OnlineTrainer.remember` buffers the
 transition, and when :meth:`~OnlineTrainer.update_due`, :meth:`~OnlineTrainer.update` runs one PPO update. The
-trainer saves and restores itself in the learner's checkpoints and gives the tensors a policy message carries.
+trainer saves and restores itself in the learner's checkpoints and gives the tensors a policy message carries;
+:meth:`~OnlineTrainer.snapshot` / :meth:`~OnlineTrainer.restore` let the learner undo an update whose weights are
+not finite.
 
 - :class:`FocalOnlineTrainer` (``rl_focal``): the FocalEngine's MAPPO on Decider + Fusion transitions.
 - :class:`RLAEOnlineTrainer` (``rlae``): PPO / MAPPO on the RLAE agent's span decisions, with a per-stream
@@ -14,6 +18,7 @@ trainer saves and restores itself in the learner's checkpoints and gives the ten
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, replace
@@ -25,6 +30,7 @@ import torch
 from rlens.checkpoint import CheckpointStore, load_optimizer, optimizer_tensors
 from rlens.focal.engine import Answer as EngineAnswer
 from rlens.focal.engine import Decision, FocalEngine
+from rlens.focal.features import critic_state_dim, decider_obs_dim, fusion_feature_dim
 from rlens.messages import Experience, Feedback, Message, RLAEExperience
 from rlens.rlae.agent import RLAEConfig, Span, update
 from rlens.rlae.observe import obs_dim
@@ -39,6 +45,11 @@ class FeedbackError(ValueError):
 class OnlineTrainer(ABC):
     strategy: str
     experience: type[Message]  # the experience message this trainer learns from
+    optimizer: torch.optim.Optimizer
+
+    @abstractmethod
+    def check(self, experience: Message) -> str | None:
+        """Why ``experience`` cannot be trained on with this pool (wrong sizes, values out of range), or None."""
 
     @abstractmethod
     def reward(self, experience: Message, feedback: Feedback) -> float:
@@ -55,11 +66,27 @@ class OnlineTrainer(ABC):
     def update_due(self) -> bool: ...
 
     @abstractmethod
+    def clear(self) -> None:
+        """Drop the buffered transitions (after an update that was undone)."""
+
+    @abstractmethod
     def update(self) -> dict:
         """One update on the buffered transitions; its statistics."""
 
     @abstractmethod
     def policy_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    @abstractmethod
+    def load_policy(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def snapshot(self) -> tuple[dict, dict]:
+        """A copy of the weights and the optimizer state (taken before an update)."""
+        return copy.deepcopy(self.policy_tensors()), copy.deepcopy(self.optimizer.state_dict())
+
+    def restore(self, snapshot: tuple[dict, dict]) -> None:
+        tensors, optimizer = snapshot
+        self.load_policy(tensors)
+        self.optimizer.load_state_dict(optimizer)
 
     @abstractmethod
     def save(self, store: CheckpointStore, version: int, state: dict) -> Path:
@@ -79,6 +106,23 @@ class FocalOnlineTrainer(OnlineTrainer):
 
     def __init__(self, engine: FocalEngine, models: list[str]):
         self.engine, self.models = engine, models
+        self.optimizer = engine.optimizer
+        m, k = len(models), len(engine.cfg.metrics)
+        self.dims = {"decider_state": decider_obs_dim(m, k), "critic_state": critic_state_dim(m, k), "pool": m, "predictions": m}
+        self.fusion_dim = fusion_feature_dim(m)
+
+    def check(self, experience: Experience) -> str | None:
+        for field, size in self.dims.items():
+            if len(getattr(experience, field)) != size:
+                return f"{field} has {len(getattr(experience, field))} values, this pool needs {size}"
+        n = experience.n_choices
+        if len(experience.fusion_features) != n or any(len(row) != self.fusion_dim for row in experience.fusion_features):
+            return f"fusion_features must be [{n} choices, {self.fusion_dim}]"
+        if experience.answer_index >= n or max(experience.predictions) >= n:
+            return f"answer_index or a prediction is not one of the {n} choices"
+        if not any(experience.pool):
+            return "the pool is empty"
+        return None
 
     def reward(self, experience: Experience, feedback: Feedback) -> float:
         if feedback.label is None and feedback.reward is None:
@@ -101,11 +145,17 @@ class FocalOnlineTrainer(OnlineTrainer):
     def update_due(self) -> bool:
         return len(self.engine.buffer) >= self.engine.cfg.update_period
 
+    def clear(self) -> None:
+        self.engine.buffer = []
+
     def update(self) -> dict:
         return self.engine.update()
 
     def policy_tensors(self) -> dict[str, torch.Tensor]:
         return self.engine.policy_state()
+
+    def load_policy(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.engine.load_policy_state(tensors)
 
     def save(self, store: CheckpointStore, version: int, state: dict) -> Path:
         return save_engine(store, self.engine, version, state)
@@ -152,6 +202,17 @@ class RLAEOnlineTrainer(OnlineTrainer):
     def episodes(self) -> int:
         return len(self.fresh)
 
+    def check(self, experience: RLAEExperience) -> str | None:
+        dim, m = obs_dim(len(self.models)), len(self.models)
+        for k, span in enumerate(experience.spans):
+            if len(span.obs) != dim or len(span.action) != m:
+                return f"span {k}: obs has {len(span.obs)} values and action {len(span.action)}, this pool needs {dim} and {m}"
+            if self.cfg.variant == "ppo" and (min(span.action) <= 0 or abs(sum(span.action) - 1) > 1e-3):
+                return f"span {k}: a ppo action is a weight vector (positive, summing to 1)"
+        if len(experience.spans) > -(-self.cfg.max_tokens // self.cfg.span):
+            return f"{len(experience.spans)} spans, more than max_tokens / span allows"
+        return None
+
     def reward(self, experience: RLAEExperience, feedback: Feedback) -> float:
         if feedback.reward is not None:
             return feedback.reward
@@ -166,6 +227,9 @@ class RLAEOnlineTrainer(OnlineTrainer):
 
     def update_due(self) -> bool:
         return len(self.fresh) >= self.cfg.episodes_per_update
+
+    def clear(self) -> None:
+        self.fresh = []
 
     def update(self) -> dict:
         replayed = [s for episodes in self.memory.values() for episode in episodes for s in episode]
@@ -189,6 +253,9 @@ class RLAEOnlineTrainer(OnlineTrainer):
 
     def policy_tensors(self) -> dict[str, torch.Tensor]:
         return self.policy.state_dict()
+
+    def load_policy(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.policy.load_state_dict(tensors)
 
     def save(self, store: CheckpointStore, version: int, state: dict) -> Path:
         adam, meta = optimizer_tensors(self.optimizer)
@@ -228,7 +295,7 @@ class RLAEOnlineTrainer(OnlineTrainer):
 
     def warm_start(self, source: Path) -> None:
         """The policy of an offline ``rlens rlae train`` run (its latest checkpoint) over the same models."""
-        restored = CheckpointStore(Path(source)).load_latest()
+        restored = CheckpointStore(Path(source), lock=False).load_latest()
         if restored is None:
             raise ValueError(f"{source} holds no RLAE checkpoint: train one with `rlens rlae train --out {source}`")
         tensors, state = restored

@@ -20,6 +20,7 @@ from rlens.messages import Answer, ModelFailureRecord, Query, RLAEExperience, Sp
 from rlens.rlae.agent import Span
 from rlens.rlae.decode import EnsembleOutput, SpanWeightedDecoder
 from rlens.rlae.train import RLAEAgent
+from rlens.service.security import FeedbackTokens, PolicyVerifier
 from rlens.service.windows import RedisWindows
 from rlens.service.worker import BatchOutput, Worker
 
@@ -31,11 +32,11 @@ class RLAEWorker(Worker):
 
     strategy = "rlae"
 
-    def __init__(self, decoder: SpanWeightedDecoder, agent: RLAEAgent, models: list[str], windows: RedisWindows,
-                 stop: list[str], explore: bool = True, seed: int = 0, name: str | None = None):
+    def __init__(self, decoder: SpanWeightedDecoder, agent: RLAEAgent, models: list[str], windows: RedisWindows, verifier: PolicyVerifier,
+                 tokens: FeedbackTokens, stop: list[str], explore: bool = True, seed: int = 0, name: str | None = None):
         if decoder.n_models != len(models) or agent.n_models != len(models):
             raise ValueError(f"the decoder has {decoder.n_models} models and the agent {agent.n_models}, the pool {len(models)}")
-        super().__init__(models, windows, name)
+        super().__init__(models, windows, verifier, tokens, name)
         self.decoder, self.agent, self.stop, self.explore = decoder, agent, stop, explore
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -82,7 +83,8 @@ class RLAEWorker(Worker):
             output, spans = result
             out.answers.append(Answer(
                 query_id=q.query_id, stream=q.stream, answer=output.text, answer_index=-1, distribution=[], chosen_models=self.models,
-                answered_models=self.models, span_weights=[w.tolist() for w in output.span_weights], finish_reason=output.finish_reason, **common,
+                answered_models=self.models, span_weights=[w.tolist() for w in output.span_weights], finish_reason=output.finish_reason,
+                feedback_token=self.tokens.token(q.query_id), **common,
             ))
             out.experience.append(RLAEExperience(
                 query_id=q.query_id, stream=q.stream, policy_version=self.policy_version, text=output.text,

@@ -15,6 +15,7 @@ from rlens.pool import PoolConfig, build_backend, build_rlae_decoder, load_pool_
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.service.learner import LearnerCore, create_learner_app
 from rlens.service.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
+from rlens.service.security import FeedbackTokens, PolicySigner, PolicyVerifier, SecretsError
 from rlens.service.windows import RedisWindows
 from rlens.service.worker import FocalWorker, Worker, create_worker_app
 from rlens.settings import Settings
@@ -30,8 +31,27 @@ def build_engine(settings: Settings, pool: PoolConfig, config: FocalConfig | Non
     return FocalEngine(len(pool.models), [m.cost for m in pool.models], config or FocalConfig(), seed=settings.seed)
 
 
+def _secret(settings: Settings, name: str) -> str:
+    value = getattr(settings, name)
+    if value is None:
+        raise SecretsError(f"RLENS_{name.upper()} is not set: generate the service's secrets with `rlens secrets` (`rlens up` makes its own)")
+    return value if isinstance(value, str) else value.get_secret_value()
+
+
+def feedback_tokens(settings: Settings) -> FeedbackTokens:
+    return FeedbackTokens(_secret(settings, "feedback_secret"))
+
+
+def policy_verifier(settings: Settings) -> PolicyVerifier:
+    return PolicyVerifier(_secret(settings, "policy_verify_key"))
+
+
+def policy_signer(settings: Settings) -> PolicySigner:
+    return PolicySigner(_secret(settings, "policy_signing_key"))
+
+
 def build_windows(settings: Settings, n_models: int, size: int) -> RedisWindows:
-    redis = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2, health_check_interval=10)
+    redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=5, socket_connect_timeout=2, health_check_interval=10)
     return RedisWindows(redis, n_models, size, settings.redis_prefix, settings.window_ttl_s, settings.dedup_ttl_s)
 
 
@@ -53,6 +73,7 @@ def build_worker(settings: Settings) -> Worker:
     """The worker of ``settings.strategy``."""
     pool = pool_of(settings)
     names = [m.name for m in pool.models]
+    trust = {"verifier": policy_verifier(settings), "tokens": feedback_tokens(settings)}
     if settings.strategy == "rlae":
         from rlens.rlae.observe import SentenceEncoder
         from rlens.rlae.train import RLAEAgent
@@ -60,10 +81,10 @@ def build_worker(settings: Settings) -> Worker:
 
         agent = RLAEAgent(rlae_policy(settings, len(names)).eval(), SentenceEncoder(), rlae_config(settings), len(names))
         windows = build_windows(settings, len(names), 1)  # only its readiness mark: rlae keeps no outcome windows
-        return RLAEWorker(build_rlae_decoder(pool, settings.rlae_top_k), agent, names, windows, settings.rlae_stop, settings.rlae_explore, settings.seed)
+        return RLAEWorker(build_rlae_decoder(pool, settings.rlae_top_k), agent, names, windows, stop=settings.rlae_stop, explore=settings.rlae_explore, seed=settings.seed, **trust)
     engine = build_engine(settings, pool)
     backends = {m.name: build_backend(m) for m in pool.models}
-    return FocalWorker(engine, names, backends, build_windows(settings, len(names), engine.cfg.window), settings.worker_deadline_s)
+    return FocalWorker(engine, names, backends, build_windows(settings, len(names), engine.cfg.window), deadline_s=settings.worker_deadline_s, **trust)
 
 
 def build_learner(settings: Settings, warm_start: Path | None = None) -> LearnerCore:
@@ -71,6 +92,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
     ``warm_start`` if given (rl_focal: a recorded dataset; rlae: an `rlens rlae train` run directory)."""
     pool = pool_of(settings)
     names = [m.name for m in pool.models]
+    signer, tokens = policy_signer(settings), feedback_tokens(settings)
     trainer: OnlineTrainer
     if settings.strategy == "rlae":
         trainer = RLAEOnlineTrainer(rlae_policy(settings, len(names)), rlae_config(settings), names, settings.seed, settings.rlae_rehearsal)
@@ -78,7 +100,10 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
     else:
         engine = build_engine(settings, pool)
         trainer, window = FocalOnlineTrainer(engine, names), engine.cfg.window
-    core = LearnerCore(trainer, names, build_windows(settings, len(names), window), CheckpointStore(settings.checkpoint_dir), settings.pending_limit, settings.pending_ttl_s)
+    core = LearnerCore(
+        trainer, names, build_windows(settings, len(names), window), CheckpointStore(settings.checkpoint_dir), signer, tokens,
+        pending_limit=settings.pending_limit, pending_ttl_s=settings.pending_ttl_s,
+    )
     if warm_start is not None:
         core.warm_start(warm_start)
     return core

@@ -2,7 +2,8 @@
 
 ``rlens up`` runs it until Ctrl-C / SIGTERM; the fault tests use it to kill and restart single processes.
 Without ``kafka_bootstrap`` / ``redis_url`` it starts its own tansu broker and ``redis-server``; with them it uses
-the given ones (real clusters, or a Redis that already runs).
+the given ones (real clusters, or a Redis that already runs). Secrets not in the settings (feedback secret, policy
+keys) come from ``<workdir>/secrets.env`` (mode 0600), made on the first start, so a restarted stack keeps them.
 """
 
 from __future__ import annotations
@@ -15,10 +16,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pydantic import SecretStr
+
 from rlens.dataset import load_dataset
 from rlens.service.kafka import ensure_topics
 from rlens.service.local import LocalBroker, LocalRedis
+from rlens.service.security import generate_secrets
 from rlens.settings import Settings
+
+SECRETS = ("feedback_secret", "policy_signing_key", "policy_verify_key")
+
+
+def workdir_secrets(workdir: Path) -> dict[str, str]:
+    """The stack's secrets as settings field → value, from ``secrets.env`` (written on first use, mode 0600)."""
+    path = workdir / "secrets.env"
+    if not path.is_file():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.writelines(f"{k}={v}\n" for k, v in generate_secrets().items())
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {k.removeprefix("RLENS_").lower(): v for k, v in pairs}
 
 
 def write_replay_pool(dataset_dir: Path, path: Path) -> Path:
@@ -56,10 +73,13 @@ class LocalStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.broker = None if kafka_bootstrap else LocalBroker(broker_port)
         self.redis = None if redis_url else LocalRedis()
+        own = workdir_secrets(self.workdir)
+        secrets = {k: (own[k] if k == "policy_verify_key" else SecretStr(own[k])) for k in SECRETS if getattr(settings, k) is None}
         self.settings = settings.model_copy(update={
             "kafka_bootstrap": kafka_bootstrap or self.broker.bootstrap,
-            "redis_url": redis_url or self.redis.url,
+            "redis_url": SecretStr(redis_url or self.redis.url),
             "checkpoint_dir": self.workdir / "learner",
+            **secrets,
         })
         asyncio.run(ensure_topics(self.settings, partitions))
         self.workers: list[subprocess.Popen] = []
@@ -68,6 +88,7 @@ class LocalStack:
     def env(self) -> dict[str, str]:
         """The environment of the child processes: the stack's settings as RLENS_* variables."""
         values = self.settings.model_dump(mode="json", exclude_none=True)
+        values.update({k: v.get_secret_value() for k, v in self.settings if isinstance(v, SecretStr)})
         return {**os.environ, **{f"RLENS_{k.upper()}": json.dumps(v) if isinstance(v, (list, dict)) else str(v) for k, v in values.items()}}
 
     def _spawn(self, command: str, log_name: str, *args: str) -> subprocess.Popen:
@@ -103,7 +124,7 @@ class LocalStack:
 
         from redis import Redis
 
-        redis = Redis.from_url(self.settings.redis_url)
+        redis = Redis.from_url(self.settings.redis_url.get_secret_value())
         host = socket.gethostname()
         deadline = time.monotonic() + timeout_s
         try:

@@ -11,17 +11,31 @@ so both keys of one stream live in one slot and the update script may touch both
 
 An update is one Lua script: if the query's marker is new, push the row, trim to W, renew the TTL; else do
 nothing. So feedback applied twice (a redelivered message, a learner replaying after a crash) counts once, and
-readers never see a half-applied update. A missing key is an empty (cold) window.
+readers never see a half-applied update. A missing key is an empty (cold) window. A row is checked before it is
+written (labels and predictions are choice positions below :data:`rlens.messages.MAX_CHOICES`, the reward is
+finite) and again when read: a row that does not fit (written by hand, by another pool) is skipped and counted,
+never loaded. The readiness mark is best-effort: a Redis that is down only delays it.
+
+Sizing Redis: a window costs about W x (12 + 3M) bytes and a marker about 100 bytes, so one stream with W=128
+and 5 models is about 4 KB, and 1M queries a day keep about 100 MB of markers. Set ``maxmemory`` with
+``maxmemory-policy volatile-ttl`` (every key here has a TTL): under pressure, the keys closest to expiry go first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import math
 
 import numpy as np
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from rlens.focal.window import OutcomeWindow
+from rlens.messages import MAX_CHOICES
+
+log = logging.getLogger("rlens.windows")
 
 APPLY_OUTCOME = """
 if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[4]) then
@@ -40,6 +54,17 @@ class RedisWindows:
         self.n_models, self.size, self.prefix = n_models, size, prefix
         self.window_ttl_s, self.dedup_ttl_s = window_ttl_s, dedup_ttl_s
         self._apply = redis.register_script(APPLY_OUTCOME)
+        self.skipped_rows = 0  # rows read that did not fit the pool or the bounds
+
+    def row_error(self, predictions: list[int], label: int, reward: float) -> str | None:
+        """Why a row cannot enter a window of this pool, or None."""
+        if len(predictions) != self.n_models:
+            return f"predictions for {len(predictions)} models, the pool has {self.n_models}"
+        if not all(-1 <= int(p) < MAX_CHOICES for p in predictions) or not -1 <= int(label) < MAX_CHOICES:
+            return f"a prediction or the label is outside -1..{MAX_CHOICES - 1}"
+        if not (isinstance(reward, (int, float)) and math.isfinite(reward) and abs(reward) <= 10):
+            return f"reward {reward!r} is not a finite number within ±10"
+        return None
 
     def window_key(self, stream: str) -> str:
         return f"{self.prefix}:win:{{{stream}}}"
@@ -57,16 +82,29 @@ class RedisWindows:
         for stream, rows in zip(streams, raw):
             window = OutcomeWindow(self.n_models, self.size)
             for row in rows:
-                values = json.loads(row)
-                if len(values) == self.n_models + 2:
-                    window.push(np.asarray(values[2:], dtype=np.int64), int(values[0]), float(values[1]))
+                values = self._parse_row(row)
+                if values is None:
+                    self.skipped_rows += 1
+                    continue
+                window.push(np.asarray(values[2:], dtype=np.int64), values[0], values[1])
             windows[stream] = window
         return windows
 
+    def _parse_row(self, row: bytes) -> list | None:
+        try:
+            values = json.loads(row)
+            if isinstance(values, list) and len(values) == self.n_models + 2 and all(isinstance(v, int) for v in values[2:]) and isinstance(values[0], int):
+                if self.row_error(values[2:], values[0], float(values[1])) is None:
+                    return [values[0], float(values[1]), *values[2:]]
+        except (ValueError, TypeError):
+            pass
+        return None
+
     async def apply(self, stream: str, query_id: str, predictions: list[int], label: int, reward: float) -> bool:
-        """Add one query's outcome to its stream's window, once; False if it was already applied."""
-        if len(predictions) != self.n_models:
-            raise ValueError(f"predictions for {len(predictions)} models, the pool has {self.n_models}")
+        """Add one query's outcome to its stream's window, once; False if it was already applied. A row that does
+        not fit (:meth:`row_error`) is a ValueError."""
+        if error := self.row_error(predictions, label, reward):
+            raise ValueError(error)
         row = json.dumps([int(label), float(reward), *map(int, predictions)], separators=(",", ":"))
         keys = [self.window_key(stream), self.applied_key(stream, query_id)]
         return bool(await self._apply(keys=keys, args=[row, self.size, self.window_ttl_s, self.dedup_ttl_s]))
@@ -74,9 +112,20 @@ class RedisWindows:
     def ready_key(self, role: str, name: str) -> str:
         return f"{self.prefix}:ready:{role}:{name}"
 
-    async def mark_ready(self, role: str, name: str, ready: bool = True) -> None:
-        """Announce (or withdraw) a service process; ``rlens up`` and the tests wait for these marks."""
-        if ready:
-            await self.redis.set(self.ready_key(role, name), "1", ex=86400)
-        else:
-            await self.redis.delete(self.ready_key(role, name))
+    async def mark_ready(self, role: str, name: str, ready: bool = True) -> bool:
+        """Announce (or withdraw) a service process; ``rlens up`` and the tests wait for these marks. Best-effort:
+        False when Redis is unreachable (the process works without it)."""
+        try:
+            if ready:
+                await self.redis.set(self.ready_key(role, name), "1", ex=86400)
+            else:
+                await self.redis.delete(self.ready_key(role, name))
+        except (RedisError, OSError) as exc:
+            log.warning("Redis unreachable (%s): readiness mark of %s %s not %s", exc, role, name, "set" if ready else "removed")
+            return False
+        return True
+
+    async def keep_ready(self, role: str, name: str, every_s: float = 2.0) -> None:
+        """Set the readiness mark, retrying until Redis answers (run as a task)."""
+        while not await self.mark_ready(role, name):
+            await asyncio.sleep(every_s)

@@ -10,10 +10,14 @@ topic with the reason). For ``rl_focal``, the windows of its streams are read fr
 Redis is down, the windows are cold and the worker keeps answering), the pools are chosen, every query's pool is
 called concurrently (:class:`rlens.ensemble.PoolCaller`: failures become records), and the answers are fused.
 Outputs are published before the batch's offsets are committed (at-least-once; answers are keyed and idempotent
-by query id), so a worker killed mid-batch leaves its batch to be answered again by the group.
+by query id), so a worker killed mid-batch leaves its batch to be answered again by the group. A batch that
+raises is split in halves until the query that raises is alone; that one is dead-lettered with the reason and the
+others are answered, so no message can make the worker retry a batch forever. Each answer carries the query's
+feedback token (:class:`rlens.service.security.FeedbackTokens`).
 
-Policy weights arrive on the ``policy`` topic. A newer version is verified (:func:`decode_policy`) when it
-arrives and swapped in between batches, never during one.
+Policy weights arrive on the ``policy`` topic. A policy newer by (epoch, version) is verified
+(:func:`decode_policy`: the learner's signature, pool, shapes, dtypes, finite values) when it arrives and swapped
+in between batches, never during one.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from rlens.backends.base import Backend, ChoiceQuery
 from rlens.ensemble import PoolCaller
 from rlens.focal.engine import FocalEngine
 from rlens.messages import EXPERIENCE, Answer, DeadLetter, Experience, Message, ModelFailureRecord, Policy, Query
-from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, typed_publisher
+from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
 from rlens.service.policy import PolicyError, decode_policy
+from rlens.service.security import FeedbackTokens, PolicyVerifier
 from rlens.service.windows import RedisWindows
 from rlens.settings import Settings
 
@@ -48,7 +53,12 @@ log = logging.getLogger("rlens.worker")
 class BatchOutput:
     answers: list[Answer] = field(default_factory=list)
     experience: list[Message] = field(default_factory=list)
-    dead_letters: list[DeadLetter] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # query id -> why it could not be answered (dead-lettered)
+
+    def extend(self, other: "BatchOutput") -> None:
+        self.answers += other.answers
+        self.experience += other.experience
+        self.failed.update(other.failed)
 
 
 @dataclass
@@ -66,11 +76,11 @@ class Worker(ABC):
 
     strategy: str
 
-    def __init__(self, models: list[str], windows: RedisWindows, name: str | None = None):
-        self.models, self.windows = models, windows
+    def __init__(self, models: list[str], windows: RedisWindows, verifier: PolicyVerifier, tokens: FeedbackTokens, name: str | None = None):
+        self.models, self.windows, self.verifier, self.tokens = models, windows, verifier, tokens
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
-        self.policy_version = 0
-        self._next_policy: tuple[int, dict] | None = None
+        self.policy_epoch, self.policy_version = 0, 0
+        self._next_policy: tuple[tuple[int, int], dict] | None = None
         self.stats = WorkerStats()
 
     @abstractmethod
@@ -81,6 +91,21 @@ class Worker(ABC):
     async def handle(self, queries: list[Query]) -> BatchOutput:
         """Answer a batch of queries this worker accepts."""
 
+    async def answer(self, queries: list[Query]) -> BatchOutput:
+        """:meth:`handle`, isolating failures: a batch that raises is split until each query that raises is alone,
+        and that one is in ``failed`` with the reason."""
+        try:
+            return await self.handle(queries)
+        except Exception as exc:  # any bug or poison input: never let it stop the batch's other queries
+            if len(queries) == 1:
+                log.exception("query %s failed", queries[0].query_id)
+                return BatchOutput(failed={queries[0].query_id: f"answering failed: {type(exc).__name__}: {exc}"})
+        out = BatchOutput()
+        half = len(queries) // 2
+        for part in (queries[:half], queries[half:]):
+            out.extend(await self.answer(part))
+        return out
+
     @abstractmethod
     def policy_tensors(self) -> dict[str, torch.Tensor]:
         """The weights a policy message replaces."""
@@ -89,24 +114,26 @@ class Worker(ABC):
     def load_policy(self, tensors: dict[str, torch.Tensor]) -> None: ...
 
     # --- policy -----------------------------------------------------------------------------------------------
-    def receive_policy(self, policy: Policy) -> None:
-        """Verify a policy now; it is loaded before the next batch. Older or equal versions are ignored."""
-        newest = max(self.policy_version, self._next_policy[0] if self._next_policy else 0)
-        if policy.version <= newest:
-            return
+    def receive_policy(self, policy: Policy) -> str | None:
+        """Verify a policy now; it is loaded before the next batch. One not newer by (epoch, version) than the
+        newest verified one is ignored. Why it was rejected, or None."""
+        order = (policy.epoch, policy.version)
+        if order <= max((self.policy_epoch, self.policy_version), self._next_policy[0] if self._next_policy else (0, 0)):
+            return None
         try:
-            expected = {k: v.shape for k, v in self.policy_tensors().items()}
-            self._next_policy = (policy.version, decode_policy(policy, expected, self.models, self.strategy))
+            self._next_policy = (order, decode_policy(policy, self.policy_tensors(), self.models, self.strategy, self.verifier))
         except PolicyError as exc:
             self.stats.policies_rejected += 1
             log.error("rejected %s", exc)
+            return str(exc)
+        return None
 
     def swap_policy(self) -> None:
         """Load the newest verified policy, if one arrived since the last batch."""
         if self._next_policy is not None:
-            version, tensors = self._next_policy
+            (epoch, version), tensors = self._next_policy
             self.load_policy(tensors)
-            self.policy_version, self._next_policy = version, None
+            self.policy_epoch, self.policy_version, self._next_policy = epoch, version, None
             self.stats.policies_loaded += 1
 
 
@@ -115,10 +142,11 @@ class FocalWorker(Worker):
 
     strategy = "rl_focal"
 
-    def __init__(self, engine: FocalEngine, models: list[str], backends: dict[str, Backend], windows: RedisWindows, deadline_s: float = 60.0, name: str | None = None):
+    def __init__(self, engine: FocalEngine, models: list[str], backends: dict[str, Backend], windows: RedisWindows,
+                 verifier: PolicyVerifier, tokens: FeedbackTokens, deadline_s: float = 60.0, name: str | None = None):
         if list(backends) != models:
             raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
-        super().__init__(models, windows, name)
+        super().__init__(models, windows, verifier, tokens, name)
         self.engine = engine
         self.caller = PoolCaller(backends, deadline_s=deadline_s, max_workers=max(16, 4 * len(models)))
 
@@ -179,7 +207,9 @@ class FocalWorker(Worker):
             self.stats.no_model_answered += 1
             out.answers.append(Answer(answer="", answer_index=-1, distribution=[], **common))
             return
-        out.answers.append(Answer(answer=q.choices[answer.answer], answer_index=answer.answer, distribution=answer.distribution.tolist(), **common))
+        out.answers.append(Answer(
+            answer=q.choices[answer.answer], answer_index=answer.answer, distribution=answer.distribution.tolist(), feedback_token=self.tokens.token(q.query_id), **common,
+        ))
         out.experience.append(
             Experience(
                 query_id=q.query_id, stream=q.stream, policy_version=self.policy_version, n_choices=len(q.choices),
@@ -211,21 +241,24 @@ def create_worker_app(settings: Settings, core: Worker | None) -> FastStream:
         description="JSON Query messages (schemas/messages/query.schema.json); anything else is dead-lettered", **group,
     )
     async def on_queries(bodies: list[bytes], message: KafkaMessage) -> None:
-        queries, dead = [], []
+        queries, records, dead = [], {}, []
         for record in message.raw_message:
             parsed = parse_or_dead_letter(Query, record, consumer)
             if isinstance(parsed, DeadLetter):
                 dead.append(parsed)
             elif reason := core.rejects(parsed):
                 dead.append(dead_letter(record, reason, consumer))
+            elif parsed.query_id in records:
+                dead.append(dead_letter(record, f"query id {parsed.query_id} appears twice in one batch", consumer))
             else:
                 queries.append(parsed)
-        out = await core.handle(queries) if queries else BatchOutput()
-        out.dead_letters.extend(dead)
+                records[parsed.query_id] = record
+        out = await core.answer(queries) if queries else BatchOutput()
+        dead += [dead_letter(records[qid], reason, consumer) for qid, reason in out.failed.items()]
         core.stats.dead_lettered += len(dead)
         await publish(answers, out.answers)
         await publish(experience, out.experience)
-        await publish(dead_letters, out.dead_letters)
+        await publish_dead_letters(dead_letters, dead)
         # returning acks the batch: its offsets are committed only now, after every output was confirmed
 
     @broker.subscriber(
@@ -234,16 +267,18 @@ def create_worker_app(settings: Settings, core: Worker | None) -> FastStream:
     )
     async def on_policy(body: bytes, message: KafkaMessage) -> None:
         parsed = parse_or_dead_letter(Policy, message.raw_message, consumer)
+        if not isinstance(parsed, DeadLetter) and (reason := core.receive_policy(parsed)):
+            parsed = dead_letter(message.raw_message, reason, consumer)
         if isinstance(parsed, DeadLetter):
-            await publish(dead_letters, [parsed])
-        else:
-            core.receive_policy(parsed)
+            await publish_dead_letters(dead_letters, [parsed])
 
     app = FastStream(broker)
 
+    background: list[asyncio.Task] = []
+
     @app.after_startup
     async def ready() -> None:
-        await core.windows.mark_ready("worker", core.name)
+        background.append(asyncio.create_task(core.windows.keep_ready("worker", core.name)))
 
     @app.on_shutdown
     async def leaving() -> None:

@@ -1,0 +1,101 @@
+"""The service's trust boundaries: signed policies, feedback bound to its answer, secrets kept out of logs.
+
+- **Policies** are signed by the learner with an Ed25519 private key (``RLENS_POLICY_SIGNING_KEY``, the learner's
+  alone); workers hold only the public key (``RLENS_POLICY_VERIFY_KEY``), so a process that can write to the
+  ``policy`` topic, a worker included, cannot make a policy that workers load.
+- **Feedback** carries the answer's ``feedback_token``: an HMAC of the query id under ``RLENS_FEEDBACK_SECRET``
+  (workers, learner and gateway share it). The learner checks it before anything else, so feedback for a query
+  comes only from whoever received its answer; a forged one is dead-lettered and never blocks the true one.
+- :func:`generate_secrets` makes the three values (``rlens secrets``); :func:`redact_url` hides passwords in URLs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+from urllib.parse import urlsplit, urlunsplit
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+TOKEN_BYTES = 16
+
+
+class SecretsError(ValueError):
+    """A secret that is missing or malformed in the settings."""
+
+
+def _key_bytes(value: str, what: str) -> bytes:
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise SecretsError(f"{what} must be 32 bytes in base64 (generate them with `rlens secrets`)")
+    return raw
+
+
+class PolicySigner:
+    """The learner's side: signs a policy's :meth:`~rlens.messages.Policy.signed_bytes`."""
+
+    def __init__(self, private_key_b64: str):
+        self._key = Ed25519PrivateKey.from_private_bytes(_key_bytes(private_key_b64, "RLENS_POLICY_SIGNING_KEY"))
+
+    def sign(self, data: bytes) -> str:
+        return base64.b64encode(self._key.sign(data)).decode()
+
+    def verifier(self) -> "PolicyVerifier":
+        raw = self._key.public_key().public_bytes_raw()
+        return PolicyVerifier(base64.b64encode(raw).decode())
+
+
+class PolicyVerifier:
+    """The workers' side: checks a signature against the learner's public key."""
+
+    def __init__(self, public_key_b64: str):
+        self._key = Ed25519PublicKey.from_public_bytes(_key_bytes(public_key_b64, "RLENS_POLICY_VERIFY_KEY"))
+
+    def verify(self, data: bytes, signature_b64: str) -> bool:
+        try:
+            self._key.verify(base64.b64decode(signature_b64, validate=True), data)
+        except (InvalidSignature, ValueError):
+            return False
+        return True
+
+
+class FeedbackTokens:
+    """``token(query_id)``: what an answer carries and its feedback must present; ``valid`` checks one in constant time."""
+
+    def __init__(self, secret: str):
+        if len(secret) < 16:
+            raise SecretsError("RLENS_FEEDBACK_SECRET must be at least 16 characters (generate one with `rlens secrets`)")
+        self._secret = secret.encode()
+
+    def token(self, query_id: str) -> str:
+        return hmac.new(self._secret, query_id.encode(), hashlib.sha256).hexdigest()[: 2 * TOKEN_BYTES]
+
+    def valid(self, query_id: str, token: str) -> bool:
+        return hmac.compare_digest(self.token(query_id), token)
+
+
+def generate_secrets() -> dict[str, str]:
+    """Fresh values of the three secrets, as RLENS_* variable names → values."""
+    private = Ed25519PrivateKey.generate()
+    return {
+        "RLENS_FEEDBACK_SECRET": secrets.token_urlsafe(32),
+        "RLENS_POLICY_SIGNING_KEY": base64.b64encode(private.private_bytes_raw()).decode(),
+        "RLENS_POLICY_VERIFY_KEY": base64.b64encode(private.public_key().public_bytes_raw()).decode(),
+    }
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``: ``redis://:pw@host:6379/0`` → ``redis://:***@host:6379/0``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -1,0 +1,323 @@
+"""Poison and forgery, one finding at a time, against the cores, a real redis-server and real checkpoint files:
+forged, non-finite and mistyped policies; forged and misdirected feedback; non-finite and out-of-range messages;
+an experience that does not fit the pool; an update that leaves NaN weights; poisoned window rows; a query that
+makes its batch raise; oversize records; corrupt checkpoints, pruning and two learners on one directory; Redis down
+at start and during a long outage; unbounded per-stream state; secrets in logs; the service without model extras."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pydantic import SecretStr, ValidationError
+from redis.asyncio import Redis
+
+from rlens.backends import create_backend
+from rlens.checkpoint import CheckpointLockError, CheckpointStore
+from rlens.focal.config import FocalConfig
+from rlens.focal.engine import FocalEngine
+from rlens.messages import Experience, Feedback, Query
+from rlens.service.kafka import DEAD_LETTER_VALUE_BYTES, dead_letter
+from rlens.service.learner import LearnerCore
+from rlens.service.load import queries_of
+from rlens.service.online import FocalOnlineTrainer
+from rlens.service.policy import encode_policy
+from rlens.service.security import PolicySigner, generate_secrets, redact_url
+from rlens.service.windows import RedisWindows
+from rlens.service.worker import FocalWorker
+from rlens.settings import Settings
+from trust import SIGNER, TOKENS, VERIFIER, token
+
+MODELS = [f"m{i}" for i in range(5)]
+
+
+class Record:
+    def __init__(self, offset: int, value: bytes = b"{}", topic: str = "rlens.feedback"):
+        self.topic, self.partition, self.offset, self.key, self.value = topic, 0, offset, b"k", value
+
+
+def windows_for(url: str) -> RedisWindows:
+    return RedisWindows(Redis.from_url(url, socket_connect_timeout=0.2), len(MODELS), 128)
+
+
+def learner(tmp_path: Path, url: str, **options) -> LearnerCore:
+    return LearnerCore(FocalOnlineTrainer(FocalEngine(5, seed=0), MODELS), MODELS, windows_for(url), CheckpointStore(tmp_path / "ckpt"), SIGNER, TOKENS, **options)
+
+
+def experience(qid: str, stream: str = "s", answer: int = 1, n_choices: int = 4, **changes) -> Experience:
+    engine = FocalEngine(5, seed=0)
+    decision = engine.decide(stream, n_choices, greedy=True)[0]
+    fused = engine.fuse(decision, np.full((5, n_choices), 1 / n_choices), greedy=True)
+    fields = dict(
+        query_id=qid, stream=stream, policy_version=0, n_choices=n_choices, decider_state=decision.state.tolist(),
+        critic_state=decision.critic_state.tolist(), pool=decision.pool.tolist(), pool_logp=decision.pool_logp,
+        predictions=[answer] * 5, fusion_features=fused.features.tolist(), answer_index=answer, answer_logp=fused.answer_logp,
+    )
+    return Experience(**{**fields, **changes})
+
+
+def fb(qid: str, **outcome) -> Feedback:
+    return Feedback(query_id=qid, token=token(qid), **outcome)
+
+
+def replay_worker(zoo, windows=None, cls=FocalWorker) -> FocalWorker:
+    backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
+    windows = windows or RedisWindows(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2), 5, 128)
+    return cls(FocalEngine(5, seed=0), zoo.model_names, backends, windows, VERIFIER, TOKENS)
+
+
+# --- policies ---------------------------------------------------------------------------------------------------
+def test_forged_non_finite_and_mistyped_policies_are_rejected_and_later_real_ones_still_load(zoo):
+    worker = replay_worker(zoo)
+    real = FocalEngine(5, seed=3).policy_state()
+    attacker = PolicySigner(generate_secrets()["RLENS_POLICY_SIGNING_KEY"])
+    forged = encode_policy(FocalEngine(5, seed=9).policy_state(), 2**62, 2**40, zoo.model_names, "rl_focal", attacker)
+    assert "bad signature" in worker.receive_policy(forged)
+    # a real policy whose signed fields were edited (a huge version) is forged too
+    bumped = encode_policy(real, 2, 1, zoo.model_names, "rl_focal", SIGNER).model_copy(update={"version": 2**62})
+    assert "bad signature" in worker.receive_policy(bumped)
+    nan = {k: torch.full_like(v, float("nan")) for k, v in real.items()}
+    assert "non-finite values" in worker.receive_policy(encode_policy(nan, 3, 1, zoo.model_names, "rl_focal", SIGNER))
+    doubles = {k: v.double() for k, v in real.items()}
+    assert "wrong shape or dtype" in worker.receive_policy(encode_policy(doubles, 4, 1, zoo.model_names, "rl_focal", SIGNER))
+    assert worker.stats.policies_rejected == 4 and worker.policy_version == 0
+    # the learner's real versions are loaded, and a restarted learner (a later epoch) supersedes a higher version
+    assert worker.receive_policy(encode_policy(real, 5, 1, zoo.model_names, "rl_focal", SIGNER)) is None
+    worker.swap_policy()
+    assert (worker.policy_epoch, worker.policy_version) == (1, 5)
+    restarted = FocalEngine(5, seed=4).policy_state()
+    assert worker.receive_policy(encode_policy(restarted, 2, 2, zoo.model_names, "rl_focal", SIGNER)) is None
+    worker.swap_policy()
+    assert (worker.policy_epoch, worker.policy_version) == (2, 2)
+    assert torch.equal(worker.engine.policy_state()["fusion.linear.weight"], restarted["fusion.linear.weight"])
+
+
+# --- feedback ---------------------------------------------------------------------------------------------------
+def test_forged_feedback_is_dead_lettered_and_the_true_feedback_still_joins(tmp_path, redis_server):
+    async def scenario():
+        await Redis.from_url(redis_server.url).flushdb()
+        core = learner(tmp_path, redis_server.url)
+        # the attacker's label arrives first, without the answer's token; a bare reward for any query too
+        _, dead = await core.on_feedback(Feedback(query_id="a", token="0" * 32, label=3), Record(0))
+        assert "feedback token does not match query a" in dead.reason
+        _, dead = await core.on_feedback(Feedback(query_id="b", token=token("a"), reward=-1), Record(1))
+        assert "token does not match" in dead.reason
+        assert not core.feedback and core.stats.forged_feedback == 2 and core.stats.duplicates == 0
+        await core.on_experience(experience("a", answer=1), Record(0, topic="rlens.experience"))
+        assert await core.on_feedback(fb("a", label=1), Record(2)) == (None, None)  # the true label is not a "duplicate"
+        window = (await core.windows.load(["s"]))["s"]
+        assert core.stats.joined == 1 and window.n_rows == 1 and window.labels[0] == 1
+        # feedback naming another stream than its query's does not train
+        await core.on_experience(experience("c", stream="s"), Record(1, topic="rlens.experience"))
+        _, dead = await core.on_feedback(fb("c", stream="other", label=1), Record(3))
+        assert "query c is on stream 's'" in dead.reason and core.stats.joined == 1
+
+    asyncio.run(scenario())
+
+
+# --- non-finite and out-of-range messages ----------------------------------------------------------------------------
+def test_messages_refuse_nan_infinity_and_values_out_of_bounds():
+    good = json.loads(experience("q").model_dump_json())
+    for field, value in [("critic_state", [float("nan")] * 3), ("pool_logp", float("-inf")), ("n_choices", 50_000), ("predictions", [40_000] * 5), ("decider_state", [1e300])]:
+        with pytest.raises(ValidationError):  # json.dumps writes NaN and -Infinity literals, as a forged message would
+            Experience.model_validate_json(json.dumps({**good, field: value}))
+    for bad in ({"reward": float("nan")}, {"reward": -10}, {"label": 40_000}):
+        with pytest.raises(ValidationError):
+            Feedback.model_validate_json(json.dumps({"query_id": "q", "token": "t", **bad}))
+    with pytest.raises(ValidationError, match="token"):
+        Feedback.model_validate_json('{"query_id": "q", "label": 1}')
+    with pytest.raises(ValidationError):
+        Query(query_id="q", stream="s", prompt="p", choices=["a" * 20_000, "b"])
+
+
+def test_an_experience_that_does_not_fit_the_pool_is_dead_lettered_and_learning_goes_on(tmp_path, redis_server):
+    async def scenario():
+        core = learner(tmp_path, redis_server.url)
+        short = experience("bad", decider_state=[0.1, 0.2, 0.3])
+        _, dead = await core.on_experience(short, Record(0, topic="rlens.experience"))
+        assert "decider_state has 3 values, this pool needs" in dead.reason and core.stats.invalid_experience == 1
+        wide = experience("wide", n_choices=4, predictions=[7] * 5)
+        _, dead = await core.on_experience(wide, Record(1, topic="rlens.experience"))
+        assert "not one of the 4 choices" in dead.reason
+        policies = []
+        for i in range(core.trainer.engine.cfg.update_period):
+            await core.on_experience(experience(f"q{i}"), Record(2 + i, topic="rlens.experience"))
+            policy, _ = await core.on_feedback(fb(f"q{i}", label=i % 4), Record(i))
+            policies += [policy] if policy else []
+        assert [p.version for p in policies] == [1] and core.stats.joined == 64
+
+    asyncio.run(scenario())
+
+
+def test_an_update_that_leaves_non_finite_weights_is_undone(tmp_path, redis_server, monkeypatch):
+    async def scenario():
+        core = learner(tmp_path, redis_server.url)
+        before = {k: v.clone() for k, v in core.trainer.policy_tensors().items()}
+        original = core.trainer.engine.update
+
+        def poisoned_update(*args, **kwargs):
+            stats = original(*args, **kwargs)
+            with torch.no_grad():
+                next(core.trainer.engine.fusion.parameters()).fill_(float("nan"))
+            return stats
+
+        monkeypatch.setattr(core.trainer.engine, "update", poisoned_update)
+        outputs = []
+        for i in range(64):
+            await core.on_experience(experience(f"q{i}"), Record(i, topic="rlens.experience"))
+            outputs.append(await core.on_feedback(fb(f"q{i}", label=1), Record(i)))
+        assert all(policy is None for policy, _ in outputs) and core.stats.rejected_updates == 1 and core.version == 0
+        assert all(torch.equal(before[k], v) for k, v in core.trainer.policy_tensors().items()) and not core.trainer.engine.buffer
+        monkeypatch.setattr(core.trainer.engine, "update", original)
+        for i in range(64, 128):
+            await core.on_experience(experience(f"q{i}"), Record(i, topic="rlens.experience"))
+            policy, _ = await core.on_feedback(fb(f"q{i}", label=1), Record(i))
+        assert policy is not None and policy.version == 1
+
+    asyncio.run(scenario())
+
+
+# --- windows --------------------------------------------------------------------------------------------------------
+def test_window_rows_that_do_not_fit_are_refused_on_write_and_skipped_on_read(redis_server):
+    async def scenario():
+        redis = Redis.from_url(redis_server.url)
+        await redis.flushdb()
+        windows = windows_for(redis_server.url)
+        assert await windows.apply("s", "ok", [1, 0, -1, 2, 1], 1, 0.9)
+        with pytest.raises(ValueError, match="outside -1..63"):
+            await windows.apply("s", "big", [1, 0, -1, 2, 1], 40_000, 1.0)
+        with pytest.raises(ValueError, match="finite"):
+            await windows.apply("s", "nan", [1, 0, -1, 2, 1], 1, math.nan)
+        for row in (b"[40000,1.0,1,1,1,1,1]", b"[1,1.0,1,1]", b"not json", b'[1,"x",1,1,1,1,1]', b"[1,NaN,1,1,1,1,1]", b"[1,1.0,1,1,1,1,99999]"):
+            await redis.rpush(windows.window_key("s"), row)
+        assert await windows.apply("s", "ok2", [0, 0, 0, 0, 0], 0, -1.0)
+        window = (await windows.load(["s"]))["s"]
+        assert window.n_rows == 2 and list(window.labels[:2]) == [1, 0] and windows.skipped_rows == 6
+
+    asyncio.run(scenario())
+
+
+# --- the worker never retries a batch forever -------------------------------------------------------------------------
+class PoisonedWorker(FocalWorker):
+    """Raises on any batch holding the query with id "poison" (as a bug triggered by one input would)."""
+
+    async def handle(self, queries):
+        if any(q.query_id == "poison" for q in queries):
+            raise OverflowError("Python int too large to convert to C short")
+        return await super().handle(queries)
+
+
+def test_a_query_that_makes_its_batch_raise_is_dead_lettered_alone(zoo):
+    worker = replay_worker(zoo, cls=PoisonedWorker)
+    queries = [q for q, _ in queries_of(zoo, None, "t")[:15]]
+    poison = queries[6].model_copy(update={"query_id": "poison"})
+    out = asyncio.run(worker.answer(queries[:6] + [poison] + queries[7:]))
+    assert sorted(a.query_id for a in out.answers) == sorted(q.query_id for q in queries if q.query_id != queries[6].query_id)
+    assert list(out.failed) == ["poison"] and "OverflowError" in out.failed["poison"]
+    assert all(a.feedback_token == token(a.query_id) for a in out.answers)
+
+
+def test_dead_letters_of_oversize_records_are_small_and_identify_the_record():
+    value = b"x" * (12 * 1024 * 1024 + 600 * 1024)
+    letter = dead_letter(Record(7, value, topic="rlens.queries"), "too large", "worker w")
+    assert len(letter.model_dump_json()) < 3 * DEAD_LETTER_VALUE_BYTES and letter.value_truncated and letter.value_bytes == len(value)
+    assert letter.value_sha256 == hashlib.sha256(value).hexdigest() and base64.b64decode(letter.value_b64) == value[:DEAD_LETTER_VALUE_BYTES]
+    assert (letter.topic, letter.partition, letter.offset) == ("rlens.queries", 0, 7)
+
+
+# --- checkpoints --------------------------------------------------------------------------------------------------
+def save(store: CheckpointStore, version: int, marker: float) -> Path:
+    return store.save(version, {"policy": {"w": torch.full((4,), marker)}}, {"marker": marker})
+
+
+def test_corrupt_checkpoints_fall_back_to_the_newest_intact_one(tmp_path):
+    store = CheckpointStore(tmp_path, keep=3)
+    first, second, third = (save(store, v, float(v)) for v in (1, 2, 3))
+    (third / "policy.safetensors").write_bytes((third / "policy.safetensors").read_bytes()[:-10])  # truncated
+    assert store.load_latest()[1]["marker"] == 2.0
+    (second / "state.json").write_text('{"marker": 99')  # truncated JSON
+    assert store.load_latest()[1]["marker"] == 1.0
+    (tmp_path / "LATEST").write_text("")  # empty LATEST
+    assert store.load_latest()[1]["marker"] == 1.0
+    (tmp_path / "LATEST").write_text("v99999999-999999")  # names a missing directory
+    assert store.load_latest()[1]["marker"] == 1.0
+    (first / "MANIFEST.json").unlink()
+    assert store.load_latest() is None
+
+
+def test_pruning_keeps_the_newest_writes_even_when_the_version_goes_down(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    for version in (5, 6, 7):
+        save(store, version, float(version))
+    newest = save(store, 1, 1.0)  # a learner restarted from scratch: version 1 again
+    assert newest.is_dir() and store.latest() == newest and store.load_latest()[1]["marker"] == 1.0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["v00000001-000004", "v00000007-000003"]
+
+
+def test_one_learner_per_checkpoint_directory(tmp_path):
+    store = CheckpointStore(tmp_path)
+    save(store, 1, 1.0)
+    with pytest.raises(CheckpointLockError, match="in use by pid"):
+        CheckpointStore(tmp_path)
+    other_process = subprocess.run(
+        [sys.executable, "-c", f"from rlens.checkpoint import CheckpointStore; CheckpointStore({str(tmp_path)!r})"], capture_output=True, text=True,
+    )
+    assert other_process.returncode != 0 and "CheckpointLockError" in other_process.stderr
+    assert CheckpointStore(tmp_path, lock=False).load_latest()[1]["marker"] == 1.0  # a reader needs no lock
+    store.close()
+    save(CheckpointStore(tmp_path), 2, 2.0)
+
+
+# --- Redis down -------------------------------------------------------------------------------------------------------
+def test_redis_down_at_start_and_during_a_long_outage_loses_no_outcome(tmp_path, redis_server):
+    async def scenario():
+        dead = RedisWindows(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2), 5, 128)
+        assert await dead.mark_ready("worker", "w") is False  # no exception: the process keeps starting
+        core = learner(tmp_path, redis_server.url, redis_wait_s=0.3)
+        core.windows = dead
+        for i in range(3):
+            await core.on_experience(experience(f"q{i}", stream="down"), Record(i, topic="rlens.experience"))
+            await core.on_feedback(fb(f"q{i}", label=1), Record(i))
+        assert core.stats.joined == 3 and len(core.window_backlog) == 3 and core.stats.windows_applied == 0
+        core.checkpoint()  # the backlog survives a restart
+        core.checkpoints.close()
+        resumed = learner(tmp_path, redis_server.url)
+        assert resumed.window_backlog == core.window_backlog
+        await Redis.from_url(redis_server.url).delete(resumed.windows.window_key("down"))
+        await resumed.apply_windows()
+        assert not resumed.window_backlog and (await resumed.windows.load(["down"]))["down"].n_rows == 3
+
+    asyncio.run(scenario())
+
+
+# --- bounded per-stream state ---------------------------------------------------------------------------------------
+def test_the_engines_per_stream_state_is_bounded():
+    engine = FocalEngine(5, config=FocalConfig(max_streams=3), seed=0)
+    for i in range(10):
+        engine.decide(f"stream-{i}", 4, greedy=True)
+    engine.decide_batch([(f"batch-{i}", 4, False) for i in range(10)], greedy=True)
+    assert list(engine.previous_pool) == ["batch-7", "batch-8", "batch-9"]
+
+
+# --- secrets ------------------------------------------------------------------------------------------------------------
+def test_secrets_are_not_printed():
+    config = Settings(redis_url=SecretStr("redis://:S3cr3t-pw@redis.internal:6380/0"), kafka_sasl_password=SecretStr("kafka-pw"), feedback_secret=SecretStr("f" * 20))
+    assert not any(secret in repr(config) + str(config.model_dump()) for secret in ("S3cr3t-pw", "kafka-pw", "f" * 20))
+    assert redact_url(config.redis_url.get_secret_value()) == "redis://:***@redis.internal:6380/0"
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_the_service_runs_without_the_model_extras():
+    blocked = "import sys\nfor m in ('transformers', 'fastapi', 'uvicorn', 'gguf', 'tiktoken', 'accelerate'): sys.modules[m] = None\n"
+    check = blocked + "import rlens.cli, rlens.service.run, rlens.service.stack, rlens.service.load\nrlens.cli.quiet_transformers()\nprint('ok')"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -1,0 +1,12 @@
+"""One set of service secrets for the tests that build workers and learners directly (fresh each session)."""
+
+from rlens.service.security import FeedbackTokens, PolicySigner, generate_secrets
+
+SECRETS = generate_secrets()
+SIGNER = PolicySigner(SECRETS["RLENS_POLICY_SIGNING_KEY"])
+VERIFIER = SIGNER.verifier()
+TOKENS = FeedbackTokens(SECRETS["RLENS_FEEDBACK_SECRET"])
+
+
+def token(query_id: str) -> str:
+    return TOKENS.token(query_id)
