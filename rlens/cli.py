@@ -204,11 +204,9 @@ def learner(
     from rlens.pool import PoolConfigError
     from rlens.service.run import run_learner
 
-    from rlens.checkpoint import CheckpointLockError
-
     try:
         run_learner(service_settings(pool), warm_start)
-    except (PoolConfigError, DatasetError, ValueError, CheckpointLockError) as exc:
+    except (PoolConfigError, DatasetError, ValueError, RuntimeError) as exc:  # RuntimeError: its directory or group is taken
         fail(str(exc))
 
 

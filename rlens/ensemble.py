@@ -1,14 +1,20 @@
 """Calling the pool: the models a Decider chose answer one query concurrently; failures become records, not hangs.
 
-:class:`PoolCaller` runs each chosen backend in a thread pool and waits at most ``deadline_s`` for all of them.
-A backend that raises, answers with the wrong number of choices, or misses the deadline is recorded as a
-:class:`ModelFailure` for that query, and counted per model; the others' distributions are used, so the ensemble
-answers with the remaining models (the Fusion agent gets ``decision.pool & answered``). A thread stuck in a hung backend is left behind, never
-waited for.
+:class:`PoolCaller` runs each chosen backend in that model's own bounded thread pool (``model_concurrency``
+threads) and waits at most ``deadline_s`` for all of them. A backend that raises, answers with the wrong number of
+choices, or misses the deadline is recorded as a :class:`ModelFailure` for that query, and counted per model; the
+others' distributions are used, so the ensemble answers with the remaining models (the Fusion agent gets
+``decision.pool & answered``). A thread stuck in a hung backend is left behind, never waited for, and it holds only
+its own model's threads: a hung model can never delay or get blamed on a healthy one. A call to a model whose
+threads have all been in one call for longer than the deadline fails at once ("busy"), and each model has a
+:class:`CircuitBreaker`: after ``circuit_failures``
+failures in a row its calls fail at once for ``circuit_cooldown_s``, then one call is let through to probe it.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -53,17 +59,80 @@ class _Done:
         return self.value
 
 
+class CircuitBreaker:
+    """Closed until ``failures`` calls in a row fail; then open (calls refused) for ``cooldown_s``; then half-open:
+    calls are let through, and one success closes it, one failure opens it again."""
+
+    def __init__(self, failures: int = 5, cooldown_s: float = 30.0, clock=time.monotonic):
+        self.failures, self.cooldown_s, self.clock = failures, cooldown_s, clock
+        self.in_a_row = 0
+        self.open_until = 0.0
+
+    def allow(self) -> bool:
+        return self.clock() >= self.open_until
+
+    def record(self, ok: bool) -> None:
+        if ok:
+            self.in_a_row, self.open_until = 0, 0.0
+            return
+        self.in_a_row += 1
+        if self.in_a_row >= self.failures:
+            self.open_until = self.clock() + self.cooldown_s
+
+
+class _Model:
+    """One model's threads, the calls running in them (since when), and its circuit breaker."""
+
+    def __init__(self, name: str, backend: Backend, concurrency: int, deadline_s: float, breaker: CircuitBreaker):
+        self.name, self.backend, self.concurrency, self.deadline_s, self.breaker = name, backend, concurrency, deadline_s, breaker
+        self.executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"rlens-{name}"[:30]) if backend.blocking else None
+        self.running: dict[int, float] = {}  # call id -> when it started (monotonic)
+        self.lock = threading.Lock()
+
+    def submit(self, query: ChoiceQuery) -> "Future | _Done":
+        if not self.breaker.allow():
+            return _Done(error=ModelUnavailable(f"circuit open after {self.breaker.in_a_row} failures in a row; next try in {self.breaker.open_until - self.breaker.clock():.0f} s"))
+        if self.executor is None:
+            try:
+                return _Done(self.backend.score_choices(query))
+            except Exception as exc:  # recorded as this model's failure, like an exception in a thread
+                return _Done(error=exc)
+        now = time.monotonic()
+        with self.lock:
+            stuck = sum(now - started > self.deadline_s for started in self.running.values())
+        if stuck >= self.concurrency:  # a queued call would never start in time
+            return _Done(error=ModelUnavailable(f"busy: all {stuck} of its threads have been in one call for over {self.deadline_s:g} s (hung?)"))
+        return self.executor.submit(self._call, query)
+
+    def _call(self, query: ChoiceQuery) -> ChoiceScores:
+        call = threading.get_ident()
+        with self.lock:
+            self.running[call] = time.monotonic()
+        try:
+            return self.backend.score_choices(query)
+        finally:
+            with self.lock:
+                del self.running[call]
+
+
+class ModelUnavailable(Exception):
+    """A call not made: the model's circuit is open, or all its slots are taken."""
+
+
 class PoolCaller:
-    def __init__(self, backends: dict[str, Backend], deadline_s: float = 60.0, max_workers: int = 16):
+    def __init__(self, backends: dict[str, Backend], deadline_s: float = 60.0, model_concurrency: int = 8,
+                 circuit_failures: int = 5, circuit_cooldown_s: float = 30.0):
         """``backends`` in the pool's model order (name -> backend)."""
         self.names = list(backends)
         self.backends = list(backends.values())
         self.deadline_s = deadline_s
-        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rlens-pool")
+        self.models = [_Model(n, b, model_concurrency, deadline_s, CircuitBreaker(circuit_failures, circuit_cooldown_s)) for n, b in backends.items()]
         self.failure_counts: Counter[str] = Counter()
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        for model in self.models:
+            if model.executor is not None:
+                model.executor.shutdown(wait=False, cancel_futures=True)
 
     def score(self, query: ChoiceQuery, called: np.ndarray) -> PoolAnswers:
         """Ask every model with ``called[m]`` to score ``query``; at most ``deadline_s`` seconds."""
@@ -79,22 +148,15 @@ class PoolCaller:
 
         Non-blocking backends (``Backend.blocking`` False) are called inline, the others in the thread pool.
         """
-        futures = [{m: self._start(self.backends[m], q) for m in np.flatnonzero(c)} for q, c in zip(queries, called)]
+        futures = [{m: self.models[m].submit(q) for m in np.flatnonzero(c)} for q, c in zip(queries, called)]
         wait([f for calls in futures for f in calls.values() if isinstance(f, Future)], timeout=self.deadline_s)
         return [self._collect(q, calls) for q, calls in zip(queries, futures)]
-
-    def _start(self, backend: Backend, query: ChoiceQuery) -> "Future | _Done":
-        if backend.blocking:
-            return self.executor.submit(backend.score_choices, query)
-        try:
-            return _Done(backend.score_choices(query))
-        except Exception as exc:  # recorded as this model's failure, like an exception in a thread
-            return _Done(error=exc)
 
     def _collect(self, query: ChoiceQuery, futures: dict) -> PoolAnswers:
         n_choices = len(query.choices)
         result = PoolAnswers(np.zeros((len(self.names), n_choices)), np.zeros(len(self.names), dtype=bool))
         for m, future in futures.items():
+            refused = future.done() and isinstance(future.exception(), ModelUnavailable)  # says nothing new about the model
             if not future.done():
                 future.cancel()
                 reason = f"no answer within the {self.deadline_s:g} s deadline"
@@ -106,7 +168,10 @@ class PoolCaller:
             else:
                 result.probs[m] = future.result().probabilities()
                 result.answered[m] = True
+                self.models[m].breaker.record(ok=True)
                 continue
+            if not refused:
+                self.models[m].breaker.record(ok=False)
             result.failures.append(ModelFailure(self.names[m], reason))
             self.failure_counts[self.names[m]] += 1
         return result

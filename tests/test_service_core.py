@@ -27,8 +27,8 @@ from trust import SIGNER, TOKENS, VERIFIER, token
 class Record:
     """A consumer record's coordinates (what the learner keeps of a feedback message)."""
 
-    def __init__(self, offset: int, value: bytes = b"{}"):
-        self.topic, self.partition, self.offset, self.key, self.value = "rlens.feedback", 0, offset, b"k", value
+    def __init__(self, offset: int, value: bytes = b"{}", timestamp: int | None = None):
+        self.topic, self.partition, self.offset, self.key, self.value, self.timestamp = "rlens.feedback", 0, offset, b"k", value, timestamp
 
 
 def windows_for(url: str, n_models: int = 5) -> RedisWindows:
@@ -91,16 +91,24 @@ def test_feedback_with_a_label_outside_the_choices_is_dead_lettered(tmp_path, re
     asyncio.run(scenario())
 
 
-def test_pending_halves_expire_and_are_bounded(tmp_path, redis_server):
+def test_pending_halves_are_bounded_expire_by_event_time_and_are_dead_lettered(tmp_path, redis_server):
     async def scenario():
         core = learner(tmp_path, redis_server.url, pending_limit=3, pending_ttl_s=3600)
         engine = FocalEngine(5, seed=0)
-        for i in range(5):
-            await core.on_experience(experience(engine, f"e{i}"), Record(0))
-        assert list(core.experience) == ["e2", "e3", "e4"] and core.stats.evicted == 2
-        core.pending_ttl_s = 0.0
-        await core.on_feedback(fb("late", label=0), Record(9))
-        assert not core.experience and not core.feedback and core.stats.expired == 4
+        hour = 3600 * 1000  # record timestamps are milliseconds
+        for i in range(5):  # an old stream read long after it was written: nothing expires by the wall clock
+            await core.on_experience(experience(engine, f"e{i}"), Record(i, timestamp=1_000_000 + i))
+        assert list(core.experience) == ["e2", "e3", "e4"] and core.stats.evicted == 2 and core.stats.expired == 0
+        dropped = core.take_dead_letters()
+        assert [d.offset for d in dropped] == [0, 1] and all("reached its bound (3 halves" in d.reason for d in dropped)
+        await core.on_feedback(fb("late", label=0), Record(9, timestamp=1_000_004 + hour))  # an hour of event time after e4
+        assert list(core.experience) == ["e4"] and list(core.feedback) == ["late"] and core.stats.expired == 2
+        assert all("no feedback within 3600 s (event time); not trained on" in d.reason for d in core.take_dead_letters())
+        # bytes bound too: one large feedback pushes the older halves out
+        small = learner(tmp_path / "bytes", redis_server.url, pending_bytes=1000)
+        for i in range(3):
+            await small.on_feedback(fb(f"f{i}", reference="x" * 300), Record(i, value=b"v" * 400))
+        assert list(small.feedback) == ["f1", "f2"] and small.feedback.bytes == 800 and small.stats.evicted == 1
 
     asyncio.run(scenario())
 

@@ -13,6 +13,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +22,10 @@ import torch
 from pydantic import SecretStr, ValidationError
 from redis.asyncio import Redis
 
-from rlens.backends import create_backend
+from rlens.backends import Backend, create_backend
+from rlens.backends.base import ChoiceQuery, ChoiceScores
 from rlens.checkpoint import CheckpointLockError, CheckpointStore
+from rlens.ensemble import CircuitBreaker, PoolCaller
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Experience, Feedback, Query
@@ -232,6 +235,58 @@ def test_dead_letters_of_oversize_records_are_small_and_identify_the_record():
     assert len(letter.model_dump_json()) < 3 * DEAD_LETTER_VALUE_BYTES and letter.value_truncated and letter.value_bytes == len(value)
     assert letter.value_sha256 == hashlib.sha256(value).hexdigest() and base64.b64decode(letter.value_b64) == value[:DEAD_LETTER_VALUE_BYTES]
     assert (letter.topic, letter.partition, letter.offset) == ("rlens.queries", 0, 7)
+
+
+# --- a hung model -----------------------------------------------------------------------------------------------------
+class Hung(Backend):
+    """Blocks until released, as a model server that stopped answering."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def score_choices(self, query):
+        self.release.wait(60)
+        return ChoiceScores(loglikelihoods=[-1.0] * len(query.choices), is_greedy=[False] * len(query.choices))
+
+
+class Fast(Backend):
+    def score_choices(self, query):
+        return ChoiceScores(loglikelihoods=[-0.1] + [-3.0] * (len(query.choices) - 1), is_greedy=[True] + [False] * (len(query.choices) - 1))
+
+
+def test_a_hung_model_neither_starves_nor_gets_blamed_on_a_healthy_one():
+    hung = Hung()
+    caller = PoolCaller({"hung": hung, "fast": Fast()}, deadline_s=1.0, model_concurrency=4, circuit_failures=100)
+    queries = [ChoiceQuery(id=str(i), prompt="p", choices=["a", "b"]) for i in range(32)]
+    try:
+        both = caller.score_batch(queries, [np.array([True, True])] * 32)
+        assert all(a.answered.tolist() == [False, True] for a in both)
+        assert [(f.model, f.reason) for a in both for f in a.failures] == [("hung", "no answer within the 1 s deadline")] * 32
+        fast_only = caller.score_batch(queries, [np.array([False, True])] * 32)  # 4 threads are still stuck in "hung"
+        assert all(a.answered.tolist() == [False, True] and not a.failures for a in fast_only) and caller.failure_counts["fast"] == 0
+        [again] = caller.score_batch(queries[:1], [np.array([True, True])])  # all its threads stuck: refused at once
+        assert again.answered.tolist() == [False, True] and again.failures[0].reason.startswith("ModelUnavailable: busy: all 4 of its threads")
+    finally:
+        hung.release.set()
+        caller.close()
+
+
+def test_a_circuit_opens_after_failures_in_a_row_and_probes_after_its_cooldown():
+    now = [0.0]
+    breaker = CircuitBreaker(failures=2, cooldown_s=10, clock=lambda: now[0])
+    breaker.record(ok=False)
+    breaker.record(ok=True)  # a success resets the count
+    breaker.record(ok=False)
+    assert breaker.allow()
+    breaker.record(ok=False)
+    assert not breaker.allow()
+    now[0] = 10.0
+    assert breaker.allow()  # half-open: a probe goes through
+    breaker.record(ok=False)  # and fails: open again
+    assert not breaker.allow()
+    now[0] = 20.0
+    breaker.record(ok=True)
+    assert breaker.allow() and breaker.in_a_row == 0
 
 
 # --- checkpoints --------------------------------------------------------------------------------------------------

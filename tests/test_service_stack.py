@@ -164,6 +164,23 @@ def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path
     assert stats["joined"] == 400 and stats["new_logs"] >= 2  # experience and feedback: both new logs were read
 
 
+def test_a_second_learner_on_the_same_group_or_directory_refuses_to_start(tmp_path):
+    import subprocess
+    import sys
+
+    stack = make_stack(tmp_path, workers=0)
+    try:
+        for directory in (stack.settings.checkpoint_dir, tmp_path / "other"):
+            env = {**stack.env(), "RLENS_CHECKPOINT_DIR": str(directory)}
+            second = subprocess.run([sys.executable, "-m", "rlens.cli", "learner"], env=env, capture_output=True, text=True, timeout=120)
+            assert second.returncode == 2, second.stderr[-2000:]
+            expected = "is in use by pid" if directory == stack.settings.checkpoint_dir else "holds consumer group 'rlens-learner': one learner per group"
+            assert expected in second.stderr + second.stdout
+        assert stack.learner.poll() is None  # the first learner runs on
+    finally:
+        stack.stop()
+
+
 MALFORMED = st.one_of(
     st.binary(max_size=300),
     st.text(max_size=200).map(str.encode),

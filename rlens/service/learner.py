@@ -8,9 +8,12 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   dead-lettered on arrival, before it is held or counted, so a forged feedback can neither train nor block the true
   one. An experience that does not fit the pool (:meth:`OnlineTrainer.check`) is dead-lettered before it is held.
   Any other failure while handling one record dead-letters that record only.
-- **Join.** Either half may come first. Unmatched halves wait in bounded maps (``pending_limit``, oldest evicted)
-  and expire after ``pending_ttl_s``. A query id that was joined is remembered (bounded), so duplicated
-  feedback or redelivered experience is ignored. Feedback that can never join (its label is not a choice of the
+- **Join.** Either half may come first. Unmatched halves wait in :class:`rlens.service.pending.PendingHalves`,
+  bounded by count (``pending_limit``) and bytes (``pending_bytes``), oldest dropped first, and expire
+  ``pending_ttl_s`` after their record's timestamp, measured against the newest record the learner has read (event
+  time: a learner that catches up after an outage expires nothing early). A dropped half is dead-lettered with the
+  reason; an answer whose feedback never comes is not trained on (there is no default reward). A query id that was
+  joined is remembered (bounded), so duplicated feedback or redelivered experience is ignored. Feedback that can never join (its label is not a choice of the
   query, a reference for a multiple-choice query, a label for an open-ended one, another stream than the query's)
   goes to the dead-letter topic.
 - **Reward.** The feedback's ``reward`` if given, else the trainer's: RL-Focal's reward for the answer against
@@ -28,6 +31,11 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   checkpoint, skips re-delivered records below its offsets, and so neither loses nor re-applies a transition.
   Checkpoints are taken after every update, every ``checkpoint_every_s`` seconds while records arrive, and on
   shutdown.
+- **Fencing.** One learner per checkpoint directory (:class:`rlens.checkpoint.CheckpointStore` locks it) and per
+  consumer group (a lease in Redis, renewed every ``LEASE_TTL_S`` / 3 s); a second one refuses to start. A learner
+  restarted on the directory of one that died takes its lease over at once (holding the directory's lock proves the
+  other is gone); elsewhere the lease of a dead learner lapses after ``LEASE_TTL_S``. While Redis is down at start
+  the group cannot be checked (a warning says so).
 - **A new log.** A broker that lost its data (tansu's memory storage restarted, a topic recreated, ``rlens up``
   reusing a checkpoint with a fresh broker) serves offsets below the checkpoint's. A record below the stored offset
   is a redelivery while the partition's log end is at or above that offset, and a new log when the log end is below
@@ -56,12 +64,19 @@ from rlens.checkpoint import CheckpointStore
 from rlens.messages import EXPERIENCE, DeadLetter, Feedback, Message, Policy
 from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
 from rlens.service.online import FeedbackError, OnlineTrainer
+from rlens.service.pending import Pending, PendingHalves
 from rlens.service.policy import encode_policy, non_finite
 from rlens.service.security import FeedbackTokens, PolicySigner
-from rlens.service.windows import RedisWindows
+from rlens.service.windows import LEASE_TTL_S, RedisWindows
 from rlens.settings import Settings
 
 log = logging.getLogger("rlens.learner")
+
+
+def event_time(record) -> float:
+    """A consumer record's timestamp in seconds (now, for a record without one)."""
+    timestamp = getattr(record, "timestamp", None)
+    return timestamp / 1000 if isinstance(timestamp, (int, float)) and timestamp > 0 else time.time()
 
 
 def partition_of(key: str) -> TopicPartition:
@@ -74,8 +89,8 @@ def partition_of(key: str) -> TopicPartition:
 class LearnerStats:
     joined: int = 0  # transitions given to the trainer
     duplicates: int = 0  # experience or feedback for a query already joined
-    expired: int = 0  # unmatched halves dropped after pending_ttl_s
-    evicted: int = 0  # unmatched halves dropped because pending_limit was reached
+    expired: int = 0  # unmatched halves dropped pending_ttl_s after their event time
+    evicted: int = 0  # unmatched halves dropped because pending_limit or pending_bytes was reached
     invalid_feedback: int = 0
     forged_feedback: int = 0  # feedback whose token is not its query's
     invalid_experience: int = 0  # experience that does not fit the pool
@@ -92,7 +107,7 @@ class LearnerStats:
 class LearnerCore:
     def __init__(self, trainer: OnlineTrainer, models: list[str], windows: RedisWindows, checkpoints: CheckpointStore,
                  signer: PolicySigner, tokens: FeedbackTokens, pending_limit: int = 100_000, pending_ttl_s: float = 3600.0,
-                 done_limit: int = 200_000, redis_wait_s: float = 10.0, backlog_limit: int = 100_000):
+                 pending_bytes: int = 256 * 2**20, done_limit: int = 200_000, redis_wait_s: float = 10.0, backlog_limit: int = 100_000):
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.signer, self.tokens = signer, tokens
         self.pending_limit, self.pending_ttl_s, self.done_limit = pending_limit, pending_ttl_s, done_limit
@@ -103,8 +118,10 @@ class LearnerCore:
         self.version = 0
         self.offsets: dict[str, int] = {}  # "topic:partition" -> offset after the last record reflected in the state
         self.checkpointed_offsets: dict[str, int] = {}  # the same, as of the newest checkpoint (what Kafka may commit)
-        self.experience: OrderedDict[str, tuple[float, Message]] = OrderedDict()
-        self.feedback: OrderedDict[str, tuple[float, Feedback, dict]] = OrderedDict()  # + its record, as a dead letter would hold it
+        self.experience = PendingHalves(pending_limit, pending_bytes)
+        self.feedback = PendingHalves(pending_limit, pending_bytes)
+        self.clock = 0.0  # the newest event time (record timestamp, seconds) read
+        self.dropped: list[DeadLetter] = []  # dead letters of expired or evicted halves, until the app publishes them
         self.done: OrderedDict[str, float] = OrderedDict()
         self.stats = LearnerStats()
         self.name = f"{socket.gethostname()}-{os.getpid()}"
@@ -118,8 +135,9 @@ class LearnerCore:
         self.version = state["version"]
         self.offsets = dict(state["offsets"])
         self.checkpointed_offsets = dict(state["offsets"])
-        self.experience = OrderedDict((q, (t, self.trainer.experience.model_validate(e))) for q, t, e in state["experience"])
-        self.feedback = OrderedDict((q, (t, Feedback.model_validate(f), r)) for q, t, f, r in state["feedback"])
+        self.experience.load_json(state["experience"], self.trainer.experience)
+        self.feedback.load_json(state["feedback"], Feedback)
+        self.clock = state["clock"]
         self.done = OrderedDict(state["done"])
         self.window_backlog = state.get("window_backlog", [])
         self.stats = LearnerStats(**state["stats"])
@@ -128,8 +146,9 @@ class LearnerCore:
     def checkpoint(self) -> None:
         state = {
             "offsets": self.offsets,
-            "experience": [[q, t, e.model_dump()] for q, (t, e) in self.experience.items()],
-            "feedback": [[q, t, f.model_dump(), r] for q, (t, f, r) in self.feedback.items()],
+            "experience": self.experience.to_json(),
+            "feedback": self.feedback.to_json(),
+            "clock": self.clock,
             "done": list(self.done.items()),
             "window_backlog": self.window_backlog,
             "stats": asdict(self.stats),
@@ -163,14 +182,26 @@ class LearnerCore:
         partitions = {partition_of(key): offset for key, offset in self.checkpointed_offsets.items()}
         return {tp: offset for tp, offset in partitions.items() if tp.topic == topic}
 
-    def _expire(self, now: float) -> None:
-        for pending in (self.experience, self.feedback):
-            while pending and now - next(iter(pending.values()))[0] > self.pending_ttl_s:
-                pending.popitem(last=False)
+    def _hold(self, pending: PendingHalves, query_id: str, message: Message, record, coordinates: dict) -> None:
+        """Hold an unmatched half; dead-letter what expires or no longer fits."""
+        at = event_time(record)
+        self.clock = max(self.clock, at)
+        kind, other = ("experience", "feedback") if pending is self.experience else ("feedback", "experience")
+        for dropped in pending.add(query_id, Pending(at, len(record.value or b""), message, coordinates)):
+            self.stats.evicted += 1
+            self._drop(dropped, f"unmatched {kind} dropped: the learner's pending {kind} reached its bound ({pending.limit} halves, {pending.max_bytes} bytes)")
+        for halves, name, missing in ((self.experience, "experience", "feedback"), (self.feedback, "feedback", "experience")):
+            for dropped in halves.expire(self.clock - self.pending_ttl_s):
                 self.stats.expired += 1
-            while len(pending) > self.pending_limit:
-                pending.popitem(last=False)
-                self.stats.evicted += 1
+                self._drop(dropped, f"{name} expired: no {missing} within {self.pending_ttl_s:g} s (event time); not trained on, there is no default reward")
+
+    def _drop(self, dropped: Pending, reason: str) -> None:
+        self.dropped.append(DeadLetter.model_validate({**dropped.record, "reason": reason, "at": time.time()}))
+
+    def take_dead_letters(self) -> list[DeadLetter]:
+        """The dead letters of the halves dropped since the last call."""
+        taken, self.dropped = self.dropped, []
+        return taken
 
     # --- records ----------------------------------------------------------------------------------------------
     def warm_start(self, source) -> None:
@@ -189,10 +220,10 @@ class LearnerCore:
             self.stats.invalid_experience += 1
             return None, dead_letter(record, f"experience does not fit the pool: {reason}", "learner")
         if qid in self.feedback:
-            _, feedback, record = self.feedback.pop(qid)
-            return await self._join(experience, feedback, record)
-        self.experience[qid] = (time.time(), experience)
-        self._expire(time.time())
+            held = self.feedback.pop(qid)
+            return await self._join(experience, held.message, held.record)
+        coordinates = {**dead_letter(record, "", "learner").model_dump(), "value_b64": ""}  # the experience itself is held apart
+        self._hold(self.experience, qid, experience, record, coordinates)
         return None, None
 
     async def on_feedback(self, feedback: Feedback, record) -> tuple[Policy | None, DeadLetter | None]:
@@ -205,10 +236,8 @@ class LearnerCore:
             return None, None
         coordinates = dead_letter(record, "", "learner").model_dump()
         if qid in self.experience:
-            _, experience = self.experience.pop(qid)
-            return await self._join(experience, feedback, coordinates)
-        self.feedback[qid] = (time.time(), feedback, coordinates)
-        self._expire(time.time())
+            return await self._join(self.experience.pop(qid).message, feedback, coordinates)
+        self._hold(self.feedback, qid, feedback, record, coordinates)
         return None, None
 
     async def _join(self, experience: Message, feedback: Feedback, record: dict) -> tuple[Policy | None, DeadLetter | None]:
@@ -305,6 +334,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_
         "session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms,
         "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
     }
+    lease_name = f"{core.name}|{core.checkpoints.directory.resolve()}" if core else ""  # who holds the group: process | checkpoints
     committed: dict[str, int] = {}  # topic -> version last committed for it
     background: list[asyncio.Task] = []
     lock = asyncio.Lock()  # the two subscribers run as separate tasks; the core is not re-entrant
@@ -335,10 +365,10 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_
                     log.exception("record %s:%d@%d failed", record.topic, record.partition, record.offset)
                     core.stats.failed_records += 1
                     policy, rejected = None, dead_letter(record, f"learner failed on it: {type(exc).__name__}: {exc}", "learner")
-                await publish_dead_letters(dead_letters, [rejected] if rejected else [])
+                await publish_dead_letters(dead_letters, ([rejected] if rejected else []) + core.take_dead_letters())
                 await publish(policies_out, [policy] if policy else [])  # checkpointed already; announced again on restart
             if time.monotonic() - core.last_checkpoint > checkpoint_every_s:
-                core.checkpoint()
+                await asyncio.to_thread(core.checkpoint)  # off the event loop (the lock keeps the state still)
             if committed.get(topic) != core.checkpoints.count:
                 offsets = {tp: o for tp, o in core.commit_offsets(topic).items() if tp in message.consumer.assignment()}
                 if offsets:
@@ -357,6 +387,30 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_
 
     app = FastStream(broker)
 
+    @app.on_startup
+    async def fence() -> None:
+        """One learner per consumer group: refuse to start while another holds the group's lease in Redis. A holder
+        on our checkpoint directory is gone (we hold that directory's lock): a restart after a crash takes over."""
+        try:
+            holder = await core.windows.lease(settings.learner_group, lease_name)
+            if holder is not None and holder.split("|", 1)[-1] == lease_name.split("|", 1)[-1]:
+                holder = await core.windows.lease(settings.learner_group, lease_name, take_over=True)
+        except (RedisError, OSError) as exc:
+            log.warning("Redis unreachable (%s): cannot check that no other learner runs in group %s", exc, settings.learner_group)
+            holder = None
+        if holder is not None:
+            raise RuntimeError(f"learner {holder.split('|')[0]} holds consumer group {settings.learner_group!r}: one learner per group (stop it, or wait {LEASE_TTL_S} s after it died)")
+        background.append(asyncio.create_task(keep_lease()))
+
+    async def keep_lease() -> None:
+        while True:
+            await asyncio.sleep(LEASE_TTL_S / 3)
+            try:
+                if holder := await core.windows.lease(settings.learner_group, lease_name):
+                    log.error("learner %s took consumer group %s", holder, settings.learner_group)
+            except (RedisError, OSError) as exc:
+                log.warning("Redis unreachable (%s): lease of group %s not renewed", exc, settings.learner_group)
+
     @app.after_startup
     async def announce() -> None:  # workers that start after a learner restart get the current policy at once
         if core.version > 0:
@@ -368,5 +422,6 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_
         async with lock:
             core.checkpoint()
         await core.windows.mark_ready("learner", core.name, ready=False)
+        await core.windows.release(settings.learner_group, lease_name)
 
     return app

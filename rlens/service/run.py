@@ -84,7 +84,8 @@ def build_worker(settings: Settings) -> Worker:
         return RLAEWorker(build_rlae_decoder(pool, settings.rlae_top_k), agent, names, windows, stop=settings.rlae_stop, explore=settings.rlae_explore, seed=settings.seed, **trust)
     engine = build_engine(settings, pool)
     backends = {m.name: build_backend(m) for m in pool.models}
-    return FocalWorker(engine, names, backends, build_windows(settings, len(names), engine.cfg.window), deadline_s=settings.worker_deadline_s, **trust)
+    return FocalWorker(engine, names, backends, build_windows(settings, len(names), engine.cfg.window), deadline_s=settings.worker_deadline_s,
+                       model_concurrency=settings.model_concurrency, circuit_failures=settings.circuit_failures, circuit_cooldown_s=settings.circuit_cooldown_s, **trust)
 
 
 def build_learner(settings: Settings, warm_start: Path | None = None) -> LearnerCore:
@@ -102,7 +103,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
         trainer, window = FocalOnlineTrainer(engine, names), engine.cfg.window
     core = LearnerCore(
         trainer, names, build_windows(settings, len(names), window), CheckpointStore(settings.checkpoint_dir), signer, tokens,
-        pending_limit=settings.pending_limit, pending_ttl_s=settings.pending_ttl_s,
+        pending_limit=settings.pending_limit, pending_ttl_s=settings.pending_ttl_s, pending_bytes=settings.pending_bytes,
     )
     if warm_start is not None:
         core.warm_start(warm_start)

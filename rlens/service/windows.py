@@ -8,6 +8,7 @@ so both keys of one stream live in one slot and the update script may touch both
 | ``{prefix}:win:{<stream>}`` | list | the last W outcomes, oldest first, each ``[label, reward, p_0, ..., p_{M-1}]`` (JSON; ``p_m`` is model m's predicted choice, -1 where not called) | LTRIM to W | ``window_ttl_s``, renewed on every update |
 | ``{prefix}:applied:{<stream>}:<query id>`` | string | marks a query whose outcome is in the window | one per query | ``dedup_ttl_s`` |
 | ``{prefix}:ready:<role>:<host>-<pid>`` | string | a worker or learner process whose subscribers have joined | one per process | a day; deleted on clean shutdown |
+| ``{prefix}:lease:<consumer group>`` | string | the learner that holds its consumer group (fencing: one learner per group) | one per group | ``LEASE_TTL_S``, renewed by its holder |
 
 An update is one Lua script: if the query's marker is new, push the row, trim to W, renew the TTL; else do
 nothing. So feedback applied twice (a redelivered message, a learner replaying after a crash) counts once, and
@@ -36,6 +37,15 @@ from rlens.focal.window import OutcomeWindow
 from rlens.messages import MAX_CHOICES
 
 log = logging.getLogger("rlens.windows")
+LEASE_TTL_S = 30
+
+RENEW_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) and 1 or 0
+"""
 
 APPLY_OUTCOME = """
 if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[4]) then
@@ -54,6 +64,7 @@ class RedisWindows:
         self.n_models, self.size, self.prefix = n_models, size, prefix
         self.window_ttl_s, self.dedup_ttl_s = window_ttl_s, dedup_ttl_s
         self._apply = redis.register_script(APPLY_OUTCOME)
+        self._renew = redis.register_script(RENEW_LEASE)
         self.skipped_rows = 0  # rows read that did not fit the pool or the bounds
 
     def row_error(self, predictions: list[int], label: int, reward: float) -> str | None:
@@ -124,6 +135,26 @@ class RedisWindows:
             log.warning("Redis unreachable (%s): readiness mark of %s %s not %s", exc, role, name, "set" if ready else "removed")
             return False
         return True
+
+    async def lease(self, group: str, name: str, take_over: bool = False) -> str | None:
+        """Take or renew the lease of consumer group ``group`` for ``name``; None if ours, else who holds it.
+        ``take_over``: take it whoever holds it (the caller knows the holder is gone)."""
+        key = f"{self.prefix}:lease:{group}"
+        if take_over:
+            await self.redis.set(key, name, ex=LEASE_TTL_S)
+            return None
+        if await self._renew(keys=[key], args=[name, LEASE_TTL_S]):
+            return None
+        holder = await self.redis.get(key)
+        return holder.decode() if holder else "another learner"
+
+    async def release(self, group: str, name: str) -> None:
+        key = f"{self.prefix}:lease:{group}"
+        try:
+            if (await self.redis.get(key)) == name.encode():
+                await self.redis.delete(key)
+        except (RedisError, OSError):
+            pass
 
     async def keep_ready(self, role: str, name: str, every_s: float = 2.0) -> None:
         """Set the readiness mark, retrying until Redis answers (run as a task)."""

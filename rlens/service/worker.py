@@ -143,12 +143,13 @@ class FocalWorker(Worker):
     strategy = "rl_focal"
 
     def __init__(self, engine: FocalEngine, models: list[str], backends: dict[str, Backend], windows: RedisWindows,
-                 verifier: PolicyVerifier, tokens: FeedbackTokens, deadline_s: float = 60.0, name: str | None = None):
+                 verifier: PolicyVerifier, tokens: FeedbackTokens, deadline_s: float = 60.0, model_concurrency: int = 8,
+                 circuit_failures: int = 5, circuit_cooldown_s: float = 30.0, name: str | None = None):
         if list(backends) != models:
             raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
         super().__init__(models, windows, verifier, tokens, name)
         self.engine = engine
-        self.caller = PoolCaller(backends, deadline_s=deadline_s, max_workers=max(16, 4 * len(models)))
+        self.caller = PoolCaller(backends, deadline_s, model_concurrency, circuit_failures, circuit_cooldown_s)
 
     def rejects(self, query: Query) -> str | None:
         return "open-ended query (no choices): the rl_focal worker answers multiple-choice queries only" if query.choices is None else None

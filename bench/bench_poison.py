@@ -1,0 +1,183 @@
+"""Fuzz the running service: 10,000 messages on each of ``queries``, ``feedback``, ``experience`` and ``policy``.
+
+    python bench/bench_poison.py [--per-topic 10000] [--seed 0] [--out bench/out/poison.json]
+
+Half of each topic's messages are random bytes (0-2,000 of them), half are schema-shaped messages with extreme
+values: a valid message of the topic with one field replaced by NaN, infinity, 1e300, 50,000, an empty or
+100,001-character string, a list of the wrong length, a forged token, a forged signature, a signed policy of NaNs
+(signed by an attacker's key), ... Every feedback and policy message here is bad; a query is valid when it parses and
+has choices; an experience that parses and fits the pool (a mutation can leave one well formed) is held for its
+feedback and dead-lettered only when it expires (``RLENS_PENDING_TTL_S``), so it is counted apart. The stack (tansu, redis-server, 1 learner, 1 worker, replay backends) gets them all,
+then 200 legitimate queries with feedback. Reported: whether every process is alive, every valid query answered
+exactly once, every bad message dead-lettered (per topic), the reasons' kinds, the seconds from the first message
+sent to the last dead letter read, and whether the learner learned from the legitimate traffic afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from rlens.dataset import load_dataset
+from rlens.focal.engine import FocalEngine
+from rlens.messages import Answer, DeadLetter, Experience, Feedback, Query
+from rlens.service.kafka import Topics
+from rlens.service.load import play, queries_of
+from rlens.service.online import FocalOnlineTrainer
+from rlens.service.policy import encode_policy
+from rlens.service.security import PolicySigner, generate_secrets
+from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.settings import settings
+
+EXTREMES = [float("nan"), float("inf"), float("-inf"), 1e300, -1e300, 50_000, -1, 2**63, "", "x" * 100_001, None, [], [1] * 70, {"a": 1}, True]
+
+
+def mutate(rng: np.random.Generator, good: dict) -> bytes:
+    """``good`` with one to three fields replaced by extreme values (as JSON, NaN and infinities as literals)."""
+    message = dict(good)
+    for field in rng.choice(list(good), size=int(rng.integers(1, 4)), replace=False):
+        message[str(field)] = EXTREMES[int(rng.integers(len(EXTREMES)))]
+    return json.dumps(message).encode()
+
+
+def random_bytes(rng: np.random.Generator) -> bytes:
+    return rng.bytes(int(rng.integers(0, 2000)))
+
+
+def payloads(n: int, seed: int, zoo) -> dict[str, list[bytes]]:
+    rng = np.random.default_rng(seed)
+    engine = FocalEngine(5, seed=0)
+    decision = engine.decide("s", 4, greedy=True)[0]
+    fused = engine.fuse(decision, np.full((5, 4), 0.25), greedy=True)
+    experience = Experience(
+        query_id="q", stream="s", policy_version=0, n_choices=4, decider_state=decision.state.tolist(), critic_state=decision.critic_state.tolist(),
+        pool=decision.pool.tolist(), pool_logp=decision.pool_logp, predictions=[1] * 5, fusion_features=fused.features.tolist(), answer_index=1, answer_logp=fused.answer_logp,
+    ).model_dump(mode="json")
+    query = Query(query_id="q", stream="s", prompt="p", choices=["a", "b", "c", "d"], reference_id="0").model_dump(mode="json")
+    feedback = Feedback(query_id="q", token="0" * 32, label=1).model_dump(mode="json")
+    attacker = PolicySigner(generate_secrets()["RLENS_POLICY_SIGNING_KEY"])
+    state = engine.policy_state()
+    policies = [
+        encode_policy(state, 2**62, 2**40, zoo.model_names, "rl_focal", attacker),
+        encode_policy({k: v.fill_(math.nan) for k, v in engine.policy_state().items()}, 3, 2**40, zoo.model_names, "rl_focal", attacker),
+    ]
+    small_policy = {**policies[0].model_dump(mode="json"), "weights_b64": "AAAA"}  # mutated ones stay small on the wire
+    out: dict[str, list[bytes]] = {}
+    for topic, good in (("queries", query), ("feedback", feedback), ("experience", experience), ("policy", small_policy)):
+        messages = []
+        for i in range(n):
+            if i % 2:
+                messages.append(random_bytes(rng))
+            else:
+                message = json.loads(mutate(rng, good))
+                if "query_id" in message and isinstance(message["query_id"], str) and message["query_id"]:
+                    message["query_id"] = f"fuzz-{topic}-{i}"  # distinct ids: each valid query is answered once
+                messages.append(json.dumps(message).encode())
+        out[topic] = messages
+    out["policy"][:len(policies)] = [p.model_dump_json().encode() for p in policies]
+    out["feedback"][0] = Feedback(query_id="fuzz-0", token="f" * 32, reward=-1).model_dump_json().encode()  # schema-valid, forged
+    return out
+
+
+def fits_the_pool(payload: bytes, trainer) -> bool:
+    try:
+        return trainer.check(Experience.model_validate_json(payload)) is None
+    except ValueError:
+        return False
+
+
+def valid_query(payload: bytes) -> str | None:
+    try:
+        query = Query.model_validate_json(payload)
+    except ValueError:
+        return None
+    return query.query_id if query.choices is not None else None
+
+
+async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str], held: int, timeout_s: float) -> dict:
+    topics = Topics.from_settings(stack.settings)
+    names = {"queries": topics.queries, "feedback": topics.feedback, "experience": topics.experience, "policy": topics.policy}
+    producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap, linger_ms=20, max_request_size=16 * 2**20)
+    consumer = AIOKafkaConsumer(topics.dead_letter, topics.answers, bootstrap_servers=stack.settings.kafka_bootstrap, group_id=None,
+                                auto_offset_reset="earliest", fetch_max_wait_ms=50, max_partition_fetch_bytes=16 * 2**20)
+    await producer.start()
+    await consumer.start()
+    started = time.perf_counter()
+    for topic, messages in sent.items():
+        for payload in messages:
+            await producer.send(names[topic], payload)
+    await producer.flush()
+    expected = {names[t]: len(m) - {"queries": len(valid), "experience": held}.get(t, 0) for t, m in sent.items()}
+    dead: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()
+    answers: Counter[str] = Counter()
+    last = time.perf_counter()
+    while time.perf_counter() - last < timeout_s and (any(dead[t] < n for t, n in expected.items()) or len(answers) < len(valid)):
+        for tp, records in (await consumer.getmany(timeout_ms=500)).items():
+            last = time.perf_counter()
+            for record in records:
+                if tp.topic == topics.answers:
+                    answers[Answer.model_validate_json(record.value).query_id] += 1
+                else:
+                    letter = DeadLetter.model_validate_json(record.value)
+                    dead[letter.topic] += 1
+                    reasons[f"{letter.topic.removeprefix('rlens.')}: {letter.reason.split(':')[0][:60]}"] += 1
+    elapsed = last - started
+    await asyncio.sleep(2.0)  # late duplicates, if any
+    for records in (await consumer.getmany(timeout_ms=1000)).values():
+        for record in records:
+            if record.topic == topics.answers:
+                answers[Answer.model_validate_json(record.value).query_id] += 1
+    await consumer.stop()
+    await producer.stop()
+    return {
+        "sent": {t: len(m) for t, m in sent.items()}, "valid_queries": len(valid), "well_formed_experience_held": held,
+        "valid_answered_once": sum(answers[q] == 1 for q in valid), "valid_answered_twice_or_more": sum(answers[q] > 1 for q in valid),
+        "dead_lettered": {t.removeprefix("rlens."): dead[t] for t in expected}, "expected_dead_letters": {t.removeprefix("rlens."): n for t, n in expected.items()},
+        "seconds": round(elapsed, 1), "reasons": dict(reasons.most_common(25)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--per-topic", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/out/poison.json"))
+    args = parser.parse_args()
+    zoo = load_dataset(settings().demo_data)
+    sent = payloads(args.per_topic, args.seed, zoo)
+    valid = {qid for qid in map(valid_query, sent["queries"]) if qid}
+    trainer = FocalOnlineTrainer(FocalEngine(zoo.n_models, seed=0), zoo.model_names)
+    held = sum(fits_the_pool(p, trainer) for p in sent["experience"])
+    workdir = args.out.parent / "poison-stack"
+    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
+    config = settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500})
+    stack = LocalStack(config, workdir)
+    try:
+        stack.start_learner()
+        stack.start_worker()
+        stack.wait_ready(120)
+        result = asyncio.run(flood(stack, sent, valid, held, timeout_s=120))
+        after = asyncio.run(play(stack.settings, queries_of(zoo.subset(list(range(200))), None, "after"), rate=50, idle_timeout_s=60))
+        time.sleep(3.0)
+        result["alive"] = all(p.poll() is None for p in stack.processes())
+        result["after"] = {"answered": after.answered, "of": 200, "duplicates": after.duplicates, "accuracy": round(after.accuracy, 3), "policy_versions": sorted(after.policy_versions)}
+    finally:
+        stack.stop()
+    state = json.loads((stack.settings.checkpoint_dir / (stack.settings.checkpoint_dir / "LATEST").read_text() / "state.json").read_text())
+    result["learner"] = {k: state["stats"][k] for k in ("joined", "updates", "forged_feedback", "invalid_experience", "failed_records", "rejected_updates")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

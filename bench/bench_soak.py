@@ -1,0 +1,86 @@
+"""Memory under a flood of stream keys: the stack (1 learner, 1 worker, replay backends) for ``--minutes`` under
+traffic whose every query has its own stream key, cycling through ``--streams`` keys, with immediate feedback.
+
+    python bench/bench_soak.py [--minutes 10] [--streams 100000] [--rate 200] [--out bench/out/soak.json]
+
+The resident memory (RSS, from /proc) of the worker and the learner is sampled every 10 s. Reported: RSS after the
+first minute (warm) and at the end, their ratio, the peak, and what the service did (answered, joined, updates).
+Target: flat within ±10 % from the first minute to the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+from rlens.dataset import load_dataset
+from rlens.service.load import play, queries_of
+from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.settings import settings
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--streams", type=int, default=100_000)
+    parser.add_argument("--rate", type=float, default=200.0)
+    parser.add_argument("--out", type=Path, default=Path("bench/out/soak.json"))
+    args = parser.parse_args()
+    zoo = load_dataset(settings().demo_data)
+    base = queries_of(zoo, None, "soak")
+    n = int(args.minutes * 60 * args.rate)
+    traffic = [(base[i % len(base)][0].model_copy(update={"query_id": f"soak-{i}", "stream": f"stream-{i % args.streams}"}), base[i % len(base)][1]) for i in range(n)]
+    workdir = args.out.parent / "soak-stack"
+    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
+    config = settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500})
+    stack = LocalStack(config, workdir)
+    samples: list[dict] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        start = time.monotonic()
+        while not stop.wait(10.0):
+            samples.append({"t": round(time.monotonic() - start), "worker_mb": rss_mb(stack.workers[0].pid), "learner_mb": rss_mb(stack.learner.pid)})
+            print(samples[-1], flush=True)
+
+    try:
+        stack.start_learner()
+        stack.start_worker()
+        stack.wait_ready(120)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        report = asyncio.run(play(stack.settings, traffic, rate=args.rate, idle_timeout_s=120))
+        stop.set()
+        sampler.join()
+        time.sleep(2.0)
+    finally:
+        stop.set()
+        stack.stop()
+    state = json.loads((stack.settings.checkpoint_dir / (stack.settings.checkpoint_dir / "LATEST").read_text() / "state.json").read_text())
+    warm = next(s for s in samples if s["t"] >= 60)
+    result = {
+        "minutes": args.minutes, "streams": args.streams, "rate": args.rate, "sent": report.sent, "answered": report.answered,
+        "elapsed_s": round(report.elapsed_s, 1), "p50_ms": round(report.latency_percentile(50)), "p99_ms": round(report.latency_percentile(99)),
+        "joined": state["stats"]["joined"], "updates": state["stats"]["updates"],
+        **{f"{role}_mb": {"warm": round(warm[f"{role}_mb"]), "end": round(samples[-1][f"{role}_mb"]), "peak": round(max(s[f"{role}_mb"] for s in samples)),
+                          "end_over_warm": round(samples[-1][f"{role}_mb"] / warm[f"{role}_mb"], 3)} for role in ("worker", "learner")},
+        "samples": samples,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
