@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import math
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -111,11 +112,12 @@ async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str]
     await producer.start()
     await consumer.start()
     started = time.perf_counter()
+    refused: Counter[str] = Counter()  # messages the broker did not take (they cannot be dead-lettered)
     for topic, messages in sent.items():
-        for payload in messages:
-            await producer.send(names[topic], payload)
-    await producer.flush()
-    expected = {names[t]: len(m) - {"queries": len(valid), "experience": held}.get(t, 0) for t, m in sent.items()}
+        deliveries = [await producer.send(names[topic], payload) for payload in messages]
+        results = await asyncio.gather(*deliveries, return_exceptions=True)
+        refused[names[topic]] = sum(isinstance(r, BaseException) for r in results)
+    expected = {names[t]: len(m) - {"queries": len(valid), "experience": held}.get(t, 0) - refused[names[t]] for t, m in sent.items()}
     dead: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
     answers: Counter[str] = Counter()
@@ -142,6 +144,7 @@ async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str]
         "sent": {t: len(m) for t, m in sent.items()}, "valid_queries": len(valid), "well_formed_experience_held": held,
         "valid_answered_once": sum(answers[q] == 1 for q in valid), "valid_answered_twice_or_more": sum(answers[q] > 1 for q in valid),
         "dead_lettered": {t.removeprefix("rlens."): dead[t] for t in expected}, "expected_dead_letters": {t.removeprefix("rlens."): n for t, n in expected.items()},
+        "refused_by_the_broker": {t.removeprefix("rlens."): n for t, n in refused.items()},
         "seconds": round(elapsed, 1), "reasons": dict(reasons.most_common(25)),
     }
 
@@ -158,6 +161,7 @@ def main() -> None:
     trainer = FocalOnlineTrainer(FocalEngine(zoo.n_models, seed=0), zoo.model_names)
     held = sum(fits_the_pool(p, trainer) for p in sent["experience"])
     workdir = args.out.parent / "poison-stack"
+    shutil.rmtree(workdir, ignore_errors=True)  # a cold start: no checkpoint of an earlier run
     pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
     config = settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500})
     stack = LocalStack(config, workdir)

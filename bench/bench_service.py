@@ -80,8 +80,8 @@ def main() -> None:
     args = parser.parse_args()
     data = settings().demo_data
     dataset = load_dataset(data)
-    repeat = [i % dataset.n_questions for i in range(args.queries)]
-    traffic = queries_of(dataset.subset(repeat), None, "bench")
+    stream = queries_of(dataset, None, "bench")  # reference ids index the dataset the replay backends serve
+    traffic = [(stream[i % len(stream)][0].model_copy(update={"query_id": f"bench-{i}"}), stream[i % len(stream)][1]) for i in range(args.queries)]
     workdir = Path("bench/out/service-stack")
     pool = write_replay_pool(data, workdir / "pool.json")
     config = settings().model_copy(update={"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500})

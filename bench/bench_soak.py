@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ def main() -> None:
     n = int(args.minutes * 60 * args.rate)
     traffic = [(base[i % len(base)][0].model_copy(update={"query_id": f"soak-{i}", "stream": f"stream-{i % args.streams}"}), base[i % len(base)][1]) for i in range(n)]
     workdir = args.out.parent / "soak-stack"
+    shutil.rmtree(workdir, ignore_errors=True)  # a cold start: no checkpoint of an earlier run
     pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
     config = settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500})
     stack = LocalStack(config, workdir)

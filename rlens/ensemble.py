@@ -7,8 +7,8 @@ others' distributions are used, so the ensemble answers with the remaining model
 ``decision.pool & answered``). A thread stuck in a hung backend is left behind, never waited for, and it holds only
 its own model's threads: a hung model can never delay or get blamed on a healthy one. A call to a model whose
 threads have all been in one call for longer than the deadline fails at once ("busy"), and each model has a
-:class:`CircuitBreaker`: after ``circuit_failures``
-failures in a row its calls fail at once for ``circuit_cooldown_s``, then one call is let through to probe it.
+:class:`CircuitBreaker`: after ``circuit_failures`` missed deadlines in a row its calls fail at once for
+``circuit_cooldown_s``, then calls are let through again to probe it. Errors answered in time never open it.
 """
 
 from __future__ import annotations
@@ -61,7 +61,11 @@ class _Done:
 
 class CircuitBreaker:
     """Closed until ``failures`` calls in a row fail; then open (calls refused) for ``cooldown_s``; then half-open:
-    calls are let through, and one success closes it, one failure opens it again."""
+    calls are let through, and one success closes it, one failure opens it again.
+
+    :class:`PoolCaller` counts only missed deadlines as failures: a model that answers, even with an error (a prompt
+    it cannot take, a question it does not know), is responsive, and errors caused by bad queries must never cut a
+    model off from the good ones."""
 
     def __init__(self, failures: int = 5, cooldown_s: float = 30.0, clock=time.monotonic):
         self.failures, self.cooldown_s, self.clock = failures, cooldown_s, clock
@@ -91,7 +95,7 @@ class _Model:
 
     def submit(self, query: ChoiceQuery) -> "Future | _Done":
         if not self.breaker.allow():
-            return _Done(error=ModelUnavailable(f"circuit open after {self.breaker.in_a_row} failures in a row; next try in {self.breaker.open_until - self.breaker.clock():.0f} s"))
+            return _Done(error=ModelUnavailable(f"circuit open after {self.breaker.in_a_row} missed deadlines in a row; next try in {self.breaker.open_until - self.breaker.clock():.0f} s"))
         if self.executor is None:
             try:
                 return _Done(self.backend.score_choices(query))
@@ -156,7 +160,7 @@ class PoolCaller:
         n_choices = len(query.choices)
         result = PoolAnswers(np.zeros((len(self.names), n_choices)), np.zeros(len(self.names), dtype=bool))
         for m, future in futures.items():
-            refused = future.done() and isinstance(future.exception(), ModelUnavailable)  # says nothing new about the model
+            hung = not future.done()  # only a missed deadline counts against the model's circuit (see CircuitBreaker)
             if not future.done():
                 future.cancel()
                 reason = f"no answer within the {self.deadline_s:g} s deadline"
@@ -170,8 +174,8 @@ class PoolCaller:
                 result.answered[m] = True
                 self.models[m].breaker.record(ok=True)
                 continue
-            if not refused:
-                self.models[m].breaker.record(ok=False)
+            if hung or not isinstance(future.exception(), ModelUnavailable):
+                self.models[m].breaker.record(ok=not hung)  # an error answered in time: the model responds
             result.failures.append(ModelFailure(self.names[m], reason))
             self.failure_counts[self.names[m]] += 1
         return result

@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     worker_batch: int = Field(32, ge=1, description="queries the worker takes per batch")
     worker_deadline_s: float = Field(60.0, gt=0, description="a query's models must answer within this")
     model_concurrency: int = Field(8, ge=1, description="threads per model: its calls run in these (a hung model holds only its own); when all are stuck past the deadline, its calls fail at once")
-    circuit_failures: int = Field(5, ge=1, description="failures in a row that open a model's circuit (its calls then fail at once)")
+    circuit_failures: int = Field(5, ge=1, description="missed deadlines in a row that open a model's circuit (its calls then fail at once; errors answered in time never do)")
     circuit_cooldown_s: float = Field(30.0, gt=0, description="how long an open circuit refuses calls before one is let through")
     checkpoint_dir: Path = Field(Path("out/learner"), description="the learner's checkpoints")
     pending_limit: int = Field(100_000, ge=1, description="experience / feedback held while waiting for the other half")

@@ -22,7 +22,7 @@ import torch
 from pydantic import SecretStr, ValidationError
 from redis.asyncio import Redis
 
-from rlens.backends import Backend, create_backend
+from rlens.backends import Backend, BackendError, create_backend
 from rlens.backends.base import ChoiceQuery, ChoiceScores
 from rlens.checkpoint import CheckpointLockError, CheckpointStore
 from rlens.ensemble import CircuitBreaker, PoolCaller
@@ -102,6 +102,10 @@ def test_forged_non_finite_and_mistyped_policies_are_rejected_and_later_real_one
     worker.swap_policy()
     assert (worker.policy_epoch, worker.policy_version) == (2, 2)
     assert torch.equal(worker.engine.policy_state()["fusion.linear.weight"], restarted["fusion.linear.weight"])
+    # an older policy: a genuine one (a replay of the topic) is ignored quietly, a forged one is still rejected
+    assert worker.receive_policy(encode_policy(real, 9, 1, zoo.model_names, "rl_focal", SIGNER)) is None
+    assert "bad signature" in worker.receive_policy(encode_policy(real, 9, 1, zoo.model_names, "rl_focal", attacker))
+    assert worker.stats.policies_rejected == 5 and (worker.policy_epoch, worker.policy_version) == (2, 2)
 
 
 # --- feedback ---------------------------------------------------------------------------------------------------
@@ -266,6 +270,32 @@ def test_a_hung_model_neither_starves_nor_gets_blamed_on_a_healthy_one():
         assert all(a.answered.tolist() == [False, True] and not a.failures for a in fast_only) and caller.failure_counts["fast"] == 0
         [again] = caller.score_batch(queries[:1], [np.array([True, True])])  # all its threads stuck: refused at once
         assert again.answered.tolist() == [False, True] and again.failures[0].reason.startswith("ModelUnavailable: busy: all 4 of its threads")
+    finally:
+        hung.release.set()
+        caller.close()
+
+
+class Picky(Backend):
+    """Answers in time, but fails every query it does not know (a bad reference id, a prompt too long for it)."""
+
+    def score_choices(self, query):
+        if query.prompt == "bad":
+            raise BackendError("no such question")
+        return Fast().score_choices(query)
+
+
+def test_bad_queries_never_open_a_models_circuit_but_missed_deadlines_do():
+    hung = Hung()
+    caller = PoolCaller({"picky": Picky(), "hung": hung}, deadline_s=0.5, model_concurrency=8, circuit_failures=3, circuit_cooldown_s=600)
+    try:
+        bad = [ChoiceQuery(id=str(i), prompt="bad", choices=["a", "b"]) for i in range(20)]
+        caller.score_batch(bad, [np.array([True, False])] * 20)  # 20 errors in a row, each answered in time
+        [good] = caller.score_batch([ChoiceQuery(id="g", prompt="good", choices=["a", "b"])], [np.array([True, True])])
+        assert good.answered.tolist() == [True, False]  # "picky" still serves; "hung" missed its deadline
+        for _ in range(2):
+            caller.score_batch([ChoiceQuery(id="g", prompt="good", choices=["a", "b"])], [np.array([False, True])])
+        [after] = caller.score_batch([ChoiceQuery(id="g", prompt="good", choices=["a", "b"])], [np.array([True, True])])
+        assert after.answered.tolist() == [True, False] and after.failures[0].reason.startswith("ModelUnavailable: circuit open after 3 missed deadlines")
     finally:
         hung.release.set()
         caller.close()

@@ -1,6 +1,8 @@
 """The service on the wire: a real Kafka-protocol broker (tansu), real redis-servers, learner and workers as real
 processes, traffic from the load generator. End to end, kill -9 of a worker and of the learner, Redis restarted
-empty, and 10,000 fuzzed malformed messages."""
+empty, Redis down at start, the broker restarted empty, a second learner on the same group or directory, and
+10,000 fuzzed malformed messages on all four input topics with schema-valid poison (a forged policy, an experience
+of the wrong shape, forged feedback) and a 12.6 MB record."""
 
 from __future__ import annotations
 
@@ -181,6 +183,28 @@ def test_a_second_learner_on_the_same_group_or_directory_refuses_to_start(tmp_pa
         stack.stop()
 
 
+def test_redis_down_at_start_delays_readiness_but_stops_nothing(tmp_path, zoo):
+    redis = LocalRedis()
+    redis.stop()  # its port, with nothing behind it yet
+    pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
+    config = settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "worker_batch": 16})
+    stack = LocalStack(config, tmp_path, redis_url=redis.url)
+    restarted = None
+    try:
+        stack.start_learner()
+        stack.start_worker()
+        time.sleep(8.0)
+        alive = [p.poll() is None for p in stack.processes()]
+        restarted = LocalRedis(redis.port)
+        stack.wait_ready(120)  # the marks appear once Redis answers
+        report = asyncio.run(play(stack.settings, traffic(zoo, "late-redis", 100), rate=50, idle_timeout_s=60))
+    finally:
+        stack.stop()
+        if restarted is not None:
+            restarted.stop()
+    assert alive == [True, True] and report.answered == 100 and report.no_answer == 0
+
+
 MALFORMED = st.one_of(
     st.binary(max_size=300),
     st.text(max_size=200).map(str.encode),
@@ -233,14 +257,14 @@ def test_fuzzed_and_poisoned_messages_on_every_topic_are_dead_lettered_and_the_s
     topics = Topics.from_settings(stack.settings)
     poison = schema_valid_poison(zoo)
     sent = {  # topic -> (payloads, the consumer that must dead-letter them)
-        topics.queries: ([p for p in payloads[0::4] if not is_valid(Query, p)], "worker"),
+        topics.queries: ([p for p in payloads[0::4] if not is_valid(Query, p)] + [b"x" * (12 * 2**20 + 600 * 2**10)], "worker"),
         topics.feedback: ([p for p in payloads[1::4] if not is_valid(Feedback, p)] + poison["feedback"], "learner"),
         topics.experience: ([p for p in payloads[2::4] if not is_valid(Experience, p)] + poison["experience"], "learner"),
         topics.policy: ([p for p in payloads[3::4][:500] if not is_valid(Policy, p)] + poison["policy"], "worker"),
     }
 
     async def scenario():
-        producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap, linger_ms=20)
+        producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap, linger_ms=20, max_request_size=16 * 2**20)
         await producer.start()
         for topic, (messages, _) in sent.items():
             for payload in messages:

@@ -115,13 +115,15 @@ class Worker(ABC):
 
     # --- policy -----------------------------------------------------------------------------------------------
     def receive_policy(self, policy: Policy) -> str | None:
-        """Verify a policy now; it is loaded before the next batch. One not newer by (epoch, version) than the
-        newest verified one is ignored. Why it was rejected, or None."""
+        """Verify a policy now; it is loaded before the next batch. A genuine one not newer by (epoch, version)
+        than the newest verified one is ignored (a replay of the topic); a forged one is rejected whatever its order.
+        Why it was rejected, or None."""
         order = (policy.epoch, policy.version)
-        if order <= max((self.policy_epoch, self.policy_version), self._next_policy[0] if self._next_policy else (0, 0)):
-            return None
         try:
-            self._next_policy = (order, decode_policy(policy, self.policy_tensors(), self.models, self.strategy, self.verifier))
+            if order > max((self.policy_epoch, self.policy_version), self._next_policy[0] if self._next_policy else (0, 0)):
+                self._next_policy = (order, decode_policy(policy, self.policy_tensors(), self.models, self.strategy, self.verifier))
+            elif not self.verifier.verify(policy.signed_bytes(), policy.signature):
+                raise PolicyError(f"policy v{policy.version} (epoch {policy.epoch}): bad signature (not signed by this deployment's learner)")
         except PolicyError as exc:
             self.stats.policies_rejected += 1
             log.error("rejected %s", exc)
