@@ -100,7 +100,7 @@ def test_pending_halves_are_bounded_expire_by_event_time_and_are_dead_lettered(t
             await core.on_experience(experience(engine, f"e{i}"), Record(i, timestamp=1_000_000 + i))
         assert list(core.experience) == ["e2", "e3", "e4"] and core.stats.evicted == 2 and core.stats.expired == 0
         dropped = core.take_dead_letters()
-        assert [d.offset for d in dropped] == [0, 1] and all("reached its bound (3 halves" in d.reason for d in dropped)
+        assert [d.offset for d in dropped] == [0, 1] and all("pending experience reached the bound (3 halves" in d.reason for d in dropped)
         await core.on_feedback(fb("late", label=0), Record(9, timestamp=1_000_004 + hour))  # an hour of event time after e4
         assert list(core.experience) == ["e4"] and list(core.feedback) == ["late"] and core.stats.expired == 2
         assert all("no feedback within 3600 s (event time); not trained on" in d.reason for d in core.take_dead_letters())
@@ -109,6 +109,13 @@ def test_pending_halves_are_bounded_expire_by_event_time_and_are_dead_lettered(t
         for i in range(3):
             await small.on_feedback(fb(f"f{i}", reference="x" * 300), Record(i, value=b"v" * 400))
         assert list(small.feedback) == ["f1", "f2"] and small.feedback.bytes == 800 and small.stats.evicted == 1
+        # a flood of experience on one stream key drops that stream's own halves, not the other streams'
+        quota = learner(tmp_path / "quota", redis_server.url, pending_per_stream=2)
+        await quota.on_experience(experience(engine, "other", stream="quiet"), Record(0))
+        for i in range(5):
+            await quota.on_experience(experience(engine, f"junk{i}", stream="flood"), Record(1 + i))
+        assert list(quota.experience) == ["other", "junk3", "junk4"] and quota.experience.streams.keys() == {"quiet", "flood"}
+        assert all("reached its stream's quota (2 halves)" in d.reason for d in quota.take_dead_letters())
 
     asyncio.run(scenario())
 

@@ -406,3 +406,22 @@ def test_the_service_runs_without_the_model_extras():
     check = blocked + "import rlens.cli, rlens.service.run, rlens.service.stack, rlens.service.load\nrlens.cli.quiet_transformers()\nprint('ok')"
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_cli_generates_secrets_and_a_process_without_its_secrets_says_which(monkeypatch):
+    from typer.testing import CliRunner
+
+    from rlens.cli import app
+
+    printed = CliRunner().invoke(app, ["secrets"])
+    values = dict(line.split("=", 1) for line in printed.output.splitlines() if "=" in line)
+    assert printed.exit_code == 0 and set(values) == {"RLENS_FEEDBACK_SECRET", "RLENS_POLICY_SIGNING_KEY", "RLENS_POLICY_VERIFY_KEY"}
+    assert PolicySigner(values["RLENS_POLICY_SIGNING_KEY"]).verifier().verify(b"x", PolicySigner(values["RLENS_POLICY_SIGNING_KEY"]).sign(b"x"))
+    pool = str(Path(__file__).parent.parent / "infra" / "pool.zoo.json")
+    for name in ("RLENS_FEEDBACK_SECRET", "RLENS_POLICY_SIGNING_KEY", "RLENS_POLICY_VERIFY_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    result = CliRunner().invoke(app, ["worker", "--pool", pool])
+    assert result.exit_code == 2 and "RLENS_POLICY_VERIFY_KEY is not set" in result.output
+    monkeypatch.setenv("RLENS_POLICY_SIGNING_KEY", "not-a-key")
+    result = CliRunner().invoke(app, ["learner", "--pool", pool])
+    assert result.exit_code == 2 and "RLENS_POLICY_SIGNING_KEY must be 32 bytes in base64" in result.output

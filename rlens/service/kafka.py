@@ -72,6 +72,7 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
     return KafkaBroker(
         settings.kafka_bootstrap, security=security, logger=logger, log_level=logging.DEBUG,
         max_batch_size=MAX_MESSAGE_BYTES, max_request_size=MAX_MESSAGE_BYTES, acks=-1 if settings.kafka_acks == "all" else 1,
+        enable_idempotence=settings.kafka_idempotence,
     )
 
 

@@ -9,13 +9,14 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   one. An experience that does not fit the pool (:meth:`OnlineTrainer.check`) is dead-lettered before it is held.
   Any other failure while handling one record dead-letters that record only.
 - **Join.** Either half may come first. Unmatched halves wait in :class:`rlens.service.pending.PendingHalves`,
-  bounded by count (``pending_limit``) and bytes (``pending_bytes``), oldest dropped first, and expire
+  bounded by count (``pending_limit``), bytes (``pending_bytes``) and per stream (``pending_per_stream``: a flood on
+  one stream key drops that stream's own halves), oldest dropped first, and expire
   ``pending_ttl_s`` after their record's timestamp, measured against the newest record the learner has read (event
   time: a learner that catches up after an outage expires nothing early). A dropped half is dead-lettered with the
   reason; an answer whose feedback never comes is not trained on (there is no default reward). A query id that was
-  joined is remembered (bounded), so duplicated feedback or redelivered experience is ignored. Feedback that can never join (its label is not a choice of the
-  query, a reference for a multiple-choice query, a label for an open-ended one, another stream than the query's)
-  goes to the dead-letter topic.
+  joined is remembered (bounded), so duplicated feedback or redelivered experience is ignored. Feedback that can
+  never join (its label is not a choice of the query, a reference for a multiple-choice query, a label for an
+  open-ended one, another stream than the query's) goes to the dead-letter topic.
 - **Reward.** The feedback's ``reward`` if given, else the trainer's: RL-Focal's reward for the answer against
   ``label``, RLAE's exact match of the generated text with ``reference``.
 - **Windows.** (rl_focal) Each join applies the query's outcome to its stream's Redis window, once per query id.
@@ -29,8 +30,10 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   pending joins, the recent query ids and, per partition, the offset after the last record it reflects. Kafka
   offsets are committed only up to a checkpoint's offsets. After a crash the learner restores the newest
   checkpoint, skips re-delivered records below its offsets, and so neither loses nor re-applies a transition.
-  Checkpoints are taken after every update, every ``checkpoint_every_s`` seconds while records arrive, and on
-  shutdown.
+  Checkpoints are taken at most every ``checkpoint_every_s`` seconds (after an update or a batch, and by a timer
+  while the learner is idle) and on shutdown, so their cost does not grow with the update rate. A policy may be
+  published before the checkpoint that holds it; after a crash the learner re-learns from that checkpoint's
+  offsets under a new epoch, whose versions supersede what it published before.
 - **Fencing.** One learner per checkpoint directory (:class:`rlens.checkpoint.CheckpointStore` locks it) and per
   consumer group (a lease in Redis, renewed every ``LEASE_TTL_S`` / 3 s); a second one refuses to start. A learner
   restarted on the directory of one that died takes its lease over at once (holding the directory's lock proves the
@@ -52,7 +55,7 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 
 from aiokafka.structs import TopicPartition
@@ -107,25 +110,28 @@ class LearnerStats:
 class LearnerCore:
     def __init__(self, trainer: OnlineTrainer, models: list[str], windows: RedisWindows, checkpoints: CheckpointStore,
                  signer: PolicySigner, tokens: FeedbackTokens, pending_limit: int = 100_000, pending_ttl_s: float = 3600.0,
-                 pending_bytes: int = 256 * 2**20, done_limit: int = 200_000, redis_wait_s: float = 10.0, backlog_limit: int = 100_000):
+                 pending_bytes: int = 256 * 2**20, pending_per_stream: int = 10_000, done_limit: int = 200_000, redis_wait_s: float = 10.0,
+                 backlog_limit: int = 100_000, checkpoint_every_s: float = 5.0):
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.signer, self.tokens = signer, tokens
         self.pending_limit, self.pending_ttl_s, self.done_limit = pending_limit, pending_ttl_s, done_limit
         self.redis_wait_s, self.backlog_limit = redis_wait_s, backlog_limit
-        self.window_backlog: list[list] = []  # [stream, query id, predictions, label, reward] not yet in Redis, oldest first
+        self.window_backlog: deque[list] = deque()  # [stream, query id, predictions, label, reward] not yet in Redis, oldest first
         self._redis_retry_at = 0.0  # after a bounded wait gave up: no new try before this (monotonic clock)
         self.epoch = time.time_ns() // 1_000_000
         self.version = 0
         self.offsets: dict[str, int] = {}  # "topic:partition" -> offset after the last record reflected in the state
         self.checkpointed_offsets: dict[str, int] = {}  # the same, as of the newest checkpoint (what Kafka may commit)
-        self.experience = PendingHalves(pending_limit, pending_bytes)
-        self.feedback = PendingHalves(pending_limit, pending_bytes)
+        self.experience = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
+        self.feedback = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
         self.clock = 0.0  # the newest event time (record timestamp, seconds) read
         self.dropped: list[DeadLetter] = []  # dead letters of expired or evicted halves, until the app publishes them
         self.done: OrderedDict[str, float] = OrderedDict()
         self.stats = LearnerStats()
         self.name = f"{socket.gethostname()}-{os.getpid()}"
-        self.last_checkpoint = time.monotonic()
+        self.checkpoint_every_s = checkpoint_every_s
+        self.last_checkpoint = float("-inf")  # monotonic time of the newest checkpoint
+        self.checkpointed_version = 0
         restored = trainer.load(checkpoints)
         if restored is not None:
             self._restore(restored)
@@ -139,7 +145,7 @@ class LearnerCore:
         self.feedback.load_json(state["feedback"], Feedback)
         self.clock = state["clock"]
         self.done = OrderedDict(state["done"])
-        self.window_backlog = state.get("window_backlog", [])
+        self.window_backlog = deque(state["window_backlog"])
         self.stats = LearnerStats(**state["stats"])
         log.info("resumed from checkpoint v%d (%d joined)", self.version, self.stats.joined)
 
@@ -150,12 +156,18 @@ class LearnerCore:
             "feedback": self.feedback.to_json(),
             "clock": self.clock,
             "done": list(self.done.items()),
-            "window_backlog": self.window_backlog,
+            "window_backlog": list(self.window_backlog),
             "stats": asdict(self.stats),
         }
         self.trainer.save(self.checkpoints, self.version, state)
         self.checkpointed_offsets = dict(self.offsets)
+        self.checkpointed_version = self.version
         self.last_checkpoint = time.monotonic()
+
+    def checkpoint_due(self) -> bool:
+        """Whether the state moved on since the newest checkpoint and that one is ``checkpoint_every_s`` old."""
+        moved = self.offsets != self.checkpointed_offsets or self.version != self.checkpointed_version
+        return moved and time.monotonic() - self.last_checkpoint >= self.checkpoint_every_s
 
     def already_seen(self, record) -> bool:
         """True for a record the state already reflects (re-delivered after a restart); else mark it seen."""
@@ -186,10 +198,10 @@ class LearnerCore:
         """Hold an unmatched half; dead-letter what expires or no longer fits."""
         at = event_time(record)
         self.clock = max(self.clock, at)
-        kind, other = ("experience", "feedback") if pending is self.experience else ("feedback", "experience")
-        for dropped in pending.add(query_id, Pending(at, len(record.value or b""), message, coordinates)):
+        kind = "experience" if pending is self.experience else "feedback"
+        for dropped, why in pending.add(query_id, Pending(at, len(record.value or b""), message, coordinates)):
             self.stats.evicted += 1
-            self._drop(dropped, f"unmatched {kind} dropped: the learner's pending {kind} reached its bound ({pending.limit} halves, {pending.max_bytes} bytes)")
+            self._drop(dropped, f"unmatched {kind} dropped: the learner's pending {kind} reached {why}")
         for halves, name, missing in ((self.experience, "experience", "feedback"), (self.feedback, "feedback", "experience")):
             for dropped in halves.expire(self.clock - self.pending_ttl_s):
                 self.stats.expired += 1
@@ -273,10 +285,10 @@ class LearnerCore:
             try:
                 if await self.windows.apply(stream, query_id, predictions, label, reward):
                     self.stats.windows_applied += 1
-                self.window_backlog.pop(0)
+                self.window_backlog.popleft()
             except ValueError as exc:  # a row no window can hold: drop it, never block the ones behind it
                 log.error("outcome of query %s dropped: %s", query_id, exc)
-                self.window_backlog.pop(0)
+                self.window_backlog.popleft()
             except (RedisError, OSError) as exc:
                 self.stats.redis_retries += 1
                 if waited >= self.redis_wait_s:
@@ -287,10 +299,9 @@ class LearnerCore:
                 await asyncio.sleep(delay)
                 waited += delay
                 delay = min(2 * delay, 2.0)
-        if len(self.window_backlog) > self.backlog_limit:
-            dropped = len(self.window_backlog) - self.backlog_limit
-            del self.window_backlog[:dropped]
-            self.stats.window_backlog_dropped += dropped
+        while len(self.window_backlog) > self.backlog_limit:
+            self.window_backlog.popleft()
+            self.stats.window_backlog_dropped += 1
 
     def update(self) -> Policy | None:
         """One update on the buffered transitions, a checkpoint, and the new policy version to publish; None
@@ -311,7 +322,8 @@ class LearnerCore:
         self.stats.last_update = stats
         self.stats.updates += 1
         self.version += 1
-        self.checkpoint()
+        if self.checkpoint_due():
+            self.checkpoint()
         log.info("update %d: policy v%d (epoch %d), %d transitions joined", self.stats.updates, self.version, self.epoch, self.stats.joined)
         return self.current_policy()
 
@@ -319,7 +331,7 @@ class LearnerCore:
         return encode_policy(self.trainer.policy_tensors(), self.version, self.epoch, self.models, self.trainer.strategy, self.signer)
 
 
-def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_every_s: float = 30.0) -> FastStream:
+def create_learner_app(settings: Settings, core: LearnerCore | None) -> FastStream:
     """Subscribers on ``experience`` and ``feedback`` (one group, manual commits up to the checkpointed offsets).
 
     ``core`` None builds the app only to generate the AsyncAPI document.
@@ -367,7 +379,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_
                     policy, rejected = None, dead_letter(record, f"learner failed on it: {type(exc).__name__}: {exc}", "learner")
                 await publish_dead_letters(dead_letters, ([rejected] if rejected else []) + core.take_dead_letters())
                 await publish(policies_out, [policy] if policy else [])  # checkpointed already; announced again on restart
-            if time.monotonic() - core.last_checkpoint > checkpoint_every_s:
+            if core.checkpoint_due():
                 await asyncio.to_thread(core.checkpoint)  # off the event loop (the lock keeps the state still)
             if committed.get(topic) != core.checkpoints.count:
                 offsets = {tp: o for tp, o in core.commit_offsets(topic).items() if tp in message.consumer.assignment()}
@@ -401,6 +413,15 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, checkpoint_
         if holder is not None:
             raise RuntimeError(f"learner {holder.split('|')[0]} holds consumer group {settings.learner_group!r}: one learner per group (stop it, or wait {LEASE_TTL_S} s after it died)")
         background.append(asyncio.create_task(keep_lease()))
+        background.append(asyncio.create_task(checkpoint_when_idle()))
+
+    async def checkpoint_when_idle() -> None:
+        """What the last batches did reaches a checkpoint even when no further record comes."""
+        while True:
+            await asyncio.sleep(core.checkpoint_every_s)
+            async with lock:
+                if core.checkpoint_due():
+                    await asyncio.to_thread(core.checkpoint)
 
     async def keep_lease() -> None:
         while True:

@@ -1,0 +1,85 @@
+"""The learner's sustained joins per second, without Kafka: experience + feedback pairs through ``LearnerCore``
+(parsing, token check, shape check, the join, the Redis window update on a real redis-server, MAPPO every 64,
+the signed policy of each update encoded as JSON), with a given number of torch threads.
+
+    python bench/bench_learner.py [--pairs 3200] [--threads 1 2] [--out bench/out/learner.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from redis.asyncio import Redis
+
+from rlens.checkpoint import CheckpointStore
+from rlens.focal.engine import FocalEngine
+from rlens.messages import Experience, Feedback
+from rlens.service.learner import LearnerCore
+from rlens.service.local import LocalRedis
+from rlens.service.online import FocalOnlineTrainer
+from rlens.service.security import FeedbackTokens, PolicySigner, generate_secrets
+from rlens.service.windows import RedisWindows
+
+
+class Record:
+    def __init__(self, topic: str, offset: int, value: bytes):
+        self.topic, self.partition, self.offset, self.key, self.value, self.timestamp = topic, 0, offset, b"k", value, int(time.time() * 1000)
+
+
+def pairs(n: int, tokens: FeedbackTokens) -> tuple[list[bytes], list[bytes]]:
+    engine = FocalEngine(5, seed=0)
+    decision = engine.decide("s", 4, greedy=True)[0]
+    fused = engine.fuse(decision, np.full((5, 4), 0.25), greedy=True)
+    common = dict(policy_version=0, n_choices=4, decider_state=decision.state.tolist(), critic_state=decision.critic_state.tolist(), pool=decision.pool.tolist(),
+                  pool_logp=decision.pool_logp, predictions=[1] * 5, fusion_features=fused.features.tolist(), answer_index=1, answer_logp=fused.answer_logp)
+    experience = [Experience(query_id=f"q{i}", stream=f"s{i % 1000}", **common).model_dump_json().encode() for i in range(n)]
+    feedback = [Feedback(query_id=f"q{i}", token=tokens.token(f"q{i}"), label=i % 4).model_dump_json().encode() for i in range(n)]
+    return experience, feedback
+
+
+async def joins_per_second(redis_url: str, n: int) -> float:
+    secrets = generate_secrets()
+    signer, tokens = PolicySigner(secrets["RLENS_POLICY_SIGNING_KEY"]), FeedbackTokens(secrets["RLENS_FEEDBACK_SECRET"])
+    models = [f"m{i}" for i in range(5)]
+    core = LearnerCore(FocalOnlineTrainer(FocalEngine(5, seed=0), models), models, RedisWindows(Redis.from_url(redis_url), 5, 128),
+                       CheckpointStore(Path(tempfile.mkdtemp())), signer, tokens)
+    experience, feedback = pairs(n, tokens)
+    start = time.perf_counter()
+    for i in range(n):
+        await core.on_experience(Experience.model_validate_json(experience[i]), Record("rlens.experience", i, experience[i]))
+        policy, _ = await core.on_feedback(Feedback.model_validate_json(feedback[i]), Record("rlens.feedback", i, feedback[i]))
+        if policy is not None:
+            policy.model_dump_json()
+    return n / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=3200)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--out", type=Path, default=Path("bench/out/learner.json"))
+    args = parser.parse_args()
+    server = LocalRedis()
+    results = {"cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?"),
+               "cores": os.cpu_count(), "load_1min": os.getloadavg()[0], "pairs": args.pairs, "joins_per_s": {}}
+    try:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            results["joins_per_s"][threads] = round(asyncio.run(joins_per_second(server.url, args.pairs)))
+            print(f"{threads} torch thread(s): {results['joins_per_s'][threads]} joins/s", flush=True)
+    finally:
+        server.stop()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
