@@ -307,7 +307,7 @@ def load(
     from rich.live import Live
 
     from rlens.rlae.tasks import TaskFileError, read_tasks
-    from rlens.service.load import LoadReport, new_run_id, open_ended_queries, play, queries_of
+    from rlens.service.load import BrokerUnreachable, LoadReport, new_run_id, open_ended_queries, play, probe_broker, queries_of
     from rlens.zoo.record import QUESTIONS_FILE, read_questions
     from rlens.zoo.tasks import generation_stream
 
@@ -336,6 +336,10 @@ def load(
         )
         return table
 
+    try:
+        asyncio.run(probe_broker(s))
+    except BrokerUnreachable as exc:
+        fail(str(exc))
     with Live(status(LoadReport()), console=console, refresh_per_second=4) as live:
         report = asyncio.run(play(s, traffic, rate, feedback_delay, idle_timeout, on_answer=lambda r: live.update(status(r))))
         live.update(status(report))
@@ -425,10 +429,6 @@ def import_lm_eval(
     except DatasetError as exc:
         fail(str(exc))
     console.print(f"wrote {summary.out}: {summary.n_questions} questions x {summary.n_models} models, tasks {', '.join(summary.tasks)}" + (f"; dropped {summary.dropped} questions missing for some model" if summary.dropped else ""))
-
-
-if __name__ == "__main__":
-    app()
 
 
 
@@ -565,3 +565,7 @@ def rlae_generate(
         console.print(f"[bold]{prompt!r}[/] -> {out.text!r} ({out.finish_reason})", highlight=False)
         for k, w in enumerate(out.span_weights):
             console.print(f"  span {k}: " + "  ".join(f"{n} {x:.2f}" for n, x in zip(names, w)), highlight=False)
+
+
+if __name__ == "__main__":  # last, so that every command is registered first (`python -m rlens.cli rlae train`)
+    app()

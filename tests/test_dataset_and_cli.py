@@ -103,3 +103,19 @@ def test_demo_is_the_main_job_on_the_bundled_stream(tmp_path):
     assert rl["accuracy"] > methods["best_single"]["accuracy"] + 0.2
     assert rl["accuracy"] > methods["soft_vote"]["accuracy"] + 0.1
     assert rl["mean_models_called"] < 2.5
+
+
+def test_service_commands_say_in_one_line_what_is_missing(tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("RLENS_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # nothing listens there
+    result = CliRunner().invoke(app, ["load", "--limit", "5"])
+    assert result.exit_code == 2 and "no Kafka broker answers at 127.0.0.1:1: start the service with `rlens up`" in result.output
+    assert "Traceback" not in result.output
+    monkeypatch.delenv("RLENS_KAFKA_BOOTSTRAP")
+    with socket.socket() as taken:  # a port something else listens on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["up", "--broker-port", str(port), "--workdir", str(tmp_path / "up")])
+    assert result.exit_code == 2 and f"port {port} is taken (another `rlens up`, or another program): pass --broker-port" in result.output

@@ -14,6 +14,7 @@ and every feedback sent, or when no answer came for ``idle_timeout_s``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -170,6 +171,29 @@ async def play(
         await producer.stop()
     report.elapsed_s = time.perf_counter() - start
     return report
+
+
+class BrokerUnreachable(RuntimeError):
+    """No Kafka broker answers at the configured address."""
+
+
+async def probe_broker(settings: Settings) -> None:
+    """Connect to the broker once; :class:`BrokerUnreachable` with what to do when none answers."""
+    from aiokafka.errors import KafkaConnectionError
+
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, request_timeout_ms=5000)
+    quiet = logging.getLogger("aiokafka")
+    level, quiet.level = quiet.level, logging.CRITICAL  # its own "Unable connect" line would precede ours
+    try:
+        await producer.start()
+    except (KafkaConnectionError, OSError):
+        raise BrokerUnreachable(
+            f"no Kafka broker answers at {settings.kafka_bootstrap}: start the service with `rlens up` (it prints the address to use), "
+            "or point RLENS_KAFKA_BOOTSTRAP at a running one"
+        ) from None
+    finally:
+        quiet.setLevel(level)
+        await producer.stop()
 
 
 def new_run_id() -> str:

