@@ -232,6 +232,7 @@ def up(
     workdir: Path = typer.Option(Path("out/up"), help="logs, the pool file and the learner's checkpoints"),
     warm_start: Path | None = typer.Option(None, help="warm-start the learner (first start only): a recorded dataset (rl_focal), an `rlens rlae train` run (rlae)"),
     broker_port: int = typer.Option(9092, help="port of the embedded broker (when RLENS_KAFKA_BOOTSTRAP is not set)"),
+    fresh: bool = typer.Option(False, "--fresh", help="start clean: delete the learner's checkpoints in --workdir and every Redis key under RLENS_REDIS_PREFIX"),
 ) -> None:
     """Run the whole service here: a Kafka-protocol broker, Redis, the learner and N workers (Ctrl-C stops it).
 
@@ -245,7 +246,7 @@ def up(
     from redis.exceptions import RedisError
 
     from rlens.service.security import redact_url
-    from rlens.service.stack import LocalStack, write_replay_pool, write_zoo_pool
+    from rlens.service.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool
 
     if strategy not in ("rl_focal", "rlae"):
         fail(f"--strategy must be rl_focal or rlae, got {strategy!r}")
@@ -268,6 +269,11 @@ def up(
         stack = LocalStack(s.model_copy(update={"pool_file": pool_file.resolve()}), workdir, partitions, kafka, redis_url, broker_port)
     except (DatasetError, RuntimeError, FileNotFoundError) as exc:
         fail(str(exc))
+    if fresh:
+        clear_state(stack.settings, workdir)
+        console.print(f"fresh start: no learner checkpoint in {workdir}, no Redis keys under {stack.settings.redis_prefix!r}")
+    for line in carried_state(stack.settings, workdir):
+        console.print(f"[yellow]carried over:[/] {line} (--fresh starts clean)")
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:

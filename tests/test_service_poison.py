@@ -399,6 +399,7 @@ def test_secrets_are_not_printed():
     assert not any(secret in repr(config) + str(config.model_dump()) for secret in ("S3cr3t-pw", "kafka-pw", "f" * 20))
     assert redact_url(config.redis_url.get_secret_value()) == "redis://:***@redis.internal:6380/0"
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert redact_url("rediss://app:pw@[::1]:6380/2") == "rediss://app:***@[::1]:6380/2"
 
 
 def test_the_service_runs_without_the_model_extras():
@@ -425,3 +426,20 @@ def test_cli_generates_secrets_and_a_process_without_its_secrets_says_which(monk
     monkeypatch.setenv("RLENS_POLICY_SIGNING_KEY", "not-a-key")
     result = CliRunner().invoke(app, ["learner", "--pool", pool])
     assert result.exit_code == 2 and "RLENS_POLICY_SIGNING_KEY must be 32 bytes in base64" in result.output
+
+
+def test_up_says_what_earlier_runs_left_and_fresh_clears_it(tmp_path, redis_server):
+    from rlens.service.stack import carried_state, clear_state
+
+    config = Settings(redis_url=SecretStr(redis_server.url), redis_prefix="uptest")
+    assert carried_state(config, tmp_path) == []
+    store = CheckpointStore(tmp_path / "learner")
+    store.save(21, {"policy": {"w": torch.zeros(2)}}, {"stats": {"joined": 1344}})
+    store.close()
+    windows = RedisWindows(Redis.from_url(redis_server.url), 5, 128, prefix="uptest")
+    asyncio.run(windows.apply("s1", "q", [0, 1, -1, 1, 0], 1, 1.0))
+    said = carried_state(config, tmp_path)
+    assert said[0] == f"the learner resumes its checkpoint v21 (1344 transitions joined) from {tmp_path / 'learner'}"
+    assert said[1] == "Redis holds the windows of 1 streams under the prefix 'uptest'"
+    clear_state(config, tmp_path)
+    assert carried_state(config, tmp_path) == [] and not (tmp_path / "learner").exists()

@@ -97,5 +97,6 @@ def redact_url(url: str) -> str:
         return url
     user = parts.username or ""
     host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host  # IPv6
     netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))

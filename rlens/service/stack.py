@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,6 +66,41 @@ def write_zoo_pool(zoo_dir: Path, names: list[str], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"models": models}, indent=1))
     return path
+
+
+def carried_state(settings: Settings, workdir: Path) -> list[str]:
+    """What a stack started on ``workdir`` and ``settings.redis_url`` would carry over from earlier runs, in words."""
+    from redis import Redis
+
+    from rlens.checkpoint import CheckpointStore
+
+    found = []
+    directory = Path(workdir) / "learner"
+    latest = CheckpointStore(directory, lock=False).latest() if directory.is_dir() else None
+    if latest is not None:
+        state = json.loads((latest / "state.json").read_text())
+        found.append(f"the learner resumes its checkpoint v{state['version']} ({state['stats']['joined']} transitions joined) from {directory}")
+    redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_connect_timeout=1)
+    try:
+        streams = sum(1 for _ in redis.scan_iter(f"{settings.redis_prefix}:win:*", count=1000))
+    finally:
+        redis.close()
+    if streams:
+        found.append(f"Redis holds the windows of {streams} streams under the prefix {settings.redis_prefix!r}")
+    return found
+
+
+def clear_state(settings: Settings, workdir: Path) -> None:
+    """Forget what earlier runs left: the learner's checkpoints in ``workdir`` and every Redis key under the prefix."""
+    from redis import Redis
+
+    shutil.rmtree(Path(workdir) / "learner", ignore_errors=True)
+    redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_connect_timeout=1)
+    try:
+        for key in redis.scan_iter(f"{settings.redis_prefix}:*", count=1000):
+            redis.delete(key)
+    finally:
+        redis.close()
 
 
 class LocalStack:
