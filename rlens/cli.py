@@ -285,6 +285,8 @@ def up(
         redis_shown = redact_url(stack.settings.redis_url.get_secret_value())
         console.print(f"[bold green]rlens is up[/] ({strategy}): Kafka {stack.settings.kafka_bootstrap}, Redis {redis_shown}, pool {pool_file}, {workers} workers; logs and secrets.env in {workdir}")
         console.print(f"send traffic with: RLENS_KAFKA_BOOTSTRAP={stack.settings.kafka_bootstrap} rlens load --rate 50" + (" --tasks zoo" if strategy == "rlae" else ""))
+        for name, url in sorted(stack.http_urls().items()):
+            console.print(f"  {name.split(':')[0]:8s} {url}/metrics  /healthz  /readyz", highlight=False)
         while not stop:
             time.sleep(1)
             for what in stack.restart_crashed():

@@ -443,3 +443,21 @@ def test_up_says_what_earlier_runs_left_and_fresh_clears_it(tmp_path, redis_serv
     assert said[1] == "Redis holds the windows of 1 streams under the prefix 'uptest'"
     clear_state(config, tmp_path)
     assert carried_state(config, tmp_path) == [] and not (tmp_path / "learner").exists()
+
+
+def test_metric_labels_stay_bounded_under_a_flood_of_stream_keys():
+    from prometheus_client import CollectorRegistry
+
+    from rlens.service.metrics import OTHER, LearnerMetrics, StreamLabels, dead_letter_kind, failure_kind
+
+    labels = StreamLabels(limit=3)
+    assert [labels(f"s{i % 5}") for i in range(10)] == ["s0", "s1", "s2", OTHER, OTHER, "s0", "s1", "s2", OTHER, OTHER]
+    registry = CollectorRegistry()
+    metrics = LearnerMetrics(registry, StreamLabels(limit=10))
+    for i in range(10_000):
+        metrics.observe_join(f"stream-{i}", 1.0, 0.5)
+    joined = next(m for m in registry.collect() if m.name == "rlens_learner_joined").samples
+    assert len([s for s in joined if s.name.endswith("_total")]) == 11  # 10 streams by name + "other"
+    assert registry.get_sample_value("rlens_learner_joined_total", {"stream": OTHER}) == 9_990
+    assert dead_letter_kind("feedback token does not match query q") == "forged_feedback" and dead_letter_kind("invalid JSON: x") == "unreadable"
+    assert failure_kind("no answer within the 1 s deadline") == "deadline" and failure_kind("ModelUnavailable: busy") == "refused"

@@ -205,6 +205,46 @@ def test_redis_down_at_start_delays_readiness_but_stops_nothing(tmp_path, zoo):
     assert alive == [True, True] and report.answered == 100 and report.no_answer == 0
 
 
+def scrape(url: str) -> dict[str, float]:
+    """A process's /metrics: each sample's name (with its labels) -> value, and each metric's total over its labels."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    return samples
+
+
+def test_every_process_serves_metrics_and_health_and_the_counts_follow_the_traffic(tmp_path, zoo):
+    import httpx
+
+    stack = make_stack(tmp_path)
+    try:
+        urls = stack.http_urls()
+        assert sorted(name.split(":")[0] for name in urls) == ["learner", "worker"]
+        for url in urls.values():
+            assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200 and httpx.get(f"{url}/readyz", timeout=10).status_code == 200
+        report = asyncio.run(play(stack.settings, traffic(zoo, "metrics", 150), rate=50, idle_timeout_s=60))
+        time.sleep(3.0)  # the last feedback reaches the learner
+        worker = scrape(next(u for n, u in urls.items() if n.startswith("worker")))
+        learner = scrape(next(u for n, u in urls.items() if n.startswith("learner")))
+    finally:
+        stack.stop()
+    streams = {q.stream for q, _ in traffic(zoo, "metrics", 150)}
+    assert report.answered == 150
+    assert worker["rlens_worker_queries_total"] == worker["rlens_worker_answers_total"] == 150
+    assert sum(worker[f"rlens_worker_answers_total{{stream={s}}}"] for s in streams) == 150
+    assert worker["rlens_worker_stage_seconds_count{stage=decide}"] > 0 and worker["rlens_worker_stage_seconds_count{stage=publish}"] > 0
+    assert worker["rlens_worker_models_called_count"] == 150 and worker["rlens_worker_model_selected_total"] >= 150
+    assert learner["rlens_learner_joined_total"] == 150 and learner["rlens_learner_records_total{kind=feedback}"] == 150
+    assert learner["rlens_learner_updates_total{outcome=applied}"] == 2 and learner["rlens_learner_policy_version"] == 2
+    assert worker["rlens_worker_policy_version"] >= 1  # the learner's policies reached the worker
+
+
 MALFORMED = st.one_of(
     st.binary(max_size=300),
     st.text(max_size=200).map(str.encode),

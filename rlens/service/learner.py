@@ -59,14 +59,18 @@ from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 
 from aiokafka.structs import TopicPartition
-from faststream import AckPolicy, FastStream
+from faststream import AckPolicy
+from faststream.asgi import AsgiFastStream
 from faststream.kafka import KafkaMessage
+from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rlens.checkpoint import CheckpointStore
 from rlens.messages import EXPERIENCE, DeadLetter, Feedback, Message, Policy
 from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
 from rlens.service.online import FeedbackError, OnlineTrainer
+from rlens.service.metrics import LearnerMetrics, StreamLabels, dead_letter_kind, http_routes, not_ready, settings_url
 from rlens.service.pending import Pending, PendingHalves
 from rlens.service.policy import encode_policy, non_finite
 from rlens.service.security import FeedbackTokens, PolicySigner
@@ -126,6 +130,7 @@ class LearnerCore:
         self.feedback = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
         self.clock = 0.0  # the newest event time (record timestamp, seconds) read
         self.dropped: list[DeadLetter] = []  # dead letters of expired or evicted halves, until the app publishes them
+        self.metrics: LearnerMetrics | None = None  # set by the app
         self.done: OrderedDict[str, float] = OrderedDict()
         self.stats = LearnerStats()
         self.name = f"{socket.gethostname()}-{os.getpid()}"
@@ -233,7 +238,7 @@ class LearnerCore:
             return None, dead_letter(record, f"experience does not fit the pool: {reason}", "learner")
         if qid in self.feedback:
             held = self.feedback.pop(qid)
-            return await self._join(experience, held.message, held.record)
+            return await self._join(experience, held.message, held.record, event_time(record) - held.at)
         coordinates = {**dead_letter(record, "", "learner").model_dump(), "value_b64": ""}  # the experience itself is held apart
         self._hold(self.experience, qid, experience, record, coordinates)
         return None, None
@@ -248,11 +253,13 @@ class LearnerCore:
             return None, None
         coordinates = dead_letter(record, "", "learner").model_dump()
         if qid in self.experience:
-            return await self._join(self.experience.pop(qid).message, feedback, coordinates)
+            held = self.experience.pop(qid)
+            return await self._join(held.message, feedback, coordinates, held.at - event_time(record))
         self._hold(self.feedback, qid, feedback, record, coordinates)
         return None, None
 
-    async def _join(self, experience: Message, feedback: Feedback, record: dict) -> tuple[Policy | None, DeadLetter | None]:
+    async def _join(self, experience: Message, feedback: Feedback, record: dict, delay_s: float) -> tuple[Policy | None, DeadLetter | None]:
+        """Train on the pair; ``delay_s``: how long after the experience its feedback was written (event time)."""
         self._remember_done(experience.query_id)
         try:
             if feedback.stream is not None and feedback.stream != experience.stream:
@@ -266,6 +273,8 @@ class LearnerCore:
             self.window_backlog.append([experience.stream, experience.query_id, *row, reward])
             await self.apply_windows()
         self.trainer.remember(experience, reward)
+        if self.metrics is not None:
+            self.metrics.observe_join(experience.stream, reward, delay_s)
         self.stats.joined += 1
         if self.trainer.update_due():
             return self.update(), None
@@ -306,13 +315,16 @@ class LearnerCore:
     def update(self) -> Policy | None:
         """One update on the buffered transitions, a checkpoint, and the new policy version to publish; None
         (and the update undone, its transitions dropped) when it raised or left non-finite weights."""
-        before = self.trainer.snapshot()
+        before, started = self.trainer.snapshot(), time.perf_counter()
         try:
             stats = self.trainer.update()
             problem = f"non-finite weights in {bad[:3]}" if (bad := non_finite(self.trainer.policy_tensors())) else None
         except Exception as exc:  # a numerical failure must not stop learning: undo it and go on
             log.exception("update failed")
             problem = f"{type(exc).__name__}: {exc}"
+        if self.metrics is not None:
+            self.metrics.updates.labels("undone" if problem else "applied").inc()
+            self.metrics.update_seconds.observe(time.perf_counter() - started)
         if problem:
             self.trainer.restore(before)
             self.trainer.clear()
@@ -331,11 +343,40 @@ class LearnerCore:
         return encode_policy(self.trainer.policy_tensors(), self.version, self.epoch, self.models, self.trainer.strategy, self.signer)
 
 
-def create_learner_app(settings: Settings, core: LearnerCore | None) -> FastStream:
-    """Subscribers on ``experience`` and ``feedback`` (one group, manual commits up to the checkpointed offsets).
+def lease_holder(core: LearnerCore) -> str:
+    """How a learner names itself in its group's lease: process | checkpoint directory."""
+    return f"{core.name}|{core.checkpoints.directory.resolve()}"
+
+
+async def claim_group(settings: Settings, core: LearnerCore) -> None:
+    """One learner per consumer group: take the group's lease in Redis, or RuntimeError naming who holds it. A holder
+    on our checkpoint directory is gone (we hold that directory's lock): a restart after a crash takes over."""
+    windows = RedisWindows(Redis.from_url(settings.redis_url.get_secret_value(), socket_connect_timeout=2), core.windows.n_models, 1, settings.redis_prefix)
+    me = lease_holder(core)
+    try:
+        holder = await windows.lease(settings.learner_group, me)
+        if holder is not None and holder.split("|", 1)[-1] == me.split("|", 1)[-1]:
+            holder = await windows.lease(settings.learner_group, me, take_over=True)
+    except (RedisError, OSError) as exc:
+        log.warning("Redis unreachable (%s): cannot check that no other learner runs in group %s", exc, settings.learner_group)
+        holder = None
+    finally:
+        await windows.redis.aclose()
+    if holder is not None:
+        raise RuntimeError(f"learner {holder.split('|')[0]} holds consumer group {settings.learner_group!r}: one learner per group (stop it, or wait {LEASE_TTL_S} s after it died)")
+
+
+def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFastStream:
+    """Subscribers on ``experience`` and ``feedback`` (one group, manual commits up to the checkpointed offsets), and
+    the HTTP side (``/metrics``, ``/healthz``, ``/readyz``: :mod:`rlens.service.metrics`).
 
     ``core`` None builds the app only to generate the AsyncAPI document.
     """
+    registry = CollectorRegistry()
+    metrics = LearnerMetrics(registry, StreamLabels(settings.metrics_streams))
+    if core is not None:
+        core.metrics = metrics
+        metrics.checkpoint_age.set_function(lambda: time.monotonic() - core.last_checkpoint)
     topics = Topics.from_settings(settings)
     broker = make_broker(settings)
     policies_out = typed_publisher(broker, topics.policy, Policy, "learner", "a new version of every agent's weights after each update")
@@ -346,7 +387,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> FastStre
         "session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms,
         "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
     }
-    lease_name = f"{core.name}|{core.checkpoints.directory.resolve()}" if core else ""  # who holds the group: process | checkpoints
+    lease_name = lease_holder(core) if core else ""
     committed: dict[str, int] = {}  # topic -> version last committed for it
     background: list[asyncio.Task] = []
     lock = asyncio.Lock()  # the two subscribers run as separate tasks; the core is not re-entrant
@@ -360,16 +401,23 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> FastStre
                 if ends.get(tp, core.offsets[key]) < core.offsets[key]:
                     core.new_log(key, ends[tp])
 
+    async def dead_letter_out(letters: list[DeadLetter]) -> None:
+        for letter in letters:
+            metrics.dead_letters.labels(dead_letter_kind(letter.reason)).inc()
+        await publish_dead_letters(dead_letters, letters)
+
     async def handle(message: KafkaMessage, model: type, topic: str) -> None:
+        kind = "feedback" if model is Feedback else "experience"
         async with lock:
             await detect_new_logs(message)
             await core.apply_windows()  # what a Redis outage left in the backlog
             for record in message.raw_message:
                 if core.already_seen(record):
                     continue
+                metrics.records.labels(kind).inc()
                 parsed = parse_or_dead_letter(model, record, "learner")
                 if isinstance(parsed, DeadLetter):
-                    await publish_dead_letters(dead_letters, [parsed])  # before any checkpoint can mark this record as done
+                    await dead_letter_out([parsed])  # before any checkpoint can mark this record as done
                     continue
                 try:
                     policy, rejected = await (core.on_feedback(parsed, record) if model is Feedback else core.on_experience(parsed, record))
@@ -377,8 +425,12 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> FastStre
                     log.exception("record %s:%d@%d failed", record.topic, record.partition, record.offset)
                     core.stats.failed_records += 1
                     policy, rejected = None, dead_letter(record, f"learner failed on it: {type(exc).__name__}: {exc}", "learner")
-                await publish_dead_letters(dead_letters, ([rejected] if rejected else []) + core.take_dead_letters())
-                await publish(policies_out, [policy] if policy else [])  # checkpointed already; announced again on restart
+                await dead_letter_out(([rejected] if rejected else []) + core.take_dead_letters())
+                await publish(policies_out, [policy] if policy else [])  # a restart re-announces its checkpoint's policy under a new epoch
+            metrics.pending.labels("experience").set(len(core.experience))
+            metrics.pending.labels("feedback").set(len(core.feedback))
+            metrics.window_backlog.set(len(core.window_backlog))
+            metrics.policy_version.set(core.version)
             if core.checkpoint_due():
                 await asyncio.to_thread(core.checkpoint)  # off the event loop (the lock keeps the state still)
             if committed.get(topic) != core.checkpoints.count:
@@ -397,21 +449,11 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> FastStre
     async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
         await handle(message, Feedback, topics.feedback)
 
-    app = FastStream(broker)
+    joined: list[bool] = []
+    app = AsgiFastStream(broker, asgi_routes=http_routes(registry, lambda: not_ready(core, joined)))
 
     @app.on_startup
-    async def fence() -> None:
-        """One learner per consumer group: refuse to start while another holds the group's lease in Redis. A holder
-        on our checkpoint directory is gone (we hold that directory's lock): a restart after a crash takes over."""
-        try:
-            holder = await core.windows.lease(settings.learner_group, lease_name)
-            if holder is not None and holder.split("|", 1)[-1] == lease_name.split("|", 1)[-1]:
-                holder = await core.windows.lease(settings.learner_group, lease_name, take_over=True)
-        except (RedisError, OSError) as exc:
-            log.warning("Redis unreachable (%s): cannot check that no other learner runs in group %s", exc, settings.learner_group)
-            holder = None
-        if holder is not None:
-            raise RuntimeError(f"learner {holder.split('|')[0]} holds consumer group {settings.learner_group!r}: one learner per group (stop it, or wait {LEASE_TTL_S} s after it died)")
+    async def leased() -> None:  # run_learner took the group's lease (claim_group) before the app started
         background.append(asyncio.create_task(keep_lease()))
         background.append(asyncio.create_task(checkpoint_when_idle()))
 
@@ -436,7 +478,8 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> FastStre
     async def announce() -> None:  # workers that start after a learner restart get the current policy at once
         if core.version > 0:
             await publish(policies_out, [core.current_policy()])
-        background.append(asyncio.create_task(core.windows.keep_ready("learner", core.name)))
+        joined.append(True)
+        background.append(asyncio.create_task(core.windows.keep_ready("learner", core.name, settings_url(settings))))
 
     @app.on_shutdown
     async def final_checkpoint() -> None:

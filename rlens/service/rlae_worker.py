@@ -70,7 +70,7 @@ class RLAEWorker(Worker):
         started = time.perf_counter()
         results = await asyncio.to_thread(self._decode_each, [q.prompt for q in queries])
         latency = 1000 * (time.perf_counter() - started)
-        out = BatchOutput()
+        out = BatchOutput(stages={"decode": latency / 1000})
         common = {"called_models": self.models, "policy_version": self.policy_version, "worker": self.name, "latency_ms": latency, "strategy": "rlae"}
         for q, result in zip(queries, results):
             if isinstance(result, str):

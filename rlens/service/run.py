@@ -14,7 +14,8 @@ from rlens.focal.engine import FocalEngine
 from rlens.checkpoint import CheckpointStore
 from rlens.pool import PoolConfig, build_backend, build_rlae_decoder, load_pool_config
 from rlens.rlae.agent import RLAEConfig, make_policy
-from rlens.service.learner import LearnerCore, create_learner_app
+from rlens.service.learner import LearnerCore, claim_group, create_learner_app
+from rlens.service.local import free_port
 from rlens.service.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
 from rlens.service.security import FeedbackTokens, PolicySigner, PolicyVerifier, SecretsError
 from rlens.service.windows import RedisWindows
@@ -112,16 +113,26 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
     return core
 
 
-def run_app(app) -> None:
+def with_metrics_port(settings: Settings) -> Settings:
+    """The settings with a concrete port for the process's HTTP side (a free one for port 0)."""
+    return settings if settings.metrics_port else settings.model_copy(update={"metrics_port": free_port()})
+
+
+def run_app(app, settings: Settings) -> None:
+    """Run a worker's or learner's app: its subscribers and, on ``settings.metrics_host:metrics_port``, its HTTP side."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(app.run(log_level=logging.WARNING))
+    asyncio.run(app.run(log_level=logging.WARNING, run_extra_options={"host": settings.metrics_host, "port": settings.metrics_port}))
 
 
 def run_worker(settings: Settings) -> None:
     torch.set_num_threads(settings.torch_threads)
-    run_app(create_worker_app(settings, build_worker(settings)))
+    settings = with_metrics_port(settings)
+    run_app(create_worker_app(settings, build_worker(settings)), settings)
 
 
 def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
-    torch.set_num_threads(settings.torch_threads)  # the learner's MAPPO update: 2.9x faster on one thread here (BENCHMARKS.md)
-    run_app(create_learner_app(settings, build_learner(settings, warm_start)))
+    torch.set_num_threads(settings.torch_threads)  # the learner's MAPPO update: 2.4x faster on one thread on a busy machine (BENCHMARKS.md)
+    settings = with_metrics_port(settings)
+    core = build_learner(settings, warm_start)
+    asyncio.run(claim_group(settings, core))  # before the app starts: a refused learner never joins the group
+    run_app(create_learner_app(settings, core), settings)

@@ -178,6 +178,17 @@ class LocalStack:
         finally:
             redis.close()
 
+    def http_urls(self) -> dict[str, str]:
+        """Each ready process's HTTP side (/metrics, /healthz, /readyz), by its readiness mark's name (role:host-pid)."""
+        from redis import Redis
+
+        redis = Redis.from_url(self.settings.redis_url.get_secret_value())
+        prefix = f"{self.settings.redis_prefix}:ready:"
+        try:
+            return {key.decode().removeprefix(prefix): redis.get(key).decode() for key in redis.scan_iter(f"{prefix}*")}
+        finally:
+            redis.close()
+
     def kill(self, process: subprocess.Popen) -> None:
         """SIGKILL one service process, as a crash would, and forget it."""
         process.kill()

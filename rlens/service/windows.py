@@ -7,7 +7,7 @@ so both keys of one stream live in one slot and the update script may touch both
 |---|---|---|---|---|
 | ``{prefix}:win:{<stream>}`` | list | the last W outcomes, oldest first, each ``[label, reward, p_0, ..., p_{M-1}]`` (JSON; ``p_m`` is model m's predicted choice, -1 where not called) | LTRIM to W | ``window_ttl_s``, renewed on every update |
 | ``{prefix}:applied:{<stream>}:<query id>`` | string | marks a query whose outcome is in the window | one per query | ``dedup_ttl_s`` |
-| ``{prefix}:ready:<role>:<host>-<pid>`` | string | a worker or learner process whose subscribers have joined | one per process | a day; deleted on clean shutdown |
+| ``{prefix}:ready:<role>:<host>-<pid>`` | string | a worker or learner process whose subscribers have joined: the URL of its ``/metrics``, ``/healthz``, ``/readyz`` | one per process | a day; deleted on clean shutdown |
 | ``{prefix}:lease:<consumer group>`` | string | the learner that holds its consumer group (fencing: one learner per group) | one per group | ``LEASE_TTL_S``, renewed by its holder |
 
 An update is one Lua script: if the query's marker is new, push the row, trim to W, renew the TTL; else do
@@ -123,12 +123,12 @@ class RedisWindows:
     def ready_key(self, role: str, name: str) -> str:
         return f"{self.prefix}:ready:{role}:{name}"
 
-    async def mark_ready(self, role: str, name: str, ready: bool = True) -> bool:
-        """Announce (or withdraw) a service process; ``rlens up`` and the tests wait for these marks. Best-effort:
-        False when Redis is unreachable (the process works without it)."""
+    async def mark_ready(self, role: str, name: str, ready: bool = True, url: str = "") -> bool:
+        """Announce (with the URL of its HTTP side) or withdraw a service process; ``rlens up`` and the tests wait
+        for these marks. Best-effort: False when Redis is unreachable (the process works without it)."""
         try:
             if ready:
-                await self.redis.set(self.ready_key(role, name), "1", ex=86400)
+                await self.redis.set(self.ready_key(role, name), url or "1", ex=86400)
             else:
                 await self.redis.delete(self.ready_key(role, name))
         except (RedisError, OSError) as exc:
@@ -156,7 +156,7 @@ class RedisWindows:
         except (RedisError, OSError):
             pass
 
-    async def keep_ready(self, role: str, name: str, every_s: float = 2.0) -> None:
+    async def keep_ready(self, role: str, name: str, url: str = "", every_s: float = 2.0) -> None:
         """Set the readiness mark, retrying until Redis answers (run as a task)."""
-        while not await self.mark_ready(role, name):
+        while not await self.mark_ready(role, name, url=url):
             await asyncio.sleep(every_s)

@@ -32,8 +32,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
-from faststream import AckPolicy, FastStream
+from faststream import AckPolicy
+from faststream.asgi import AsgiFastStream
 from faststream.kafka import KafkaMessage
+from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
 from rlens.backends.base import Backend, ChoiceQuery
@@ -41,6 +43,7 @@ from rlens.ensemble import PoolCaller
 from rlens.focal.engine import FocalEngine
 from rlens.messages import EXPERIENCE, Answer, DeadLetter, Experience, Message, ModelFailureRecord, Policy, Query
 from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
+from rlens.service.metrics import StreamLabels, WorkerMetrics, dead_letter_kind, failure_kind, http_routes, not_ready, settings_url
 from rlens.service.policy import PolicyError, decode_policy
 from rlens.service.security import FeedbackTokens, PolicyVerifier
 from rlens.service.windows import RedisWindows
@@ -54,11 +57,14 @@ class BatchOutput:
     answers: list[Answer] = field(default_factory=list)
     experience: list[Message] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # query id -> why it could not be answered (dead-lettered)
+    stages: dict[str, float] = field(default_factory=dict)  # seconds spent in each stage (window_read, decide, pool_call, fuse, decode)
 
     def extend(self, other: "BatchOutput") -> None:
         self.answers += other.answers
         self.experience += other.experience
         self.failed.update(other.failed)
+        for stage, seconds in other.stages.items():
+            self.stages[stage] = self.stages.get(stage, 0.0) + seconds
 
 
 @dataclass
@@ -166,7 +172,14 @@ class FocalWorker(Worker):
     async def handle(self, queries: list[Query]) -> BatchOutput:
         self.swap_policy()
         out = BatchOutput()
-        started = time.perf_counter()
+        started = lap = time.perf_counter()
+
+        def stage(name: str) -> None:
+            nonlocal lap
+            now = time.perf_counter()
+            out.stages[name] = now - lap
+            lap = now
+
         streams = sorted({q.stream for q in queries})
         try:
             self.engine.windows = await self.windows.load(streams)
@@ -174,14 +187,18 @@ class FocalWorker(Worker):
             self.stats.cold_window_batches += 1
             log.warning("Redis unreachable (%s): answering with cold windows", exc)
             self.engine.reset_windows()
+        stage("window_read")
         cfg = self.engine.cfg
         probes = [cfg.probe_rate > 0 and self.engine.rng.random() < cfg.probe_rate for _ in queries]
         decisions = self.engine.decide_batch([(q.stream, len(q.choices), p) for q, p in zip(queries, probes)], greedy=cfg.online_greedy)
+        stage("decide")
         choice_queries, called = [self._choice_query(q) for q in queries], [d.called for d in decisions]
         calls = await asyncio.to_thread(self.caller.score_batch, choice_queries, called) if self.caller.blocking else self.caller.score_batch(choice_queries, called)
+        stage("pool_call")
         fused_pools = [self._fused_pool(d, c) for d, c in zip(decisions, calls)]
         answerable = [i for i, pool in enumerate(fused_pools) if pool.any()]
         fused = self.engine.fuse_batch([replace(decisions[i], pool=fused_pools[i]) for i in answerable], [calls[i].probs for i in answerable], greedy=cfg.online_greedy) if answerable else []
+        stage("fuse")
         answers = dict(zip(answerable, fused))
         latency = 1000 * (time.perf_counter() - started)
         for i, q in enumerate(queries):
@@ -224,11 +241,14 @@ class FocalWorker(Worker):
         self.stats.answered += 1
 
 
-def create_worker_app(settings: Settings, core: Worker | None) -> FastStream:
-    """The worker's FastStream app: a batch subscriber on ``queries`` (consumer group) and one on ``policy``.
+def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream:
+    """The worker's app: a batch subscriber on ``queries`` (consumer group) and one on ``policy``, and its HTTP side
+    (``/metrics``, ``/healthz``, ``/readyz``: :mod:`rlens.service.metrics`).
 
     ``core`` None builds the app of ``settings.strategy`` only to generate the AsyncAPI document.
     """
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, StreamLabels(settings.metrics_streams))
     topics = Topics.from_settings(settings)
     broker = make_broker(settings)
     consumer = f"worker {core.name}" if core else "worker"
@@ -259,10 +279,33 @@ def create_worker_app(settings: Settings, core: Worker | None) -> FastStream:
         out = await core.answer(queries) if queries else BatchOutput()
         dead += [dead_letter(records[qid], reason, consumer) for qid, reason in out.failed.items()]
         core.stats.dead_lettered += len(dead)
+        started = time.perf_counter()
         await publish(answers, out.answers)
         await publish(experience, out.experience)
         await publish_dead_letters(dead_letters, dead)
+        out.stages["publish"] = time.perf_counter() - started
+        count(queries, out, dead)
         # returning acks the batch: its offsets are committed only now, after every output was confirmed
+
+    def count(queries: list[Query], out: BatchOutput, dead: list[DeadLetter]) -> None:
+        metrics.batch_size.observe(len(queries) + len(dead))
+        for q in queries:
+            metrics.queries.labels(metrics.stream(q.stream)).inc()
+        for stage, seconds in out.stages.items():
+            metrics.stage_seconds.labels(stage).observe(seconds)
+        for a in out.answers:
+            metrics.answers.labels(metrics.stream(a.stream)).inc()
+            metrics.models_called.observe(len(a.called_models))
+            for model in a.chosen_models:
+                metrics.model_selected.labels(model).inc()
+            for failure in a.failures:
+                metrics.model_failures.labels(failure.model, failure_kind(failure.reason)).inc()
+            if not a.answered_models:
+                metrics.no_model_answered.inc()
+        for letter in dead:
+            metrics.dead_letters.labels(dead_letter_kind(letter.reason)).inc()
+        metrics.policy_version.set(core.policy_version)
+        metrics.policy_epoch.set(core.policy_epoch)
 
     @broker.subscriber(
         topics.policy, auto_offset_reset="earliest", decoder=keep_bytes, fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
@@ -272,16 +315,19 @@ def create_worker_app(settings: Settings, core: Worker | None) -> FastStream:
         parsed = parse_or_dead_letter(Policy, message.raw_message, consumer)
         if not isinstance(parsed, DeadLetter) and (reason := core.receive_policy(parsed)):
             parsed = dead_letter(message.raw_message, reason, consumer)
+            metrics.policies_rejected.inc()
         if isinstance(parsed, DeadLetter):
+            metrics.dead_letters.labels(dead_letter_kind(parsed.reason)).inc()
             await publish_dead_letters(dead_letters, [parsed])
 
-    app = FastStream(broker)
-
+    joined: list[bool] = []
+    app = AsgiFastStream(broker, asgi_routes=http_routes(registry, lambda: not_ready(core, joined)))
     background: list[asyncio.Task] = []
 
     @app.after_startup
     async def ready() -> None:
-        background.append(asyncio.create_task(core.windows.keep_ready("worker", core.name)))
+        joined.append(True)
+        background.append(asyncio.create_task(core.windows.keep_ready("worker", core.name, settings_url(settings))))
 
     @app.on_shutdown
     async def leaving() -> None:

@@ -1,0 +1,133 @@
+"""What a worker or learner process shows from the outside: Prometheus metrics, liveness and readiness.
+
+Each process serves, on ``RLENS_METRICS_HOST:RLENS_METRICS_PORT`` (port 0: a free one, announced in the process's
+readiness mark in Redis), ``/metrics`` (Prometheus text format, its own registry), ``/healthz`` (200 while the
+process runs) and ``/readyz`` (200 once its subscribers have joined and Redis answers; else 503 with the reason).
+Stream keys become label values through :class:`StreamLabels`: the first ``RLENS_METRICS_STREAMS`` distinct keys
+keep their names, later ones share the label ``other``, so a flood of stream keys cannot grow the registry.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+from faststream.asgi import AsgiResponse, get
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
+from redis.exceptions import RedisError
+
+if TYPE_CHECKING:
+    from rlens.settings import Settings
+
+OTHER = "other"
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+# dead-letter reasons (their opening words) -> the label of their kind: a small, fixed set
+DEAD_LETTER_KINDS = (
+    ("invalid JSON", "unreadable"), ("unreadable", "unreadable"), ("not a valid", "invalid"),
+    ("open-ended query", "wrong_strategy"), ("multiple-choice query", "wrong_strategy"), ("query id", "duplicate"),
+    ("answering failed", "failed"), ("learner failed", "failed"), ("policy v", "policy_rejected"),
+    ("feedback token", "forged_feedback"), ("experience does not fit", "experience_mismatch"),
+    ("unmatched", "evicted"), ("experience expired", "expired"), ("feedback expired", "expired"),
+)
+
+
+def dead_letter_kind(reason: str) -> str:
+    return next((kind for opening, kind in DEAD_LETTER_KINDS if reason.startswith(opening)), "feedback_mismatch" if "feedback" in reason or "label" in reason else "other")
+
+
+def failure_kind(reason: str) -> str:
+    """A model failure's kind: ``deadline`` (no answer in time), ``refused`` (circuit open or threads stuck), ``error``."""
+    if reason.startswith("no answer within"):
+        return "deadline"
+    return "refused" if reason.startswith("ModelUnavailable") else "error"
+
+
+def settings_url(settings: "Settings") -> str:
+    """Where a process's HTTP side answers (announced in its readiness mark)."""
+    return f"http://{settings.metrics_host}:{settings.metrics_port}"
+
+
+async def not_ready(core, joined: list[bool]) -> str | None:
+    """Why a worker or learner (``core``, with its ``windows``) is not ready: subscribers not joined, Redis down."""
+    if not joined:
+        return "subscribers have not joined their groups yet"
+    try:
+        await core.windows.redis.ping()
+    except (RedisError, OSError) as exc:
+        return f"Redis unreachable ({exc})"
+    return None
+
+
+class StreamLabels:
+    """Stream key → label value: the first ``limit`` distinct keys by name, the rest as ``other``."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.known: set[str] = set()
+
+    def __call__(self, stream: str) -> str:
+        if stream in self.known:
+            return stream
+        if len(self.known) < self.limit:
+            self.known.add(stream)
+            return stream
+        return OTHER
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry, streams: StreamLabels):
+        self.stream = streams
+        self.queries = Counter("rlens_worker_queries", "queries taken, by stream", ["stream"], registry=registry)
+        self.answers = Counter("rlens_worker_answers", "answers published, by stream", ["stream"], registry=registry)
+        self.no_model_answered = Counter("rlens_worker_no_model_answered", "answers with no model behind them (every called model failed)", registry=registry)
+        self.dead_letters = Counter("rlens_worker_dead_letters", "messages dead-lettered, by kind", ["kind"], registry=registry)
+        self.batch_size = Histogram("rlens_worker_batch_size", "queries per batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
+        self.stage_seconds = Histogram("rlens_worker_stage_seconds", "seconds per batch in each stage", ["stage"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.models_called = Histogram("rlens_worker_models_called", "models called per query", buckets=tuple(range(0, 21)), registry=registry)
+        self.model_selected = Counter("rlens_worker_model_selected", "queries whose pool held the model", ["model"], registry=registry)
+        self.model_failures = Counter("rlens_worker_model_failures", "calls of a model that failed, by kind (deadline, refused, error)", ["model", "kind"], registry=registry)
+        self.policy_version = Gauge("rlens_worker_policy_version", "version of the policy in use", registry=registry)
+        self.policy_epoch = Gauge("rlens_worker_policy_epoch", "epoch (learner start, ms) of the policy in use", registry=registry)
+        self.policies_rejected = Counter("rlens_worker_policies_rejected", "policies refused (forged, non-finite, not for this pool)", registry=registry)
+
+
+class LearnerMetrics:
+    def __init__(self, registry: CollectorRegistry, streams: StreamLabels):
+        self.stream = streams
+        self.records = Counter("rlens_learner_records", "experience and feedback records read, by topic kind", ["kind"], registry=registry)
+        self.joined = Counter("rlens_learner_joined", "transitions joined (experience with its feedback), by stream", ["stream"], registry=registry)
+        self.dead_letters = Counter("rlens_learner_dead_letters", "records dead-lettered, by kind", ["kind"], registry=registry)
+        self.feedback_delay = Histogram("rlens_learner_feedback_delay_seconds", "feedback record time minus experience record time, per join",
+                                        buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300, 1800, 3600), registry=registry)
+        self.reward = Gauge("rlens_learner_reward", "rolling mean reward (EWMA, weight 0.05 per join), by stream", ["stream"], registry=registry)
+        self.pending = Gauge("rlens_learner_pending", "unmatched halves held, by kind", ["kind"], registry=registry)
+        self.window_backlog = Gauge("rlens_learner_window_backlog", "outcomes waiting for Redis", registry=registry)
+        self.updates = Counter("rlens_learner_updates", "policy updates, by outcome (applied, undone)", ["outcome"], registry=registry)
+        self.update_seconds = Histogram("rlens_learner_update_seconds", "seconds per update", buckets=LATENCY_BUCKETS, registry=registry)
+        self.policy_version = Gauge("rlens_learner_policy_version", "newest policy version published", registry=registry)
+        self.checkpoint_age = Gauge("rlens_learner_checkpoint_age_seconds", "seconds since the newest checkpoint", registry=registry)
+        self._reward: dict[str, float] = {}
+
+    def observe_join(self, stream: str, reward: float, delay_s: float) -> None:
+        label = self.stream(stream)
+        self.joined.labels(label).inc()
+        self.feedback_delay.observe(max(delay_s, 0.0))
+        mean = self._reward.get(label)
+        self._reward[label] = reward if mean is None else mean + 0.05 * (reward - mean)
+        self.reward.labels(label).set(self._reward[label])
+
+
+def http_routes(registry: CollectorRegistry, not_ready: Callable[[], Awaitable[str | None]]) -> list[tuple[str, object]]:
+    """``/metrics``, ``/healthz`` and ``/readyz`` (``not_ready()``: why the process is not ready, or None)."""
+
+    @get
+    async def healthz(scope) -> AsgiResponse:
+        return AsgiResponse(b"ok\n", 200)
+
+    @get
+    async def readyz(scope) -> AsgiResponse:
+        reason = await not_ready()
+        return AsgiResponse(b"ready\n", 200) if reason is None else AsgiResponse(f"not ready: {reason}\n".encode(), 503)
+
+    return [("/metrics", make_asgi_app(registry)), ("/healthz", healthz), ("/readyz", readyz)]
