@@ -44,8 +44,8 @@ MODELS = [f"m{i}" for i in range(5)]
 
 
 class Record:
-    def __init__(self, offset: int, value: bytes = b"{}", topic: str = "rlens.feedback"):
-        self.topic, self.partition, self.offset, self.key, self.value = topic, 0, offset, b"k", value
+    def __init__(self, offset: int, value: bytes = b"{}", topic: str = "rlens.feedback", timestamp: int | None = None):
+        self.topic, self.partition, self.offset, self.key, self.value, self.timestamp = topic, 0, offset, b"k", value, timestamp
 
 
 def windows_for(url: str) -> RedisWindows:
@@ -461,3 +461,24 @@ def test_metric_labels_stay_bounded_under_a_flood_of_stream_keys():
     assert registry.get_sample_value("rlens_learner_joined_total", {"stream": OTHER}) == 9_990
     assert dead_letter_kind("feedback token does not match query q") == "forged_feedback" and dead_letter_kind("invalid JSON: x") == "unreadable"
     assert failure_kind("no answer within the 1 s deadline") == "deadline" and failure_kind("ModelUnavailable: busy") == "refused"
+
+
+def test_the_learner_measures_each_feedbacks_delay_after_its_experience(tmp_path, redis_server):
+    from prometheus_client import CollectorRegistry
+
+    from rlens.service.metrics import LearnerMetrics, StreamLabels
+
+    async def scenario():
+        core = learner(tmp_path, redis_server.url)
+        registry = CollectorRegistry()
+        core.metrics = LearnerMetrics(registry, StreamLabels(10))
+        t = 1_800_000_000_000  # record timestamps, ms
+        await core.on_experience(experience("a"), Record(0, topic="rlens.experience", timestamp=t))  # experience first
+        await core.on_feedback(fb("a", label=1), Record(0, timestamp=t + 2_000))
+        await core.on_feedback(fb("b", label=1), Record(1, timestamp=t + 30_000))  # feedback read first, written later
+        await core.on_experience(experience("b"), Record(1, topic="rlens.experience", timestamp=t + 1_000))
+        assert registry.get_sample_value("rlens_learner_feedback_delay_seconds_sum") == 2.0 + 29.0
+        assert registry.get_sample_value("rlens_learner_feedback_delay_seconds_bucket", {"le": "5.0"}) == 1
+        assert registry.get_sample_value("rlens_learner_joined_total", {"stream": "s"}) == 2
+
+    asyncio.run(scenario())

@@ -238,7 +238,7 @@ class LearnerCore:
             return None, dead_letter(record, f"experience does not fit the pool: {reason}", "learner")
         if qid in self.feedback:
             held = self.feedback.pop(qid)
-            return await self._join(experience, held.message, held.record, event_time(record) - held.at)
+            return await self._join(experience, held.message, held.record, held.at - event_time(record))
         coordinates = {**dead_letter(record, "", "learner").model_dump(), "value_b64": ""}  # the experience itself is held apart
         self._hold(self.experience, qid, experience, record, coordinates)
         return None, None
@@ -254,7 +254,7 @@ class LearnerCore:
         coordinates = dead_letter(record, "", "learner").model_dump()
         if qid in self.experience:
             held = self.experience.pop(qid)
-            return await self._join(held.message, feedback, coordinates, held.at - event_time(record))
+            return await self._join(held.message, feedback, coordinates, event_time(record) - held.at)
         self._hold(self.feedback, qid, feedback, record, coordinates)
         return None, None
 
