@@ -127,7 +127,8 @@ class CheckpointStore:
     def latest(self) -> Path | None:
         """The newest checkpoint that verifies, or None."""
         named = self.directory / "LATEST"
-        first = self.directory / named.read_text().strip() if named.is_file() and named.read_text().strip() else None
+        name = named.read_text().strip() if named.is_file() else ""
+        first = self.directory / name if name else None
         ordered = ([first] if first is not None else []) + [p for p in self._candidates() if p != first]
         for path in ordered:
             if problem := self._problem(path):

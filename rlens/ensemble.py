@@ -120,7 +120,7 @@ class _Model:
 
 
 class ModelUnavailable(Exception):
-    """A call not made: the model's circuit is open, or all its slots are taken."""
+    """A call not made: the model's circuit is open, or all its threads are stuck past the deadline."""
 
 
 class PoolCaller:

@@ -459,7 +459,7 @@ def test_metric_labels_stay_bounded_under_a_flood_of_stream_keys():
     joined = next(m for m in registry.collect() if m.name == "rlens_learner_joined").samples
     assert len([s for s in joined if s.name.endswith("_total")]) == 11  # 10 streams by name + "other"
     assert registry.get_sample_value("rlens_learner_joined_total", {"stream": OTHER}) == 9_990
-    assert dead_letter_kind("feedback token does not match query q") == "forged_feedback" and dead_letter_kind("invalid JSON: x") == "unreadable"
+    assert dead_letter_kind("feedback token does not match query q") == "forged_feedback" and dead_letter_kind("invalid JSON: x") == "unreadable" and dead_letter_kind("label 7 is not one of query z's 4 choices") == "feedback_mismatch"
     assert failure_kind("no answer within the 1 s deadline") == "deadline" and failure_kind("ModelUnavailable: busy") == "refused"
 
 

@@ -124,13 +124,12 @@ async def publish(publisher: Any, messages: list[Message]) -> None:
     await asyncio.gather(*(publisher.publish(m.model_dump_json().encode(), key=_key(m)) for m in messages))
 
 
-async def publish_dead_letters(publisher: Any, letters: list[DeadLetter]) -> int:
-    """Publish dead letters; one the broker refuses is logged (coordinates and reason) instead. How many were published."""
+async def publish_dead_letters(publisher: Any, letters: list[DeadLetter]) -> None:
+    """Publish dead letters; one the broker refuses is logged (coordinates and reason) instead."""
     results = await asyncio.gather(*(publisher.publish(d.model_dump_json().encode(), key=_key(d)) for d in letters), return_exceptions=True)
     for letter, result in zip(letters, results):
         if isinstance(result, BaseException):
             log.error("could not publish the dead letter of %s:%d@%d (%s): %s", letter.topic, letter.partition, letter.offset, letter.reason, result)
-    return sum(not isinstance(r, BaseException) for r in results)
 
 
 def _key(message: Message) -> bytes | None:

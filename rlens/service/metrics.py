@@ -29,11 +29,12 @@ DEAD_LETTER_KINDS = (
     ("answering failed", "failed"), ("learner failed", "failed"), ("policy v", "policy_rejected"),
     ("feedback token", "forged_feedback"), ("experience does not fit", "experience_mismatch"),
     ("unmatched", "evicted"), ("experience expired", "expired"), ("feedback expired", "expired"),
+    ("feedback for", "feedback_mismatch"), ("label ", "feedback_mismatch"),
 )
 
 
 def dead_letter_kind(reason: str) -> str:
-    return next((kind for opening, kind in DEAD_LETTER_KINDS if reason.startswith(opening)), "feedback_mismatch" if "feedback" in reason or "label" in reason else "other")
+    return next((kind for opening, kind in DEAD_LETTER_KINDS if reason.startswith(opening)), "other")
 
 
 def failure_kind(reason: str) -> str:
