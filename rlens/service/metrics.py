@@ -26,7 +26,7 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 DEAD_LETTER_KINDS = (
     ("invalid JSON", "unreadable"), ("unreadable", "unreadable"), ("not a valid", "invalid"),
     ("open-ended query", "wrong_strategy"), ("multiple-choice query", "wrong_strategy"), ("query id", "duplicate"),
-    ("answering failed", "failed"), ("learner failed", "failed"), ("policy v", "policy_rejected"),
+    ("answering failed", "failed"), ("reply_to", "invalid"), ("learner failed", "failed"), ("policy v", "policy_rejected"),
     ("feedback token", "forged_feedback"), ("experience does not fit", "experience_mismatch"),
     ("unmatched", "evicted"), ("experience expired", "expired"), ("feedback expired", "expired"),
     ("feedback for", "feedback_mismatch"), ("label ", "feedback_mismatch"),
@@ -90,6 +90,7 @@ class WorkerMetrics:
         self.model_failures = Counter("rlens_worker_model_failures", "calls of a model that failed, by kind (deadline, refused, error)", ["model", "kind"], registry=registry)
         self.policy_version = Gauge("rlens_worker_policy_version", "version of the policy in use", registry=registry)
         self.policy_epoch = Gauge("rlens_worker_policy_epoch", "epoch (learner start, ms) of the policy in use", registry=registry)
+        self.reply_failures = Counter("rlens_worker_reply_failures", "answers a gateway's reply topic did not take in time (they are on the answers topic)", registry=registry)
         self.policies_rejected = Counter("rlens_worker_policies_rejected", "policies refused (forged, non-finite, not for this pool)", registry=registry)
 
 
@@ -117,6 +118,18 @@ class LearnerMetrics:
         mean = self._reward.get(label)
         self._reward[label] = reward if mean is None else mean + 0.05 * (reward - mean)
         self.reward.labels(label).set(self._reward[label])
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter("rlens_gateway_requests", "HTTP requests, by route and status code", ["route", "code"], registry=registry)
+        self.request_seconds = Histogram("rlens_gateway_request_seconds", "seconds per request, by route", ["route"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.waiting = Gauge("rlens_gateway_waiting", "requests waiting for their answers", registry=registry)
+        self.timeouts = Counter("rlens_gateway_timeouts", "requests answered 504 (no answer in time)", registry=registry)
+        self.rate_limited = Counter("rlens_gateway_rate_limited", "requests refused with 429", registry=registry)
+        self.idempotent_replays = Counter("rlens_gateway_idempotent_replays", "requests that repeated an Idempotency-Key", registry=registry)
+        self.replies = Counter("rlens_gateway_replies", "answers read from the reply topic, by outcome (stored, duplicate, unknown, forged, unreadable)", ["outcome"], registry=registry)
+        self.feedback = Counter("rlens_gateway_feedback", "feedback requests, by outcome (accepted, duplicate)", ["outcome"], registry=registry)
 
 
 def http_routes(registry: CollectorRegistry, not_ready: Callable[[], Awaitable[str | None]]) -> list[tuple[str, object]]:

@@ -39,6 +39,20 @@ def workdir_secrets(workdir: Path) -> dict[str, str]:
     return {k.removeprefix("RLENS_").lower(): v for k, v in pairs}
 
 
+def workdir_gateway_key(workdir: Path) -> Path:
+    """The stack's gateway key file (``keys.json``, hashed) and the key itself (``gateway.key``, mode 0600): made on
+    first use, for tenant ``local`` on every stream; the path of the key."""
+    from rlens.service.api_keys import add_key
+
+    key_path = workdir / "gateway.key"
+    if not key_path.is_file():
+        key, _ = add_key(workdir / "keys.json", "local", ["*"], rate_per_s=1000.0, burst=2000)
+        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+    return key_path
+
+
 def write_replay_pool(dataset_dir: Path, path: Path) -> Path:
     """A pool file of every model of a recorded dataset, as ``replay`` backends (costs from the dataset)."""
     dataset = load_dataset(dataset_dir)
@@ -115,11 +129,14 @@ class LocalStack:
             "kafka_bootstrap": kafka_bootstrap or self.broker.bootstrap,
             "redis_url": SecretStr(redis_url or self.redis.url),
             "checkpoint_dir": self.workdir / "learner",
+            "gateway_keys_file": self.workdir / "keys.json",
             **secrets,
         })
         asyncio.run(ensure_topics(self.settings, partitions))
         self.workers: list[subprocess.Popen] = []
         self.learner: subprocess.Popen | None = None
+        self.gateway: subprocess.Popen | None = None
+        self.gateway_key = workdir_gateway_key(self.workdir)
 
     def env(self) -> dict[str, str]:
         """The environment of the child processes: the stack's settings as RLENS_* variables."""
@@ -141,12 +158,19 @@ class LocalStack:
         self.learner = self._spawn("learner", "learner.log", *args)
         return self.learner
 
+    def start_gateway(self) -> subprocess.Popen:
+        self.gateway = self._spawn("gateway", "gateway.log")
+        return self.gateway
+
     def restart_crashed(self) -> list[str]:
         """Start a new process for each one that exited; what was restarted, with exit codes."""
         restarted = []
         if self.learner is not None and self.learner.poll() is not None:
             restarted.append(f"learner (exit {self.learner.returncode})")
             self.start_learner(*self.learner_args)
+        if self.gateway is not None and self.gateway.poll() is not None:
+            restarted.append(f"gateway (exit {self.gateway.returncode})")
+            self.start_gateway()
         for i, process in enumerate(self.workers):
             if process.poll() is not None:
                 restarted.append(f"worker {i} (exit {process.returncode})")
@@ -169,7 +193,7 @@ class LocalStack:
                 if dead:
                     raise RuntimeError(f"service process `rlens {dead[0].args[3]}` exited with {dead[0].returncode}; see its log in {self.workdir}")
                 prefix = f"{self.settings.redis_prefix}:ready"
-                waiting = [p for p in self.processes() if not redis.exists(f"{prefix}:worker:{host}-{p.pid}", f"{prefix}:learner:{host}-{p.pid}")]
+                waiting = [p for p in self.processes() if not redis.exists(*(f"{prefix}:{role}:{host}-{p.pid}" for role in ("worker", "learner", "gateway")))]
                 if not waiting:
                     return
                 if time.monotonic() > deadline:
@@ -195,11 +219,13 @@ class LocalStack:
         process.wait()
         if process is self.learner:
             self.learner = None
+        elif process is self.gateway:
+            self.gateway = None
         else:
             self.workers.remove(process)
 
     def processes(self) -> list[subprocess.Popen]:
-        return [p for p in [self.learner, *self.workers] if p is not None]
+        return [p for p in [self.learner, *self.workers, self.gateway] if p is not None]
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM every service process (they drain, commit and leave their groups), then stop broker and Redis."""

@@ -50,6 +50,7 @@ from rlens.service.windows import RedisWindows
 from rlens.settings import Settings
 
 log = logging.getLogger("rlens.worker")
+REPLY_TIMEOUT_S = 5.0  # a gateway's reply topic must take an answer within this
 
 
 @dataclass
@@ -271,6 +272,8 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
                 dead.append(parsed)
             elif reason := core.rejects(parsed):
                 dead.append(dead_letter(record, reason, consumer))
+            elif parsed.reply_to is not None and not parsed.reply_to.startswith(topics.reply_prefix):
+                dead.append(dead_letter(record, f"reply_to {parsed.reply_to!r} is not a reply topic (they start with {topics.reply_prefix!r})", consumer))
             elif parsed.query_id in records:
                 dead.append(dead_letter(record, f"query id {parsed.query_id} appears twice in one batch", consumer))
             else:
@@ -281,11 +284,24 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
         core.stats.dead_lettered += len(dead)
         started = time.perf_counter()
         await publish(answers, out.answers)
+        await reply(out.answers, {q.query_id: q.reply_to for q in queries if q.reply_to})
         await publish(experience, out.experience)
         await publish_dead_letters(dead_letters, dead)
         out.stages["publish"] = time.perf_counter() - started
         count(queries, out, dead)
         # returning acks the batch: its offsets are committed only now, after every output was confirmed
+
+    async def reply(answers: list[Answer], reply_to: dict[str, str]) -> None:
+        """Each answer also to its gateway's reply topic; one that fails within REPLY_TIMEOUT_S is logged and counted
+        (the answer is on ``answers`` anyway), so no reply topic can hold the batch."""
+        sent = [(a, reply_to[a.query_id]) for a in answers if a.query_id in reply_to]
+        results = await asyncio.gather(*(
+            asyncio.wait_for(broker.publish(a.model_dump_json().encode(), topic, key=a.query_id.encode()), REPLY_TIMEOUT_S) for a, topic in sent
+        ), return_exceptions=True)
+        for (a, topic), result in zip(sent, results):
+            if isinstance(result, BaseException):
+                metrics.reply_failures.inc()
+                log.error("could not reply to %s for query %s: %r", topic, a.query_id, result)
 
     def count(queries: list[Query], out: BatchOutput, dead: list[DeadLetter]) -> None:
         metrics.batch_size.observe(len(queries) + len(dead))

@@ -1,0 +1,479 @@
+"""``rlens gateway``: the OpenAI-compatible front door of the service (FastAPI on uvicorn, Kafka through FastStream).
+
+Request → reply over Kafka: a request becomes a :class:`~rlens.messages.Query` (its id is the response id) with
+``reply_to`` = this replica's reply topic (``<prefix>replies.<gateway id>``), so each replica reads only the
+answers of its own queries. The replica waits for the answer up to ``RLENS_GATEWAY_TIMEOUT_S``; a timeout is a 504
+carrying the query id, and the answer, when it comes, is kept (``GET /v1/answers/{id}``) for
+``RLENS_GATEWAY_RETENTION_S``. Everything replicas share is in Redis (:mod:`rlens.service.gateway_state`): the
+first answer of each query (at-least-once duplicates never reach the client), ``Idempotency-Key`` → query id (a
+retry, on any replica, gets the same answer instead of asking the models twice), feedback given, rate buckets.
+
+Answers are accepted only with a valid feedback token (an HMAC only workers can make), so a message forged onto
+a reply topic cannot answer a client. ``POST /v1/feedback`` checks the feedback against its query (tenant, label
+range, kind), gives each query's feedback once, and publishes it with the token the learner checks.
+
+Security: :mod:`rlens.service.api_keys` (hashed keys, tenant, allowed streams, rate); 401 without a valid key,
+403 for a stream the key may not use, 404 for another tenant's queries, 413 above the body or prompt limits, 429
+with ``Retry-After`` past the key's rate, 503 when ``RLENS_GATEWAY_MAX_WAITING`` requests already wait. Prompts
+are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import re
+import socket
+import time
+import uuid
+from collections import Counter
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from aiokafka.errors import KafkaError
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from faststream import AckPolicy
+from faststream.kafka import KafkaMessage
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException
+
+from rlens.messages import MAX_TEXT, Answer, DeadLetter, Feedback, Query
+from rlens.service.api_keys import KeyRecord, KeyStore
+from rlens.service.gateway_state import GatewayState, QueryRecord, digest
+from rlens.service.kafka import Topics, dead_letter, ensure_topics, keep_bytes, make_broker, parse_or_dead_letter, publish_dead_letters, typed_publisher
+from rlens.service.metrics import GatewayMetrics
+from rlens.service.openai_api import (
+    MODEL_OF, MODELS, DEFAULT_STREAM, AnswerStatus, ApiError, ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
+    ErrorResponse, FeedbackReceipt, FeedbackRequest, ModelCard, ModelList, chat_completion, completion, stream_chunks,
+)
+from rlens.service.security import FeedbackTokens
+from rlens.service.windows import RedisWindows
+from rlens.settings import Settings
+
+log = logging.getLogger("rlens.gateway")
+POLL_S = 0.5  # how often a request whose answer goes to another replica (an idempotent retry) looks in Redis
+
+
+def gateway_id(settings: Settings) -> str:
+    return settings.gateway_id or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:100]
+
+
+class Gateway:
+    """The gateway's logic without HTTP: authorize, ask (publish a query, wait for its answer), take replies,
+    take feedback, fetch answers. ``publish_query`` / ``publish_feedback`` send one message and return once the
+    broker confirmed it."""
+
+    def __init__(self, settings: Settings, keys: KeyStore, state: GatewayState, tokens: FeedbackTokens, metrics: GatewayMetrics,
+                 publish_query, publish_feedback, reply_topic: str):
+        self.settings, self.keys, self.state, self.tokens, self.metrics = settings, keys, state, tokens, metrics
+        self.publish_query, self.publish_feedback, self.reply_topic = publish_query, publish_feedback, reply_topic
+        self.strategies = settings.gateway_strategies or [settings.strategy]
+        self.waiting = 0
+        self._answers: dict[str, asyncio.Future] = {}  # query id -> its answer, for requests waiting on this replica
+        self._waiters: Counter[str] = Counter()  # query id -> requests waiting for it here
+
+    def authorize(self, authorization: str | None) -> KeyRecord:
+        self.keys.refresh()
+        scheme, _, key = (authorization or "").partition(" ")
+        record = self.keys.lookup(key.strip()) if scheme.lower() == "bearer" else None
+        if record is None:
+            raise ApiError(401, "missing or invalid API key: send `Authorization: Bearer rlk_...` (make keys with `rlens keys add`)",
+                           "invalid_request_error", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return record
+
+    # asking
+
+    def _check(self, key: KeyRecord, request: ChatCompletionRequest | CompletionRequest, prompt: str, stream_header: str | None) -> tuple[str, str]:
+        """The request's strategy and stream key, or the error that refuses it."""
+        strategy = MODELS.get(request.model)
+        if strategy is None or strategy not in self.strategies:
+            served = ", ".join(MODEL_OF[s] for s in self.strategies)
+            why = f"model {request.model!r} does not exist" if strategy is None else f"this deployment does not run {request.model}"
+            raise ApiError(404, f"{why}; it serves {served}", "invalid_request_error", "model_not_found", "model")
+        choices = request.rlens.choices
+        if strategy == "rl_focal" and choices is None:
+            raise ApiError(400, "rlens-focal answers multiple-choice requests: give the options in rlens.choices (open-ended requests go to rlens-rlae)",
+                           "invalid_request_error", "missing_choices", "rlens.choices")
+        if strategy == "rlae" and choices is not None:
+            raise ApiError(400, "rlens-rlae answers open-ended requests: leave out rlens.choices (multiple-choice requests go to rlens-focal)",
+                           "invalid_request_error", "unexpected_choices", "rlens.choices")
+        stream = stream_header or (request.metadata or {}).get("stream") or DEFAULT_STREAM
+        if len(stream) > 256:
+            raise ApiError(400, "the stream key is longer than 256 characters", "invalid_request_error", "invalid_stream", "metadata.stream")
+        if not key.allows(stream):
+            raise ApiError(403, f"this API key may not use stream {stream!r}", "permission_error", "stream_not_allowed", "metadata.stream")
+        if len(prompt) > min(self.settings.gateway_max_prompt_chars, MAX_TEXT):
+            raise ApiError(413, f"the prompt has {len(prompt)} characters; the limit is {self.settings.gateway_max_prompt_chars}",
+                           "invalid_request_error", "prompt_too_long", "messages")
+        return strategy, stream
+
+    async def _take_token(self, key: KeyRecord) -> None:
+        wait = await self.state.take_token(key.id, key.rate_per_s, key.burst)
+        if wait > 0:
+            self.metrics.rate_limited.inc()
+            raise ApiError(429, f"rate limit of this API key ({key.rate_per_s:g} requests/s, bursts of {key.burst}) reached; retry in {wait:.2f} s",
+                           "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+
+    async def ask(self, key: KeyRecord, request: ChatCompletionRequest | CompletionRequest, body: bytes,
+                  idempotency_key: str | None, stream_header: str | None) -> Answer:
+        """The answer to one request: published as a query and waited for (or the first answer of an earlier
+        request with the same ``Idempotency-Key``)."""
+        chat = isinstance(request, ChatCompletionRequest)
+        prompt = request.prompt() if chat else request.text()
+        strategy, stream = self._check(key, request, prompt, stream_header)
+        await self._take_token(key)
+        query_id = f"rl-{uuid.uuid4().hex}"
+        if idempotency_key:
+            if len(idempotency_key) > 256:
+                raise ApiError(400, "Idempotency-Key is longer than 256 characters", "invalid_request_error", "invalid_idempotency_key")
+            earlier = await self.state.idempotent(key.tenant, idempotency_key, digest(body), query_id)
+            if earlier is not None:
+                query_id, earlier_digest = earlier
+                if earlier_digest != digest(body):
+                    raise ApiError(409, "this Idempotency-Key was used with a different request", "invalid_request_error", "idempotency_key_reused",
+                                   query_id=query_id)
+                self.metrics.idempotent_replays.inc()
+                if (answer := await self.state.answer(query_id)) is not None:
+                    return answer
+                record = await self.state.query(query_id)
+                if record is not None and record.published:
+                    return await self._wait(query_id)
+                # the first request never published it (that replica crashed in between): publish it now
+        if self.waiting >= self.settings.gateway_max_waiting:
+            raise ApiError(503, f"{self.waiting} requests are waiting for answers on this gateway; retry shortly", "server_error", "overloaded",
+                           headers={"Retry-After": "1"})
+        record = QueryRecord(tenant=key.tenant, stream=stream, strategy=strategy, model=request.model, chat=chat,
+                             n_choices=len(request.rlens.choices or []), created_at=time.time())
+        await self.state.remember_query(query_id, record)
+        query = Query(query_id=query_id, stream=stream, prompt=prompt, choices=request.rlens.choices, reference_id=request.rlens.reference_id,
+                      sent_at=time.time(), reply_to=self.reply_topic)
+        try:
+            await self.publish_query(query)
+        except (KafkaError, OSError, TimeoutError) as exc:
+            raise ApiError(503, f"could not publish the query to Kafka ({type(exc).__name__}); retry shortly", "server_error", "unavailable",
+                           query_id=query_id, headers={"Retry-After": "1"}) from exc
+        await self.state.mark_published(query_id, record)
+        return await self._wait(query_id)
+
+    async def _wait(self, query_id: str) -> Answer:
+        """The query's answer: from this replica's replies, or from Redis (answers read by another replica, or
+        before this wait began: :meth:`on_reply` stores an answer before it wakes the waiters)."""
+        future = self._answers.setdefault(query_id, asyncio.get_running_loop().create_future())
+        self._waiters[query_id] += 1
+        deadline = time.monotonic() + self.settings.gateway_timeout_s
+        self.waiting += 1
+        self.metrics.waiting.set(self.waiting)
+        try:
+            while True:
+                if future.done():
+                    return future.result()
+                if (answer := await self.state.answer(query_id)) is not None:
+                    return answer
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.metrics.timeouts.inc()
+                    raise ApiError(504, f"no answer within {self.settings.gateway_timeout_s:g} s; fetch it later at /v1/answers/{query_id}",
+                                   "timeout", "answer_timeout", query_id=query_id)
+                try:
+                    return await asyncio.wait_for(asyncio.shield(future), min(left, POLL_S))
+                except TimeoutError:
+                    pass
+        finally:
+            self.waiting -= 1
+            self.metrics.waiting.set(self.waiting)
+            self._waiters[query_id] -= 1
+            if self._waiters[query_id] <= 0:  # the last waiter of this id forgets its future
+                del self._waiters[query_id]
+                self._answers.pop(query_id, None)
+
+    async def on_reply(self, answer: Answer) -> str:
+        """Take one answer from the reply topic; what became of it (stored, duplicate, unknown, forged)."""
+        signed = answer.feedback_token and self.tokens.valid(answer.query_id, answer.feedback_token)
+        if not signed and (answer.feedback_token or answer.answered_models):
+            return "forged"  # only a worker (holding the feedback secret) can sign an answer
+        if await self.state.query(answer.query_id) is None:
+            return "unknown"  # not ours, or past retention
+        first = await self.state.store_answer(answer)
+        if not first:
+            answer = await self.state.answer(answer.query_id) or answer
+        future = self._answers.get(answer.query_id)
+        if future is not None and not future.done():
+            future.set_result(answer)
+        return "stored" if first else "duplicate"
+
+    # after the answer
+
+    async def owned_query(self, key: KeyRecord, query_id: str) -> QueryRecord:
+        """The record of a query this key's tenant asked; 404 otherwise (another tenant's looks the same as none)."""
+        record = await self.state.query(query_id)
+        if record is None or record.tenant != key.tenant:
+            raise ApiError(404, f"no query {query_id!r} for this API key's tenant (unknown, or older than {self.settings.gateway_retention_s} s)",
+                           "invalid_request_error", "query_not_found", "id")
+        return record
+
+    async def feedback(self, key: KeyRecord, request: FeedbackRequest) -> FeedbackReceipt:
+        record = await self.owned_query(key, request.id)
+        if request.label is None and request.reference is None and request.reward is None:
+            raise ApiError(400, "feedback needs a label, a reference or a reward", "invalid_request_error", "missing_outcome")
+        if request.label is not None and not record.n_choices:
+            raise ApiError(400, "label is for multiple-choice queries; this one was open-ended: give a reference or a reward", "invalid_request_error", "invalid_label", "label")
+        if request.label is not None and request.label >= record.n_choices:
+            raise ApiError(400, f"label {request.label} is out of range: the query had {record.n_choices} options", "invalid_request_error", "invalid_label", "label")
+        if request.reference is not None and record.n_choices:
+            raise ApiError(400, "reference is for open-ended queries; this one was multiple choice: give a label", "invalid_request_error", "invalid_reference", "reference")
+        if not await self.state.claim_feedback(request.id, digest(request.model_dump_json().encode())):
+            self.metrics.feedback.labels("duplicate").inc()
+            return FeedbackReceipt(id=request.id, status="duplicate")
+        message = Feedback(query_id=request.id, token=self.tokens.token(request.id), stream=record.stream,
+                           label=request.label, reference=request.reference, reward=request.reward)
+        try:
+            await self.publish_feedback(message)
+        except Exception:
+            await self.state.release_feedback(request.id)
+            raise
+        self.metrics.feedback.labels("accepted").inc()
+        return FeedbackReceipt(id=request.id, status="accepted")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413 before the app reads any of it."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._refuse(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                return await self._refuse(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        error = ApiError(413, f"the request body is larger than {self.limit} bytes", "invalid_request_error", "request_too_large")
+        await error_response(error)(scope, receive, send)
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body.model_dump(exclude_none=True), error.status, headers=error.headers)
+
+
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 429, 502, 503, 504)}
+
+
+def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> FastAPI:
+    """The gateway's ASGI app: the OpenAI routes, feedback and answers, and /metrics, /healthz, /readyz."""
+    from rlens.service.run import feedback_tokens
+
+    keys = keys or KeyStore(settings.gateway_keys_file if settings.gateway_keys is None else None, settings.gateway_keys)
+    topics = Topics.from_settings(settings)
+    name = gateway_id(settings)
+    reply_topic = topics.replies(name)
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    broker = make_broker(settings)
+    queries = typed_publisher(broker, topics.queries, Query, "gateway", "the requests, each with reply_to = the replica's reply topic")
+    feedback = typed_publisher(broker, topics.feedback, Feedback, "gateway", "feedback given through POST /v1/feedback")
+    dead_letters = typed_publisher(broker, topics.dead_letter, DeadLetter, "gateway", "replies that could not be used, with the reason")
+    redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=5, socket_connect_timeout=2, health_check_interval=10)
+    marks = RedisWindows(redis, 1, 1, settings.redis_prefix)  # only its readiness mark
+
+    async def publish_one(publisher, message) -> None:
+        await publisher.publish(message.model_dump_json().encode(), key=message.query_id.encode())
+
+    gateway = Gateway(settings, keys, GatewayState(redis, settings.redis_prefix, settings.gateway_retention_s), feedback_tokens(settings), metrics,
+                      lambda q: publish_one(queries, q), lambda f: publish_one(feedback, f), reply_topic)
+    consumer = f"gateway {name}"
+
+    @broker.subscriber(
+        reply_topic, group_id=f"rlens-gateway-{name}", auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR, decoder=keep_bytes,
+        session_timeout_ms=settings.kafka_session_timeout_ms, heartbeat_interval_ms=settings.kafka_heartbeat_ms, fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+        description="answers to this replica's queries (workers publish each answer here too)",
+    )
+    async def on_reply(body: bytes, message: KafkaMessage) -> None:
+        parsed = parse_or_dead_letter(Answer, message.raw_message, consumer)
+        if isinstance(parsed, DeadLetter):
+            outcome = "unreadable"
+        else:
+            outcome = await gateway.on_reply(parsed)  # Redis down: raises, the reply is read again
+            if outcome == "forged":
+                parsed = dead_letter(message.raw_message, f"answer for {parsed.query_id} without a valid feedback token", consumer)
+        metrics.replies.labels(outcome).inc()
+        if isinstance(parsed, DeadLetter):
+            await publish_dead_letters(dead_letters, [parsed])
+
+    started: list[bool] = []
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await ensure_topics(settings, extra=(reply_topic,))
+        await broker.start()
+        started.append(True)
+        url = f"http://{settings.gateway_host}:{settings.gateway_port}"
+        process = f"{socket.gethostname()}-{os.getpid()}"
+        mark = asyncio.create_task(marks.keep_ready("gateway", process, url))
+        log.info("gateway %s ready on %s (reply topic %s; serves %s)", name, url, reply_topic, ", ".join(MODEL_OF[s] for s in gateway.strategies))
+        try:
+            yield
+        finally:
+            mark.cancel()
+            await marks.mark_ready("gateway", process, ready=False)
+            await broker.stop()
+            await redis.aclose()
+
+    app = FastAPI(title="rlens gateway", version="1", lifespan=lifespan,
+                  description="OpenAI-compatible front door of an rlens ensemble, with a feedback API. See README.md.")
+    app.state.gateway, app.state.broker = gateway, broker
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if p != "body")
+        return error_response(ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], "invalid_request_error", "invalid_request", where or None))
+
+    @app.exception_handler(HTTPException)
+    async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(ApiError(exc.status_code, str(exc.detail), "invalid_request_error", headers=dict(exc.headers or {})))
+
+    @app.exception_handler(RedisError)
+    async def on_redis(request: Request, exc: RedisError) -> JSONResponse:
+        log.error("Redis unreachable: %s", exc)
+        return error_response(ApiError(503, "the gateway's state store (Redis) is unreachable; retry shortly", "server_error", "unavailable", headers={"Retry-After": "1"}))
+
+    @app.middleware("http")
+    async def measure(request: Request, call_next):
+        started_at = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = route.path if route is not None else "unmatched"
+        metrics.requests.labels(path, str(response.status_code)).inc()
+        metrics.request_seconds.labels(path).observe(time.perf_counter() - started_at)
+        return response
+
+    app.add_middleware(BodyLimit, limit=settings.gateway_max_body_bytes)
+
+    def key_of(authorization: str | None = Header(None)) -> KeyRecord:
+        return gateway.authorize(authorization)
+
+    def answer_response(answer: Answer, model: str, chat: bool, stream: bool) -> Any:
+        if not answer.answered_models:
+            failures = "; ".join(f"{f.model}: {f.reason}" for f in answer.failures) or "no model was called"
+            raise ApiError(502, f"no model of the pool answered ({failures})", "server_error", "no_model_answered", query_id=answer.query_id)
+        if stream:
+            events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(answer, model, chat)) + "data: [DONE]\n\n"
+            return StreamingResponse(iter([events]), media_type="text/event-stream")
+        return chat_completion(answer, model) if chat else completion(answer, model)
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def models(key: KeyRecord = Depends(key_of)) -> ModelList:
+        """The strategies this deployment runs, as models."""
+        return ModelList(data=[ModelCard(id=MODEL_OF[s]) for s in gateway.strategies])
+
+    async def ask(request: Request, body: ChatCompletionRequest | CompletionRequest, key: KeyRecord, idempotency_key: str | None, stream_key: str | None):
+        answer = await gateway.ask(key, body, await request.body(), idempotency_key, stream_key)
+        return answer_response(answer, body.model, isinstance(body, ChatCompletionRequest), body.stream)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+    async def chat_completions(request: Request, body: ChatCompletionRequest, key: KeyRecord = Depends(key_of),
+                               idempotency_key: str | None = Header(None), x_rlens_stream: str | None = Header(None)):
+        """Answer a conversation (multiple choice with rlens.choices and model rlens-focal; open-ended with rlens-rlae)."""
+        return await ask(request, body, key, idempotency_key, x_rlens_stream)
+
+    @app.post("/v1/completions", response_model=Completion, responses=ERRORS)
+    async def completions(request: Request, body: CompletionRequest, key: KeyRecord = Depends(key_of),
+                          idempotency_key: str | None = Header(None), x_rlens_stream: str | None = Header(None)):
+        """Answer a prompt (multiple choice with rlens.choices and model rlens-focal; open-ended with rlens-rlae)."""
+        return await ask(request, body, key, idempotency_key, x_rlens_stream)
+
+    @app.get("/v1/answers/{query_id}", response_model=ChatCompletion | Completion, responses={**ERRORS, 202: {"model": AnswerStatus}})
+    async def answers(query_id: str, key: KeyRecord = Depends(key_of)):
+        """A query's answer (e.g. after a 504), for as long as the gateway retains it; 202 while it is pending."""
+        record = await gateway.owned_query(key, query_id)
+        answer = await gateway.state.answer(query_id)
+        if answer is None:
+            return JSONResponse(AnswerStatus(id=query_id).model_dump(), 202)
+        return answer_response(answer, record.model, record.chat, stream=False)
+
+    @app.post("/v1/feedback", response_model=FeedbackReceipt, status_code=202, responses={**ERRORS, 200: {"model": FeedbackReceipt}})
+    async def feedback_route(body: FeedbackRequest, key: KeyRecord = Depends(key_of)):
+        """Rate an answer of this key's tenant once: 202 accepted; 200 duplicate (it had feedback; nothing changed)."""
+        receipt = await gateway.feedback(key, body)
+        return receipt if receipt.status == "accepted" else JSONResponse(receipt.model_dump(), 200)
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> Response:
+        return Response("ok\n")
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz() -> Response:
+        if not started:
+            return Response("not ready: Kafka not connected yet\n", 503)
+        try:
+            await redis.ping()
+        except (RedisError, OSError) as exc:
+            return Response(f"not ready: Redis unreachable ({exc})\n", 503)
+        return Response("ready\n")
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics_route() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run_gateway(settings: Settings) -> None:
+    import uvicorn
+
+    from rlens.service.local import free_port
+
+    if not settings.gateway_port:
+        settings = settings.model_copy(update={"gateway_port": free_port()})
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    uvicorn.run(create_gateway_app(settings), host=settings.gateway_host, port=settings.gateway_port, log_level="warning")
+
+
+OPENAPI_FILE = Path(__file__).resolve().parents[2] / "schemas" / "gateway.openapi.json"
+
+
+def openapi_document() -> dict:
+    """The gateway's OpenAPI document (what it serves at /openapi.json)."""
+    from pydantic import SecretStr
+
+    settings = Settings(_env_file=None, feedback_secret=SecretStr("x" * 32), gateway_keys="[]")  # defaults only
+    return create_gateway_app(settings).openapi()
+
+
+if __name__ == "__main__":  # python -m rlens.service.gateway: rewrite schemas/gateway.openapi.json
+    OPENAPI_FILE.write_text(json.dumps(openapi_document(), indent=1) + "\n")
+    print(OPENAPI_FILE)

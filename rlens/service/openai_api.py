@@ -1,0 +1,220 @@
+"""The subset of the OpenAI API the gateway speaks: request and response models, and OpenAI-style errors.
+
+Requests: ``/v1/chat/completions`` and ``/v1/completions``. The ``model`` names the strategy (:data:`MODELS`);
+OpenAI sampling parameters (temperature, top_p, max_tokens, ...) are accepted and ignored: the ensemble decides.
+rlens's own fields travel in the extension object ``rlens`` (:class:`RlensRequest`: a multiple-choice query's
+``choices``; the recorded question id for replay pools), the stream key in ``metadata.stream`` (or the
+``X-Rlens-Stream`` header). Responses are OpenAI's, with the ensemble's account in an ``rlens`` object
+(:class:`RlensAnswer`: chosen models, failures, policy version, rlae span weights).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlens.messages import MAX_CHOICES, Answer, ModelFailureRecord
+
+MODELS = {"rlens-focal": "rl_focal", "rlens-rlae": "rlae"}  # API model name -> strategy
+MODEL_OF = {strategy: name for name, strategy in MODELS.items()}
+DEFAULT_STREAM = "default"
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class RlensRequest(Request):
+    """rlens's extension of a request."""
+
+    choices: list[Annotated[str, Field(max_length=10_000)]] | None = Field(
+        None, min_length=2, max_length=MAX_CHOICES, description="multiple choice: the options (goes to rlens-focal); absent: open-ended (rlens-rlae)")
+    reference_id: str | None = Field(None, max_length=256, description="the question's id in a recorded dataset (pools of replay backends)")
+
+
+class TextPart(Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class CommonRequest(Request):
+    model: str = Field(description="rlens-focal (multiple-choice, RL-Focal) or rlens-rlae (open-ended, RLAE)")
+    stream: bool = Field(False, description="server-sent events in OpenAI's chunk format (one content chunk: workers do not stream spans yet)")
+    n: int = Field(1, ge=1, le=1, description="one answer per request")
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, description="metadata.stream: the stream key (default 'default')")
+    rlens: RlensRequest = Field(default_factory=RlensRequest)
+
+
+class ChatCompletionRequest(CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+
+    def prompt(self) -> str:
+        """One user message is its text; a conversation is ``role: text`` lines."""
+        if len(self.messages) == 1 and self.messages[0].role == "user":
+            return self.messages[0].text()
+        return "\n".join(f"{m.role}: {m.text()}" for m in self.messages)
+
+
+class CompletionRequest(CommonRequest):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] = Field(description="one prompt")
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class FeedbackRequest(Request):
+    """The outcome of an answered request: ``label`` (the correct choice's position; multiple choice),
+    ``reference`` (the correct text; open-ended, rewarded by exact match) or a bare ``reward`` in [-1, 1]."""
+
+    id: str = Field(min_length=1, max_length=256, description="the response id (= the query id)")
+    label: int | None = Field(None, ge=0, lt=MAX_CHOICES)
+    reference: str | None = Field(None, max_length=100_000)
+    reward: float | None = Field(None, ge=-1, le=1)
+
+
+# responses
+
+
+class RlensAnswer(BaseModel):
+    """The ensemble's account of an answer."""
+
+    query_id: str
+    stream: str
+    answer_index: int = Field(description="multiple choice: the chosen option's position (-1 when none)")
+    distribution: list[float] = Field(description="multiple choice: the Fusion agent's distribution over the options")
+    chosen_models: list[str]
+    answered_models: list[str]
+    called_models: list[str]
+    failures: list[ModelFailureRecord]
+    policy_version: int
+    span_weights: list[list[float]] = Field(description="rlae: each span's weights, one per model")
+    worker: str
+    latency_ms: float
+
+    @classmethod
+    def of(cls, answer: Answer) -> "RlensAnswer":
+        return cls(**answer.model_dump(include=set(cls.model_fields)))
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    rlens: RlensAnswer
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    rlens: RlensAnswer
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "rlens"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class FeedbackReceipt(BaseModel):
+    id: str
+    status: Literal["accepted", "duplicate"] = Field(description="accepted: published to the learner; duplicate: this query already has feedback, nothing changed")
+
+
+class AnswerStatus(BaseModel):
+    id: str
+    status: Literal["pending"] = "pending"
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+    query_id: str | None = Field(None, description="the query's id where one was made (a timed-out request's answer is at /v1/answers/{query_id})")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class ApiError(Exception):
+    """An error the gateway answers in OpenAI's shape, with its HTTP status (and headers, e.g. Retry-After)."""
+
+    def __init__(self, status: int, message: str, type: str, code: str | None = None, param: str | None = None,
+                 query_id: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.headers = status, headers or {}
+        self.body = ErrorResponse(error=ErrorBody(message=message, type=type, code=code, param=param, query_id=query_id))
+
+
+def finish_reason(answer: Answer) -> str:
+    return answer.finish_reason or "stop"
+
+
+def chat_completion(answer: Answer, model: str) -> ChatCompletion:
+    return ChatCompletion(id=answer.query_id, created=int(time.time()), model=model, rlens=RlensAnswer.of(answer),
+                          choices=[ChatChoice(message=AssistantMessage(content=answer.answer), finish_reason=finish_reason(answer))])
+
+
+def completion(answer: Answer, model: str) -> Completion:
+    return Completion(id=answer.query_id, created=int(time.time()), model=model, rlens=RlensAnswer.of(answer),
+                      choices=[CompletionChoice(text=answer.answer, finish_reason=finish_reason(answer))])
+
+
+def stream_chunks(answer: Answer, model: str, chat: bool) -> list[dict[str, Any]]:
+    """The server-sent events of an answer in OpenAI's chunk format: the content, then the finish (with ``rlens``)."""
+    base = {"id": answer.query_id, "created": int(time.time()), "model": model}
+    account = RlensAnswer.of(answer).model_dump()
+    if chat:
+        kind = {**base, "object": "chat.completion.chunk"}
+        return [
+            {**kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": answer.answer}, "finish_reason": None, "logprobs": None}]},
+            {**kind, "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason(answer), "logprobs": None}], "rlens": account},
+        ]
+    kind = {**base, "object": "text_completion"}
+    return [
+        {**kind, "choices": [{"index": 0, "text": answer.answer, "finish_reason": None, "logprobs": None}]},
+        {**kind, "choices": [{"index": 0, "text": "", "finish_reason": finish_reason(answer), "logprobs": None}], "rlens": account},
+    ]
