@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance, status_code_conformance
 
 from rlens.messages import Answer, Query
-from rlens.service.api_keys import KeyStore, add_key, read_records, revoke_key
+from rlens.service.api_keys import KeysError, KeyStore, add_key, read_records, revoke_key
 from rlens.service.gateway import OPENAPI_FILE, openapi_document
 from rlens.service.gateway_state import GatewayState
 from rlens.service.kafka import Topics
@@ -45,6 +45,30 @@ def test_keys_are_stored_hashed_bound_to_streams_and_revocable(tmp_path):
     revoke_key(path, record.id)
     store.refresh()
     assert store.lookup(key) is None and read_records(path)[0].revoked
+    with pytest.raises(KeysError, match="no API keys file at .*: make a key with `rlens keys add"):
+        KeyStore(tmp_path / "missing.json")
+    path.write_text("[{\"id\": 1}]")
+    with pytest.raises(KeysError, match="is not a valid keys file"):
+        read_records(path)
+
+
+def test_cli_makes_lists_and_revokes_keys_and_never_prints_a_stored_secret(tmp_path):
+    from typer.testing import CliRunner
+
+    from rlens.cli import app
+
+    path = tmp_path / "keys.json"
+    added = CliRunner().invoke(app, ["keys", "add", "--tenant", "acme", "--streams", "acme-*, shared", "--rate", "5", "--file", str(path)])
+    assert added.exit_code == 0, added.output
+    key = added.stdout.strip().splitlines()[-1]
+    record = KeyStore(path).lookup(key)
+    assert record is not None and record.streams == ["acme-*", "shared"] and record.rate_per_s == 5
+    listed = CliRunner().invoke(app, ["keys", "list", "--file", str(path)])
+    assert record.id in listed.output and "acme" in listed.output and key.split("_", 2)[2] not in listed.output
+    assert CliRunner().invoke(app, ["keys", "revoke", record.id, "--file", str(path)]).exit_code == 0
+    assert KeyStore(path).lookup(key) is None
+    missing = CliRunner().invoke(app, ["keys", "revoke", "nope", "--file", str(path)])
+    assert missing.exit_code == 2 and "no key 'nope'" in missing.output
 
 
 def test_the_rate_bucket_allows_the_burst_then_says_how_long_to_wait(redis_server):

@@ -9,17 +9,18 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
-from rlens.service.metrics import LearnerMetrics, StreamLabels, WorkerMetrics
+from rlens.service.metrics import GatewayMetrics, LearnerMetrics, StreamLabels, WorkerMetrics
 
 INFRA = Path(__file__).parent.parent / "infra"
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"), "gauge": ("",)}
 
 
 def exported() -> set[str]:
-    """Every sample name a worker's or learner's /metrics can hold."""
+    """Every sample name a worker's, learner's or gateway's /metrics can hold."""
     registry = CollectorRegistry()
     WorkerMetrics(registry, StreamLabels(1))
     LearnerMetrics(registry, StreamLabels(1))
+    GatewayMetrics(registry)
     return {family.name + suffix for family in registry.collect() for suffix in SUFFIXES[family.type]}
 
 

@@ -9,7 +9,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import numpy as np
+import openai
 import pytest
 import torch
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -154,6 +156,7 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
     stack = LocalStack(config, tmp_path)
     stack.start_learner()
     stack.start_worker()
+    stack.start_gateway()
     topics = Topics.from_settings(stack.settings)
     tasks = generation_split(FAMILIES, 52, seed=6)
 
@@ -165,6 +168,7 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
         first = await play(stack.settings, open_ended_queries(tasks[:48], "a"), rate=50, idle_timeout_s=90)
         await asyncio.sleep(3.0)  # the third policy reaches the worker
         then = await play(stack.settings, open_ended_queries(tasks[48:], "b"), rate=50, idle_timeout_s=60)
+        through_gateway = await ask_the_gateway(stack, tasks[0])
         consumer = AIOKafkaConsumer(topics.dead_letter, bootstrap_servers=stack.settings.kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
         await consumer.start()
         dead: list[DeadLetter] = []
@@ -173,20 +177,39 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
             for records in (await consumer.getmany(timeout_ms=500)).values():
                 dead += [DeadLetter.model_validate_json(r.value) for r in records]
         await consumer.stop()
-        return first, then, dead
+        return first, then, dead, through_gateway
 
     try:
         stack.wait_ready(120)
-        first, then, dead = asyncio.run(scenario())
+        first, then, dead, (reply, chunks, feedback) = asyncio.run(scenario())
         time.sleep(1.0)  # the last feedback reaches the learner
     finally:
         stack.stop()
     directory = stack.settings.checkpoint_dir
     state = json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
     assert first.answered == 48 and first.duplicates == 0 and first.no_answer == 0 and then.answered == 4
-    assert state["stats"]["joined"] == 52 and state["stats"]["updates"] == 3 and state["fresh"] == 4
+    assert state["stats"]["joined"] == 53 and state["stats"]["updates"] == 3 and state["fresh"] == 5  # 52 + the gateway's rated one; 53 - 3 x 16 not yet trained on
     assert then.policy_versions == {3}  # the workers run the learner's newest version
     assert [d.reason for d in dead] == ["multiple-choice query: the rlae worker answers open-ended queries (no choices) only"]
+    weights = reply.model_extra["rlens"]["span_weights"]
+    assert weights and all(len(w) == len(MODELS) and abs(sum(w) - 1) < 1e-3 for w in weights) and reply.choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length") and chunks[-1].model_extra["rlens"]["span_weights"]
+    assert feedback == (202, "accepted")
+
+
+async def ask_the_gateway(stack: LocalStack, task) -> tuple:
+    """An open-ended request through the gateway with the official client (plain and streamed), and its feedback."""
+    url = next(u for name, u in stack.http_urls().items() if name.startswith("gateway:"))
+    key = stack.gateway_key.read_text().strip()
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    reply = await client.completions.create(model="rlens-rlae", prompt=task.prompt, extra_body={"metadata": {"stream": task.family}})
+    stream = await client.chat.completions.create(model="rlens-rlae", messages=[{"role": "user", "content": task.prompt}], stream=True)
+    chunks = [chunk async for chunk in stream]
+    with pytest.raises(openai.NotFoundError, match="this deployment does not run rlens-focal"):
+        await client.chat.completions.create(model="rlens-focal", messages=[{"role": "user", "content": "q"}], extra_body={"rlens": {"choices": ["a", "b"]}})
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}) as http:
+        response = await http.post("/v1/feedback", json={"id": reply.id, "reference": task.reference})
+    return reply, chunks, (response.status_code, response.json()["status"])
 
 
 def test_cli_errors_for_bad_open_ended_traffic_and_strategy(tmp_path):

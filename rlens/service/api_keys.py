@@ -106,6 +106,8 @@ class KeyStore:
             except ValueError as exc:
                 raise KeysError(f"RLENS_GATEWAY_KEYS is not a valid JSON list of key records: {exc}") from exc
         else:
+            if not path.is_file():
+                raise KeysError(f"no API keys file at {path}: make a key with `rlens keys add --tenant NAME --file {path}`")
             self.refresh()
 
     def _index(self, records: list[KeyRecord]) -> None:

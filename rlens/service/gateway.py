@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from faststream import AckPolicy
 from faststream.kafka import KafkaMessage
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
@@ -59,6 +59,7 @@ from rlens.service.windows import RedisWindows
 from rlens.settings import Settings
 
 log = logging.getLogger("rlens.gateway")
+REDIS_CONNECTIONS = 64
 POLL_S = 0.5  # how often a request whose answer goes to another replica (an idempotent retry) looks in Redis
 
 
@@ -145,7 +146,7 @@ class Gateway:
                     return answer
                 record = await self.state.query(query_id)
                 if record is not None and record.published:
-                    return await self._wait(query_id)
+                    return await self._wait(query_id, poll=True)
                 # the first request never published it (that replica crashed in between): publish it now
         if self.waiting >= self.settings.gateway_max_waiting:
             raise ApiError(503, f"{self.waiting} requests are waiting for answers on this gateway; retry shortly", "server_error", "overloaded",
@@ -163,9 +164,10 @@ class Gateway:
         await self.state.mark_published(query_id, record)
         return await self._wait(query_id)
 
-    async def _wait(self, query_id: str) -> Answer:
-        """The query's answer: from this replica's replies, or from Redis (answers read by another replica, or
-        before this wait began: :meth:`on_reply` stores an answer before it wakes the waiters)."""
+    async def _wait(self, query_id: str, poll: bool = False) -> Answer:
+        """The query's answer: from this replica's replies (:meth:`on_replies` keeps each answer in Redis before it
+        wakes the waiters, so one that came before this wait began is found there), or, with ``poll``, from Redis
+        every POLL_S (a retry of a query another replica asked)."""
         future = self._answers.setdefault(query_id, asyncio.get_running_loop().create_future())
         self._waiters[query_id] += 1
         deadline = time.monotonic() + self.settings.gateway_timeout_s
@@ -183,7 +185,7 @@ class Gateway:
                     raise ApiError(504, f"no answer within {self.settings.gateway_timeout_s:g} s; fetch it later at /v1/answers/{query_id}",
                                    "timeout", "answer_timeout", query_id=query_id)
                 try:
-                    return await asyncio.wait_for(asyncio.shield(future), min(left, POLL_S))
+                    return await asyncio.wait_for(asyncio.shield(future), min(left, POLL_S) if poll else left)
                 except TimeoutError:
                     pass
         finally:
@@ -194,20 +196,25 @@ class Gateway:
                 del self._waiters[query_id]
                 self._answers.pop(query_id, None)
 
-    async def on_reply(self, answer: Answer) -> str:
-        """Take one answer from the reply topic; what became of it (stored, duplicate, unknown, forged)."""
-        signed = answer.feedback_token and self.tokens.valid(answer.query_id, answer.feedback_token)
-        if not signed and (answer.feedback_token or answer.answered_models):
-            return "forged"  # only a worker (holding the feedback secret) can sign an answer
-        if await self.state.query(answer.query_id) is None:
-            return "unknown"  # not ours, or past retention
-        first = await self.state.store_answer(answer)
-        if not first:
-            answer = await self.state.answer(answer.query_id) or answer
-        future = self._answers.get(answer.query_id)
-        if future is not None and not future.done():
-            future.set_result(answer)
-        return "stored" if first else "duplicate"
+    async def on_replies(self, answers: list[Answer]) -> list[str]:
+        """Take answers from the reply topic; what became of each (stored, duplicate, unknown, forged)."""
+        outcomes = ["" for _ in answers]
+        for i, answer in enumerate(answers):
+            signed = answer.feedback_token and self.tokens.valid(answer.query_id, answer.feedback_token)
+            if not signed and (answer.feedback_token or answer.answered_models):
+                outcomes[i] = "forged"  # only a worker (holding the feedback secret) can sign an answer
+        candidates = [i for i, outcome in enumerate(outcomes) if not outcome]
+        known = await self.state.known([answers[i].query_id for i in candidates])
+        for i, is_known in zip(candidates, known):
+            outcomes[i] = "" if is_known else "unknown"  # not ours, or past retention
+        kept = [i for i, outcome in enumerate(outcomes) if not outcome]
+        for i, first in zip(kept, await self.state.store_answers([answers[i] for i in kept])):
+            outcomes[i] = "stored" if first else "duplicate"
+            answer = answers[i] if first else await self.state.answer(answers[i].query_id) or answers[i]
+            future = self._answers.get(answer.query_id)
+            if future is not None and not future.done():
+                future.set_result(answer)
+        return outcomes
 
     # after the answer
 
@@ -280,6 +287,31 @@ class BodyLimit:
         await error_response(error)(scope, receive, send)
 
 
+class Measure:
+    """ASGI middleware: each request's count by route and status, and its duration by route."""
+
+    def __init__(self, app, metrics: GatewayMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.perf_counter(), [500]
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("route")
+            path = route.path if route is not None else "unmatched"
+            self.metrics.requests.labels(path, str(status[0])).inc()
+            self.metrics.request_seconds.labels(path).observe(time.perf_counter() - started)
+
+
 def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body.model_dump(exclude_none=True), error.status, headers=error.headers)
 
@@ -301,7 +333,9 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     queries = typed_publisher(broker, topics.queries, Query, "gateway", "the requests, each with reply_to = the replica's reply topic")
     feedback = typed_publisher(broker, topics.feedback, Feedback, "gateway", "feedback given through POST /v1/feedback")
     dead_letters = typed_publisher(broker, topics.dead_letter, DeadLetter, "gateway", "replies that could not be used, with the reason")
-    redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=5, socket_connect_timeout=2, health_check_interval=10)
+    pool = BlockingConnectionPool.from_url(settings.redis_url.get_secret_value(), max_connections=REDIS_CONNECTIONS, timeout=5,
+                                           socket_timeout=5, socket_connect_timeout=2, health_check_interval=10)
+    redis = Redis(connection_pool=pool)  # requests wait for a free connection instead of failing
     marks = RedisWindows(redis, 1, 1, settings.redis_prefix)  # only its readiness mark
 
     async def publish_one(publisher, message) -> None:
@@ -312,21 +346,23 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     consumer = f"gateway {name}"
 
     @broker.subscriber(
-        reply_topic, group_id=f"rlens-gateway-{name}", auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR, decoder=keep_bytes,
-        session_timeout_ms=settings.kafka_session_timeout_ms, heartbeat_interval_ms=settings.kafka_heartbeat_ms, fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+        reply_topic, group_id=f"rlens-gateway-{name}", batch=True, max_records=256, batch_timeout_ms=5, auto_offset_reset="earliest",
+        ack_policy=AckPolicy.NACK_ON_ERROR, decoder=keep_bytes, session_timeout_ms=settings.kafka_session_timeout_ms,
+        heartbeat_interval_ms=settings.kafka_heartbeat_ms, fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
         description="answers to this replica's queries (workers publish each answer here too)",
     )
-    async def on_reply(body: bytes, message: KafkaMessage) -> None:
-        parsed = parse_or_dead_letter(Answer, message.raw_message, consumer)
-        if isinstance(parsed, DeadLetter):
-            outcome = "unreadable"
-        else:
-            outcome = await gateway.on_reply(parsed)  # Redis down: raises, the reply is read again
+    async def on_replies(bodies: list[bytes], message: KafkaMessage) -> None:
+        parsed = [(record, parse_or_dead_letter(Answer, record, consumer)) for record in message.raw_message]
+        answers = [(record, p) for record, p in parsed if not isinstance(p, DeadLetter)]
+        dead = [p for _, p in parsed if isinstance(p, DeadLetter)]
+        outcomes = await gateway.on_replies([a for _, a in answers])  # Redis down: raises, the batch is read again
+        for (record, answer), outcome in zip(answers, outcomes):
+            metrics.replies.labels(outcome).inc()
             if outcome == "forged":
-                parsed = dead_letter(message.raw_message, f"answer for {parsed.query_id} without a valid feedback token", consumer)
-        metrics.replies.labels(outcome).inc()
-        if isinstance(parsed, DeadLetter):
-            await publish_dead_letters(dead_letters, [parsed])
+                dead.append(dead_letter(record, f"answer for {answer.query_id} without a valid feedback token", consumer))
+        for _ in range(len(parsed) - len(answers)):
+            metrics.replies.labels("unreadable").inc()
+        await publish_dead_letters(dead_letters, dead)
 
     started: list[bool] = []
 
@@ -370,19 +406,10 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
         log.error("Redis unreachable: %s", exc)
         return error_response(ApiError(503, "the gateway's state store (Redis) is unreachable; retry shortly", "server_error", "unavailable", headers={"Retry-After": "1"}))
 
-    @app.middleware("http")
-    async def measure(request: Request, call_next):
-        started_at = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = route.path if route is not None else "unmatched"
-        metrics.requests.labels(path, str(response.status_code)).inc()
-        metrics.request_seconds.labels(path).observe(time.perf_counter() - started_at)
-        return response
-
     app.add_middleware(BodyLimit, limit=settings.gateway_max_body_bytes)
+    app.add_middleware(Measure, metrics=metrics)
 
-    def key_of(authorization: str | None = Header(None)) -> KeyRecord:
+    async def key_of(authorization: str | None = Header(None)) -> KeyRecord:  # async: no thread hop per request
         return gateway.authorize(authorization)
 
     def answer_response(answer: Answer, model: str, chat: bool, stream: bool) -> Any:
@@ -392,7 +419,8 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
         if stream:
             events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(answer, model, chat)) + "data: [DONE]\n\n"
             return StreamingResponse(iter([events]), media_type="text/event-stream")
-        return chat_completion(answer, model) if chat else completion(answer, model)
+        body = chat_completion(answer, model) if chat else completion(answer, model)
+        return Response(body.model_dump_json(), media_type="application/json")  # already validated: skip FastAPI's second pass
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models(key: KeyRecord = Depends(key_of)) -> ModelList:

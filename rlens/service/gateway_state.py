@@ -78,9 +78,20 @@ class GatewayState:
         query_id, digest = raw.decode().split(" ", 1)
         return query_id, digest
 
-    async def store_answer(self, answer: Answer) -> bool:
-        """Keep a query's first answer; False if it already had one (an at-least-once duplicate)."""
-        return bool(await self.redis.set(self._k("a", answer.query_id), answer.model_dump_json(), nx=True, ex=self.ttl_s))
+    async def known(self, query_ids: list[str]) -> list[bool]:
+        """Whether each query was asked through a gateway (and is within retention), in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for query_id in query_ids:
+                pipe.exists(self._k("q", query_id))
+            return [bool(n) for n in await pipe.execute()]
+
+    async def store_answers(self, answers: list[Answer]) -> list[bool]:
+        """Keep each query's first answer, in one round trip; False where one was kept already (an at-least-once
+        duplicate)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for answer in answers:
+                pipe.set(self._k("a", answer.query_id), answer.model_dump_json(), nx=True, ex=self.ttl_s)
+            return [bool(stored) for stored in await pipe.execute()]
 
     async def answer(self, query_id: str) -> Answer | None:
         raw = await self.redis.get(self._k("a", query_id))
