@@ -1,7 +1,7 @@
 """The streaming service's wire messages: versioned pydantic models, JSON on Kafka (one model per topic).
 
 Topics (names from the settings, prefix ``rlens.``): ``queries`` → worker → ``answers`` and ``experience``;
-``feedback`` → learner; learner → ``policy`` → workers; anything unreadable → ``dead-letter``. Every message has
+``feedback`` → learner; learner → ``policy`` → workers; learner → ``drift`` (changes found per stream); anything unreadable → ``dead-letter``. Every message has
 ``schema_version``; fields are only ever added. A deployment runs one strategy: ``rl_focal`` (multiple-choice
 queries; :class:`Experience`) or ``rlae`` (open-ended queries; :class:`RLAEExperience`), on the same topics. ``python -m rlens.messages`` writes their JSON schemas to
 ``schemas/messages/``.
@@ -157,6 +157,22 @@ class Policy(Message):
         return json.dumps([self.strategy, self.epoch, self.version, self.models, self.sha256], separators=(",", ":")).encode()
 
 
+class DriftEvent(Message):
+    """A change the learner's detector found in one signal of one stream (rlens.drift): ``outcome`` (the ensemble
+    right or wrong, from feedback), ``model:<name>`` (one model right or wrong) or ``confidence`` (label-free: the
+    Fusion agent's probability of its answer, or the RLAE agent's value estimate, from the answer itself)."""
+
+    stream: Key
+    signal: str = Field(max_length=300)
+    detector: str = Field(max_length=64, description="the river detector (adwin, page_hinkley)")
+    position: int = Field(ge=1, description="the how-many-th value of this signal on this stream it came with")
+    query_id: Key = Field(description="the query whose value completed the detection")
+    mean_before: float | None = Field(description="mean of the 100 values before the last 20 (null when there were none)")
+    mean_after: float = Field(description="mean of the last 20 values")
+    window: int = Field(ge=0, description="values the detector kept after the change")
+    at: float = Field(description="unix time of the detection")
+
+
 class DeadLetter(Message):
     """A message a consumer could not use, and why: its coordinates, its first bytes, its size and SHA-256."""
 
@@ -180,6 +196,7 @@ MESSAGES: dict[str, type[Message]] = {
     "experience": Experience,
     "rlae_experience": RLAEExperience,
     "policy": Policy,
+    "drift_event": DriftEvent,
     "dead_letter": DeadLetter,
 }
 

@@ -77,6 +77,10 @@ class Settings(BaseSettings):
     gateway_max_waiting: int = Field(1000, ge=1, description="requests waiting for answers at once per replica; more get 503 with Retry-After")
     gateway_max_body_bytes: int = Field(1_048_576, ge=1024, description="largest request body (413 above)")
     gateway_max_prompt_chars: int = Field(100_000, ge=1, le=100_000, description="longest prompt (413 above)")
+    # drift detection (the learner; rlens.drift)
+    drift_detector: Literal["adwin", "page_hinkley", "off"] = Field("adwin", description="river's change detector per (stream, signal) on the joined outcomes; off: none")
+    drift_delta: float = Field(0.002, gt=0, lt=1, description="ADWIN's confidence: smaller, fewer false alarms and later detections")
+    drift_min_gap: int = Field(50, ge=1, description="values of one (stream, signal) between two of its detections")
     # streaming service: the rlae strategy
     rlae_variant: Literal["ppo", "mappo"] = Field("ppo", description="ppo (one agent, Dirichlet weights) or mappo (one agent per model, centralized critic)")
     rlae_span: int = Field(4, ge=1, description="tokens per span: the agent sets the weights every this many tokens")

@@ -117,5 +117,7 @@ def test_service_commands_say_in_one_line_what_is_missing(tmp_path, monkeypatch)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = CliRunner().invoke(app, ["up", "--broker-port", str(port), "--workdir", str(tmp_path / "up")])
+        result = CliRunner().invoke(app, ["up", "--broker-port", str(port), "--workdir", str(tmp_path / "up"), "--no-gateway"])
+        gateway = CliRunner().invoke(app, ["up", "--gateway-port", str(port), "--workdir", str(tmp_path / "up")])
     assert result.exit_code == 2 and f"port {port} is taken (another `rlens up`, or another program): pass --broker-port" in result.output
+    assert gateway.exit_code == 2 and f"port {port} is taken (another `rlens up`, or another program): pass --gateway-port, or --no-gateway" in gateway.output

@@ -345,6 +345,15 @@ def test_a_query_replying_outside_the_reply_topics_is_dead_lettered(gw):
     assert letters and letters[0]["reason"].startswith("reply_to 'rlens.policy' is not a reply topic") and not policies
 
 
+def test_prompts_never_reach_the_logs(gw):
+    marker = f"confidential-{time.time_ns()}"
+    assert ask(gw, question=2, stream="private", messages=[{"role": "user", "content": marker}]).status_code == 200
+    assert ask(gw, "acme", stream="not-allowed", messages=[{"role": "user", "content": marker}]).status_code == 403
+    time.sleep(1.0)
+    logs = {path.name: path.read_text(errors="replace") for path in gw["stack"].workdir.glob("*.log")}
+    assert "gateway.log" in logs and not [name for name, text in logs.items() if marker in text]
+
+
 def test_the_published_openapi_document_is_current():
     assert json.loads(OPENAPI_FILE.read_text()) == openapi_document(), "regenerate it: python -m rlens.service.gateway"
 

@@ -160,6 +160,34 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path, redis_server):
     asyncio.run(scenario())
 
 
+def test_a_task_switch_raises_drift_events_on_the_outcome_and_the_models_and_detectors_survive_a_restart(tmp_path, redis_server):
+    """The worker answers 1 and every model predicts 1: right while the labels are 1, wrong after they switch to 0."""
+    from rlens.drift import DriftMonitor
+
+    async def scenario():
+        await Redis.from_url(redis_server.url).flushdb()
+        core = learner(tmp_path, redis_server.url, drift=DriftMonitor())
+        engine = FocalEngine(5, seed=0)
+        events = []
+        for i in range(400):
+            await core.on_experience(experience(engine, f"d{i}", stream="switch"), Record(0))
+            await core.on_feedback(fb(f"d{i}", label=1 if i < 200 else 0), Record(i))
+            events += core.take_drift_events()
+        core.checkpoint()
+        core.checkpoints.close()
+        resumed = learner(tmp_path, redis_server.url, drift=DriftMonitor())
+        return events, core, resumed
+
+    events, core, resumed = asyncio.run(scenario())
+    outcome = [e for e in events if e.signal == "outcome"]
+    first = outcome[0].position
+    assert outcome and 200 < first <= 260 and outcome[0].mean_before == 1.0
+    assert outcome[0].mean_after == pytest.approx(max(0, 200 - (first - 20)) / 20)  # the last 20 values: those before the switch were right
+    assert outcome[0].stream == "switch" and outcome[0].query_id == f"d{outcome[0].position - 1}" and outcome[0].detector == "adwin"
+    assert {e.signal for e in events} >= {"outcome", "model:m0", "model:m4"} and not [e for e in events if e.signal == "confidence"]
+    assert resumed.drift.to_json() == core.drift.to_json()  # the detectors' state came back with the checkpoint
+
+
 def focal_policy(engine: FocalEngine, version: int, models: list[str], epoch: int = 1):
     return encode_policy(engine.policy_state(), version, epoch, models, "rl_focal", SIGNER)
 
@@ -228,9 +256,14 @@ def test_asyncapi_document_and_message_schemas_are_in_sync():
     from rlens.messages import MESSAGES, SCHEMA_DIR
     from rlens.service.asyncapi import ASYNCAPI_PATH, asyncapi_document
 
-    assert json.loads(ASYNCAPI_PATH.read_text()) == asyncapi_document(), "run python -m rlens.service.asyncapi"
+    written, generated = json.loads(ASYNCAPI_PATH.read_text()), asyncapi_document()
+    for part in ("channels", "operations"):
+        assert set(written[part]) == set(generated[part]), (part, set(written[part]) ^ set(generated[part]), "run python -m rlens.service.asyncapi")
+        different = [name for name in written[part] if written[part][name] != generated[part][name]]
+        assert not different, (part, different[:3], "run python -m rlens.service.asyncapi")
+    assert written == generated, "run python -m rlens.service.asyncapi"
     for name, model in MESSAGES.items():
         assert json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text()) == model.model_json_schema(), "run python -m rlens.service.asyncapi"
     channels = asyncapi_document()["channels"]
     assert {c["address"] for c in channels.values()} == {"rlens.queries", "rlens.answers", "rlens.feedback", "rlens.experience", "rlens.policy", "rlens.dead-letter",
-                                                             "rlens.replies.gateway-id"}
+                                                             "rlens.replies.gateway-id", "rlens.drift"}

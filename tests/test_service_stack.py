@@ -245,6 +245,36 @@ def test_every_process_serves_metrics_and_health_and_the_counts_follow_the_traff
     assert worker["rlens_worker_policy_version"] >= 1  # the learner's policies reached the worker
 
 
+def test_a_task_switch_on_one_stream_is_published_on_the_drift_topic_and_counted(tmp_path, zoo):
+    """The bundled stream's first two tasks (120 ordering, then 120 antonyms questions) under one stream key: the
+    ensemble, right on nearly every ordering question, is wrong on many antonyms ones until its window adapts; the
+    learner's detector must see the switch and say so on `drift`."""
+    stack = make_stack(tmp_path)
+    played = [(q.model_copy(update={"stream": "one"}), label) for q, label in traffic(zoo, "drift", 240)]
+    try:
+        report = asyncio.run(play(stack.settings, played, rate=60, idle_timeout_s=60))
+        time.sleep(3.0)  # the last feedback reaches the learner
+        learner = scrape(next(u for n, u in stack.http_urls().items() if n.startswith("learner")))
+
+        async def read_drift() -> list[dict]:
+            consumer = AIOKafkaConsumer(Topics.from_settings(stack.settings).drift, bootstrap_servers=stack.settings.kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
+            await consumer.start()
+            try:
+                return [json.loads(r.value) for records in (await consumer.getmany(timeout_ms=5000)).values() for r in records]
+            finally:
+                await consumer.stop()
+
+        events = asyncio.run(read_drift())
+    finally:
+        stack.stop()
+    assert report.answered == 240
+    outcome = [e for e in events if e["signal"] == "outcome"]
+    first = int(outcome[0]["query_id"].rsplit("-", 1)[1]) if outcome else -1  # feedback joins in arrival order: judge by the query
+    assert 120 <= first < 200 and outcome[0]["stream"] == "one" and outcome[0]["mean_after"] < outcome[0]["mean_before"] - 0.3
+    assert learner["rlens_learner_drift_events_total{signal=outcome,stream=one}"] == len(outcome)
+    assert 0 <= learner["rlens_learner_accuracy{stream=one}"] <= 1 and learner["rlens_learner_confidence{stream=one}"] > 0
+
+
 MALFORMED = st.one_of(
     st.binary(max_size=300),
     st.text(max_size=200).map(str.encode),

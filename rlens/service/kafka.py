@@ -43,6 +43,7 @@ class Topics:
     experience: str
     policy: str
     dead_letter: str
+    drift: str
 
     @property
     def reply_prefix(self) -> str:
@@ -55,7 +56,7 @@ class Topics:
     @classmethod
     def from_settings(cls, settings: Settings) -> "Topics":
         p = settings.topic_prefix
-        return cls(f"{p}queries", f"{p}answers", f"{p}feedback", f"{p}experience", f"{p}policy", f"{p}dead-letter")
+        return cls(f"{p}queries", f"{p}answers", f"{p}feedback", f"{p}experience", f"{p}policy", f"{p}dead-letter", f"{p}drift")
 
 
 def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBroker:

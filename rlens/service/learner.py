@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import time
@@ -67,7 +68,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rlens.checkpoint import CheckpointStore
-from rlens.messages import EXPERIENCE, DeadLetter, Feedback, Message, Policy
+from rlens.drift import DriftMonitor, signals_of_outcome
+from rlens.messages import EXPERIENCE, DeadLetter, DriftEvent, Feedback, Message, Policy
 from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
 from rlens.service.online import FeedbackError, OnlineTrainer
 from rlens.service.metrics import LearnerMetrics, StreamLabels, dead_letter_kind, http_routes, not_ready, settings_url
@@ -115,7 +117,7 @@ class LearnerCore:
     def __init__(self, trainer: OnlineTrainer, models: list[str], windows: RedisWindows, checkpoints: CheckpointStore,
                  signer: PolicySigner, tokens: FeedbackTokens, pending_limit: int = 100_000, pending_ttl_s: float = 3600.0,
                  pending_bytes: int = 256 * 2**20, pending_per_stream: int = 10_000, done_limit: int = 200_000, redis_wait_s: float = 10.0,
-                 backlog_limit: int = 100_000, checkpoint_every_s: float = 5.0):
+                 backlog_limit: int = 100_000, checkpoint_every_s: float = 5.0, drift: DriftMonitor | None = None):
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.signer, self.tokens = signer, tokens
         self.pending_limit, self.pending_ttl_s, self.done_limit = pending_limit, pending_ttl_s, done_limit
@@ -137,6 +139,8 @@ class LearnerCore:
         self.checkpoint_every_s = checkpoint_every_s
         self.last_checkpoint = float("-inf")  # monotonic time of the newest checkpoint
         self.checkpointed_version = 0
+        self.drift = drift
+        self.drift_events: list[DriftEvent] = []  # detections since the app last took them
         restored = trainer.load(checkpoints)
         if restored is not None:
             self._restore(restored)
@@ -152,6 +156,8 @@ class LearnerCore:
         self.done = OrderedDict(state["done"])
         self.window_backlog = deque(state["window_backlog"])
         self.stats = LearnerStats(**state["stats"])
+        if self.drift is not None:
+            self.drift.load_json(state.get("drift", []))
         log.info("resumed from checkpoint v%d (%d joined)", self.version, self.stats.joined)
 
     def checkpoint(self) -> None:
@@ -163,6 +169,7 @@ class LearnerCore:
             "done": list(self.done.items()),
             "window_backlog": list(self.window_backlog),
             "stats": asdict(self.stats),
+            "drift": self.drift.to_json() if self.drift is not None else [],
         }
         self.trainer.save(self.checkpoints, self.version, state)
         self.checkpointed_offsets = dict(self.offsets)
@@ -215,6 +222,30 @@ class LearnerCore:
     def _drop(self, dropped: Pending, reason: str) -> None:
         self.dropped.append(DeadLetter.model_validate({**dropped.record, "reason": reason, "at": time.time()}))
 
+    def take_drift_events(self) -> list[DriftEvent]:
+        """The drift detections since the last call."""
+        taken, self.drift_events = self.drift_events, []
+        return taken
+
+    def _observe_drift(self, stream: str, signals: dict[str, float], query_id: str) -> None:
+        """Feed each signal's value to its detector; a detection becomes a :class:`DriftEvent` (and is counted)."""
+        if self.metrics is not None:
+            self.metrics.observe_signals(stream, signals)
+        if self.drift is None:
+            return
+        for signal, value in signals.items():
+            found = self.drift.observe(stream, signal, value)
+            if found is None:
+                continue
+            before = None if math.isnan(found.mean_before) else found.mean_before
+            self.drift_events.append(DriftEvent(
+                stream=stream, signal=signal, detector=self.drift.config.detector, position=found.position, query_id=query_id,
+                mean_before=before, mean_after=found.mean_after, window=found.window, at=time.time(),
+            ))
+            log.info("drift on stream %s, %s: %s -> %.2f (value %d)", stream, signal, "?" if before is None else f"{before:.2f}", found.mean_after, found.position)
+            if self.metrics is not None:
+                self.metrics.drift_events.labels(self.metrics.stream(stream), signal).inc()
+
     def take_dead_letters(self) -> list[DeadLetter]:
         """The dead letters of the halves dropped since the last call."""
         taken, self.dropped = self.dropped, []
@@ -236,6 +267,7 @@ class LearnerCore:
         if reason := self.trainer.check(experience):
             self.stats.invalid_experience += 1
             return None, dead_letter(record, f"experience does not fit the pool: {reason}", "learner")
+        self._observe_drift(experience.stream, {"confidence": self.trainer.confidence(experience)}, qid)
         if qid in self.feedback:
             held = self.feedback.pop(qid)
             return await self._join(experience, held.message, held.record, held.at - event_time(record))
@@ -275,6 +307,8 @@ class LearnerCore:
         self.trainer.remember(experience, reward)
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
+        signals = signals_of_outcome(getattr(experience, "answer_index", None), feedback.label, reward, getattr(experience, "predictions", None), self.models)
+        self._observe_drift(experience.stream, signals, experience.query_id)
         self.stats.joined += 1
         if self.trainer.update_due():
             return self.update(), None
@@ -333,6 +367,9 @@ class LearnerCore:
             return None
         self.stats.last_update = stats
         self.stats.updates += 1
+        if self.metrics is not None:
+            for name, value in stats.items():
+                self.metrics.last_update.labels(name).set(value)
         self.version += 1
         if self.checkpoint_due():
             self.checkpoint()
@@ -381,6 +418,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     broker = make_broker(settings)
     policies_out = typed_publisher(broker, topics.policy, Policy, "learner", "a new version of every agent's weights after each update")
     dead_letters = typed_publisher(broker, topics.dead_letter, DeadLetter, "learner", "feedback and experience that could not be used, with the reason")
+    drift_out = typed_publisher(broker, topics.drift, DriftEvent, "learner", "a change found in one signal of one stream (rlens.drift)")
     options = {
         "group_id": settings.learner_group, "batch": True, "max_records": 256, "batch_timeout_ms": 20, "auto_offset_reset": "earliest",
         "ack_policy": AckPolicy.MANUAL, "decoder": keep_bytes,
@@ -426,6 +464,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
                     core.stats.failed_records += 1
                     policy, rejected = None, dead_letter(record, f"learner failed on it: {type(exc).__name__}: {exc}", "learner")
                 await dead_letter_out(([rejected] if rejected else []) + core.take_dead_letters())
+                await publish(drift_out, core.take_drift_events())
                 await publish(policies_out, [policy] if policy else [])  # a restart re-announces its checkpoint's policy under a new epoch
             metrics.pending.labels("experience").set(len(core.experience))
             metrics.pending.labels("feedback").set(len(core.feedback))

@@ -109,7 +109,14 @@ class LearnerMetrics:
         self.update_seconds = Histogram("rlens_learner_update_seconds", "seconds per update", buckets=LATENCY_BUCKETS, registry=registry)
         self.policy_version = Gauge("rlens_learner_policy_version", "newest policy version published", registry=registry)
         self.checkpoint_age = Gauge("rlens_learner_checkpoint_age_seconds", "seconds since the newest checkpoint", registry=registry)
+        self.accuracy = Gauge("rlens_learner_accuracy", "rolling share of right answers (EWMA, weight 0.05 per join), by stream", ["stream"], registry=registry)
+        self.model_accuracy = Gauge("rlens_learner_model_accuracy", "rolling share of right top choices of each called model (EWMA, weight 0.05), by stream and model",
+                                    ["stream", "model"], registry=registry)
+        self.confidence = Gauge("rlens_learner_confidence", "rolling label-free confidence of the answers (EWMA, weight 0.05), by stream", ["stream"], registry=registry)
+        self.drift_events = Counter("rlens_learner_drift_events", "drift detections, by stream and signal (outcome, confidence, model:<name>)", ["stream", "signal"], registry=registry)
+        self.last_update = Gauge("rlens_learner_last_update", "statistics of the newest update (policy_loss, value_loss, entropy, ...)", ["stat"], registry=registry)
         self._reward: dict[str, float] = {}
+        self._signals: dict[tuple[str, str], float] = {}
 
     def observe_join(self, stream: str, reward: float, delay_s: float) -> None:
         label = self.stream(stream)
@@ -118,6 +125,20 @@ class LearnerMetrics:
         mean = self._reward.get(label)
         self._reward[label] = reward if mean is None else mean + 0.05 * (reward - mean)
         self.reward.labels(label).set(self._reward[label])
+
+    def observe_signals(self, stream: str, signals: dict[str, float]) -> None:
+        """Rolling means of the drift signals: accuracy, each model's accuracy, confidence."""
+        label = self.stream(stream)
+        for signal, value in signals.items():
+            mean = self._signals.get((label, signal))
+            mean = value if mean is None else mean + 0.05 * (value - mean)
+            self._signals[(label, signal)] = mean
+            if signal == "outcome":
+                self.accuracy.labels(label).set(mean)
+            elif signal == "confidence":
+                self.confidence.labels(label).set(mean)
+            else:
+                self.model_accuracy.labels(label, signal.removeprefix("model:")).set(mean)
 
 
 class GatewayMetrics:

@@ -19,6 +19,7 @@ not finite.
 from __future__ import annotations
 
 import copy
+import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, replace
@@ -58,6 +59,10 @@ class OnlineTrainer(ABC):
     def window_row(self, experience: Message, feedback: Feedback) -> tuple[list[int], int] | None:
         """(per-model predictions, label) for the stream's Redis window, or None when the strategy keeps none."""
         return None
+
+    @abstractmethod
+    def confidence(self, experience: Message) -> float:
+        """A label-free signal of the answer (drift detection before any feedback), in [0, 1] where possible."""
 
     @abstractmethod
     def remember(self, experience: Message, reward: float) -> None: ...
@@ -136,6 +141,10 @@ class FocalOnlineTrainer(OnlineTrainer):
     def window_row(self, experience: Experience, feedback: Feedback) -> tuple[list[int], int]:
         return experience.predictions, -1 if feedback.label is None else feedback.label
 
+    def confidence(self, experience: Experience) -> float:
+        """The Fusion agent's probability of the answer it chose."""
+        return math.exp(experience.answer_logp)
+
     def remember(self, experience: Experience, reward: float) -> None:
         pool = np.asarray(experience.pool, dtype=bool)
         decision = Decision(experience.stream, pool, pool, np.asarray(experience.decider_state, np.float32), np.asarray(experience.critic_state, np.float32), experience.pool_logp)
@@ -212,6 +221,10 @@ class RLAEOnlineTrainer(OnlineTrainer):
         if len(experience.spans) > -(-self.cfg.max_tokens // self.cfg.span):
             return f"{len(experience.spans)} spans, more than max_tokens / span allows"
         return None
+
+    def confidence(self, experience: RLAEExperience) -> float:
+        """The agent's value estimate (its expected exact match), averaged over the spans."""
+        return sum(span.value for span in experience.spans) / len(experience.spans)
 
     def reward(self, experience: RLAEExperience, feedback: Feedback) -> float:
         if feedback.reward is not None:

@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.checkpoint import CheckpointStore
+from rlens.drift import DriftConfig, DriftMonitor
 from rlens.pool import PoolConfig, build_backend, build_rlae_decoder, load_pool_config
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.service.learner import LearnerCore, claim_group, create_learner_app
@@ -90,6 +91,12 @@ def build_worker(settings: Settings) -> Worker:
                        model_concurrency=settings.model_concurrency, circuit_failures=settings.circuit_failures, circuit_cooldown_s=settings.circuit_cooldown_s, **trust)
 
 
+def drift_monitor(settings: Settings) -> DriftMonitor | None:
+    if settings.drift_detector == "off":
+        return None
+    return DriftMonitor(DriftConfig(detector=settings.drift_detector, delta=settings.drift_delta, min_gap=settings.drift_min_gap))
+
+
 def build_learner(settings: Settings, warm_start: Path | None = None) -> LearnerCore:
     """The learner of ``settings.strategy``, resumed from its newest checkpoint; a fresh one warm-started from
     ``warm_start`` if given (rl_focal: a recorded dataset; rlae: an `rlens rlae train` run directory)."""
@@ -106,7 +113,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
     core = LearnerCore(
         trainer, names, build_windows(settings, len(names), window), CheckpointStore(settings.checkpoint_dir), signer, tokens,
         pending_limit=settings.pending_limit, pending_ttl_s=settings.pending_ttl_s, pending_bytes=settings.pending_bytes,
-        pending_per_stream=settings.pending_per_stream, checkpoint_every_s=settings.checkpoint_every_s,
+        pending_per_stream=settings.pending_per_stream, checkpoint_every_s=settings.checkpoint_every_s, drift=drift_monitor(settings),
     )
     if warm_start is not None:
         core.warm_start(warm_start)
