@@ -1,0 +1,116 @@
+"""Drift detection and reaction on streams with real task switches, one stream key for the whole stream (the task
+is not known to the service: that key is what drifts).
+
+    python bench/bench_drift.py [--seeds 0 1 2] [--out bench/out/drift.json]
+
+RL-Focal runs online (Algorithm 2, cold start, feedback at once) over the bundled zoo_mc stream (10 blocks of 120;
+the validation stream, on which the reaction was chosen) and bbh_dev in task order (12 blocks of 250; held out),
+with the learner's detector (ADWIN on the outcome) and each reaction:
+
+- ``none``: detections are only reported;
+- ``trim``: on a detection the stream's window keeps only its last ``--keep`` outcomes (the old task's rows go);
+- ``reset``: on a detection the stream's window is emptied.
+
+Reported per dataset and reaction, over the seeds: whole-stream accuracy; per switch the detection delay (queries
+from the switch to the first detection inside the block's first half; missed otherwise); false alarms (detections
+outside those first halves) per 1,000 queries; and the recovery time per block: queries from the switch until the
+rolling accuracy over the last 20 answers of the block is within 2 points of the accuracy of the block's second half.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rlens.dataset import load_dataset
+from rlens.drift import DriftConfig, DriftMonitor
+from rlens.focal.config import FocalConfig
+from rlens.focal.engine import FocalEngine
+from rlens.focal.schedule import run_online
+from rlens.settings import settings
+
+ROLLING = 20
+TOLERANCE = 0.02
+
+
+def blocks(task: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of each run of one task."""
+    starts = [0, *np.flatnonzero(np.diff(task) != 0) + 1]
+    return list(zip(starts, [*starts[1:], len(task)]))
+
+
+def recovery(correct: np.ndarray, start: int, end: int) -> int:
+    """Queries from ``start`` until the rolling accuracy (last ROLLING answers of the block) is within TOLERANCE of
+    the block's second-half accuracy; the block's length if never."""
+    level = correct[(start + end) // 2: end].mean()
+    for t in range(start + ROLLING - 1, end):
+        if correct[t - ROLLING + 1: t + 1].mean() >= level - TOLERANCE:
+            return t - start + 1
+    return end - start
+
+
+def judge(correct: np.ndarray, detections: list[int], spans: list[tuple[int, int]]) -> dict:
+    delays, missed, false_alarms = [], 0, 0
+    for b, (start, end) in enumerate(spans):
+        first_half = [d for d in detections if start <= d < (start + end) // 2]
+        if b > 0:
+            if first_half:
+                delays.append(first_half[0] - start)
+            else:
+                missed += 1
+        false_alarms += sum(1 for d in detections if (start + end) // 2 <= d < end)
+        if b == 0:
+            false_alarms += len(first_half)  # no switch before the first block
+    return {
+        "accuracy": float(correct.mean()),
+        "detections": len(detections),
+        "delays": delays,
+        "missed_switches": missed,
+        "false_alarms_per_1000": 1000 * false_alarms / len(correct),
+        "recovery": [recovery(correct, s, e) for s, e in spans[1:]],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--keep", type=int, default=10, help="trim: outcomes the window keeps after a detection")
+    parser.add_argument("--reactions", nargs="+", default=["none", "trim", "reset"])
+    parser.add_argument("--out", type=Path, default=Path("bench/out/drift.json"))
+    args = parser.parse_args()
+    datasets = {"zoo_mc (validation)": settings().demo_data, "bbh_dev (held out)": settings().shared_data / "bbh_dev"}
+    result: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "seeds": args.seeds, "keep": args.keep, "runs": {}}
+    for name, path in datasets.items():
+        data = load_dataset(path)
+        spans = blocks(data.task)
+        for reaction in args.reactions:
+            runs = []
+            for seed in args.seeds:
+                started = time.perf_counter()
+                engine = FocalEngine(data.n_models, data.model_costs, FocalConfig(), seed=seed)
+                trace = run_online(engine, data, stream="one", drift=DriftMonitor(DriftConfig()), reaction=reaction, keep=args.keep)
+                runs.append({"seed": seed, **judge(trace.correct, trace.detections, spans), "seconds": round(time.perf_counter() - started, 1)})
+            recoveries = [r for run in runs for r in run["recovery"]]
+            delays = [d for run in runs for d in run["delays"]]
+            summary = {
+                "accuracy_mean": round(statistics.mean(r["accuracy"] for r in runs), 4),
+                "recovery_median": statistics.median(recoveries), "recovery_mean": round(statistics.mean(recoveries), 1),
+                "delay_median": statistics.median(delays) if delays else None,
+                "missed_switches": sum(r["missed_switches"] for r in runs), "switches": len(runs) * (len(spans) - 1),
+                "false_alarms_per_1000": round(statistics.mean(r["false_alarms_per_1000"] for r in runs), 2),
+            }
+            result["runs"][f"{name} / {reaction}"] = {"summary": summary, "per_seed": runs}
+            print(f"{name:22s} {reaction:6s} {summary}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
