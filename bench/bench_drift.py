@@ -42,7 +42,7 @@ TOLERANCE = 0.02
 
 def blocks(task: np.ndarray) -> list[tuple[int, int]]:
     """(start, end) of each run of one task."""
-    starts = [0, *np.flatnonzero(np.diff(task) != 0) + 1]
+    starts = [0, *(int(i) for i in np.flatnonzero(np.diff(task) != 0) + 1)]
     return list(zip(starts, [*starts[1:], len(task)]))
 
 
@@ -83,10 +83,16 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--keep", type=int, default=10, help="trim: outcomes the window keeps after a detection")
     parser.add_argument("--reactions", nargs="+", default=["none", "trim", "reset"])
+    parser.add_argument("--delta", type=float, default=0.002, help="ADWIN's delta")
+    parser.add_argument("--min-gap", type=int, default=50)
+    parser.add_argument("--signals", choices=["outcome", "all"], default="all", help="which detections count as a detection (the reaction follows all)")
+    parser.add_argument("--datasets", nargs="+", default=["zoo_mc", "bbh_dev"])
     parser.add_argument("--out", type=Path, default=Path("bench/out/drift.json"))
     args = parser.parse_args()
     datasets = {"zoo_mc (validation)": settings().demo_data, "bbh_dev (held out)": settings().shared_data / "bbh_dev"}
-    result: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "seeds": args.seeds, "keep": args.keep, "runs": {}}
+    datasets = {name: path for name, path in datasets.items() if name.split()[0] in args.datasets}
+    result: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "seeds": args.seeds, "keep": args.keep, "delta": args.delta,
+                    "min_gap": args.min_gap, "signals": args.signals, "runs": {}}
     for name, path in datasets.items():
         data = load_dataset(path)
         spans = blocks(data.task)
@@ -95,8 +101,10 @@ def main() -> None:
             for seed in args.seeds:
                 started = time.perf_counter()
                 engine = FocalEngine(data.n_models, data.model_costs, FocalConfig(), seed=seed)
-                trace = run_online(engine, data, stream="one", drift=DriftMonitor(DriftConfig()), reaction=reaction, keep=args.keep)
-                runs.append({"seed": seed, **judge(trace.correct, trace.detections, spans), "seconds": round(time.perf_counter() - started, 1)})
+                monitor = DriftMonitor(DriftConfig(delta=args.delta, min_gap=args.min_gap))
+                trace = run_online(engine, data, stream="one", drift=monitor, reaction=reaction, keep=args.keep)
+                detections = [i for i, signals in trace.detections if args.signals == "all" or "outcome" in signals]
+                runs.append({"seed": seed, **judge(trace.correct, detections, spans), "seconds": round(time.perf_counter() - started, 1)})
             recoveries = [r for run in runs for r in run["recovery"]]
             delays = [d for run in runs for d in run["delays"]]
             summary = {

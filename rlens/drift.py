@@ -30,10 +30,10 @@ RECENT, BEFORE = 20, 100  # a detection's means: of the last RECENT values, and 
 @dataclass(frozen=True)
 class DriftConfig:
     detector: Detector = "adwin"
-    delta: float = 0.002  # ADWIN's confidence (smaller: fewer false alarms, later detections)
+    delta: float = 0.05  # ADWIN's confidence (smaller: fewer false alarms, later detections); chosen on zoo_mc (BENCHMARKS.md)
     clock: int = 8  # ADWIN checks for a change every this many observations
     threshold: float = 10.0  # Page-Hinkley's threshold (on 0/1 and [0, 1] signals)
-    min_gap: int = 50  # observations between two detections of one key
+    min_gap: int = 20  # observations between two detections of one key
     history: int = 500  # values kept per key (the state a checkpoint holds)
     max_keys: int = 20_000  # (stream, signal) keys followed at once; the least recently seen is forgotten
 

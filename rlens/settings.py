@@ -79,8 +79,10 @@ class Settings(BaseSettings):
     gateway_max_prompt_chars: int = Field(100_000, ge=1, le=100_000, description="longest prompt (413 above)")
     # drift detection (the learner; rlens.drift)
     drift_detector: Literal["adwin", "page_hinkley", "off"] = Field("adwin", description="river's change detector per (stream, signal) on the joined outcomes; off: none")
-    drift_delta: float = Field(0.002, gt=0, lt=1, description="ADWIN's confidence: smaller, fewer false alarms and later detections")
-    drift_min_gap: int = Field(50, ge=1, description="values of one (stream, signal) between two of its detections")
+    drift_delta: float = Field(0.05, gt=0, lt=1, description="ADWIN's confidence: smaller, fewer false alarms and later detections (0.05: chosen on zoo_mc, BENCHMARKS.md)")
+    drift_min_gap: int = Field(20, ge=1, description="values of one (stream, signal) between two of its detections")
+    drift_reaction: Literal["trim", "none"] = Field("none", description="on a drift of a stream's outcome or of one of its models: trim its window to the last RLENS_DRIFT_KEEP outcomes (the old task's rows go), or nothing (the default: trim helped on zoo_mc, not on the held-out bbh_dev; BENCHMARKS.md)")
+    drift_keep: int = Field(5, ge=0, description="outcomes a stream's window keeps when it is trimmed after a drift")
     # streaming service: the rlae strategy
     rlae_variant: Literal["ppo", "mappo"] = Field("ppo", description="ppo (one agent, Dirichlet weights) or mappo (one agent per model, centralized critic)")
     rlae_span: int = Field(4, ge=1, description="tokens per span: the agent sets the weights every this many tokens")

@@ -67,3 +67,23 @@ def test_outcome_signals_by_hand():
     assert signals_of_outcome(1, 2, 0.7, [2, -1, 0], models) == {"outcome": 0.0, "model:a": 1.0, "model:c": 0.0}
     assert signals_of_outcome(None, None, 1.0, None, models) == {"outcome": 1.0}  # open-ended: exact match (reward 1)
     assert signals_of_outcome(3, None, -0.5, [1, 1, 1], models) == {"outcome": 0.0}  # a bare reward, no label
+
+
+def test_replay_with_one_stream_key_detects_the_task_switch_and_the_reaction_trims_the_window(zoo):
+    from rlens.focal.engine import FocalEngine
+    from rlens.focal.schedule import run_online
+
+    data = zoo.subset(list(range(240)))  # ordering (120), then antonyms (120)
+
+    def run(reaction: str):
+        engine = FocalEngine(zoo.n_models, zoo.model_costs, seed=0)
+        return engine, run_online(engine, data, stream="one", drift=DriftMonitor(), reaction=reaction, keep=5)
+
+    _, plain = run("none")
+    _, again = run("none")
+    engine, trimmed = run("trim")
+    assert plain.detections == again.detections  # deterministic under the seed
+    switch = [i for i, _ in plain.detections if i >= 120]
+    assert switch and switch[0] < 200 and list(engine.windows) == ["one"]
+    last = trimmed.detections[-1][0]
+    assert engine.window("one").n_rows == min(engine.cfg.window, 5 + 239 - last)  # trimmed to 5 at the last detection

@@ -166,19 +166,23 @@ def test_a_task_switch_raises_drift_events_on_the_outcome_and_the_models_and_det
 
     async def scenario():
         await Redis.from_url(redis_server.url).flushdb()
-        core = learner(tmp_path, redis_server.url, drift=DriftMonitor())
+        core = learner(tmp_path, redis_server.url, drift=DriftMonitor(), drift_keep=5)
         engine = FocalEngine(5, seed=0)
         events = []
         for i in range(400):
             await core.on_experience(experience(engine, f"d{i}", stream="switch"), Record(0))
             await core.on_feedback(fb(f"d{i}", label=1 if i < 200 else 0), Record(i))
             events += core.take_drift_events()
+        window = (await core.windows.load(["switch"]))["switch"]
         core.checkpoint()
         core.checkpoints.close()
         resumed = learner(tmp_path, redis_server.url, drift=DriftMonitor())
-        return events, core, resumed
+        return events, core, resumed, window
 
-    events, core, resumed = asyncio.run(scenario())
+    events, core, resumed, window = asyncio.run(scenario())
+    last = max(e.position for e in events)  # every signal counts one value per join here: positions are join counts
+    assert core.stats.drift_reactions == len({e.position for e in events})
+    assert window.n_rows == min(128, 5 + 400 - last)  # trimmed to 5 at the last detection, then filled again
     outcome = [e for e in events if e.signal == "outcome"]
     first = outcome[0].position
     assert outcome and 200 < first <= 260 and outcome[0].mean_before == 1.0

@@ -40,3 +40,15 @@ def test_ring_buffer_keeps_the_last_rows_and_reward_only_feedback():
 def test_window_size_must_be_positive():
     with pytest.raises(ValueError):
         OutcomeWindow(2, 0)
+
+
+def test_keep_last_forgets_all_but_the_last_rows_in_order():
+    window = OutcomeWindow(3, 4)
+    for i in range(6):  # the ring holds rows 2..5
+        window.push(np.array([i % 2, -1, 1]), label=1, reward=float(i))
+    window.keep_last(2)
+    assert window.n_rows == 2 and window.count == 2
+    assert window.recent_reward(1) == 5.0 and window.recent_reward(2) == 4.5  # rows 4 and 5, newest last
+    assert window.reliability().tolist() == pytest.approx([(1 + 1) / (2 + 2), 0.5, (2 + 1) / (2 + 2)])  # model 0 right on row 5 only
+    window.keep_last(0)
+    assert window.n_rows == 0 and window.recent_reward(3) == 0.0

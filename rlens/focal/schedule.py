@@ -10,17 +10,19 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Literal
 
 import numpy as np
 
 from rlens.dataset import RecordedDataset
+from rlens.drift import DriftMonitor, signals_of_outcome
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.focal.voting import plurality_vote
 
 Progress = Callable[[int], None]
+Reaction = Literal["none", "trim", "reset"]  # what run_online does to a stream's window on a drift detection
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class OnlineTrace:
     correct: np.ndarray
     pool_size: np.ndarray  # models whose answers were fused
     models_called: np.ndarray  # models actually called (pool plus window-refresh probes)
+    detections: list[tuple[int, list[str]]] = field(default_factory=list)  # (question, the signals whose drift its outcome completed)
 
 
 def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, train_fusion: bool, progress: Progress | None) -> None:
@@ -103,7 +106,13 @@ def warm_start_steps(cfg: FocalConfig, n_questions: int) -> int:
     return n_questions * sum(_warm_passes(cfg))
 
 
-def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | None = None) -> OnlineTrace:
+def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | None = None, stream: Hashable | None = None,
+               drift: DriftMonitor | None = None, reaction: Reaction = "none", keep: int = 10) -> OnlineTrace:
+    """Algorithm 2 over ``data``. The window key is each question's task, or ``stream`` for all of them (the task
+    unknown, as in the service). ``drift`` is fed each outcome when its feedback arrives (the learner's signals:
+    ``outcome`` and each called model's ``model:<index>``); its detections are in the trace, and ``reaction``
+    applies on each question that completed one: ``trim`` the stream's window to its last ``keep``
+    outcomes, ``reset`` it, or ``none``."""
     qs = questions(data)
     cfg = engine.cfg
     n = len(qs)
@@ -112,15 +121,24 @@ def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | 
 
     def deliver(i, decision, answer) -> None:
         q = qs[i]
+        key = q.key if stream is None else stream
         reward = engine.reward(decision.pool, answer.answer == q.label)
-        engine.observe(q.key, np.where(decision.called, q.predictions, -1), q.label, reward)
+        engine.observe(key, np.where(decision.called, q.predictions, -1), q.label, reward)
         engine.remember(decision, answer, reward)
+        if drift is not None:
+            called = np.where(decision.called, q.predictions, -1).tolist()
+            signals = signals_of_outcome(answer.answer, q.label, reward, called, [str(m) for m in range(engine.n_models)])
+            found = [signal for signal, value in signals.items() if drift.observe(str(key), signal, value) is not None]
+            if found:
+                trace.detections.append((i, found))
+                if reaction != "none":
+                    engine.window(key).keep_last(keep if reaction == "trim" else 0)
         if len(engine.buffer) >= cfg.update_period:
             engine.update()
 
     for i, q in enumerate(qs):
         probe = cfg.probe_rate > 0 and engine.rng.random() < cfg.probe_rate
-        (decision,) = engine.decide(q.key, q.probs.shape[1], greedy=cfg.online_greedy, probe=probe)
+        (decision,) = engine.decide(q.key if stream is None else stream, q.probs.shape[1], greedy=cfg.online_greedy, probe=probe)
         answer = engine.fuse(decision, q.probs, greedy=cfg.online_greedy)
         trace.answers[i], trace.correct[i] = answer.answer, answer.answer == q.label
         trace.pool_size[i], trace.models_called[i] = decision.pool.sum(), decision.called.sum()

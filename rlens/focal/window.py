@@ -43,6 +43,16 @@ class OutcomeWindow:
         self.count += 1
         self._reliability = None
 
+    def keep_last(self, k: int) -> None:
+        """Forget all but the last ``k`` rows, in order (a reaction to drift: the old task's outcomes go)."""
+        n = min(k, self.n_rows)
+        index = (self.count - n + np.arange(n)) % self.size
+        rows = [(self.predictions[i].copy(), int(self.labels[i]), float(self.rewards[i])) for i in index]
+        self.correct[:], self.predictions[:], self.labels[:], self.rewards[:] = -1, -1, -1, 0.0
+        self.count, self._reliability = 0, None
+        for predictions, label, reward in rows:
+            self.push(predictions, label, reward)
+
     @property
     def n_rows(self) -> int:
         return min(self.count, self.size)

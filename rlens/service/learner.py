@@ -110,6 +110,7 @@ class LearnerStats:
     redis_retries: int = 0
     window_backlog_dropped: int = 0  # outcomes dropped because the backlog was full during a long Redis outage
     new_logs: int = 0  # partitions found restarted from offset 0 (a broker that lost its data)
+    drift_reactions: int = 0  # drifted streams whose window was trimmed
     last_update: dict | None = None
 
 
@@ -117,7 +118,8 @@ class LearnerCore:
     def __init__(self, trainer: OnlineTrainer, models: list[str], windows: RedisWindows, checkpoints: CheckpointStore,
                  signer: PolicySigner, tokens: FeedbackTokens, pending_limit: int = 100_000, pending_ttl_s: float = 3600.0,
                  pending_bytes: int = 256 * 2**20, pending_per_stream: int = 10_000, done_limit: int = 200_000, redis_wait_s: float = 10.0,
-                 backlog_limit: int = 100_000, checkpoint_every_s: float = 5.0, drift: DriftMonitor | None = None):
+                 backlog_limit: int = 100_000, checkpoint_every_s: float = 5.0, drift: DriftMonitor | None = None,
+                 drift_keep: int | None = None):
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.signer, self.tokens = signer, tokens
         self.pending_limit, self.pending_ttl_s, self.done_limit = pending_limit, pending_ttl_s, done_limit
@@ -139,7 +141,7 @@ class LearnerCore:
         self.checkpoint_every_s = checkpoint_every_s
         self.last_checkpoint = float("-inf")  # monotonic time of the newest checkpoint
         self.checkpointed_version = 0
-        self.drift = drift
+        self.drift, self.drift_keep = drift, drift_keep  # drift_keep: trim a drifted stream's window to this many outcomes (None: no reaction)
         self.drift_events: list[DriftEvent] = []  # detections since the app last took them
         restored = trainer.load(checkpoints)
         if restored is not None:
@@ -227,16 +229,19 @@ class LearnerCore:
         taken, self.drift_events = self.drift_events, []
         return taken
 
-    def _observe_drift(self, stream: str, signals: dict[str, float], query_id: str) -> None:
-        """Feed each signal's value to its detector; a detection becomes a :class:`DriftEvent` (and is counted)."""
+    def _observe_drift(self, stream: str, signals: dict[str, float], query_id: str) -> bool:
+        """Feed each signal's value to its detector; a detection becomes a :class:`DriftEvent` (and is counted).
+        Whether any was detected."""
         if self.metrics is not None:
             self.metrics.observe_signals(stream, signals)
         if self.drift is None:
-            return
+            return False
+        detected = False
         for signal, value in signals.items():
             found = self.drift.observe(stream, signal, value)
             if found is None:
                 continue
+            detected = True
             before = None if math.isnan(found.mean_before) else found.mean_before
             self.drift_events.append(DriftEvent(
                 stream=stream, signal=signal, detector=self.drift.config.detector, position=found.position, query_id=query_id,
@@ -245,6 +250,15 @@ class LearnerCore:
             log.info("drift on stream %s, %s: %s -> %.2f (value %d)", stream, signal, "?" if before is None else f"{before:.2f}", found.mean_after, found.position)
             if self.metrics is not None:
                 self.metrics.drift_events.labels(self.metrics.stream(stream), signal).inc()
+        return detected
+
+    async def _react_to_drift(self, stream: str) -> None:
+        """Trim the drifted stream's window to its last ``drift_keep`` outcomes (best-effort: Redis may be down)."""
+        try:
+            await self.windows.keep_last(stream, self.drift_keep)
+            self.stats.drift_reactions += 1
+        except (RedisError, OSError) as exc:
+            log.warning("Redis unreachable (%s): the window of drifted stream %s was not trimmed", exc, stream)
 
     def take_dead_letters(self) -> list[DeadLetter]:
         """The dead letters of the halves dropped since the last call."""
@@ -308,7 +322,8 @@ class LearnerCore:
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
         signals = signals_of_outcome(getattr(experience, "answer_index", None), feedback.label, reward, getattr(experience, "predictions", None), self.models)
-        self._observe_drift(experience.stream, signals, experience.query_id)
+        if self._observe_drift(experience.stream, signals, experience.query_id) and self.drift_keep is not None and row is not None:
+            await self._react_to_drift(experience.stream)
         self.stats.joined += 1
         if self.trainer.update_due():
             return self.update(), None

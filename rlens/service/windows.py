@@ -111,6 +111,13 @@ class RedisWindows:
             pass
         return None
 
+    async def keep_last(self, stream: str, k: int) -> None:
+        """Forget all but the stream's last ``k`` outcomes (a reaction to drift: the old task's rows go)."""
+        if k > 0:
+            await self.redis.ltrim(self.window_key(stream), -k, -1)
+        else:
+            await self.redis.delete(self.window_key(stream))
+
     async def apply(self, stream: str, query_id: str, predictions: list[int], label: int, reward: float) -> bool:
         """Add one query's outcome to its stream's window, once; False if it was already applied. A row that does
         not fit (:meth:`row_error`) is a ValueError."""
