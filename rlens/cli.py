@@ -379,6 +379,8 @@ def up(
         console.print(f"send traffic with: RLENS_KAFKA_BOOTSTRAP={stack.settings.kafka_bootstrap} rlens load --rate 50" + (" --tasks zoo" if strategy == "rlae" else ""))
         for name, url in sorted(stack.http_urls().items()):
             console.print(f"  {name.split(':')[0]:8s} {url}/metrics  /healthz  /readyz", highlight=False)
+            if name.startswith("learner:"):
+                console.print(f"live dashboard: {url}/dashboard", highlight=False)
         if gateway:
             url = next(u for n, u in stack.http_urls().items() if n.startswith("gateway:"))
             console.print(f"OpenAI-compatible gateway: {url}/v1 (docs {url}/docs); its key: export OPENAI_API_KEY=$(cat {stack.gateway_key})", highlight=False)

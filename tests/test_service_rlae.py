@@ -182,6 +182,8 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
     try:
         stack.wait_ready(120)
         first, then, dead, (reply, chunks, feedback) = asyncio.run(scenario())
+        learner = next(u for name, u in stack.http_urls().items() if name.startswith("learner:"))
+        dashboard = httpx.get(f"{learner}/api/dashboard", timeout=10).json()
         time.sleep(1.0)  # the last feedback reaches the learner
     finally:
         stack.stop()
@@ -195,6 +197,9 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
     assert weights and all(len(w) == len(MODELS) and abs(sum(w) - 1) < 1e-3 for w in weights) and reply.choices[0].finish_reason in ("stop", "length")
     assert chunks[-1].choices[0].finish_reason in ("stop", "length") and chunks[-1].model_extra["rlens"]["span_weights"]
     assert feedback == (202, "accepted")
+    assert dashboard["strategy"] == "rlae" and dashboard["joined"] == 53 and len(dashboard["policies"]) == 3
+    points = [p for s in dashboard["streams"] for p in s["points"]]
+    assert points and all(abs(sum(p["composition"]) - 1) < 1e-3 for p in points)  # each model's mean weight
 
 
 async def ask_the_gateway(stack: LocalStack, task) -> tuple:

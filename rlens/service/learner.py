@@ -70,6 +70,7 @@ from redis.exceptions import RedisError
 from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftMonitor, signals_of_outcome
 from rlens.messages import EXPERIENCE, DeadLetter, DriftEvent, Feedback, Message, Policy
+from rlens.service.dashboard import Dashboard, dashboard_routes
 from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
 from rlens.service.online import FeedbackError, OnlineTrainer
 from rlens.service.metrics import LearnerMetrics, StreamLabels, dead_letter_kind, http_routes, not_ready, settings_url
@@ -143,6 +144,7 @@ class LearnerCore:
         self.checkpointed_version = 0
         self.drift, self.drift_keep = drift, drift_keep  # drift_keep: trim a drifted stream's window to this many outcomes (None: no reaction)
         self.drift_events: list[DriftEvent] = []  # detections since the app last took them
+        self.dashboard = Dashboard(trainer.strategy, models)
         restored = trainer.load(checkpoints)
         if restored is not None:
             self._restore(restored)
@@ -243,10 +245,12 @@ class LearnerCore:
                 continue
             detected = True
             before = None if math.isnan(found.mean_before) else found.mean_before
-            self.drift_events.append(DriftEvent(
+            event = DriftEvent(
                 stream=stream, signal=signal, detector=self.drift.config.detector, position=found.position, query_id=query_id,
                 mean_before=before, mean_after=found.mean_after, window=found.window, at=time.time(),
-            ))
+            )
+            self.drift_events.append(event)
+            self.dashboard.observe_drift(event)
             log.info("drift on stream %s, %s: %s -> %.2f (value %d)", stream, signal, "?" if before is None else f"{before:.2f}", found.mean_after, found.position)
             if self.metrics is not None:
                 self.metrics.drift_events.labels(self.metrics.stream(stream), signal).inc()
@@ -281,7 +285,9 @@ class LearnerCore:
         if reason := self.trainer.check(experience):
             self.stats.invalid_experience += 1
             return None, dead_letter(record, f"experience does not fit the pool: {reason}", "learner")
-        self._observe_drift(experience.stream, {"confidence": self.trainer.confidence(experience)}, qid)
+        confidence = self.trainer.confidence(experience)
+        self.dashboard.observe_answer(experience.stream, confidence, self.trainer.composition(experience))
+        self._observe_drift(experience.stream, {"confidence": confidence}, qid)
         if qid in self.feedback:
             held = self.feedback.pop(qid)
             return await self._join(experience, held.message, held.record, held.at - event_time(record))
@@ -322,6 +328,7 @@ class LearnerCore:
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
         signals = signals_of_outcome(getattr(experience, "answer_index", None), feedback.label, reward, getattr(experience, "predictions", None), self.models)
+        self.dashboard.observe_join(experience.stream, signals, reward, delay_s)
         if self._observe_drift(experience.stream, signals, experience.query_id) and self.drift_keep is not None and row is not None:
             await self._react_to_drift(experience.stream)
         self.stats.joined += 1
@@ -386,6 +393,7 @@ class LearnerCore:
             for name, value in stats.items():
                 self.metrics.last_update.labels(name).set(value)
         self.version += 1
+        self.dashboard.observe_policy(self.version)
         if self.checkpoint_due():
             self.checkpoint()
         log.info("update %d: policy v%d (epoch %d), %d transitions joined", self.stats.updates, self.version, self.epoch, self.stats.joined)
@@ -504,7 +512,8 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         await handle(message, Feedback, topics.feedback)
 
     joined: list[bool] = []
-    app = AsgiFastStream(broker, asgi_routes=http_routes(registry, lambda: not_ready(core, joined)))
+    routes = http_routes(registry, lambda: not_ready(core, joined)) + (dashboard_routes(core.dashboard.snapshot) if core else [])
+    app = AsgiFastStream(broker, asgi_routes=routes)
 
     @app.on_startup
     async def leased() -> None:  # run_learner took the group's lease (claim_group) before the app started

@@ -65,6 +65,10 @@ class OnlineTrainer(ABC):
         """A label-free signal of the answer (drift detection before any feedback), in [0, 1] where possible."""
 
     @abstractmethod
+    def composition(self, experience: Message) -> list[float]:
+        """Per model, its part in the answer: in the Decider's pool (1) or not (rl_focal), its mean weight (rlae)."""
+
+    @abstractmethod
     def remember(self, experience: Message, reward: float) -> None: ...
 
     @abstractmethod
@@ -144,6 +148,9 @@ class FocalOnlineTrainer(OnlineTrainer):
     def confidence(self, experience: Experience) -> float:
         """The Fusion agent's probability of the answer it chose."""
         return math.exp(experience.answer_logp)
+
+    def composition(self, experience: Experience) -> list[float]:
+        return [float(chosen) for chosen in experience.pool]
 
     def remember(self, experience: Experience, reward: float) -> None:
         pool = np.asarray(experience.pool, dtype=bool)
@@ -225,6 +232,10 @@ class RLAEOnlineTrainer(OnlineTrainer):
     def confidence(self, experience: RLAEExperience) -> float:
         """The agent's value estimate (its expected exact match), averaged over the spans."""
         return sum(span.value for span in experience.spans) / len(experience.spans)
+
+    def composition(self, experience: RLAEExperience) -> list[float]:
+        actions = torch.tensor([span.action for span in experience.spans], dtype=torch.float32)
+        return self.policy.weights(actions).mean(0).tolist()
 
     def reward(self, experience: RLAEExperience, feedback: Feedback) -> float:
         if feedback.reward is not None:

@@ -1,0 +1,82 @@
+"""The learner's live dashboard in a real headless browser (Debian's chromium through Selenium) against a running
+stack (tansu, Redis, learner, worker): the page loads, shows the streams of the traffic played, its numbers change
+as traffic flows, and a task switch on one stream key is marked as drift."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+
+from rlens.service.load import play, queries_of
+from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.settings import settings
+
+
+def browser(tmp_path) -> webdriver.Chrome:
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert chromium and driver, "the dashboard test needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+    options = Options()
+    options.binary_location = chromium
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1600", f"--user-data-dir={tmp_path / 'chromium'}"):
+        options.add_argument(argument)
+    return webdriver.Chrome(options=options, service=Service(driver))
+
+
+def wait_for(condition, timeout_s: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_the_dashboard_shows_the_played_streams_live_and_marks_the_task_switch(tmp_path, zoo):
+    pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
+    stack = LocalStack(settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}), tmp_path)
+    # 240 questions on one stream key "support" (ordering, then antonyms: a task switch), then 60 under their task's key
+    traffic = [(q.model_copy(update={"stream": "support"}) if i < 240 else q, label) for i, (q, label) in enumerate(queries_of(zoo.subset(list(range(300))), None, "dash"))]
+    driver = None
+    try:
+        stack.start_learner()
+        stack.start_worker()
+        stack.wait_ready(120)
+        learner = next(u for name, u in stack.http_urls().items() if name.startswith("learner:"))
+        driver = browser(tmp_path)
+        driver.get(f"{learner}/dashboard")
+        wait_for(lambda: driver.find_element(By.ID, "strategy").text == "rl_focal", what="the page to load its first snapshot")
+        assert driver.find_element(By.ID, "joined").text == "0" and driver.find_element(By.ID, "empty").is_displayed()
+        player = threading.Thread(target=lambda: asyncio.run(play(stack.settings, traffic, rate=40, idle_timeout_s=60)))
+        player.start()
+        seen = [int(wait_for(lambda: (t := driver.find_element(By.ID, "joined").text) != "0" and t, what="the first joins"))]
+        seen.append(int(wait_for(lambda: (t := int(driver.find_element(By.ID, "joined").text)) > seen[0] and t, what="the count to move on")))
+        player.join(120)
+        wait_for(lambda: driver.find_element(By.ID, "joined").text == "300", what="all 300 joins on the page")
+        time.sleep(2.5)  # one more refresh after the last join
+        cards = {card.get_attribute("data-stream"): card for card in driver.find_elements(By.CSS_SELECTOR, ".card[data-stream]")}
+        markers = cards["support"].find_elements(By.CSS_SELECTOR, ".drift-marker")
+        accuracy = cards["support"].find_element(By.CSS_SELECTOR, ".accuracy").text
+        version = driver.find_element(By.ID, "version").text
+        driver.save_screenshot(str(tmp_path / "dashboard.png"))
+        snapshot = httpx.get(f"{learner}/api/dashboard", timeout=10).json()
+    finally:
+        if driver is not None:
+            driver.quit()
+        stack.stop()
+    assert seen[0] < seen[1] <= 300  # the numbers moved while traffic flowed
+    assert set(cards) == {"support", "pattern"}  # 240 on "support", then 60 pattern questions under their task's key
+    assert markers, "the task switch on 'support' is not marked"
+    assert accuracy.endswith("%") and version.startswith("v") and int(version[1:]) >= 4
+    support = next(s for s in snapshot["streams"] if s["stream"] == "support")
+    assert support["joins"] == 240 and len(support["points"]) == 240 // 5 and support["drift"]
+    assert all(len(p["composition"]) == 5 and all(0 <= x <= 1 for x in p["composition"]) for p in support["points"])
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
