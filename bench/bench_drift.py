@@ -30,52 +30,16 @@ from pathlib import Path
 import numpy as np
 
 from rlens.dataset import load_dataset
-from rlens.drift import DriftConfig, DriftMonitor
+from rlens.drift import DriftConfig, DriftMonitor, drift_figures, task_blocks
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import run_online
 from rlens.settings import settings
 
-ROLLING = 20
-TOLERANCE = 0.02
-
-
-def blocks(task: np.ndarray) -> list[tuple[int, int]]:
-    """(start, end) of each run of one task."""
-    starts = [0, *(int(i) for i in np.flatnonzero(np.diff(task) != 0) + 1)]
-    return list(zip(starts, [*starts[1:], len(task)]))
-
-
-def recovery(correct: np.ndarray, start: int, end: int) -> int:
-    """Queries from ``start`` until the rolling accuracy (last ROLLING answers of the block) is within TOLERANCE of
-    the block's second-half accuracy; the block's length if never."""
-    level = correct[(start + end) // 2: end].mean()
-    for t in range(start + ROLLING - 1, end):
-        if correct[t - ROLLING + 1: t + 1].mean() >= level - TOLERANCE:
-            return t - start + 1
-    return end - start
-
-
-def judge(correct: np.ndarray, detections: list[int], spans: list[tuple[int, int]]) -> dict:
-    delays, missed, false_alarms = [], 0, 0
-    for b, (start, end) in enumerate(spans):
-        first_half = [d for d in detections if start <= d < (start + end) // 2]
-        if b > 0:
-            if first_half:
-                delays.append(first_half[0] - start)
-            else:
-                missed += 1
-        false_alarms += sum(1 for d in detections if (start + end) // 2 <= d < end)
-        if b == 0:
-            false_alarms += len(first_half)  # no switch before the first block
-    return {
-        "accuracy": float(correct.mean()),
-        "detections": len(detections),
-        "delays": delays,
-        "missed_switches": missed,
-        "false_alarms_per_1000": 1000 * false_alarms / len(correct),
-        "recovery": [recovery(correct, s, e) for s, e in spans[1:]],
-    }
+def judge(correct: np.ndarray, detections: list[int], task: np.ndarray) -> dict:
+    figures = drift_figures(correct, detections, task)
+    return {"accuracy": float(correct.mean()), "detections": len(detections), "delays": figures.delays, "missed_switches": figures.missed_switches,
+            "false_alarms_per_1000": figures.false_alarms_per_1000, "recovery": figures.recovery}
 
 
 def main() -> None:
@@ -95,7 +59,7 @@ def main() -> None:
                     "min_gap": args.min_gap, "signals": args.signals, "runs": {}}
     for name, path in datasets.items():
         data = load_dataset(path)
-        spans = blocks(data.task)
+        spans = task_blocks(data.task)
         for reaction in args.reactions:
             runs = []
             for seed in args.seeds:
@@ -104,7 +68,7 @@ def main() -> None:
                 monitor = DriftMonitor(DriftConfig(delta=args.delta, min_gap=args.min_gap))
                 trace = run_online(engine, data, stream="one", drift=monitor, reaction=reaction, keep=args.keep)
                 detections = [i for i, signals in trace.detections if args.signals == "all" or "outcome" in signals]
-                runs.append({"seed": seed, **judge(trace.correct, detections, spans), "seconds": round(time.perf_counter() - started, 1)})
+                runs.append({"seed": seed, **judge(trace.correct, detections, data.task), "seconds": round(time.perf_counter() - started, 1)})
             recoveries = [r for run in runs for r in run["recovery"]]
             delays = [d for run in runs for d in run["delays"]]
             summary = {

@@ -56,9 +56,9 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def run_replay(data: Path, protocol: Protocol, seed: int, out: Path, ablations: bool, workers: int, config: FocalConfig) -> None:
+def run_replay(data: Path, protocol: Protocol, seed: int, out: Path, ablations: bool, workers: int, config: FocalConfig, drift=None) -> None:
     """Replay a dataset through RL-Focal and the baselines with a progress bar; print the table, write the report."""
-    from rlens.replay import RL_VARIANTS, replay as run, total_steps
+    from rlens.replay import RL_VARIANTS, DriftOptions, replay as run, total_steps
     from rlens.report import write_outputs
 
     try:
@@ -70,7 +70,7 @@ def run_replay(data: Path, protocol: Protocol, seed: int, out: Path, ablations: 
     try:
         with progress_bar() as bar:
             task = bar.add_task("RL-Focal warm start + online", total=total_steps(dataset, protocol, config, variants))
-            result = run(dataset, protocol, seed, config, variants, workers=workers, progress=lambda n: bar.advance(task, n))
+            result = run(dataset, protocol, seed, config, variants, workers=workers, progress=lambda n: bar.advance(task, n), drift=drift or DriftOptions())
     except ValueError as exc:
         fail(str(exc))
     paths = write_outputs(result, out)
@@ -83,6 +83,9 @@ def run_replay(data: Path, protocol: Protocol, seed: int, out: Path, ablations: 
         style = "bold green" if name == "rl_focal" else None
         table.add_row(name, f"{100 * method.accuracy:.1f}", f"{method.mean_models_called:.2f}", style=style)
     console.print(table)
+    if (found := result.results.drift) is not None and found.switches:
+        console.print(f"drift: {len(found.detections)} detections, {found.switches - found.missed_switches} of {found.switches} task switches detected, "
+                      f"{found.false_alarms_per_1000:.1f} false alarms per 1,000 questions (report.md)")
     console.print("wrote " + ", ".join(str(p) for p in paths))
 
 
@@ -101,10 +104,16 @@ def replay(
     window: int = typer.Option(FocalConfig.window, min=1, help="sliding-window length W per stream"),
     update_period: int = typer.Option(FocalConfig.update_period, min=1, help="online MAPPO update every T answered queries"),
     feedback_delay: int = typer.Option(FocalConfig.feedback_delay, min=0, help="feedback of a query arrives this many queries later"),
+    one_stream: bool = typer.Option(False, "--one-stream", help="one window key for the whole stream (the task unknown, as in the service): task switches become drift"),
+    drift_reaction: str = typer.Option("none", help="on a drift detection: none, trim (the window keeps its last 5 outcomes) or reset"),
 ) -> None:
-    """Replay a recorded dataset through RL-Focal and every baseline; write the report."""
+    """Replay a recorded dataset through RL-Focal and every baseline; write the report (with drift detections)."""
+    from rlens.replay import DriftOptions
+
+    if drift_reaction not in ("none", "trim", "reset"):
+        fail(f"--drift-reaction must be none, trim or reset, got {drift_reaction!r}")
     config = replace(FocalConfig(), alpha=alpha, window=window, update_period=update_period, feedback_delay=feedback_delay)
-    run_replay(data, protocol, seed, out, ablations, workers, config)
+    run_replay(data, protocol, seed, out, ablations, workers, config, DriftOptions(one_stream, drift_reaction))
 
 
 @app.command()

@@ -120,6 +120,56 @@ class DriftMonitor:
             key.count, key.last_detection = count, last_detection
 
 
+@dataclass(frozen=True)
+class DriftFigures:
+    """How detections and answers went around the task switches of a stream (see :func:`drift_figures`)."""
+
+    delays: list[int]  # per detected switch: queries from the switch to its first detection
+    missed_switches: int  # switches with no detection in the first half of their block
+    switches: int
+    false_alarms_per_1000: float  # detections in a block's second half (or in the first block), per 1,000 queries
+    recovery: list[int]  # per switch: queries until the rolling accuracy is back (see recovery_time)
+
+
+RECOVERY_ROLLING, RECOVERY_TOLERANCE = 20, 0.02
+
+
+def task_blocks(task) -> list[tuple[int, int]]:
+    """(start, end) of each run of one task in a stream."""
+    starts = [0, *(i + 1 for i in range(len(task) - 1) if task[i + 1] != task[i])]
+    return list(zip(starts, [*starts[1:], len(task)]))
+
+
+def recovery_time(correct, start: int, end: int) -> int:
+    """Queries from a switch at ``start`` until the rolling accuracy over the block's last RECOVERY_ROLLING answers
+    is within RECOVERY_TOLERANCE of the accuracy of the block's second half; the block's length if never."""
+    level = _mean(list(correct[(start + end) // 2: end]))
+    for t in range(start + RECOVERY_ROLLING - 1, end):
+        if _mean(list(correct[t - RECOVERY_ROLLING + 1: t + 1])) >= level - RECOVERY_TOLERANCE:
+            return t - start + 1
+    return end - start
+
+
+def drift_figures(correct, detections: list[int], task) -> DriftFigures:
+    """Detection delays, missed switches, false alarms and recovery times of a stream with known task switches
+    (``correct``: per query, the answer was right; ``detections``: the queries whose outcome completed one)."""
+    blocks = task_blocks(task)
+    delays, missed, false_alarms = [], 0, 0
+    for b, (start, end) in enumerate(blocks):
+        middle = (start + end) // 2
+        early = [d for d in detections if start <= d < middle]
+        if b == 0:
+            false_alarms += len(early)  # no switch before the first block
+        elif early:
+            delays.append(early[0] - start)
+        else:
+            missed += 1
+        false_alarms += sum(1 for d in detections if middle <= d < end)
+        # detections after the first early one, within the first half, are the same switch seen again: not counted
+    return DriftFigures(delays, missed, len(blocks) - 1, 1000 * false_alarms / max(len(correct), 1),
+                        [recovery_time(correct, s, e) for s, e in blocks[1:]])
+
+
 def _mean(values: list[float]) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 

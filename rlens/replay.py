@@ -20,9 +20,10 @@ from rlens import baselines
 from rlens.dataset import RecordedDataset
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
-from rlens.focal.schedule import OnlineTrace, run_online, warm_start, warm_start_steps
+from rlens.drift import DriftMonitor, drift_figures
+from rlens.focal.schedule import OnlineTrace, Reaction, run_online, warm_start, warm_start_steps
 from rlens.protocols import Protocol, split
-from rlens.results import MethodResult, ReplayResults
+from rlens.results import DriftResult, MethodResult, ReplayResults
 
 # name -> (changes to the configuration, description)
 RL_VARIANTS: dict[str, tuple[dict, str]] = {
@@ -47,13 +48,26 @@ def variant_steps(config: FocalConfig, n_warm: int, n_test: int, variant: str) -
     return warm_start_steps(replace(config, **RL_VARIANTS[variant][0]), n_warm) + n_test
 
 
-def run_variant(variant: str, data: RecordedDataset, warm_index: np.ndarray, test_index: np.ndarray, config: FocalConfig, seed: int, report: Callable[[int], None] | None) -> OnlineTrace:
+@dataclass(frozen=True)
+class DriftOptions:
+    """How the online stream meets drift: ``one_stream`` puts every question on one window key (the task unknown,
+    as in the service, so task switches are drift inside it; otherwise each task is its own key); the learner's
+    detector (:class:`rlens.drift.DriftMonitor`) is fed every outcome, and ``reaction`` applies on its detections."""
+
+    one_stream: bool = False
+    reaction: Reaction = "none"
+    keep: int = 5
+
+
+def run_variant(variant: str, data: RecordedDataset, warm_index: np.ndarray, test_index: np.ndarray, config: FocalConfig, seed: int,
+                report: Callable[[int], None] | None, drift: DriftOptions = DriftOptions()) -> OnlineTrace:
     """Warm start (when there is a warm split) then online operation, for one RL-Focal variant."""
     torch.set_num_threads(1)
     engine = FocalEngine(data.n_models, data.model_costs, replace(config, **RL_VARIANTS[variant][0]), seed=seed)
     if len(warm_index):
         warm_start(engine, data.subset(warm_index), report)
-    return run_online(engine, data.subset(test_index), report)
+    return run_online(engine, data.subset(test_index), report, stream="one" if drift.one_stream else None, drift=DriftMonitor(),
+                      reaction=drift.reaction, keep=drift.keep)
 
 
 class _Batched:
@@ -74,26 +88,26 @@ class _Batched:
             self.pending = 0
 
 
-def _variant_in_worker(variant, data, warm_index, test_index, config, seed, progress_queue) -> tuple[str, OnlineTrace]:
+def _variant_in_worker(variant, data, warm_index, test_index, config, seed, drift, progress_queue) -> tuple[str, OnlineTrace]:
     report = _Batched(progress_queue.put)
-    trace = run_variant(variant, data, warm_index, test_index, config, seed, report)
+    trace = run_variant(variant, data, warm_index, test_index, config, seed, report, drift)
     report.flush()
     return variant, trace
 
 
-def _run_variants(variants, data, warm_index, test_index, config, seed, workers, progress) -> dict[str, OnlineTrace]:
+def _run_variants(variants, data, warm_index, test_index, config, seed, workers, progress, drift) -> dict[str, OnlineTrace]:
     if workers <= 1 or len(variants) == 1:
         traces = {}
         for variant in variants:
             report = _Batched(progress) if progress else None
-            traces[variant] = run_variant(variant, data, warm_index, test_index, config, seed, report)
+            traces[variant] = run_variant(variant, data, warm_index, test_index, config, seed, report, drift)
             if report:
                 report.flush()
         return traces
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager, ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         progress_queue = manager.Queue()
-        futures = [pool.submit(_variant_in_worker, v, data, warm_index, test_index, config, seed, progress_queue) for v in variants]
+        futures = [pool.submit(_variant_in_worker, v, data, warm_index, test_index, config, seed, drift, progress_queue) for v in variants]
         while not all(f.done() for f in futures):
             try:
                 n = progress_queue.get(timeout=0.1)
@@ -121,8 +135,10 @@ def replay(
     variants: list[str] | None = None,
     workers: int = 1,
     progress: Callable[[int], None] | None = None,
+    drift: DriftOptions = DriftOptions(),
 ) -> ReplayRun:
-    """Run every method on the test stream of ``protocol`` and collect results.json's content."""
+    """Run every method on the test stream of ``protocol`` and collect results.json's content (with RL-Focal's
+    drift detections and recovery figures)."""
     started = time.perf_counter()
     config = config or FocalConfig()
     variants = list(RL_VARIANTS) if variants is None else variants
@@ -133,7 +149,7 @@ def replay(
     if len(test_index) == 0:
         raise ValueError("the test stream is empty: every task has too few questions for this protocol")
     warm, test = data.subset(warm_index), data.subset(test_index)
-    traces = _run_variants(variants, data, warm_index, test_index, config, seed, workers, progress)
+    traces = _run_variants(variants, data, warm_index, test_index, config, seed, workers, progress, drift)
 
     valid_positions = [np.flatnonzero(row) for row in test.choice_mask]
     answers: dict[str, np.ndarray] = {}
@@ -167,6 +183,13 @@ def replay(
         per_task = {task_names[t]: float(correct[test.task == t].mean()) for t in task_names}
         methods[name] = MethodResult(accuracy=float(correct.mean()), per_task=per_task, mean_models_called=calls[name], description=descriptions[name])
     main = traces.get("rl_focal") or next(iter(traces.values()))
+    detections = [i for i, _ in main.detections]
+    figures = drift_figures(main.correct, detections, test.task)
+    drift_result = DriftResult(
+        one_stream=drift.one_stream, detector="adwin", reaction=drift.reaction, detections=detections, signals=[signals for _, signals in main.detections],
+        delays=figures.delays, missed_switches=figures.missed_switches, switches=figures.switches,
+        false_alarms_per_1000=figures.false_alarms_per_1000, recovery=figures.recovery,
+    )
     results = ReplayResults(
         protocol=protocol.value,
         seed=seed,
@@ -176,5 +199,6 @@ def replay(
         methods=methods,
         config=config.to_dict(),
         elapsed_s=round(time.perf_counter() - started, 2),
+        drift=drift_result,
     )
     return ReplayRun(results, test, answers, main.pool_size, main.models_called)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -45,6 +46,10 @@ def write_plot(run: ReplayRun, path: Path) -> None:
             axis.axvline(start, color="grey", linestyle=":", linewidth=0.8)
     for start, end, task_id in _task_blocks(test.task):
         top.text((start + end) / 2, 1.5, test.task_name(task_id)[:18], rotation=90, fontsize=7, ha="center", va="bottom", color="dimgrey")
+    drift = results.drift
+    if drift is not None and drift.detections:
+        top.plot(drift.detections, [4] * len(drift.detections), "v", color="tab:red", markersize=7,
+                 label=f"drift detected ({len(drift.detections)}; {'one stream key' if drift.one_stream else 'a key per task'})")
     top.set_ylabel(f"rolling accuracy (%, last {ROLLING})")
     top.set_ylim(0, 100)
     top.legend(loc="upper right", fontsize=8, ncol=2)
@@ -77,6 +82,18 @@ def markdown(run: ReplayRun) -> str:
     lines += ["", "## Per task (accuracy %)", "", "| task | " + " | ".join(shown) + " |", "|---|" + "---:|" * len(shown)]
     for task in tasks:
         lines.append(f"| {task} | " + " | ".join(f"{100 * results.methods[n].per_task[task]:.1f}" for n in shown) + " |")
+    if (drift := results.drift) is not None:
+        keys = "one window key for the whole stream (task switches are drift inside it)" if drift.one_stream else "a window key per task"
+        median = lambda values: f"{statistics.median(values):g}" if values else "–"  # noqa: E731
+        lines += [
+            "", "## Drift (RL-Focal, the learner's detector on its outcomes)", "",
+            f"{keys}; detector {drift.detector}, reaction `{drift.reaction}`.", "",
+            "| detections | switches detected | median delay | false alarms / 1,000 | median recovery |", "|---:|---:|---:|---:|---:|",
+            f"| {len(drift.detections)} | {drift.switches - drift.missed_switches} of {drift.switches} | {median(drift.delays)} | "
+            f"{drift.false_alarms_per_1000:.1f} | {median(drift.recovery)} |",
+            "", "Delay: questions from a switch to its first detection. Recovery: questions from a switch until the rolling accuracy over",
+            "the last 20 answers is within 2 points of the block's second half. Detections are the red marks on the plot.",
+        ]
     lines += ["", "![rolling accuracy and pool size](report.png)", ""]
     return "\n".join(lines)
 

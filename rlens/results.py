@@ -23,6 +23,24 @@ class MethodResult(BaseModel):
     description: str = ""
 
 
+class DriftResult(BaseModel):
+    """RL-Focal's drift detections on the test stream (the learner's detector on its outcomes) and how the
+    answers recovered after each task switch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    one_stream: bool = Field(description="every question on one window key (task switches are drift inside it); false: a key per task")
+    detector: str
+    reaction: Literal["none", "trim", "reset"] = Field(description="what a detection did to the stream's window")
+    detections: list[int] = Field(description="test questions whose outcome completed a detection")
+    signals: list[list[str]] = Field(description="per detection, the signals that drifted (outcome, model:<index>)")
+    delays: list[int] = Field(description="per detected switch: questions from the switch to its first detection")
+    missed_switches: int = Field(description="switches with no detection in the first half of their block")
+    switches: int
+    false_alarms_per_1000: float = Field(description="detections in a block's second half (or the first block) per 1,000 questions")
+    recovery: list[int] = Field(description="per switch: questions until the rolling accuracy (last 20) is within 2 points of the block's second half")
+
+
 class ReplayResults(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -35,6 +53,7 @@ class ReplayResults(BaseModel):
     methods: dict[str, MethodResult] = Field(description="keyed by method: rl_focal, best_single, soft_vote, stacking, ...")
     config: dict = Field(description="the RL-Focal hyper-parameters used")
     elapsed_s: float
+    drift: DriftResult | None = Field(None, description="RL-Focal's drift detections and recovery after task switches")
 
 
 def write_schema(path: Path = SCHEMA_PATH) -> Path:

@@ -57,3 +57,21 @@ def test_stream_protocol_and_determinism(bbh_slice_dir):
 
 def test_results_schema_file_is_current():
     assert json.loads(SCHEMA_PATH.read_text()) == ReplayResults.model_json_schema()
+
+
+def test_replay_reports_drift_detections_and_recovery_on_one_stream_key(zoo, tmp_path):
+    from rlens.replay import DriftOptions
+    from rlens.report import write_outputs
+
+    data = zoo.subset(list(range(360)))  # ordering, antonyms, pattern: two switches
+    per_task = replay(data, Protocol.stream, variants=["rl_focal"]).results.drift
+    one = replay(data, Protocol.stream, variants=["rl_focal"], drift=DriftOptions(one_stream=True))
+    drift = one.results.drift
+    assert not per_task.one_stream and drift.one_stream and drift.switches == per_task.switches == 2
+    assert drift.detections and len(drift.signals) == len(drift.detections) and len(drift.recovery) == 2
+    assert drift.switches - drift.missed_switches >= 1 and all(d >= 0 for d in drift.delays)
+    assert all(20 <= r <= 120 for r in drift.recovery)  # at least the rolling window, at most the block
+    write_outputs(one, tmp_path)
+    assert "## Drift" in (tmp_path / "report.md").read_text() and json.loads((tmp_path / "results.json").read_text())["drift"]["one_stream"]
+    bad = CliRunner().invoke(app, ["replay", "--data", "x", "--drift-reaction", "forget"])
+    assert bad.exit_code == 2 and "--drift-reaction must be none, trim or reset" in bad.output

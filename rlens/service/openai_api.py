@@ -113,36 +113,37 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class Choice(BaseModel):
     index: int = 0
+    finish_reason: str
+    logprobs: None = None
+
+
+class ChatChoice(Choice):
     message: AssistantMessage
-    finish_reason: str
-    logprobs: None = None
 
 
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    rlens: RlensAnswer
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
+class CompletionChoice(Choice):
     text: str
-    finish_reason: str
-    logprobs: None = None
 
 
-class Completion(BaseModel):
+class Reply(BaseModel):
+    """What both completion responses share: the id (= the query id), when, which model, and the ensemble's account."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
     rlens: RlensAnswer
+
+
+class ChatCompletion(Reply):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class Completion(Reply):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class ModelCard(BaseModel):
