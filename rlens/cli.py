@@ -395,6 +395,8 @@ def up(
             console.print(f"OpenAI-compatible gateway: {url}/v1 (docs {url}/docs); its key: export OPENAI_API_KEY=$(cat {stack.gateway_key})", highlight=False)
         while not stop:
             time.sleep(1)
+            if stop:  # SIGTERM to the process group reaches the children too: do not restart them
+                break
             for what in stack.restart_crashed():
                 console.print(f"[yellow]restarted[/] {what}")
     except KeyboardInterrupt:

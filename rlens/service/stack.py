@@ -26,6 +26,7 @@ from rlens.service.security import generate_secrets
 from rlens.settings import Settings
 
 SECRETS = ("feedback_secret", "policy_signing_key", "policy_verify_key")
+ASKED_TO_STOP = (-signal.SIGTERM, -signal.SIGINT)  # exit codes of a process stopped on purpose (not restarted)
 
 
 def workdir_secrets(workdir: Path) -> dict[str, str]:
@@ -163,16 +164,21 @@ class LocalStack:
         return self.gateway
 
     def restart_crashed(self) -> list[str]:
-        """Start a new process for each one that exited; what was restarted, with exit codes."""
+        """Start a new process for each one that crashed, with exit codes. One that exited on SIGTERM or SIGINT (a
+        stop asked of the whole process group, e.g. Ctrl-C or a service manager) is not restarted."""
         restarted = []
-        if self.learner is not None and self.learner.poll() is not None:
+
+        def crashed(process: subprocess.Popen | None) -> bool:
+            return process is not None and process.poll() is not None and process.returncode not in ASKED_TO_STOP
+
+        if crashed(self.learner):
             restarted.append(f"learner (exit {self.learner.returncode})")
             self.start_learner(*self.learner_args)
-        if self.gateway is not None and self.gateway.poll() is not None:
+        if crashed(self.gateway):
             restarted.append(f"gateway (exit {self.gateway.returncode})")
             self.start_gateway()
         for i, process in enumerate(self.workers):
-            if process.poll() is not None:
+            if crashed(process):
                 restarted.append(f"worker {i} (exit {process.returncode})")
                 self.workers[i] = self._spawn("worker", f"worker-{i}.log")
         return restarted
