@@ -7,6 +7,8 @@
    as the worker does). Messages/s from the first record read to the last send confirmed.
 2. The worker: the same N queries (the bundled stream, replay backends) pre-filled in the queries topic, then W
    workers start; queries/s from the first answer to the N-th (startup excluded). Ratio to (1).
+   Then, in the same run, the worker with its metrics off and on (``RLENS_METRICS_ENABLED``), alternately,
+   ``--metrics-reps`` times each on N fresh queries: the ratio of the two throughputs.
 3. Latency: the whole stack (learner + W workers) under `rlens load` traffic at half the rate measured in (2):
    p50 / p99 from sending a query to receiving its answer.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -56,14 +59,17 @@ async def raw_pipe(bootstrap: str, source: str, sink: str, n: int, reply: bytes,
     return n / elapsed
 
 
-async def count_answers(bootstrap: str, topic: str, n: int, timeout_s: float = 300) -> float:
+async def count_answers(bootstrap: str, topic: str, n: int, prefix: bytes = b"", timeout_s: float = 300) -> float:
+    """Answers/s of the ``n`` queries whose ids start with ``prefix``, from the first of their answers to the last."""
     consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", fetch_max_wait_ms=20)
     await consumer.start()
     seen, first, deadline = set(), None, time.time() + timeout_s
     while len(seen) < n and time.time() < deadline:
         for records in (await consumer.getmany(timeout_ms=200)).values():
-            first = first or time.perf_counter()
-            seen.update(r.key for r in records)
+            mine = [r.key for r in records if r.key.startswith(prefix)]
+            if mine:
+                first = first or time.perf_counter()
+                seen.update(mine)
     elapsed = time.perf_counter() - first
     await consumer.stop()
     if len(seen) < n:
@@ -76,6 +82,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=3000)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--load-queries", type=int, default=1200)
+    parser.add_argument("--metrics-reps", type=int, default=2, help="alternations of the worker with its metrics off and on")
     parser.add_argument("--out", type=Path, default=Path("bench/out/service.json"))
     args = parser.parse_args()
     data = settings().demo_data
@@ -102,6 +109,25 @@ def main() -> None:
         results["worker_queries_per_s"] = asyncio.run(count_answers(bootstrap, topics.answers, len(payloads)))
         results["ratio"] = results["worker_queries_per_s"] / results["raw_aiokafka_msgs_per_s"]
         print(f"worker: {results['worker_queries_per_s']:.0f} queries/s; ratio to raw {results['ratio']:.2f}")
+
+        rates: dict[str, list[float]] = {"on": [], "off": []}
+        for rep in range(args.metrics_reps):  # the worker with its metrics updated or not, alternately, same stack
+            for state in ("off", "on"):
+                for worker in list(stack.workers):  # a graceful stop: the worker commits and leaves the group
+                    worker.send_signal(signal.SIGTERM)
+                    worker.wait(60)
+                    stack.workers.remove(worker)
+                stack.settings = stack.settings.model_copy(update={"metrics_enabled": state == "on"})
+                prefix = f"m{rep}{state}-"
+                asyncio.run(prefill(bootstrap, topics.queries, [q.model_copy(update={"query_id": prefix + q.query_id}).model_dump_json().encode() for q, _ in traffic]))
+                for _ in range(args.workers):
+                    stack.start_worker()
+                rates[state].append(asyncio.run(count_answers(bootstrap, topics.answers, len(payloads), prefix.encode())))
+                print(f"worker, metrics {state}: {rates[state][-1]:.0f} queries/s", flush=True)
+        if rates["on"]:
+            results.update(metrics_on_queries_per_s=rates["on"], metrics_off_queries_per_s=rates["off"],
+                           metrics_on_off_ratio=sum(rates["on"]) / sum(rates["off"]))
+            print(f"metrics on / off: {results['metrics_on_off_ratio']:.3f}")
 
         stack.start_learner()
         stack.wait_ready(120)

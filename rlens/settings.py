@@ -52,6 +52,7 @@ class Settings(BaseSettings):
     seed: int = Field(0, description="seed of the engines' initial weights and of their sampling")
     metrics_host: str = Field("127.0.0.1", description="where a worker or learner serves /metrics, /healthz and /readyz (0.0.0.0 in a container)")
     metrics_port: int = Field(0, ge=0, le=65535, description="their port; 0: a free one, announced in the process's readiness mark in Redis")
+    metrics_enabled: bool = Field(True, description="update the Prometheus metrics (false: /metrics stays empty; for measuring their cost)")
     metrics_streams: int = Field(100, ge=1, description="stream keys that get their own metric labels; the rest share 'other'")
     torch_threads: int = Field(1, ge=1, description="torch threads of a worker or learner process: one is fastest for the agents' tiny networks on a busy machine (raise it for in-process LLMs on an idle one)")
     worker_batch: int = Field(32, ge=1, description="queries the worker takes per batch")

@@ -434,7 +434,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     """
     registry = CollectorRegistry()
     metrics = LearnerMetrics(registry, StreamLabels(settings.metrics_streams))
-    if core is not None:
+    if core is not None and settings.metrics_enabled:
         core.metrics = metrics
         metrics.checkpoint_age.set_function(lambda: time.monotonic() - core.last_checkpoint)
     topics = Topics.from_settings(settings)

@@ -288,7 +288,8 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
         await publish(experience, out.experience)
         await publish_dead_letters(dead_letters, dead)
         out.stages["publish"] = time.perf_counter() - started
-        count(queries, out, dead)
+        if settings.metrics_enabled:
+            count(queries, out, dead)
         # returning acks the batch: its offsets are committed only now, after every output was confirmed
 
     async def reply(answers: list[Answer], reply_to: dict[str, str]) -> None:
