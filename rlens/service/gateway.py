@@ -131,6 +131,9 @@ class Gateway:
         prompt = request.prompt() if chat else request.text()
         strategy, stream = self._check(key, request, prompt, stream_header)
         await self._take_token(key)
+        if self.waiting >= self.settings.gateway_max_waiting:  # before any wait, an idempotent retry's included
+            raise ApiError(503, f"{self.waiting} requests are waiting for answers on this gateway; retry shortly", "server_error", "overloaded",
+                           headers={"Retry-After": "1"})
         query_id = f"rl-{uuid.uuid4().hex}"
         if idempotency_key:
             if len(idempotency_key) > 256:
@@ -148,9 +151,6 @@ class Gateway:
                 if record is not None and record.published:
                     return await self._wait(query_id, poll=True)
                 # the first request never published it (that replica crashed in between): publish it now
-        if self.waiting >= self.settings.gateway_max_waiting:
-            raise ApiError(503, f"{self.waiting} requests are waiting for answers on this gateway; retry shortly", "server_error", "overloaded",
-                           headers={"Retry-After": "1"})
         record = QueryRecord(tenant=key.tenant, stream=stream, strategy=strategy, model=request.model, chat=chat,
                              n_choices=len(request.rlens.choices or []), created_at=time.time())
         await self.state.remember_query(query_id, record)

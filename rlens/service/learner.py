@@ -24,6 +24,11 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   in a backlog (checkpointed, bounded) that is applied, in order, once Redis answers again; learning goes on.
 - **Updates.** An update whose weights are not finite (or that raises) is undone: the weights and the optimizer
   return to their state before it, its transitions are dropped, and no policy is published.
+- **Drift.** Each stream's signals (the outcome, each called model's correctness, and the answer's label-free
+  confidence) feed a :class:`rlens.drift.DriftMonitor`; its detections go out as ``DriftEvent`` on ``drift`` and
+  are counted. With ``drift_keep`` set (``RLENS_DRIFT_REACTION=trim``), a detection on a labelled signal trims the
+  stream's Redis window to its last ``drift_keep`` outcomes. The detectors' state is in the checkpoint, and
+  :class:`rlens.service.dashboard.Dashboard` keeps what ``/dashboard`` shows.
 - **Policies** are signed (:class:`rlens.service.security.PolicySigner`) and ordered by (epoch, version); the epoch
   is the learner's start time in milliseconds, so a restarted learner's policies supersede its predecessor's.
 - **Exactly-once effect across crashes.** A checkpoint holds the trainer (weights, optimizer, RNGs, buffer), the
