@@ -243,6 +243,10 @@ def test_every_process_serves_metrics_and_health_and_the_counts_follow_the_traff
     assert learner["rlens_learner_joined_total"] == 150 and learner["rlens_learner_records_total{kind=feedback}"] == 150
     assert learner["rlens_learner_updates_total{outcome=applied}"] == 2 and learner["rlens_learner_policy_version"] == 2
     assert worker["rlens_worker_policy_version"] >= 1  # the learner's policies reached the worker
+    reliabilities = {k: v for k, v in worker.items() if k.startswith("rlens_worker_window_reliability{")}
+    assert len(reliabilities) >= 5 and all(0 < v < 1 for v in reliabilities.values())  # each model, Laplace-smoothed, per stream read
+    assert learner["rlens_learner_last_update{stat=decider_entropy}"] > 0 and learner["rlens_learner_last_update{stat=fusion_entropy}"] > 0
+    assert "rlens_learner_last_update{stat=fusion_policy_loss}" in learner and "rlens_learner_last_update{stat=value_loss}" in learner
 
 
 def test_a_task_switch_on_one_stream_is_published_on_the_drift_topic_and_counted(tmp_path, zoo):

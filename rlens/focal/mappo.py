@@ -93,7 +93,7 @@ def mappo_update(
         return torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip, 1 + cfg.clip)).mean()
 
     networks = [decider, fusion, critic]
-    stats = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0}
+    stats = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0}  # the sums over the agents, and each trained agent's own
     n_steps = 0
     for _ in range(cfg.update_epochs):
         order = torch.randperm(len(batch), generator=generator)
@@ -104,14 +104,18 @@ def mappo_update(
                 adv = (adv - adv.mean()) / (adv.std() + 1e-8)
             policy_loss = torch.zeros(())
             entropy = torch.zeros(())
+            per_agent = {}
             if train_decider:
                 dist = decider.distribution(states[mb])
-                policy_loss = policy_loss + clipped_surrogate(dist.log_prob(pools[mb]).sum(-1), old_pool_logp[mb], adv)
-                entropy = entropy + dist.entropy().sum(-1).mean()
+                per_agent["decider"] = (clipped_surrogate(dist.log_prob(pools[mb]).sum(-1), old_pool_logp[mb], adv), dist.entropy().sum(-1).mean())
             if train_fusion:
                 dist = fusion.distribution(features[mb], choice_mask[mb])
-                policy_loss = policy_loss + clipped_surrogate(dist.log_prob(answers[mb]), old_answer_logp[mb], adv)
-                entropy = entropy + dist.entropy().mean()
+                per_agent["fusion"] = (clipped_surrogate(dist.log_prob(answers[mb]), old_answer_logp[mb], adv), dist.entropy().mean())
+            for agent, (agent_loss, agent_entropy) in per_agent.items():
+                policy_loss = policy_loss + agent_loss
+                entropy = entropy + agent_entropy
+                stats[f"{agent}_policy_loss"] = stats.get(f"{agent}_policy_loss", 0.0) + float(agent_loss.detach())
+                stats[f"{agent}_entropy"] = stats.get(f"{agent}_entropy", 0.0) + float(agent_entropy.detach())
             value_loss = 0.5 * (critic(critic_states[mb]) - ret_all[mb]).pow(2).mean()
             loss = policy_loss - cfg.ent_coef * entropy + cfg.vf_coef * value_loss
             optimizer.zero_grad(set_to_none=True)

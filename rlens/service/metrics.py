@@ -90,6 +90,8 @@ class WorkerMetrics:
         self.model_failures = Counter("rlens_worker_model_failures", "calls of a model that failed, by kind (deadline, refused, error)", ["model", "kind"], registry=registry)
         self.policy_version = Gauge("rlens_worker_policy_version", "version of the policy in use", registry=registry)
         self.policy_epoch = Gauge("rlens_worker_policy_epoch", "epoch (learner start, ms) of the policy in use", registry=registry)
+        self.window_reliability = Gauge("rlens_worker_window_reliability", "each model's reliability in a stream's window (Laplace-smoothed accuracy when called), as the worker last read it",
+                                        ["stream", "model"], registry=registry)
         self.reply_failures = Counter("rlens_worker_reply_failures", "answers a gateway's reply topic did not take in time (they are on the answers topic)", registry=registry)
         self.policies_rejected = Counter("rlens_worker_policies_rejected", "policies refused (forged, non-finite, not for this pool)", registry=registry)
 
@@ -114,7 +116,8 @@ class LearnerMetrics:
                                     ["stream", "model"], registry=registry)
         self.confidence = Gauge("rlens_learner_confidence", "rolling label-free confidence of the answers (EWMA, weight 0.05), by stream", ["stream"], registry=registry)
         self.drift_events = Counter("rlens_learner_drift_events", "drift detections, by stream and signal (outcome, confidence, model:<name>)", ["stream", "signal"], registry=registry)
-        self.last_update = Gauge("rlens_learner_last_update", "statistics of the newest update (policy_loss, value_loss, entropy, ...)", ["stat"], registry=registry)
+        self.last_update = Gauge("rlens_learner_last_update", "statistics of the newest update: policy_loss, value_loss, entropy, and each agent's (decider_policy_loss, decider_entropy, fusion_...)",
+                                 ["stat"], registry=registry)
         self._reward: dict[str, float] = {}
         self._signals: dict[tuple[str, str], float] = {}
 

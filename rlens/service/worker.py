@@ -113,6 +113,10 @@ class Worker(ABC):
             out.extend(await self.answer(part))
         return out
 
+    def windows_read(self) -> dict:
+        """The outcome windows the last batch read, by stream (none for strategies that keep no windows)."""
+        return {}
+
     @abstractmethod
     def policy_tensors(self) -> dict[str, torch.Tensor]:
         """The weights a policy message replaces."""
@@ -159,6 +163,9 @@ class FocalWorker(Worker):
         super().__init__(models, windows, verifier, tokens, name)
         self.engine = engine
         self.caller = PoolCaller(backends, deadline_s, model_concurrency, circuit_failures, circuit_cooldown_s)
+
+    def windows_read(self) -> dict:
+        return self.engine.windows
 
     def rejects(self, query: Query) -> str | None:
         return "open-ended query (no choices): the rl_focal worker answers multiple-choice queries only" if query.choices is None else None
@@ -323,6 +330,10 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
             metrics.dead_letters.labels(dead_letter_kind(letter.reason)).inc()
         metrics.policy_version.set(core.policy_version)
         metrics.policy_epoch.set(core.policy_epoch)
+        for stream, window in core.windows_read().items():
+            label = metrics.stream(stream)
+            for model, reliability in zip(core.models, window.reliability().tolist()):
+                metrics.window_reliability.labels(label, model).set(reliability)
 
     @broker.subscriber(
         topics.policy, auto_offset_reset="earliest", decoder=keep_bytes, fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
