@@ -12,8 +12,9 @@ with the learner's detector (ADWIN on the outcome) and each reaction:
 - ``reset``: on a detection the stream's window is emptied.
 
 Reported per dataset and reaction, over the seeds: whole-stream accuracy; per switch the detection delay (queries
-from the switch to the first detection inside the block's first half; missed otherwise); false alarms (detections
-outside those first halves) per 1,000 queries; and the recovery time per block: queries from the switch until the
+from the switch to the first detection inside the block's first half; missed otherwise) and the same for the label-free signal (the
+Fusion agent's confidence in each answer, before any feedback); false alarms (detections outside those first
+halves) per 1,000 queries; and the recovery time per block: queries from the switch until the
 rolling accuracy over the last 20 answers of the block is within 2 points of the accuracy of the block's second half.
 """
 
@@ -36,10 +37,11 @@ from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import run_online
 from rlens.settings import settings
 
-def judge(correct: np.ndarray, detections: list[int], task: np.ndarray) -> dict:
-    figures = drift_figures(correct, detections, task)
+def judge(correct: np.ndarray, detections: list[int], label_free: list[int], task: np.ndarray) -> dict:
+    figures, early = drift_figures(correct, detections, task), drift_figures(correct, label_free, task)
     return {"accuracy": float(correct.mean()), "detections": len(detections), "delays": figures.delays, "missed_switches": figures.missed_switches,
-            "false_alarms_per_1000": figures.false_alarms_per_1000, "recovery": figures.recovery}
+            "false_alarms_per_1000": figures.false_alarms_per_1000, "recovery": figures.recovery,
+            "label_free_delays": early.delays, "label_free_missed": early.missed_switches, "label_free_false_alarms_per_1000": early.false_alarms_per_1000}
 
 
 def main() -> None:
@@ -68,7 +70,7 @@ def main() -> None:
                 monitor = DriftMonitor(DriftConfig(delta=args.delta, min_gap=args.min_gap))
                 trace = run_online(engine, data, stream="one", drift=monitor, reaction=reaction, keep=args.keep)
                 detections = [i for i, signals in trace.detections if args.signals == "all" or "outcome" in signals]
-                runs.append({"seed": seed, **judge(trace.correct, detections, data.task), "seconds": round(time.perf_counter() - started, 1)})
+                runs.append({"seed": seed, **judge(trace.correct, detections, trace.label_free, data.task), "seconds": round(time.perf_counter() - started, 1)})
             recoveries = [r for run in runs for r in run["recovery"]]
             delays = [d for run in runs for d in run["delays"]]
             summary = {
@@ -77,6 +79,9 @@ def main() -> None:
                 "delay_median": statistics.median(delays) if delays else None,
                 "missed_switches": sum(r["missed_switches"] for r in runs), "switches": len(runs) * (len(spans) - 1),
                 "false_alarms_per_1000": round(statistics.mean(r["false_alarms_per_1000"] for r in runs), 2),
+                "label_free_delay_median": statistics.median(d) if (d := [x for r in runs for x in r["label_free_delays"]]) else None,
+                "label_free_missed": sum(r["label_free_missed"] for r in runs),
+                "label_free_false_alarms_per_1000": round(statistics.mean(r["label_free_false_alarms_per_1000"] for r in runs), 2),
             }
             result["runs"][f"{name} / {reaction}"] = {"summary": summary, "per_seed": runs}
             print(f"{name:22s} {reaction:6s} {summary}", flush=True)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Literal
@@ -53,6 +54,7 @@ class OnlineTrace:
     pool_size: np.ndarray  # models whose answers were fused
     models_called: np.ndarray  # models actually called (pool plus window-refresh probes)
     detections: list[tuple[int, list[str]]] = field(default_factory=list)  # (question, the signals whose drift its outcome completed)
+    label_free: list[int] = field(default_factory=list)  # questions whose answer's confidence completed a drift detection (no reaction)
 
 
 def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, train_fusion: bool, progress: Progress | None) -> None:
@@ -110,8 +112,8 @@ def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | 
                drift: DriftMonitor | None = None, reaction: Reaction = "none", keep: int = 10) -> OnlineTrace:
     """Algorithm 2 over ``data``. The window key is each question's task, or ``stream`` for all of them (the task
     unknown, as in the service). ``drift`` is fed each outcome when its feedback arrives (the learner's signals:
-    ``outcome`` and each called model's ``model:<index>``); its detections are in the trace, and ``reaction``
-    applies on each question that completed one: ``trim`` the stream's window to its last ``keep``
+    ``outcome`` and each called model's ``model:<index>``) and each answer's confidence as it is given (label-free);
+    its detections are in the trace, and ``reaction`` applies on each question whose outcome completed one: ``trim`` the stream's window to its last ``keep``
     outcomes, ``reset`` it, or ``none``."""
     qs = questions(data)
     cfg = engine.cfg
@@ -141,6 +143,8 @@ def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | 
         (decision,) = engine.decide(q.key if stream is None else stream, q.probs.shape[1], greedy=cfg.online_greedy, probe=probe)
         answer = engine.fuse(decision, q.probs, greedy=cfg.online_greedy)
         trace.answers[i], trace.correct[i] = answer.answer, answer.answer == q.label
+        if drift is not None and drift.observe(str(q.key if stream is None else stream), "confidence", math.exp(answer.answer_logp)) is not None:
+            trace.label_free.append(i)
         trace.pool_size[i], trace.models_called[i] = decision.pool.sum(), decision.called.sum()
         pending.append((i, decision, answer))
         while len(pending) > cfg.feedback_delay:
