@@ -83,7 +83,7 @@ def test_replay_with_one_stream_key_detects_the_task_switch_and_the_reaction_tri
     _, again = run("none")
     engine, trimmed = run("trim")
     assert plain.detections == again.detections and plain.label_free == again.label_free  # deterministic under the seed
-    assert all(0 <= i < 240 for i in plain.label_free) and trimmed.label_free is not plain.label_free
+    assert all(0 <= i < 240 for i in plain.label_free)
     switch = [i for i, _ in plain.detections if i >= 120]
     assert switch and switch[0] < 200 and list(engine.windows) == ["one"]
     last = trimmed.detections[-1][0]
