@@ -341,6 +341,7 @@ def up(
     from redis import Redis
     from redis.exceptions import RedisError
 
+    from rlens.pool import PoolConfigError, load_pool_config
     from rlens.service.local import port_taken
     from rlens.service.security import redact_url
     from rlens.service.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool
@@ -360,13 +361,14 @@ def up(
             pass
     try:
         if pool is not None:
+            load_pool_config(pool)  # before anything starts: a typo is one line, not a crashed worker
             pool_file = pool
         elif strategy == "rlae":
             pool_file = write_zoo_pool(s.zoo_dir, [n.strip() for n in zoo_models.split(",")], workdir / "pool.json")
         else:
             pool_file = write_replay_pool(replay, workdir / "pool.json")
         stack = LocalStack(s.model_copy(update={"pool_file": pool_file.resolve()}), workdir, partitions, kafka, redis_url, broker_port)
-    except (DatasetError, RuntimeError, FileNotFoundError) as exc:
+    except (DatasetError, PoolConfigError, RuntimeError, FileNotFoundError) as exc:
         fail(str(exc))
     if fresh:
         clear_state(stack.settings, workdir)

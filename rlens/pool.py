@@ -15,10 +15,11 @@ not given fall back to the settings (``RLENS_HTTP_*``). The model order of the f
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from rlens.backends.base import BACKENDS, Backend, create_backend
 from rlens.settings import settings
@@ -36,6 +37,28 @@ class PoolModel(BaseModel):
         if backend not in BACKENDS and backend != "transformers":
             raise ValueError(f"unknown backend {backend!r}; known: {', '.join(sorted({*BACKENDS, 'transformers'}))}")
         return backend
+
+    @model_validator(mode="after")
+    def _options(self) -> "PoolModel":
+        valid, required = backend_options(self.backend)
+        if unknown := sorted(set(self.options) - valid):
+            raise ValueError(f"model {self.name!r}: unknown option(s) {', '.join(unknown)} for backend {self.backend}; its options: {', '.join(sorted(valid))}")
+        if missing := sorted(required - set(self.options)):
+            raise ValueError(f"model {self.name!r}: backend {self.backend} needs option(s) {', '.join(missing)}")
+        return self
+
+
+def backend_options(backend: str) -> tuple[set[str], set[str]]:
+    """(every option, the required ones) a pool entry of ``backend`` may give: its constructor's parameters."""
+    if backend == "transformers":
+        from rlens.backends.hf import TransformersBackend
+
+        target, skip = TransformersBackend.load, {"cls", "dtype"}  # dtype is no JSON value
+    else:
+        target, skip = BACKENDS[backend].__init__, {"self"}
+    parameters = [p for name, p in inspect.signature(target).parameters.items()
+                  if name not in skip and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return {p.name for p in parameters}, {p.name for p in parameters if p.default is p.empty}
 
 
 class PoolConfig(BaseModel):
@@ -63,7 +86,7 @@ def load_pool_config(path: Path) -> PoolConfig:
         raise PoolConfigError(f"{path}: not valid JSON ({exc})") from None
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise PoolConfigError(f"{path}: {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+        raise PoolConfigError(f"{path}: {'.'.join(str(p) for p in first['loc'])}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
 def build_backend(model: PoolModel) -> Backend:

@@ -3,6 +3,8 @@
 
 import json
 
+import re
+
 import pytest
 from typer.testing import CliRunner
 
@@ -16,14 +18,18 @@ from rlens.pool import PoolConfigError, load_pool_config
         ("{", "not valid JSON"),
         ('{"models": []}', "models: List should have at least 1 item"),
         ('{"models": [{"name": "a", "backend": "nope"}]}', "unknown backend 'nope'"),
-        ('{"models": [{"name": "a", "backend": "openai"}, {"name": "a", "backend": "openai"}]}', "unique"),
+        ('{"models": [{"name": "a", "backend": "replay", "options": {"dataset": "d", "model": 0}}, {"name": "a", "backend": "replay", "options": {"dataset": "d", "model": 1}}]}', "unique"),
+        ('{"models": [{"name": "a", "backend": "openai", "options": {"base_ur": "http://x/v1", "model": "m"}}]}',
+         "model 'a': unknown option(s) base_ur for backend openai; its options: api_key, backoff_s, base_url, max_concurrency, model, retries, timeout_s"),
+        ('{"models": [{"name": "a", "backend": "openai", "options": {"base_url": "http://x/v1"}}]}', "model 'a': backend openai needs option(s) model"),
+        ('{"models": [{"name": "z", "backend": "transformers", "options": {"path": "p", "devise": "cpu"}}]}', "its options: device, gguf_file, path"),
         ('{"models": [{"name": "a", "backend": "openai", "cost": 0}]}', "models.0.cost"),
     ],
 )
 def test_bad_pool_files_are_named_errors(tmp_path, content, message):
     path = tmp_path / "pool.json"
     path.write_text(content)
-    with pytest.raises(PoolConfigError, match=message):
+    with pytest.raises(PoolConfigError, match=re.escape(message)):
         load_pool_config(path)
 
 
@@ -47,3 +53,11 @@ def test_pool_check_probes_every_model(tmp_path, quick_zoo, bbh_slice_dir):
     lines = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.count("│") > 3}
     assert "ok: P(' 4')" in lines["arith"] and "ok" in lines["recorded"]
     assert "failed" in lines["dead"] and "ConnectError" in lines["dead"]
+
+
+def test_up_refuses_a_pool_with_a_typo_before_starting_anything(tmp_path):
+    pool = tmp_path / "pool.json"
+    pool.write_text('{"models": [{"name": "a", "backend": "openai", "options": {"base_url": "http://x/v1", "modle": "m"}}]}')
+    result = CliRunner().invoke(app, ["up", "--pool", str(pool), "--workdir", str(tmp_path / "up"), "--no-gateway", "--broker-port", "1"])
+    assert result.exit_code == 2 and "unknown option(s) modle for backend openai; its options: api_key" in result.output
+    assert not (tmp_path / "up").exists()  # nothing was started or written
