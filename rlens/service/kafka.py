@@ -85,6 +85,14 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
     )
 
 
+def app_logger() -> logging.Logger:
+    """The logger of a worker's or learner's FastStream app: FastStream's own start and stop banners (coloured, with
+    "press CTRL+C") stay out of service logs; the processes log their own "ready" lines."""
+    logger = logging.getLogger("rlens.faststream")
+    logger.setLevel(logging.WARNING)
+    return logger
+
+
 async def keep_bytes(message: Any) -> Any:
     """FastStream decoder: the raw body (a list of bodies for batch subscribers)."""
     return message.body

@@ -76,7 +76,7 @@ from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftMonitor, signals_of_outcome
 from rlens.messages import EXPERIENCE, DeadLetter, DriftEvent, Feedback, Message, Policy
 from rlens.service.dashboard import Dashboard, dashboard_routes
-from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
+from rlens.service.kafka import Topics, app_logger, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
 from rlens.service.online import FeedbackError, OnlineTrainer
 from rlens.service.metrics import LearnerMetrics, StreamLabels, dead_letter_kind, http_routes, not_ready, settings_url
 from rlens.service.pending import Pending, PendingHalves
@@ -518,7 +518,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
 
     joined: list[bool] = []
     routes = http_routes(registry, lambda: not_ready(core, joined)) + (dashboard_routes(core.dashboard.snapshot) if core else [])
-    app = AsgiFastStream(broker, asgi_routes=routes)
+    app = AsgiFastStream(broker, asgi_routes=routes, logger=app_logger())
 
     @app.on_startup
     async def leased() -> None:  # run_learner took the group's lease (claim_group) before the app started
@@ -548,6 +548,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
             await publish(policies_out, [core.current_policy()])
         joined.append(True)
         background.append(asyncio.create_task(core.windows.keep_ready("learner", core.name, settings_url(settings))))
+        log.info("learner %s ready (%s): policy v%d, epoch %d; metrics, health and the dashboard on %s", core.name, settings.strategy, core.version, core.epoch, settings_url(settings))
 
     @app.on_shutdown
     async def final_checkpoint() -> None:

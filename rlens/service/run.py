@@ -129,6 +129,7 @@ def with_metrics_port(settings: Settings) -> Settings:
 def run_app(app, settings: Settings) -> None:
     """Run a worker's or learner's app: its subscribers and, on ``settings.metrics_host:metrics_port``, its HTTP side."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("aiokafka").setLevel(logging.WARNING)  # its group-join chatter; warnings and errors still show
     asyncio.run(app.run(log_level=logging.WARNING, run_extra_options={"host": settings.metrics_host, "port": settings.metrics_port}))
 
 

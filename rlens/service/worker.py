@@ -10,7 +10,9 @@ topic with the reason). For ``rl_focal``, the windows of its streams are read fr
 Redis is down, the windows are cold and the worker keeps answering), the pools are chosen, every query's pool is
 called concurrently (:class:`rlens.ensemble.PoolCaller`: failures become records), and the answers are fused.
 Outputs are published before the batch's offsets are committed (at-least-once; answers are keyed and idempotent
-by query id), so a worker killed mid-batch leaves its batch to be answered again by the group. A batch that
+by query id), so a worker killed mid-batch leaves its batch to be answered again by the group. A query that names
+a gateway replica's reply topic (``reply_to``, under ``<prefix>replies.``; any other is dead-lettered) has its
+answer published there too. A batch that
 raises is split in halves until the query that raises is alone; that one is dead-lettered with the reason and the
 others are answered, so no message can make the worker retry a batch forever. Each answer carries the query's
 feedback token (:class:`rlens.service.security.FeedbackTokens`).
@@ -42,7 +44,7 @@ from rlens.backends.base import Backend, ChoiceQuery
 from rlens.ensemble import PoolCaller
 from rlens.focal.engine import FocalEngine
 from rlens.messages import EXPERIENCE, Answer, DeadLetter, Experience, Message, ModelFailureRecord, Policy, Query
-from rlens.service.kafka import Topics, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
+from rlens.service.kafka import Topics, app_logger, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
 from rlens.service.metrics import StreamLabels, WorkerMetrics, dead_letter_kind, failure_kind, http_routes, not_ready, settings_url
 from rlens.service.policy import PolicyError, decode_policy
 from rlens.service.security import FeedbackTokens, PolicyVerifier
@@ -349,12 +351,13 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
             await publish_dead_letters(dead_letters, [parsed])
 
     joined: list[bool] = []
-    app = AsgiFastStream(broker, asgi_routes=http_routes(registry, lambda: not_ready(core, joined)))
+    app = AsgiFastStream(broker, asgi_routes=http_routes(registry, lambda: not_ready(core, joined)), logger=app_logger())
     background: list[asyncio.Task] = []
 
     @app.after_startup
     async def ready() -> None:
         joined.append(True)
+        log.info("worker %s ready (%s): consumer group %s joined; metrics and health on %s", core.name, settings.strategy, settings.worker_group, settings_url(settings))
         background.append(asyncio.create_task(core.windows.keep_ready("worker", core.name, settings_url(settings))))
 
     @app.on_shutdown
