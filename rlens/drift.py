@@ -76,7 +76,6 @@ class DriftMonitor:
     def __init__(self, config: DriftConfig | None = None):
         self.config = config or DriftConfig()
         self.keys: OrderedDict[tuple[str, str], _Key] = OrderedDict()
-        self.detections = 0
 
     def observe(self, stream: str, signal: str, value: float) -> Detection | None:
         """Add one value of ``signal`` on ``stream``; the detection it completes, if any."""
@@ -86,7 +85,6 @@ class DriftMonitor:
         if not key.add(value) or key.count - key.last_detection < self.config.min_gap:
             return None
         key.last_detection = key.count
-        self.detections += 1
         values = list(key.values)
         after, before = values[-RECENT:], values[-RECENT - BEFORE: -RECENT]
         return Detection(stream, signal, key.count, _mean(before), _mean(after), self._window(key))

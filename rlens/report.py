@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from rlens.drift import task_blocks  # noqa: E402
 from rlens.replay import ReplayRun  # noqa: E402
 
 PLOTTED = ("rl_focal", "best_single", "best_single_per_task", "soft_vote", "stacking", "hedge")
@@ -27,9 +28,7 @@ def _rolling(values: np.ndarray, width: int) -> np.ndarray:
 
 def _task_blocks(task: np.ndarray) -> list[tuple[int, int, int]]:
     """(start, end, task id) of each contiguous block of the stream."""
-    switches = np.flatnonzero(np.diff(task)) + 1
-    bounds = np.concatenate([[0], switches, [len(task)]])
-    return [(int(a), int(b), int(task[a])) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [(start, end, int(task[start])) for start, end in task_blocks(task)]
 
 
 def write_plot(run: ReplayRun, path: Path) -> None:

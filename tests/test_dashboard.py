@@ -10,7 +10,6 @@ import threading
 import time
 
 import httpx
-import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service

@@ -256,7 +256,7 @@ def all_query_ids(settings_) -> set[str]:
 
 
 def test_a_stalled_worker_gives_504_with_the_query_id_503_when_full_and_the_late_answer_is_kept(gw):
-    stack, worker = gw["stack"], gw["stack"].workers[0]
+    worker = gw["stack"].workers[0]
     worker.send_signal(signal.SIGSTOP)
     try:
         results: list[httpx.Response] = []

@@ -12,7 +12,6 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import hmac
-import json
 import os
 import secrets
 import time

@@ -92,8 +92,8 @@ class Gateway:
 
     # asking
 
-    def _check(self, key: KeyRecord, request: ChatCompletionRequest | CompletionRequest, prompt: str, stream_header: str | None) -> tuple[str, str]:
-        """The request's strategy and stream key, or the error that refuses it."""
+    def _check(self, key: KeyRecord, request: ChatCompletionRequest | CompletionRequest, prompt: str, stream_header: str | None) -> str:
+        """The request's stream key, or the error that refuses the request (model, choices, stream, prompt size)."""
         strategy = MODELS.get(request.model)
         if strategy is None or strategy not in self.strategies:
             served = ", ".join(MODEL_OF[s] for s in self.strategies)
@@ -114,7 +114,7 @@ class Gateway:
         if len(prompt) > min(self.settings.gateway_max_prompt_chars, MAX_TEXT):
             raise ApiError(413, f"the prompt has {len(prompt)} characters; the limit is {self.settings.gateway_max_prompt_chars}",
                            "invalid_request_error", "prompt_too_long", "messages")
-        return strategy, stream
+        return stream
 
     async def _take_token(self, key: KeyRecord) -> None:
         wait = await self.state.take_token(key.id, key.rate_per_s, key.burst)
@@ -129,7 +129,7 @@ class Gateway:
         request with the same ``Idempotency-Key``)."""
         chat = isinstance(request, ChatCompletionRequest)
         prompt = request.prompt() if chat else request.text()
-        strategy, stream = self._check(key, request, prompt, stream_header)
+        stream = self._check(key, request, prompt, stream_header)
         await self._take_token(key)
         if self.waiting >= self.settings.gateway_max_waiting:  # before any wait, an idempotent retry's included
             raise ApiError(503, f"{self.waiting} requests are waiting for answers on this gateway; retry shortly", "server_error", "overloaded",
@@ -138,10 +138,11 @@ class Gateway:
         if idempotency_key:
             if len(idempotency_key) > 256:
                 raise ApiError(400, "Idempotency-Key is longer than 256 characters", "invalid_request_error", "invalid_idempotency_key")
-            earlier = await self.state.idempotent(key.tenant, idempotency_key, digest(body), query_id)
+            request_digest = digest(body)
+            earlier = await self.state.idempotent(key.tenant, idempotency_key, request_digest, query_id)
             if earlier is not None:
                 query_id, earlier_digest = earlier
-                if earlier_digest != digest(body):
+                if earlier_digest != request_digest:
                     raise ApiError(409, "this Idempotency-Key was used with a different request", "invalid_request_error", "idempotency_key_reused",
                                    query_id=query_id)
                 self.metrics.idempotent_replays.inc()
@@ -151,8 +152,7 @@ class Gateway:
                 if record is not None and record.published:
                     return await self._wait(query_id, poll=True)
                 # the first request never published it (that replica crashed in between): publish it now
-        record = QueryRecord(tenant=key.tenant, stream=stream, strategy=strategy, model=request.model, chat=chat,
-                             n_choices=len(request.rlens.choices or []), created_at=time.time())
+        record = QueryRecord(tenant=key.tenant, stream=stream, model=request.model, chat=chat, n_choices=len(request.rlens.choices or []))
         await self.state.remember_query(query_id, record)
         query = Query(query_id=query_id, stream=stream, prompt=prompt, choices=request.rlens.choices, reference_id=request.rlens.reference_id,
                       sent_at=time.time(), reply_to=self.reply_topic)
@@ -236,7 +236,7 @@ class Gateway:
             raise ApiError(400, f"label {request.label} is out of range: the query had {record.n_choices} options", "invalid_request_error", "invalid_label", "label")
         if request.reference is not None and record.n_choices:
             raise ApiError(400, "reference is for open-ended queries; this one was multiple choice: give a label", "invalid_request_error", "invalid_reference", "reference")
-        if not await self.state.claim_feedback(request.id, digest(request.model_dump_json().encode())):
+        if not await self.state.claim_feedback(request.id):
             self.metrics.feedback.labels("duplicate").inc()
             return FeedbackReceipt(id=request.id, status="duplicate")
         message = Feedback(query_id=request.id, token=self.tokens.token(request.id), stream=record.stream,

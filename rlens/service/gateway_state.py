@@ -3,7 +3,7 @@ given and the per-key rate buckets. Every key expires (``RLENS_GATEWAY_ANSWER_TT
 
 Keys (under ``<prefix>:gw:``): ``q:<id>`` the query's owner and shape (a hash), ``a:<id>`` its first answer (JSON;
 later duplicates of an at-least-once answer never replace it), ``idem:<tenant>:<sha256>`` the query id of an
-``Idempotency-Key``, ``fb:<id>`` the digest of the query's feedback, ``rate:<key id>`` a token bucket.
+``Idempotency-Key``, ``fb:<id>`` that the query has feedback, ``rate:<key id>`` a token bucket.
 """
 
 from __future__ import annotations
@@ -38,11 +38,9 @@ class QueryRecord(BaseModel):
 
     tenant: str
     stream: str
-    strategy: str
-    model: str
+    model: str  # the API model named (its strategy is openai_api.MODELS[model])
     chat: bool
     n_choices: int = 0  # 0: open-ended
-    created_at: float
     published: bool = False
 
 
@@ -97,9 +95,9 @@ class GatewayState:
         raw = await self.redis.get(self._k("a", query_id))
         return Answer.model_validate_json(raw) if raw else None
 
-    async def claim_feedback(self, query_id: str, digest: str) -> bool:
+    async def claim_feedback(self, query_id: str) -> bool:
         """True if this is the query's first feedback (claimed now), False if it has feedback already."""
-        return bool(await self.redis.set(self._k("fb", query_id), digest, nx=True, ex=self.ttl_s))
+        return bool(await self.redis.set(self._k("fb", query_id), 1, nx=True, ex=self.ttl_s))
 
     async def release_feedback(self, query_id: str) -> None:
         """Undo a claim whose feedback could not be published, so the client's retry can give it again."""
