@@ -8,11 +8,11 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from rlens.dataset import DatasetError, load_dataset
 from rlens.focal.config import FocalConfig
+from rlens.progress import progress_bar
 from rlens.protocols import Protocol
 from rlens.settings import settings
 
@@ -40,10 +40,6 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def progress_bar() -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False)
-
-
 def quiet_transformers() -> None:
     """No transformers progress bars or advisory warnings on the terminal; rlens shows its own progress."""
     try:
@@ -56,21 +52,22 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def run_replay(data: Path, protocol: Protocol, seed: int, out: Path, ablations: bool, workers: int, config: FocalConfig, drift=None) -> None:
+def run_replay(data: Path, protocol: Protocol, seed: int, out: Path, variants: list[str], workers: int, config: FocalConfig, drift=None,
+               numerics: str = "portable") -> None:
     """Replay a dataset through RL-Focal and the baselines with a progress bar; print the table, write the report."""
-    from rlens.replay import RL_VARIANTS, DriftOptions, replay as run, total_steps
+    from rlens.replay import DriftOptions, replay as run, total_steps
     from rlens.report import write_outputs
 
     try:
         dataset = load_dataset(data)
     except DatasetError as exc:
         fail(str(exc))
-    variants = list(RL_VARIANTS) if ablations else ["rl_focal"]
     console.print(f"[bold]{dataset.name}[/]: {dataset.n_questions} questions, {dataset.n_models} models, {len(dataset.task_names)} tasks; protocol {protocol.value}, seed {seed}")
     try:
-        with progress_bar() as bar:
+        with progress_bar(console) as bar:
             task = bar.add_task("RL-Focal warm start + online", total=total_steps(dataset, protocol, config, variants))
-            result = run(dataset, protocol, seed, config, variants, workers=workers, progress=lambda n: bar.advance(task, n), drift=drift or DriftOptions())
+            result = run(dataset, protocol, seed, config, variants, workers=workers, progress=lambda n: bar.advance(task, n), drift=drift or DriftOptions(),
+                         numerics=numerics)
     except ValueError as exc:
         fail(str(exc))
     paths = write_outputs(result, out)
@@ -98,8 +95,10 @@ def replay(
     protocol: Protocol = typer.Option(Protocol.paper, help="paper: per task 80% warm start / 20% online test; stream: cold start over the whole stream"),
     seed: int = typer.Option(0, help="random seed (runs are deterministic under a seed)"),
     out: Path = typer.Option(Path("out/replay"), help="directory for results.json, report.md, report.png, per_query.csv"),
-    ablations: bool = typer.Option(True, help="also run the RL-Focal ablations (all models, no diversity, kappa)"),
+    variants: str = typer.Option("all", help="RL-Focal variants to run, comma-separated (rl_focal, rl_focal_all_models, rl_focal_no_diversity, "
+                                 "rl_focal_kappa), or all"),
     workers: int = WORKERS,
+    numerics: str = typer.Option("portable", help="portable: the same figures for a seed on any x86-64 CPU; native: this CPU's fastest kernels"),
     alpha: float = typer.Option(FocalConfig.alpha, min=0.0, help="cost weight in the reward"),
     window: int = typer.Option(FocalConfig.window, min=1, help="sliding-window length W per stream"),
     update_period: int = typer.Option(FocalConfig.update_period, min=1, help="online MAPPO update every T answered queries"),
@@ -112,8 +111,23 @@ def replay(
 
     if drift_reaction not in ("none", "trim", "reset"):
         fail(f"--drift-reaction must be none, trim or reset, got {drift_reaction!r}")
+    if numerics not in ("portable", "native"):
+        fail(f"--numerics must be portable or native, got {numerics!r}")
     config = replace(FocalConfig(), alpha=alpha, window=window, update_period=update_period, feedback_delay=feedback_delay)
-    run_replay(data, protocol, seed, out, ablations, workers, config, DriftOptions(one_stream, drift_reaction))
+    run_replay(data, protocol, seed, out, variant_names(variants), workers, config, DriftOptions(one_stream, drift_reaction), numerics)
+
+
+def variant_names(option: str) -> list[str]:
+    """``--variants``: "all" or a comma-separated list of known RL-Focal variants."""
+    from rlens.replay import RL_VARIANTS
+
+    if option.strip() == "all":
+        return list(RL_VARIANTS)
+    names = [name.strip() for name in option.split(",") if name.strip()]
+    unknown = [name for name in names if name not in RL_VARIANTS]
+    if unknown or not names:
+        fail(f"--variants: unknown {unknown or 'empty list'}; known: {', '.join(RL_VARIANTS)} (or all)")
+    return names
 
 
 @app.command()
@@ -124,7 +138,9 @@ def demo(
     workers: int = WORKERS,
 ) -> None:
     """Replay the bundled zoo stream (5 real small models, 5 task families in blocks) through RL-Focal; no network."""
-    run_replay(settings().demo_data, protocol, seed, out, True, workers, FocalConfig())
+    from rlens.replay import RL_VARIANTS
+
+    run_replay(settings().demo_data, protocol, seed, out, list(RL_VARIANTS), workers, FocalConfig())
 
 
 @app.command("serve-model")
@@ -476,7 +492,7 @@ def zoo_build(out: Path | None = typer.Option(None, help="zoo directory (default
     quiet_transformers()
     out = out or settings().zoo_dir
     try:
-        with progress_bar() as bar:
+        with progress_bar(console) as bar:
             task = bar.add_task(f"training {len(SPECIALISTS)} specialists", total=sum(s.steps for s in SPECIALISTS))
             models = build_zoo(out, progress=lambda n: bar.advance(task, n))
     except FileNotFoundError as exc:
@@ -503,7 +519,7 @@ def zoo_record(
         models = load_zoo(zoo or settings().zoo_dir)
     except FileNotFoundError as exc:
         fail(str(exc))
-    with progress_bar() as bar:
+    with progress_bar(console) as bar:
         task = bar.add_task("scoring", total=blocks * block_size * len(models))
         dataset = record_stream(models, out, blocks, block_size, seed, progress=lambda n: bar.advance(task, n))
     accuracy = (dataset.probs.argmax(2) == dataset.labels[:, None]).mean(0)
@@ -632,7 +648,7 @@ def rlae_train(
     if trainer.state.episodes:
         console.print(f"resuming {out} at {trainer.state.episodes} episodes")
     console.print(f"RLAE-{variant.upper()} over {', '.join(names)}; span {span}, {len(train_tasks)} training tasks")
-    with progress_bar() as bar:
+    with progress_bar(console) as bar:
         task = bar.add_task("training", total=episodes)
         state = trainer.run(train_tasks, lambda n, reward: bar.update(task, advance=n, description=f"training (reward {reward:.2f})"))
     write_training_plot(state.curve, out / "training.png", f"RLAE-{variant.upper()}, span {span}: {', '.join(names)}")

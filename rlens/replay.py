@@ -2,16 +2,25 @@
 
 The RL-Focal variants are independent runs (warm start + online), spread over worker processes; progress is
 reported in "steps" (one step = one question seen by one variant, warm-start passes included).
+
+Numerics: an RL run is chaotic in floating-point rounding (one flipped decision changes every later one), and
+torch's CPU kernels round differently per instruction set (AVX-512, AVX2, ...). With ``numerics="portable"``
+(the default) each variant runs in a fresh process with torch's scalar kernels and MKL's conditional numerical
+reproducibility mode (:data:`PORTABLE_NUMERICS`), so a seed gives the same figures on any x86-64 machine with the
+same package versions; ``"native"`` uses the fastest kernels of this CPU (the same figures only on the same kind
+of CPU).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Iterator, Literal
 
 import numpy as np
 import torch
@@ -33,6 +42,9 @@ RL_VARIANTS: dict[str, tuple[dict, str]] = {
     "rl_focal_kappa": ({"metrics": ("kappa",)}, "ablation: Fleiss' kappa instead of focal diversity"),
 }
 PROGRESS_EVERY = 50
+Numerics = Literal["portable", "native"]
+# read by torch and MKL when a process first computes: set before the variant processes start
+PORTABLE_NUMERICS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
 
 
 @dataclass
@@ -95,8 +107,23 @@ def _variant_in_worker(variant, data, warm_index, test_index, config, seed, drif
     return variant, trace
 
 
-def _run_variants(variants, data, warm_index, test_index, config, seed, workers, progress, drift) -> dict[str, OnlineTrace]:
-    if workers <= 1 or len(variants) == 1:
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run_variants(variants, data, warm_index, test_index, config, seed, workers, progress, drift, numerics: Numerics) -> dict[str, OnlineTrace]:
+    """Each variant's trace; in this process only for native numerics with one worker (or one variant)."""
+    if numerics == "native" and (workers <= 1 or len(variants) == 1):
         traces = {}
         for variant in variants:
             report = _Batched(progress) if progress else None
@@ -105,7 +132,8 @@ def _run_variants(variants, data, warm_index, test_index, config, seed, workers,
                 report.flush()
         return traces
     context = multiprocessing.get_context("spawn")
-    with context.Manager() as manager, ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+    with _environment(PORTABLE_NUMERICS if numerics == "portable" else {}), context.Manager() as manager, \
+            ProcessPoolExecutor(max_workers=max(1, min(workers, len(variants))), mp_context=context) as pool:
         progress_queue = manager.Queue()
         futures = [pool.submit(_variant_in_worker, v, data, warm_index, test_index, config, seed, drift, progress_queue) for v in variants]
         while not all(f.done() for f in futures):
@@ -136,9 +164,10 @@ def replay(
     workers: int = 1,
     progress: Callable[[int], None] | None = None,
     drift: DriftOptions = DriftOptions(),
+    numerics: Numerics = "portable",
 ) -> ReplayRun:
     """Run every method on the test stream of ``protocol`` and collect results.json's content (with RL-Focal's
-    drift detections and recovery figures)."""
+    drift detections and recovery figures). ``numerics``: see the module docstring."""
     started = time.perf_counter()
     config = config or FocalConfig()
     variants = list(RL_VARIANTS) if variants is None else variants
@@ -149,7 +178,7 @@ def replay(
     if len(test_index) == 0:
         raise ValueError("the test stream is empty: every task has too few questions for this protocol")
     warm, test = data.subset(warm_index), data.subset(test_index)
-    traces = _run_variants(variants, data, warm_index, test_index, config, seed, workers, progress, drift)
+    traces = _run_variants(variants, data, warm_index, test_index, config, seed, workers, progress, drift, numerics)
 
     valid_positions = [np.flatnonzero(row) for row in test.choice_mask]
     answers: dict[str, np.ndarray] = {}
@@ -199,6 +228,7 @@ def replay(
         methods=methods,
         config=config.to_dict(),
         elapsed_s=round(time.perf_counter() - started, 2),
+        numerics=numerics,
         drift=drift_result,
     )
     return ReplayRun(results, test, answers, main.pool_size, main.models_called)

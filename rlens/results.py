@@ -53,6 +53,7 @@ class ReplayResults(BaseModel):
     methods: dict[str, MethodResult] = Field(description="keyed by method: rl_focal, best_single, soft_vote, stacking, ...")
     config: dict = Field(description="the RL-Focal hyper-parameters used")
     elapsed_s: float
+    numerics: Literal["portable", "native"] = Field("native", description="portable: the same figures on any x86-64 CPU; native: this CPU's fastest kernels (rlens.replay)")
     drift: DriftResult | None = Field(None, description="RL-Focal's drift detections and recovery after task switches")
 
 

@@ -121,3 +121,22 @@ def test_service_commands_say_in_one_line_what_is_missing(tmp_path, monkeypatch)
         gateway = CliRunner().invoke(app, ["up", "--gateway-port", str(port), "--workdir", str(tmp_path / "up")])
     assert result.exit_code == 2 and f"port {port} is taken (another `rlens up`, or another program): pass --broker-port" in result.output
     assert gateway.exit_code == 2 and f"port {port} is taken (another `rlens up`, or another program): pass --gateway-port, or --no-gateway" in gateway.output
+
+
+def test_progress_without_a_terminal_prints_a_line_per_tenth():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from rlens.progress import LineProgress, progress_bar
+
+    out = StringIO()
+    console = Console(file=out, width=200)
+    assert isinstance(progress_bar(console), LineProgress)  # a StringIO is not a terminal
+    with progress_bar(console) as bar:
+        task = bar.add_task("replay", total=40)
+        for _ in range(40):
+            bar.advance(task, 1)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 10 and lines[0].startswith("replay: 4/40 (10 %), ") and lines[-1].startswith("replay: 40/40 (100 %), ")
+    assert "s left" in lines[0] and "s left" not in lines[-1]

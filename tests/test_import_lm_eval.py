@@ -77,7 +77,7 @@ def test_cli_import_then_replay(two_models, tmp_path):
     result = runner.invoke(app, ["import", "lm-eval", "--model", f"a={two_models['a']}", "--model", f"b={two_models['b']}", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "4 questions x 2 models" in result.output and "dropped 1" in result.output
-    result = runner.invoke(app, ["replay", "--data", str(out), "--protocol", "stream", "--out", str(tmp_path / "r"), "--no-ablations", "--workers", "1"])
+    result = runner.invoke(app, ["replay", "--data", str(out), "--protocol", "stream", "--out", str(tmp_path / "r"), "--variants", "rl_focal", "--workers", "1"])
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "r" / "results.json").read_text())["n_test"] == 4
 

@@ -1,6 +1,7 @@
 """Replay end to end on a slice of the real bbh_dev data: results.json's shape, reports, determinism."""
 
 import json
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -10,7 +11,7 @@ from rlens.cli import app
 from rlens.dataset import load_dataset
 from rlens.focal.config import FocalConfig
 from rlens.protocols import Protocol, split
-from rlens.replay import RL_VARIANTS, replay
+from rlens.replay import PORTABLE_NUMERICS, RL_VARIANTS, replay
 from rlens.results import SCHEMA_PATH, ReplayResults
 
 FAST = replace(FocalConfig(), decider_warm_passes=1, fusion_warm_passes=1, joint_warm_passes=1, warm_rollouts=2)
@@ -47,12 +48,22 @@ def test_cli_replay_writes_every_output(bbh_slice_dir, tmp_path):
 
 
 def test_stream_protocol_and_determinism(bbh_slice_dir):
+    """Portable numerics: the same seed gives the same answers whatever the worker processes; the environment
+    that selects the portable kernels is set for the variant processes only."""
     data = load_dataset(bbh_slice_dir)
-    a = replay(data, Protocol.stream, seed=5, config=FAST, variants=["rl_focal"])
-    b = replay(data, Protocol.stream, seed=5, config=FAST, variants=["rl_focal"])
-    assert a.results.n_test == 120 and "stacking" not in a.results.methods
+    a = replay(data, Protocol.stream, seed=5, config=FAST, variants=["rl_focal"], workers=1)
+    b = replay(data, Protocol.stream, seed=5, config=FAST, variants=["rl_focal_kappa", "rl_focal"], workers=2)
+    assert a.results.n_test == 120 and "stacking" not in a.results.methods and a.results.numerics == "portable"
     assert np.array_equal(a.answers["rl_focal"], b.answers["rl_focal"])
     assert a.results.methods["rl_focal"] == b.results.methods["rl_focal"]
+    assert not set(PORTABLE_NUMERICS) & set(os.environ)
+    native = replay(data, Protocol.stream, seed=5, config=FAST, variants=["rl_focal"], numerics="native")
+    assert native.results.numerics == "native" and native.results.n_test == 120
+
+
+def test_cli_replay_rejects_unknown_variants(bbh_slice_dir, tmp_path):
+    result = CliRunner().invoke(app, ["replay", "--data", str(bbh_slice_dir), "--out", str(tmp_path), "--variants", "rl_focal,rl_fokal"])
+    assert result.exit_code == 2 and "unknown ['rl_fokal']" in result.output and "rl_focal_kappa" in result.output
 
 
 def test_results_schema_file_is_current():

@@ -1,0 +1,70 @@
+"""Progress for long CLI work: a rich bar on a terminal, plain lines elsewhere (CI logs, ``nohup``, pipes).
+
+Without a terminal rich draws nothing until the end, so :class:`LineProgress` prints one line per 10 % of the
+work, and at least one every ``every_s`` seconds while work advances: ``description: done/total (p %), elapsed,
+about N s left``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+@dataclass
+class _Task:
+    description: str
+    total: float
+    done: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    last_line: float = field(default_factory=time.monotonic)
+    last_tenth: int = 0
+
+
+class LineProgress:
+    """The part of rich's ``Progress`` the CLI uses (``add_task``, ``advance``, ``update``), as log lines."""
+
+    def __init__(self, console: Console, every_s: float = 30.0):
+        self.console, self.every_s = console, every_s
+        self.tasks: list[_Task] = []
+
+    def __enter__(self) -> LineProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def add_task(self, description: str, total: float) -> int:
+        self.tasks.append(_Task(description, total))
+        return len(self.tasks) - 1
+
+    def advance(self, task_id: int, advance: float) -> None:
+        self.update(task_id, advance=advance)
+
+    def update(self, task_id: int, advance: float = 0.0, description: str | None = None) -> None:
+        task = self.tasks[task_id]
+        task.done += advance
+        if description is not None:
+            task.description = description
+        now = time.monotonic()
+        tenth = int(10 * task.done / task.total) if task.total else 10
+        if tenth > task.last_tenth or now - task.last_line >= self.every_s:
+            task.last_tenth, task.last_line = tenth, now
+            self.console.print(self.line(task, now), highlight=False, markup=False)
+
+    @staticmethod
+    def line(task: _Task, now: float) -> str:
+        elapsed = now - task.started
+        share = task.done / task.total if task.total else 1.0
+        left = f", about {elapsed * (1 - share) / share:.0f} s left" if 0 < share < 1 else ""
+        return f"{task.description}: {task.done:.0f}/{task.total:.0f} ({100 * share:.0f} %), {elapsed:.0f} s{left}"
+
+
+def progress_bar(console: Console) -> Progress | LineProgress:
+    """A rich progress bar on a terminal, :class:`LineProgress` otherwise."""
+    if not console.is_terminal:
+        return LineProgress(console)
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False)
