@@ -36,10 +36,10 @@ class Record:
 
 def pairs(n: int, tokens: FeedbackTokens) -> tuple[list[bytes], list[bytes]]:
     engine = FocalEngine(5, seed=0)
-    decision = engine.decide("s", 4, greedy=True)[0]
-    fused = engine.fuse(decision, np.full((5, 4), 0.25), greedy=True)
-    common = dict(policy_version=0, n_choices=4, decider_state=decision.state.tolist(), critic_state=decision.critic_state.tolist(), pool=decision.pool.tolist(),
-                  pool_logp=decision.pool_logp, predictions=[1] * 5, fusion_features=fused.features.tolist(), answer_index=1, answer_logp=fused.answer_logp)
+    decision = engine.decide("s", 4, greedy=False)[0]
+    fused = engine.fuse(decision, np.full((5, 4), 0.25))
+    common = dict(policy_version=0, n_choices=4, decider_state=decision.state.tolist(), critic_state=fused.critic_state.tolist(), pool=decision.pool.tolist(),
+                  pool_logp=decision.pool_logp, predictions=[1] * 5, fusion_features=fused.features.tolist(), answer_index=1, answer_logp=fused.answer_logp, explored=True)
     experience = [Experience(query_id=f"q{i}", stream=f"s{i % 1000}", **common).model_dump_json().encode() for i in range(n)]
     feedback = [Feedback(query_id=f"q{i}", token=tokens.token(f"q{i}"), label=i % 4).model_dump_json().encode() for i in range(n)]
     return experience, feedback

@@ -57,9 +57,9 @@ def payloads(n: int, seed: int, zoo) -> dict[str, list[bytes]]:
     rng = np.random.default_rng(seed)
     engine = FocalEngine(5, seed=0)
     decision = engine.decide("s", 4, greedy=True)[0]
-    fused = engine.fuse(decision, np.full((5, 4), 0.25), greedy=True)
+    fused = engine.fuse(decision, np.full((5, 4), 0.25))
     experience = Experience(
-        query_id="q", stream="s", policy_version=0, n_choices=4, decider_state=decision.state.tolist(), critic_state=decision.critic_state.tolist(),
+        query_id="q", stream="s", policy_version=0, n_choices=4, decider_state=decision.state.tolist(), critic_state=fused.critic_state.tolist(),
         pool=decision.pool.tolist(), pool_logp=decision.pool_logp, predictions=[1] * 5, fusion_features=fused.features.tolist(), answer_index=1, answer_logp=fused.answer_logp,
     ).model_dump(mode="json")
     query = Query(query_id="q", stream="s", prompt="p", choices=["a", "b", "c", "d"], reference_id="0").model_dump(mode="json")

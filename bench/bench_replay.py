@@ -1,27 +1,33 @@
 """Accuracy of RL-Focal and the baselines over several seeds, both protocols (figures for BENCHMARKS.md).
 
     python bench/bench_replay.py [--data DIR] [--seeds 0 1 2 3 4] [--protocols paper stream] [--out bench/out]
+                                 [--tasks all|tune|holdout] [--variants rl_focal ...] [--set explore_rate=0.25 ...]
 
-Runs the same code path as ``rlens replay`` (all RL-Focal variants) per seed, writes every run's
-results.json under OUT/<protocol>/seed<k>/ and a summary (mean and sample std over seeds) to
-OUT/summary.json and OUT/summary.md.
+Runs the same code path as ``rlens replay`` (portable numerics) per seed, writes every run's results.json under
+OUT/<protocol>/seed<k>/ and a summary (mean and sample std over seeds) to OUT/summary.json and OUT/summary.md.
+``--tasks tune`` keeps the tasks settings may be chosen on, ``holdout`` the others (:func:`rlens.protocols.task_half`);
+``--set`` overrides FocalConfig fields. The machine (CPU, cores, load) is printed first and saved in the summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import time
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
 
 from rlens.dataset import load_dataset, shared_data_dir
-from rlens.protocols import Protocol
-from rlens.replay import replay
+from rlens.focal.config import FocalConfig
+from rlens.protocols import Protocol, task_half
+from rlens.replay import RL_VARIANTS, replay
 from rlens.report import write_outputs
 
-SHOWN = ("rl_focal", "rl_focal_all_models", "rl_focal_no_diversity", "rl_focal_kappa", "best_single", "best_single_per_task", "plurality", "soft_vote", "hedge", "stacking", "oracle")
+SHOWN = ("rl_focal", "rl_focal_all_models", "rl_focal_no_diversity", "rl_focal_kappa", "rl_focal_paper_decider", "best_single", "best_single_per_task", "plurality", "soft_vote", "hedge", "stacking", "oracle")
 
 
 def main() -> None:
@@ -31,35 +37,58 @@ def main() -> None:
     parser.add_argument("--protocols", nargs="+", default=["paper", "stream"], choices=[p.value for p in Protocol])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/out"))
+    parser.add_argument("--tasks", default="all", choices=["all", "tune", "holdout"])
+    parser.add_argument("--variants", nargs="+", default=list(RL_VARIANTS), choices=list(RL_VARIANTS))
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="FocalConfig overrides")
     args = parser.parse_args()
+    config = FocalConfig()
+    types = {f.name: type(getattr(config, f.name)) for f in fields(FocalConfig)}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if name not in types:
+            parser.error(f"--set {item}: FocalConfig has no field {name!r}")
+        config = replace(config, **{name: value.lower() in ("1", "true", "yes") if types[name] is bool else types[name](value)})
     data = load_dataset(args.data)
-    summary: dict = {}
+    if args.tasks != "all":
+        data = task_half(data, args.tasks)
+    machine = machine_facts()
+    print(f"{machine}; tasks {args.tasks} ({len(set(data.task.tolist()))}); overrides {args.set or 'none'}", flush=True)
+    summary: dict = {"machine": machine, "tasks": args.tasks, "overrides": args.set}
     for protocol in map(Protocol, args.protocols):
         runs, seconds = [], []
         for seed in args.seeds:
             start = time.perf_counter()
-            run = replay(data, protocol, seed=seed, workers=args.workers)
+            run = replay(data, protocol, seed=seed, config=config, variants=args.variants, workers=args.workers)
             seconds.append(time.perf_counter() - start)
             write_outputs(run, args.out / protocol.value / f"seed{seed}")
             runs.append(run.results)
-            focal = run.results.methods["rl_focal"]
-            print(f"{protocol.value} seed {seed}: rl_focal {100 * focal.accuracy:.1f}% calls {focal.mean_models_called:.2f} ({seconds[-1]:.0f} s)", flush=True)
+            focal = run.results.methods[args.variants[0]]
+            print(f"{protocol.value} seed {seed}: {args.variants[0]} {100 * focal.accuracy:.1f}% calls {focal.mean_models_called:.2f} ({seconds[-1]:.0f} s)", flush=True)
         methods = {}
         for name in SHOWN:
             if name in runs[0].methods:
                 acc = np.array([100 * r.methods[name].accuracy for r in runs])
                 calls = np.array([r.methods[name].mean_models_called for r in runs])
-                methods[name] = {"accuracy_mean": round(float(acc.mean()), 2), "accuracy_std": round(float(acc.std(ddof=1)) if len(acc) > 1 else 0.0, 2), "accuracy_per_seed": acc.round(2).tolist(), "calls_mean": round(float(calls.mean()), 2)}
+                extra = {"greedy_accuracy_mean": round(100 * float(np.mean([r.methods[name].greedy_accuracy for r in runs])), 2)} if name in args.variants else {}
+                methods[name] = {**extra, "accuracy_mean": round(float(acc.mean()), 2), "accuracy_std": round(float(acc.std(ddof=1)) if len(acc) > 1 else 0.0, 2), "accuracy_per_seed": acc.round(2).tolist(), "calls_mean": round(float(calls.mean()), 2)}
         summary[protocol.value] = {"seeds": args.seeds, "n_test": runs[0].n_test, "seconds_per_replay": round(float(np.mean(seconds)), 1), "methods": methods}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     lines = []
     for protocol, block in summary.items():
+        if protocol not in ("paper", "stream"):
+            continue
         lines += [f"### {protocol} ({block['n_test']} test questions, seeds {block['seeds']}, {block['seconds_per_replay']} s per replay)", "", "| method | accuracy % mean ± std | per seed | models called |", "|---|---:|---|---:|"]
         lines += [f"| {n} | {m['accuracy_mean']:.1f} ± {m['accuracy_std']:.1f} | {', '.join(f'{a:.1f}' for a in m['accuracy_per_seed'])} | {m['calls_mean']:.2f} |" for n, m in block["methods"].items()]
         lines.append("")
     (args.out / "summary.md").write_text("\n".join(lines))
     print("\n".join(lines))
+
+
+def machine_facts() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor()) \
+        if Path("/proc/cpuinfo").exists() else platform.processor()
+    return f"{cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}"
 
 
 if __name__ == "__main__":

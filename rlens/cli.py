@@ -96,12 +96,13 @@ def replay(
     seed: int = typer.Option(0, help="random seed (runs are deterministic under a seed)"),
     out: Path = typer.Option(Path("out/replay"), help="directory for results.json, report.md, report.png, per_query.csv"),
     variants: str = typer.Option("all", help="RL-Focal variants to run, comma-separated (rl_focal, rl_focal_all_models, rl_focal_no_diversity, "
-                                 "rl_focal_kappa), or all"),
+                                 "rl_focal_kappa, rl_focal_paper_decider), or all"),
     workers: int = WORKERS,
     numerics: str = typer.Option("portable", help="portable: the same figures for a seed on any x86-64 CPU; native: this CPU's fastest kernels"),
     alpha: float = typer.Option(FocalConfig.alpha, min=0.0, help="cost weight in the reward"),
     window: int = typer.Option(FocalConfig.window, min=1, help="sliding-window length W per stream"),
-    update_period: int = typer.Option(FocalConfig.update_period, min=1, help="online MAPPO update every T answered queries"),
+    update_period: int = typer.Option(FocalConfig.update_period, min=1, help="online MAPPO update every T explored queries"),
+    explore_rate: float = typer.Option(FocalConfig.explore_rate, min=0.0, max=1.0, help="online: share of queries on which both agents sample (and learn)"),
     feedback_delay: int = typer.Option(FocalConfig.feedback_delay, min=0, help="feedback of a query arrives this many queries later"),
     one_stream: bool = typer.Option(False, "--one-stream", help="one window key for the whole stream (the task unknown, as in the service): task switches become drift"),
     drift_reaction: str = typer.Option("none", help="on a drift detection: none, trim (the window keeps its last 5 outcomes) or reset"),
@@ -113,7 +114,7 @@ def replay(
         fail(f"--drift-reaction must be none, trim or reset, got {drift_reaction!r}")
     if numerics not in ("portable", "native"):
         fail(f"--numerics must be portable or native, got {numerics!r}")
-    config = replace(FocalConfig(), alpha=alpha, window=window, update_period=update_period, feedback_delay=feedback_delay)
+    config = replace(FocalConfig(), alpha=alpha, window=window, update_period=update_period, explore_rate=explore_rate, feedback_delay=feedback_delay)
     run_replay(data, protocol, seed, out, variant_names(variants), workers, config, DriftOptions(one_stream, drift_reaction), numerics)
 
 

@@ -112,6 +112,8 @@ class Experience(Message):
     fusion_features: list[Annotated[list[Real], Field(max_length=MAX_VECTOR)]] = Field(max_length=MAX_CHOICES, description="the Fusion agent's observation [choices, features]")
     answer_index: int = Field(ge=0, lt=MAX_CHOICES)
     answer_logp: float = Field(le=0, ge=-MAX_ABS)
+    explored: bool = Field(False, description="both agents sampled their actions (pool_logp and answer_logp are of the sampled actions); "
+                                              "false: greedy, which trains only the critic")
 
 
 class SpanDecision(BaseModel):

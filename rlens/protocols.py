@@ -1,8 +1,10 @@
-"""Evaluation protocols: which questions warm-start the agents and which form the online test stream."""
+"""Evaluation protocols: which questions warm-start the agents and which form the online test stream, and which
+tasks may be used to choose settings (:func:`task_half`)."""
 
 from __future__ import annotations
 
 from enum import Enum
+from typing import Literal
 
 import numpy as np
 
@@ -26,3 +28,12 @@ def split(data: RecordedDataset, protocol: Protocol) -> tuple[np.ndarray, np.nda
         rows = np.flatnonzero(data.task == task_id)
         warm[rows[: int(round(WARM_FRACTION * len(rows)))]] = True
     return everything[warm], everything[~warm]
+
+
+def task_half(data: RecordedDataset, half: Literal["tune", "holdout"]) -> RecordedDataset:
+    """The questions of half the tasks, in stream order: ``tune`` the tasks at even positions of the sorted task ids,
+    ``holdout`` those at odd positions. Settings are chosen on ``tune``; ``holdout`` reports figures on tasks that
+    played no part in choosing them."""
+    ids = np.unique(data.task)
+    chosen = ids[0::2] if half == "tune" else ids[1::2]
+    return data.subset(np.flatnonzero(np.isin(data.task, chosen)))

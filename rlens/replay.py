@@ -40,6 +40,7 @@ RL_VARIANTS: dict[str, tuple[dict, str]] = {
     "rl_focal_all_models": ({"use_decider": False}, "ablation: no Decider, Fusion over the whole pool"),
     "rl_focal_no_diversity": ({"metrics": ()}, "ablation: Decider without diversity metrics"),
     "rl_focal_kappa": ({"metrics": ("kappa",)}, "ablation: Fleiss' kappa instead of focal diversity"),
+    "rl_focal_paper_decider": ({"decider_sees": "paper"}, "ablation: the paper's Decider observation (pool bits and diversity metrics only)"),
 }
 PROGRESS_EVERY = 50
 Numerics = Literal["portable", "native"]
@@ -210,7 +211,8 @@ def replay(
     for name, predicted in answers.items():
         correct = predicted == test.labels
         per_task = {task_names[t]: float(correct[test.task == t].mean()) for t in task_names}
-        methods[name] = MethodResult(accuracy=float(correct.mean()), per_task=per_task, mean_models_called=calls[name], description=descriptions[name])
+        exploration = {"explored": float(traces[name].explored.mean()), "greedy_accuracy": float(traces[name].greedy_correct.mean())} if name in traces else {}
+        methods[name] = MethodResult(accuracy=float(correct.mean()), per_task=per_task, mean_models_called=calls[name], description=descriptions[name], **exploration)
     main = traces.get("rl_focal") or next(iter(traces.values()))
     detections = [i for i, _ in main.detections]
     figures = drift_figures(main.correct, detections, test.task)

@@ -21,6 +21,9 @@ class MethodResult(BaseModel):
     per_task: dict[str, float] = Field(description="accuracy per task, keyed by task name")
     mean_models_called: float = Field(ge=0, description="models called per test question, on average")
     description: str = ""
+    explored: float | None = Field(None, ge=0, le=1, description="RL-Focal: share of the test questions on which both agents sampled (and learned)")
+    greedy_accuracy: float | None = Field(None, ge=0, le=1, description="RL-Focal: accuracy had every test question been answered greedily "
+                                                                         "from the same states (exploration cost = greedy_accuracy - accuracy)")
 
 
 class DriftResult(BaseModel):

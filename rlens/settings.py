@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rlens.focal.config import FocalConfig
+
 PACKAGE_DATA = Path(__file__).parent / "data"
 
 
@@ -84,6 +86,9 @@ class Settings(BaseSettings):
     drift_min_gap: int = Field(20, ge=1, description="values of one (stream, signal) between two of its detections")
     drift_reaction: Literal["trim", "none"] = Field("none", description="on a drift of a stream's outcome or of one of its models: trim its window to the last RLENS_DRIFT_KEEP outcomes (the old task's rows go), or nothing (the default: trim helped on zoo_mc, not on the held-out bbh_dev; BENCHMARKS.md)")
     drift_keep: int = Field(5, ge=0, description="outcomes a stream's window keeps when it is trimmed after a drift")
+    focal_explore_rate: float = Field(FocalConfig.explore_rate, ge=0, le=1, description="rl_focal: share of queries on which both agents sample their actions "
+                                      "(logged with their probabilities; only these train the policies); the rest are answered greedily")
+    focal_update_period: int = Field(FocalConfig.update_period, ge=1, description="rl_focal: the learner updates once this many explored transitions are joined")
     # streaming service: the rlae strategy
     rlae_variant: Literal["ppo", "mappo"] = Field("ppo", description="ppo (one agent, Dirichlet weights) or mappo (one agent per model, centralized critic)")
     rlae_span: int = Field(4, ge=1, description="tokens per span: the agent sets the weights every this many tokens")

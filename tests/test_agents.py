@@ -9,7 +9,7 @@ from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.focal.metrics import METRIC_NAMES
 from rlens.focal.window import OutcomeWindow
-from rlens.focal.features import critic_state_dim, decider_obs_dim, decider_observation, model_features_in_decider_obs, fusion_feature_dim, fusion_observation, reliability_weighted_log_probs
+from rlens.focal.features import critic_state, critic_state_dim, decider_obs_dim, decider_observation, model_features_in_decider_obs, fusion_feature_dim, fusion_observation, reliability_weighted_log_probs
 
 
 def test_decider_never_returns_an_empty_pool():
@@ -24,12 +24,19 @@ def test_decider_never_returns_an_empty_pool():
     assert greedy.tolist() == [0.0, 0.0, 1.0, 0.0]
 
 
-def test_decider_log_prob_matches_the_bernoulli_distribution():
+def test_decider_log_prob_counts_the_empty_draw_in_the_fallback_pool():
+    """P(pool) is the Bernoulli draws' probability, except for the most likely model alone, which also gets the
+    probability of the empty draw that never_empty turns into it (hand-computed)."""
+    logits = torch.tensor([[2.0, -1.0, -3.0]] * 3)
+    pools = torch.tensor([[1.0, 0, 0], [0, 1, 0], [1, 1, 0]])
+    s = torch.sigmoid(logits[0])
+    expected = torch.stack([(1 - s[1]) * (1 - s[2]), (1 - s[0]) * s[1] * (1 - s[2]), s[0] * s[1] * (1 - s[2])]).log()
+    assert torch.allclose(Decider.log_prob(logits, pools), expected, atol=1e-6)
     decider = Decider(obs_dim=15, n_models=4, hidden=8, model_features=slice(3, 15))
     obs = torch.randn(32, 15)
-    pools, logp = decider.act(obs, greedy=False, generator=torch.Generator().manual_seed(0))
+    drawn, logp = decider.act(obs, greedy=False, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.allclose(logp, decider.distribution(obs).log_prob(pools).sum(-1), atol=1e-5)
+        assert torch.allclose(logp, Decider.log_prob(decider.logits(obs), drawn), atol=1e-6)
 
 
 def test_untrained_decider_calls_the_models_close_to_the_most_reliable():
@@ -77,9 +84,9 @@ def test_fusion_ignores_models_outside_the_pool():
     (decision,) = engine.decide("s", 4, greedy=True)
     decision.pool[:] = [True, True, False]
     probs = np.full((3, 4), 0.25, dtype=np.float32)
-    a = engine.fuse(decision, probs, greedy=True)
+    a = engine.fuse(decision, probs)
     probs[2] = [1.0, 0.0, 0.0, 0.0]  # a model not in the pool changes its answer
-    b = engine.fuse(decision, probs, greedy=True)
+    b = engine.fuse(decision, probs)
     assert np.array_equal(a.distribution, b.distribution)
 
 
@@ -91,9 +98,25 @@ def test_engine_shapes_and_reward():
     assert all(d.pool.any() for d in decisions)
     assert engine.reward(np.array([True, False, False, False, False]), True) == pytest.approx(1 - cfg.alpha * 0.5)
     assert engine.reward(np.ones(5, bool), False) == pytest.approx(-1 - cfg.alpha)
-    assert decisions[0].critic_state.shape == (critic_state_dim(5, len(cfg.metrics)),)
-    assert decisions[0].critic_state[-1] == 0.0  # online: no privileged summary
-    (warm,) = engine.decide("task", 3, greedy=False, recorded_probs=np.full((5, 3), 1 / 3, np.float32))
-    assert warm.critic_state[-1] == 1.0
-    critic = CentralCritic(critic_state_dim(5, 6), 8)
-    assert critic(torch.zeros(4, critic_state_dim(5, 6))).shape == (4,)
+    answer = engine.fuse(decisions[0], np.full((5, 3), 1 / 3, np.float32))
+    assert answer.critic_state.shape == (critic_state_dim(5, len(cfg.metrics)),)
+    assert answer.critic_state[-1] == pytest.approx(decisions[0].pool.sum() / 5)  # the fused pool's share
+
+
+def test_critic_state_summarises_the_fused_pool_only():
+    probs = np.array([[0.8, 0.2], [0.3, 0.7], [0.6, 0.4]], np.float32)
+    state = critic_state(np.array([0.5], np.float32), probs, np.array([True, False, True]))
+    h = lambda p: -(p * np.log(p) + (1 - p) * np.log(1 - p)) / np.log(2)  # noqa: E731
+    # decider state | top prob | normalised entropy | agrees with the pool's plurality (choice 0) | pool share
+    expected = [0.5, 0.8, 0.0, 0.6, h(0.8), 0.0, h(0.6), 1.0, 0.0, 1.0, 2 / 3]
+    np.testing.assert_allclose(state, expected, rtol=1e-5)
+
+
+def test_critic_heads_decider_head_reads_only_the_decider_observation():
+    critic = CentralCritic(decider_dim=4, state_dim=7, hidden=8)
+    state = torch.randn(3, 7, generator=torch.Generator().manual_seed(0))
+    changed = state.clone()
+    changed[:, 4:] += 1.0  # the pool's answers change, the Decider's observation does not
+    a, b = critic(state), critic(changed)
+    assert a.shape == (3, 2)
+    assert torch.equal(a[:, 0], b[:, 0]) and not torch.allclose(a[:, 1], b[:, 1])

@@ -41,7 +41,8 @@ def wait_for(condition, timeout_s: float = 60.0, what: str = "condition"):
 
 def test_the_dashboard_shows_the_played_streams_live_and_marks_the_task_switch(tmp_path, zoo):
     pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
-    stack = LocalStack(settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}), tmp_path)
+    stack = LocalStack(settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500,
+                                                   "focal_explore_rate": 1.0}), tmp_path)  # every query explored: an update every 64 joins
     # 240 questions on one stream key "support" (ordering, then antonyms: a task switch), then 60 under their task's key
     traffic = [(q.model_copy(update={"stream": "support"}) if i < 240 else q, label) for i, (q, label) in enumerate(queries_of(zoo.subset(list(range(300))), None, "dash"))]
     driver = None

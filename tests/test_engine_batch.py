@@ -24,23 +24,23 @@ def queries(n: int = 48):
 def test_decide_batch_equals_decide_one_by_one(greedy):
     one, batch = warmed_engine(), warmed_engine()
     expected = [one.decide(key, c, greedy=greedy, probe=probe)[0] for key, c, probe in queries()]
-    got = batch.decide_batch(queries(), greedy=greedy)
+    got = batch.decide_batch([(key, c, probe, greedy) for key, c, probe in queries()])
     for e, g in zip(expected, got):
-        assert np.array_equal(e.pool, g.pool) and np.array_equal(e.called, g.called)
+        assert np.array_equal(e.pool, g.pool) and np.array_equal(e.called, g.called) and e.explored == g.explored == (not greedy)
         np.testing.assert_allclose(e.state, g.state)
-        np.testing.assert_allclose(e.critic_state, g.critic_state)
         assert e.pool_logp == pytest.approx(g.pool_logp, abs=1e-6)
     assert {k: v.tolist() for k, v in one.previous_pool.items()} == {k: v.tolist() for k, v in batch.previous_pool.items()}
 
 
 def test_fuse_batch_equals_fuse_one_by_one():
     one, batch = warmed_engine(), warmed_engine()
-    decisions = one.decide_batch(queries(), greedy=True)
+    decisions = one.decide_batch([(key, c, probe, True) for key, c, probe in queries()])
     rng = np.random.default_rng(2)
     probs = [rng.dirichlet(np.ones(c), size=4) for _, c, _ in queries()]
-    expected = [one.fuse(d, p, greedy=True) for d, p in zip(decisions, probs)]
-    got = batch.fuse_batch(decisions, probs, greedy=True)
+    expected = [one.fuse(d, p) for d, p in zip(decisions, probs)]
+    got = batch.fuse_batch(decisions, probs)
     for e, g in zip(expected, got):
         assert e.answer == g.answer and e.answer_logp == pytest.approx(g.answer_logp, abs=1e-5)
         np.testing.assert_allclose(e.distribution, g.distribution, atol=1e-6)
         np.testing.assert_allclose(e.features, g.features)
+        np.testing.assert_allclose(e.critic_state, g.critic_state)

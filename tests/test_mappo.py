@@ -8,6 +8,7 @@ import torch
 
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
+from rlens.focal.features import critic_state
 from rlens.focal.mappo import gae
 
 
@@ -46,7 +47,8 @@ def test_decider_learns_to_call_the_rewarded_model():
     start = torch.sigmoid(engine.decider.distribution(torch.from_numpy(probe.state)).logits)[1].item()
     for _ in range(15):
         for decision in engine.decide("s", 2, greedy=False, rollouts=64):
-            engine.remember(decision, None, 1.0 if decision.pool[1] else -1.0)
+            reward = 1.0 if decision.pool[1] else -1.0
+            engine.remember(decision, None, reward, reward, critic_state(decision.state, np.full((3, 2), 0.5), decision.pool))
         engine.update(train_decider=True, train_fusion=False, envs=64)
     (probe,) = engine.decide("s", 2, greedy=False)
     after = torch.sigmoid(engine.decider.distribution(torch.from_numpy(probe.state)).logits)[1].item()
@@ -58,14 +60,14 @@ def test_fusion_learns_the_rewarded_answer():
     engine = toy_engine()
     probs = np.array([[0.6, 0.3, 0.1], [0.5, 0.3, 0.2], [0.7, 0.2, 0.1]], dtype=np.float32)
     (decision,) = engine.decide("s", 3, greedy=True)
-    start = engine.fuse(decision, probs, greedy=True).distribution[2]
+    start = engine.fuse(decision, probs).distribution[2]
     for _ in range(20):
         for decision in engine.decide("s", 3, greedy=False, rollouts=32):
-            answer = engine.fuse(decision, probs, greedy=False)
-            engine.remember(decision, answer, 1.0 if answer.answer == 2 else -1.0)
+            answer = engine.fuse(decision, probs)
+            engine.remember(decision, answer, 1.0 if answer.answer == 2 else -1.0, 1.0 if answer.answer == 2 else -1.0)
         engine.update(train_decider=False, train_fusion=True, envs=32)
     (decision,) = engine.decide("s", 3, greedy=True)
-    after = engine.fuse(decision, probs, greedy=True)
+    after = engine.fuse(decision, probs)
     assert start < 0.2 and after.distribution[2] > 0.8 and after.answer == 2
 
 
@@ -73,7 +75,7 @@ def test_updates_are_deterministic_under_a_seed():
     def run():
         engine = toy_engine(seed=7)
         for decision in engine.decide("s", 2, greedy=False, rollouts=16):
-            engine.remember(decision, engine.fuse(decision, np.array([[0.9, 0.1]] * 3, np.float32), greedy=False), 1.0)
+            engine.remember(decision, engine.fuse(decision, np.array([[0.9, 0.1]] * 3, np.float32)), 1.0, 1.0)
         engine.update(envs=16)
         return engine.policy_state()
 
@@ -84,7 +86,7 @@ def test_updates_are_deterministic_under_a_seed():
 def test_policy_state_round_trip():
     trained = toy_engine(seed=3)
     for decision in trained.decide("s", 2, greedy=False, rollouts=16):
-        trained.remember(decision, trained.fuse(decision, np.array([[0.9, 0.1]] * 3, np.float32), greedy=False), 1.0)
+        trained.remember(decision, trained.fuse(decision, np.array([[0.9, 0.1]] * 3, np.float32)), 1.0, 1.0)
     trained.update(envs=16)
     fresh = toy_engine(seed=4)
     fresh.load_policy_state(trained.policy_state())
@@ -93,4 +95,84 @@ def test_policy_state_round_trip():
     (a,) = trained.decide("t", 2, greedy=True)
     (b,) = fresh.decide("t", 2, greedy=True)
     assert np.array_equal(a.pool, b.pool)
-    assert np.allclose(trained.fuse(a, probs, greedy=True).distribution, fresh.fuse(b, probs, greedy=True).distribution)
+    assert np.allclose(trained.fuse(a, probs).distribution, fresh.fuse(b, probs).distribution)
+
+
+def test_logged_log_probabilities_are_those_of_the_sampled_actions():
+    """Explored decisions: the empirical frequency of each pool and each answer matches exp(logged log-prob)."""
+    engine = toy_engine(seed=11)
+    with torch.no_grad():
+        engine.decider.heads.bias.copy_(torch.tensor([0.3, -0.4, 0.1]))
+    probs = np.array([[0.5, 0.3, 0.2], [0.2, 0.5, 0.3], [0.4, 0.4, 0.2]], np.float32)
+    decisions = engine.decide("s", 3, greedy=False, rollouts=4000)
+    assert all(d.explored for d in decisions)
+    pools, logged = {}, {}
+    for d in decisions:
+        pools[d.pool.tobytes()] = pools.get(d.pool.tobytes(), 0) + 1
+        logged[d.pool.tobytes()] = d.pool_logp
+    for pool, count in pools.items():
+        assert count / 4000 == pytest.approx(np.exp(logged[pool]), abs=0.03)
+    (d,) = engine.decide("s", 3, greedy=False)
+    answers = [engine.fuse(d, probs) for _ in range(3000)]
+    for choice in range(3):
+        taken = [a for a in answers if a.answer == choice]
+        assert len(taken) / 3000 == pytest.approx(np.exp(taken[0].answer_logp), abs=0.03)
+    (g,) = engine.decide("s", 3, greedy=True)
+    greedy = engine.fuse(g, probs)
+    assert not g.explored and greedy.answer == int(np.argmax(greedy.distribution))
+    assert greedy.answer_logp == pytest.approx(np.log(greedy.distribution.max()), abs=1e-5)
+
+
+def test_greedy_transitions_train_only_the_critic():
+    engine = toy_engine(seed=2)
+    probs = np.array([[0.9, 0.1]] * 3, np.float32)
+    before = engine.policy_state()
+    for decision in engine.decide("s", 2, greedy=True, rollouts=8):
+        engine.remember(decision, engine.fuse(decision, probs), 1.0, 1.0)
+    assert not engine.update_due()  # nothing explored yet
+    stats = engine.update(envs=8)
+    after = engine.policy_state()
+    assert stats["explored_share"] == 0.0 and "decider_policy_loss" not in stats and "fusion_policy_loss" not in stats
+    assert all(torch.equal(before[k], after[k]) for k in before if not k.startswith("critic."))
+    assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith("critic."))
+
+
+def test_each_agent_learns_from_its_own_reward():
+    """The Decider pays the pool's cost, the Fusion agent does not: returns differ by exactly the cost term."""
+    cfg = replace(FocalConfig(), alpha=0.5)
+    engine = FocalEngine(2, config=cfg, seed=0)
+    (decision,) = engine.decide("s", 2, greedy=False)
+    correct = True
+    assert engine.reward(decision.pool, correct) == pytest.approx(1.0 - 0.5 * decision.pool.sum() / 2)
+    assert engine.fusion_reward(correct) == 1.0 and engine.fusion_reward(False) == -1.0
+
+
+def test_supervised_fusion_fit_learns_the_labelled_answer():
+    """Labels say choice 2 of 3 while the models prefer choice 0: cross-entropy moves the Fusion's mode to choice 2."""
+    engine = FocalEngine(3, config=replace(toy_engine().cfg, fusion_supervised_epochs=40), seed=5)
+    probs = np.array([[0.6, 0.3, 0.1], [0.5, 0.3, 0.2], [0.7, 0.2, 0.1]], np.float32)
+    decisions = engine.decide("s", 3, greedy=False, rollouts=64)
+    features = [engine.fusion_features(d, probs) for d in decisions]
+    assert engine.fuse(decisions[0], probs).distribution.argmax() == 0
+    stats = engine.fit_fusion(features, [2] * len(features))
+    (g,) = engine.decide("s", 3, greedy=True)
+    assert stats["accuracy"] > 0.9 and engine.fuse(g, probs).answer == 2
+    assert all(torch.equal(a, b) for a, b in zip(engine.decider.parameters(), toy_engine(seed=5).decider.parameters()))  # only the Fusion moved
+
+
+def test_labels_train_the_fusion_on_greedy_transitions_too():
+    """With label_coef > 0 a labelled greedy transition moves the Fusion toward its label (a label is right whatever
+    was answered); the Decider, with no explored transition, stays put."""
+    engine = FocalEngine(3, config=replace(toy_engine().cfg, label_coef=1.0), seed=4)
+    probs = np.array([[0.6, 0.3, 0.1], [0.5, 0.3, 0.2], [0.7, 0.2, 0.1]], np.float32)
+    (g,) = engine.decide("s", 3, greedy=True)
+    start = engine.fuse(g, probs).distribution[2]
+    decider_before = {k: v for k, v in engine.policy_state().items() if k.startswith("decider.")}
+    for _ in range(10):
+        for decision in engine.decide("s", 3, greedy=True, rollouts=32):
+            answer = engine.fuse(decision, probs)
+            engine.remember(decision, answer, -1.0, -1.0, label=2)
+        stats = engine.update(envs=32)
+    assert stats["label_loss"] > 0 and "fusion_policy_loss" not in stats
+    assert engine.fuse(g, probs).distribution[2] > start + 0.3
+    assert all(torch.equal(v, engine.policy_state()[k]) for k, v in decider_before.items())

@@ -206,7 +206,7 @@ def test_killed_server_is_a_per_query_failure_and_the_pool_still_answers(zoo_mod
         decision = engine.decide(key="t", n_choices=len(query.choices), greedy=True)[0]
         decision.pool = decision.pool & answers.answered
         if decision.pool.any():
-            answer = engine.fuse(decision, answers.probs, greedy=True)
+            answer = engine.fuse(decision, answers.probs)
             assert 0 <= answer.answer < len(query.choices) and answer.distribution.sum() == pytest.approx(1)
     assert answered_before_kill == 4
     assert caller.failure_counts["order-char@http"] == len(questions(2)) - 4

@@ -36,13 +36,13 @@ def windows_for(url: str, n_models: int = 5) -> RedisWindows:
 
 
 def experience(engine: FocalEngine, qid: str, stream: str = "s", answer: int = 1, n_choices: int = 4) -> Experience:
-    decision = engine.decide(stream, n_choices, greedy=True)[0]
+    decision = engine.decide(stream, n_choices, greedy=False)[0]  # explored: it trains the policies
     probs = np.full((engine.n_models, n_choices), 1 / n_choices)
-    fused = engine.fuse(decision, probs, greedy=True)
+    fused = engine.fuse(decision, probs)
     return Experience(
         query_id=qid, stream=stream, policy_version=0, n_choices=n_choices, decider_state=decision.state.tolist(),
-        critic_state=decision.critic_state.tolist(), pool=decision.pool.tolist(), pool_logp=decision.pool_logp,
-        predictions=[answer] * engine.n_models, fusion_features=fused.features.tolist(), answer_index=answer, answer_logp=fused.answer_logp,
+        critic_state=fused.critic_state.tolist(), pool=decision.pool.tolist(), pool_logp=decision.pool_logp,
+        predictions=[answer] * engine.n_models, fusion_features=fused.features.tolist(), answer_index=answer, answer_logp=fused.answer_logp, explored=True,
     )
 
 

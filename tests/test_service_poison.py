@@ -58,12 +58,12 @@ def learner(tmp_path: Path, url: str, **options) -> LearnerCore:
 
 def experience(qid: str, stream: str = "s", answer: int = 1, n_choices: int = 4, **changes) -> Experience:
     engine = FocalEngine(5, seed=0)
-    decision = engine.decide(stream, n_choices, greedy=True)[0]
-    fused = engine.fuse(decision, np.full((5, n_choices), 1 / n_choices), greedy=True)
+    decision = engine.decide(stream, n_choices, greedy=False)[0]  # explored: it trains the policies
+    fused = engine.fuse(decision, np.full((5, n_choices), 1 / n_choices))
     fields = dict(
         query_id=qid, stream=stream, policy_version=0, n_choices=n_choices, decider_state=decision.state.tolist(),
-        critic_state=decision.critic_state.tolist(), pool=decision.pool.tolist(), pool_logp=decision.pool_logp,
-        predictions=[answer] * 5, fusion_features=fused.features.tolist(), answer_index=answer, answer_logp=fused.answer_logp,
+        critic_state=fused.critic_state.tolist(), pool=decision.pool.tolist(), pool_logp=decision.pool_logp,
+        predictions=[answer] * 5, fusion_features=fused.features.tolist(), answer_index=answer, answer_logp=fused.answer_logp, explored=True,
     )
     return Experience(**{**fields, **changes})
 
@@ -389,7 +389,7 @@ def test_the_engines_per_stream_state_is_bounded():
     engine = FocalEngine(5, config=FocalConfig(max_streams=3), seed=0)
     for i in range(10):
         engine.decide(f"stream-{i}", 4, greedy=True)
-    engine.decide_batch([(f"batch-{i}", 4, False) for i in range(10)], greedy=True)
+    engine.decide_batch([(f"batch-{i}", 4, False, True) for i in range(10)])
     assert list(engine.previous_pool) == ["batch-7", "batch-8", "batch-9"]
 
 

@@ -120,7 +120,7 @@ def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_loa
         assert resumed.version == 1 and resumed.trainer.episodes == 2 and resumed.stats == core.stats and "q-10" in resumed.done
         for _ in range(6):
             for c in (core, resumed):
-                c.trainer.remember(experience["q-5"], 1.0)
+                c.trainer.remember(experience["q-5"], Feedback(query_id="q-5", token="t", reward=1.0), 1.0)
         remembered = sum(len(e) for e in resumed.trainer.memory.values())
         stats = core.trainer.update()
         assert stats == pytest.approx(resumed.trainer.update()) and stats["rehearsed"] == remembered > 0

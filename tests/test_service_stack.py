@@ -16,6 +16,7 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
+from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import run_online
 from rlens.messages import DeadLetter, Experience, Feedback, Policy, Query
@@ -28,9 +29,12 @@ from rlens.settings import settings
 N = 600  # the first 5 task blocks of the bundled stream
 
 
-def make_stack(tmp_path: Path, workers: int = 1, **options) -> LocalStack:
+def make_stack(tmp_path: Path, workers: int = 1, explore: tuple[float, int] = (1.0, 64), **options) -> LocalStack:
+    """``explore``: (exploration share, explored joins per update); by default every query is explored, so the
+    learner updates every 64 joins, deterministically."""
     pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
-    config = settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "worker_batch": 16})
+    config = settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "worker_batch": 16,
+                                           "focal_explore_rate": explore[0], "focal_update_period": explore[1]})
     stack = LocalStack(config, tmp_path, **options)
     stack.start_learner()
     for _ in range(workers):
@@ -50,13 +54,13 @@ def traffic(zoo, run: str, n: int = N):
 
 
 def test_end_to_end_learns_as_well_as_the_offline_loop(tmp_path, zoo):
-    stack = make_stack(tmp_path)
+    stack = make_stack(tmp_path, explore=(0.25, 16))  # mostly greedy (sampled answers would blur the comparison), ~9 updates
     try:
         report = asyncio.run(play(stack.settings, traffic(zoo, "e2e"), rate=60, idle_timeout_s=60))
         time.sleep(1.0)  # the last feedback reaches the learner
     finally:
         stack.stop()
-    offline = run_online(FocalEngine(zoo.n_models, zoo.model_costs, seed=0), zoo.subset(list(range(N))))
+    offline = run_online(FocalEngine(zoo.n_models, zoo.model_costs, FocalConfig(explore_rate=0.25, update_period=16), seed=0), zoo.subset(list(range(N))))
     assert report.answered == N and report.duplicates == 0 and report.no_answer == 0
     assert abs(report.accuracy - offline.correct.mean()) < 0.05, (report.accuracy, offline.correct.mean())
     assert max(report.policy_versions) >= 4  # policies were learned online and hot-swapped into the worker
@@ -126,7 +130,7 @@ def wait_for_checkpoint(stack: LocalStack, joined: int, timeout_s: float = 90.0)
 
 def test_redis_restarted_empty_keeps_the_service_answering(tmp_path, zoo):
     redis = LocalRedis()
-    stack = make_stack(tmp_path, redis_url=redis.url)
+    stack = make_stack(tmp_path, explore=(FocalConfig.explore_rate, FocalConfig.update_period), redis_url=redis.url)  # greedy answers, as served
     restarted = []
 
     def restart_redis(report) -> None:
@@ -327,7 +331,7 @@ def schema_valid_poison(zoo) -> dict[str, list[bytes]]:
 def test_fuzzed_and_poisoned_messages_on_every_topic_are_dead_lettered_and_the_service_keeps_its_policy(tmp_path, zoo):
     payloads = fuzzed_payloads(10_000)
     assert len(payloads) >= 9_000
-    stack = make_stack(tmp_path)
+    stack = make_stack(tmp_path, explore=(FocalConfig.explore_rate, FocalConfig.update_period))  # greedy answers, as served
     topics = Topics.from_settings(stack.settings)
     poison = schema_valid_poison(zoo)
     sent = {  # topic -> (payloads, the consumer that must dead-letter them)

@@ -4,7 +4,8 @@
   the sampled pool is never empty (an empty draw becomes the single most likely model).
 * :class:`Fusion`: one network shared across choices scores every choice from the per-choice features;
   a softmax over the valid choices gives the answer distribution. Works for any pool size and choice count.
-* :class:`CentralCritic`: value of the global state, shared by both agents' advantages (MAPPO).
+* :class:`CentralCritic`: one value head per agent over the global state (MAPPO), each the baseline of its agent's
+  own reward: the Decider's head reads the Decider observation, the Fusion's the whole critic state.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Decider(nn.Module):
         return self.heads(self.trunk(obs)) + self.per_model(phi).squeeze(-1)
 
     def distribution(self, obs: torch.Tensor) -> Bernoulli:
+        """The independent per-model draws (before an empty draw is replaced: see :meth:`log_prob`)."""
         return Bernoulli(logits=self.logits(obs), validate_args=False)
 
     @staticmethod
@@ -56,6 +58,15 @@ class Decider(nn.Module):
             pools = torch.where(empty[..., None], fallback, pools)
         return pools
 
+    @staticmethod
+    def log_prob(logits: torch.Tensor, pools: torch.Tensor) -> torch.Tensor:
+        """Log-probability of each (never-empty) pool under the policy: the Bernoulli draws' probability, plus, for
+        the single most likely model's pool, the probability of the empty draw that :meth:`never_empty` turns into it."""
+        logp = -F.binary_cross_entropy_with_logits(logits, pools, reduction="none").sum(-1)
+        empty_logp = F.logsigmoid(-logits).sum(-1)
+        fallback = F.one_hot(logits.argmax(-1), logits.shape[-1]).to(pools.dtype)
+        return torch.where((pools == fallback).all(-1), torch.logaddexp(logp, empty_logp), logp)
+
     def act(self, obs: torch.Tensor, greedy: bool, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(pools, log-probability of each pool); computed without Distribution objects (hot path)."""
         return self.sample(self.logits(obs), greedy, generator)
@@ -64,7 +75,7 @@ class Decider(nn.Module):
         """Pools drawn from (or, greedy, the mode of) given logits, and their log-probabilities."""
         pools = (logits > 0).float() if greedy else torch.bernoulli(torch.sigmoid(logits), generator=generator)
         pools = self.never_empty(pools, logits)
-        return pools, -F.binary_cross_entropy_with_logits(logits, pools, reduction="none").sum(-1)
+        return pools, self.log_prob(logits, pools)
 
 
 class Fusion(nn.Module):
@@ -94,18 +105,25 @@ class Fusion(nn.Module):
     def distribution(self, features: torch.Tensor, choice_mask: torch.Tensor) -> Categorical:
         return Categorical(logits=self.scores(features, choice_mask), validate_args=False)
 
-    def act(self, features: torch.Tensor, choice_mask: torch.Tensor, greedy: bool, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(answer, its log-probability, the distribution); computed without Distribution objects (hot path)."""
+    def act(self, features: torch.Tensor, choice_mask: torch.Tensor, explore: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(answers [B], their log-probabilities [B], the distributions [B, C]) for features [B, C, F]: a sample
+        where ``explore`` (bool [B]) is set, the mode elsewhere; computed without Distribution objects (hot path)."""
         log_probs = torch.log_softmax(self.scores(features, choice_mask), -1)
         probs = log_probs.exp()
-        answer = probs.argmax(-1) if greedy else torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        return answer, log_probs.gather(-1, answer.unsqueeze(-1)).squeeze(-1), probs
+        answers = probs.argmax(-1)
+        if explore.any():
+            answers[explore] = torch.multinomial(probs[explore], 1, generator=generator).squeeze(-1)
+        return answers, log_probs.gather(-1, answers.unsqueeze(-1)).squeeze(-1), probs
 
 
 class CentralCritic(nn.Module):
-    def __init__(self, state_dim: int, hidden: int):
+    """values(state) -> [..., 2]: the Decider's value (from ``state[..., :decider_dim]``) and the Fusion agent's."""
+
+    def __init__(self, decider_dim: int, state_dim: int, hidden: int):
         super().__init__()
-        self.value = mlp(state_dim, hidden, 1)
+        self.decider_dim = decider_dim
+        self.decider_value = mlp(decider_dim, hidden, 1)
+        self.fusion_value = mlp(state_dim, hidden, 1)
 
     def forward(self, state: torch.Tensor) -> torch.Tensor:
-        return self.value(state).squeeze(-1)
+        return torch.cat([self.decider_value(state[..., : self.decider_dim]), self.fusion_value(state)], -1)

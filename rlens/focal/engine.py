@@ -1,5 +1,9 @@
 """RL-Focal engine: Decider -> (call the chosen models) -> Fusion, plus feedback and MAPPO updates.
 
+A query is either greedy (both agents take their most likely action) or explored (both sample, and log the
+probability of what they sampled): online a share ``explore_rate`` of the queries is explored, and only explored
+queries train the policies (:mod:`rlens.focal.mappo`).
+
 The engine holds the agents, the critic, the per-stream outcome windows and the experience buffer. It does no
 I/O: callers (the replay harness, later the streaming worker and learner) call :meth:`FocalEngine.decide`,
 call the models in ``Decision.called``, then :meth:`FocalEngine.fuse`; once feedback arrives they add the
@@ -10,7 +14,7 @@ buffer (:meth:`FocalEngine.remember`); :meth:`FocalEngine.update` runs MAPPO on 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Hashable
 
 import numpy as np
@@ -29,6 +33,7 @@ from rlens.focal.features import (
     reliability_weighted_log_probs,
 )
 from rlens.focal.mappo import Transition, mappo_update
+from rlens.focal.supervised import fit_fusion
 from rlens.focal.window import OutcomeWindow
 
 
@@ -38,8 +43,8 @@ class Decision:
     pool: np.ndarray  # bool [M]: models whose answers the Fusion agent uses
     called: np.ndarray  # bool [M]: models to call (the pool, plus the rest of it on a window-refresh probe)
     state: np.ndarray  # Decider observation
-    critic_state: np.ndarray  # centralized critic's input
-    pool_logp: float
+    pool_logp: float  # log-probability of ``pool`` under the Decider
+    explored: bool  # the pool was sampled (and the Fusion agent will sample its answer); False: greedy
 
 
 @dataclass
@@ -47,7 +52,8 @@ class Answer:
     answer: int  # index among the question's valid choices
     distribution: np.ndarray  # [C_valid]
     features: np.ndarray  # Fusion observation [C_valid, F]
-    answer_logp: float
+    answer_logp: float  # log-probability of ``answer`` under the Fusion agent
+    critic_state: np.ndarray  # centralized critic's input: Decider observation + the fused pool's answers
 
 
 class FocalEngine:
@@ -63,12 +69,13 @@ class FocalEngine:
             torch.manual_seed(seed)
             self.decider = Decider(decider_obs_dim(n_models, n_metrics), n_models, self.cfg.hidden, model_features_in_decider_obs(n_models, n_metrics))
             self.fusion = Fusion(fusion_feature_dim(n_models), self.cfg.hidden, reliability_weighted_log_probs(n_models))
-            self.critic = CentralCritic(critic_state_dim(n_models, n_metrics), self.cfg.hidden)
+            self.critic = CentralCritic(decider_obs_dim(n_models, n_metrics), critic_state_dim(n_models, n_metrics), self.cfg.hidden)
         params = [*self.decider.parameters(), *self.fusion.parameters(), *self.critic.parameters()]
         self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5)
         self.windows: dict[Hashable, OutcomeWindow] = {}
         self.previous_pool: OrderedDict[Hashable, np.ndarray] = OrderedDict()  # at most cfg.max_streams, LRU
         self.buffer: list[Transition] = []
+        self.explored_buffered = 0  # explored transitions in the buffer
 
     # --- acting -----------------------------------------------------------------------------------------
     def window(self, key: Hashable) -> OutcomeWindow:
@@ -88,18 +95,16 @@ class FocalEngine:
 
     def _state(self, key: Hashable, n_choices: int) -> np.ndarray:
         previous = self.previous_pool.get(key, np.ones(self.n_models, dtype=bool))
-        return decider_observation(self.window(key), previous, n_choices, self.cfg.metrics, self.cfg.recent_rewards)
+        return decider_observation(self.window(key), previous, n_choices, self.cfg.metrics, self.cfg.recent_rewards, self.cfg.decider_sees)
 
     @torch.inference_mode()
-    def decide(self, key: Hashable, n_choices: int, greedy: bool, probe: bool = False, rollouts: int = 1, recorded_probs: np.ndarray | None = None) -> list[Decision]:
+    def decide(self, key: Hashable, n_choices: int, greedy: bool, probe: bool = False, rollouts: int = 1) -> list[Decision]:
         """Choose the pool for one query of stream ``key`` (before any model is called).
 
         ``rollouts`` > 1 draws that many pools from the same state (parallel environments over one recorded
         question, used in the warm start); the first one becomes the stream's previous pool.
-        ``recorded_probs`` [M, C] (warm start only) gives the critic every model's answer.
         """
         state = self._state(key, n_choices)
-        global_state = critic_state(state, recorded_probs, self.n_models)
         obs = torch.from_numpy(state).expand(rollouts, -1)
         if self.cfg.use_decider:
             pools_t, logps = self.decider.act(obs, greedy, self.torch_rng)
@@ -108,11 +113,12 @@ class FocalEngine:
             pools, pool_logps = np.ones((rollouts, self.n_models), dtype=bool), [0.0] * rollouts
         self._remember_pool(key, pools[0])
         everyone = np.ones(self.n_models, dtype=bool)
-        return [Decision(key, pool, everyone if probe else pool, state, global_state, logp) for pool, logp in zip(pools, pool_logps)]
+        return [Decision(key, pool, everyone if probe else pool, state, logp, not greedy) for pool, logp in zip(pools, pool_logps)]
 
     @torch.inference_mode()
-    def decide_batch(self, queries: list[tuple[Hashable, int, bool]], greedy: bool) -> list[Decision]:
-        """:meth:`decide` for a batch of (key, n_choices, probe), in order, with one Decider forward per distinct state.
+    def decide_batch(self, queries: list[tuple[Hashable, int, bool, bool]]) -> list[Decision]:
+        """:meth:`decide` for a batch of (key, n_choices, probe, greedy), in order, with one Decider forward per
+        distinct state.
 
         A state depends only on the stream's window, its previous pool and the choice count; windows do not change
         within a batch, so queries that share those share the forward (and, greedy, the pool). The decisions equal
@@ -121,14 +127,14 @@ class FocalEngine:
         cache: dict[tuple, tuple] = {}
         decisions = []
         everyone = np.ones(self.n_models, dtype=bool)
-        for key, n_choices, probe in queries:
+        for key, n_choices, probe, greedy in queries:
             previous = self.previous_pool.get(key, everyone)
             slot = (key, n_choices, previous.tobytes())
             if slot not in cache:
                 state = self._state(key, n_choices)
                 logits = self.decider.logits(torch.from_numpy(state)[None]) if self.cfg.use_decider else None
-                cache[slot] = (state, critic_state(state, None, self.n_models), logits, {})
-            state, global_state, logits, greedy_pool = cache[slot]
+                cache[slot] = (state, logits, {})
+            state, logits, greedy_pool = cache[slot]
             if not self.cfg.use_decider:
                 pool, logp = everyone, 0.0
             elif greedy and greedy_pool:
@@ -139,40 +145,56 @@ class FocalEngine:
                 if greedy:
                     greedy_pool.update(pool=pool, logp=logp)
             self._remember_pool(key, pool)
-            decisions.append(Decision(key, pool, everyone if probe else pool, state, global_state, logp))
+            decisions.append(Decision(key, pool, everyone if probe else pool, state, logp, not greedy))
         return decisions
 
+    def fusion_features(self, decision: Decision, probs: np.ndarray) -> np.ndarray:
+        """The Fusion's observation [C, F] for the pool of ``decision`` and the models' distributions ``probs`` [M, C]."""
+        window = self.window(decision.key)
+        return fusion_observation(probs * decision.pool[:, None], decision.pool, window.reliability(), window.label_prior(probs.shape[1]))
+
     @torch.inference_mode()
-    def fuse_batch(self, decisions: list[Decision], probs: list[np.ndarray], greedy: bool) -> list[Answer]:
+    def fuse_batch(self, decisions: list[Decision], probs: list[np.ndarray]) -> list[Answer]:
         """:meth:`fuse` for a batch (``probs[i]`` [M, C_i]) with one Fusion forward over choices padded to the widest."""
-        features = [
-            fusion_observation(p * d.pool[:, None], d.pool, self.window(d.key).reliability(), self.window(d.key).label_prior(p.shape[1]))
-            for d, p in zip(decisions, probs)
-        ]
+        features = [self.fusion_features(d, p) for d, p in zip(decisions, probs)]
         width = max(f.shape[0] for f in features)
         padded = np.zeros((len(features), width, features[0].shape[1]), dtype=np.float32)
         mask = torch.zeros(len(features), width, dtype=torch.bool)
         for i, f in enumerate(features):
             padded[i, : len(f)] = f
             mask[i, : len(f)] = True
-        answers, logps, dists = self.fusion.act(torch.from_numpy(padded), mask, greedy, self.torch_rng)
-        return [Answer(int(answers[i]), dists[i, : len(f)].numpy().copy(), f, float(logps[i])) for i, f in enumerate(features)]
+        explore = torch.tensor([d.explored for d in decisions])
+        answers, logps, dists = self.fusion.act(torch.from_numpy(padded), mask, explore, self.torch_rng)
+        return [Answer(int(answers[i]), dists[i, : len(f)].numpy().copy(), f, float(logps[i]), critic_state(d.state, p, d.pool))
+                for i, (d, p, f) in enumerate(zip(decisions, probs, features))]
 
     @torch.inference_mode()
-    def fuse(self, decision: Decision, probs: np.ndarray, greedy: bool) -> Answer:
-        """Answer distribution over the valid choices from the pool's distributions ``probs`` [M, C_valid].
+    def fuse(self, decision: Decision, probs: np.ndarray) -> Answer:
+        """Answer distribution over the valid choices from the pool's distributions ``probs`` [M, C_valid]; the
+        answer is sampled from it for an explored decision, its mode otherwise.
 
         Rows of models outside the pool are ignored (zeroed), whatever they hold.
         """
-        window = self.window(decision.key)
-        features = fusion_observation(probs * decision.pool[:, None], decision.pool, window.reliability(), window.label_prior(probs.shape[1]))
-        mask = torch.ones(probs.shape[1], dtype=torch.bool)
-        answer, logp, dist = self.fusion.act(torch.from_numpy(features), mask, greedy, self.torch_rng)
-        return Answer(int(answer), dist.numpy().copy(), features, float(logp))
+        (answer,) = self.fuse_batch([decision], [probs])
+        return answer
+
+    @torch.inference_mode()
+    def greedy_answer(self, decision: Decision, probs: np.ndarray) -> int:
+        """The answer the greedy policy would have given from the same state (what exploring an explored query
+        cost); changes no state."""
+        pool = self.decider.sample(self.decider.logits(torch.from_numpy(decision.state)[None]), True)[0][0].numpy().astype(bool) \
+            if self.cfg.use_decider else np.ones(self.n_models, dtype=bool)
+        features = self.fusion_features(replace(decision, pool=pool), probs)
+        return int(self.fusion.scores(torch.from_numpy(features), torch.ones(len(features), dtype=torch.bool)).argmax())
 
     def reward(self, pool: np.ndarray, correct: bool) -> float:
-        """+1 / -1 for the final answer minus alpha times the pool's share of the whole pool's cost."""
-        return (1.0 if correct else -1.0) - self.cfg.alpha * float(self.cost_share[pool].sum())
+        """The Decider's reward: +1 / -1 for the final answer minus alpha times the pool's share of the whole pool's cost."""
+        return self.fusion_reward(correct) - self.cfg.alpha * float(self.cost_share[pool].sum())
+
+    @staticmethod
+    def fusion_reward(correct: bool) -> float:
+        """The Fusion agent's reward: +1 / -1 for its answer (it does not choose the pool, so it pays no cost)."""
+        return 1.0 if correct else -1.0
 
     # --- feedback and learning ----------------------------------------------------------------------------
     def observe(self, key: Hashable, predictions: np.ndarray, label: int, reward: float) -> None:
@@ -183,20 +205,43 @@ class FocalEngine:
         """
         self.window(key).push(predictions, label, reward)
 
-    def remember(self, decision: Decision, answer: Answer | None, reward: float) -> None:
-        """Keep one rewarded transition for the next update (``answer`` None: the Fusion agent did not act)."""
+    def remember(self, decision: Decision, answer: Answer | None, reward: float, fusion_reward: float, critic_input: np.ndarray | None = None,
+                 label: int = -1) -> None:
+        """Keep one rewarded transition for the next update (``answer`` None: the Fusion agent did not act, and
+        ``critic_input``, the critic's state, is then required; ``label``: the correct choice, -1 if unknown)."""
+        self.explored_buffered += decision.explored
         self.buffer.append(
             Transition(
                 state=decision.state,
-                critic_state=decision.critic_state,
+                critic_state=answer.critic_state if answer is not None else critic_input,
                 pool=decision.pool.astype(np.float32),
                 pool_logp=decision.pool_logp,
                 reward=reward,
+                fusion_reward=fusion_reward,
+                explored=decision.explored,
                 fusion_features=None if answer is None else answer.features,
                 answer=-1 if answer is None else answer.answer,
                 answer_logp=0.0 if answer is None else answer.answer_logp,
+                label=label,
             )
         )
+
+    def fit_fusion(self, features: list[np.ndarray], labels: list[int]) -> dict[str, float]:
+        """Supervised pre-training of the Fusion agent (:func:`rlens.focal.supervised.fit_fusion`)."""
+        cfg = self.cfg
+        return fit_fusion(self.fusion, self.optimizer, features, labels, cfg.fusion_supervised_epochs, cfg.minibatch_size, cfg.max_grad_norm, self.torch_rng)
+
+    def update_due(self) -> bool:
+        """Online: ``update_period`` explored transitions are buffered (or, whatever the exploration, 16 times as
+        many transitions in all, so the critic still learns and the buffer stays bounded)."""
+        return self.explored_buffered >= self.cfg.update_period or len(self.buffer) >= 16 * self.cfg.update_period
+
+    def clear_buffer(self) -> None:
+        self.restore_buffer([])
+
+    def restore_buffer(self, transitions: list[Transition]) -> None:
+        self.buffer = transitions
+        self.explored_buffered = sum(t.explored for t in transitions)
 
     def update(self, train_decider: bool = True, train_fusion: bool = True, envs: int = 1) -> dict[str, float]:
         """One MAPPO update on the buffered transitions, then clear them.
@@ -218,7 +263,7 @@ class FocalEngine:
             train_fusion=train_fusion,
             generator=self.torch_rng,
         )
-        self.buffer = []
+        self.clear_buffer()
         return stats
 
     # --- checkpoints ----------------------------------------------------------------------------------------

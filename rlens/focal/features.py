@@ -4,11 +4,12 @@ Decider observation (before any model is called), length 4M + K + 4:
   previous pool bits [M] | diversity metrics of that pool [K] | its plurality-vote window accuracy |
   per-model features [3M]: window reliability r_j, gap r_j - max r, rank (0 = most reliable, 1 = least) |
   window fill | mean recent reward | 1 / n_choices.
-Critic state (centralized critic), length (4M + K + 4) + 3M + 1: the Decider observation, then a summary of
-every model's answer to the query — per model its top probability, normalised entropy and agreement with the
-plurality — and a flag. The summary is privileged information available in the warm start (recorded data holds
-every model's answer); online it is zeros with the flag 0, so the critic never depends on which models the
-Decider called (that would make it an action-dependent baseline).
+Critic state (centralized critic), length (4M + K + 4) + 3M + 1: the Decider observation, then a summary of the
+answers of the pool the Fusion agent fused — per pool model its top probability, normalised entropy and agreement
+with the pool's plurality (0 for models outside the pool) — and the pool's share of the models. It is built the same
+way in the warm start and online (from the pool's answers only). The critic's Decider head reads only the Decider
+observation (the summary depends on the Decider's action, so it cannot be the Decider's baseline); its Fusion head
+reads all of it (the pool's answers are the Fusion agent's state).
 
 Fusion observation, one row per choice c (shared network across choices), 5M + 3 features:
   for each model i: s_i log p_i(c), s_i [c = argmax p_i], s_i r_i log p_i(c), s_i r_i [c = argmax p_i], s_i r_i
@@ -35,16 +36,15 @@ def critic_state_dim(n_models: int, n_metrics: int) -> int:
     return decider_obs_dim(n_models, n_metrics) + 3 * n_models + 1
 
 
-def critic_state(decider_state: np.ndarray, all_probs: np.ndarray | None, n_models: int) -> np.ndarray:
-    """Decider observation + privileged summary of every model's answer ``all_probs`` [M, C] (None online)."""
-    if all_probs is None:
-        return np.concatenate([decider_state, np.zeros(3 * n_models + 1, dtype=np.float32)])
-    c = all_probs.shape[1]
-    top = all_probs.max(1)
-    entropy = -(all_probs * np.log(np.maximum(all_probs, LOG_FLOOR))).sum(1) / np.log(c)
-    predictions = all_probs.argmax(1)
-    plurality = np.bincount(predictions, minlength=c).argmax()
-    summary = np.concatenate([top, entropy, (predictions == plurality).astype(np.float32), [1.0]])
+def critic_state(decider_state: np.ndarray, probs: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    """Decider observation + summary of the answers ``probs`` [M, C] of the models in ``pool`` (bool [M])."""
+    m, c = probs.shape
+    selected = pool.astype(np.float32)
+    top = probs.max(1)
+    entropy = -(probs * np.log(np.maximum(probs, LOG_FLOOR))).sum(1) / np.log(c)
+    predictions = probs.argmax(1)
+    plurality = np.bincount(predictions[pool], minlength=c).argmax() if pool.any() else -1
+    summary = np.concatenate([top * selected, entropy * selected, (predictions == plurality) * selected, [selected.sum() / m]])
     return np.concatenate([decider_state, summary.astype(np.float32)])
 
 
@@ -63,8 +63,14 @@ def fusion_feature_dim(n_models: int) -> int:
     return FUSION_FEATURES_PER_MODEL * n_models + FUSION_GLOBAL_FEATURES
 
 
-def decider_observation(window: OutcomeWindow, previous_pool: np.ndarray, n_choices: int, metric_names: tuple[str, ...], recent: int) -> np.ndarray:
+def decider_observation(window: OutcomeWindow, previous_pool: np.ndarray, n_choices: int, metric_names: tuple[str, ...], recent: int,
+                        sees: str = "full") -> np.ndarray:
+    """The Decider observation; ``sees="paper"`` zeroes everything after the pool bits and diversity metrics (the
+    RL-Focal paper's observation, same length)."""
     metrics, vote_accuracy = window.pool_statistics(previous_pool, metric_names)
+    if sees == "paper":
+        m = len(previous_pool)
+        return np.concatenate([previous_pool.astype(np.float32), metrics, np.zeros(3 * m + 4, dtype=np.float32)])
     reliability = window.reliability()
     m = len(reliability)
     rank = np.argsort(np.argsort(-reliability, kind="stable"), kind="stable") / max(m - 1, 1)

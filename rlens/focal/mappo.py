@@ -1,6 +1,12 @@
-"""MAPPO for the two RL-Focal agents: shared GAE advantage from the centralized critic, clipped surrogates.
+"""MAPPO for the two RL-Focal agents: each agent's GAE advantage of its own reward from its head of the
+centralized critic, clipped surrogates on the transitions whose actions were sampled.
 
 Read top to bottom: :class:`Transition` (one answered query), :func:`gae`, :func:`mappo_update`.
+
+On-policy: a transition is ``explored`` when both agents sampled their actions from their policies (the warm start,
+and online the exploration share); its logged log-probabilities are those of the actions taken, so the PPO ratio is
+exact. Greedy online transitions (the mode, not a sample) train only the critic: a state's value is a baseline
+whatever policy reached it, but a greedy action has no sampling probability to weigh a policy gradient with.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+from torch.distributions import Bernoulli
 
 from rlens.focal.agents import CentralCritic, Decider, Fusion
 from rlens.focal.config import FocalConfig
@@ -20,13 +27,16 @@ class Transition:
     """What the learner needs from one answered query."""
 
     state: np.ndarray  # Decider observation [S]
-    critic_state: np.ndarray  # centralized critic's input
+    critic_state: np.ndarray  # centralized critic's input (Decider observation + the fused pool's answers)
     pool: np.ndarray  # Decider action, float [M]
     pool_logp: float
-    reward: float
+    reward: float  # the Decider's: +-1 for the final answer minus the pool's cost
+    fusion_reward: float  # the Fusion agent's: +-1 for its answer (no cost: it does not choose the pool)
+    explored: bool = True  # both actions were sampled from the policies (False: greedy, trains only the critic)
     fusion_features: np.ndarray | None = None  # [C, F]; None when the Fusion agent did not act
     answer: int = -1
     answer_logp: float = 0.0
+    label: int = -1  # the correct choice when the feedback gave it (-1: a bare reward)
 
 
 def gae(rewards: np.ndarray, values: np.ndarray, next_value: np.ndarray, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
@@ -42,15 +52,22 @@ def gae(rewards: np.ndarray, values: np.ndarray, next_value: np.ndarray, gamma: 
 
 
 def _pad_fusion(batch: list[Transition]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack per-choice features of different choice counts into [B, Cmax, F] plus a validity mask."""
-    c_max = max(t.fusion_features.shape[0] for t in batch)
-    feature_dim = batch[0].fusion_features.shape[1]
+    """Stack per-choice features of different choice counts into [B, Cmax, F] plus a validity mask (a transition
+    without features gets one valid all-zero choice, so its distribution stays finite; it is masked out of losses)."""
+    c_max = max(t.fusion_features.shape[0] for t in batch if t.fusion_features is not None)
+    feature_dim = next(t.fusion_features.shape[1] for t in batch if t.fusion_features is not None)
     features = np.zeros((len(batch), c_max, feature_dim), dtype=np.float32)
     mask = np.zeros((len(batch), c_max), dtype=bool)
+    mask[:, 0] = True
     for i, t in enumerate(batch):
-        c = t.fusion_features.shape[0]
-        features[i, :c], mask[i, :c] = t.fusion_features, True
+        if t.fusion_features is not None:
+            c = t.fusion_features.shape[0]
+            features[i, :c], mask[i, :c] = t.fusion_features, True
     return torch.from_numpy(features), torch.from_numpy(mask)
+
+
+def _normalised(adv: torch.Tensor) -> torch.Tensor:
+    return (adv - adv.mean()) / (adv.std() + 1e-8) if len(adv) > 1 else adv
 
 
 def mappo_update(
@@ -69,23 +86,33 @@ def mappo_update(
 
     ``batch`` is step-major over ``envs`` parallel environments (transition i belongs to environment i % envs);
     each environment's last value bootstraps its GAE. Values come from the critic as it is now, which is the
-    critic that was current when the batch was collected (it only changes here).
+    critic that was current when the batch was collected (it only changes here). The policy losses use the
+    explored transitions (the Fusion's, those where it acted); each critic head learns its agent's returns.
     """
     if len(batch) % envs:
         raise ValueError(f"{len(batch)} transitions do not split into {envs} environments")
     states = torch.from_numpy(np.stack([t.state for t in batch]))
     critic_states = torch.from_numpy(np.stack([t.critic_state for t in batch]))
     with torch.no_grad():
-        values = critic(critic_states).numpy().reshape(-1, envs)
-    rewards = np.array([t.reward for t in batch], dtype=np.float32).reshape(-1, envs)
-    advantages, returns = gae(rewards, values, values[-1], cfg.gamma, cfg.gae_lambda)
-    advantages, returns = advantages.reshape(-1), returns.reshape(-1)
+        values = critic(critic_states).numpy()  # [N, 2]
+    returns_of = {}
+    advantages_of = {}
+    for head, rewards in ((0, [t.reward for t in batch]), (1, [t.fusion_reward for t in batch])):
+        v = values[:, head].reshape(-1, envs)
+        adv, ret = gae(np.array(rewards, dtype=np.float32).reshape(-1, envs), v, v[-1], cfg.gamma, cfg.gae_lambda)
+        advantages_of[head], returns_of[head] = torch.from_numpy(adv.reshape(-1)), torch.from_numpy(ret.reshape(-1))
+    returns = torch.stack([returns_of[0], returns_of[1]], -1)
+    explored = torch.tensor([t.explored for t in batch])
+    acted = torch.tensor([t.fusion_features is not None for t in batch])
     pools = torch.from_numpy(np.stack([t.pool for t in batch]).astype(np.float32))
     old_pool_logp = torch.tensor([t.pool_logp for t in batch])
-    adv_all, ret_all = torch.from_numpy(advantages), torch.from_numpy(returns)
-    if train_fusion:
+    labelled = torch.tensor([t.label >= 0 for t in batch]) & acted
+    supervise = train_fusion and cfg.label_coef > 0 and bool(labelled.any())
+    train_fusion = train_fusion and bool((acted & explored).any())
+    if train_fusion or supervise:
         features, choice_mask = _pad_fusion(batch)
-        answers = torch.tensor([t.answer for t in batch])
+        answers = torch.tensor([max(t.answer, 0) for t in batch])
+        labels = torch.tensor([max(t.label, 0) for t in batch])
         old_answer_logp = torch.tensor([t.answer_logp for t in batch])
 
     def clipped_surrogate(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
@@ -99,25 +126,31 @@ def mappo_update(
         order = torch.randperm(len(batch), generator=generator)
         for start in range(0, len(batch), cfg.minibatch_size):
             mb = order[start : start + cfg.minibatch_size]
-            adv = adv_all[mb]
-            if len(mb) > 1:
-                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+            per_agent = {}
+            if train_decider and (mb_d := mb[explored[mb]]).numel():
+                logits = decider.logits(states[mb_d])
+                entropy_d = Bernoulli(logits=logits, validate_args=False).entropy().sum(-1).mean()  # of the draws: a regulariser
+                per_agent["decider"] = (clipped_surrogate(decider.log_prob(logits, pools[mb_d]), old_pool_logp[mb_d], _normalised(advantages_of[0][mb_d])), entropy_d)
+            if train_fusion and (mb_f := mb[explored[mb] & acted[mb]]).numel():
+                dist = fusion.distribution(features[mb_f], choice_mask[mb_f])
+                per_agent["fusion"] = (clipped_surrogate(dist.log_prob(answers[mb_f]), old_answer_logp[mb_f], _normalised(advantages_of[1][mb_f])), dist.entropy().mean())
+            if supervise and (mb_l := mb[labelled[mb]]).numel():  # off-policy-safe: a label is right whatever was answered
+                label_loss = nn.functional.cross_entropy(fusion.scores(features[mb_l], choice_mask[mb_l]), labels[mb_l])
+                stats["label_loss"] = stats.get("label_loss", 0.0) + float(label_loss.detach())
+            else:
+                label_loss = torch.zeros(())
             policy_loss = torch.zeros(())
             entropy = torch.zeros(())
-            per_agent = {}
-            if train_decider:
-                dist = decider.distribution(states[mb])
-                per_agent["decider"] = (clipped_surrogate(dist.log_prob(pools[mb]).sum(-1), old_pool_logp[mb], adv), dist.entropy().sum(-1).mean())
-            if train_fusion:
-                dist = fusion.distribution(features[mb], choice_mask[mb])
-                per_agent["fusion"] = (clipped_surrogate(dist.log_prob(answers[mb]), old_answer_logp[mb], adv), dist.entropy().mean())
             for agent, (agent_loss, agent_entropy) in per_agent.items():
                 policy_loss = policy_loss + agent_loss
                 entropy = entropy + agent_entropy
                 stats[f"{agent}_policy_loss"] = stats.get(f"{agent}_policy_loss", 0.0) + float(agent_loss.detach())
                 stats[f"{agent}_entropy"] = stats.get(f"{agent}_entropy", 0.0) + float(agent_entropy.detach())
-            value_loss = 0.5 * (critic(critic_states[mb]) - ret_all[mb]).pow(2).mean()
-            loss = policy_loss - cfg.ent_coef * entropy + cfg.vf_coef * value_loss
+            predicted = critic(critic_states[mb])
+            value_loss = 0.5 * (predicted[:, 0] - returns[mb, 0]).pow(2).mean()
+            if acted[mb].any():
+                value_loss = value_loss + 0.5 * (predicted[acted[mb], 1] - returns[mb, 1][acted[mb]]).pow(2).mean()
+            loss = policy_loss - cfg.ent_coef * entropy + cfg.vf_coef * value_loss + cfg.label_coef * label_loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             for network in networks:  # each network's gradient is clipped on its own (the critic's is the largest)
@@ -127,4 +160,4 @@ def mappo_update(
             stats["value_loss"] += float(value_loss.detach())
             stats["entropy"] += float(entropy.detach())
             n_steps += 1
-    return {k: v / max(n_steps, 1) for k, v in stats.items()}
+    return {**{k: v / max(n_steps, 1) for k, v in stats.items()}, "explored_share": float(explored.float().mean())}

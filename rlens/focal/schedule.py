@@ -1,10 +1,12 @@
 """The RL-Focal training schedule over recorded outputs (the paper's Algorithms 1 and 2).
 
 * :func:`warm_start` (Algorithm 1): the Decider first, rewarded by the interim plurality vote of the pool it picks;
-  then the Fusion agent on the pools of the warm Decider (which is not updated meanwhile); then a few joint
-  MAPPO passes in which both agents learn from the Fusion agent's final answers.
-* :func:`run_online` (Algorithm 2): each query is answered before its label is seen; its feedback arrives
-  ``feedback_delay`` queries later; both agents are updated every ``update_period`` answered queries.
+  then the Fusion agent on the pools of the warm Decider (which is not updated meanwhile), first supervised by the
+  labels (cross-entropy, :mod:`rlens.focal.supervised`), then by MAPPO; then a few joint MAPPO passes in which both
+  agents learn from the Fusion agent's final answers.
+* :func:`run_online` (Algorithm 2): each query is answered before its label is seen, greedily or, on a share
+  ``explore_rate`` of them, with both agents sampling; its feedback arrives ``feedback_delay`` queries later; both
+  agents are updated once ``update_period`` explored queries have their feedback.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rlens.dataset import RecordedDataset
 from rlens.drift import DriftMonitor, signals_of_outcome
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
+from rlens.focal.features import critic_state
 from rlens.focal.voting import plurality_vote
 
 Progress = Callable[[int], None]
@@ -53,6 +56,8 @@ class OnlineTrace:
     correct: np.ndarray
     pool_size: np.ndarray  # models whose answers were fused
     models_called: np.ndarray  # models actually called (pool plus window-refresh probes)
+    explored: np.ndarray  # both agents sampled (the others are greedy)
+    greedy_correct: np.ndarray  # whether the greedy policy's answer from the same state would have been right
     detections: list[tuple[int, list[str]]] = field(default_factory=list)  # (question, the signals whose drift its outcome completed)
     label_free: list[int] = field(default_factory=list)  # questions whose answer's confidence completed a drift detection (no reaction)
 
@@ -68,15 +73,15 @@ def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, tra
     engine.reset_windows()
     for q in qs:
         rewards = []
-        for decision in engine.decide(q.key, q.probs.shape[1], greedy=False, rollouts=rollouts, recorded_probs=q.probs):
+        for decision in engine.decide(q.key, q.probs.shape[1], greedy=False, rollouts=rollouts):
             if train_fusion:
-                answer = engine.fuse(decision, q.probs, greedy=False)
+                answer = engine.fuse(decision, q.probs)
                 chosen = answer.answer
             else:
                 answer, members = None, decision.pool
                 chosen = int(plurality_vote(q.predictions[members][None, :], q.probs.shape[1], q.probs[members].sum(0)[None, :])[0])
             rewards.append(engine.reward(decision.pool, chosen == q.label))
-            engine.remember(decision, answer, rewards[-1])
+            engine.remember(decision, answer, rewards[-1], engine.fusion_reward(chosen == q.label), critic_state(decision.state, q.probs, decision.pool), q.label)
         engine.observe(q.key, q.predictions, q.label, rewards[0])  # the window keeps the first rollout's reward
         if len(engine.buffer) >= engine.cfg.warm_batch * rollouts:
             engine.update(train_decider, train_fusion, envs=rollouts)
@@ -85,12 +90,34 @@ def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, tra
     engine.update(train_decider, train_fusion, envs=rollouts)
 
 
+def _supervised_fusion_pass(engine: FocalEngine, qs: list[Question], progress: Progress | None) -> dict[str, float]:
+    """One pass over the warm-start split that collects the Fusion's features for the warm Decider's pools
+    (``warm_rollouts`` sampled pools per question, windows filled as in :func:`_warm_pass`), then
+    ``fusion_supervised_epochs`` of cross-entropy against the labels."""
+    rollouts = engine.cfg.warm_rollouts
+    engine.reset_windows()
+    features, labels = [], []
+    for q in qs:
+        decisions = engine.decide(q.key, q.probs.shape[1], greedy=False, rollouts=rollouts)
+        features += [engine.fusion_features(d, q.probs) for d in decisions]
+        labels += [q.label] * rollouts
+        members = decisions[0].pool
+        vote = int(plurality_vote(q.predictions[members][None, :], q.probs.shape[1], q.probs[members].sum(0)[None, :])[0])
+        engine.observe(q.key, q.predictions, q.label, engine.reward(members, vote == q.label))
+        if progress:
+            progress(1)
+    return engine.fit_fusion(features, labels)
+
+
 def warm_start(engine: FocalEngine, data: RecordedDataset, progress: Progress | None = None) -> None:
-    """Algorithm 1, then joint MAPPO passes in which the Decider is judged by the Fusion agent's answers."""
+    """Algorithm 1 (with the Fusion's supervised start), then joint MAPPO passes in which the Decider is judged by
+    the Fusion agent's answers."""
     qs = questions(data)
     decider_passes, fusion_passes, joint_passes = _warm_passes(engine.cfg)
     for _ in range(decider_passes):
         _warm_pass(engine, qs, train_decider=True, train_fusion=False, progress=progress)
+    if engine.cfg.fusion_supervised_epochs:
+        _supervised_fusion_pass(engine, qs, progress)
     for _ in range(fusion_passes):
         _warm_pass(engine, qs, train_decider=False, train_fusion=True, progress=progress)
     for _ in range(joint_passes):
@@ -105,7 +132,7 @@ def _warm_passes(cfg: FocalConfig) -> tuple[int, int, int]:
 
 def warm_start_steps(cfg: FocalConfig, n_questions: int) -> int:
     """Questions the warm start goes through (for progress bars)."""
-    return n_questions * sum(_warm_passes(cfg))
+    return n_questions * (sum(_warm_passes(cfg)) + (cfg.fusion_supervised_epochs > 0))
 
 
 def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | None = None, stream: Hashable | None = None,
@@ -118,7 +145,7 @@ def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | 
     qs = questions(data)
     cfg = engine.cfg
     n = len(qs)
-    trace = OnlineTrace(np.zeros(n, np.int64), np.zeros(n, bool), np.zeros(n, np.int64), np.zeros(n, np.int64))
+    trace = OnlineTrace(np.zeros(n, np.int64), np.zeros(n, bool), np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool), np.zeros(n, bool))
     pending: deque = deque()
 
     def deliver(i, decision, answer) -> None:
@@ -126,7 +153,7 @@ def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | 
         key = q.key if stream is None else stream
         reward = engine.reward(decision.pool, answer.answer == q.label)
         engine.observe(key, np.where(decision.called, q.predictions, -1), q.label, reward)
-        engine.remember(decision, answer, reward)
+        engine.remember(decision, answer, reward, engine.fusion_reward(answer.answer == q.label), label=q.label)
         if drift is not None:
             called = np.where(decision.called, q.predictions, -1).tolist()
             signals = signals_of_outcome(answer.answer, q.label, reward, called, [str(m) for m in range(engine.n_models)])
@@ -135,14 +162,16 @@ def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | 
                 trace.detections.append((i, found))
                 if reaction != "none":
                     engine.window(key).keep_last(keep if reaction == "trim" else 0)
-        if len(engine.buffer) >= cfg.update_period:
+        if engine.update_due():
             engine.update()
 
     for i, q in enumerate(qs):
         probe = cfg.probe_rate > 0 and engine.rng.random() < cfg.probe_rate
-        (decision,) = engine.decide(q.key if stream is None else stream, q.probs.shape[1], greedy=cfg.online_greedy, probe=probe)
-        answer = engine.fuse(decision, q.probs, greedy=cfg.online_greedy)
-        trace.answers[i], trace.correct[i] = answer.answer, answer.answer == q.label
+        explore = cfg.explore_rate > 0 and engine.rng.random() < cfg.explore_rate
+        (decision,) = engine.decide(q.key if stream is None else stream, q.probs.shape[1], greedy=not explore, probe=probe)
+        answer = engine.fuse(decision, q.probs)
+        trace.answers[i], trace.correct[i], trace.explored[i] = answer.answer, answer.answer == q.label, explore
+        trace.greedy_correct[i] = (engine.greedy_answer(decision, q.probs) if explore else answer.answer) == q.label
         if drift is not None and drift.observe(str(q.key if stream is None else stream), "confidence", math.exp(answer.answer_logp)) is not None:
             trace.label_free.append(i)
         trace.pool_size[i], trace.models_called[i] = decision.pool.sum(), decision.called.sum()

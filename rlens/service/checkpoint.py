@@ -19,16 +19,17 @@ from rlens.focal.mappo import Transition
 def transition_to_json(t: Transition) -> dict:
     return {
         "state": t.state.tolist(), "critic_state": t.critic_state.tolist(), "pool": t.pool.tolist(), "pool_logp": t.pool_logp,
-        "reward": t.reward, "fusion_features": None if t.fusion_features is None else t.fusion_features.tolist(),
-        "answer": t.answer, "answer_logp": t.answer_logp,
+        "reward": t.reward, "fusion_reward": t.fusion_reward, "explored": t.explored,
+        "fusion_features": None if t.fusion_features is None else t.fusion_features.tolist(),
+        "answer": t.answer, "answer_logp": t.answer_logp, "label": t.label,
     }
 
 
 def transition_from_json(d: dict) -> Transition:
     return Transition(
         state=np.asarray(d["state"], np.float32), critic_state=np.asarray(d["critic_state"], np.float32), pool=np.asarray(d["pool"], np.float32),
-        pool_logp=d["pool_logp"], reward=d["reward"], fusion_features=None if d["fusion_features"] is None else np.asarray(d["fusion_features"], np.float32),
-        answer=d["answer"], answer_logp=d["answer_logp"],
+        pool_logp=d["pool_logp"], reward=d["reward"], fusion_reward=d["fusion_reward"], explored=d["explored"], fusion_features=None if d["fusion_features"] is None else np.asarray(d["fusion_features"], np.float32),
+        answer=d["answer"], answer_logp=d["answer_logp"], label=d["label"],
     )
 
 
@@ -52,5 +53,5 @@ def load_engine(store: CheckpointStore, engine: FocalEngine) -> dict | None:
     load_optimizer(engine.optimizer, tensors["optimizer"], state["optimizer"])
     engine.torch_rng.set_state(tensors["optimizer"]["rng.torch"])
     engine.rng.bit_generator.state = state["rng_numpy"]
-    engine.buffer = [transition_from_json(t) for t in state["buffer"]]
+    engine.restore_buffer([transition_from_json(t) for t in state["buffer"]])
     return state

@@ -329,7 +329,7 @@ class LearnerCore:
         if row is not None:
             self.window_backlog.append([experience.stream, experience.query_id, *row, reward])
             await self.apply_windows()
-        self.trainer.remember(experience, reward)
+        self.trainer.remember(experience, feedback, reward)
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
         signals = signals_of_outcome(getattr(experience, "answer_index", None), feedback.label, reward, getattr(experience, "predictions", None), self.models)

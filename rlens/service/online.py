@@ -69,7 +69,8 @@ class OnlineTrainer(ABC):
         """Per model, its part in the answer: in the Decider's pool (1) or not (rl_focal), its mean weight (rlae)."""
 
     @abstractmethod
-    def remember(self, experience: Message, reward: float) -> None: ...
+    def remember(self, experience: Message, feedback: Feedback, reward: float) -> None:
+        """Buffer the transition of a joined pair (``reward``: :meth:`reward` of it)."""
 
     @abstractmethod
     def update_due(self) -> bool: ...
@@ -152,17 +153,21 @@ class FocalOnlineTrainer(OnlineTrainer):
     def composition(self, experience: Experience) -> list[float]:
         return [float(chosen) for chosen in experience.pool]
 
-    def remember(self, experience: Experience, reward: float) -> None:
+    def remember(self, experience: Experience, feedback: Feedback, reward: float) -> None:
+        """The Decider's reward is ``reward``; the Fusion agent's is the answer's correctness (no cost), or the
+        feedback's own reward when it gives one."""
         pool = np.asarray(experience.pool, dtype=bool)
-        decision = Decision(experience.stream, pool, pool, np.asarray(experience.decider_state, np.float32), np.asarray(experience.critic_state, np.float32), experience.pool_logp)
+        decision = Decision(experience.stream, pool, pool, np.asarray(experience.decider_state, np.float32), experience.pool_logp, experience.explored)
         features = np.asarray(experience.fusion_features, np.float32)
-        self.engine.remember(decision, EngineAnswer(experience.answer_index, np.zeros(len(features)), features, experience.answer_logp), reward)
+        answer = EngineAnswer(experience.answer_index, np.zeros(len(features)), features, experience.answer_logp, np.asarray(experience.critic_state, np.float32))
+        fusion_reward = feedback.reward if feedback.reward is not None else self.engine.fusion_reward(experience.answer_index == feedback.label)
+        self.engine.remember(decision, answer, reward, fusion_reward, label=-1 if feedback.label is None else feedback.label)
 
     def update_due(self) -> bool:
-        return len(self.engine.buffer) >= self.engine.cfg.update_period
+        return self.engine.update_due()
 
     def clear(self) -> None:
-        self.engine.buffer = []
+        self.engine.clear_buffer()
 
     def update(self) -> dict:
         return self.engine.update()
@@ -244,7 +249,7 @@ class RLAEOnlineTrainer(OnlineTrainer):
             raise FeedbackError(f"feedback for open-ended query {experience.query_id} needs a reference text or a reward, got only a label")
         return float(exact_match(experience.text, feedback.reference))
 
-    def remember(self, experience: RLAEExperience, reward: float) -> None:
+    def remember(self, experience: RLAEExperience, feedback: Feedback, reward: float) -> None:
         spans = [Span(np.asarray(s.obs, np.float32), np.asarray(s.action, np.float32), s.logp, s.value) for s in experience.spans]
         spans[-1].reward, spans[-1].last = reward, True
         self.fresh.append((experience.stream, spans))

@@ -30,8 +30,8 @@ def pool_of(settings: Settings) -> PoolConfig:
     return load_pool_config(settings.pool_file)
 
 
-def build_engine(settings: Settings, pool: PoolConfig, config: FocalConfig | None = None) -> FocalEngine:
-    return FocalEngine(len(pool.models), [m.cost for m in pool.models], config or FocalConfig(), seed=settings.seed)
+def build_engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
+    return FocalEngine(len(pool.models), [m.cost for m in pool.models], FocalConfig(explore_rate=settings.focal_explore_rate, update_period=settings.focal_update_period), seed=settings.seed)
 
 
 def _secret(settings: Settings, name: str) -> str:

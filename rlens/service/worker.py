@@ -199,15 +199,17 @@ class FocalWorker(Worker):
             self.engine.reset_windows()
         stage("window_read")
         cfg = self.engine.cfg
-        probes = [cfg.probe_rate > 0 and self.engine.rng.random() < cfg.probe_rate for _ in queries]
-        decisions = self.engine.decide_batch([(q.stream, len(q.choices), p) for q, p in zip(queries, probes)], greedy=cfg.online_greedy)
+        rng = self.engine.rng
+        probes = [cfg.probe_rate > 0 and rng.random() < cfg.probe_rate for _ in queries]
+        greedy = [not (cfg.explore_rate > 0 and rng.random() < cfg.explore_rate) for _ in queries]
+        decisions = self.engine.decide_batch([(q.stream, len(q.choices), p, g) for q, p, g in zip(queries, probes, greedy)])
         stage("decide")
         choice_queries, called = [self._choice_query(q) for q in queries], [d.called for d in decisions]
         calls = await asyncio.to_thread(self.caller.score_batch, choice_queries, called) if self.caller.blocking else self.caller.score_batch(choice_queries, called)
         stage("pool_call")
         fused_pools = [self._fused_pool(d, c) for d, c in zip(decisions, calls)]
         answerable = [i for i, pool in enumerate(fused_pools) if pool.any()]
-        fused = self.engine.fuse_batch([replace(decisions[i], pool=fused_pools[i]) for i in answerable], [calls[i].probs for i in answerable], greedy=cfg.online_greedy) if answerable else []
+        fused = self.engine.fuse_batch([replace(decisions[i], pool=fused_pools[i]) for i in answerable], [calls[i].probs for i in answerable]) if answerable else []
         stage("fuse")
         answers = dict(zip(answerable, fused))
         latency = 1000 * (time.perf_counter() - started)
@@ -243,9 +245,9 @@ class FocalWorker(Worker):
         out.experience.append(
             Experience(
                 query_id=q.query_id, stream=q.stream, policy_version=self.policy_version, n_choices=len(q.choices),
-                decider_state=decision.state.tolist(), critic_state=decision.critic_state.tolist(), pool=decision.pool.tolist(),
+                decider_state=decision.state.tolist(), critic_state=answer.critic_state.tolist(), pool=decision.pool.tolist(),
                 pool_logp=decision.pool_logp, predictions=np.where(answers.answered, answers.probs.argmax(1), -1).tolist(),
-                fusion_features=answer.features.tolist(), answer_index=answer.answer, answer_logp=answer.answer_logp,
+                fusion_features=answer.features.tolist(), answer_index=answer.answer, answer_logp=answer.answer_logp, explored=decision.explored,
             )
         )
         self.stats.answered += 1
