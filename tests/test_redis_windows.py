@@ -90,3 +90,22 @@ def test_concurrent_duplicated_updates_from_many_clients(redis_url):
             await c.aclose()
 
     run(scenario())
+
+
+def test_the_streams_last_pools_are_shared_and_bad_ones_ignored(redis_url):
+    """One worker saves a stream's pool, another reads it with the windows (one round trip); a value that does not
+    fit the pool (wrong length, not 0/1, empty) is ignored, and the pool expires with the window."""
+    async def scenario():
+        redis, windows = await fresh(redis_url, window_ttl_s=60)
+        other = RedisWindows(redis, n_models=3, size=4)
+        await windows.apply("a", "q1", [0, 1, 1], 1, 1.0)
+        await windows.save_pools({"a": np.array([True, False, True]), "b": np.array([False, True, False])})
+        for stream, value in (("short", "10"), ("letters", "1x0"), ("empty", "000")):
+            await redis.set(other.pool_key(stream), value)
+        loaded, pools = await other.load_with_pools(["a", "b", "short", "letters", "empty", "none"])
+        assert loaded["a"].n_rows == 1 and loaded["none"].n_rows == 0
+        assert {k: v.tolist() for k, v in pools.items()} == {"a": [True, False, True], "b": [False, True, False]}
+        assert 0 < await redis.ttl(windows.pool_key("a")) <= 60
+        await redis.aclose()
+
+    run(scenario())

@@ -8,11 +8,12 @@ import numpy as np
 from typer.testing import CliRunner
 
 from rlens.cli import app
-from rlens.dataset import load_dataset
+from rlens.dataset import load_dataset, save_dataset
 from rlens.focal.config import FocalConfig
-from rlens.protocols import Protocol, split
+from rlens.protocols import Protocol, split, task_half
 from rlens.replay import PORTABLE_NUMERICS, RL_VARIANTS, replay
 from rlens.results import SCHEMA_PATH, ReplayResults
+from rlens.synthetic import synthetic_dataset
 
 FAST = replace(FocalConfig(), decider_warm_passes=1, fusion_warm_passes=1, joint_warm_passes=1, warm_rollouts=2)
 
@@ -86,3 +87,23 @@ def test_replay_reports_drift_detections_and_recovery_on_one_stream_key(zoo, tmp
     assert "## Drift" in (tmp_path / "report.md").read_text() and json.loads((tmp_path / "results.json").read_text())["drift"]["one_stream"]
     bad = CliRunner().invoke(app, ["replay", "--data", "x", "--drift-reaction", "forget"])
     assert bad.exit_code == 2 and "--drift-reaction must be none, trim or reset" in bad.output
+
+
+def test_task_halves_split_the_tasks_and_keep_stream_order(bbh):
+    tune, holdout = task_half(bbh, "tune"), task_half(bbh, "holdout")
+    tune_tasks, holdout_tasks = set(tune.task.tolist()), set(holdout.task.tolist())
+    assert tune_tasks == {0, 2, 4, 6, 8, 10} and holdout_tasks == {1, 3, 5, 7, 9, 11}
+    assert tune.n_questions + holdout.n_questions == bbh.n_questions
+    assert np.array_equal(tune.labels, bbh.labels[np.isin(bbh.task, list(tune_tasks))])
+
+
+def test_synthetic_datasets_are_seeded_valid_and_any_shape(tmp_path):
+    a, b = synthetic_dataset(300, 7, n_tasks=3, seed=4), synthetic_dataset(300, 7, n_tasks=3, seed=4)
+    assert a.probs.shape == (300, 7, 4) and np.array_equal(a.probs, b.probs) and np.array_equal(a.labels, b.labels)
+    assert not np.array_equal(a.probs, synthetic_dataset(300, 7, n_tasks=3, seed=5).probs)
+    np.testing.assert_allclose(a.probs.sum(-1), 1.0, atol=1e-5)
+    assert a.task.tolist() == [0] * 100 + [1] * 100 + [2] * 100
+    accuracy = (a.probs.argmax(-1) == a.labels[:, None]).mean()
+    assert 0.3 < accuracy < 0.9  # models better than chance (0.25), not perfect
+    save_dataset(a, tmp_path / "synthetic")
+    np.testing.assert_allclose(load_dataset(tmp_path / "synthetic").probs, a.probs, atol=1e-6)  # passes the format's validation

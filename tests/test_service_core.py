@@ -242,6 +242,26 @@ def test_worker_answers_with_cold_windows_and_without_failed_models(zoo, redis_s
     asyncio.run(scenario())
 
 
+def test_workers_share_each_streams_previous_pool_through_redis(zoo, redis_server):
+    """The Decider's observation starts with the stream's previous pool: whichever worker answered the stream last,
+    the next worker sees that pool, not its own stale one."""
+    async def scenario():
+        backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
+        await Redis.from_url(redis_server.url).flushdb()
+        first, second = (FocalWorker(FocalEngine(5, seed=s), zoo.model_names, backends, windows_for(redis_server.url), VERIFIER, TOKENS) for s in (0, 1))
+        queries = [q.model_copy(update={"stream": "shared"}) for q, _ in queries_of(zoo, None, "p")[:3]]
+        await second.handle(queries[:1])
+        with torch.no_grad():  # the first worker's Decider now calls only model 4
+            first.engine.decider.heads.bias.fill_(-50.0)
+            first.engine.decider.heads.bias[4] = 50.0
+        await first.handle(queries[1:2])
+        assert first.engine.previous_pool["shared"].tolist() == [False] * 4 + [True]
+        out = await second.handle(queries[2:3])
+        assert out.experience[0].decider_state[:5] == [0.0, 0.0, 0.0, 0.0, 1.0]  # the first worker's pool
+
+    asyncio.run(scenario())
+
+
 def test_worker_rejects_a_backend_list_that_is_not_the_pool(zoo):
     with pytest.raises(ValueError, match="not the pool's models"):
         FocalWorker(FocalEngine(2), ["a", "b"], {"b": Broken(), "a": Broken()}, None, VERIFIER, TOKENS)

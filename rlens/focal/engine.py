@@ -87,7 +87,8 @@ class FocalEngine:
         self.windows.clear()
         self.previous_pool.clear()
 
-    def _remember_pool(self, key: Hashable, pool: np.ndarray) -> None:
+    def remember_pool(self, key: Hashable, pool: np.ndarray) -> None:
+        """The stream's previous pool (part of the Decider's next observation); LRU-bounded."""
         self.previous_pool[key] = pool
         self.previous_pool.move_to_end(key)
         if len(self.previous_pool) > self.cfg.max_streams:
@@ -111,7 +112,7 @@ class FocalEngine:
             pools, pool_logps = pools_t.numpy().astype(bool), logps.tolist()
         else:
             pools, pool_logps = np.ones((rollouts, self.n_models), dtype=bool), [0.0] * rollouts
-        self._remember_pool(key, pools[0])
+        self.remember_pool(key, pools[0])
         everyone = np.ones(self.n_models, dtype=bool)
         return [Decision(key, pool, everyone if probe else pool, state, logp, not greedy) for pool, logp in zip(pools, pool_logps)]
 
@@ -144,7 +145,7 @@ class FocalEngine:
                 pool, logp = pools_t[0].numpy().astype(bool), float(logps[0])
                 if greedy:
                     greedy_pool.update(pool=pool, logp=logp)
-            self._remember_pool(key, pool)
+            self.remember_pool(key, pool)
             decisions.append(Decision(key, pool, everyone if probe else pool, state, logp, not greedy))
         return decisions
 

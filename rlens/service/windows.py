@@ -7,6 +7,7 @@ so both keys of one stream live in one slot and the update script may touch both
 |---|---|---|---|---|
 | ``{prefix}:win:{<stream>}`` | list | the last W outcomes, oldest first, each ``[label, reward, p_0, ..., p_{M-1}]`` (JSON; ``p_m`` is model m's predicted choice, -1 where not called) | LTRIM to W | ``window_ttl_s``, renewed on every update |
 | ``{prefix}:applied:{<stream>}:<query id>`` | string | marks a query whose outcome is in the window | one per query | ``dedup_ttl_s`` |
+| ``{prefix}:pool:{<stream>}`` | string | the Decider's last pool for the stream, one ``0``/``1`` per model (every worker reads and writes it, so the Decider sees the same previous pool whichever worker serves the stream) | M bytes | ``window_ttl_s`` |
 | ``{prefix}:ready:<role>:<host>-<pid>`` | string | a worker or learner process whose subscribers have joined: the URL of its ``/metrics``, ``/healthz``, ``/readyz`` | one per process | a day; deleted on clean shutdown |
 | ``{prefix}:lease:<consumer group>`` | string | the learner that holds its consumer group (fencing: one learner per group) | one per group | ``LEASE_TTL_S``, renewed by its holder |
 
@@ -83,12 +84,37 @@ class RedisWindows:
     def applied_key(self, stream: str, query_id: str) -> str:
         return f"{self.prefix}:applied:{{{stream}}}:{query_id}"
 
+    def pool_key(self, stream: str) -> str:
+        return f"{self.prefix}:pool:{{{stream}}}"
+
     async def load(self, streams: list[str]) -> dict[str, OutcomeWindow]:
         """The current window of each stream (one round trip); rows that do not fit the pool are skipped."""
+        return (await self.load_with_pools(streams, pools=False))[0]
+
+    async def load_with_pools(self, streams: list[str], pools: bool = True) -> tuple[dict[str, OutcomeWindow], dict[str, np.ndarray]]:
+        """Each stream's window and, where one was saved and fits this pool, its last pool (bool [M]), in one round
+        trip."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for stream in streams:
                 pipe.lrange(self.window_key(stream), 0, -1)
+                if pools:
+                    pipe.get(self.pool_key(stream))
             raw = await pipe.execute()
+        step = 2 if pools else 1
+        last_pools = {}
+        for stream, value in zip(streams, raw[1::2] if pools else []):
+            if isinstance(value, bytes) and len(value) == self.n_models and set(value) <= {48, 49} and 49 in value:
+                last_pools[stream] = np.frombuffer(value, dtype=np.uint8) == 49
+        return self._windows(streams, raw[::step]), last_pools
+
+    async def save_pools(self, pools: dict[str, np.ndarray]) -> None:
+        """Each stream's latest pool (one round trip; the last writer wins)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream, pool in pools.items():
+                pipe.set(self.pool_key(stream), "".join("1" if chosen else "0" for chosen in pool), ex=self.window_ttl_s)
+            await pipe.execute()
+
+    def _windows(self, streams: list[str], raw: list) -> dict[str, OutcomeWindow]:
         windows = {}
         for stream, rows in zip(streams, raw):
             window = OutcomeWindow(self.n_models, self.size)

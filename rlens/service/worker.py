@@ -192,7 +192,9 @@ class FocalWorker(Worker):
 
         streams = sorted({q.stream for q in queries})
         try:
-            self.engine.windows = await self.windows.load(streams)
+            self.engine.windows, last_pools = await self.windows.load_with_pools(streams)
+            for stream, pool in last_pools.items():  # shared by the workers (Redis); without one, this worker's own
+                self.engine.remember_pool(stream, pool)
         except (RedisError, OSError) as exc:
             self.stats.cold_window_batches += 1
             log.warning("Redis unreachable (%s): answering with cold windows", exc)
@@ -203,6 +205,10 @@ class FocalWorker(Worker):
         probes = [cfg.probe_rate > 0 and rng.random() < cfg.probe_rate for _ in queries]
         greedy = [not (cfg.explore_rate > 0 and rng.random() < cfg.explore_rate) for _ in queries]
         decisions = self.engine.decide_batch([(q.stream, len(q.choices), p, g) for q, p, g in zip(queries, probes, greedy)])
+        try:
+            await self.windows.save_pools({stream: self.engine.previous_pool[stream] for stream in streams if stream in self.engine.previous_pool})
+        except (RedisError, OSError) as exc:
+            log.warning("Redis unreachable (%s): the streams' last pools stay in this worker", exc)
         stage("decide")
         choice_queries, called = [self._choice_query(q) for q in queries], [d.called for d in decisions]
         calls = await asyncio.to_thread(self.caller.score_batch, choice_queries, called) if self.caller.blocking else self.caller.score_batch(choice_queries, called)
