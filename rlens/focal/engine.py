@@ -5,7 +5,7 @@ probability of what they sampled): online a share ``explore_rate`` of the querie
 queries train the policies (:mod:`rlens.focal.mappo`).
 
 The engine holds the agents, the critic, the per-stream outcome windows and the experience buffer. It does no
-I/O: callers (the replay harness, later the streaming worker and learner) call :meth:`FocalEngine.decide`,
+I/O: callers (the replay harness, the streaming worker and learner) call :meth:`FocalEngine.decide`,
 call the models in ``Decision.called``, then :meth:`FocalEngine.fuse`; once feedback arrives they add the
 outcome to the stream's window (:meth:`FocalEngine.observe`) and the rewarded transition to the experience
 buffer (:meth:`FocalEngine.remember`); :meth:`FocalEngine.update` runs MAPPO on the buffer.

@@ -73,12 +73,13 @@ def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, tra
     engine.reset_windows()
     for q in qs:
         rewards = []
-        for decision in engine.decide(q.key, q.probs.shape[1], greedy=False, rollouts=rollouts):
-            if train_fusion:
-                answer = engine.fuse(decision, q.probs)
+        decisions = engine.decide(q.key, q.probs.shape[1], greedy=False, rollouts=rollouts)
+        answers = engine.fuse_batch(decisions, [q.probs] * rollouts) if train_fusion else [None] * rollouts  # one Fusion forward for the rollouts
+        for decision, answer in zip(decisions, answers):
+            if answer is not None:
                 chosen = answer.answer
             else:
-                answer, members = None, decision.pool
+                members = decision.pool
                 chosen = int(plurality_vote(q.predictions[members][None, :], q.probs.shape[1], q.probs[members].sum(0)[None, :])[0])
             rewards.append(engine.reward(decision.pool, chosen == q.label))
             engine.remember(decision, answer, rewards[-1], engine.fusion_reward(chosen == q.label), critic_state(decision.state, q.probs, decision.pool), q.label)
