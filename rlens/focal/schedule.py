@@ -62,6 +62,11 @@ class OnlineTrace:
     label_free: list[int] = field(default_factory=list)  # questions whose answer's confidence completed a drift detection (no reaction)
 
 
+def _pool_vote(q: Question, pool: np.ndarray) -> int:
+    """The interim answer of a pool without the Fusion agent: its plurality vote (ties to the larger summed probability)."""
+    return int(plurality_vote(q.predictions[pool][None, :], q.probs.shape[1], q.probs[pool].sum(0)[None, :])[0])
+
+
 def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, train_fusion: bool, progress: Progress | None) -> None:
     """One pass over the warm-start split from empty windows, updating the selected agents every ``warm_batch``.
 
@@ -76,13 +81,10 @@ def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, tra
         decisions = engine.decide(q.key, q.probs.shape[1], greedy=False, rollouts=rollouts)
         answers = engine.fuse_batch(decisions, [q.probs] * rollouts) if train_fusion else [None] * rollouts  # one Fusion forward for the rollouts
         for decision, answer in zip(decisions, answers):
-            if answer is not None:
-                chosen = answer.answer
-            else:
-                members = decision.pool
-                chosen = int(plurality_vote(q.predictions[members][None, :], q.probs.shape[1], q.probs[members].sum(0)[None, :])[0])
+            chosen = answer.answer if answer is not None else _pool_vote(q, decision.pool)
             rewards.append(engine.reward(decision.pool, chosen == q.label))
-            engine.remember(decision, answer, rewards[-1], engine.fusion_reward(chosen == q.label), critic_state(decision.state, q.probs, decision.pool), q.label)
+            critic_input = None if answer is not None else critic_state(decision.state, q.probs, decision.pool)  # an answer carries its own
+            engine.remember(decision, answer, rewards[-1], engine.fusion_reward(chosen == q.label), critic_input, q.label)
         engine.observe(q.key, q.predictions, q.label, rewards[0])  # the window keeps the first rollout's reward
         if len(engine.buffer) >= engine.cfg.warm_batch * rollouts:
             engine.update(train_decider, train_fusion, envs=rollouts)
@@ -103,8 +105,7 @@ def _supervised_fusion_pass(engine: FocalEngine, qs: list[Question], progress: P
         features += [engine.fusion_features(d, q.probs) for d in decisions]
         labels += [q.label] * rollouts
         members = decisions[0].pool
-        vote = int(plurality_vote(q.predictions[members][None, :], q.probs.shape[1], q.probs[members].sum(0)[None, :])[0])
-        engine.observe(q.key, q.predictions, q.label, engine.reward(members, vote == q.label))
+        engine.observe(q.key, q.predictions, q.label, engine.reward(members, _pool_vote(q, members) == q.label))
         if progress:
             progress(1)
     return engine.fit_fusion(features, labels)
