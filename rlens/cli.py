@@ -27,7 +27,8 @@ keys_app = typer.Typer(help="The gateway's API keys (stored hashed; each bound t
 app.add_typer(keys_app, name="keys")
 rlae_app = typer.Typer(help="RLAE: token-level ensembles whose weights an RL agent sets span by span.", no_args_is_help=True)
 app.add_typer(rlae_app, name="rlae")
-console = Console(soft_wrap=True)
+PIPED_WIDTH = 160  # rich's 80 columns for a pipe or a log file cut the wider tables' headers (rlens load's 8 columns)
+console = Console(soft_wrap=True, width=None if os.isatty(1) else PIPED_WIDTH)
 errors = Console(stderr=True, soft_wrap=True)
 
 
