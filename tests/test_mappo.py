@@ -41,17 +41,17 @@ def test_decider_learns_to_call_the_rewarded_model():
     """Reward +1 when model 1 is in the pool, -1 otherwise: P(call model 1) must rise."""
     engine = toy_engine()
     (probe,) = engine.decide("s", 2, greedy=False)
-    before = torch.sigmoid(engine.decider.distribution(torch.from_numpy(probe.state)).logits)[1].item()
+    before = torch.sigmoid(engine.decider.logits(torch.from_numpy(probe.state)))[1].item()
     with torch.no_grad():
         engine.decider.heads.bias[1] = -1.0  # start unlikely
-    start = torch.sigmoid(engine.decider.distribution(torch.from_numpy(probe.state)).logits)[1].item()
+    start = torch.sigmoid(engine.decider.logits(torch.from_numpy(probe.state)))[1].item()
     for _ in range(15):
         for decision in engine.decide("s", 2, greedy=False, rollouts=64):
             reward = 1.0 if decision.pool[1] else -1.0
             engine.remember(decision, None, reward, reward, critic_state(decision.state, np.full((3, 2), 0.5), decision.pool))
         engine.update(train_decider=True, train_fusion=False, envs=64)
     (probe,) = engine.decide("s", 2, greedy=False)
-    after = torch.sigmoid(engine.decider.distribution(torch.from_numpy(probe.state)).logits)[1].item()
+    after = torch.sigmoid(engine.decider.logits(torch.from_numpy(probe.state)))[1].item()
     assert before > 0.5 and start < 0.3 and after > 0.9
 
 
@@ -137,7 +137,7 @@ def test_greedy_transitions_train_only_the_critic():
     assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith("critic."))
 
 
-def test_each_agent_learns_from_its_own_reward():
+def test_each_agent_has_its_own_reward():
     """The Decider pays the pool's cost, the Fusion agent does not: returns differ by exactly the cost term."""
     cfg = replace(FocalConfig(), alpha=0.5)
     engine = FocalEngine(2, config=cfg, seed=0)

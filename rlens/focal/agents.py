@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.distributions import Bernoulli, Categorical
+from torch.distributions import Categorical
 
 
 def mlp(n_in: int, hidden: int, n_out: int) -> nn.Sequential:
@@ -44,10 +44,6 @@ class Decider(nn.Module):
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
         phi = obs[..., self.model_features].unflatten(-1, (3, self.n_models)).transpose(-1, -2)  # [..., M, 3]
         return self.heads(self.trunk(obs)) + self.per_model(phi).squeeze(-1)
-
-    def distribution(self, obs: torch.Tensor) -> Bernoulli:
-        """The independent per-model draws (before an empty draw is replaced: see :meth:`log_prob`)."""
-        return Bernoulli(logits=self.logits(obs), validate_args=False)
 
     @staticmethod
     def never_empty(pools: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

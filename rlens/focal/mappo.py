@@ -52,17 +52,15 @@ def gae(rewards: np.ndarray, values: np.ndarray, next_value: np.ndarray, gamma: 
 
 
 def _pad_fusion(batch: list[Transition]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack per-choice features of different choice counts into [B, Cmax, F] plus a validity mask (a transition
-    without features gets one valid all-zero choice, so its distribution stays finite; it is masked out of losses)."""
-    c_max = max(t.fusion_features.shape[0] for t in batch if t.fusion_features is not None)
-    feature_dim = next(t.fusion_features.shape[1] for t in batch if t.fusion_features is not None)
+    """Stack per-choice features of different choice counts into [B, Cmax, F] plus a validity mask (every transition
+    of a batch the Fusion agent trains on has acted: a warm-start pass either runs the Fusion agent or does not)."""
+    c_max = max(t.fusion_features.shape[0] for t in batch)
+    feature_dim = batch[0].fusion_features.shape[1]
     features = np.zeros((len(batch), c_max, feature_dim), dtype=np.float32)
     mask = np.zeros((len(batch), c_max), dtype=bool)
-    mask[:, 0] = True
     for i, t in enumerate(batch):
-        if t.fusion_features is not None:
-            c = t.fusion_features.shape[0]
-            features[i, :c], mask[i, :c] = t.fusion_features, True
+        c = t.fusion_features.shape[0]
+        features[i, :c], mask[i, :c] = t.fusion_features, True
     return torch.from_numpy(features), torch.from_numpy(mask)
 
 
