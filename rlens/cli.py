@@ -488,7 +488,7 @@ def load(
 
 @zoo_app.command("build")
 def zoo_build(out: Path | None = typer.Option(None, help="zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)")) -> None:
-    """Train the zoo's specialists (seeded, a few minutes on CPU) and write the manifest with SmolLM2."""
+    """Train the zoo's specialists (seeded, a few minutes on CPU), add SmolLM2 and Gemma 3, write the manifest."""
     from rlens.zoo.build import SPECIALISTS, build_zoo
 
     quiet_transformers()

@@ -60,6 +60,23 @@ def quick_zoo(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (GGUF Q4_1) in process."""
+    from rlens.backends.hf import TransformersBackend
+    from rlens.zoo.build import SMOLLM2_GGUF, smollm2_dir
+
+    return TransformersBackend.load(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
+
+
+@pytest.fixture(scope="session")
+def gemma3(quick_zoo):
+    """Gemma 3 270M (GGUF Q4_K_M, assembled by the zoo build) in process."""
+    from rlens.zoo.build import load_backend, load_zoo
+
+    return load_backend(next(m for m in load_zoo(quick_zoo) if m.name == "gemma3-270m"))
+
+
+@pytest.fixture(scope="session")
 def encoder():
     """The frozen MiniLM sentence encoder of the RLAE agent."""
     from rlens.rlae.observe import SentenceEncoder

@@ -119,6 +119,21 @@ def test_smollm2_gguf_scores_match_reference():
     assert int(np.argmax(scores.loglikelihoods)) == 0
 
 
+def test_gemma3_reads_its_bos_first_in_scores_and_prompt_logprobs(gemma3):
+    """Gemma 3 is trained with a BOS before every text: choice scores, prompt log-probabilities (the server's echo
+    path) and the tokenizer's own encoding agree on it."""
+    prompt, choices = "3 + 4 = 7\n5 + 2 =", [" 7", " 8", " seven"]
+    context, _ = encode_pair(gemma3.tokenizer, prompt, choices[0])
+    assert context[0] == gemma3.tokenizer.bos_token_id and context == gemma3.tokenizer(prompt).input_ids
+    scores = gemma3.score_choices(ChoiceQuery(id="g", prompt=prompt, choices=choices))
+    assert scores.loglikelihoods == pytest.approx([reference_loglikelihood(gemma3, prompt, c) for c in choices], abs=1e-3)
+    assert int(np.argmax(scores.loglikelihoods)) == 0 and scores.is_greedy[0]
+    echoed = gemma3.prompt_logprobs([prompt + choices[0]], top=2)[0]
+    assert "".join(echoed.tokens) == prompt + choices[0] and echoed.logprobs[0] is not None  # the BOS is read, not reported
+    assert sum(echoed.logprobs[-2:]) == pytest.approx(scores.loglikelihoods[0], abs=1e-3)  # " 7" is two tokens: "▁", "7"
+    assert gemma3.prompt_logprobs([prompt], top=1)[0].next_token == " "
+
+
 def test_load_rejects_a_missing_directory(tmp_path):
     with pytest.raises(BackendError, match="not a model directory"):
         TransformersBackend.load(tmp_path / "none")

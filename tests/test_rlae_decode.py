@@ -1,6 +1,7 @@
-"""RLAE foundations: the union vocabulary over the zoo's three tokenizer kinds (round trips, shared entries,
-mass-preserving maps) and token-level ensemble decoding (one-hot weights reproduce each model's own greedy
-output token for token; mixtures decode valid text)."""
+"""RLAE foundations: the union vocabulary over the zoo's four tokenizer kinds (characters, a GPT-2 BPE subset,
+SmolLM2's byte-level BPE, Gemma 3's SentencePiece with byte fallback: round trips, shared entries, mass-preserving
+maps) and token-level ensemble decoding (one-hot weights reproduce each model's own greedy output token for token,
+Gemma's BOS included; mixtures decode valid text)."""
 
 import numpy as np
 import pytest
@@ -8,26 +9,37 @@ import torch
 
 from rlens.backends.hf import TransformersBackend
 from rlens.rlae.decode import TokenEnsemble
-from rlens.rlae.vocab import EOS, UnionVocab, token_bytes, tokenizer_kind
-from rlens.zoo.build import SMOLLM2_GGUF, bpe_corpus, smollm2_dir
+from rlens.rlae.vocab import EOS, UnionVocab, byte_fallback_ids, token_bytes, tokenizer_kind
+from rlens.zoo.build import bpe_corpus
 from rlens.zoo.tokenizers import char_tokenizer, gpt2_subset_tokenizer
 
 TEXTS = ["Q: add: 12+7=\nA: 19", "sort: d b a\nA: a b d", "  Hello, World! {x} ~ 3.5\t", "opposite of hot: cold"]
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return TransformersBackend.load(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
-
-
-@pytest.fixture(scope="module")
-def tokenizers(smollm2):
-    return [char_tokenizer(), gpt2_subset_tokenizer(bpe_corpus(per_family=50)), smollm2.tokenizer]
+def tokenizers(smollm2, gemma3):
+    return [char_tokenizer(), gpt2_subset_tokenizer(bpe_corpus(per_family=50)), smollm2.tokenizer, gemma3.tokenizer]
 
 
 def test_tokenizer_kinds(tokenizers):
-    assert [tokenizer_kind(t) for t in tokenizers] == ["plain", "byte_level", "byte_level"]
+    assert [tokenizer_kind(t) for t in tokenizers] == ["plain", "byte_level", "byte_level", "sentencepiece"]
     assert token_bytes(tokenizers[1])[tokenizers[1].convert_tokens_to_ids("Ġadd")] == b" add"
+    assert token_bytes(tokenizers[3])[tokenizers[3].convert_tokens_to_ids("▁hello")] == b" hello"
+    assert token_bytes(tokenizers[3])[tokenizers[3].convert_tokens_to_ids("<0x0A>")] == b"\n"
+
+
+def test_prompts_start_with_the_bos_only_where_the_tokenizer_puts_one(smollm2, gemma3):
+    assert gemma3.prefix == [gemma3.tokenizer.bos_token_id] and smollm2.prefix == []
+
+
+def test_a_model_reads_its_regular_token_not_a_byte_fallback_one(tokenizers):
+    gemma = tokenizers[3]
+    vocab = UnionVocab.build(tokenizers)
+    space, fallback = gemma.convert_tokens_to_ids("▁"), gemma.convert_tokens_to_ids("<0x20>")
+    assert fallback in byte_fallback_ids(gemma) and space not in byte_fallback_ids(gemma)
+    assert vocab.index[3][space] == vocab.index[3][fallback]  # the same bytes: one union entry, both map there
+    assert vocab.single[3][int(vocab.index[3][space])] == space  # and Gemma reads "▁", as its tokenizer writes a space
+    assert byte_fallback_ids(tokenizers[2]) == set()
 
 
 def test_union_round_trips_text_for_every_zoo_tokenizer(tokenizers):
@@ -42,8 +54,9 @@ def test_union_round_trips_text_for_every_zoo_tokenizer(tokenizers):
 
 def test_same_bytes_share_one_union_entry_and_eos_is_shared(tokenizers):
     vocab = UnionVocab.build(tokenizers)
-    char, gpt2, smol = tokenizers
+    char, gpt2, smol, gemma = tokenizers
     assert vocab.index[0][char.convert_tokens_to_ids("a")] == vocab.index[1][gpt2.convert_tokens_to_ids("a")] == vocab.index[2][smol.convert_tokens_to_ids("a")]
+    assert vocab.index[3][gemma.convert_tokens_to_ids("a")] == vocab.index[0][char.convert_tokens_to_ids("a")]
     assert vocab.pieces[int(vocab.index[2][smol.convert_tokens_to_ids("Ġhello")])] == b" hello"
     assert all(int(vocab.index[m][t.eos_token_id]) == 0 for m, t in enumerate(tokenizers)) and vocab.pieces[0] == EOS
     assert len(vocab) < sum(len(t) for t in tokenizers)  # shared entries
@@ -59,17 +72,18 @@ def test_to_union_keeps_the_mass_of_mapped_tokens(tokenizers):
 
 
 def greedy_tokens(backend: TransformersBackend, prompt: str, n: int) -> list[int]:
-    ids = backend.tokenizer.encode(prompt, add_special_tokens=False)
+    ids = backend.tokenizer(prompt).input_ids  # the tokenizer's own special tokens: Gemma's BOS, nothing for the others
+    assert ids[-1] != backend.tokenizer.eos_token_id
     out = backend.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=n, do_sample=False,
                                  pad_token_id=backend.tokenizer.eos_token_id, eos_token_id=backend.tokenizer.eos_token_id)
     tokens = out[0, len(ids):].tolist()
     return tokens[: tokens.index(backend.tokenizer.eos_token_id)] if backend.tokenizer.eos_token_id in tokens else tokens
 
 
-def test_one_hot_weights_reproduce_each_models_greedy_output(quick_zoo, smollm2):
-    backends = [TransformersBackend.load(quick_zoo / "arith-char"), TransformersBackend.load(quick_zoo / "count-bpe"), smollm2]
+def test_one_hot_weights_reproduce_each_models_greedy_output(quick_zoo, smollm2, gemma3):
+    backends = [TransformersBackend.load(quick_zoo / "arith-char"), TransformersBackend.load(quick_zoo / "count-bpe"), smollm2, gemma3]
     ensemble = TokenEnsemble(backends)
-    prompts = ["Q: add: 12+7=\nA:", "Question: What is the capital of France?\nAnswer:"]
+    prompts = ["Q: add: 12+7=\nA:", "Question: What is the capital of France?\nAnswer:", "3 + 4 = 7\n12 + 5 ="]
     for m, backend in enumerate(backends):
         for batched, prompt in zip(ensemble.generate_batch(prompts, np.eye(len(backends))[m], max_tokens=12, span=4), prompts):
             alone = ensemble.generate(prompt, np.eye(len(backends))[m], max_tokens=12, span=4)

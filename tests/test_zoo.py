@@ -123,10 +123,12 @@ def test_training_is_seeded_and_deterministic(tmp_path):
 
 def test_quick_zoo_manifest(quick_zoo):
     models = load_zoo(quick_zoo)
-    assert [m.name for m in models] == ["smollm2-135m", *(s.name for s in SPECIALISTS)]
-    assert {m.tokenizer for m in models} == {"smollm2", "char", "gpt2"}
+    assert [m.name for m in models] == ["smollm2-135m", "gemma3-270m", *(s.name for s in SPECIALISTS)]
+    assert {m.tokenizer for m in models} == {"smollm2", "gemma3", "char", "gpt2"}
     assert all(Path(m.path).is_dir() for m in models)
-    assert models[0].cost > 100 * models[1].cost  # SmolLM2 costs its parameter count
+    assert (Path(models[1].path) / models[1].gguf_file).stat().st_size > 250e6  # the assembled GGUF file
+    assert (Path(models[1].path) / "tokenizer.json").is_file()  # converted once at build time
+    assert models[1].cost > models[0].cost > 100 * models[2].cost  # a model costs its parameter count
 
 
 def test_load_zoo_names_the_build_command(tmp_path):
@@ -147,3 +149,22 @@ def test_bundled_dataset_is_consistent():
     assert accuracy.max() < 0.9  # no model solves the stream alone
     manifest = {m["name"] for m in json.loads((directory / "models.json").read_text())}
     assert manifest == {"smollm2-135m", *(s.name for s in SPECIALISTS)}
+
+
+def test_fewshot_tasks_are_seeded_solved_examples_then_the_question():
+    from rlens.zoo.fewshot import FAMILIES, fewshot_split, fewshot_stream, make_task
+
+    task = make_task("add", np.random.default_rng(0))
+    lines = task.prompt.split("\n")
+    assert len(lines) == 4 and all(" = " in line for line in lines[:3]) and lines[-1].endswith(" =")
+    for line in lines[:3]:  # the solved examples are right
+        left, answer = line.split(" = ")
+        assert sum(int(x) for x in left.split(" + ")) == int(answer)
+    a, b = (int(x) for x in lines[-1][:-2].split(" + "))
+    assert task.reference == str(a + b)
+    assert make_task("spell", np.random.default_rng(3)).reference.count("-") >= 4
+    assert fewshot_split(list(FAMILIES), 30, seed=5) == fewshot_split(list(FAMILIES), 30, seed=5)
+    families = [t.family for t in fewshot_stream(["add", "month", "weekday"], 4, seed=1)]
+    assert sorted(set(families)) == ["add", "month", "weekday"] and all(families[i] == families[i - i % 4] for i in range(12))  # one block each
+    with pytest.raises(ValueError, match="unknown few-shot family"):
+        make_task("poetry", np.random.default_rng(0))

@@ -1,9 +1,10 @@
 """The ``transformers`` backend: a local Hugging Face causal LM (CPU or CUDA) from a directory or a GGUF file.
 
-Multiple-choice scoring follows lm-evaluation-harness ``loglikelihood``:
+Every text a model reads starts with its BOS token when its tokenizer puts one first by default (Gemma; see
+:func:`bos_prefix`), as the model was trained. Multiple-choice scoring follows lm-evaluation-harness ``loglikelihood``:
 - the context's trailing spaces move to the continuation;
 - the continuation tokens are ``encode(context + continuation)[len(encode(context)):]``, with an empty context
-  encoded as the EOS token;
+  encoded as the BOS token, else the EOS token;
 - a choice's score is the summed log-probability of its tokens, and ``is_greedy`` says whether greedy decoding
   yields exactly those tokens.
 
@@ -26,16 +27,23 @@ from torch.nn import functional as F
 from rlens.backends.base import Backend, BackendError, ChoiceQuery, ChoiceScores, GenerationRequest, Generations, register_backend
 
 
+def bos_prefix(tokenizer) -> list[int]:
+    """``[BOS]`` when the tokenizer puts a BOS token before every text by default (Gemma, Llama), else ``[]``."""
+    first = tokenizer("a").input_ids[:1]
+    return first if tokenizer.bos_token_id is not None and first == [tokenizer.bos_token_id] else []
+
+
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context tokens, continuation tokens) exactly as lm-evaluation-harness splits them."""
+    prefix = bos_prefix(tokenizer)
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
     if not context:
-        return [tokenizer.eos_token_id], tokenizer.encode(continuation, add_special_tokens=False)
+        return prefix or [tokenizer.eos_token_id], tokenizer.encode(continuation, add_special_tokens=False)
     whole = tokenizer.encode(context + continuation, add_special_tokens=False)
     context_tokens = tokenizer.encode(context, add_special_tokens=False)
-    return context_tokens, whole[len(context_tokens) :]
+    return prefix + context_tokens, whole[len(context_tokens) :]
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -63,19 +71,21 @@ class TransformersBackend(Backend):
         """Wrap an already built causal LM and its tokenizer (see :meth:`load` for a directory or GGUF file)."""
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
+        self.prefix = bos_prefix(tokenizer)  # read before every prompt
         self.device = device
         self.max_length = max_length or getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", 2048)
 
     @classmethod
     def load(cls, path: str | Path, gguf_file: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "TransformersBackend":
-        """Load a local model directory (or a GGUF file inside it); never touches the network."""
+        """Load a local model directory (or a GGUF file inside it; a ``tokenizer.json`` beside it is read instead of
+        converting the GGUF file's vocabulary); never touches the network."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(path)
         if not path.is_dir():
             raise BackendError(f"transformers backend: {path} is not a model directory")
         options = {"gguf_file": gguf_file} if gguf_file else {}
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **options)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **({} if (path / "tokenizer.json").is_file() else options))
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **options)
         return cls(model, tokenizer, device)
 
@@ -92,7 +102,7 @@ class TransformersBackend(Backend):
             raise BackendError(f"query {query.id}: a choice of {longest} tokens does not fit the model window of {self.max_length}")
         context = context[-room:]
 
-        out = self.model(torch.tensor([context], device=self.device), use_cache=True)
+        out = self.model(torch.tensor([context], device=self.device), use_cache=True, logits_to_keep=1)
         first = F.log_softmax(out.logits[0, -1].float(), -1)  # predicts every continuation's first token
         rest_logp = None
         if longest > 1:
@@ -129,27 +139,28 @@ class TransformersBackend(Backend):
         rows = encoded["input_ids"]
         if any(len(row) == 0 for row in rows):
             raise BackendError("prompt_logprobs: a prompt encodes to no tokens")
+        skip = len(self.prefix)  # the BOS is read first but not reported: the first token then has a log-probability
         for row in rows:
-            self._window_check(len(row), 0, "prompt_logprobs")
-        width = max(map(len, rows))
+            self._window_check(skip + len(row), 0, "prompt_logprobs")
+        width = skip + max(map(len, rows))
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         ids = torch.full((len(rows), width), pad, dtype=torch.long, device=self.device)
         mask = torch.zeros_like(ids)
         for i, row in enumerate(rows):
-            ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+            ids[i, : skip + len(row)], mask[i, : skip + len(row)] = torch.tensor(self.prefix + row), 1
         logp = F.log_softmax(self.model(ids, attention_mask=mask).logits.float(), -1).cpu()
         token_text = lambda t: self.tokenizer.decode([t])  # noqa: E731
         results = []
         for i, row in enumerate(rows):
-            steps = logp[i, : len(row)]
+            steps = logp[i, : skip + len(row)]  # steps[j] predicts the token after input position j
             best = steps.topk(top, -1)
-            tops = [{token_text(int(t)): float(v) for t, v in zip(best.indices[j], best.values[j])} for j in range(len(row))]
+            tops = [{token_text(int(t)): float(v) for t, v in zip(best.indices[j], best.values[j])} for j in range(skip + len(row))]
             results.append(
                 PromptLogprobs(
                     tokens=[token_text(t) for t in row],
                     offsets=[start for start, _ in encoded["offset_mapping"][i]],
-                    logprobs=[None] + [float(steps[j - 1, row[j]]) for j in range(1, len(row))],
-                    top=[None] + tops[:-1],
+                    logprobs=[float(steps[skip + j - 1, row[j]]) if skip + j > 0 else None for j in range(len(row))],
+                    top=([] if skip else [None]) + tops[max(skip - 1, 0) : -1],
                     next_token=token_text(int(best.indices[-1, 0])),
                     next_logprob=float(best.values[-1, 0]),
                     next_top=tops[-1],
@@ -165,7 +176,7 @@ class TransformersBackend(Backend):
         """``request.n`` completions as (text, finish reason: "stop" or "length")."""
         if request.temperature == 0 and request.n > 1:
             raise BackendError(f"query {request.id}: n > 1 needs temperature > 0 (greedy decoding gives one answer)")
-        ids = self.tokenizer.encode(request.prompt, add_special_tokens=False) or [self.tokenizer.eos_token_id]
+        ids = self.prefix + self.tokenizer.encode(request.prompt, add_special_tokens=False) or [self.tokenizer.eos_token_id]
         self._window_check(len(ids), request.max_tokens, f"query {request.id}")
         sampling = {"do_sample": True, "temperature": request.temperature, "top_k": 0, "top_p": 1.0} if request.temperature > 0 else {"do_sample": False}
         with torch.random.fork_rng(devices=[] if self.device == "cpu" else None):

