@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from redis.asyncio import Redis
 
+from machine import cpu_name
 from rlens.checkpoint import CheckpointStore
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Experience, Feedback
@@ -68,7 +69,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/out/learner.json"))
     args = parser.parse_args()
     server = LocalRedis()
-    results = {"cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?"),
+    results = {"cpu": cpu_name(),
                "cores": os.cpu_count(), "load_1min": os.getloadavg()[0], "pairs": args.pairs, "joins_per_s": {}}
     try:
         for threads in args.threads:

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
 
+from machine import machine_facts
 from rlens.dataset import load_dataset, shared_data_dir
 from rlens.focal.config import FocalConfig
 from rlens.protocols import Protocol, task_half
@@ -83,12 +82,6 @@ def main() -> None:
         lines.append("")
     (args.out / "summary.md").write_text("\n".join(lines))
     print("\n".join(lines))
-
-
-def machine_facts() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor()) \
-        if Path("/proc/cpuinfo").exists() else platform.processor()
-    return f"{cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}"
 
 
 if __name__ == "__main__":

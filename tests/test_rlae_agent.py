@@ -62,3 +62,18 @@ def test_update_rejects_a_cut_episode():
     policy = make_policy(2, 2, cfg)
     with pytest.raises(ValueError, match="whole episodes"):
         update(policy, torch.optim.Adam(policy.parameters()), [Span(np.zeros(2), np.array([0.5, 0.5]), 0.0, 0.0)], cfg)
+
+
+def test_the_ranker_learns_which_model_to_trust_per_kind_of_question(encoder):
+    """Model 0 answers sums right and model 1 words; the ranker, trained on other tasks, picks the right one."""
+    from rlens.rlae.ranker import AnswerRanker
+    from rlens.zoo.fewshot import fewshot_split
+
+    def answers(tasks):
+        right = {t.prompt: t.reference for t in tasks}
+        return [[right[t.prompt] if (t.family == "add") == (m == 0) else "x" for t in tasks] for m in range(2)]
+
+    train, test = fewshot_split(["add", "uppercase"], 48, seed=0), fewshot_split(["add", "uppercase"], 24, seed=1)
+    ranker = AnswerRanker(encoder, 2).fit(train, answers(train))
+    chosen = ranker.choose(test, answers(test))
+    assert chosen.tolist() == [0 if t.family == "add" else 1 for t in test]
