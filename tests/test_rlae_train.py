@@ -14,7 +14,7 @@ from rlens.backends.hf import TransformersBackend
 from rlens.cli import app
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
-from rlens.rlae.evaluate import answer_dataset, simplex_grid
+from rlens.rlae.evaluate import answer_dataset, rl_focal_correct, simplex_grid
 from rlens.rlae.observe import EMBED_DIM, minilm_path, obs_dim
 from rlens.rlae.tasks import TaskFileError, read_tasks
 from rlens.rlae.train import RLAETrainer, load_agent, rollout
@@ -54,6 +54,37 @@ def test_rollout_keeps_one_decision_per_span_and_the_reward_on_the_last(ensemble
         np.testing.assert_allclose(out.span_weights[0], trainer.agent.policy.weights(torch.from_numpy(spans[0].action)).numpy(), atol=1e-6)
 
 
+class CountingEncoder:
+    """The real encoder, counting the texts it embeds."""
+
+    def __init__(self, encoder):
+        self.encoder, self.texts = encoder, []
+
+    def encode(self, texts):
+        self.texts.append(list(texts))
+        return self.encoder.encode(texts)
+
+
+@pytest.mark.parametrize("observe", ["prompt", "text"])
+def test_the_agent_embeds_each_prompt_once_or_the_text_at_every_span(ensemble, encoder, tmp_path, observe):
+    counting = CountingEncoder(encoder)
+    trainer = RLAETrainer(ensemble, counting, MODELS, replace(CFG, observe=observe), tmp_path, seed=0)
+    tasks = generation_split(["arithmetic", "ordering"], 4, seed=1)
+    prompts = [t.prompt for t in tasks]
+    outputs, record, _ = rollout(ensemble, trainer.agent, tasks, greedy=True)
+    spans = max(len(r) for r in record)
+    assert spans >= 2
+    if observe == "prompt":
+        assert counting.texts == [prompts]  # one MiniLM call for the batch, whatever the number of spans
+        embedded = encoder.encode(prompts)
+        for row, episode in enumerate(record):
+            for span in episode:
+                np.testing.assert_allclose(span.obs[:EMBED_DIM], embedded[row], atol=1e-6)
+    else:
+        assert len(counting.texts) == spans  # one call per span, on prompt + text so far
+        assert counting.texts[0] == prompts and all(any(t.startswith(p) for p in prompts) for t in counting.texts[1])
+
+
 def test_an_interrupted_run_resumes_to_the_same_policy(ensemble, encoder, tmp_path):
     tasks = generation_split(["arithmetic", "counting", "ordering"], 40, seed=2)
     straight = RLAETrainer(ensemble, encoder, MODELS, CFG, tmp_path / "straight", seed=3)
@@ -90,6 +121,18 @@ def test_simplex_grid_and_answers_as_a_choice_dataset():
     np.testing.assert_array_equal(data.choice_mask, [[True, True, False], [True, True, False]])
     np.testing.assert_array_equal(data.labels, [0, 2])
     np.testing.assert_array_equal(data.task, [0, 1])
+
+
+def test_rl_focal_learns_from_answers_even_where_no_model_was_right():
+    """Tasks that no model answers right (their label is the never selectable extra choice) are always wrong and
+    teach the Fusion nothing; they must not stop the warm start or the online updates."""
+    rng = np.random.default_rng(0)
+    tasks = [GenerationTask(f, f"p{i}", str(i)) for i, f in enumerate(rng.choice(["arithmetic", "ordering"], 120))]
+    right = lambda m, t: t.reference if (t.family == "arithmetic") == (m == 0) else "x"  # noqa: E731
+    outputs = [[right(m, t) if i % 5 else "y" for i, t in enumerate(tasks)] for m in range(2)]  # every 5th: nobody right
+    hits, called = rl_focal_correct([o[:80] for o in outputs], tasks[:80], [o[80:] for o in outputs], tasks[80:], ["m0", "m1"], ["arithmetic", "ordering"], seed=0)
+    assert len(hits) == 40 and not hits[::5].any() and called.min() >= 1
+    assert hits.mean() >= 0.5  # of the 32 answerable tasks, most are answered (a margin for a short online stream)
 
 
 def test_task_files_are_validated(tmp_path):

@@ -209,7 +209,8 @@ class FocalEngine:
     def remember(self, decision: Decision, answer: Answer | None, reward: float, fusion_reward: float, critic_input: np.ndarray | None = None,
                  label: int = -1) -> None:
         """Keep one rewarded transition for the next update (``answer`` None: the Fusion agent did not act, and
-        ``critic_input``, the critic's state, is then required; ``label``: the correct choice, -1 if unknown)."""
+        ``critic_input``, the critic's state, is then required; ``label``: the correct choice, -1 if unknown; a
+        label that is none of the choices, as when no model answered right, teaches the Fusion nothing: kept as -1)."""
         self.explored_buffered += decision.explored
         self.buffer.append(
             Transition(
@@ -223,7 +224,7 @@ class FocalEngine:
                 fusion_features=None if answer is None else answer.features,
                 answer=-1 if answer is None else answer.answer,
                 answer_logp=0.0 if answer is None else answer.answer_logp,
-                label=label,
+                label=label if answer is not None and label < len(answer.features) else -1,
             )
         )
 

@@ -41,7 +41,7 @@ def critic_state(decider_state: np.ndarray, probs: np.ndarray, pool: np.ndarray)
     m, c = probs.shape
     selected = pool.astype(np.float32)
     top = probs.max(1)
-    entropy = -(probs * np.log(np.maximum(probs, LOG_FLOOR))).sum(1) / np.log(c)
+    entropy = -(probs * np.log(np.maximum(probs, LOG_FLOOR))).sum(1) / np.log(max(c, 2))  # one choice (all agree): 0
     predictions = probs.argmax(1)
     plurality = np.bincount(predictions[pool], minlength=c).argmax() if pool.any() else -1
     summary = np.concatenate([top * selected, entropy * selected, (predictions == plurality) * selected, [selected.sum() / m]])

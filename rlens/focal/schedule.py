@@ -96,14 +96,16 @@ def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, tra
 def _supervised_fusion_pass(engine: FocalEngine, qs: list[Question], progress: Progress | None) -> dict[str, float]:
     """One pass over the warm-start split that collects the Fusion's features for the warm Decider's pools
     (``warm_rollouts`` sampled pools per question, windows filled as in :func:`_warm_pass`), then
-    ``fusion_supervised_epochs`` of cross-entropy against the labels."""
+    ``fusion_supervised_epochs`` of cross-entropy against the labels (of the questions whose right answer is one
+    of the choices)."""
     rollouts = engine.cfg.warm_rollouts
     engine.reset_windows()
     features, labels = [], []
     for q in qs:
         decisions = engine.decide(q.key, q.probs.shape[1], greedy=False, rollouts=rollouts)
-        features += [engine.fusion_features(d, q.probs) for d in decisions]
-        labels += [q.label] * rollouts
+        if q.label < q.probs.shape[1]:
+            features += [engine.fusion_features(d, q.probs) for d in decisions]
+            labels += [q.label] * rollouts
         members = decisions[0].pool
         engine.observe(q.key, q.predictions, q.label, engine.reward(members, _pool_vote(q, members) == q.label))
         if progress:

@@ -45,6 +45,7 @@ class RLAEConfig:
     max_grad_norm: float = 0.5
     min_concentration: float = 0.05  # ppo: Dirichlet concentrations stay above this
     init_log_std: float = -0.5  # mappo: the agents' exploration noise on their logits, at the start
+    observe: Literal["prompt", "text"] = "prompt"  # what MiniLM embeds: the prompt once per generation, or prompt + text at every span
 
     @property
     def max_spans(self) -> int:

@@ -1,8 +1,12 @@
 """The RLAE agent's observation at a span start (the sentence encoder is frozen; the rest is pure numpy).
 
-observation = [MiniLM embedding of prompt + text so far (384, unit norm), span index / max_spans,
+observation = [MiniLM embedding (384, unit norm), span index / max_spans,
                log1p(entropy) of each model's next-token distributions over the last span (M),
                each model's agreement with the pool's consensus top token over the last span (M)]
+
+The embedding is of the prompt, computed once per generation (``RLAEConfig.observe = "prompt"``, the default: the
+agent then costs one MiniLM call per request plus a small MLP per span), or of prompt + text so far, recomputed at
+every span (``"text"``: one MiniLM call per span and request).
 """
 
 from __future__ import annotations

@@ -34,10 +34,17 @@ class RLAEAgent:
     def weights_fn(self, prompts: list[str], greedy: bool, generator: torch.Generator | None = None,
                    record: list[list[Span]] | None = None) -> Callable[[SpanView], np.ndarray]:
         """The decoder's weights callback for one batch; each active row's decision is appended to ``record[row]``."""
+        prompt_embeddings: list[np.ndarray] = []  # "prompt" observations: every prompt's embedding, once
+
         def weights(view: SpanView) -> np.ndarray:
             out = np.full((len(prompts), self.n_models), 1.0 / self.n_models)
             rows = np.flatnonzero(view.active)
-            embeddings = self.encoder.encode([prompts[i] + view.texts[i] for i in rows])
+            if self.cfg.observe == "text":
+                embeddings = self.encoder.encode([prompts[i] + view.texts[i] for i in rows])
+            else:
+                if not prompt_embeddings:
+                    prompt_embeddings.append(self.encoder.encode(prompts))
+                embeddings = prompt_embeddings[0][rows]
             obs = observation(embeddings, view.index, view.entropy[rows], view.agreement[rows], self.cfg.max_spans)
             with torch.no_grad():
                 action, logp, value = self.policy.act(torch.from_numpy(obs), greedy=greedy, generator=generator)
