@@ -621,10 +621,11 @@ def rlae_train(
     zoo: Path | None = typer.Option(None, help="built zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)"),
     pool: Path | None = typer.Option(None, help="a pool file instead of zoo models: all `transformers`, or all `openai` servers (top-k)"),
     top_k: int = typer.Option(5, min=1, max=20, help="with a pool of servers: top tokens asked of each per step"),
-    tasks: Path | None = typer.Option(None, help="JSON lines of {prompt, reference[, family]} (default: 1000 zoo generation tasks)"),
+    tasks: str | None = typer.Option(None, help="JSON lines of {prompt, reference[, family]}, or 'fewshot' (1000 few-shot tasks for the real LLMs); default: 1000 zoo generation tasks"),
     span: int = typer.Option(4, min=1, help="tokens per span: the agent sets the weights every SPAN tokens"),
     max_tokens: int = typer.Option(16, min=1, help="generated tokens per episode at most"),
     episodes: int = typer.Option(6144, min=1, help="training episodes"),
+    observe: str = typer.Option("prompt", help="what the agent's MiniLM embeds: 'prompt' (once per generation) or 'text' (prompt + text so far, every span)"),
     seed: int = typer.Option(0, help="seed of the policy, the task order and the sampling"),
 ) -> None:
     """Train the RLAE agent offline on prompts + references (reward: exact match), with checkpoints after every update."""
@@ -632,17 +633,23 @@ def rlae_train(
     from rlens.rlae.observe import SentenceEncoder
     from rlens.rlae.tasks import TaskFileError, read_tasks
     from rlens.rlae.train import RLAETrainer
+    from rlens.zoo.fewshot import FAMILIES as FEWSHOT_FAMILIES, fewshot_split
     from rlens.zoo.tasks import generation_split
 
     quiet_transformers()
     if variant not in ("ppo", "mappo"):
         fail(f"--variant must be ppo or mappo, got {variant!r}")
+    if observe not in ("prompt", "text"):
+        fail(f"--observe must be prompt or text, got {observe!r}")
     try:
-        train_tasks = read_tasks(tasks) if tasks else generation_split(RLAE_FAMILIES, 1000, seed=100)
+        if tasks == "fewshot":
+            train_tasks = fewshot_split(list(FEWSHOT_FAMILIES), 1000, seed=100)
+        else:
+            train_tasks = read_tasks(Path(tasks)) if tasks else generation_split(RLAE_FAMILIES, 1000, seed=100)
     except TaskFileError as exc:
         fail(str(exc))
     names, decoder = rlae_decoder(zoo, models, pool, top_k)
-    cfg = RLAEConfig(variant=variant, span=span, max_tokens=max_tokens, episodes=episodes)
+    cfg = RLAEConfig(variant=variant, span=span, max_tokens=max_tokens, episodes=episodes, observe=observe)
     try:
         trainer = RLAETrainer(decoder, SentenceEncoder(), names, cfg, out, seed)
     except ValueError as exc:

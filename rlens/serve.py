@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from rlens.backends.base import BackendError, GenerationRequest
-from rlens.backends.hf import PromptLogprobs, TransformersBackend
+from rlens.backends.hf import NextToken, PromptLogprobs, TransformersBackend
 from rlens.service.local import free_port
 from rlens.backends.openai_protocol import CompletionChoice, CompletionRequest, CompletionResponse, Logprobs, ModelCard, ModelList, Usage
 
@@ -48,11 +48,11 @@ def echo_choice(index: int, prompt: str, scored: PromptLogprobs, max_tokens: int
     return CompletionChoice(index=index, text=text, logprobs=logprob_block, finish_reason="length")
 
 
-def next_token_choice(index: int, prompt: str, scored: PromptLogprobs, eos_text: str) -> CompletionChoice:
+def next_token_choice(index: int, prompt: str, next_token: NextToken, eos_text: str) -> CompletionChoice:
     """The greedy next token and its top tokens; the EOS ends the text ("" and finish reason "stop"), as vLLM does."""
-    ended = scored.next_token == eos_text
-    text = "" if ended else scored.next_token
-    logprobs = Logprobs(tokens=[scored.next_token], token_logprobs=[scored.next_logprob], top_logprobs=[scored.next_top], text_offset=[len(prompt)])
+    ended = next_token.token == eos_text
+    text = "" if ended else next_token.token
+    logprobs = Logprobs(tokens=[next_token.token], token_logprobs=[next_token.logprob], top_logprobs=[next_token.top], text_offset=[len(prompt)])
     return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason="stop" if ended else "length")
 
 
@@ -87,9 +87,9 @@ def create_app(backend: TransformersBackend, model_name: str) -> FastAPI:
             with lock:
                 if top_k_only:
                     eos_text = backend.tokenizer.decode([backend.tokenizer.eos_token_id])
-                    for i, (prompt, scored) in enumerate(zip(request.prompts, backend.prompt_logprobs(request.prompts, max(request.logprobs, 1)))):
-                        choices.append(next_token_choice(i, prompt, scored, eos_text))
-                        prompt_tokens += len(scored.tokens)
+                    for i, (prompt, next_token) in enumerate(zip(request.prompts, backend.next_tokens(request.prompts, max(request.logprobs, 1)))):
+                        choices.append(next_token_choice(i, prompt, next_token, eos_text))
+                        prompt_tokens += next_token.prompt_tokens
                         completion_tokens += 1
                 elif request.echo:
                     for i, (prompt, scored) in enumerate(zip(request.prompts, backend.prompt_logprobs(request.prompts, max(request.logprobs or 1, 1)))):

@@ -134,6 +134,17 @@ def test_gemma3_reads_its_bos_first_in_scores_and_prompt_logprobs(gemma3):
     assert gemma3.prompt_logprobs([prompt], top=1)[0].next_token == " "
 
 
+def test_next_tokens_of_a_padded_batch_equal_each_prompt_scored_alone(gemma3):
+    """The server's top-k path (one left-padded batch, last logits only) against the full prompt scoring path."""
+    texts = ["3 + 4 =", "The capital of France is", "a", "January February March"]
+    batched = gemma3.next_tokens(texts, top=3)
+    for text, got in zip(texts, batched):
+        alone = gemma3.prompt_logprobs([text], top=3)[0]
+        assert got.token == alone.next_token and list(got.top) == list(alone.next_top)
+        assert list(got.top.values()) == pytest.approx(list(alone.next_top.values()), abs=2e-3)
+        assert got.prompt_tokens == len(alone.tokens)
+
+
 def test_load_rejects_a_missing_directory(tmp_path):
     with pytest.raises(BackendError, match="not a model directory"):
         TransformersBackend.load(tmp_path / "none")

@@ -166,3 +166,5 @@ def test_cli_trains_resumes_and_generates(quick_zoo, tmp_path):
     assert result.exit_code == 2 and "unknown zoo model(s) nope" in result.output
     result = runner.invoke(app, ["rlae", "train", "--zoo", str(quick_zoo), "--tasks", str(tmp_path / "none.jsonl")])
     assert result.exit_code == 2 and "cannot read" in result.output
+    result = runner.invoke(app, ["rlae", "train", "--zoo", str(quick_zoo), "--observe", "everything"])
+    assert result.exit_code == 2 and "--observe must be prompt or text" in result.output

@@ -65,6 +65,16 @@ class PromptLogprobs:
     next_top: dict[str, float]
 
 
+@dataclass
+class NextToken:
+    """The greedy next token after a prompt, its log-probability, the top tokens, and the prompt's token count."""
+
+    token: str
+    logprob: float
+    top: dict[str, float]
+    prompt_tokens: int
+
+
 @register_backend("transformers")
 class TransformersBackend(Backend):
     def __init__(self, model, tokenizer, device: str = "cpu", max_length: int | None = None):
@@ -166,6 +176,31 @@ class TransformersBackend(Backend):
                     next_top=tops[-1],
                 )
             )
+        return results
+
+    @torch.inference_mode()
+    def next_tokens(self, texts: list[str], top: int = 1) -> list[NextToken]:
+        """The greedy next token after each text and its ``top`` most likely tokens: one left-padded batch and only
+        the last position's logits (what a server answers to ``max_tokens`` 1 + ``logprobs`` k, at the cost of the
+        prompt's forward and one row of the vocabulary head)."""
+        rows = [self.prefix + self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        if any(len(row) == len(self.prefix) for row in rows):
+            raise BackendError("next token: a prompt encodes to no tokens")
+        for row in rows:
+            self._window_check(len(row), 1, "next token")
+        width = max(map(len, rows))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        logits = self.model(ids.to(self.device), attention_mask=mask.to(self.device), position_ids=positions.to(self.device), logits_to_keep=1).logits[:, -1]
+        best = F.log_softmax(logits.float(), -1).cpu().topk(top, -1)
+        results = []
+        for i, row in enumerate(rows):
+            tops = {self.tokenizer.decode([int(t)]): float(v) for t, v in zip(best.indices[i], best.values[i])}
+            results.append(NextToken(self.tokenizer.decode([int(best.indices[i, 0])]), float(best.values[i, 0]), tops, len(row) - len(self.prefix)))
         return results
 
     def generate(self, request: GenerationRequest) -> Generations:
