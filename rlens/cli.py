@@ -511,6 +511,7 @@ def zoo_record(
     blocks: int = typer.Option(10, min=1, help="task blocks in the stream (the task switches at each block)"),
     block_size: int = typer.Option(120, min=1, help="questions per block"),
     seed: int = typer.Option(0, help="seed of the question stream"),
+    models: str | None = typer.Option(None, help="comma-separated zoo models (default: every model of the zoo)"),
 ) -> None:
     """Ask every zoo model every question of a generated multiple-choice stream; save it as a dataset."""
     from rlens.zoo.build import load_zoo
@@ -518,12 +519,17 @@ def zoo_record(
 
     quiet_transformers()
     try:
-        models = load_zoo(zoo or settings().zoo_dir)
+        zoo_models = load_zoo(zoo or settings().zoo_dir)
     except FileNotFoundError as exc:
         fail(str(exc))
+    names = [n.strip() for n in (models or "").split(",") if n.strip()] or [m.name for m in zoo_models]
+    unknown = [n for n in names if n not in {m.name for m in zoo_models}]
+    if unknown:
+        fail(f"unknown zoo model(s) {', '.join(unknown)}; the zoo has {', '.join(m.name for m in zoo_models)}")
+    chosen = [m for m in zoo_models if m.name in names]
     with progress_bar(console) as bar:
-        task = bar.add_task("scoring", total=blocks * block_size * len(models))
-        dataset = record_stream(models, out, blocks, block_size, seed, progress=lambda n: bar.advance(task, n))
+        task = bar.add_task("scoring", total=blocks * block_size * len(chosen))
+        dataset = record_stream(chosen, out, blocks, block_size, seed, progress=lambda n: bar.advance(task, n))
     accuracy = (dataset.probs.argmax(2) == dataset.labels[:, None]).mean(0)
     for name, acc in zip(dataset.model_names, accuracy):
         console.print(f"  {name:14s} accuracy {100 * acc:5.1f} %")

@@ -168,3 +168,16 @@ def test_fewshot_tasks_are_seeded_solved_examples_then_the_question():
     assert sorted(set(families)) == ["add", "month", "weekday"] and all(families[i] == families[i - i % 4] for i in range(12))  # one block each
     with pytest.raises(ValueError, match="unknown few-shot family"):
         make_task("poetry", np.random.default_rng(0))
+
+
+def test_zoo_record_cli_records_the_models_named(quick_zoo, tmp_path):
+    from typer.testing import CliRunner
+
+    from rlens.cli import app
+
+    result = CliRunner().invoke(app, ["zoo", "record", "--zoo", str(quick_zoo), "--models", "arith-char,count-bpe", "--blocks", "2", "--block-size", "3", "--out", str(tmp_path / "d")])
+    assert result.exit_code == 0, result.output
+    dataset = load_dataset(tmp_path / "d")
+    assert dataset.model_names == ["arith-char", "count-bpe"] and dataset.n_questions == 6
+    result = CliRunner().invoke(app, ["zoo", "record", "--zoo", str(quick_zoo), "--models", "arith-char,gpt-5", "--out", str(tmp_path / "e")])
+    assert result.exit_code == 2 and "unknown zoo model(s) gpt-5" in result.output

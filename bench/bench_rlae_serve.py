@@ -1,0 +1,91 @@
+"""The same real-LLM pool served by model servers (the ``openai`` top-k path) against in process.
+
+    python bench/bench_rlae_serve.py [--zoo DIR] [--run out/bench_rlae_llm/runs/ppo-0] [--k 5 20] [--out out/bench_rlae_serve]
+
+SmolLM2-135M and Gemma 3 270M each behind ``rlens serve-model`` (a child process on this machine, no prefix
+cache: every step re-reads prompt + text), decoded by :class:`rlens.rlae.topk.TopKEnsemble` over the top k tokens
+of each, against the in-process :class:`rlens.rlae.decode.TokenEnsemble` (full distributions, KV caches). Tasks: the
+seen-family test stream of ``bench_rlae_llm.py`` (168 few-shot tasks, at most 20 tokens, batches of 32).
+Weights: uniform (GaC), and a trained RLAE agent when ``--run`` names one. Writes results.json and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench_rlae_llm import POOL, SEEN
+from machine import machine_facts
+from rlens.backends import create_backend
+from rlens.cli import quiet_transformers
+from rlens.rlae.agent import RLAEConfig
+from rlens.rlae.decode import TokenEnsemble
+from rlens.rlae.evaluate import correct, decode
+from rlens.rlae.observe import SentenceEncoder
+from rlens.rlae.topk import TopKEnsemble
+from rlens.rlae.train import load_agent
+from rlens.serve import ServerProcess
+from rlens.settings import settings
+from rlens.zoo.build import load_backend, load_zoo
+from rlens.zoo.fewshot import fewshot_stream
+
+
+def timed(ensemble, tasks, weights, cfg) -> tuple[float, float, int]:
+    """(exact match, seconds per answer, generated characters) of one greedy pass."""
+    started = time.perf_counter()
+    texts = decode(ensemble, tasks, weights, cfg, batch=32)
+    return float(correct(texts, tasks).mean()), (time.perf_counter() - started) / len(tasks), sum(map(len, texts))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--zoo", type=Path, default=None)
+    parser.add_argument("--run", type=Path, default=None, help="a trained RLAE run over the same two models")
+    parser.add_argument("--k", type=int, nargs="+", default=[5, 20])
+    parser.add_argument("--out", type=Path, default=Path("out/bench_rlae_serve"))
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    quiet_transformers()
+    print(f"machine: {machine_facts()}; 2 torch threads in process, each server its own process", flush=True)
+    zoo = {m.name: m for m in load_zoo(args.zoo or settings().zoo_dir)}
+    tasks = fewshot_stream(SEEN, 24, seed=7)
+    cfg = RLAEConfig(max_tokens=20)
+    sources: dict[str, object] = {"uniform (GaC)": np.ones(len(POOL))}
+    if args.run is not None:
+        agent, models, _ = load_agent(args.run, SentenceEncoder())
+        if models != POOL:
+            raise SystemExit(f"{args.run} was trained on {models}, not {POOL}")
+        sources[f"RLAE ({agent.cfg.variant}, {args.run.name})"] = agent
+    rows = []
+    local = TokenEnsemble([load_backend(zoo[name]) for name in POOL])
+    for name, source in sources.items():
+        accuracy, seconds, _ = timed(local, tasks, source, cfg)
+        rows.append({"weights": name, "where": "in process", "k": None, "exact_match": accuracy, "s_per_answer": seconds})
+        print(rows[-1], flush=True)
+    del local
+    servers = [ServerProcess(Path(zoo[name].path), name, zoo[name].gguf_file, startup_s=300) for name in POOL]
+    try:
+        backends = [create_backend("openai", base_url=server.url, model=name, timeout_s=600) for server, name in zip(servers, POOL)]
+        for k in args.k:
+            remote = TopKEnsemble(backends, k=k)
+            for name, source in sources.items():
+                accuracy, seconds, _ = timed(remote, tasks, source, cfg)
+                rows.append({"weights": name, "where": "2 x rlens serve-model", "k": k, "exact_match": accuracy, "s_per_answer": seconds})
+                print(rows[-1], flush=True)
+    finally:
+        for server in servers:
+            server.kill()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps({"machine": machine_facts(), "tasks": len(tasks), "rows": rows}, indent=1))
+    print("| weights | models | top k | exact match | s per answer (batches of 32) |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['weights']} | {r['where']} | {r['k'] or 'full'} | {100 * r['exact_match']:.1f} % | {r['s_per_answer']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
