@@ -33,6 +33,7 @@ from rlens.zoo.build import load_backend, load_zoo
 from rlens.zoo.tasks import generation_split, generation_stream
 
 FAMILIES = ["arithmetic", "counting", "ordering", "pattern"]
+SPECIALISTS = ["arith-char", "count-bpe", "order-char", "pattern-bpe"]
 
 
 def plot(results: dict, test_families: list[str], path: Path) -> None:
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/bench_rlae"))
     args = parser.parse_args()
     torch.set_num_threads(2)
-    zoo = [m for m in load_zoo(args.zoo or settings().zoo_dir) if args.smollm2 or m.name != "smollm2-135m"]
+    zoo = [m for m in load_zoo(args.zoo or settings().zoo_dir) if m.name in SPECIALISTS or args.smollm2 and m.name == "smollm2-135m"]
     names = [m.name for m in zoo]
     backends = [load_backend(m) for m in zoo]
     ensemble, encoder = TokenEnsemble(backends), SentenceEncoder()
