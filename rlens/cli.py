@@ -66,7 +66,8 @@ def run_replay(data: Path, protocol: Protocol, seed: int, out: Path, variants: l
     console.print(f"[bold]{dataset.name}[/]: {dataset.n_questions} questions, {dataset.n_models} models, {len(dataset.task_names)} tasks; protocol {protocol.value}, seed {seed}")
     try:
         with progress_bar(console) as bar:
-            task = bar.add_task("RL-Focal warm start + online", total=total_steps(dataset, protocol, config, variants))
+            stages = "warm start + online" if protocol == Protocol.paper else "online from a cold start"
+            task = bar.add_task(f"RL-Focal {stages}", total=total_steps(dataset, protocol, config, variants))
             result = run(dataset, protocol, seed, config, variants, workers=workers, progress=lambda n: bar.advance(task, n), drift=drift or DriftOptions(),
                          numerics=numerics)
     except ValueError as exc:

@@ -97,6 +97,7 @@ def test_demo_is_the_main_job_on_the_bundled_stream(tmp_path):
 
     result = runner.invoke(app, ["demo", "--out", str(tmp_path), "--workers", "1"])
     assert result.exit_code == 0, result.output
+    assert "RL-Focal online from a cold start" in result.output and "warm start" not in result.output  # the stream protocol's stages
     assert {p.name for p in tmp_path.iterdir()} == {"results.json", "report.md", "report.png", "per_query.csv"}
     methods = json.loads((tmp_path / "results.json").read_text())["methods"]
     rl = methods["rl_focal"]
