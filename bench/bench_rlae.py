@@ -1,6 +1,6 @@
 """RLAE-PPO and RLAE-MAPPO against every baseline on the zoo's generation stream (exact match).
 
-    python bench/bench_rlae.py [--zoo DIR] [--smollm2] [--seeds 0 1 2] [--span 4] [--episodes 6144] [--out out/bench_rlae]
+    python bench/bench_rlae.py [--zoo DIR] [--models arith-char count-bpe ...] [--seeds 0 1 2] [--span 4] [--episodes 6144] [--out out/bench_rlae]
 
 Training split: 1000 open-ended tasks of uniformly drawn families (seed 100). Test stream: 8 blocks of 50 tasks,
 the family switching at every block (seed 7). Families: arithmetic, counting, ordering, pattern (no zoo model
@@ -68,14 +68,15 @@ def plot(results: dict, test_families: list[str], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zoo", type=Path, default=None)
-    parser.add_argument("--smollm2", action="store_true", help="include SmolLM2-135M in the pool (about 5x slower)")
+    parser.add_argument("--models", nargs="+", default=SPECIALISTS, help="the pool: zoo models (default: the 4 specialists)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--span", type=int, default=4)
     parser.add_argument("--episodes", type=int, default=6144)
     parser.add_argument("--out", type=Path, default=Path("out/bench_rlae"))
     args = parser.parse_args()
     torch.set_num_threads(2)
-    zoo = [m for m in load_zoo(args.zoo or settings().zoo_dir) if m.name in SPECIALISTS or args.smollm2 and m.name == "smollm2-135m"]
+    models = {m.name: m for m in load_zoo(args.zoo or settings().zoo_dir)}
+    zoo = [models[name] for name in args.models]
     names = [m.name for m in zoo]
     backends = [load_backend(m) for m in zoo]
     ensemble, encoder = TokenEnsemble(backends), SentenceEncoder()
