@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from machine import machine_facts
 from rlens.backends import ChoiceQuery, create_backend
 from rlens.backends.hf import TransformersBackend
 from rlens.dataset import load_dataset
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("bench/out/backends.json"))
     args = parser.parse_args()
+    print(f"machine: {machine_facts()}", flush=True)
     data = settings().demo_data
     queries = [ChoiceQuery(id=str(i), prompt=q.prompt, choices=q.choices) for i, q in enumerate(read_questions(data / QUESTIONS_FILE)[: args.questions])]
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from machine import machine_facts
 from rlens.dataset import load_dataset
 from rlens.drift import DriftConfig, DriftMonitor, drift_figures, task_blocks
 from rlens.focal.config import FocalConfig
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--datasets", nargs="+", default=["zoo_mc", "bbh_dev"])
     parser.add_argument("--out", type=Path, default=Path("bench/out/drift.json"))
     args = parser.parse_args()
+    print(f"machine: {machine_facts()}", flush=True)
     datasets = {"zoo_mc (validation)": settings().demo_data, "bbh_dev (held out)": settings().shared_data / "bbh_dev"}
     datasets = {name: path for name, path in datasets.items() if name.split()[0] in args.datasets}
     result: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "seeds": args.seeds, "keep": args.keep, "delta": args.delta,

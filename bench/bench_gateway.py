@@ -32,6 +32,7 @@ import aiohttp
 import httpx
 import numpy as np
 
+from machine import machine_facts
 from rlens.dataset import load_dataset
 from rlens.messages import Query
 from rlens.service.load import play, queries_of
@@ -191,6 +192,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=5.0, help="RLENS_GATEWAY_TIMEOUT_S: shorter than the group's rebalance after the kill, so requests time out and are retried")
     parser.add_argument("--out", type=Path, default=Path("bench/out/gateway.json"))
     args = parser.parse_args()
+    print(f"machine: {machine_facts()}", flush=True)
     zoo = load_dataset(settings().demo_data)
     workdir = args.out.parent / "gateway-stack"
     shutil.rmtree(workdir, ignore_errors=True)

@@ -15,6 +15,7 @@ import json
 import time
 from pathlib import Path
 
+from machine import machine_facts
 from rlens.dataset import load_dataset, shared_data_dir
 from rlens.focal.config import FocalConfig
 from rlens.protocols import Protocol
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=50.0)
     parser.add_argument("--out", type=Path, default=Path("bench/out/live_accuracy.json"))
     args = parser.parse_args()
+    print(f"machine: {machine_facts()}", flush=True)
     dataset = load_dataset(args.data)
     rows = []
     for seed in args.seeds:

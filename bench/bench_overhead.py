@@ -15,6 +15,7 @@ import time
 import numpy as np
 import torch
 
+from machine import machine_facts
 from rlens.dataset import load_dataset, shared_data_dir
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import questions
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--data", default=str(shared_data_dir() / "bbh_dev"))
     parser.add_argument("--repeats", type=int, default=3, help="passes over the test questions")
     args = parser.parse_args()
+    print(f"machine: {machine_facts()}", flush=True)
     torch.set_num_threads(1)
     data = load_dataset(args.data)
     warm_index, test_index = split(data, Protocol.paper)

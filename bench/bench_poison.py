@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from machine import machine_facts
 from rlens.dataset import load_dataset
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Answer, DeadLetter, Experience, Feedback, Query
@@ -155,6 +156,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/out/poison.json"))
     args = parser.parse_args()
+    print(f"machine: {machine_facts()}", flush=True)
     zoo = load_dataset(settings().demo_data)
     sent = payloads(args.per_topic, args.seed, zoo)
     valid = {qid for qid in map(valid_query, sent["queries"]) if qid}

@@ -16,6 +16,7 @@ import resource
 import time
 from pathlib import Path
 
+from machine import machine_facts
 from rlens.protocols import Protocol
 from rlens.replay import RL_VARIANTS, replay
 from rlens.synthetic import synthetic_dataset
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/out/replay_scale.json"))
     args = parser.parse_args()
+    print(f"machine: {machine_facts()}", flush=True)
     variants = list(RL_VARIANTS) if args.variants == "all" else [args.variants]
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; variants {variants}", flush=True)
     rows = []

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
+from machine import machine_facts
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.evaluate import correct, decode, grid_search, rl_focal_correct
@@ -74,6 +75,7 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=6144)
     parser.add_argument("--out", type=Path, default=Path("out/bench_rlae"))
     args = parser.parse_args()
+    print(f"machine: {machine_facts()}", flush=True)
     torch.set_num_threads(2)
     models = {m.name: m for m in load_zoo(args.zoo or settings().zoo_dir)}
     zoo = [models[name] for name in args.models]

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from machine import machine_facts
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.observe import SentenceEncoder
@@ -127,6 +128,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of the online updates (RLENS_RLAE_LR)")
     parser.add_argument("--out", type=Path, default=Path("out/bench_rlae_online"))
     args = parser.parse_args()
+    print(f"machine: {machine_facts()}", flush=True)
     zoo = args.zoo or settings().zoo_dir
     args.out.mkdir(parents=True, exist_ok=True)
     tasks = generation_stream(FAMILIES, args.blocks, args.block_size, seed=7)

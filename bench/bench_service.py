@@ -24,6 +24,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from machine import machine_facts
 from rlens.dataset import load_dataset
 from rlens.service.kafka import Topics
 from rlens.service.load import play, queries_of
@@ -85,6 +86,7 @@ def main() -> None:
     parser.add_argument("--metrics-reps", type=int, default=2, help="alternations of the worker with its metrics off and on")
     parser.add_argument("--out", type=Path, default=Path("bench/out/service.json"))
     args = parser.parse_args()
+    print(f"machine: {machine_facts()}", flush=True)
     data = settings().demo_data
     dataset = load_dataset(data)
     stream = queries_of(dataset, None, "bench")  # reference ids index the dataset the replay backends serve

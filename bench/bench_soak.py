@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from machine import machine_facts
 from rlens.dataset import load_dataset
 from rlens.service.load import play, queries_of
 from rlens.service.stack import LocalStack, write_replay_pool
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--out", type=Path, default=Path("bench/out/soak.json"))
     args = parser.parse_args()
+    print(f"machine: {machine_facts()}", flush=True)
     zoo = load_dataset(settings().demo_data)
     base = queries_of(zoo, None, "soak")
     n = int(args.minutes * 60 * args.rate)
