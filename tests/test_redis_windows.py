@@ -62,6 +62,22 @@ def test_an_outcome_applies_once_per_query(redis_url):
     run(scenario())
 
 
+def test_a_batch_of_outcomes_applies_in_one_round_trip_in_order_and_once(redis_url):
+    async def scenario():
+        redis, windows = await fresh(redis_url)
+        await redis.script_flush()  # the script is not cached yet: the pipeline must load it
+        applied = await windows.apply_many([("a", "q1", [0, 1, 2], 0, 1.0), ("b", "q2", [1, 1, 1], 1, 0.5), ("a", "q3", [2, 2, 2], 2, 0.0), ("a", "q1", [0, 1, 2], 0, 1.0)])
+        assert applied == [True, True, True, False]  # the repeated query counts once
+        assert await redis.lrange(windows.window_key("a"), 0, -1) == [b"[0,1.0,0,1,2]", b"[2,0.0,2,2,2]"]
+        assert await windows.apply_many([("b", "q2", [1, 1, 1], 1, 0.5), ("b", "q4", [0, 0, 0], 0, 1.0)]) == [False, True]
+        with pytest.raises(ValueError, match="query q6: predictions for 2 models"):  # checked before anything is sent
+            await windows.apply_many([("c", "q5", [0, 0, 0], 0, 1.0), ("c", "q6", [0, 0], 0, 1.0)])
+        assert await redis.llen(windows.window_key("c")) == 0
+        await redis.aclose()
+
+    run(scenario())
+
+
 def test_keys_expire(redis_url):
     async def scenario():
         redis, windows = await fresh(redis_url, window_ttl_s=100, dedup_ttl_s=50)

@@ -384,6 +384,20 @@ def test_redis_down_at_start_and_during_a_long_outage_loses_no_outcome(tmp_path,
     asyncio.run(scenario())
 
 
+def test_the_learner_applies_its_backlog_in_batches_and_drops_only_a_row_no_window_holds(tmp_path, redis_server):
+    async def scenario():
+        core = learner(tmp_path, redis_server.url)
+        await Redis.from_url(redis_server.url).delete(core.windows.window_key("b"))
+        good = [("b", f"q{i}", [1, 0, -1, 2, 1], 1, 1.0) for i in range(600)]  # more than one round trip's batch
+        core.window_backlog.extend(good[:300] + [("b", "bad", [1, 0], 1, 1.0)] + good[300:] + [good[0]])  # a short row, a repeat
+        await core.apply_windows()
+        assert not core.window_backlog and core.stats.windows_applied == 600
+        assert await Redis.from_url(redis_server.url).llen(core.windows.window_key("b")) == 128  # trimmed to W, in order
+        core.checkpoints.close()
+
+    asyncio.run(scenario())
+
+
 # --- bounded per-stream state ---------------------------------------------------------------------------------------
 def test_the_engines_per_stream_state_is_bounded():
     engine = FocalEngine(5, config=FocalConfig(max_streams=3), seed=0)

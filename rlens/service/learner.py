@@ -56,6 +56,7 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import os
@@ -85,6 +86,7 @@ from rlens.service.security import FeedbackTokens, PolicySigner
 from rlens.service.windows import LEASE_TTL_S, RedisWindows
 from rlens.settings import Settings
 
+APPLY_BATCH = 256  # outcomes sent to Redis in one round trip
 log = logging.getLogger("rlens.learner")
 
 
@@ -351,14 +353,14 @@ class LearnerCore:
         take stays in the backlog (bounded: the oldest outcomes go first) for the next call."""
         delay, waited = 0.05, 0.0
         while self.window_backlog and time.monotonic() >= self._redis_retry_at:
-            stream, query_id, predictions, label, reward = self.window_backlog[0]
+            batch = list(itertools.islice(self.window_backlog, APPLY_BATCH))
             try:
-                if await self.windows.apply(stream, query_id, predictions, label, reward):
-                    self.stats.windows_applied += 1
-                self.window_backlog.popleft()
-            except ValueError as exc:  # a row no window can hold: drop it, never block the ones behind it
-                log.error("outcome of query %s dropped: %s", query_id, exc)
-                self.window_backlog.popleft()
+                applied = await self.windows.apply_many([o for o in batch if not self.windows.row_error(*o[2:])])
+                for outcome in batch:
+                    self.window_backlog.popleft()
+                    if error := self.windows.row_error(*outcome[2:]):  # a row no window can hold: dropped, never blocks the others
+                        log.error("outcome of query %s dropped: %s", outcome[1], error)
+                self.stats.windows_applied += sum(applied)
             except (RedisError, OSError) as exc:
                 self.stats.redis_retries += 1
                 if waited >= self.redis_wait_s:

@@ -147,11 +147,21 @@ class RedisWindows:
     async def apply(self, stream: str, query_id: str, predictions: list[int], label: int, reward: float) -> bool:
         """Add one query's outcome to its stream's window, once; False if it was already applied. A row that does
         not fit (:meth:`row_error`) is a ValueError."""
-        if error := self.row_error(predictions, label, reward):
-            raise ValueError(error)
-        row = json.dumps([int(label), float(reward), *map(int, predictions)], separators=(",", ":"))
-        keys = [self.window_key(stream), self.applied_key(stream, query_id)]
-        return bool(await self._apply(keys=keys, args=[row, self.size, self.window_ttl_s, self.dedup_ttl_s]))
+        return (await self.apply_many([(stream, query_id, predictions, label, reward)]))[0]
+
+    async def apply_many(self, outcomes: list[tuple[str, str, list[int], int, float]]) -> list[bool]:
+        """Several outcomes ``(stream, query id, predictions, label, reward)`` in one round trip (a pipeline of the
+        update script, run in order, each applied once); per outcome, False if it was already applied. Any row that
+        does not fit is a ValueError before anything is sent."""
+        for stream, query_id, predictions, label, reward in outcomes:
+            if error := self.row_error(predictions, label, reward):
+                raise ValueError(f"query {query_id}: {error}")
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream, query_id, predictions, label, reward in outcomes:
+                row = json.dumps([int(label), float(reward), *map(int, predictions)], separators=(",", ":"))
+                keys = [self.window_key(stream), self.applied_key(stream, query_id)]
+                await self._apply(keys=keys, args=[row, self.size, self.window_ttl_s, self.dedup_ttl_s], client=pipe)
+            return [bool(applied) for applied in await pipe.execute()]
 
     def ready_key(self, role: str, name: str) -> str:
         return f"{self.prefix}:ready:{role}:{name}"
