@@ -25,21 +25,30 @@ from rlens.backends import create_backend
 from rlens.cli import quiet_transformers
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
-from rlens.rlae.evaluate import correct, decode
+from rlens.rlae.evaluate import correct
 from rlens.rlae.observe import SentenceEncoder
 from rlens.rlae.topk import TopKEnsemble
-from rlens.rlae.train import load_agent
+from rlens.rlae.train import STOP, RLAEAgent, load_agent
 from rlens.serve import ServerProcess
 from rlens.settings import settings
 from rlens.zoo.build import load_backend, load_zoo
 from rlens.zoo.fewshot import fewshot_stream
 
 
-def timed(ensemble, tasks, weights, cfg) -> tuple[float, float, int]:
-    """(exact match, seconds per answer, generated characters) of one greedy pass."""
-    started = time.perf_counter()
-    texts = decode(ensemble, tasks, weights, cfg, batch=32)
-    return float(correct(texts, tasks).mean()), (time.perf_counter() - started) / len(tasks), sum(map(len, texts))
+def timed(ensemble, tasks, source, cfg) -> tuple[float, float, int]:
+    """(exact match, seconds per answer, generated tokens) of one greedy pass in batches of 32."""
+    started, texts, tokens = time.perf_counter(), [], 0
+    for start in range(0, len(tasks), 32):
+        prompts = [t.prompt for t in tasks[start : start + 32]]
+        weights = source.weights_fn(prompts, greedy=True) if isinstance(source, RLAEAgent) else source
+        outputs = ensemble.generate_batch(prompts, weights, max_tokens=cfg.max_tokens, span=cfg.span, stop=STOP)
+        texts += [o.text for o in outputs]
+        tokens += sum(len(o.union_tokens) for o in outputs)
+    return float(correct(texts, tasks).mean()), (time.perf_counter() - started) / len(tasks), tokens
+
+
+def agent_cfg(source, cfg: RLAEConfig) -> RLAEConfig:
+    return source.cfg if isinstance(source, RLAEAgent) else cfg
 
 
 def main() -> None:
@@ -64,8 +73,8 @@ def main() -> None:
     rows = []
     local = TokenEnsemble([load_backend(zoo[name]) for name in POOL])
     for name, source in sources.items():
-        accuracy, seconds, _ = timed(local, tasks, source, cfg)
-        rows.append({"weights": name, "where": "in process", "k": None, "exact_match": accuracy, "s_per_answer": seconds})
+        accuracy, seconds, tokens = timed(local, tasks, source, agent_cfg(source, cfg))
+        rows.append({"weights": name, "where": "in process", "k": None, "exact_match": accuracy, "s_per_answer": seconds, "ms_per_token": 1000 * seconds * len(tasks) / tokens})
         print(rows[-1], flush=True)
     del local
     servers = [ServerProcess(Path(zoo[name].path), name, zoo[name].gguf_file, startup_s=300) for name in POOL]
@@ -74,17 +83,17 @@ def main() -> None:
         for k in args.k:
             remote = TopKEnsemble(backends, k=k)
             for name, source in sources.items():
-                accuracy, seconds, _ = timed(remote, tasks, source, cfg)
-                rows.append({"weights": name, "where": "2 x rlens serve-model", "k": k, "exact_match": accuracy, "s_per_answer": seconds})
+                accuracy, seconds, tokens = timed(remote, tasks, source, agent_cfg(source, cfg))
+                rows.append({"weights": name, "where": "2 x rlens serve-model", "k": k, "exact_match": accuracy, "s_per_answer": seconds, "ms_per_token": 1000 * seconds * len(tasks) / tokens})
                 print(rows[-1], flush=True)
     finally:
         for server in servers:
             server.kill()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"machine": machine_facts(), "tasks": len(tasks), "rows": rows}, indent=1))
-    print("| weights | models | top k | exact match | s per answer (batches of 32) |\n|---|---|---|---|---|")
+    print("| weights | models | top k | exact match | s per answer | ms per generated token (batches of 32) |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['weights']} | {r['where']} | {r['k'] or 'full'} | {100 * r['exact_match']:.1f} % | {r['s_per_answer']:.2f} |")
+        print(f"| {r['weights']} | {r['where']} | {r['k'] or 'full'} | {100 * r['exact_match']:.1f} % | {r['s_per_answer']:.2f} | {r['ms_per_token']:.0f} |")
 
 
 if __name__ == "__main__":
