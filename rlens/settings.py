@@ -99,6 +99,7 @@ class Settings(BaseSettings):
     rlae_lr: float = Field(1e-3, gt=0, description="learning rate of the online PPO updates")
     rlae_rehearsal: int = Field(32, ge=0, description="per stream, earlier episodes replayed in every update (against forgetting across task switches); 0: none")
     rlae_explore: bool = Field(True, description="sample the weights from the policy (on-policy experience for the learner); false: the policy's mean")
+    rlae_observe: Literal["prompt", "text"] = Field("prompt", description="what the agent's MiniLM embeds: the prompt once per query, or prompt + text at every span")
 
 
 def settings() -> Settings:

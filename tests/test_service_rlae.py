@@ -139,6 +139,9 @@ def test_learner_warm_starts_from_an_offline_run_of_the_same_models_and_settings
     other_span = RLAEOnlineTrainer(make_policy(obs_dim(3), 3, replace(CFG, span=4)), replace(CFG, span=4), MODELS)
     with pytest.raises(ValueError, match="the settings ask for"):
         other_span.warm_start(tmp_path / "run")
+    other_observation = RLAEOnlineTrainer(make_policy(obs_dim(3), 3, CFG), replace(CFG, observe="text"), MODELS)
+    with pytest.raises(ValueError, match="'observe': 'prompt'.*_OBSERVE"):  # its inputs would mean something else
+        other_observation.warm_start(tmp_path / "run")
     other_models = RLAEOnlineTrainer(make_policy(obs_dim(3), 3, CFG), CFG, ["a", "b", "c"])
     with pytest.raises(ValueError, match="was trained on models"):
         other_models.warm_start(tmp_path / "run")

@@ -144,7 +144,7 @@ def load_agent(run_dir: Path, encoder: SentenceEncoder) -> tuple[RLAEAgent, list
     if restored is None:
         raise FileNotFoundError(f"{run_dir} holds no RLAE checkpoint: train one with `rlens rlae train --out {run_dir}`")
     tensors, state = restored
-    cfg = RLAEConfig(**state["config"])
+    cfg = RLAEConfig(**{"observe": "text", **state["config"]})  # runs saved before `observe` existed embedded the text
     policy = make_policy(obs_dim(len(state["models"])), len(state["models"]), cfg, state["seed"])
     policy.load_state_dict(tensors["policy"])
     return RLAEAgent(policy.eval(), encoder, cfg, len(state["models"])), state["models"], state

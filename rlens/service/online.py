@@ -334,7 +334,7 @@ class RLAEOnlineTrainer(OnlineTrainer):
     def _check_run(self, where: Path, state: dict) -> None:
         if state["models"] != self.models:
             raise ValueError(f"{where} was trained on models {state['models']}, the pool is {self.models}")
-        theirs = {k: state["config"][k] for k in ("variant", "span", "max_tokens")}
+        theirs = {k: state["config"].get(k, "text" if k == "observe" else None) for k in ("variant", "span", "max_tokens", "observe")}  # runs before `observe` saw the text
         ours = {k: getattr(self.cfg, k) for k in theirs}
         if theirs != ours:
-            raise ValueError(f"{where} holds an RLAE agent with {theirs}, the settings ask for {ours} (RLENS_RLAE_VARIANT / _SPAN / _MAX_TOKENS)")
+            raise ValueError(f"{where} holds an RLAE agent with {theirs}, the settings ask for {ours} (RLENS_RLAE_VARIANT / _SPAN / _MAX_TOKENS / _OBSERVE)")

@@ -61,7 +61,7 @@ def build_windows(settings: Settings, n_models: int, size: int) -> RedisWindows:
 def rlae_config(settings: Settings) -> RLAEConfig:
     return RLAEConfig(
         variant=settings.rlae_variant, span=settings.rlae_span, max_tokens=settings.rlae_max_tokens,
-        episodes_per_update=settings.rlae_update_episodes, lr=settings.rlae_lr,
+        episodes_per_update=settings.rlae_update_episodes, lr=settings.rlae_lr, observe=settings.rlae_observe,
     )
 
 
