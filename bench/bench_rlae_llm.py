@@ -14,7 +14,7 @@ Methods, all greedy: each model alone; the uniform token ensemble (GaC); the bes
 scorer trained on the training split picks one, ``rlens.rlae.ranker``); RL-Focal over the two answers (warm start
 on the training split, online on each test stream); RLAE-PPO and RLAE-MAPPO trained on the training split, then
 frozen (greedy weights). Latency: seconds per answer at batch 1 on 12 test prompts, same machine, same threads.
-Writes results.json and a table (stdout).
+Writes results.json, accuracy.png and a table (stdout).
 """
 
 from __future__ import annotations
@@ -47,6 +47,29 @@ SEEN = ["add_two_digit", "continent", "multiply", "successor", "number_word", "p
 UNSEEN = ["add", "weekday", "first_letter", "uppercase", "month", "larger"]
 POOL = ["smollm2-135m", "gemma3-270m"]
 GRID = [np.array([w, 1 - w]) for w in (0.25, 0.5, 0.75)]  # the two corners are the single models
+
+
+def plot(results: dict, path: Path) -> None:
+    """Exact match per method on the seen and the unseen families (bars: mean over seeds; points: each seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+    for ax, (split, per) in zip(axes, results["accuracy"].items()):
+        names = list(per)
+        for x, name in enumerate(names):
+            ax.bar(x, np.mean(per[name]), color="tab:blue" if name.startswith("rlae") else "tab:gray", alpha=0.75)
+            ax.scatter([x] * len(per[name]), per[name], color="black", s=10, zorder=3)
+        ax.set_xticks(range(len(names)), names, rotation=50, ha="right", fontsize=8)
+        ax.set_title(f"{split} families", fontsize=10)
+        ax.set_ylim(0, 1)
+    axes[0].set_ylabel("exact match")
+    fig.suptitle(f"{' + '.join(results['models'])}, span {results['span']}, {results['episodes']} training episodes", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -145,6 +168,7 @@ def main() -> None:
         "per_task": hits,
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.out / "accuracy.png")
     for split in tests:
         families = list(dict.fromkeys(t.family for t in tests[split]))
         print(f"\n{split} families ({len(tests[split])} tasks): | method | exact match, mean | min–max | " + " | ".join(families) + " |")
