@@ -155,7 +155,7 @@ def load_dataset(directory: str | Path) -> RecordedDataset:
         raise DatasetError(directory / "probs.npy", f"question {row} puts probability on a choice that choice_mask.npy marks invalid")
     sums = probs.sum(2)
     if np.abs(sums - 1).max() > PROB_SUM_TOLERANCE:
-        row, model = np.unravel_index(int(np.argmax(np.abs(sums - 1))), sums.shape)
+        row, model = (int(i) for i in np.unravel_index(int(np.argmax(np.abs(sums - 1))), sums.shape))
         raise DatasetError(directory / "probs.npy", f"question {row}, model {model}: probabilities sum to {sums[row, model]:.4f}, not 1")
     if (labels < 0).any() or (labels >= c).any() or not mask[np.arange(n), np.clip(labels, 0, c - 1)].all():
         row = int(np.argmax((labels < 0) | (labels >= c) | ~mask[np.arange(n), np.clip(labels, 0, c - 1)]))

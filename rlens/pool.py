@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from typing import Callable
 from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
@@ -53,7 +54,8 @@ def backend_options(backend: str) -> tuple[set[str], set[str]]:
     if backend == "transformers":
         from rlens.backends.hf import TransformersBackend
 
-        target, skip = TransformersBackend.load, {"cls", "dtype"}  # dtype is no JSON value
+        target: Callable = TransformersBackend.load
+        skip = {"cls", "dtype"}  # dtype is no JSON value
     else:
         target, skip = BACKENDS[backend].__init__, {"self"}
     parameters = [p for name, p in inspect.signature(target).parameters.items()
@@ -116,5 +118,5 @@ def build_rlae_decoder(config: PoolConfig, top_k: int = 5):
     kinds = {m.backend for m in config.models}
     if kinds not in ({"transformers"}, {"openai"}):
         raise PoolConfigError(f"an RLAE pool is all `transformers` models (in process) or all `openai` servers (top-k), got {', '.join(sorted(kinds))}")
-    backends = [build_backend(m) for m in config.models]
+    backends: list = [build_backend(m) for m in config.models]  # all TransformersBackend, or all OpenAIBackend
     return TokenEnsemble(backends) if kinds == {"transformers"} else TopKEnsemble(backends, top_k)

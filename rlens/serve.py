@@ -87,7 +87,7 @@ def create_app(backend: TransformersBackend, model_name: str) -> FastAPI:
             with lock:
                 if top_k_only:
                     eos_text = backend.tokenizer.decode([backend.tokenizer.eos_token_id])
-                    for i, (prompt, next_token) in enumerate(zip(request.prompts, backend.next_tokens(request.prompts, max(request.logprobs, 1)))):
+                    for i, (prompt, next_token) in enumerate(zip(request.prompts, backend.next_tokens(request.prompts, max(request.logprobs or 1, 1)))):
                         choices.append(next_token_choice(i, prompt, next_token, eos_text))
                         prompt_tokens += next_token.prompt_tokens
                         completion_tokens += 1
@@ -122,7 +122,7 @@ class ServerProcess:
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"serve-model exited with {self.process.returncode}: {self.process.stdout.read().decode()[-2000:]}")
+                raise RuntimeError(f"serve-model exited with {self.process.returncode}: {self.process.communicate()[0].decode()[-2000:]}")
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
                     return

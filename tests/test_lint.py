@@ -1,5 +1,6 @@
-"""The code base passes ruff's pyflakes and syntax checks (unused imports or variables, undefined names): the
-configuration is in pyproject.toml, so `ruff check` gives the same answer by hand."""
+"""The code base passes ruff's pyflakes and syntax checks (unused imports or variables, undefined names) and mypy's
+type check on the modules it covers: the configuration is in pyproject.toml, so `ruff check` and `mypy` give the same
+answers by hand."""
 
 import shutil
 import subprocess
@@ -12,4 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ruff_finds_nothing():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     result = subprocess.run([ruff, "check", "rlens", "tests", "bench", "services"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_finds_nothing():
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr

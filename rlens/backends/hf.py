@@ -83,7 +83,7 @@ class TransformersBackend(Backend):
         self.tokenizer = tokenizer
         self.prefix = bos_prefix(tokenizer)  # read before every prompt
         self.device = device
-        self.max_length = max_length or getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", 2048)
+        self.max_length = int(max_length or getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None) or 2048)
 
     @classmethod
     def load(cls, path: str | Path, gguf_file: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "TransformersBackend":
@@ -114,7 +114,7 @@ class TransformersBackend(Backend):
 
         out = self.model(torch.tensor([context], device=self.device), use_cache=True, logits_to_keep=1)
         first = F.log_softmax(out.logits[0, -1].float(), -1)  # predicts every continuation's first token
-        rest_logp = None
+        rest_logp = torch.empty(0)  # the log-probabilities of every continuation's later tokens, when there are some
         if longest > 1:
             n = len(continuations)
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id

@@ -20,6 +20,14 @@ def mlp(n_in: int, hidden: int, n_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(n_in, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, n_out))
 
 
+def output_layer(net: nn.Sequential) -> nn.Linear:
+    """The last layer of an :func:`mlp` (for its initialisation)."""
+    layer = net[-1]
+    if not isinstance(layer, nn.Linear):
+        raise TypeError(f"the network ends in {type(layer).__name__}, not a linear layer")
+    return layer
+
+
 class Decider(nn.Module):
     """logit_j = head_j(trunk(obs)) + u . phi_j, with phi_j = (r_j, r_j - max_i r_i, rank of j) the per-model
     features of the observation (``model_features`` slice: [reliability M | gap M | rank M]), u shared by all models.
@@ -91,8 +99,8 @@ class Fusion(nn.Module):
             self.linear.bias.zero_()
             n_models = len(range(feature_dim)[reliability_weighted_log_probs])
             self.linear.weight[0, reliability_weighted_log_probs] = 2.0 / n_models
-            self.residual[-1].weight.zero_()
-            self.residual[-1].bias.zero_()
+            output_layer(self.residual).weight.zero_()
+            output_layer(self.residual).bias.zero_()
 
     def scores(self, features: torch.Tensor, choice_mask: torch.Tensor) -> torch.Tensor:
         """features [..., C, F], choice_mask bool [..., C] -> scores [..., C] (-1e9 on invalid choices)."""

@@ -211,11 +211,14 @@ class FocalEngine:
         """Keep one rewarded transition for the next update (``answer`` None: the Fusion agent did not act, and
         ``critic_input``, the critic's state, is then required; ``label``: the correct choice, -1 if unknown; a
         label that is none of the choices, as when no model answered right, teaches the Fusion nothing: kept as -1)."""
+        critic_view = answer.critic_state if answer is not None else critic_input
+        if critic_view is None:
+            raise ValueError("remember needs the critic's state: an answer that carries it, or critic_input")
         self.explored_buffered += decision.explored
         self.buffer.append(
             Transition(
                 state=decision.state,
-                critic_state=answer.critic_state if answer is not None else critic_input,
+                critic_state=critic_view,
                 pool=decision.pool.astype(np.float32),
                 pool_logp=decision.pool_logp,
                 reward=reward,

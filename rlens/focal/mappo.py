@@ -54,13 +54,14 @@ def gae(rewards: np.ndarray, values: np.ndarray, next_value: np.ndarray, gamma: 
 def _pad_fusion(batch: list[Transition]) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack per-choice features of different choice counts into [B, Cmax, F] plus a validity mask (every transition
     of a batch the Fusion agent trains on has acted: a warm-start pass either runs the Fusion agent or does not)."""
-    c_max = max(t.fusion_features.shape[0] for t in batch)
-    feature_dim = batch[0].fusion_features.shape[1]
-    features = np.zeros((len(batch), c_max, feature_dim), dtype=np.float32)
+    rows = [t.fusion_features for t in batch if t.fusion_features is not None]
+    if len(rows) < len(batch):
+        raise ValueError("a transition in the Fusion agent's batch has no features: the Fusion agent did not act on it")
+    c_max = max(f.shape[0] for f in rows)
+    features = np.zeros((len(batch), c_max, rows[0].shape[1]), dtype=np.float32)
     mask = np.zeros((len(batch), c_max), dtype=bool)
-    for i, t in enumerate(batch):
-        c = t.fusion_features.shape[0]
-        features[i, :c], mask[i, :c] = t.fusion_features, True
+    for i, f in enumerate(rows):
+        features[i, : f.shape[0]], mask[i, : f.shape[0]] = f, True
     return torch.from_numpy(features), torch.from_numpy(mask)
 
 

@@ -153,11 +153,11 @@ def import_lm_eval(models: dict[str, Path], out: Path, costs: dict[str, float] |
             rows.append((task_id, samples))
 
     c_max = max(len(s[0].loglikelihoods) for _, s in rows)
-    n, m = len(rows), len(names)
-    probs = np.zeros((n, m, c_max), dtype=np.float32)
-    mask = np.zeros((n, c_max), dtype=bool)
-    labels = np.zeros(n, dtype=np.int64)
-    task = np.zeros(n, dtype=np.int64)
+    n_rows, n_models = len(rows), len(names)
+    probs = np.zeros((n_rows, n_models, c_max), dtype=np.float32)
+    mask = np.zeros((n_rows, c_max), dtype=bool)
+    labels = np.zeros(n_rows, dtype=np.int64)
+    task_ids = np.zeros(n_rows, dtype=np.int64)
     choices_of_task: dict[int, list[str]] = {}
     for i, (task_id, samples) in enumerate(rows):
         c = len(samples[0].loglikelihoods)
@@ -165,17 +165,17 @@ def import_lm_eval(models: dict[str, Path], out: Path, costs: dict[str, float] |
         ll = ll - ll.max(1, keepdims=True)
         probs[i, :, :c] = np.exp(ll) / np.exp(ll).sum(1, keepdims=True)
         mask[i, :c] = True
-        labels[i], task[i] = samples[0].target, task_id
+        labels[i], task_ids[i] = samples[0].target, task_id
         choices_of_task.setdefault(task_id, samples[0].choices)
     dataset = RecordedDataset(
         name=out.name,
         probs=probs,
         choice_mask=mask,
         labels=labels,
-        task=task,
+        task=task_ids,
         model_names=names,
-        model_costs=np.array([(costs or {}).get(n, 1.0) for n in names]),
+        model_costs=np.array([(costs or {}).get(name, 1.0) for name in names]),
         task_names=dict(enumerate(task_order)),
     )
     save_dataset(dataset, out, choices_of_task)
-    return ImportSummary(out, n, m, task_order, dropped)
+    return ImportSummary(out, n_rows, n_models, task_order, dropped)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributions import Dirichlet, Normal
 
-from rlens.focal.agents import mlp
+from rlens.focal.agents import mlp, output_layer
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,8 @@ class DirichletPolicy(nn.Module):
         super().__init__()
         self.actor, self.critic, self.floor = mlp(obs_dim, cfg.hidden, n_models), mlp(obs_dim, cfg.hidden, 1), cfg.min_concentration
         with torch.no_grad():  # start near uniform weights with moderate spread (concentration about 2 each)
-            self.actor[-1].weight.mul_(0.01)
-            self.actor[-1].bias.fill_(2.0)
+            output_layer(self.actor).weight.mul_(0.01)
+            output_layer(self.actor).bias.fill_(2.0)
 
     def distribution(self, obs: torch.Tensor) -> Dirichlet:
         return Dirichlet(nn.functional.softplus(self.actor(obs)) + self.floor)
@@ -91,13 +91,14 @@ class MultiAgentPolicy(nn.Module):
 
     def __init__(self, obs_dim: int, n_models: int, cfg: RLAEConfig):
         super().__init__()
-        self.actors = nn.ModuleList(mlp(obs_dim, cfg.hidden, 1) for _ in range(n_models))
+        actors = [mlp(obs_dim, cfg.hidden, 1) for _ in range(n_models)]
+        self.actors = nn.ModuleList(actors)
         self.log_std = nn.Parameter(torch.full((n_models,), cfg.init_log_std))
         self.critic = mlp(obs_dim, cfg.hidden, 1)  # centralized: sees the joint observation
         with torch.no_grad():
-            for actor in self.actors:
-                actor[-1].weight.mul_(0.01)
-                actor[-1].bias.zero_()
+            for actor in actors:
+                output_layer(actor).weight.mul_(0.01)
+                output_layer(actor).bias.zero_()
 
     def distribution(self, obs: torch.Tensor) -> Normal:
         return Normal(torch.cat([actor(obs) for actor in self.actors], -1), self.log_std.exp())
@@ -117,7 +118,10 @@ class MultiAgentPolicy(nn.Module):
         return torch.softmax(action, -1)
 
 
-def make_policy(obs_dim: int, n_models: int, cfg: RLAEConfig, seed: int = 0) -> nn.Module:
+Policy = DirichletPolicy | MultiAgentPolicy
+
+
+def make_policy(obs_dim: int, n_models: int, cfg: RLAEConfig, seed: int = 0) -> Policy:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return (DirichletPolicy if cfg.variant == "ppo" else MultiAgentPolicy)(obs_dim, n_models, cfg)
@@ -149,7 +153,7 @@ def gae_over_spans(rewards: np.ndarray, values: np.ndarray, last: np.ndarray, ga
     return advantages, advantages + values
 
 
-def update(policy: nn.Module, optimizer: torch.optim.Optimizer, spans: list[Span], cfg: RLAEConfig, generator: torch.Generator | None = None) -> dict[str, float]:
+def update(policy: Policy, optimizer: torch.optim.Optimizer, spans: list[Span], cfg: RLAEConfig, generator: torch.Generator | None = None) -> dict[str, float]:
     """PPO (clipped surrogate, value loss, entropy bonus, minibatch epochs) on whole episodes of spans."""
     if not spans or not spans[-1].last:
         raise ValueError("update needs whole episodes: the last span must end an episode")

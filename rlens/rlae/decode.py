@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -64,7 +64,10 @@ class EnsembleOutput:
     appended: list[list[int]]  # per model: the tokens it read after the prompt (the generated text, in its tokens)
 
 
-class SpanWeightedDecoder(ABC):
+State = TypeVar("State")  # a decoder's view of a batch of generations
+
+
+class SpanWeightedDecoder(ABC, Generic[State]):
     """The decoding loop shared by the in-process ensemble and the server (top-k) one.
 
     Subclasses say how to start a batch, what every model's next-token distribution over a common token space is
@@ -75,20 +78,20 @@ class SpanWeightedDecoder(ABC):
     n_models: int
 
     @abstractmethod
-    def start(self, prompts: list[str]) -> list: ...
+    def start(self, prompts: list[str]) -> State: ...
 
     @abstractmethod
-    def step(self, states: list) -> tuple[torch.Tensor, np.ndarray]:
+    def step(self, states: State) -> tuple[torch.Tensor, np.ndarray]:
         """(every model's next-token probabilities [M, B, U], their entropies [B, M])."""
 
     @abstractmethod
     def piece(self, token: int) -> str: ...
 
     @abstractmethod
-    def advance(self, states: list, tokens: list[int | None]) -> list:
+    def advance(self, states: State, tokens: list[int | None]) -> State:
         """Every model reads each row's chosen token (None: the row reads nothing)."""
 
-    def appended(self, states: list, row: int) -> list[list[int]]:
+    def appended(self, states: State, row: int) -> list[list[int]]:
         """Per model, the tokens row ``row`` read after its prompt (empty where a model's tokens are not known here)."""
         return [[] for _ in range(self.n_models)]
 
@@ -117,7 +120,7 @@ class SpanWeightedDecoder(ABC):
         texts, reasons = [""] * batch, ["length"] * batch
         active = np.ones(batch, dtype=bool)
         entropy_sum, agree_sum, steps_in_span = np.zeros((batch, n_models)), np.zeros((batch, n_models)), 0
-        w = None
+        w = np.full((batch, n_models), 1.0 / n_models)  # set at step 0, the first span's start
         for step in range(max_tokens):
             union_probs, entropy = self.step(states)
             entropy_sum += entropy
@@ -152,7 +155,7 @@ class SpanWeightedDecoder(ABC):
         return self.generate_batch([prompt], weights, **options)[0]
 
 
-class TokenEnsemble(SpanWeightedDecoder):
+class TokenEnsemble(SpanWeightedDecoder[list[ModelState]]):
     """In-process models: full next-token distributions over the union vocabulary, one KV cache per model."""
 
     def __init__(self, backends: list[TransformersBackend], vocab: UnionVocab | None = None):

@@ -33,7 +33,7 @@ class ServerRows:
     done: np.ndarray  # bool per row: finished (no more requests)
 
 
-class TopKEnsemble(SpanWeightedDecoder):
+class TopKEnsemble(SpanWeightedDecoder[ServerRows]):
     def __init__(self, backends: list[OpenAIBackend], k: int = 5, eos_texts: frozenset[str] = EOS_TEXTS):
         if not 1 <= k <= 20:
             raise ValueError(f"k must be between 1 and 20 (the servers' usual limit), got {k}")

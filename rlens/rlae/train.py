@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from rlens.checkpoint import CheckpointStore, load_optimizer, optimizer_tensors
-from rlens.rlae.agent import RLAEConfig, Span, make_policy, update
+from rlens.rlae.agent import Policy, RLAEConfig, Span, make_policy, update
 from rlens.rlae.decode import EnsembleOutput, SpanView, SpanWeightedDecoder
 from rlens.rlae.observe import SentenceEncoder, obs_dim, observation
 from rlens.zoo.tasks import GenerationTask, exact_match
@@ -28,7 +28,7 @@ STOP = ["\n"]  # the zoo's answers are one line
 class RLAEAgent:
     """The policy and the frozen sentence encoder: turns each :class:`SpanView` into [B, M] weights."""
 
-    def __init__(self, policy: torch.nn.Module, encoder: SentenceEncoder, cfg: RLAEConfig, n_models: int):
+    def __init__(self, policy: Policy, encoder: SentenceEncoder, cfg: RLAEConfig, n_models: int):
         self.policy, self.encoder, self.cfg, self.n_models = policy, encoder, cfg, n_models
 
     def weights_fn(self, prompts: list[str], greedy: bool, generator: torch.Generator | None = None,

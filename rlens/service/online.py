@@ -33,7 +33,7 @@ from rlens.focal.engine import Answer as EngineAnswer
 from rlens.focal.engine import Decision, FocalEngine
 from rlens.focal.features import critic_state_dim, decider_obs_dim, fusion_feature_dim
 from rlens.messages import Experience, Feedback, Message, RLAEExperience
-from rlens.rlae.agent import RLAEConfig, Span, update
+from rlens.rlae.agent import Policy, RLAEConfig, Span, update
 from rlens.rlae.observe import obs_dim
 from rlens.service.checkpoint import load_engine, save_engine
 from rlens.zoo.tasks import exact_match
@@ -212,7 +212,7 @@ class RLAEOnlineTrainer(OnlineTrainer):
 
     strategy, experience = "rlae", RLAEExperience
 
-    def __init__(self, policy: torch.nn.Module, cfg: RLAEConfig, models: list[str], seed: int = 0, rehearsal: int = 0):
+    def __init__(self, policy: Policy, cfg: RLAEConfig, models: list[str], seed: int = 0, rehearsal: int = 0):
         self.policy, self.cfg, self.models, self.rehearsal = policy, cfg, models, rehearsal
         self.optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr, eps=1e-5)
         self.generator = torch.Generator().manual_seed(seed)
