@@ -186,8 +186,9 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
         stack.wait_ready(120)
         first, then, dead, (reply, chunks, feedback) = asyncio.run(scenario())
         learner = next(u for name, u in stack.http_urls().items() if name.startswith("learner:"))
-        dashboard = httpx.get(f"{learner}/api/dashboard", timeout=10).json()
-        time.sleep(1.0)  # the last feedback reaches the learner
+        deadline = time.time() + 60  # the gateway's feedback reaches the learner (later on a busy machine)
+        while (dashboard := httpx.get(f"{learner}/api/dashboard", timeout=10).json())["joined"] < 53 and time.time() < deadline:
+            time.sleep(0.5)
     finally:
         stack.stop()
     directory = stack.settings.checkpoint_dir
