@@ -110,7 +110,7 @@ def _supervised_fusion_pass(engine: FocalEngine, qs: list[Question], progress: P
         engine.observe(q.key, q.predictions, q.label, engine.reward(members, _pool_vote(q, members) == q.label))
         if progress:
             progress(1)
-    return engine.fit_fusion(features, labels)
+    return engine.fit_fusion(features, labels) if features else {}  # no question with a right choice: nothing to fit
 
 
 def warm_start(engine: FocalEngine, data: RecordedDataset, progress: Progress | None = None) -> None:
