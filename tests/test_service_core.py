@@ -69,6 +69,8 @@ def test_join_in_either_order_ignores_duplicates_and_rewards_correctly(tmp_path,
         await core.on_experience(experience(worker_engine, "b", answer=1), Record(0))  # redelivered experience
         await core.on_feedback(fb("c", reward=0.25), Record(3))  # bare reward
         await core.on_experience(experience(worker_engine, "c"), Record(0))
+        assert core.stats.windows_applied == 0 and len(core.window_backlog) == 3  # queued until the batch ends
+        await core.apply_windows()  # what the app does after each batch of records
         assert core.stats.joined == 3 and core.stats.duplicates == 2 and core.stats.windows_applied == 3
         rewards = [t.reward for t in core.trainer.engine.buffer]
         pool_cost = [core.trainer.engine.cfg.alpha * core.trainer.engine.cost_share[np.asarray(experience(worker_engine, "x").pool)].sum()] * 2
@@ -173,6 +175,7 @@ def test_a_task_switch_raises_drift_events_on_the_outcome_and_the_models_and_det
             await core.on_experience(experience(engine, f"d{i}", stream="switch"), Record(0))
             await core.on_feedback(fb(f"d{i}", label=1 if i < 200 else 0), Record(i))
             events += core.take_drift_events()
+        await core.apply_windows()
         window = (await core.windows.load(["switch"]))["switch"]
         core.checkpoint()
         core.checkpoints.close()

@@ -121,6 +121,7 @@ def test_forged_feedback_is_dead_lettered_and_the_true_feedback_still_joins(tmp_
         assert not core.feedback and core.stats.forged_feedback == 2 and core.stats.duplicates == 0
         await core.on_experience(experience("a", answer=1), Record(0, topic="rlens.experience"))
         assert await core.on_feedback(fb("a", label=1), Record(2)) == (None, None)  # the true label is not a "duplicate"
+        await core.apply_windows()
         window = (await core.windows.load(["s"]))["s"]
         assert core.stats.joined == 1 and window.n_rows == 1 and window.labels[0] == 1
         # feedback naming another stream than its query's does not train

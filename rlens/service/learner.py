@@ -19,8 +19,9 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   open-ended one, another stream than the query's) goes to the dead-letter topic.
 - **Reward.** The feedback's ``reward`` if given, else the trainer's: RL-Focal's reward for the answer against
   ``label``, RLAE's exact match of the generated text with ``reference``.
-- **Windows.** (rl_focal) Each join applies the query's outcome to its stream's Redis window, once per query id.
-  While Redis is unreachable the learner retries with backoff for at most ``redis_wait_s``, then keeps the outcome
+- **Windows.** (rl_focal) Each join queues the query's outcome for its stream's Redis window; the queue is applied
+  after each batch of records (or every :data:`APPLY_BATCH` outcomes), in one pipelined round trip, once per query
+  id. While Redis is unreachable the learner retries with backoff for at most ``redis_wait_s``, then keeps the outcome
   in a backlog (checkpointed, bounded) that is applied, in order, once Redis answers again; learning goes on.
 - **Updates.** An update whose weights are not finite (or that raises) is undone: the weights and the optimizer
   return to their state before it, its transitions are dropped, and no policy is published.
@@ -264,7 +265,9 @@ class LearnerCore:
         return detected
 
     async def _react_to_drift(self, stream: str) -> None:
-        """Trim the drifted stream's window to its last ``drift_keep`` outcomes (best-effort: Redis may be down)."""
+        """Trim the drifted stream's window to its last ``drift_keep`` outcomes, queued ones applied first
+        (best-effort: Redis may be down)."""
+        await self.apply_windows()
         try:
             await self.windows.keep_last(stream, self.drift_keep)
             self.stats.drift_reactions += 1
@@ -330,7 +333,8 @@ class LearnerCore:
         row = self.trainer.window_row(experience, feedback)
         if row is not None:
             self.window_backlog.append([experience.stream, experience.query_id, *row, reward])
-            await self.apply_windows()
+            if len(self.window_backlog) >= APPLY_BATCH:
+                await self.apply_windows()
         self.trainer.remember(experience, feedback, reward)
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
@@ -497,6 +501,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
                 await dead_letter_out(([rejected] if rejected else []) + core.take_dead_letters())
                 await publish(drift_out, core.take_drift_events())
                 await publish(policies_out, [policy] if policy else [])  # a restart re-announces its checkpoint's policy under a new epoch
+            await core.apply_windows()  # the batch's outcomes, in one round trip
             metrics.pending.labels("experience").set(len(core.experience))
             metrics.pending.labels("feedback").set(len(core.feedback))
             metrics.window_backlog.set(len(core.window_backlog))
