@@ -52,3 +52,20 @@ def test_keep_last_forgets_all_but_the_last_rows_in_order():
     assert window.reliability().tolist() == pytest.approx([(1 + 1) / (2 + 2), 0.5, (2 + 1) / (2 + 2)])  # model 0 right on row 5 only
     window.keep_last(0)
     assert window.n_rows == 0 and window.recent_reward(3) == 0.0
+
+
+@pytest.mark.parametrize("n", [0, 3, 4, 11])
+def test_extend_equals_pushing_row_by_row(n):
+    rng = np.random.default_rng(n)
+    predictions = rng.integers(-1, 4, size=(n, 3))
+    labels, rewards = rng.integers(-1, 4, size=n), rng.normal(size=n).astype(np.float32)
+    pushed, extended = OutcomeWindow(3, 4), OutcomeWindow(3, 4)
+    pushed.push(np.array([1, 1, -1]), 1, 0.5)  # both start mid-ring
+    extended.push(np.array([1, 1, -1]), 1, 0.5)
+    for row in range(n):
+        pushed.push(predictions[row], int(labels[row]), float(rewards[row]))
+    extended.extend(predictions, labels, rewards)
+    assert extended.count == pushed.count == n + 1
+    for field in ("correct", "predictions", "labels", "rewards"):
+        assert np.array_equal(getattr(extended, field), getattr(pushed, field)), field
+    assert extended.reliability().tolist() == pushed.reliability().tolist()

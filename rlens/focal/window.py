@@ -43,6 +43,20 @@ class OutcomeWindow:
         self.count += 1
         self._reliability = None
 
+    def extend(self, predictions: np.ndarray, labels: np.ndarray, rewards: np.ndarray) -> None:
+        """Record several queries at once, in order: ``predictions`` int [n, M], ``labels`` int [n], ``rewards`` [n];
+        the same as :meth:`push` on each row in turn."""
+        n = len(labels)
+        keep = min(n, self.size)  # only the last ``size`` rows stay
+        predictions, labels = np.asarray(predictions)[n - keep:], np.asarray(labels)[n - keep:]
+        rows = (self.count + n - keep + np.arange(keep)) % self.size
+        correct = np.where(predictions >= 0, predictions == labels[:, None], -1)
+        correct[labels < 0] = -1  # reward-only feedback: nothing is known of the models' correctness
+        self.predictions[rows], self.correct[rows] = predictions, correct
+        self.labels[rows], self.rewards[rows] = labels, np.asarray(rewards)[n - keep:]
+        self.count += n
+        self._reliability = None
+
     def keep_last(self, k: int) -> None:
         """Forget all but the last ``k`` rows, in order (a reaction to drift: the old task's outcomes go)."""
         n = min(k, self.n_rows)

@@ -115,17 +115,28 @@ class RedisWindows:
             await pipe.execute()
 
     def _windows(self, streams: list[str], raw: list) -> dict[str, OutcomeWindow]:
-        windows = {}
-        for stream, rows in zip(streams, raw):
-            window = OutcomeWindow(self.n_models, self.size)
-            for row in rows:
-                values = self._parse_row(row)
-                if values is None:
-                    self.skipped_rows += 1
-                    continue
-                window.push(np.asarray(values[2:], dtype=np.int64), values[0], values[1])
-            windows[stream] = window
-        return windows
+        return {stream: self._window(rows) for stream, rows in zip(streams, raw)}
+
+    def _window(self, rows: list[bytes]) -> OutcomeWindow:
+        """A window from its rows, parsed in one go; rows that do not fit are skipped (and counted)."""
+        window = OutcomeWindow(self.n_models, self.size)
+        if not rows:
+            return window
+        try:
+            values = np.array(json.loads(b"[" + b",".join(rows) + b"]"), dtype=np.float64).reshape(len(rows), -1)
+        except (ValueError, TypeError):  # some row is not a list of numbers: row by row
+            values = None
+        if values is None or values.shape[1] != self.n_models + 2:
+            parsed = [self._parse_row(row) for row in rows]
+            self.skipped_rows += sum(p is None for p in parsed)
+            values = np.array([p for p in parsed if p is not None], dtype=np.float64).reshape(-1, self.n_models + 2)
+        choices = np.delete(values, 1, axis=1)  # the label and the predictions
+        fits = (choices == np.round(choices)).all(1) & (choices >= -1).all(1) & (choices < MAX_CHOICES).all(1)
+        fits &= np.isfinite(values[:, 1]) & (np.abs(values[:, 1]) <= 10)
+        self.skipped_rows += int((~fits).sum())
+        values = values[fits]
+        window.extend(values[:, 2:].astype(np.int64), values[:, 0].astype(np.int64), values[:, 1])
+        return window
 
     def _parse_row(self, row: bytes) -> list | None:
         try:
