@@ -13,7 +13,7 @@ buffer (:meth:`FocalEngine.remember`); :meth:`FocalEngine.update` runs MAPPO on 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, replace
 from typing import Hashable
 
@@ -23,12 +23,13 @@ import torch
 from rlens.focal.agents import CentralCritic, Decider, Fusion
 from rlens.focal.config import FocalConfig
 from rlens.focal.features import (
-    critic_state,
     critic_state_dim,
+    critic_states,
     decider_obs_dim,
     decider_observation,
     fusion_feature_dim,
     fusion_observation,
+    fusion_observations,
     model_features_in_decider_obs,
     reliability_weighted_log_probs,
 )
@@ -157,7 +158,7 @@ class FocalEngine:
     @torch.inference_mode()
     def fuse_batch(self, decisions: list[Decision], probs: list[np.ndarray]) -> list[Answer]:
         """:meth:`fuse` for a batch (``probs[i]`` [M, C_i]) with one Fusion forward over choices padded to the widest."""
-        features = [self.fusion_features(d, p) for d, p in zip(decisions, probs)]
+        features, critic = self._fusion_inputs(decisions, probs)
         width = max(f.shape[0] for f in features)
         padded = np.zeros((len(features), width, features[0].shape[1]), dtype=np.float32)
         mask = torch.zeros(len(features), width, dtype=torch.bool)
@@ -166,8 +167,25 @@ class FocalEngine:
             mask[i, : len(f)] = True
         explore = torch.tensor([d.explored for d in decisions])
         answers, logps, dists = self.fusion.act(torch.from_numpy(padded), mask, explore, self.torch_rng)
-        return [Answer(int(answers[i]), dists[i, : len(f)].numpy().copy(), f, float(logps[i]), critic_state(d.state, p, d.pool))
-                for i, (d, p, f) in enumerate(zip(decisions, probs, features))]
+        return [Answer(int(answers[i]), dists[i, : len(f)].numpy().copy(), f, float(logps[i]), critic[i]) for i, f in enumerate(features)]
+
+    def _fusion_inputs(self, decisions: list[Decision], probs: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Each query's Fusion observation and critic state (:meth:`fusion_features`, :func:`critic_state`),
+        computed together for the queries with the same number of choices."""
+        features: list[np.ndarray] = [np.empty(0)] * len(decisions)
+        critic: list[np.ndarray] = [np.empty(0)] * len(decisions)
+        by_width: dict[int, list[int]] = defaultdict(list)
+        for i, p in enumerate(probs):
+            by_width[p.shape[1]].append(i)
+        for width, index in by_width.items():
+            windows = [self.window(decisions[i].key) for i in index]
+            stacked, pools = np.stack([probs[i] for i in index]), np.stack([decisions[i].pool for i in index])
+            priors = {id(w): w.label_prior(width) for w in windows}
+            group_features = fusion_observations(stacked * pools[:, :, None], pools, np.stack([w.reliability() for w in windows]), np.stack([priors[id(w)] for w in windows]))
+            group_critic = critic_states(np.stack([decisions[i].state for i in index]), stacked, pools)
+            for j, i in enumerate(index):
+                features[i], critic[i] = group_features[j], group_critic[j]
+        return features, critic
 
     @torch.inference_mode()
     def fuse(self, decision: Decision, probs: np.ndarray) -> Answer:

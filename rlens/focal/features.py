@@ -38,14 +38,21 @@ def critic_state_dim(n_models: int, n_metrics: int) -> int:
 
 def critic_state(decider_state: np.ndarray, probs: np.ndarray, pool: np.ndarray) -> np.ndarray:
     """Decider observation + summary of the answers ``probs`` [M, C] of the models in ``pool`` (bool [M])."""
-    m, c = probs.shape
-    selected = pool.astype(np.float32)
-    top = probs.max(1)
-    entropy = -(probs * np.log(np.maximum(probs, LOG_FLOOR))).sum(1) / np.log(max(c, 2))  # one choice (all agree): 0
-    predictions = probs.argmax(1)
-    plurality = np.bincount(predictions[pool], minlength=c).argmax() if pool.any() else -1
-    summary = np.concatenate([top * selected, entropy * selected, (predictions == plurality) * selected, [selected.sum() / m]])
-    return np.concatenate([decider_state, summary.astype(np.float32)])
+    return critic_states(decider_state[None], probs[None], pool[None])[0]
+
+
+def critic_states(decider_states: np.ndarray, probs: np.ndarray, pools: np.ndarray) -> np.ndarray:
+    """:func:`critic_state` of B queries with the same number of choices: [B, D], [B, M, C], bool [B, M]."""
+    b, m, c = probs.shape
+    selected = pools.astype(np.float32)
+    top = probs.max(2)
+    entropy = -(probs * np.log(np.maximum(probs, LOG_FLOOR))).sum(2) / np.log(max(c, 2))  # one choice (all agree): 0
+    predictions = probs.argmax(2)
+    votes = np.zeros((b, c), dtype=np.int64)
+    np.add.at(votes, (np.repeat(np.arange(b), m), predictions.ravel()), pools.ravel())  # the pool's votes per choice
+    plurality = np.where(pools.any(1), votes.argmax(1), -1)
+    summary = np.concatenate([top * selected, entropy * selected, (predictions == plurality[:, None]) * selected, selected.sum(1, keepdims=True) / m], axis=1)
+    return np.concatenate([decider_states, summary.astype(np.float32)], axis=1)
 
 
 def model_features_in_decider_obs(n_models: int, n_metrics: int) -> slice:
@@ -89,12 +96,18 @@ def decider_observation(window: OutcomeWindow, previous_pool: np.ndarray, n_choi
 
 def fusion_observation(probs: np.ndarray, pool: np.ndarray, reliability: np.ndarray, label_prior: np.ndarray) -> np.ndarray:
     """Per-choice features [C, 5M + 3] for the valid choices of one query (probs [M, C_valid])."""
-    m, c = probs.shape
-    selected = pool.astype(np.float32)[:, None]  # [M, 1]
-    rel = reliability.astype(np.float32)[:, None]
+    return fusion_observations(probs[None], pool[None], reliability[None], label_prior[None])[0]
+
+
+def fusion_observations(probs: np.ndarray, pools: np.ndarray, reliability: np.ndarray, label_prior: np.ndarray) -> np.ndarray:
+    """:func:`fusion_observation` of B queries with the same number of choices: probs [B, M, C], pools bool [B, M],
+    reliability [B, M], label_prior [B, >= C] -> [B, C, 5M + 3]."""
+    b, m, c = probs.shape
+    selected = pools.astype(np.float32)[:, :, None]  # [B, M, 1]
+    rel = reliability.astype(np.float32)[:, :, None]
     log_p = np.log(np.maximum(probs, LOG_FLOOR)) * selected
-    top = (np.arange(c)[None, :] == probs.argmax(1)[:, None]).astype(np.float32) * selected
-    per_model = np.concatenate([log_p, top, rel * log_p, rel * top, np.repeat(rel * selected, c, axis=1)], axis=0)  # [5M, C]
-    prior = label_prior[:c]
-    global_rows = np.stack([prior, np.log(prior + 0.02), np.full(c, 1.0 / c, dtype=np.float32)])
-    return np.concatenate([per_model, global_rows], axis=0).T.astype(np.float32)
+    top = (np.arange(c)[None, None, :] == probs.argmax(2)[:, :, None]).astype(np.float32) * selected
+    per_model = np.concatenate([log_p, top, rel * log_p, rel * top, np.repeat(rel * selected, c, axis=2)], axis=1)  # [B, 5M, C]
+    prior = label_prior[:, :c]
+    global_rows = np.stack([prior, np.log(prior + 0.02), np.full((b, c), 1.0 / c, dtype=np.float32)], axis=1)  # [B, 3, C]
+    return np.concatenate([per_model, global_rows], axis=1).transpose(0, 2, 1).astype(np.float32)
