@@ -33,4 +33,5 @@ class ReplayBackend(Backend):
             raise BackendError(f"replay backend: question {row} has {len(valid)} recorded choices, the query {len(query.choices)}")
         probs = self.dataset.probs[row, self.model, valid].astype(np.float64)
         best = probs.argmax()
-        return ChoiceScores(loglikelihoods=np.log(np.maximum(probs, 1e-30)).tolist(), is_greedy=[bool(i == best) for i in range(len(valid))])
+        # built from the dataset's own arrays, already of the right types: no validation needed on this hot path
+        return ChoiceScores.model_construct(loglikelihoods=np.log(np.maximum(probs, 1e-30)).tolist(), is_greedy=[bool(i == best) for i in range(len(valid))])
