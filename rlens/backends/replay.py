@@ -1,7 +1,8 @@
 """The ``replay`` backend: one model's recorded outputs from a dataset directory (benchmarks, back-tests).
 
 Query ids are question indices of the dataset. Recorded probabilities are returned as log-probabilities:
-the softmax of the original log-likelihoods, so they differ from them by a constant per question.
+the softmax of the original log-likelihoods, so they differ from them by a constant per question. Each question's
+answer is built once and then shared (callers only read it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class ReplayBackend(Backend):
         self.model = dataset.model_names.index(model) if isinstance(model, str) else int(model)
         if not 0 <= self.model < dataset.n_models:
             raise ValueError(f"model index {self.model} is outside the dataset's {dataset.n_models} models")
+        self._answers: dict[int, ChoiceScores] = {}  # question index -> its answer, built on first use
 
     def score_choices(self, query: ChoiceQuery) -> ChoiceScores:
         try:
@@ -28,10 +30,15 @@ class ReplayBackend(Backend):
             raise BackendError(f"replay backend: query id {query.id!r} is not a question index") from None
         if not 0 <= row < self.dataset.n_questions:
             raise BackendError(f"replay backend: no recorded question {row} (dataset has {self.dataset.n_questions})")
-        valid = np.flatnonzero(self.dataset.choice_mask[row])
-        if len(valid) != len(query.choices):
-            raise BackendError(f"replay backend: question {row} has {len(valid)} recorded choices, the query {len(query.choices)}")
-        probs = self.dataset.probs[row, self.model, valid].astype(np.float64)
+        answer = self._answers.get(row)
+        if answer is None:
+            answer = self._answers[row] = self._recorded(row)
+        if len(answer.loglikelihoods) != len(query.choices):
+            raise BackendError(f"replay backend: question {row} has {len(answer.loglikelihoods)} recorded choices, the query {len(query.choices)}")
+        return answer
+
+    def _recorded(self, row: int) -> ChoiceScores:
+        probs = self.dataset.probs[row, self.model, self.dataset.choice_mask[row]].astype(np.float64)
         best = probs.argmax()
-        # built from the dataset's own arrays, already of the right types: no validation needed on this hot path
-        return ChoiceScores.model_construct(loglikelihoods=np.log(np.maximum(probs, 1e-30)).tolist(), is_greedy=[bool(i == best) for i in range(len(valid))])
+        # built from the dataset's own arrays, already of the right types: no validation needed
+        return ChoiceScores.model_construct(loglikelihoods=np.log(np.maximum(probs, 1e-30)).tolist(), is_greedy=[bool(i == best) for i in range(len(probs))])
