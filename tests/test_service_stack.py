@@ -375,3 +375,45 @@ def test_fuzzed_and_poisoned_messages_on_every_topic_are_dead_lettered_and_the_s
         assert all(d.reason and d.consumer.startswith(consumer) for d in letters)
     reasons = " | ".join(d.reason for d in dead)
     assert "bad signature" in reasons and "decider_state has 3 values" in reasons and "feedback token does not match" in reasons
+
+
+def test_publish_batch_splits_into_bounded_producer_batches_and_keeps_every_key():
+    """700 answers of about 2.7 KB each (about 1.9 MB) go out in several batches under BATCH_BYTES; every one
+    arrives once, keyed by its query id."""
+    from rlens.messages import Answer
+    from rlens.service.kafka import BATCH_BYTES, make_broker, publish_batch
+
+    broker_process = LocalBroker()
+    config = settings().model_copy(update={"kafka_bootstrap": broker_process.bootstrap})
+
+    async def scenario() -> list:
+        broker = make_broker(config)
+        await broker.connect()
+        answers = [Answer(query_id=f"b{i}", stream="s", answer="A", answer_index=0, distribution=[1 / 3 + i * 1e-9] * 120, chosen_models=["m"],
+                          answered_models=["m"], called_models=["m"], policy_version=0, worker="w", latency_ms=1.0) for i in range(700)]
+        assert sum(len(a.model_dump_json()) for a in answers) > 3 * BATCH_BYTES
+        sent, real = [], broker.publish_batch
+
+        async def counted(*messages, **options):  # the real send, counting the batches and their bytes
+            sent.append(sum(len(m.body) for m in messages))
+            return await real(*messages, **options)
+
+        broker.publish_batch = counted
+        await publish_batch(broker, "batched", answers)
+        assert len(sent) >= 4 and max(sent) <= BATCH_BYTES
+        await broker.stop()
+        consumer = AIOKafkaConsumer("batched", bootstrap_servers=broker_process.bootstrap, group_id=None, auto_offset_reset="earliest")
+        await consumer.start()
+        records, deadline = [], time.monotonic() + 60
+        while len(records) < 700 and time.monotonic() < deadline:
+            for batch in (await consumer.getmany(timeout_ms=500)).values():
+                records += batch
+        await consumer.stop()
+        return records
+
+    try:
+        records = asyncio.run(scenario())
+    finally:
+        broker_process.stop()
+    assert sorted(r.key for r in records) == sorted(f"b{i}".encode() for i in range(700))
+    assert all(json.loads(r.value)["query_id"] == r.key.decode() for r in records)

@@ -7,8 +7,9 @@
 - :func:`parse_or_dead_letter`: bytes → a typed message, or a :class:`DeadLetter` with the reason (its coordinates,
   the first :data:`DEAD_LETTER_VALUE_BYTES` bytes, the size and SHA-256 of the whole value).
 - :func:`typed_publisher` / :func:`publish`: messages out (documented with their schema), confirmed by the broker
-  (``acks=all`` by default) before :func:`publish` returns. :func:`publish_dead_letters` never raises: a dead
-  letter the broker refuses is logged with its coordinates and reason instead, so it cannot block the consumer.
+  (``acks=all`` by default) before :func:`publish` returns; :func:`publish_batch` sends many as producer batches.
+  :func:`publish_dead_letters` never raises: a dead letter the broker refuses is logged with its coordinates and
+  reason instead, so it cannot block the consumer.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from faststream.kafka import KafkaBroker
+from faststream.kafka import KafkaBroker, KafkaResponse
 from pydantic import ValidationError
 
 from rlens.messages import DeadLetter, Message
@@ -31,6 +32,7 @@ from rlens.settings import Settings
 
 M = TypeVar("M", bound=Message)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # policies are large (RLAE-MAPPO over 4 models: 1.8 MB); the broker's topic limit must allow them
+BATCH_BYTES = 512 * 1024  # a producer batch of :func:`publish_batch` stays under a broker's default message limit (1 MB)
 DEAD_LETTER_VALUE_BYTES = 4096  # a dead letter keeps this much of the value (its size and hash say the rest)
 log = logging.getLogger("rlens.kafka")
 
@@ -139,6 +141,22 @@ def typed_publisher(broker: KafkaBroker, topic: str, model: type[Message], role:
 async def publish(publisher: Any, messages: list[Message]) -> None:
     """Publish every message, keyed by its query id where it has one, and wait until the broker confirmed them all."""
     await asyncio.gather(*(publisher.publish(m.model_dump_json().encode(), key=_key(m)) for m in messages))
+
+
+async def publish_batch(broker: KafkaBroker, topic: str, messages: list[Message]) -> None:
+    """Publish ``messages`` to ``topic`` in producer batches of at most :data:`BATCH_BYTES` (each message keyed by
+    its query id; a batch goes to one partition, the partitioner's choice) and wait until the broker confirmed them
+    all: one send per batch instead of one per message (the worker's answers and experience)."""
+    chunks: list[list[KafkaResponse]] = [[]]
+    size = 0
+    for m in messages:
+        body = m.model_dump_json().encode()
+        if chunks[-1] and size + len(body) > BATCH_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(KafkaResponse(body, key=_key(m)))
+        size += len(body)
+    await asyncio.gather(*(broker.publish_batch(*chunk, topic=topic) for chunk in chunks if chunk))
 
 
 async def publish_dead_letters(publisher: Any, letters: list[DeadLetter]) -> None:

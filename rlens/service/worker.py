@@ -44,7 +44,7 @@ from rlens.backends.base import Backend, ChoiceQuery
 from rlens.ensemble import PoolCaller
 from rlens.focal.engine import FocalEngine
 from rlens.messages import EXPERIENCE, Answer, DeadLetter, Experience, Message, ModelFailureRecord, Policy, Query
-from rlens.service.kafka import Topics, app_logger, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
+from rlens.service.kafka import Topics, app_logger, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish_batch, publish_dead_letters, typed_publisher
 from rlens.service.metrics import StreamLabels, WorkerMetrics, dead_letter_kind, failure_kind, http_routes, not_ready, settings_url
 from rlens.service.policy import PolicyError, decode_policy
 from rlens.service.security import FeedbackTokens, PolicyVerifier
@@ -164,6 +164,7 @@ class FocalWorker(Worker):
             raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
         super().__init__(models, windows, verifier, tokens, name)
         self.engine = engine
+        self.names = np.array(models)
         self.caller = PoolCaller(backends, deadline_s, model_concurrency, circuit_failures, circuit_cooldown_s)
 
     def windows_read(self) -> dict:
@@ -234,7 +235,7 @@ class FocalWorker(Worker):
         return pool if pool.any() else answers.answered.copy()
 
     def _outputs(self, q: Query, decision, answers, fused_pool: np.ndarray, answer, latency: float, out: BatchOutput) -> None:
-        names = np.array(self.models)
+        names = self.names
         common = {
             "query_id": q.query_id, "stream": q.stream, "chosen_models": names[decision.pool].tolist(),
             "answered_models": names[fused_pool].tolist(), "called_models": names[decision.called].tolist(),
@@ -300,9 +301,9 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
         dead += [dead_letter(records[qid], reason, consumer) for qid, reason in out.failed.items()]
         core.stats.dead_lettered += len(dead)
         started = time.perf_counter()
-        await publish(answers, out.answers)
+        await publish_batch(broker, answers.topic, out.answers)
         await reply(out.answers, {q.query_id: q.reply_to for q in queries if q.reply_to})
-        await publish(experience, out.experience)
+        await publish_batch(broker, experience.topic, out.experience)
         await publish_dead_letters(dead_letters, dead)
         out.stages["publish"] = time.perf_counter() - started
         if settings.metrics_enabled:
