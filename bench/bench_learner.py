@@ -1,5 +1,6 @@
 """The learner's sustained joins per second, without Kafka: experience + feedback pairs through ``LearnerCore``
-(parsing, token check, shape check, the join, the Redis window update on a real redis-server, MAPPO every 64,
+(parsing, token check, shape check, the join, the Redis window updates on a real redis-server in pipelined
+batches of 256, MAPPO every 64 explored answers,
 the signed policy of each update encoded as JSON), with a given number of torch threads.
 
     python bench/bench_learner.py [--pairs 3200] [--threads 1 2] [--out bench/out/learner.json]
@@ -59,6 +60,7 @@ async def joins_per_second(redis_url: str, n: int) -> float:
         policy, _ = await core.on_feedback(Feedback.model_validate_json(feedback[i]), Record("rlens.feedback", i, feedback[i]))
         if policy is not None:
             policy.model_dump_json()
+    await core.apply_windows()  # what the app does after each batch of records (the core applies every 256 on its own)
     return n / (time.perf_counter() - start)
 
 

@@ -8,7 +8,11 @@ On the local stack (tansu, redis-server, the bundled stream on ``replay`` backen
 2. Learner: the N answers' feedback (the label, with each answer's token) is pre-filled in ``feedback``; the learner
    starts and joins the N experience records with their feedback (windows applied to Redis, online updates) while
    ``py-spy`` samples it. Joins/s from the learner's readiness to its N-th join (its ``/metrics``).
-3. Worker again, on N new queries, now with the windows full and the learner's policy (the steady state).
+3. Worker again, on N new queries, now with the windows full and the learner's policy (the steady state); the
+   learner is stopped first, so that it does not compete for the cores.
+
+Besides the rates, each phase reports the process's CPU milliseconds per query (or join), from /proc: a cost that
+moves less than the rates with what else the machine runs.
 
 Idle threads of a thread pool are left out; a sample whose innermost frame is the event loop's wait is idle; any other is put in the stage of its innermost
 frame that names one (:data:`WORKER_STAGES`,
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import signal
 import subprocess
@@ -47,7 +52,7 @@ COMMON_STAGES = [
     ("metrics (prometheus-client)", r"prometheus_client/|\.count \(rlens/service/worker"),
     ("parse messages (pydantic)", r"(^|\.)parse_or_dead_letter \("),
     ("encode messages (pydantic)", r"(^|\.)model_dump_json \("),
-    ("publish (aiokafka send, wait for acks)", r"^(publish|publish_dead_letters) \(rlens/service/kafka|\.(reply|dead_letter_out) \(rlens/service"),
+    ("publish (aiokafka send, wait for acks)", r"^(publish|publish_batch|publish_dead_letters) \(rlens/service/kafka|\.(reply|dead_letter_out) \(rlens/service"),
     ("Redis round trips (redis-py)", r"redis/asyncio/|redis/_parsers/"),
     ("aiokafka (fetch, produce, commit)", r"aiokafka/"),
 ]
@@ -128,6 +133,12 @@ async def read_answers(bootstrap: str, topic: str, n: int, timeout_s: float = 12
     return list(answers.values())
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def learner_joined(url: str) -> float:
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("rlens_learner_joined_total"))
@@ -161,10 +172,11 @@ def profile_worker(stack: LocalStack, queries: list[Query], out: Path, rate: int
     asyncio.run(prefill(stack.settings.kafka_bootstrap, topics.queries, [q.model_dump_json().encode() for q in queries]))
     worker = stack.start_worker()
     stack.wait_ready(120)  # the import and the group join are not sampled
-    sampler = Sampler(worker.pid, out, rate)
+    sampler, cpu = Sampler(worker.pid, out, rate), cpu_seconds(worker.pid)
     per_s = asyncio.run(count_answers(stack.settings.kafka_bootstrap, topics.answers, len(queries), queries[0].query_id.split("-")[0].encode()))
-    print(f"{out.stem}: {per_s:.0f} queries/s", flush=True)
-    return {"per_s": per_s, "unit": "queries", "shares": breakdown(sampler.stop(), WORKER_STAGES)}
+    cpu_ms = 1000 * (cpu_seconds(worker.pid) - cpu) / len(queries)
+    print(f"{out.stem}: {per_s:.0f} queries/s, {cpu_ms:.3f} CPU ms per query", flush=True)
+    return {"per_s": per_s, "unit": "queries", "cpu_ms_each": cpu_ms, "shares": breakdown(sampler.stop(), WORKER_STAGES)}
 
 
 def main() -> None:
@@ -194,14 +206,17 @@ def main() -> None:
         learner = stack.start_learner()
         stack.wait_ready(120)
         url = next(u for name, u in stack.http_urls().items() if name.endswith(f"-{learner.pid}"))
-        sampler = Sampler(learner.pid, args.out / "learner.txt", args.rate)
+        sampler, cpu = Sampler(learner.pid, args.out / "learner.txt", args.rate), cpu_seconds(learner.pid)
         started, deadline, before = time.perf_counter(), time.monotonic() + 600, learner_joined(url)
         while (joined := learner_joined(url)) < len(answers) and time.monotonic() < deadline:
             time.sleep(0.2)
         elapsed = time.perf_counter() - started
-        per_s = (joined - before) / elapsed
-        results["learner"] = {"per_s": per_s, "unit": "joins", "joined": joined, "shares": breakdown(sampler.stop(), LEARNER_STAGES)}
-        print(f"learner: {joined:.0f} joined, {per_s:.0f} joins/s while sampled", flush=True)
+        per_s, cpu_ms = (joined - before) / elapsed, 1000 * (cpu_seconds(learner.pid) - cpu) / max(joined - before, 1)
+        results["learner"] = {"per_s": per_s, "unit": "joins", "joined": joined, "cpu_ms_each": cpu_ms, "shares": breakdown(sampler.stop(), LEARNER_STAGES)}
+        print(f"learner: {joined:.0f} joined, {per_s:.0f} joins/s while sampled, {cpu_ms:.3f} CPU ms per join", flush=True)
+        learner.send_signal(signal.SIGTERM)  # the windows stay in Redis; the learner would compete with the next worker
+        learner.wait(60)
+        stack.learner = None
         warm = [q.model_copy(update={"query_id": f"warm-{q.query_id}"}) for q, _ in traffic]
         results["worker, warm windows"] = profile_worker(stack, warm, args.out / "worker-warm.txt", args.rate)
     finally:

@@ -1,0 +1,100 @@
+"""The ``rl_focal`` worker's own cost per query, without Kafka: ``FocalWorker.handle`` on batches of 32 queries plus
+the JSON encoding of its answers and experience, with the windows in a real redis-server.
+
+    python bench/bench_worker_core.py [--passes 3] [--batch 32] [--out bench/out/worker_core.json]
+
+The bundled stream (replay backends, 5 models) in stream order, on one torch thread. Two states: *cold* (empty
+windows, a fresh policy: every model is called) and *warm* (each stream's window full, ``window`` rows from the
+dataset's own outcomes, in Redis). Prints queries/s and microseconds per query for each stage of the batch
+(window read, Decider, pool call, Fusion, building the messages, JSON encoding). This is the part of the worker's
+time that is the service's own code; the broker client's part is in ``bench_service.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from redis.asyncio import Redis
+
+from machine import machine_facts
+from rlens.backends.replay import ReplayBackend
+from rlens.dataset import load_dataset
+from rlens.focal.engine import FocalEngine
+from rlens.service.load import queries_of
+from rlens.service.local import LocalRedis
+from rlens.service.security import FeedbackTokens, PolicyVerifier, generate_secrets
+from rlens.service.windows import RedisWindows
+from rlens.service.worker import FocalWorker
+from rlens.settings import settings
+
+
+async def fill_windows(windows: RedisWindows, dataset, size: int) -> None:
+    """Each task's window: its last ``size`` questions' outcomes (every model's prediction, the label)."""
+    outcomes = []
+    for task in np.unique(dataset.task):
+        for i in np.flatnonzero(dataset.task == task)[-size:]:
+            valid = np.flatnonzero(dataset.choice_mask[i])
+            predictions = [int(np.searchsorted(valid, valid[dataset.probs[i, m, valid].argmax()])) for m in range(dataset.n_models)]
+            outcomes.append((dataset.task_name(task), f"fill-{i}", predictions, int(np.searchsorted(valid, dataset.labels[i])), 1.0))
+    await windows.apply_many(outcomes)
+
+
+async def measure(state: str, redis_url: str, passes: int, batch: int) -> dict:
+    data = load_dataset(settings().demo_data)
+    redis = Redis.from_url(redis_url)
+    await redis.flushdb()
+    names = data.model_names
+    engine = FocalEngine(data.n_models, data.model_costs, seed=0)
+    windows = RedisWindows(redis, len(names), engine.cfg.window)
+    if state == "warm":
+        await fill_windows(windows, data, engine.cfg.window)
+    secrets = generate_secrets()
+    worker = FocalWorker(engine, names, {name: ReplayBackend(data, m) for m, name in enumerate(names)}, windows,
+                         PolicyVerifier(secrets["RLENS_POLICY_VERIFY_KEY"]), FeedbackTokens(secrets["RLENS_FEEDBACK_SECRET"]))
+    stream = [q for q, _ in queries_of(data, None, "core")]
+    stages: dict[str, float] = {}
+    answered, started = 0, time.perf_counter()
+    for _ in range(passes):
+        for at in range(0, len(stream), batch):
+            out = await worker.handle(stream[at:at + batch])
+            lap = time.perf_counter()
+            encoded = [m.model_dump_json().encode() for m in [*out.answers, *out.experience]]
+            out.stages["encode"] = time.perf_counter() - lap
+            for name, seconds in out.stages.items():
+                stages[name] = stages.get(name, 0.0) + seconds
+            answered += len(out.answers)
+            assert len(encoded) >= len(out.answers)
+    elapsed = time.perf_counter() - started
+    await redis.aclose()
+    return {"queries_per_s": answered / elapsed, "us_per_query": {name: 1e6 * s / answered for name, s in stages.items()},
+            "us_per_query_total": 1e6 * elapsed / answered}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--passes", type=int, default=3, help="passes over the bundled stream per state")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=Path("bench/out/worker_core.json"))
+    args = parser.parse_args()
+    print(f"machine: {machine_facts()}", flush=True)
+    torch.set_num_threads(1)
+    server = LocalRedis()
+    try:
+        results = {state: asyncio.run(measure(state, server.url, args.passes, args.batch)) for state in ("cold", "warm")}
+    finally:
+        server.stop()
+    for state, r in results.items():
+        parts = ", ".join(f"{name} {us:.0f}" for name, us in r["us_per_query"].items())
+        print(f"{state}: {r['queries_per_s']:.0f} queries/s; µs per query: {r['us_per_query_total']:.0f} in all ({parts})")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine_facts(), **results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
