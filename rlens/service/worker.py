@@ -30,6 +30,7 @@ import os
 import socket
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -323,22 +324,24 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
                 log.error("could not reply to %s for query %s: %r", topic, a.query_id, result)
 
     def count(queries: list[Query], out: BatchOutput, dead: list[DeadLetter]) -> None:
+        """The batch's metrics, summed per label first (one update per label value, not per query)."""
         metrics.batch_size.observe(len(queries) + len(dead))
-        for q in queries:
-            metrics.queries.labels(metrics.stream(q.stream)).inc()
+        for stream, n in Counter(metrics.stream(q.stream) for q in queries).items():
+            metrics.queries.labels(stream).inc(n)
         for stage, seconds in out.stages.items():
             metrics.stage_seconds.labels(stage).observe(seconds)
+        for stream, n in Counter(metrics.stream(a.stream) for a in out.answers).items():
+            metrics.answers.labels(stream).inc(n)
+        for model, n in Counter(model for a in out.answers for model in a.chosen_models).items():
+            metrics.model_selected.labels(model).inc(n)
+        for (model, kind), n in Counter((f.model, failure_kind(f.reason)) for a in out.answers for f in a.failures).items():
+            metrics.model_failures.labels(model, kind).inc(n)
         for a in out.answers:
-            metrics.answers.labels(metrics.stream(a.stream)).inc()
             metrics.models_called.observe(len(a.called_models))
-            for model in a.chosen_models:
-                metrics.model_selected.labels(model).inc()
-            for failure in a.failures:
-                metrics.model_failures.labels(failure.model, failure_kind(failure.reason)).inc()
-            if not a.answered_models:
-                metrics.no_model_answered.inc()
-        for letter in dead:
-            metrics.dead_letters.labels(dead_letter_kind(letter.reason)).inc()
+        if unanswered := sum(not a.answered_models for a in out.answers):
+            metrics.no_model_answered.inc(unanswered)
+        for kind, n in Counter(dead_letter_kind(letter.reason) for letter in dead).items():
+            metrics.dead_letters.labels(kind).inc(n)
         metrics.policy_version.set(core.policy_version)
         metrics.policy_epoch.set(core.policy_epoch)
         for stream, window in core.windows_read().items():
