@@ -53,10 +53,34 @@ def traffic(zoo, run: str, n: int = N):
     return queries_of(zoo.subset(list(range(n))), None, run)
 
 
+def feedback_applied(stack: LocalStack, queries: list[Query], timeout_s: float = 60.0):
+    """A ``before_send`` for :func:`play`: query i waits until the learner has put query i - 1's outcome in its
+    stream's Redis window (its once-per-query marker exists), as the offline loop does before the next decision."""
+    from redis.asyncio import Redis
+
+    from rlens.service.windows import RedisWindows
+
+    windows = RedisWindows(Redis.from_url(stack.settings.redis_url.get_secret_value()), 1, 1, prefix=stack.settings.redis_prefix)
+
+    async def wait(i: int) -> None:
+        if i == 0:
+            return
+        previous, deadline = queries[i - 1], time.monotonic() + timeout_s
+        while not await windows.redis.exists(windows.applied_key(previous.stream, previous.query_id)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the outcome of query {previous.query_id} did not reach its window in {timeout_s:g} s")
+            await asyncio.sleep(0.005)
+
+    return wait
+
+
 def test_end_to_end_learns_as_well_as_the_offline_loop(tmp_path, zoo):
+    """In a closed loop (each query waits until the previous one's feedback is in its window, as offline), so the
+    comparison does not depend on how fast the machine is; only the policy's trip to the worker may lag a little."""
     stack = make_stack(tmp_path, explore=(0.25, 16))  # mostly greedy (sampled answers would blur the comparison), ~9 updates
+    queries = traffic(zoo, "e2e")
     try:
-        report = asyncio.run(play(stack.settings, traffic(zoo, "e2e"), rate=60, idle_timeout_s=60))
+        report = asyncio.run(play(stack.settings, queries, rate=1000, idle_timeout_s=60, before_send=feedback_applied(stack, [q for q, _ in queries])))
         time.sleep(1.0)  # the last feedback reaches the learner
     finally:
         stack.stop()

@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -97,7 +97,10 @@ async def play(
     feedback_delay_s: float = 0.0,
     idle_timeout_s: float = 60.0,
     on_answer: Callable[[LoadReport], None] = lambda report: None,
+    before_send: Callable[[int], Awaitable[None]] | None = None,
 ) -> LoadReport:
+    """Play ``traffic`` at ``rate`` queries/s (see the module); ``before_send(i)``, if given, is awaited before the
+    i-th query goes out (a closed loop: e.g. until the service has applied the previous query's feedback)."""
     topics = Topics.from_settings(settings)
     report = LoadReport()
     outcomes = {q.query_id: (outcome, q.stream) for q, outcome in traffic}
@@ -118,6 +121,8 @@ async def play(
 
     async def send_queries() -> None:
         for i, (query, _) in enumerate(traffic):
+            if before_send is not None:
+                await before_send(i)
             delay = start + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
