@@ -66,12 +66,12 @@ WORKER_STAGES = [
     ("window read: rows from JSON", r"\.(_windows|_parse_row) \(rlens/service/windows"),
     ("Decider (observation + forward)", r"(^|\.)decide_batch \("),
     ("pool call (replay backends)", r"(^|\.)score_batch \("),
-    ("Fusion (forward)", r"(^|\.)fuse_batch \("),
+    ("Fusion (observations + forward)", r"(^|\.)fuse_batch \("),
     ("build answers and experience", r"(^|\.)_outputs \("),
     *COMMON_STAGES,
 ]
 LEARNER_STAGES = [
-    ("online update (PPO)", r"\.update \(rlens/service/learner"),
+    ("online update (MAPPO or PPO)", r"\.update \(rlens/service/learner"),
     ("checkpoint", r"\.checkpoint \(rlens/service/learner"),
     ("drift detection (river)", r"river/|\._observe_drift \("),
     ("join (experience + feedback)", r"(^|\.)_join \("),
