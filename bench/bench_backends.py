@@ -23,11 +23,11 @@ import torch
 from machine import machine_facts
 from rlens.backends import ChoiceQuery, create_backend
 from rlens.backends.hf import TransformersBackend
-from rlens.dataset import load_dataset
+from rlens.evaluation.dataset import load_dataset
 from rlens.focal.config import FocalConfig
-from rlens.protocols import Protocol
-from rlens.replay import replay
-from rlens.serve import ServerProcess
+from rlens.evaluation.protocols import Protocol
+from rlens.evaluation.replay import replay
+from rlens.models.serve import ServerProcess
 from rlens.settings import settings
 from rlens.zoo.build import SMOLLM2_GGUF, smollm2_dir
 from rlens.zoo.record import QUESTIONS_FILE, read_questions

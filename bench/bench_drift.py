@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from machine import machine_facts
-from rlens.dataset import load_dataset
+from rlens.evaluation.dataset import load_dataset
 from rlens.drift import DriftConfig, DriftMonitor, drift_figures, task_blocks
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine

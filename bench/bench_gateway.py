@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 
 from machine import machine_facts
-from rlens.dataset import load_dataset
+from rlens.evaluation.dataset import load_dataset
 from rlens.messages import Query
 from rlens.service.load import play, queries_of
 from rlens.service.stack import LocalStack, write_replay_pool

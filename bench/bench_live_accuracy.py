@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from machine import machine_facts
-from rlens.dataset import load_dataset, shared_data_dir
+from rlens.evaluation.dataset import load_dataset, shared_data_dir
 from rlens.focal.config import FocalConfig
-from rlens.protocols import Protocol
-from rlens.replay import replay
+from rlens.evaluation.protocols import Protocol
+from rlens.evaluation.replay import replay
 from rlens.service.load import play, queries_of
 from rlens.service.stack import LocalStack, write_replay_pool
 from rlens.settings import settings

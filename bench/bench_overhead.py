@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from machine import machine_facts
-from rlens.dataset import load_dataset, shared_data_dir
+from rlens.evaluation.dataset import load_dataset, shared_data_dir
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import questions
-from rlens.protocols import Protocol, split
+from rlens.evaluation.protocols import Protocol, split
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from machine import machine_facts
-from rlens.dataset import load_dataset
+from rlens.evaluation.dataset import load_dataset
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Answer, DeadLetter, Experience, Feedback, Query
 from rlens.service.kafka import Topics

@@ -5,7 +5,7 @@
 
 Runs the same code path as ``rlens replay`` (portable numerics) per seed, writes every run's results.json under
 OUT/<protocol>/seed<k>/ and a summary (mean and sample std over seeds) to OUT/summary.json and OUT/summary.md.
-``--tasks tune`` keeps the tasks settings may be chosen on, ``holdout`` the others (:func:`rlens.protocols.task_half`);
+``--tasks tune`` keeps the tasks settings may be chosen on, ``holdout`` the others (:func:`rlens.evaluation.protocols.task_half`);
 ``--set`` overrides FocalConfig fields. The machine (CPU, cores, load) is printed first and saved in the summary.
 """
 
@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from machine import machine_facts
-from rlens.dataset import load_dataset, shared_data_dir
+from rlens.evaluation.dataset import load_dataset, shared_data_dir
 from rlens.focal.config import FocalConfig
-from rlens.protocols import Protocol, task_half
-from rlens.replay import RL_VARIANTS, replay
-from rlens.report import write_outputs
+from rlens.evaluation.protocols import Protocol, task_half
+from rlens.evaluation.replay import RL_VARIANTS, replay
+from rlens.evaluation.report import write_outputs
 
 SHOWN = ("rl_focal", "rl_focal_all_models", "rl_focal_no_diversity", "rl_focal_kappa", "rl_focal_paper_decider", "best_single", "best_single_per_task", "plurality", "soft_vote", "hedge", "stacking", "oracle")
 

@@ -2,7 +2,7 @@
 
     python bench/bench_replay_scale.py [--questions 1000 3000 10000] [--models 5 11 20] [--variants all|rl_focal] [--workers 2]
 
-Each cell is one ``rlens.replay.replay`` call (portable numerics, seed 0) on ``rlens.synthetic.synthetic_dataset``
+Each cell is one ``rlens.evaluation.replay.replay`` call (portable numerics, seed 0) on ``rlens.evaluation.synthetic.synthetic_dataset``
 (one task, 4 choices); the machine (CPU, cores, load) is printed first. Writes bench/out/replay_scale.json.
 """
 
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from machine import machine_facts
-from rlens.protocols import Protocol
-from rlens.replay import RL_VARIANTS, replay
-from rlens.synthetic import synthetic_dataset
+from rlens.evaluation.protocols import Protocol
+from rlens.evaluation.replay import RL_VARIANTS, replay
+from rlens.evaluation.synthetic import synthetic_dataset
 
 
 def main() -> None:

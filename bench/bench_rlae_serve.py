@@ -29,7 +29,7 @@ from rlens.rlae.evaluate import correct
 from rlens.rlae.observe import SentenceEncoder
 from rlens.rlae.topk import TopKEnsemble
 from rlens.rlae.train import STOP, RLAEAgent, load_agent
-from rlens.serve import ServerProcess
+from rlens.models.serve import ServerProcess
 from rlens.settings import settings
 from rlens.zoo.build import load_backend, load_zoo
 from rlens.zoo.fewshot import fewshot_stream

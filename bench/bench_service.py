@@ -25,7 +25,7 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from machine import machine_facts
-from rlens.dataset import load_dataset
+from rlens.evaluation.dataset import load_dataset
 from rlens.service.kafka import Topics
 from rlens.service.load import play, queries_of
 from rlens.service.stack import LocalStack, write_replay_pool

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from machine import machine_facts
-from rlens.dataset import load_dataset
+from rlens.evaluation.dataset import load_dataset
 from rlens.service.load import play, queries_of
 from rlens.service.stack import LocalStack, write_replay_pool
 from rlens.settings import settings

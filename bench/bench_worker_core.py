@@ -24,7 +24,7 @@ from redis.asyncio import Redis
 
 from machine import machine_facts
 from rlens.backends.replay import ReplayBackend
-from rlens.dataset import load_dataset
+from rlens.evaluation.dataset import load_dataset
 from rlens.focal.engine import FocalEngine
 from rlens.service.load import queries_of
 from rlens.service.local import LocalRedis

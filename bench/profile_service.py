@@ -38,7 +38,7 @@ from aiokafka import AIOKafkaConsumer
 
 from bench_service import count_answers, prefill
 from machine import machine_facts
-from rlens.dataset import load_dataset
+from rlens.evaluation.dataset import load_dataset
 from rlens.messages import Answer, Query
 from rlens.service.kafka import Topics
 from rlens.service.load import feedback_for, queries_of

@@ -10,10 +10,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from rlens.dataset import DatasetError, load_dataset
+from rlens.evaluation.dataset import DatasetError, load_dataset
 from rlens.focal.config import FocalConfig
 from rlens.progress import progress_bar
-from rlens.protocols import Protocol
+from rlens.evaluation.protocols import Protocol
 from rlens.settings import settings
 
 app = typer.Typer(help="rlens: LLM ensembles that learn from feedback.", no_args_is_help=True, add_completion=False)
@@ -56,8 +56,8 @@ def quiet_transformers() -> None:
 def run_replay(data: Path, protocol: Protocol, seed: int, out: Path, variants: list[str], workers: int, config: FocalConfig, drift=None,
                numerics: str = "portable") -> None:
     """Replay a dataset through RL-Focal and the baselines with a progress bar; print the table, write the report."""
-    from rlens.replay import DriftOptions, replay as run, total_steps
-    from rlens.report import write_outputs
+    from rlens.evaluation.replay import DriftOptions, replay as run, total_steps
+    from rlens.evaluation.report import write_outputs
 
     try:
         dataset = load_dataset(data)
@@ -110,7 +110,7 @@ def replay(
     drift_reaction: str = typer.Option("none", help="on a drift detection: none, trim (the window keeps its last 5 outcomes) or reset"),
 ) -> None:
     """Replay a recorded dataset through RL-Focal and every baseline; write the report (with drift detections)."""
-    from rlens.replay import DriftOptions
+    from rlens.evaluation.replay import DriftOptions
 
     if drift_reaction not in ("none", "trim", "reset"):
         fail(f"--drift-reaction must be none, trim or reset, got {drift_reaction!r}")
@@ -122,7 +122,7 @@ def replay(
 
 def variant_names(option: str) -> list[str]:
     """``--variants``: "all" or a comma-separated list of known RL-Focal variants."""
-    from rlens.replay import RL_VARIANTS
+    from rlens.evaluation.replay import RL_VARIANTS
 
     if option.strip() == "all":
         return list(RL_VARIANTS)
@@ -141,7 +141,7 @@ def demo(
     workers: int = WORKERS,
 ) -> None:
     """Replay the bundled zoo stream (5 real small models, 5 task families in blocks) through RL-Focal; no network."""
-    from rlens.replay import RL_VARIANTS
+    from rlens.evaluation.replay import RL_VARIANTS
 
     run_replay(settings().demo_data, protocol, seed, out, list(RL_VARIANTS), workers, FocalConfig())
 
@@ -160,7 +160,7 @@ def serve_model(
 
     from rlens.backends.base import BackendError
     from rlens.backends.hf import TransformersBackend
-    from rlens.serve import create_app
+    from rlens.models.serve import create_app
 
     quiet_transformers()
     try:
@@ -178,7 +178,7 @@ def pool_check(config: Path = typer.Argument(..., help="pool configuration (JSON
     import time
 
     from rlens.backends.base import BackendError, ChoiceQuery
-    from rlens.pool import PoolConfigError, build_backend, load_pool_config
+    from rlens.models.pool import PoolConfigError, build_backend, load_pool_config
 
     quiet_transformers()
     try:
@@ -215,7 +215,7 @@ POOL = typer.Option(None, "--pool", help="pool file (default: $RLENS_POOL_FILE)"
 @app.command()
 def worker(pool: Path | None = POOL) -> None:
     """Run an ensemble worker: queries from Kafka, answers and experience to Kafka (stops cleanly on SIGTERM)."""
-    from rlens.pool import PoolConfigError
+    from rlens.models.pool import PoolConfigError
     from rlens.service.run import run_worker
 
     quiet_transformers()
@@ -231,7 +231,7 @@ def learner(
     warm_start: Path | None = typer.Option(None, help="when there is no checkpoint yet, start from: a recorded dataset (rl_focal), an `rlens rlae train` run (rlae)"),
 ) -> None:
     """Run the learner: joins experience with feedback, updates windows and policy, checkpoints, publishes."""
-    from rlens.pool import PoolConfigError
+    from rlens.models.pool import PoolConfigError
     from rlens.service.run import run_learner
 
     try:
@@ -360,7 +360,7 @@ def up(
     from redis import Redis
     from redis.exceptions import RedisError
 
-    from rlens.pool import PoolConfigError, load_pool_config
+    from rlens.models.pool import PoolConfigError, load_pool_config
     from rlens.service.local import port_taken
     from rlens.service.security import redact_url
     from rlens.service.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool
@@ -544,7 +544,7 @@ def import_lm_eval(
     cost: list[str] = typer.Option([], "--cost", help="NAME=COST: relative cost of one call of that model (default 1)"),
 ) -> None:
     """Build a dataset from lm-evaluation-harness --log_samples outputs of several models."""
-    from rlens.importers.lm_eval import import_lm_eval as run_import
+    from rlens.evaluation.importers.lm_eval import import_lm_eval as run_import
 
     def pairs(values: list[str], what: str) -> dict[str, str]:
         parsed = {}
@@ -577,8 +577,8 @@ def import_lm_eval(
 
 
 def rlae_decoder(zoo: Path | None, models: str, pool: Path | None, top_k: int) -> tuple[list[str], object]:
-    """(model names, decoder): zoo models by name, or a pool file (:func:`rlens.pool.build_rlae_decoder`)."""
-    from rlens.pool import PoolConfigError, build_rlae_decoder, load_pool_config
+    """(model names, decoder): zoo models by name, or a pool file (:func:`rlens.models.pool.build_rlae_decoder`)."""
+    from rlens.models.pool import PoolConfigError, build_rlae_decoder, load_pool_config
     from rlens.rlae.decode import TokenEnsemble
     from rlens.zoo.build import load_backend, load_zoo
 

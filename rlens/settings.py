@@ -48,7 +48,7 @@ class Settings(BaseSettings):
     policy_verify_key: str | None = Field(None, description="workers: the learner's Ed25519 public key (base64); only policies it verifies are loaded")
     # streaming service: worker and learner
     strategy: Literal["rl_focal", "rlae"] = Field("rl_focal", description="rl_focal: multiple-choice queries (Decider + Fusion); rlae: open-ended queries (span-weighted token ensemble)")
-    pool_file: Path | None = Field(None, description="the pool file of the worker and the learner (see rlens.pool)")
+    pool_file: Path | None = Field(None, description="the pool file of the worker and the learner (see rlens.models.pool)")
     worker_group: str = Field("rlens-workers", description="the workers' consumer group on the queries topic")
     learner_group: str = Field("rlens-learner", description="the learner's consumer group")
     seed: int = Field(0, description="seed of the engines' initial weights and of their sampling")

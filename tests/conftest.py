@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlens.dataset import RecordedDataset, load_dataset, save_dataset, shared_data_dir
+from rlens.evaluation.dataset import RecordedDataset, load_dataset, save_dataset, shared_data_dir
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rlens.cli import app
-from rlens.dataset import DatasetError, load_dataset
+from rlens.evaluation.dataset import DatasetError, load_dataset
 
 runner = CliRunner()
 

@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rlens.cli import app
-from rlens.dataset import DatasetError, load_dataset
-from rlens.importers.lm_eval import import_lm_eval, task_name
+from rlens.evaluation.dataset import DatasetError, load_dataset
+from rlens.evaluation.importers.lm_eval import import_lm_eval, task_name
 
 runner = CliRunner()
 CHOICES = {"bool": ["False", "True"], "abc": ["(A)", "(B)", "(C)"]}

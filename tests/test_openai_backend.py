@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from rlens.backends import BackendError, ChoiceQuery, GenerationRequest, create_backend
-from rlens.ensemble import PoolCaller
+from rlens.models.ensemble import PoolCaller
 from rlens.focal.engine import FocalEngine
-from rlens.serve import ServerProcess
+from rlens.models.serve import ServerProcess
 from rlens.zoo.build import SMOLLM2_GGUF, load_backend, load_zoo, smollm2_dir
 from rlens.zoo.tasks import FAMILIES, make_question
 

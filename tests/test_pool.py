@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rlens.cli import app
-from rlens.pool import PoolConfigError, load_pool_config
+from rlens.models.pool import PoolConfigError, load_pool_config
 
 
 @pytest.mark.parametrize(

@@ -8,12 +8,12 @@ import numpy as np
 from typer.testing import CliRunner
 
 from rlens.cli import app
-from rlens.dataset import load_dataset, save_dataset
+from rlens.evaluation.dataset import load_dataset, save_dataset
 from rlens.focal.config import FocalConfig
-from rlens.protocols import Protocol, split, task_half
-from rlens.replay import PORTABLE_NUMERICS, RL_VARIANTS, replay
-from rlens.results import SCHEMA_PATH, ReplayResults
-from rlens.synthetic import synthetic_dataset
+from rlens.evaluation.protocols import Protocol, split, task_half
+from rlens.evaluation.replay import PORTABLE_NUMERICS, RL_VARIANTS, replay
+from rlens.evaluation.results import SCHEMA_PATH, ReplayResults
+from rlens.evaluation.synthetic import synthetic_dataset
 
 FAST = replace(FocalConfig(), decider_warm_passes=1, fusion_warm_passes=1, joint_warm_passes=1, warm_rollouts=2)
 
@@ -72,8 +72,8 @@ def test_results_schema_file_is_current():
 
 
 def test_replay_reports_drift_detections_and_recovery_on_one_stream_key(zoo, tmp_path):
-    from rlens.replay import DriftOptions
-    from rlens.report import write_outputs
+    from rlens.evaluation.replay import DriftOptions
+    from rlens.evaluation.report import write_outputs
 
     data = zoo.subset(list(range(360)))  # ordering, antonyms, pattern: two switches
     per_task = replay(data, Protocol.stream, variants=["rl_focal"]).results.drift

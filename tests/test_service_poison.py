@@ -25,7 +25,7 @@ from redis.asyncio import Redis
 from rlens.backends import Backend, BackendError, create_backend
 from rlens.backends.base import ChoiceQuery, ChoiceScores
 from rlens.checkpoint import CheckpointLockError, CheckpointStore
-from rlens.ensemble import CircuitBreaker, PoolCaller
+from rlens.models.ensemble import CircuitBreaker, PoolCaller
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Experience, Feedback, Query

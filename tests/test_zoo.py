@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tiktoken
 
-from rlens.dataset import load_dataset
+from rlens.evaluation.dataset import load_dataset
 from rlens.settings import settings
 from rlens.zoo.build import SPECIALISTS, bpe_corpus, load_zoo, train_specialist
 from rlens.zoo.record import QUESTIONS_FILE, read_questions

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from rlens.backends.base import Backend, BackendError, ChoiceQuery, ChoiceScores, register_backend
-from rlens.dataset import RecordedDataset
+from rlens.evaluation.dataset import RecordedDataset
 
 
 @register_backend("replay")

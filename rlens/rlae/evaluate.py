@@ -3,7 +3,7 @@ the best static weights found by grid search on the training split, and RL-Focal
 
 RL-Focal needs answer distributions over choices: each model's answer is its greedy output (stripped), the choices
 of a task are the union of the pool's answers, and each model's distribution is one-hot on its own answer
-(``rlens.answers.align``). One extra, never selectable choice holds the label when no model produced the reference,
+(``rlens.models.answers.align``). One extra, never selectable choice holds the label when no model produced the reference,
 so such tasks count as wrong for every method.
 """
 
@@ -16,8 +16,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rlens.answers import align
-from rlens.dataset import RecordedDataset
+from rlens.models.answers import align
+from rlens.evaluation.dataset import RecordedDataset
 from rlens.focal.config import FocalConfig
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import SpanWeightedDecoder, Weights
@@ -85,7 +85,7 @@ def answer_dataset(outputs: list[list[str]], tasks: list[GenerationTask], model_
 def rl_focal_correct(train_outputs: list[list[str]], train: list[GenerationTask], test_outputs: list[list[str]], test: list[GenerationTask],
                      model_names: list[str], families: list[str], seed: int, config: FocalConfig | None = None) -> tuple[np.ndarray, np.ndarray]:
     """RL-Focal warm-started on the training split, then online on the test stream: (correct, models called) per test task."""
-    from rlens.replay import run_variant
+    from rlens.evaluation.replay import run_variant
 
     data = answer_dataset([a + b for a, b in zip(train_outputs, test_outputs)], train + test, model_names, families)
     threads = torch.get_num_threads()  # run_variant pins one thread (it is meant for worker processes)

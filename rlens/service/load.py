@@ -24,7 +24,7 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from pydantic import ValidationError
 
-from rlens.dataset import RecordedDataset
+from rlens.evaluation.dataset import RecordedDataset
 from rlens.messages import Answer, Feedback, Query
 from rlens.service.kafka import Topics
 from rlens.settings import Settings

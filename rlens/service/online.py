@@ -186,7 +186,7 @@ class FocalOnlineTrainer(OnlineTrainer):
 
     def warm_start(self, source: Path) -> None:
         """Algorithm 1 on a recorded dataset of the pool's models."""
-        from rlens.dataset import load_dataset
+        from rlens.evaluation.dataset import load_dataset
         from rlens.focal.schedule import warm_start
 
         data = load_dataset(source)

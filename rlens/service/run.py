@@ -13,7 +13,7 @@ from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftConfig, DriftMonitor
-from rlens.pool import PoolConfig, build_backend, build_rlae_decoder, load_pool_config
+from rlens.models.pool import PoolConfig, build_backend, build_rlae_decoder, load_pool_config
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.service.learner import LearnerCore, claim_group, create_learner_app
 from rlens.service.local import free_port

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from rlens.dataset import load_dataset
+from rlens.evaluation.dataset import load_dataset
 from rlens.service.kafka import ensure_topics
 from rlens.service.local import LocalBroker, LocalRedis
 from rlens.service.security import generate_secrets

@@ -8,7 +8,7 @@ transport (tests drive them directly); :func:`create_worker_app` wires one to Ka
 A batch of queries is parsed (what does not parse, or is of the other strategy's kind, goes to the dead-letter
 topic with the reason). For ``rl_focal``, the windows of its streams are read from Redis in one round trip (if
 Redis is down, the windows are cold and the worker keeps answering), the pools are chosen, every query's pool is
-called concurrently (:class:`rlens.ensemble.PoolCaller`: failures become records), and the answers are fused.
+called concurrently (:class:`rlens.models.ensemble.PoolCaller`: failures become records), and the answers are fused.
 Outputs are published before the batch's offsets are committed (at-least-once; answers are keyed and idempotent
 by query id), so a worker killed mid-batch leaves its batch to be answered again by the group. A query that names
 a gateway replica's reply topic (``reply_to``, under ``<prefix>replies.``; any other is dead-lettered) has its
@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
 from rlens.backends.base import Backend, ChoiceQuery
-from rlens.ensemble import PoolCaller
+from rlens.models.ensemble import PoolCaller
 from rlens.focal.engine import FocalEngine
 from rlens.messages import EXPERIENCE, Answer, DeadLetter, Experience, Message, ModelFailureRecord, Policy, Query
 from rlens.service.kafka import Topics, app_logger, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish_batch, publish_dead_letters, typed_publisher

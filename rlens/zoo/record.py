@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 
 from rlens.backends.base import ChoiceQuery
-from rlens.dataset import RecordedDataset, save_dataset
+from rlens.evaluation.dataset import RecordedDataset, save_dataset
 from rlens.zoo.build import ZooModel, load_backend
 from rlens.zoo.tasks import FAMILIES, N_CHOICES, Question, block_stream
 

@@ -99,7 +99,7 @@ def build_backend(model: PoolModel) -> Backend:
         options = dict(model.options)
         return TransformersBackend.load(Path(options.pop("path")).expanduser(), **options)
     if model.backend == "replay":
-        from rlens.dataset import load_dataset
+        from rlens.evaluation.dataset import load_dataset
 
         return create_backend("replay", **{**model.options, "dataset": load_dataset(Path(model.options["dataset"]).expanduser())})
     if model.backend == "openai":

@@ -1,6 +1,6 @@
 """The replay results file (``results.json``): a stable, versioned, documented shape (pydantic).
 
-``schemas/replay_results.schema.json`` is generated from these models (``python -m rlens.results``).
+``schemas/replay_results.schema.json`` is generated from these models (``python -m rlens.evaluation.results``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "schemas" / "replay_results.schema.json"
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "replay_results.schema.json"
 
 
 class MethodResult(BaseModel):
@@ -56,7 +56,7 @@ class ReplayResults(BaseModel):
     methods: dict[str, MethodResult] = Field(description="keyed by method: rl_focal, best_single, soft_vote, stacking, ...")
     config: dict = Field(description="the RL-Focal hyper-parameters used")
     elapsed_s: float
-    numerics: Literal["portable", "native"] = Field("native", description="portable: the same figures on any x86-64 CPU; native: this CPU's fastest kernels (rlens.replay)")
+    numerics: Literal["portable", "native"] = Field("native", description="portable: the same figures on any x86-64 CPU; native: this CPU's fastest kernels (rlens.evaluation.replay)")
     drift: DriftResult | None = Field(None, description="RL-Focal's drift detections and recovery after task switches")
 
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 import numpy as np
 
-from rlens.dataset import RecordedDataset
+from rlens.evaluation.dataset import RecordedDataset
 
 WARM_FRACTION = 0.8
 

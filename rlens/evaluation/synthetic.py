@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlens.dataset import RecordedDataset
+from rlens.evaluation.dataset import RecordedDataset
 
 
 def synthetic_dataset(n_questions: int, n_models: int, n_tasks: int = 1, n_choices: int = 4, seed: int = 0) -> RecordedDataset:

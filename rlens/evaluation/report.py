@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rlens.drift import task_blocks  # noqa: E402
-from rlens.replay import ReplayRun  # noqa: E402
+from rlens.evaluation.replay import ReplayRun  # noqa: E402
 
 PLOTTED = ("rl_focal", "best_single", "best_single_per_task", "soft_vote", "stacking", "hedge")
 ROLLING = 50

@@ -25,14 +25,14 @@ from typing import Callable, Iterator, Literal
 import numpy as np
 import torch
 
-from rlens import baselines
-from rlens.dataset import RecordedDataset
+from rlens.evaluation import baselines
+from rlens.evaluation.dataset import RecordedDataset
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.drift import DriftMonitor, drift_figures
 from rlens.focal.schedule import OnlineTrace, Reaction, run_online, warm_start, warm_start_steps
-from rlens.protocols import Protocol, split
-from rlens.results import DriftResult, MethodResult, ReplayResults
+from rlens.evaluation.protocols import Protocol, split
+from rlens.evaluation.results import DriftResult, MethodResult, ReplayResults
 
 # name -> (changes to the configuration, description)
 RL_VARIANTS: dict[str, tuple[dict, str]] = {

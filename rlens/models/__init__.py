@@ -1,0 +1,1 @@
+"""The model side: pool files, calling a pool concurrently, answer parsing, and `rlens serve-model`."""
