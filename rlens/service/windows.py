@@ -123,10 +123,10 @@ class RedisWindows:
         if not rows:
             return window
         try:
-            values = np.array(json.loads(b"[" + b",".join(rows) + b"]"), dtype=np.float64).reshape(len(rows), -1)
+            values = np.array(json.loads(b"[" + b",".join(rows) + b"]"), dtype=np.float64)
         except (ValueError, TypeError):  # some row is not a list of numbers: row by row
             values = None
-        if values is None or values.shape[1] != self.n_models + 2:
+        if values is None or values.shape != (len(rows), self.n_models + 2):
             parsed = [self._parse_row(row) for row in rows]
             self.skipped_rows += sum(p is None for p in parsed)
             values = np.array([p for p in parsed if p is not None], dtype=np.float64).reshape(-1, self.n_models + 2)
