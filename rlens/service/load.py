@@ -43,6 +43,7 @@ class LoadReport:
     feedback_sent: int = 0
     latencies_ms: list[float] = field(default_factory=list)  # send -> answer received
     outcomes: list[bool] = field(default_factory=list)  # in arrival order
+    query_ids: list[str] = field(default_factory=list)  # each answer's query, in arrival order
     streams: list[str] = field(default_factory=list)  # each answer's stream, in arrival order
     versions: list[int] = field(default_factory=list)  # each answer's policy version, in arrival order
     per_task: dict[str, list[int]] = field(default_factory=dict)  # task -> [correct, answered]
@@ -157,6 +158,7 @@ async def play(
                     report.correct += correct
                     report.no_answer += not answer.answered_models
                     report.outcomes.append(correct)
+                    report.query_ids.append(answer.query_id)
                     report.streams.append(stream)
                     report.versions.append(answer.policy_version)
                     report.per_task.setdefault(stream, [0, 0])
