@@ -74,11 +74,11 @@ async def drift_events(settings, idle_s: float = 3.0) -> list[DriftEvent]:
     return events
 
 
-def live_run(zoo: Path, traffic, rate: float, lr: float, workdir: Path, warm_start: Path | None, drift_reaction: str = "none") -> tuple[LoadReport, dict, list[DriftEvent]]:
+def live_run(zoo: Path, traffic, rate: float, lr: float, workdir: Path, warm_start: Path | None) -> tuple[LoadReport, dict, list[DriftEvent]]:
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh learner (no checkpoint of an earlier run to resume)
     pool = write_zoo_pool(zoo, MODELS, workdir / "pool.json")
     config = settings().model_copy(update={
-        "pool_file": pool, "strategy": "rlae", "rlae_span": SPAN, "rlae_max_tokens": MAX_TOKENS, "rlae_lr": lr, "drift_reaction": drift_reaction,
+        "pool_file": pool, "strategy": "rlae", "rlae_span": SPAN, "rlae_max_tokens": MAX_TOKENS, "rlae_lr": lr,
         "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500,
     })
     stack = LocalStack(config, workdir)
@@ -169,7 +169,6 @@ def main() -> None:
     parser.add_argument("--offline-episodes", type=int, default=1024, help="the warm start's offline training (0: no warm run)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of the online updates (RLENS_RLAE_LR)")
     parser.add_argument("--out", type=Path, default=Path("out/bench_rlae_online"))
-    parser.add_argument("--drift-reaction", choices=["none", "update"], default="none", help="the learner's reaction to a drift (RLENS_DRIFT_REACTION)")
     parser.add_argument("--seed", type=int, default=7, help="the stream's seed (task order and tasks)")
     parser.add_argument("--one-stream", action="store_true", help="one stream key for all families (the switches are drift inside it), instead of one per family")
     args = parser.parse_args()
@@ -189,7 +188,7 @@ def main() -> None:
         families = {q.query_id: q.stream for q, _ in traffic}
         if args.one_stream:  # the service is not told the family: the switches are drift inside one stream key
             traffic = [(q.model_copy(update={"stream": "all"}), reference) for q, reference in traffic]
-        report, state, events = live_run(zoo, traffic, args.rate, args.lr, args.out / name, warm, args.drift_reaction)
+        report, state, events = live_run(zoo, traffic, args.rate, args.lr, args.out / name, warm)
         results["runs"][name] = {**summary(report, state, args.block_size, families), "drift": drift_summary(report, events, families)}
         run = results["runs"][name]
         print(f"{name}: {100 * run['accuracy']:.1f} % overall, first cycle {100 * run['first_cycle']:.1f} %, last cycle {100 * run['last_cycle']:.1f} %; "

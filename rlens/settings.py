@@ -84,7 +84,7 @@ class Settings(BaseSettings):
     drift_detector: Literal["adwin", "page_hinkley", "off"] = Field("adwin", description="river's change detector per (stream, signal) on the joined outcomes; off: none")
     drift_delta: float = Field(0.05, gt=0, lt=1, description="ADWIN's confidence: smaller, fewer false alarms and later detections (0.05: chosen on zoo_mc, BENCHMARKS.md)")
     drift_min_gap: int = Field(20, ge=1, description="values of one (stream, signal) between two of its detections")
-    drift_reaction: Literal["trim", "update", "none"] = Field("none", description="on a drift of a stream's outcome or of one of its models: trim its window to the last RLENS_DRIFT_KEEP outcomes (the old task's rows go), start an update at once on what is buffered, or nothing (the default: trim helped on zoo_mc, not on the held-out bbh_dev; BENCHMARKS.md)")
+    drift_reaction: Literal["trim", "none"] = Field("none", description="on a drift of a stream's outcome or of one of its models: trim its window to the last RLENS_DRIFT_KEEP outcomes (the old task's rows go), or nothing (the default: trim helped on zoo_mc, not on the held-out bbh_dev; BENCHMARKS.md)")
     drift_keep: int = Field(5, ge=0, description="outcomes a stream's window keeps when it is trimmed after a drift")
     focal_explore_rate: float = Field(FocalConfig.explore_rate, ge=0, le=1, description="rl_focal: share of queries on which both agents sample their actions "
                                       "(logged with their probabilities; only these train the policies); the rest are answered greedily")

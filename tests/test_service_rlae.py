@@ -104,7 +104,7 @@ def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_loa
         # the rehearsal memory keeps each stream's latest 2 episodes of the update (those of q-0, q-2..q-8)
         assert {s: len(e) for s, e in core.trainer.memory.items()} == {s: min(2, [t.family for t in tasks[:9]].count(s) - (s == tasks[1].family)) for s in FAMILIES}
         assert len(dead) == 1 and "needs a reference text or a reward, got only a label" in dead[0].reason
-        assert [p.version for p in policies] == [1] and policies[0].strategy == "rlae" and core.trainer.buffered() == 2
+        assert [p.version for p in policies] == [1] and policies[0].strategy == "rlae" and core.trainer.episodes == 2
         rewards = core.stats.last_update["mean_reward"]
         expected = [0.5] + [float(exact_match(experience[f"q-{i}"].text, tasks[i].reference)) for i in range(2, 9)]
         assert rewards == pytest.approx(np.mean(expected))
@@ -117,7 +117,7 @@ def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_loa
         core.checkpoint()
         core.checkpoints.close()
         resumed = new_learner(tmp_path)
-        assert resumed.version == 1 and resumed.trainer.buffered() == 2 and resumed.stats == core.stats and "q-10" in resumed.done
+        assert resumed.version == 1 and resumed.trainer.episodes == 2 and resumed.stats == core.stats and "q-10" in resumed.done
         for _ in range(6):
             for c in (core, resumed):
                 c.trainer.remember(experience["q-5"], Feedback(query_id="q-5", token="t", reward=1.0), 1.0)

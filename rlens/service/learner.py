@@ -28,8 +28,7 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
 - **Drift.** Each stream's signals (the outcome, each called model's correctness, and the answer's label-free
   confidence) feed a :class:`rlens.drift.DriftMonitor`; its detections go out as ``DriftEvent`` on ``drift`` and
   are counted. With ``drift_keep`` set (``RLENS_DRIFT_REACTION=trim``), a detection on a labelled signal trims the
-  stream's Redis window to its last ``drift_keep`` outcomes; with ``drift_update`` (``RLENS_DRIFT_REACTION=update``)
-  it starts an update at once on what is buffered (at least :data:`EARLY_UPDATE_MIN` transitions). The detectors' state is in the checkpoint, and
+  stream's Redis window to its last ``drift_keep`` outcomes. The detectors' state is in the checkpoint, and
   :class:`rlens.service.dashboard.Dashboard` keeps what ``/dashboard`` shows.
 - **Policies** are signed (:class:`rlens.service.security.PolicySigner`) and ordered by (epoch, version); the epoch
   is the learner's start time in milliseconds, so a restarted learner's policies supersede its predecessor's.
@@ -89,7 +88,6 @@ from rlens.service.windows import LEASE_TTL_S, RedisWindows
 from rlens.settings import Settings
 
 APPLY_BATCH = 256  # outcomes sent to Redis in one round trip
-EARLY_UPDATE_MIN = 16  # a drift reaction's update needs at least this many buffered transitions
 log = logging.getLogger("rlens.learner")
 
 
@@ -121,7 +119,7 @@ class LearnerStats:
     redis_retries: int = 0
     window_backlog_dropped: int = 0  # outcomes dropped because the backlog was full during a long Redis outage
     new_logs: int = 0  # partitions found restarted from offset 0 (a broker that lost its data)
-    drift_reactions: int = 0  # drift detections reacted to (a window trimmed, an update started)
+    drift_reactions: int = 0  # drifted streams whose window was trimmed
     last_update: dict | None = None
 
 
@@ -130,7 +128,7 @@ class LearnerCore:
                  signer: PolicySigner, tokens: FeedbackTokens, pending_limit: int = 100_000, pending_ttl_s: float = 3600.0,
                  pending_bytes: int = 256 * 2**20, pending_per_stream: int = 10_000, done_limit: int = 200_000, redis_wait_s: float = 10.0,
                  backlog_limit: int = 100_000, checkpoint_every_s: float = 5.0, drift: DriftMonitor | None = None,
-                 drift_keep: int | None = None, drift_update: bool = False):
+                 drift_keep: int | None = None):
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.signer, self.tokens = signer, tokens
         self.pending_limit, self.pending_ttl_s, self.done_limit = pending_limit, pending_ttl_s, done_limit
@@ -153,7 +151,6 @@ class LearnerCore:
         self.last_checkpoint = float("-inf")  # monotonic time of the newest checkpoint
         self.checkpointed_version = 0
         self.drift, self.drift_keep = drift, drift_keep  # drift_keep: trim a drifted stream's window to this many outcomes (None: no reaction)
-        self.drift_update = drift_update  # a drift starts an update at once
         self.drift_events: list[DriftEvent] = []  # detections since the app last took them
         self.dashboard = Dashboard(trainer.strategy, models)
         restored = trainer.load(checkpoints)
@@ -343,14 +340,10 @@ class LearnerCore:
             self.metrics.observe_join(experience.stream, reward, delay_s)
         signals = signals_of_outcome(getattr(experience, "answer_index", None), feedback.label, reward, getattr(experience, "predictions", None), self.models)
         self.dashboard.observe_join(experience.stream, signals, reward, delay_s)
-        drifted = self._observe_drift(experience.stream, signals, experience.query_id)
-        if drifted and self.drift_keep is not None and row is not None:
+        if self._observe_drift(experience.stream, signals, experience.query_id) and self.drift_keep is not None and row is not None:
             await self._react_to_drift(experience.stream)
         self.stats.joined += 1
-        early = drifted and self.drift_update and self.trainer.buffered() >= EARLY_UPDATE_MIN
-        if early:
-            self.stats.drift_reactions += 1
-        if self.trainer.update_due() or early:
+        if self.trainer.update_due():
             return self.update(), None
         return None, None
 

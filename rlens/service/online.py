@@ -76,10 +76,6 @@ class OnlineTrainer(ABC):
     def update_due(self) -> bool: ...
 
     @abstractmethod
-    def buffered(self) -> int:
-        """The transitions the next update would learn its policies from."""
-
-    @abstractmethod
     def clear(self) -> None:
         """Drop the buffered transitions (after an update that was undone)."""
 
@@ -170,9 +166,6 @@ class FocalOnlineTrainer(OnlineTrainer):
     def update_due(self) -> bool:
         return self.engine.update_due()
 
-    def buffered(self) -> int:
-        return self.engine.explored_buffered  # only explored transitions train the policies
-
     def clear(self) -> None:
         self.engine.clear_buffer()
 
@@ -226,7 +219,8 @@ class RLAEOnlineTrainer(OnlineTrainer):
         self.fresh: list[Episode] = []  # since the last update
         self.memory: OrderedDict[str, list[list[Span]]] = OrderedDict()  # per stream, its latest earlier episodes
 
-    def buffered(self) -> int:
+    @property
+    def episodes(self) -> int:
         return len(self.fresh)
 
     def check(self, experience: RLAEExperience) -> str | None:

@@ -114,7 +114,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
         trainer, names, build_windows(settings, len(names), window), CheckpointStore(settings.checkpoint_dir), signer, tokens,
         pending_limit=settings.pending_limit, pending_ttl_s=settings.pending_ttl_s, pending_bytes=settings.pending_bytes,
         pending_per_stream=settings.pending_per_stream, checkpoint_every_s=settings.checkpoint_every_s, drift=drift_monitor(settings),
-        drift_keep=settings.drift_keep if settings.drift_reaction == "trim" else None, drift_update=settings.drift_reaction == "update",
+        drift_keep=settings.drift_keep if settings.drift_reaction == "trim" else None,
     )
     if warm_start is not None:
         core.warm_start(warm_start)
