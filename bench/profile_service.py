@@ -14,10 +14,11 @@ On the local stack (tansu, redis-server, the bundled stream on ``replay`` backen
 Besides the rates, each phase reports the process's CPU milliseconds per query (or join), from /proc: a cost that
 moves less than the rates with what else the machine runs.
 
-Idle threads of a thread pool are left out; a sample whose innermost frame is the event loop's wait is idle; any other is put in the stage of its innermost
-frame that names one (:data:`WORKER_STAGES`,
-:data:`LEARNER_STAGES`), else of its innermost frame in :data:`FALLBACK_STAGES`; the rest is "other". Writes ``<role>.txt`` (py-spy's collapsed stacks: open them in
-speedscope or flamegraph.pl), ``profile.json`` (shares and rates) and ``profile.png`` (the breakdown).
+Idle threads of a thread pool are left out. A sample whose innermost frame is the event loop's wait is idle; any
+other goes to the stage of its innermost frame that names one (:data:`WORKER_STAGES`, :data:`LEARNER_STAGES`), else
+to that of its innermost frame in :data:`FALLBACK_STAGES`; the rest is "other". Writes ``<role>.txt`` (py-spy's
+collapsed stacks: open them in speedscope or flamegraph.pl), ``profile.json`` (shares and rates) and
+``profile.png`` (the breakdown). Needs ``py-spy`` (``pip install -e ".[bench]"``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -47,7 +49,7 @@ from rlens.settings import settings
 
 IDLE_STAGE, IDLE = "idle (waiting on the broker or Redis)", re.compile(r"^(\w*\.?select \(selectors|BaseEventLoop\._run_once \()")
 THREAD_WAIT = re.compile(r"^(Condition\.wait|Event\.wait|Queue\.get|_worker) \((threading|queue|concurrent/futures/thread)")
-# (stage, pattern on a frame "function (file:line)"): a sample goes to the first stage, leaf to root, that matches
+# (stage, pattern on a frame "function (file:line)"): a sample goes to the stage of its innermost matching frame
 COMMON_STAGES = [
     ("metrics (prometheus-client)", r"prometheus_client/|\.count \(rlens/service/worker"),
     ("parse messages (pydantic)", r"(^|\.)parse_or_dead_letter \("),
@@ -85,6 +87,8 @@ def breakdown(collapsed: Path, stages: list[tuple[str, str]]) -> dict[str, float
     counts: Counter[str] = Counter()
     for line in collapsed.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue  # not a "stack count" line
         frames = stack.split(";")
         if frames and frames[0].startswith("thread ("):
             frames = frames[1:]
@@ -185,6 +189,8 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--out", type=Path, default=Path("bench/out/profile"))
     args = parser.parse_args()
+    if shutil.which("py-spy") is None:
+        parser.error('py-spy not found: pip install -e ".[bench]" (or pip install py-spy)')
     print(f"machine: {machine_facts()}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     data = settings().demo_data
