@@ -40,7 +40,7 @@ async def fill_windows(windows: RedisWindows, dataset, size: int) -> None:
     for task in np.unique(dataset.task):
         for i in np.flatnonzero(dataset.task == task)[-size:]:
             valid = np.flatnonzero(dataset.choice_mask[i])
-            predictions = [int(np.searchsorted(valid, valid[dataset.probs[i, m, valid].argmax()])) for m in range(dataset.n_models)]
+            predictions = [int(dataset.probs[i, m, valid].argmax()) for m in range(dataset.n_models)]  # choice positions
             outcomes.append((dataset.task_name(task), f"fill-{i}", predictions, int(np.searchsorted(valid, dataset.labels[i])), 1.0))
     await windows.apply_many(outcomes)
 
@@ -59,21 +59,20 @@ async def measure(state: str, redis_url: str, passes: int, batch: int) -> dict:
                          PolicyVerifier(secrets["RLENS_POLICY_VERIFY_KEY"]), FeedbackTokens(secrets["RLENS_FEEDBACK_SECRET"]))
     stream = [q for q, _ in queries_of(data, None, "core")]
     stages: dict[str, float] = {}
-    answered, started = 0, time.perf_counter()
+    answered, encoded_bytes, started = 0, 0, time.perf_counter()
     for _ in range(passes):
         for at in range(0, len(stream), batch):
             out = await worker.handle(stream[at:at + batch])
             lap = time.perf_counter()
-            encoded = [m.model_dump_json().encode() for m in [*out.answers, *out.experience]]
+            encoded_bytes += sum(len(m.model_dump_json().encode()) for m in [*out.answers, *out.experience])
             out.stages["encode"] = time.perf_counter() - lap
             for name, seconds in out.stages.items():
                 stages[name] = stages.get(name, 0.0) + seconds
             answered += len(out.answers)
-            assert len(encoded) >= len(out.answers)
     elapsed = time.perf_counter() - started
     await redis.aclose()
     return {"queries_per_s": answered / elapsed, "us_per_query": {name: 1e6 * s / answered for name, s in stages.items()},
-            "us_per_query_total": 1e6 * elapsed / answered}
+            "us_per_query_total": 1e6 * elapsed / answered, "bytes_per_query": encoded_bytes / answered}
 
 
 def main() -> None:
