@@ -205,11 +205,11 @@ def test_window_rows_that_do_not_fit_are_refused_on_write_and_skipped_on_read(re
             await windows.apply("s", "big", [1, 0, -1, 2, 1], 40_000, 1.0)
         with pytest.raises(ValueError, match="finite"):
             await windows.apply("s", "nan", [1, 0, -1, 2, 1], 1, math.nan)
-        for row in (b"[40000,1.0,1,1,1,1,1]", b"[1,1.0,1,1]", b"not json", b'[1,"x",1,1,1,1,1]', b"[1,NaN,1,1,1,1,1]", b"[1,1.0,1,1,1,1,99999]", b"[[1,1],[1,1],[1,1],[1,1],[1,1],[1,1],[1,1]]"):
+        for row in (b"[40000,1.0,1,1,1,1,1]", b"[1,1.0,1,1]", b"not json", b'[1,"x",1,1,1,1,1]', b"[1,NaN,1,1,1,1,1]", b"[1,1.0,1,1,1,1,99999]", b"[[1,1],[1,1],[1,1],[1,1],[1,1],[1,1],[1,1]]", b"[1," + b"9" * 400 + b",1,1,1,1,1]", b"[1,1.0,1,1,1,1," + b"9" * 400 + b"]"):
             await redis.rpush(windows.window_key("s"), row)
         assert await windows.apply("s", "ok2", [0, 0, 0, 0, 0], 0, -1.0)
         window = (await windows.load(["s"]))["s"]
-        assert window.n_rows == 2 and list(window.labels[:2]) == [1, 0] and windows.skipped_rows == 7
+        assert window.n_rows == 2 and list(window.labels[:2]) == [1, 0] and windows.skipped_rows == 9
 
     asyncio.run(scenario())
 

@@ -124,7 +124,7 @@ class RedisWindows:
             return window
         try:
             values = np.array(json.loads(b"[" + b",".join(rows) + b"]"), dtype=np.float64)
-        except (ValueError, TypeError):  # some row is not a list of numbers: row by row
+        except (ValueError, TypeError, OverflowError):  # some row is not a list of (float-sized) numbers: row by row
             values = None
         if values is None or values.shape != (len(rows), self.n_models + 2):
             parsed = [self._parse_row(row) for row in rows]
@@ -144,7 +144,7 @@ class RedisWindows:
             if isinstance(values, list) and len(values) == self.n_models + 2 and all(isinstance(v, int) for v in values[2:]) and isinstance(values[0], int):
                 if self.row_error(values[2:], values[0], float(values[1])) is None:
                     return [values[0], float(values[1]), *values[2:]]
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, OverflowError):
             pass
         return None
 
