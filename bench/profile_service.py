@@ -67,7 +67,7 @@ FALLBACK_STAGES = [
 WORKER_STAGES = [
     ("window read: rows from JSON", r"\.(_windows|_parse_row) \(rlens/service/windows"),
     ("Decider (observation + forward)", r"(^|\.)decide_batch \("),
-    ("pool call (replay backends)", r"(^|\.)score_batch \("),
+    ("pool call (replay backends)", r"(^|\.)ask_batch \("),
     ("Fusion (observations + forward)", r"(^|\.)fuse_batch \("),
     ("build answers and experience", r"(^|\.)_outputs \("),
     *COMMON_STAGES,

@@ -27,13 +27,12 @@ keys_app = typer.Typer(help="The gateway's API keys (stored hashed; each bound t
 app.add_typer(keys_app, name="keys")
 rlae_app = typer.Typer(help="RLAE: token-level ensembles whose weights an RL agent sets span by span.", no_args_is_help=True)
 app.add_typer(rlae_app, name="rlae")
-PIPED_WIDTH = 160  # rich's 80 columns for a pipe or a log file cut the wider tables' headers (rlens load's 8 columns)
+PIPED_WIDTH = 160  # rich's 80 columns for a pipe or a log file cut the wider tables' headers (rlens load's 9 columns)
 console = Console(soft_wrap=True, width=None if os.isatty(1) else PIPED_WIDTH)
 errors = Console(stderr=True, soft_wrap=True)
 
 
 DEFAULT_RLAE_MODELS = "arith-char,count-bpe,order-char,pattern-bpe"  # the zoo's specialists of the RLAE families
-RLAE_FAMILIES = ["arithmetic", "counting", "ordering", "pattern"]
 
 
 def fail(message: str) -> None:
@@ -337,7 +336,7 @@ def secrets() -> None:
 @app.command()
 def up(
     pool: Path | None = POOL,
-    strategy: str = typer.Option(settings().strategy, help="rl_focal (multiple-choice queries) or rlae (open-ended queries)"),
+    strategy: str = typer.Option(settings().strategy, help="rl_focal (multiple-choice queries; open-ended ones over the models' sampled answers) or rlae (open-ended queries, token ensemble)"),
     replay: Path = typer.Option(settings().demo_data, help="rl_focal without --pool: serve this recorded dataset's models (replay backends)"),
     zoo_models: str = typer.Option(DEFAULT_RLAE_MODELS, help="rlae without --pool: these zoo models, in process (needs `rlens zoo build`)"),
     workers: int = typer.Option(2, min=1, help="worker processes (one consumer group)"),
@@ -446,11 +445,11 @@ def load(
     from rlens.rlae.tasks import TaskFileError, read_tasks
     from rlens.service.load import BrokerUnreachable, LoadReport, new_run_id, open_ended_queries, play, probe_broker, queries_of
     from rlens.zoo.record import QUESTIONS_FILE, read_questions
-    from rlens.zoo.tasks import generation_stream
+    from rlens.zoo.tasks import GENERATION_FAMILIES, generation_stream
 
     if tasks is not None:
         try:
-            open_ended = generation_stream(RLAE_FAMILIES, 8, 50, seed=7) if tasks == "zoo" else read_tasks(Path(tasks))
+            open_ended = generation_stream(GENERATION_FAMILIES, 8, 50, seed=7) if tasks == "zoo" else read_tasks(Path(tasks))
         except TaskFileError as exc:
             fail(str(exc))
         name, traffic = "zoo generation stream" if tasks == "zoo" else tasks, open_ended_queries(open_ended, new_run_id())[:limit]
@@ -465,10 +464,11 @@ def load(
 
     def status(report) -> Table:
         table = Table(title=f"{name} → {s.kafka_bootstrap}: {rate:g} queries/s, feedback after {feedback_delay:g} s")
-        for column in ("sent", "answered", "accuracy %", "last 200 %", "p50 ms", "p99 ms", "duplicates", "policy"):
+        for column in ("sent", "answered", "accuracy %", "last 200 %", "calls / query", "p50 ms", "p99 ms", "duplicates", "policy"):
             table.add_column(column, justify="right")
         table.add_row(
             str(report.sent), f"{report.answered}/{len(traffic)}", f"{100 * report.accuracy:.1f}", f"{100 * report.recent_accuracy():.1f}",
+            f"{sum(report.models_called) / max(len(report.models_called), 1):.2f}",
             f"{report.latency_percentile(50):.0f}", f"{report.latency_percentile(99):.0f}", str(report.duplicates), str(max(report.policy_versions, default=0)),
         )
         return table
@@ -513,10 +513,16 @@ def zoo_record(
     block_size: int = typer.Option(120, min=1, help="questions per block"),
     seed: int = typer.Option(0, help="seed of the question stream"),
     models: str | None = typer.Option(None, help="comma-separated zoo models (default: every model of the zoo)"),
+    samples: int = typer.Option(0, min=0, max=64, help="open-ended instead: each model samples this many texts per task of the zoo's generation "
+                                                       "stream (families arithmetic, counting, ordering, pattern), saved as a samples directory"),
+    temperature: float = typer.Option(1.0, min=0.01, help="open-ended: the sampling temperature"),
 ) -> None:
-    """Ask every zoo model every question of a generated multiple-choice stream; save it as a dataset."""
+    """Ask every zoo model every question of a generated stream (multiple choice, or open-ended with --samples);
+    save it as a dataset that `rlens replay` reads."""
+    from rlens.evaluation.baselines import model_predictions
     from rlens.zoo.build import load_zoo
-    from rlens.zoo.record import record_stream
+    from rlens.zoo.record import record_samples, record_stream
+    from rlens.zoo.tasks import GENERATION_FAMILIES, generation_stream
 
     quiet_transformers()
     try:
@@ -529,12 +535,16 @@ def zoo_record(
         fail(f"unknown zoo model(s) {', '.join(unknown)}; the zoo has {', '.join(m.name for m in zoo_models)}")
     chosen = [m for m in zoo_models if m.name in names]
     with progress_bar(console) as bar:
-        task = bar.add_task("scoring", total=blocks * block_size * len(chosen))
-        dataset = record_stream(chosen, out, blocks, block_size, seed, progress=lambda n: bar.advance(task, n))
-    accuracy = (dataset.probs.argmax(2) == dataset.labels[:, None]).mean(0)
+        task = bar.add_task("sampling" if samples else "scoring", total=blocks * block_size * len(chosen))
+        advance = lambda n: bar.advance(task, n)  # noqa: E731
+        if samples:
+            dataset = record_samples(chosen, generation_stream(GENERATION_FAMILIES, blocks, block_size, seed), out, samples, temperature, seed=seed, progress=advance)
+        else:
+            dataset = record_stream(chosen, out, blocks, block_size, seed, progress=advance)
+    accuracy = (model_predictions(dataset) == dataset.labels[:, None]).mean(0)
     for name, acc in zip(dataset.model_names, accuracy):
-        console.print(f"  {name:14s} accuracy {100 * acc:5.1f} %")
-    console.print(f"wrote {out}: {dataset.n_questions} questions x {dataset.n_models} models")
+        console.print(f"  {name:14s} accuracy {100 * acc:5.1f} %" + (" (its most frequent answer)" if samples else ""))
+    console.print(f"wrote {out}: {dataset.n_questions} {'tasks' if samples else 'questions'} x {dataset.n_models} models")
 
 
 @import_app.command("lm-eval")
@@ -641,7 +651,7 @@ def rlae_train(
     from rlens.rlae.tasks import TaskFileError, read_tasks
     from rlens.rlae.train import RLAETrainer
     from rlens.zoo.fewshot import FAMILIES as FEWSHOT_FAMILIES, fewshot_split
-    from rlens.zoo.tasks import generation_split
+    from rlens.zoo.tasks import GENERATION_FAMILIES, generation_split
 
     quiet_transformers()
     if variant not in ("ppo", "mappo"):
@@ -652,7 +662,7 @@ def rlae_train(
         if tasks == "fewshot":
             train_tasks = fewshot_split(list(FEWSHOT_FAMILIES), 1000, seed=100)
         else:
-            train_tasks = read_tasks(Path(tasks)) if tasks else generation_split(RLAE_FAMILIES, 1000, seed=100)
+            train_tasks = read_tasks(Path(tasks)) if tasks else generation_split(GENERATION_FAMILIES, 1000, seed=100)
     except TaskFileError as exc:
         fail(str(exc))
     names, decoder = rlae_decoder(zoo, models, pool, top_k)

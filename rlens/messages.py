@@ -3,7 +3,8 @@
 Topics (names from the settings, prefix ``rlens.``): ``queries`` → worker → ``answers`` and ``experience``;
 ``feedback`` → learner; learner → ``policy`` → workers; learner → ``drift`` (changes found per stream); anything unreadable → ``dead-letter``. Every message has
 ``schema_version``; fields are only ever added. A deployment runs one strategy: ``rl_focal`` (multiple-choice
-queries; :class:`Experience`) or ``rlae`` (open-ended queries; :class:`RLAEExperience`), on the same topics. ``python -m rlens.messages`` writes their JSON schemas to
+queries, and open-ended ones through the models' sampled answers; :class:`Experience`) or ``rlae`` (open-ended
+queries; :class:`RLAEExperience`), on the same topics. ``python -m rlens.messages`` writes their JSON schemas to
 ``schemas/messages/``.
 """
 
@@ -62,8 +63,9 @@ class Answer(Message):
     query_id: str
     stream: str
     answer: str = Field(description="the chosen choice's text (rl_focal) or the generated text (rlae); empty when no model answered")
-    answer_index: int = Field(ge=-1, description="position of the answer among the query's choices; -1 when no model answered or the query is open-ended")
-    distribution: list[float] = Field(description="the Fusion agent's distribution over the choices (empty for open-ended queries)")
+    answer_index: int = Field(ge=-1, description="position of the answer among the query's choices (rl_focal, open-ended: among candidates); -1 when no model answered or under rlae")
+    distribution: list[float] = Field(description="the Fusion agent's distribution over the choices (rl_focal, open-ended: over candidates; empty under rlae)")
+    candidates: list[str] = Field(default_factory=list, description="rl_focal, open-ended queries: the answers extracted from the pool's samples, most frequent first (what answer_index and distribution refer to)")
     chosen_models: list[str] = Field(description="the Decider's pool")
     answered_models: list[str] = Field(description="models of the pool that answered (the Fusion agent used these)")
     called_models: list[str] = Field(description="models asked (the pool, plus the rest on a window-refresh probe)")
@@ -103,7 +105,7 @@ class Experience(Message):
     query_id: Key
     stream: Key
     policy_version: int = Field(ge=0)
-    n_choices: int = Field(ge=2, le=MAX_CHOICES)
+    n_choices: int = Field(ge=1, le=MAX_CHOICES, description="the query's choices (open-ended: its candidates, at least 1)")
     decider_state: list[Real] = Field(max_length=MAX_VECTOR)
     critic_state: list[Real] = Field(max_length=MAX_VECTOR)
     pool: list[bool] = Field(max_length=MAX_MODELS)
@@ -114,6 +116,8 @@ class Experience(Message):
     answer_logp: float = Field(le=0, ge=-MAX_ABS)
     explored: bool = Field(False, description="both agents sampled their actions (pool_logp and answer_logp are of the sampled actions); "
                                               "false: greedy, which trains only the critic")
+    candidates: list[Annotated[str, Field(max_length=10_000)]] | None = Field(None, max_length=MAX_CHOICES, description="open-ended queries: the extracted answers the choices stand for "
+                                                                                                  "(a feedback reference is matched against them); None: multiple choice")
 
 
 class SpanDecision(BaseModel):

@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     policy_signing_key: SecretStr | None = Field(None, description="learner only: Ed25519 private key (base64) that signs policies")
     policy_verify_key: str | None = Field(None, description="workers: the learner's Ed25519 public key (base64); only policies it verifies are loaded")
     # streaming service: worker and learner
-    strategy: Literal["rl_focal", "rlae"] = Field("rl_focal", description="rl_focal: multiple-choice queries (Decider + Fusion); rlae: open-ended queries (span-weighted token ensemble)")
+    strategy: Literal["rl_focal", "rlae"] = Field("rl_focal", description="rl_focal: Decider + Fusion (multiple-choice queries, and open-ended ones over the models' sampled answers); rlae: open-ended queries (span-weighted token ensemble)")
     pool_file: Path | None = Field(None, description="the pool file of the worker and the learner (see rlens.models.pool)")
     worker_group: str = Field("rlens-workers", description="the workers' consumer group on the queries topic")
     learner_group: str = Field("rlens-learner", description="the learner's consumer group")
@@ -89,6 +89,11 @@ class Settings(BaseSettings):
     focal_explore_rate: float = Field(FocalConfig.explore_rate, ge=0, le=1, description="rl_focal: share of queries on which both agents sample their actions "
                                       "(logged with their probabilities; only these train the policies); the rest are answered greedily")
     focal_update_period: int = Field(FocalConfig.update_period, ge=1, description="rl_focal: the learner updates once this many explored transitions are joined")
+    focal_samples: int = Field(5, ge=1, le=64, description="rl_focal, open-ended queries: texts each chosen model samples; their extracted answers make its distribution")
+    focal_temperature: float = Field(1.0, gt=0, le=10, description="rl_focal, open-ended queries: the models' sampling temperature")
+    focal_max_tokens: int = Field(16, ge=1, le=4096, description="rl_focal, open-ended queries: tokens per sample at most")
+    focal_stop: list[str] = Field(["\n"], max_length=8, description="rl_focal, open-ended queries: a sample stops before the first of these strings (JSON list)")
+    focal_extractor: Literal["line", "number"] = Field("line", description="rl_focal, open-ended queries: the answer in a sample (and in a feedback reference): its first line, or its first number")
     # streaming service: the rlae strategy
     rlae_variant: Literal["ppo", "mappo"] = Field("ppo", description="ppo (one agent, Dirichlet weights) or mappo (one agent per model, centralized critic)")
     rlae_span: int = Field(4, ge=1, description="tokens per span: the agent sets the weights every this many tokens")

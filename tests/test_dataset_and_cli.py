@@ -144,12 +144,12 @@ def test_progress_without_a_terminal_prints_a_line_per_tenth():
 
 
 def test_piped_output_is_wide_enough_for_the_widest_table():
-    """Piped or logged, rich would print 80 columns and cut `rlens load`'s 8-column header; the CLI prints 160."""
+    """Piped or logged, rich would print 80 columns and cut `rlens load`'s 9-column header; the CLI prints 160."""
     import subprocess
     import sys
 
     code = ("from rich.table import Table\nfrom rlens.cli import console\nt = Table()\n"
-            "[t.add_column(c) for c in ('sent', 'answered', 'accuracy %', 'last 200 %', 'p50 ms', 'p99 ms', 'duplicates', 'policy')]\n"
+            "[t.add_column(c) for c in ('sent', 'answered', 'accuracy %', 'last 200 %', 'calls / query', 'p50 ms', 'p99 ms', 'duplicates', 'policy')]\n"
             "console.print(t)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert "accuracy %" in out and "duplicates" in out and "…" not in out

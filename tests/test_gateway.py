@@ -158,8 +158,9 @@ def test_the_official_openai_client_works_unchanged(gw):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) in CHOICES and chunks[-1].choices[0].finish_reason == "stop"
     with pytest.raises(openai.NotFoundError, match="this deployment does not run rlens-rlae"):
         client.chat.completions.create(model="rlens-rlae", messages=[{"role": "user", "content": "2+2="}])
-    with pytest.raises(openai.BadRequestError, match="give the options in rlens.choices"):
-        client.chat.completions.create(model="rlens-focal", messages=[{"role": "user", "content": "2+2="}])
+    # open-ended: the models are asked for samples, which a pool replaying multiple-choice records cannot give
+    with pytest.raises(openai.InternalServerError, match="no model of the pool answered .*records choice probabilities, not samples"):
+        client.chat.completions.create(model="rlens-focal", messages=[{"role": "user", "content": "2+2="}], extra_body={"rlens": {"reference_id": "6"}})
 
 
 def test_feedback_is_checked_against_its_query_applied_once_and_joined_by_the_learner(gw):

@@ -195,7 +195,7 @@ def test_killed_server_is_a_per_query_failure_and_the_pool_still_answers(zoo_mod
     for i, query in enumerate(questions(2)):
         if i == 4:
             server.kill()  # mid-stream
-        answers = caller.score(query, everyone)
+        answers = caller.ask(query, everyone)
         if i < 4:
             assert answers.answered.all() and not answers.failures
             answered_before_kill += 1
@@ -218,7 +218,7 @@ def test_pool_deadline_records_a_slow_model(misbehaving, zoo_models):
     slow = create_backend("openai", base_url=f"http://127.0.0.1:{misbehaving.server_port}/v1", model="m", timeout_s=30, retries=0)
     caller = PoolCaller({"slow": slow, "arith-char": load_backend(zoo_models["arith-char"])}, deadline_s=0.5)
     start = time.monotonic()
-    answers = caller.score(QUESTION, np.array([True, True]))
+    answers = caller.ask(QUESTION, np.array([True, True]))
     assert time.monotonic() - start < 2.0
     assert answers.answered.tolist() == [False, True]
     assert answers.failures[0].reason == "no answer within the 0.5 s deadline"

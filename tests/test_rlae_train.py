@@ -114,11 +114,12 @@ def test_simplex_grid_and_answers_as_a_choice_dataset():
     tasks = [GenerationTask("arithmetic", "p1", "19"), GenerationTask("ordering", "p2", "a b")]
     outputs = [[" 19", " b a"], [" 18", " b a"], [" 19", ""]]  # 3 models x 2 tasks
     data = answer_dataset(outputs, tasks, ["m0", "m1", "m2"], ["arithmetic", "ordering"])
-    # task 0: choices 19 (2 votes), 18; label 0. task 1: choices "b a" (2 votes), ""; nobody right: the masked extra column
+    # task 0: choices 19 (2 votes), 18; label 0. task 1: the one choice "b a" (m2 gave no answer: a zero row);
+    # nobody right: the masked extra column
     assert data.probs.shape == (2, 3, 3)
     np.testing.assert_array_equal(data.probs[0], [[1, 0, 0], [0, 1, 0], [1, 0, 0]])
-    np.testing.assert_array_equal(data.probs[1], [[1, 0, 0], [1, 0, 0], [0, 1, 0]])
-    np.testing.assert_array_equal(data.choice_mask, [[True, True, False], [True, True, False]])
+    np.testing.assert_array_equal(data.probs[1], [[1, 0, 0], [1, 0, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(data.choice_mask, [[True, True, False], [True, False, False]])
     np.testing.assert_array_equal(data.labels, [0, 2])
     np.testing.assert_array_equal(data.task, [0, 1])
 

@@ -264,12 +264,12 @@ def test_a_hung_model_neither_starves_nor_gets_blamed_on_a_healthy_one():
     caller = PoolCaller({"hung": hung, "fast": Fast()}, deadline_s=1.0, model_concurrency=4, circuit_failures=100)
     queries = [ChoiceQuery(id=str(i), prompt="p", choices=["a", "b"]) for i in range(32)]
     try:
-        both = caller.score_batch(queries, [np.array([True, True])] * 32)
+        both = caller.ask_batch(queries, [np.array([True, True])] * 32)
         assert all(a.answered.tolist() == [False, True] for a in both)
         assert [(f.model, f.reason) for a in both for f in a.failures] == [("hung", "no answer within the 1 s deadline")] * 32
-        fast_only = caller.score_batch(queries, [np.array([False, True])] * 32)  # 4 threads are still stuck in "hung"
+        fast_only = caller.ask_batch(queries, [np.array([False, True])] * 32)  # 4 threads are still stuck in "hung"
         assert all(a.answered.tolist() == [False, True] and not a.failures for a in fast_only) and caller.failure_counts["fast"] == 0
-        [again] = caller.score_batch(queries[:1], [np.array([True, True])])  # all its threads stuck: refused at once
+        [again] = caller.ask_batch(queries[:1], [np.array([True, True])])  # all its threads stuck: refused at once
         assert again.answered.tolist() == [False, True] and again.failures[0].reason.startswith("ModelUnavailable: busy: all 4 of its threads")
     finally:
         hung.release.set()
@@ -290,12 +290,12 @@ def test_bad_queries_never_open_a_models_circuit_but_missed_deadlines_do():
     caller = PoolCaller({"picky": Picky(), "hung": hung}, deadline_s=0.5, model_concurrency=8, circuit_failures=3, circuit_cooldown_s=600)
     try:
         bad = [ChoiceQuery(id=str(i), prompt="bad", choices=["a", "b"]) for i in range(20)]
-        caller.score_batch(bad, [np.array([True, False])] * 20)  # 20 errors in a row, each answered in time
-        [good] = caller.score_batch([ChoiceQuery(id="g", prompt="good", choices=["a", "b"])], [np.array([True, True])])
+        caller.ask_batch(bad, [np.array([True, False])] * 20)  # 20 errors in a row, each answered in time
+        [good] = caller.ask_batch([ChoiceQuery(id="g", prompt="good", choices=["a", "b"])], [np.array([True, True])])
         assert good.answered.tolist() == [True, False]  # "picky" still serves; "hung" missed its deadline
         for _ in range(2):
-            caller.score_batch([ChoiceQuery(id="g", prompt="good", choices=["a", "b"])], [np.array([False, True])])
-        [after] = caller.score_batch([ChoiceQuery(id="g", prompt="good", choices=["a", "b"])], [np.array([True, True])])
+            caller.ask_batch([ChoiceQuery(id="g", prompt="good", choices=["a", "b"])], [np.array([False, True])])
+        [after] = caller.ask_batch([ChoiceQuery(id="g", prompt="good", choices=["a", "b"])], [np.array([True, True])])
         assert after.answered.tolist() == [True, False] and after.failures[0].reason.startswith("ModelUnavailable: circuit open after 3 missed deadlines")
     finally:
         hung.release.set()

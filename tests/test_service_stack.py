@@ -16,6 +16,9 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
+from rlens.evaluation.dataset import load_dataset
+from rlens.evaluation.open_ended import save_samples
+from rlens.evaluation.synthetic import synthetic_samples
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import run_online
@@ -29,10 +32,10 @@ from rlens.settings import settings
 N = 600  # the first 5 task blocks of the bundled stream
 
 
-def make_stack(tmp_path: Path, workers: int = 1, explore: tuple[float, int] = (1.0, 64), **options) -> LocalStack:
+def make_stack(tmp_path: Path, workers: int = 1, explore: tuple[float, int] = (1.0, 64), data: Path | None = None, **options) -> LocalStack:
     """``explore``: (exploration share, explored joins per update); by default every query is explored, so the
-    learner updates every 64 joins, deterministically."""
-    pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
+    learner updates every 64 joins, deterministically. ``data``: the dataset the replay pool serves (default: the demo's)."""
+    pool = write_replay_pool(data or settings().demo_data, tmp_path / "pool.json")
     config = settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "worker_batch": 16,
                                            "focal_explore_rate": explore[0], "focal_update_period": explore[1]})
     stack = LocalStack(config, tmp_path, **options)
@@ -90,6 +93,25 @@ def test_end_to_end_learns_as_well_as_the_offline_loop(tmp_path, zoo):
     assert max(report.policy_versions) >= 4  # policies were learned online and hot-swapped into the worker
     state = final_learner_state(stack)
     assert state["stats"]["joined"] == N and state["stats"]["windows_applied"] == N and state["stats"]["duplicates"] == 0
+
+
+def test_open_ended_queries_end_to_end_learn_as_well_as_the_offline_loop(tmp_path):
+    """Open-ended queries, closed loop: the models' recorded samples (replay backends) become candidates in the worker,
+    each reference becomes a label in the learner, and the service lands where the offline loop does."""
+    data = synthetic_samples(300, 3, seed=0)
+    save_samples(tmp_path / "samples", data.sampled, data.model_names, data.model_costs)
+    stack = make_stack(tmp_path, explore=(0.25, 16), data=tmp_path / "samples")
+    queries = queries_of(load_dataset(tmp_path / "samples"), None, "open")
+    try:
+        report = asyncio.run(play(stack.settings, queries, rate=1000, idle_timeout_s=60, before_send=feedback_applied(stack, [q for q, _ in queries])))
+        time.sleep(1.0)
+    finally:
+        stack.stop()
+    offline = run_online(FocalEngine(3, data.model_costs, FocalConfig(explore_rate=0.25, update_period=16), seed=0), data)
+    assert report.answered == 300 and report.no_answer == 0 and max(report.policy_versions) >= 2
+    assert abs(report.accuracy - offline.correct.mean()) < 0.05 and report.accuracy > 0.75, (report.accuracy, offline.correct.mean())
+    assert sum(report.models_called) < 3 * 300  # the Decider prunes the pool
+    assert final_learner_state(stack)["stats"]["joined"] == 300
 
 
 def test_a_worker_killed_mid_stream_loses_no_query(tmp_path, zoo):

@@ -2,14 +2,15 @@
 
 Query ids are question indices of the dataset. Recorded probabilities are returned as log-probabilities:
 the softmax of the original log-likelihoods, so they differ from them by a constant per question. Each question's
-answer is built once and then shared (callers only read it).
+answer is built once and then shared (callers only read it). An open-ended dataset (recorded samples,
+:mod:`rlens.evaluation.open_ended`) also answers ``generate``: the model's first ``n`` recorded texts of the question.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from rlens.backends.base import Backend, BackendError, ChoiceQuery, ChoiceScores, register_backend
+from rlens.backends.base import Backend, BackendError, ChoiceQuery, ChoiceScores, GenerationRequest, Generations, register_backend
 from rlens.evaluation.dataset import RecordedDataset
 
 
@@ -23,13 +24,23 @@ class ReplayBackend(Backend):
             raise ValueError(f"model index {self.model} is outside the dataset's {dataset.n_models} models")
         self._answers: dict[int, ChoiceScores] = {}  # question index -> its answer, built on first use
 
-    def score_choices(self, query: ChoiceQuery) -> ChoiceScores:
+    def _row(self, query_id: str) -> int:
         try:
-            row = int(query.id)
+            row = int(query_id)
         except ValueError:
-            raise BackendError(f"replay backend: query id {query.id!r} is not a question index") from None
+            raise BackendError(f"replay backend: query id {query_id!r} is not a question index") from None
         if not 0 <= row < self.dataset.n_questions:
             raise BackendError(f"replay backend: no recorded question {row} (dataset has {self.dataset.n_questions})")
+        return row
+
+    def generate(self, request: GenerationRequest) -> Generations:
+        if self.dataset.sampled is None:
+            raise BackendError(f"replay backend: dataset {self.dataset.name} records choice probabilities, not samples (no {request.id!r} texts to replay)")
+        texts = self.dataset.sampled[self._row(request.id)].samples.get(self.dataset.model_names[self.model], [])
+        return Generations(texts=texts[: request.n])
+
+    def score_choices(self, query: ChoiceQuery) -> ChoiceScores:
+        row = self._row(query.id)
         answer = self._answers.get(row)
         if answer is None:
             answer = self._answers[row] = self._recorded(row)

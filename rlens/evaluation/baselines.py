@@ -28,8 +28,9 @@ class BaselineRun:
 
 
 def model_predictions(data: RecordedDataset) -> np.ndarray:
-    """Each model's argmax choice [N, M] (padded choices carry probability 0)."""
-    return np.where(data.choice_mask[:, None, :], data.probs, -1.0).argmax(2)
+    """Each model's argmax choice [N, M] (padded choices carry probability 0); -1 where a model gave no answer (an
+    all-zero row: open-ended datasets)."""
+    return np.where(data.probs.max(2) > 0, np.where(data.choice_mask[:, None, :], data.probs, -1.0).argmax(2), -1)
 
 
 def single_models(test: RecordedDataset) -> dict[int, BaselineRun]:
@@ -85,7 +86,8 @@ def hedge(test: RecordedDataset) -> BaselineRun:
     for i in range(n):
         weights = np.exp(log_w - log_w.max())
         votes = np.zeros(test.choice_mask.shape[1])
-        np.add.at(votes, predictions[i], weights)
+        answered = predictions[i] >= 0
+        np.add.at(votes, predictions[i][answered], weights[answered])
         answers[i] = int(votes.argmax())
         log_w -= eta * (predictions[i] != test.labels[i])
     return BaselineRun(answers, float(m))

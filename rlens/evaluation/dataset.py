@@ -38,6 +38,13 @@ class RecordedDataset:
     model_names: list[str]
     model_costs: np.ndarray  # float64 [M], cost of one call of each model
     task_names: dict[int, str]
+    sampled: list | None = None  # open-ended: the recorded samples (list[SampledTask]) the choices come from; None: multiple choice
+    extractor: str = "line"  # open-ended: how an answer is read from a sample or a reference
+
+    @property
+    def open_ended(self) -> bool:
+        """The choices are the answers the models gave (:mod:`rlens.evaluation.open_ended`)."""
+        return self.sampled is not None
 
     @property
     def n_questions(self) -> int:
@@ -61,6 +68,8 @@ class RecordedDataset:
             model_names=self.model_names,
             model_costs=self.model_costs,
             task_names=self.task_names,
+            sampled=None if self.sampled is None else [self.sampled[i] for i in index],
+            extractor=self.extractor,
         )
 
 
@@ -95,11 +104,14 @@ def _load_json_list(path: Path, required: bool) -> list[dict] | None:
     return value
 
 
-def _models(path: Path, n_models: int) -> tuple[list[str], np.ndarray]:
+def read_models(path: Path, n_models: int | None) -> tuple[list[str], np.ndarray]:
+    """``models.json``: the models' names and costs (``n_models``: how many the arrays hold, if known)."""
     entries = _load_json_list(path, required=True)
     assert entries is not None
-    if len(entries) != n_models:
-        raise DatasetError(path, f"lists {len(entries)} models but probs.npy has {n_models} on axis 1")
+    if n_models is None:
+        n_models = len(entries)
+    if len(entries) != n_models or not entries:
+        raise DatasetError(path, f"lists {len(entries)} models but probs.npy has {n_models} on axis 1" if entries else "lists no model")
     names: list[str | None] = [None] * n_models
     costs = np.ones(n_models)
     for position, entry in enumerate(entries):
@@ -129,6 +141,10 @@ def load_dataset(directory: str | Path) -> RecordedDataset:
     directory = Path(directory)
     if not directory.is_dir():
         raise DatasetError(directory, "not a directory (expected a dataset directory with probs.npy, ...)")
+    from rlens.evaluation.open_ended import is_samples_dir, load_samples
+
+    if is_samples_dir(directory):
+        return load_samples(directory)
     probs = _load_array(directory, "probs.npy")
     mask = _load_array(directory, "choice_mask.npy")
     labels = _load_array(directory, "labels.npy")
@@ -161,7 +177,7 @@ def load_dataset(directory: str | Path) -> RecordedDataset:
         row = int(np.argmax((labels < 0) | (labels >= c) | ~mask[np.arange(n), np.clip(labels, 0, c - 1)]))
         raise DatasetError(directory / "labels.npy", f"question {row} has label {int(labels[row])}, which is not one of its valid choices")
 
-    model_names, costs = _models(directory / "models.json", m)
+    model_names, costs = read_models(directory / "models.json", m)
     task_names = _tasks(directory / "tasks.json", task)
     return RecordedDataset(
         name=directory.name,
@@ -175,6 +191,11 @@ def load_dataset(directory: str | Path) -> RecordedDataset:
     )
 
 
+def write_models(directory: Path, names: list[str], costs: np.ndarray) -> None:
+    models = [{"index": i, "name": name, "cost": float(cost)} for i, (name, cost) in enumerate(zip(names, costs))]
+    (directory / "models.json").write_text(json.dumps(models, indent=1))
+
+
 def save_dataset(dataset: RecordedDataset, directory: str | Path, task_choices: dict[int, list[str]] | None = None) -> Path:
     """Write ``dataset`` in the recorded-outputs format (used by importers and tests)."""
     directory = Path(directory)
@@ -183,8 +204,7 @@ def save_dataset(dataset: RecordedDataset, directory: str | Path, task_choices: 
     np.save(directory / "choice_mask.npy", dataset.choice_mask.astype(bool))
     np.save(directory / "labels.npy", dataset.labels.astype(np.int64))
     np.save(directory / "task.npy", dataset.task.astype(np.int64))
-    models = [{"index": i, "name": name, "cost": float(cost)} for i, (name, cost) in enumerate(zip(dataset.model_names, dataset.model_costs))]
-    (directory / "models.json").write_text(json.dumps(models, indent=1))
+    write_models(directory, dataset.model_names, dataset.model_costs)
     tasks = [
         {"id": tid, "name": name, "choices": (task_choices or {}).get(tid, [])}
         for tid, name in sorted(dataset.task_names.items())

@@ -38,3 +38,28 @@ def synthetic_dataset(n_questions: int, n_models: int, n_tasks: int = 1, n_choic
         model_costs=np.ones(n_models),
         task_names={t: f"task_{t}" for t in range(n_tasks)},
     )
+
+
+def synthetic_samples(n_tasks: int, n_models: int, n_families: int = 2, n_samples: int = 5, block: int = 50, seed: int = 0) -> RecordedDataset:
+    """A seeded open-ended dataset of recorded samples (:mod:`rlens.evaluation.open_ended`): arithmetic-like
+    references, families in blocks of ``block`` tasks, and specialists: model j samples the reference with
+    probability 0.85 on family ``j % n_families`` and 0.25 on the others, a near miss otherwise, and now and then
+    an empty sample."""
+    from rlens.evaluation.open_ended import SampledTask, sampled_dataset
+
+    if n_tasks < 1 or n_models < 1 or n_families < 1 or n_samples < 1 or block < 1:
+        raise ValueError("synthetic samples need at least 1 task, model, family, sample and a block of 1")
+    rng = np.random.default_rng(seed)
+    names = [f"model_{j}" for j in range(n_models)]
+    tasks = []
+    for i in range(n_tasks):
+        family = (i // block) % n_families
+        reference = int(rng.integers(0, 100))
+        skill = np.where(np.arange(n_models) % n_families == family, 0.85, 0.25)
+        samples = {}
+        for j, name in enumerate(names):
+            right = rng.random(n_samples) < skill[j]
+            misses = reference + rng.integers(1, 4, n_samples)
+            samples[name] = ["" if rng.random() < 0.05 else f" {reference if r else int(m)}" for r, m in zip(right, misses)]
+        tasks.append(SampledTask(prompt=f"task {i}: ", reference=str(reference), family=f"family_{family}", samples=samples))
+    return sampled_dataset(f"synthetic_samples_{n_tasks}x{n_models}", tasks, names, np.ones(n_models))

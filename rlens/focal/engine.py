@@ -101,7 +101,7 @@ class FocalEngine:
 
     @torch.inference_mode()
     def decide(self, key: Hashable, n_choices: int, greedy: bool, probe: bool = False, rollouts: int = 1) -> list[Decision]:
-        """Choose the pool for one query of stream ``key`` (before any model is called).
+        """Choose the pool for one query of stream ``key`` (before any model is called); ``n_choices`` 0: open-ended.
 
         ``rollouts`` > 1 draws that many pools from the same state (parallel environments over one recorded
         question, used in the warm start); the first one becomes the stream's previous pool.

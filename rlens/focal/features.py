@@ -3,7 +3,7 @@
 Decider observation (before any model is called), length 4M + K + 4:
   previous pool bits [M] | diversity metrics of that pool [K] | its plurality-vote window accuracy |
   per-model features [3M]: window reliability r_j, gap r_j - max r, rank (0 = most reliable, 1 = least) |
-  window fill | mean recent reward | 1 / n_choices.
+  window fill | mean recent reward | 1 / n_choices (0 for an open-ended query: its candidates are known only after the call).
 Critic state (centralized critic), length (4M + K + 4) + 3M + 1: the Decider observation, then a summary of the
 answers of the pool the Fusion agent fused — per pool model its top probability, normalised entropy and agreement
 with the pool's plurality (0 for models outside the pool) — and the pool's share of the models. It is built the same
@@ -89,7 +89,7 @@ def decider_observation(window: OutcomeWindow, previous_pool: np.ndarray, n_choi
             reliability,
             reliability - reliability.max(),
             rank.astype(np.float32),
-            np.array([window.fill, window.recent_reward(recent), 1.0 / n_choices], dtype=np.float32),
+            np.array([window.fill, window.recent_reward(recent), 1.0 / n_choices if n_choices else 0.0], dtype=np.float32),
         ]
     )
 

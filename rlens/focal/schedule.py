@@ -35,8 +35,9 @@ class Question:
 
     key: int
     probs: np.ndarray  # [M, C_valid]
-    predictions: np.ndarray  # [M] each model's argmax
-    label: int
+    predictions: np.ndarray  # [M] each model's argmax; -1 for a model that gave no answer (a zero row: open-ended)
+    label: int  # C_valid when the right answer is none of the choices (open-ended: no model gave it)
+    decider_choices: int  # what the Decider is told of the choice count: C_valid, or 0 for an open-ended question
 
 
 def questions(data: RecordedDataset) -> list[Question]:
@@ -44,7 +45,8 @@ def questions(data: RecordedDataset) -> list[Question]:
     for i in range(data.n_questions):
         valid = np.flatnonzero(data.choice_mask[i])
         probs = data.probs[i][:, valid]
-        out.append(Question(int(data.task[i]), probs, probs.argmax(1), int(np.searchsorted(valid, data.labels[i]))))
+        predictions = np.where(probs.max(1) > 0, probs.argmax(1), -1)
+        out.append(Question(int(data.task[i]), probs, predictions, int(np.searchsorted(valid, data.labels[i])), 0 if data.open_ended else len(valid)))
     return out
 
 
@@ -63,8 +65,12 @@ class OnlineTrace:
 
 
 def _pool_vote(q: Question, pool: np.ndarray) -> int:
-    """The interim answer of a pool without the Fusion agent: its plurality vote (ties to the larger summed probability)."""
-    return int(plurality_vote(q.predictions[pool][None, :], q.probs.shape[1], q.probs[pool].sum(0)[None, :])[0])
+    """The interim answer of a pool without the Fusion agent: its plurality vote (ties to the larger summed
+    probability) over the models that answered; -1 (wrong) when none did."""
+    answered = pool & (q.predictions >= 0)
+    if not answered.any():
+        return -1
+    return int(plurality_vote(q.predictions[answered][None, :], q.probs.shape[1], q.probs[answered].sum(0)[None, :])[0])
 
 
 def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, train_fusion: bool, progress: Progress | None) -> None:
@@ -78,7 +84,7 @@ def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, tra
     engine.reset_windows()
     for q in qs:
         rewards = []
-        decisions = engine.decide(q.key, q.probs.shape[1], greedy=False, rollouts=rollouts)
+        decisions = engine.decide(q.key, q.decider_choices, greedy=False, rollouts=rollouts)
         answers = engine.fuse_batch(decisions, [q.probs] * rollouts) if train_fusion else [None] * rollouts  # one Fusion forward for the rollouts
         for decision, answer in zip(decisions, answers):
             chosen = answer.answer if answer is not None else _pool_vote(q, decision.pool)
@@ -102,7 +108,7 @@ def _supervised_fusion_pass(engine: FocalEngine, qs: list[Question], progress: P
     engine.reset_windows()
     features, labels = [], []
     for q in qs:
-        decisions = engine.decide(q.key, q.probs.shape[1], greedy=False, rollouts=rollouts)
+        decisions = engine.decide(q.key, q.decider_choices, greedy=False, rollouts=rollouts)
         if q.label < q.probs.shape[1]:
             features += [engine.fusion_features(d, q.probs) for d in decisions]
             labels += [q.label] * rollouts
@@ -172,7 +178,7 @@ def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | 
     for i, q in enumerate(qs):
         probe = cfg.probe_rate > 0 and engine.rng.random() < cfg.probe_rate
         explore = cfg.explore_rate > 0 and engine.rng.random() < cfg.explore_rate
-        (decision,) = engine.decide(q.key if stream is None else stream, q.probs.shape[1], greedy=not explore, probe=probe)
+        (decision,) = engine.decide(q.key if stream is None else stream, q.decider_choices, greedy=not explore, probe=probe)
         answer = engine.fuse(decision, q.probs)
         trace.answers[i], trace.correct[i], trace.explored[i] = answer.answer, answer.answer == q.label, explore
         trace.greedy_correct[i] = (engine.greedy_answer(decision, q.probs) if explore else answer.answer) == q.label

@@ -2,7 +2,9 @@
 
 As RL-Focal does for GSM8K, a model's distribution over answers is the frequency of each extracted answer among
 its samples. The pool's models are then aligned on the union of the answers any of them gave, which makes the
-open-ended query a multiple-choice one with ``choices`` = that union, ready for the Fusion agent.
+open-ended query a multiple-choice one with ``choices`` = that union, ready for the Fusion agent
+(:func:`pool_choices`). A reference answer becomes a label on that union with :func:`label_of`: its position, or
+the number of candidates when no model gave it (a label no answer can match: every model was wrong).
 """
 
 from __future__ import annotations
@@ -54,3 +56,18 @@ def align(distributions: list[dict[str, float] | None]) -> tuple[list[str], np.n
         for c, answer in enumerate(candidates):
             probs[m, c] = (dist or {}).get(answer, 0.0)
     return candidates, probs
+
+
+def pool_choices(samples: list[list[str] | None], kind: Extractor = "line", max_choices: int | None = None) -> tuple[list[str], np.ndarray]:
+    """Each model's samples (None: not called or failed) → the candidates and the models' distributions [M, C]
+    (:func:`answer_distribution`, then :func:`align`); beyond ``max_choices`` candidates, the least likely are dropped."""
+    candidates, probs = align([answer_distribution(s, kind) if s else None for s in samples])
+    if max_choices is not None and len(candidates) > max_choices:
+        candidates, probs = candidates[:max_choices], probs[:, :max_choices]
+    return candidates, probs
+
+
+def label_of(reference: str, candidates: list[str], kind: Extractor = "line") -> int:
+    """The position of the reference's answer among ``candidates``; ``len(candidates)`` when it is none of them."""
+    answer = extract_answer(reference, kind)
+    return candidates.index(answer) if answer in candidates else len(candidates)

@@ -1,5 +1,10 @@
 """Calling the pool: the models a Decider chose answer one query concurrently; failures become records, not hangs.
 
+A query is multiple choice (:class:`ChoiceQuery`: each model scores the choices) or open-ended
+(:class:`GenerationRequest`: each model samples ``n`` texts, and :func:`rlens.models.answers.pool_choices` turns the
+samples into distributions over the union of their extracted answers, the query's candidates; a model none of whose
+samples holds an answer is a failure). Either way the caller gets the models' distributions over the choices.
+
 :class:`PoolCaller` runs each chosen backend in that model's own bounded thread pool (``model_concurrency``
 threads) and waits at most ``deadline_s`` for all of them. A backend that raises, answers with the wrong number of
 choices, or misses the deadline is recorded as a :class:`ModelFailure` for that query, and counted per model; the
@@ -21,7 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlens.backends.base import Backend, ChoiceQuery, ChoiceScores
+from rlens.backends.base import Backend, ChoiceQuery, ChoiceScores, GenerationRequest, Generations
+from rlens.models.answers import Extractor, extract_answer, pool_choices
+
+PoolQuery = ChoiceQuery | GenerationRequest
 
 
 @dataclass(frozen=True)
@@ -32,18 +40,19 @@ class ModelFailure:
 
 @dataclass
 class PoolAnswers:
-    """The called models' distributions over one query's choices."""
+    """The called models' distributions over one query's choices (an open-ended query's: its candidates)."""
 
     probs: np.ndarray  # float [M, C]; zero rows for models not called or failed
     answered: np.ndarray  # bool [M]
     failures: list[ModelFailure] = field(default_factory=list)
+    candidates: list[str] | None = None  # open-ended: the extracted answers the columns stand for
 
 
 @dataclass
 class _Done:
     """The outcome of an inline call, read like a finished Future (without its locks: this is the hot path)."""
 
-    value: ChoiceScores | None = None
+    value: ChoiceScores | Generations | None = None
     error: Exception | None = None
 
     def done(self) -> bool:
@@ -55,7 +64,7 @@ class _Done:
     def exception(self) -> Exception | None:
         return self.error
 
-    def result(self) -> ChoiceScores | None:
+    def result(self) -> ChoiceScores | Generations | None:
         return self.value
 
 
@@ -93,12 +102,15 @@ class _Model:
         self.running: dict[int, float] = {}  # call id -> when it started (monotonic)
         self.lock = threading.Lock()
 
-    def submit(self, query: ChoiceQuery) -> "Future | _Done":
+    def ask(self, query: PoolQuery) -> ChoiceScores | Generations:
+        return self.backend.score_choices(query) if isinstance(query, ChoiceQuery) else self.backend.generate(query)
+
+    def submit(self, query: PoolQuery) -> "Future | _Done":
         if not self.breaker.allow():
             return _Done(error=ModelUnavailable(f"circuit open after {self.breaker.in_a_row} missed deadlines in a row; next try in {self.breaker.open_until - self.breaker.clock():.0f} s"))
         if self.executor is None:
             try:
-                return _Done(self.backend.score_choices(query))
+                return _Done(self.ask(query))
             except Exception as exc:  # recorded as this model's failure, like an exception in a thread
                 return _Done(error=exc)
         now = time.monotonic()
@@ -108,12 +120,12 @@ class _Model:
             return _Done(error=ModelUnavailable(f"busy: all {stuck} of its threads have been in one call for over {self.deadline_s:g} s (hung?)"))
         return self.executor.submit(self._call, query)
 
-    def _call(self, query: ChoiceQuery) -> ChoiceScores:
+    def _call(self, query: PoolQuery) -> ChoiceScores | Generations:
         call = threading.get_ident()
         with self.lock:
             self.running[call] = time.monotonic()
         try:
-            return self.backend.score_choices(query)
+            return self.ask(query)
         finally:
             with self.lock:
                 del self.running[call]
@@ -125,8 +137,10 @@ class ModelUnavailable(Exception):
 
 class PoolCaller:
     def __init__(self, backends: dict[str, Backend], deadline_s: float = 60.0, model_concurrency: int = 8,
-                 circuit_failures: int = 5, circuit_cooldown_s: float = 30.0):
-        """``backends`` in the pool's model order (name -> backend)."""
+                 circuit_failures: int = 5, circuit_cooldown_s: float = 30.0, extractor: Extractor = "line", max_choices: int = 64):
+        """``backends`` in the pool's model order (name -> backend); ``extractor`` and ``max_choices``: how open-ended
+        samples become candidates (:func:`rlens.models.answers.pool_choices`)."""
+        self.extractor, self.max_choices = extractor, max_choices
         self.names = list(backends)
         self.backends = list(backends.values())
         self.deadline_s = deadline_s
@@ -138,17 +152,18 @@ class PoolCaller:
             if model.executor is not None:
                 model.executor.shutdown(wait=False, cancel_futures=True)
 
-    def score(self, query: ChoiceQuery, called: np.ndarray) -> PoolAnswers:
-        """Ask every model with ``called[m]`` to score ``query``; at most ``deadline_s`` seconds."""
-        return self.score_batch([query], [called])[0]
+    def ask(self, query: PoolQuery, called: np.ndarray) -> PoolAnswers:
+        """Ask every model with ``called[m]`` to answer ``query``; at most ``deadline_s`` seconds."""
+        return self.ask_batch([query], [called])[0]
 
     @property
     def blocking(self) -> bool:
-        """Whether some model of the pool blocks (then callers should run :meth:`score_batch` off their event loop)."""
+        """Whether some model of the pool blocks (then callers should run :meth:`ask_batch` off their event loop)."""
         return any(b.blocking for b in self.backends)
 
-    def score_batch(self, queries: list[ChoiceQuery], called: list[np.ndarray]) -> list[PoolAnswers]:
-        """:meth:`score` for several queries at once: every (query, model) call runs concurrently, one deadline.
+    def ask_batch(self, queries: list[PoolQuery], called: list[np.ndarray]) -> list[PoolAnswers]:
+        """:meth:`ask` for several queries at once (either kind, mixed): every (query, model) call runs
+        concurrently, one deadline.
 
         Non-blocking backends (``Backend.blocking`` False) are called inline, the others in the thread pool.
         """
@@ -156,9 +171,10 @@ class PoolCaller:
         wait([f for calls in futures for f in calls.values() if isinstance(f, Future)], timeout=self.deadline_s)
         return [self._collect(q, calls) for q, calls in zip(queries, futures)]
 
-    def _collect(self, query: ChoiceQuery, futures: dict) -> PoolAnswers:
-        n_choices = len(query.choices)
-        result = PoolAnswers(np.zeros((len(self.names), n_choices)), np.zeros(len(self.names), dtype=bool))
+    def _collect(self, query: PoolQuery, futures: dict) -> PoolAnswers:
+        width = 0 if isinstance(query, GenerationRequest) else len(query.choices)
+        result = PoolAnswers(np.zeros((len(self.names), width)), np.zeros(len(self.names), dtype=bool))
+        samples: list[list[str] | None] = [None] * len(self.names)
         for m, future in futures.items():
             hung = not future.done()  # only a missed deadline counts against the model's circuit (see CircuitBreaker)
             if not future.done():
@@ -167,10 +183,14 @@ class PoolCaller:
             elif future.exception() is not None:
                 exc = future.exception()
                 reason = f"{exc.__class__.__name__}: {exc}"
-            elif len(future.result().loglikelihoods) != n_choices:
-                reason = f"scored {len(future.result().loglikelihoods)} choices, the query has {n_choices}"
+            elif (problem := self._unusable(query, future.result())) is not None:
+                reason = problem
             else:
-                result.probs[m] = future.result().probabilities()
+                answer = future.result()
+                if isinstance(answer, Generations):
+                    samples[m] = answer.texts
+                else:
+                    result.probs[m] = answer.probabilities()
                 result.answered[m] = True
                 self.models[m].breaker.record(ok=True)
                 continue
@@ -178,4 +198,15 @@ class PoolCaller:
                 self.models[m].breaker.record(ok=not hung)  # an error answered in time: the model responds
             result.failures.append(ModelFailure(self.names[m], reason))
             self.failure_counts[self.names[m]] += 1
+        if isinstance(query, GenerationRequest):
+            result.candidates, result.probs = pool_choices(samples, self.extractor, self.max_choices)
         return result
+
+    def _unusable(self, query: PoolQuery, answer: ChoiceScores | Generations) -> str | None:
+        """Why a model's answer cannot be used (wrong number of choices; no sample holding an answer), or None."""
+        if isinstance(answer, ChoiceScores):  # the answer of a ChoiceQuery (Model.ask)
+            n, want = len(answer.loglikelihoods), len(query.choices) if isinstance(query, ChoiceQuery) else 0
+            return None if n == want else f"scored {n} choices, the query has {want}"
+        if not any(extract_answer(text, self.extractor) is not None for text in answer.texts):
+            return f"none of its {len(answer.texts)} samples holds an answer ({self.extractor} extractor)"
+        return None

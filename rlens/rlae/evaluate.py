@@ -1,10 +1,10 @@
 """RLAE against its baselines on open-ended tasks (exact match): each single model, the uniform token ensemble (GaC),
 the best static weights found by grid search on the training split, and RL-Focal's selection over the same pool.
 
-RL-Focal needs answer distributions over choices: each model's answer is its greedy output (stripped), the choices
-of a task are the union of the pool's answers, and each model's distribution is one-hot on its own answer
-(``rlens.models.answers.align``). One extra, never selectable choice holds the label when no model produced the reference,
-so such tasks count as wrong for every method.
+RL-Focal needs answer distributions over choices: each model's greedy output is its one sample of an open-ended
+dataset (:mod:`rlens.evaluation.open_ended`): the choices of a task are the union of the pool's answers (first lines,
+stripped), each model's distribution one-hot on its own answer, and one extra, never selectable choice holds the
+label when no model produced the reference, so such tasks count as wrong for every method.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rlens.models.answers import align
 from rlens.evaluation.dataset import RecordedDataset
+from rlens.evaluation.open_ended import SampledTask, sampled_dataset
 from rlens.focal.config import FocalConfig
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import SpanWeightedDecoder, Weights
@@ -68,18 +68,10 @@ def grid_search(ensemble: SpanWeightedDecoder, tasks: list[GenerationTask], cfg:
 
 
 def answer_dataset(outputs: list[list[str]], tasks: list[GenerationTask], model_names: list[str], families: list[str]) -> RecordedDataset:
-    """The pool's greedy answers [M][N] as a recorded multiple-choice dataset (see the module docstring)."""
-    aligned = [align([{text.strip(): 1.0} for text in (model[n] for model in outputs)]) for n in range(len(tasks))]
-    width = max(len(choices) for choices, _ in aligned) + 1  # + the never selectable "none of these"
-    probs = np.zeros((len(tasks), len(model_names), width), np.float32)
-    mask = np.zeros((len(tasks), width), bool)
-    labels = np.full(len(tasks), width - 1, np.int64)
-    for n, ((choices, p), task) in enumerate(zip(aligned, tasks)):
-        probs[n, :, : len(choices)], mask[n, : len(choices)] = p, True
-        if task.reference in choices:
-            labels[n] = choices.index(task.reference)
-    family_ids = np.array([families.index(t.family) for t in tasks], np.int64)
-    return RecordedDataset("zoo-generation", probs, mask, labels, family_ids, model_names, np.ones(len(model_names)), dict(enumerate(families)))
+    """The pool's greedy answers [M][N] as an open-ended dataset: one sample per model and task."""
+    sampled = [SampledTask(prompt=task.prompt, reference=task.reference, family=task.family, samples={name: [outputs[m][n]] for m, name in enumerate(model_names)})
+               for n, task in enumerate(tasks)]
+    return sampled_dataset("zoo-generation", sampled, model_names, np.ones(len(model_names)), families=families)
 
 
 def rl_focal_correct(train_outputs: list[list[str]], train: list[GenerationTask], test_outputs: list[list[str]], test: list[GenerationTask],

@@ -100,9 +100,6 @@ class Gateway:
             why = f"model {request.model!r} does not exist" if strategy is None else f"this deployment does not run {request.model}"
             raise ApiError(404, f"{why}; it serves {served}", "invalid_request_error", "model_not_found", "model")
         choices = request.rlens.choices
-        if strategy == "rl_focal" and choices is None:
-            raise ApiError(400, "rlens-focal answers multiple-choice requests: give the options in rlens.choices (open-ended requests go to rlens-rlae)",
-                           "invalid_request_error", "missing_choices", "rlens.choices")
         if strategy == "rlae" and choices is not None:
             raise ApiError(400, "rlens-rlae answers open-ended requests: leave out rlens.choices (multiple-choice requests go to rlens-focal)",
                            "invalid_request_error", "unexpected_choices", "rlens.choices")
@@ -434,13 +431,13 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
     async def chat_completions(request: Request, body: ChatCompletionRequest, key: KeyRecord = Depends(key_of),
                                idempotency_key: str | None = Header(None), x_rlens_stream: str | None = Header(None)):
-        """Answer a conversation (multiple choice with rlens.choices and model rlens-focal; open-ended with rlens-rlae)."""
+        """Answer a conversation (multiple choice with rlens.choices, model rlens-focal; open-ended: rlens-rlae, or rlens-focal over sampled answers)."""
         return await ask(request, body, key, idempotency_key, x_rlens_stream)
 
     @app.post("/v1/completions", response_model=Completion, responses=ERRORS)
     async def completions(request: Request, body: CompletionRequest, key: KeyRecord = Depends(key_of),
                           idempotency_key: str | None = Header(None), x_rlens_stream: str | None = Header(None)):
-        """Answer a prompt (multiple choice with rlens.choices and model rlens-focal; open-ended with rlens-rlae)."""
+        """Answer a prompt (multiple choice with rlens.choices, model rlens-focal; open-ended: rlens-rlae, or rlens-focal over sampled answers)."""
         return await ask(request, body, key, idempotency_key, x_rlens_stream)
 
     @app.get("/v1/answers/{query_id}", response_model=ChatCompletion | Completion, responses={**ERRORS, 202: {"model": AnswerStatus}})

@@ -18,7 +18,8 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   never join (its label is not a choice of the query, a reference for a multiple-choice query, a label for an
   open-ended one, another stream than the query's) goes to the dead-letter topic.
 - **Reward.** The feedback's ``reward`` if given, else the trainer's: RL-Focal's reward for the answer against
-  ``label``, RLAE's exact match of the generated text with ``reference``.
+  ``label`` (open-ended: the candidate that the ``reference``'s answer is, none when no model gave it), RLAE's exact
+  match of the generated text with ``reference``.
 - **Windows.** (rl_focal) Each join queues the query's outcome for its stream's Redis window; the queue is applied
   after each batch of records (or every :data:`APPLY_BATCH` outcomes), in one pipelined round trip, once per query
   id. While Redis is unreachable the learner retries with backoff for at most ``redis_wait_s``, then keeps the outcome
@@ -338,7 +339,8 @@ class LearnerCore:
         self.trainer.remember(experience, feedback, reward)
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
-        signals = signals_of_outcome(getattr(experience, "answer_index", None), feedback.label, reward, getattr(experience, "predictions", None), self.models)
+        label = (row[1] if row[1] >= 0 else None) if row is not None else feedback.label  # open-ended rl_focal: the reference's candidate
+        signals = signals_of_outcome(getattr(experience, "answer_index", None), label, reward, getattr(experience, "predictions", None), self.models)
         self.dashboard.observe_join(experience.stream, signals, reward, delay_s)
         if self._observe_drift(experience.stream, signals, experience.query_id) and self.drift_keep is not None and row is not None:
             await self._react_to_drift(experience.stream)

@@ -2,9 +2,10 @@
 
 Multiple-choice traffic (:func:`queries_of`, for ``rl_focal``): queries in stream order (stream key = task name,
 ``reference_id`` = question index, so the ``replay`` backend can answer them; prompt and choices from
-``questions.jsonl`` when the dataset has it); an answer is correct when it picks the label. Open-ended traffic
-(:func:`open_ended_queries`, for ``rlae``): prompts without choices (stream key = task family); an answer is correct
-when its text is exactly the reference. Queries go out at ``rate`` per second.
+``questions.jsonl`` when the dataset has it); an answer is correct when it picks the label; a dataset of recorded
+samples gives open-ended queries with their references instead. Open-ended traffic (:func:`open_ended_queries`,
+for ``rlae`` or ``rl_focal``): prompts without choices (stream key = task family); an answer is correct when its
+text is exactly the reference. Queries go out at ``rate`` per second.
 When a query's first answer arrives, its feedback (the label, or the reference text, with the answer's feedback
 token) is sent ``feedback_delay_s`` later.
 Answers are counted once per query id (duplicates are counted apart). The run ends when every query is answered
@@ -46,6 +47,7 @@ class LoadReport:
     query_ids: list[str] = field(default_factory=list)  # each answer's query, in arrival order
     streams: list[str] = field(default_factory=list)  # each answer's stream, in arrival order
     versions: list[int] = field(default_factory=list)  # each answer's policy version, in arrival order
+    models_called: list[int] = field(default_factory=list)  # each answer's models called, in arrival order
     per_task: dict[str, list[int]] = field(default_factory=dict)  # task -> [correct, answered]
     elapsed_s: float = 0.0
 
@@ -65,9 +67,13 @@ class LoadReport:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
 
 
-def queries_of(dataset: RecordedDataset, prompts: list[tuple[str, list[str]]] | None, run_id: str) -> list[tuple[Query, int]]:
-    """(query, label position among its choices) for every question, in stream order."""
-    out = []
+def queries_of(dataset: RecordedDataset, prompts: list[tuple[str, list[str]]] | None, run_id: str) -> list[tuple[Query, Outcome]]:
+    """(query, label position among its choices) for every question, in stream order; for an open-ended dataset
+    (recorded samples), (open-ended query, reference)."""
+    if dataset.sampled is not None:
+        return [(Query(query_id=f"{run_id}-{i}", stream=dataset.task_name(dataset.task[i]), prompt=task.prompt, reference_id=str(i)), task.reference)
+                for i, task in enumerate(dataset.sampled)]
+    out: list[tuple[Query, Outcome]] = []
     for i in range(dataset.n_questions):
         valid = np.flatnonzero(dataset.choice_mask[i])
         prompt, choices = prompts[i] if prompts else (f"question {i}", [chr(ord("A") + k) if k < 26 else f"choice {k}" for k in range(len(valid))])
@@ -161,6 +167,7 @@ async def play(
                     report.query_ids.append(answer.query_id)
                     report.streams.append(stream)
                     report.versions.append(answer.policy_version)
+                    report.models_called.append(len(answer.called_models))
                     report.per_task.setdefault(stream, [0, 0])
                     report.per_task[stream][0] += correct
                     report.per_task[stream][1] += 1

@@ -25,7 +25,7 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 # dead-letter reasons (their opening words) -> the label of their kind: a small, fixed set
 DEAD_LETTER_KINDS = (
     ("invalid JSON", "unreadable"), ("unreadable", "unreadable"), ("not a valid", "invalid"),
-    ("open-ended query", "wrong_strategy"), ("multiple-choice query", "wrong_strategy"), ("query id", "duplicate"),
+    ("multiple-choice query", "wrong_strategy"), ("query id", "duplicate"),
     ("answering failed", "failed"), ("reply_to", "invalid"), ("learner failed", "failed"), ("policy v", "policy_rejected"),
     ("feedback token", "forged_feedback"), ("experience does not fit", "experience_mismatch"),
     ("unmatched", "evicted"), ("experience expired", "expired"), ("feedback expired", "expired"),
@@ -38,9 +38,12 @@ def dead_letter_kind(reason: str) -> str:
 
 
 def failure_kind(reason: str) -> str:
-    """A model failure's kind: ``deadline`` (no answer in time), ``refused`` (circuit open or threads stuck), ``error``."""
+    """A model failure's kind: ``deadline`` (no answer in time), ``refused`` (circuit open or threads stuck),
+    ``no_answer`` (open-ended: no sample held an answer), ``error``."""
     if reason.startswith("no answer within"):
         return "deadline"
+    if reason.startswith("none of its"):
+        return "no_answer"
     return "refused" if reason.startswith("ModelUnavailable") else "error"
 
 

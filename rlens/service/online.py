@@ -32,7 +32,8 @@ from rlens.checkpoint import CheckpointStore, load_optimizer, optimizer_tensors
 from rlens.focal.engine import Answer as EngineAnswer
 from rlens.focal.engine import Decision, FocalEngine
 from rlens.focal.features import critic_state_dim, decider_obs_dim, fusion_feature_dim
-from rlens.messages import Experience, Feedback, Message, RLAEExperience
+from rlens.messages import MAX_CHOICES, Experience, Feedback, Message, RLAEExperience
+from rlens.models.answers import Extractor, label_of
 from rlens.rlae.agent import Policy, RLAEConfig, Span, update
 from rlens.rlae.observe import obs_dim
 from rlens.service.checkpoint import load_engine, save_engine
@@ -114,8 +115,9 @@ class OnlineTrainer(ABC):
 class FocalOnlineTrainer(OnlineTrainer):
     strategy, experience = "rl_focal", Experience
 
-    def __init__(self, engine: FocalEngine, models: list[str]):
-        self.engine, self.models = engine, models
+    def __init__(self, engine: FocalEngine, models: list[str], extractor: Extractor = "line"):
+        """``extractor``: how an open-ended query's feedback reference is read (as the workers read the samples)."""
+        self.engine, self.models, self.extractor = engine, models, extractor
         self.optimizer = engine.optimizer
         m, k = len(models), len(engine.cfg.metrics)
         self.dims = {"decider_state": decider_obs_dim(m, k), "critic_state": critic_state_dim(m, k), "pool": m, "predictions": m}
@@ -126,6 +128,10 @@ class FocalOnlineTrainer(OnlineTrainer):
             if len(getattr(experience, field)) != size:
                 return f"{field} has {len(getattr(experience, field))} values, this pool needs {size}"
         n = experience.n_choices
+        if experience.candidates is None and n < 2:
+            return f"a multiple-choice query has at least 2 choices, this one {n}"
+        if experience.candidates is not None and (len(experience.candidates) != n or n >= MAX_CHOICES):
+            return f"an open-ended query's {len(experience.candidates)} candidates must be its {n} choices, at most {MAX_CHOICES - 1}"
         if len(experience.fusion_features) != n or any(len(row) != self.fusion_dim for row in experience.fusion_features):
             return f"fusion_features must be [{n} choices, {self.fusion_dim}]"
         if experience.answer_index >= n or max(experience.predictions) >= n:
@@ -134,17 +140,29 @@ class FocalOnlineTrainer(OnlineTrainer):
             return "the pool is empty"
         return None
 
+    def label(self, experience: Experience, feedback: Feedback) -> int | None:
+        """The correct choice the feedback gives: its ``label``, or (open-ended) its ``reference`` among the
+        candidates, ``n_choices`` when none of them; None for a bare reward. :class:`FeedbackError` when it does not fit."""
+        qid, n = experience.query_id, experience.n_choices
+        if feedback.label is not None and feedback.label >= n:
+            raise FeedbackError(f"label {feedback.label} is not one of query {qid}'s {n} {'candidates' if experience.candidates is not None else 'choices'}")
+        if feedback.label is not None or feedback.reference is None:
+            return feedback.label
+        if experience.candidates is None:
+            if feedback.reward is None:
+                raise FeedbackError(f"feedback for multiple-choice query {qid} needs a label or a reward, got only a reference")
+            return None
+        return label_of(feedback.reference, experience.candidates, self.extractor)
+
     def reward(self, experience: Experience, feedback: Feedback) -> float:
-        if feedback.label is None and feedback.reward is None:
-            raise FeedbackError(f"feedback for multiple-choice query {experience.query_id} needs a label or a reward, got only a reference")
-        if feedback.label is not None and feedback.label >= experience.n_choices:
-            raise FeedbackError(f"label {feedback.label} is not one of query {experience.query_id}'s {experience.n_choices} choices")
+        label = self.label(experience, feedback)
         if feedback.reward is not None:
             return feedback.reward
-        return self.engine.reward(np.asarray(experience.pool, dtype=bool), experience.answer_index == feedback.label)
+        return self.engine.reward(np.asarray(experience.pool, dtype=bool), experience.answer_index == label)
 
     def window_row(self, experience: Experience, feedback: Feedback) -> tuple[list[int], int]:
-        return experience.predictions, -1 if feedback.label is None else feedback.label
+        label = self.label(experience, feedback)
+        return experience.predictions, -1 if label is None else label
 
     def confidence(self, experience: Experience) -> float:
         """The Fusion agent's probability of the answer it chose."""
@@ -160,8 +178,9 @@ class FocalOnlineTrainer(OnlineTrainer):
         decision = Decision(experience.stream, pool, pool, np.asarray(experience.decider_state, np.float32), experience.pool_logp, experience.explored)
         features = np.asarray(experience.fusion_features, np.float32)
         answer = EngineAnswer(experience.answer_index, np.zeros(len(features)), features, experience.answer_logp, np.asarray(experience.critic_state, np.float32))
-        fusion_reward = feedback.reward if feedback.reward is not None else self.engine.fusion_reward(experience.answer_index == feedback.label)
-        self.engine.remember(decision, answer, reward, fusion_reward, label=-1 if feedback.label is None else feedback.label)
+        label = self.label(experience, feedback)
+        fusion_reward = feedback.reward if feedback.reward is not None else self.engine.fusion_reward(experience.answer_index == label)
+        self.engine.remember(decision, answer, reward, fusion_reward, label=-1 if label is None else label)
 
     def update_due(self) -> bool:
         return self.engine.update_due()

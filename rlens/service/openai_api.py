@@ -30,7 +30,7 @@ class RlensRequest(Request):
     """rlens's extension of a request."""
 
     choices: list[Annotated[str, Field(max_length=10_000)]] | None = Field(
-        None, min_length=2, max_length=MAX_CHOICES, description="multiple choice: the options (goes to rlens-focal); absent: open-ended (rlens-rlae)")
+        None, min_length=2, max_length=MAX_CHOICES, description="multiple choice: the options (rlens-focal); absent: open-ended (rlens-rlae, or rlens-focal over the models' sampled answers)")
     reference_id: str | None = Field(None, max_length=256, description="the question's id in a recorded dataset (pools of replay backends)")
 
 
@@ -50,7 +50,7 @@ class ChatMessage(Request):
 
 
 class CommonRequest(Request):
-    model: str = Field(description="rlens-focal (multiple-choice, RL-Focal) or rlens-rlae (open-ended, RLAE)")
+    model: str = Field(description="rlens-focal (RL-Focal: multiple choice, or open-ended over sampled answers) or rlens-rlae (open-ended, RLAE)")
     stream: bool = Field(False, description="server-sent events in OpenAI's chunk format (one content chunk: workers do not stream spans yet)")
     n: int = Field(1, ge=1, le=1, description="one answer per request")
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, description="metadata.stream: the stream key (default 'default')")
@@ -92,8 +92,9 @@ class RlensAnswer(BaseModel):
 
     query_id: str
     stream: str
-    answer_index: int = Field(description="multiple choice: the chosen option's position (-1 when none)")
-    distribution: list[float] = Field(description="multiple choice: the Fusion agent's distribution over the options")
+    answer_index: int = Field(description="rlens-focal: the chosen option's position (open-ended: among candidates; -1 when none)")
+    distribution: list[float] = Field(description="rlens-focal: the Fusion agent's distribution over the options (open-ended: over candidates)")
+    candidates: list[str] = Field(default_factory=list, description="rlens-focal, open-ended: the answers the pool's samples held, most frequent first")
     chosen_models: list[str]
     answered_models: list[str]
     called_models: list[str]

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from redis.asyncio import Redis
 
+from rlens.backends.base import GenerationRequest
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.checkpoint import CheckpointStore
@@ -87,8 +88,10 @@ def build_worker(settings: Settings) -> Worker:
         return RLAEWorker(build_rlae_decoder(pool, settings.rlae_top_k), agent, names, windows, stop=settings.rlae_stop, explore=settings.rlae_explore, seed=settings.seed, **trust)
     engine = build_engine(settings, pool)
     backends = {m.name: build_backend(m) for m in pool.models}
+    sampling = GenerationRequest(id="-", prompt="", n=settings.focal_samples, temperature=settings.focal_temperature, max_tokens=settings.focal_max_tokens, stop=settings.focal_stop)
     return FocalWorker(engine, names, backends, build_windows(settings, len(names), engine.cfg.window), deadline_s=settings.worker_deadline_s,
-                       model_concurrency=settings.model_concurrency, circuit_failures=settings.circuit_failures, circuit_cooldown_s=settings.circuit_cooldown_s, **trust)
+                       model_concurrency=settings.model_concurrency, circuit_failures=settings.circuit_failures, circuit_cooldown_s=settings.circuit_cooldown_s,
+                       sampling=sampling, extractor=settings.focal_extractor, **trust)
 
 
 def drift_monitor(settings: Settings) -> DriftMonitor | None:
@@ -109,7 +112,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
         window = 1
     else:
         engine = build_engine(settings, pool)
-        trainer, window = FocalOnlineTrainer(engine, names), engine.cfg.window
+        trainer, window = FocalOnlineTrainer(engine, names, settings.focal_extractor), engine.cfg.window
     core = LearnerCore(
         trainer, names, build_windows(settings, len(names), window), CheckpointStore(settings.checkpoint_dir), signer, tokens,
         pending_limit=settings.pending_limit, pending_ttl_s=settings.pending_ttl_s, pending_bytes=settings.pending_bytes,

@@ -2,7 +2,9 @@
 
 :class:`Worker` is what every strategy's worker shares (the policy slot, counters, which queries it takes);
 :class:`FocalWorker` is the ``rl_focal`` strategy: windows from Redis → Decider → only the chosen backends →
-Fusion (the ``rlae`` one is :class:`rlens.service.rlae_worker.RLAEWorker`). Both are the whole logic without a
+Fusion (the ``rlae`` one is :class:`rlens.service.rlae_worker.RLAEWorker`). A multiple-choice query has each chosen
+model score its choices; an open-ended one has each sample ``n`` texts, and the Fusion agent picks one of the
+answers extracted from them (the answer's ``candidates``). Both are the whole logic without a
 transport (tests drive them directly); :func:`create_worker_app` wires one to Kafka with FastStream.
 
 A batch of queries is parsed (what does not parse, or is of the other strategy's kind, goes to the dead-letter
@@ -41,10 +43,11 @@ from faststream.kafka import KafkaMessage
 from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
-from rlens.backends.base import Backend, ChoiceQuery
-from rlens.models.ensemble import PoolCaller
+from rlens.backends.base import Backend, ChoiceQuery, GenerationRequest
+from rlens.models.answers import Extractor
+from rlens.models.ensemble import PoolCaller, PoolQuery
 from rlens.focal.engine import FocalEngine
-from rlens.messages import EXPERIENCE, Answer, DeadLetter, Experience, Message, ModelFailureRecord, Policy, Query
+from rlens.messages import EXPERIENCE, MAX_CHOICES, Answer, DeadLetter, Experience, Message, ModelFailureRecord, Policy, Query
 from rlens.service.kafka import Topics, app_logger, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish_batch, publish_dead_letters, typed_publisher
 from rlens.service.metrics import StreamLabels, WorkerMetrics, dead_letter_kind, failure_kind, http_routes, not_ready, settings_url
 from rlens.service.policy import PolicyError, decode_policy
@@ -153,26 +156,34 @@ class Worker(ABC):
             self.stats.policies_loaded += 1
 
 
+SAMPLING = GenerationRequest(id="-", prompt="", n=5, max_tokens=16, temperature=1.0, stop=["\n"])
+
+
 class FocalWorker(Worker):
-    """The ``rl_focal`` strategy: multiple-choice queries, the Decider's pool, the Fusion agent's answer."""
+    """The ``rl_focal`` strategy: the Decider's pool, the Fusion agent's answer among the query's choices (or, open-ended,
+    among the answers the pool's samples hold; ``sampling`` says how the models sample, ``extractor`` how an answer is
+    read from a sample)."""
 
     strategy = "rl_focal"
 
     def __init__(self, engine: FocalEngine, models: list[str], backends: dict[str, Backend], windows: RedisWindows,
                  verifier: PolicyVerifier, tokens: FeedbackTokens, deadline_s: float = 60.0, model_concurrency: int = 8,
-                 circuit_failures: int = 5, circuit_cooldown_s: float = 30.0, name: str | None = None):
+                 circuit_failures: int = 5, circuit_cooldown_s: float = 30.0, name: str | None = None,
+                 sampling: GenerationRequest = SAMPLING, extractor: Extractor = "line"):
         if list(backends) != models:
             raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
         super().__init__(models, windows, verifier, tokens, name)
         self.engine = engine
         self.names = np.array(models)
-        self.caller = PoolCaller(backends, deadline_s, model_concurrency, circuit_failures, circuit_cooldown_s)
+        self.sampling = sampling
+        # at most MAX_CHOICES - 1 candidates: "none of them" (n_choices) must stay a valid window label
+        self.caller = PoolCaller(backends, deadline_s, model_concurrency, circuit_failures, circuit_cooldown_s, extractor, MAX_CHOICES - 1)
 
     def windows_read(self) -> dict:
         return self.engine.windows
 
     def rejects(self, query: Query) -> str | None:
-        return "open-ended query (no choices): the rl_focal worker answers multiple-choice queries only" if query.choices is None else None
+        return None
 
     def policy_tensors(self) -> dict[str, torch.Tensor]:
         return self.engine.policy_state()
@@ -206,14 +217,14 @@ class FocalWorker(Worker):
         rng = self.engine.rng
         probes = [cfg.probe_rate > 0 and rng.random() < cfg.probe_rate for _ in queries]
         greedy = [not (cfg.explore_rate > 0 and rng.random() < cfg.explore_rate) for _ in queries]
-        decisions = self.engine.decide_batch([(q.stream, len(q.choices), p, g) for q, p, g in zip(queries, probes, greedy)])
+        decisions = self.engine.decide_batch([(q.stream, len(q.choices) if q.choices else 0, p, g) for q, p, g in zip(queries, probes, greedy)])
         try:
             await self.windows.save_pools({stream: self.engine.previous_pool[stream] for stream in streams if stream in self.engine.previous_pool})
         except (RedisError, OSError) as exc:
             log.warning("Redis unreachable (%s): the streams' last pools stay in this worker", exc)
         stage("decide")
-        choice_queries, called = [self._choice_query(q) for q in queries], [d.called for d in decisions]
-        calls = await asyncio.to_thread(self.caller.score_batch, choice_queries, called) if self.caller.blocking else self.caller.score_batch(choice_queries, called)
+        pool_queries, called = [self._pool_query(q) for q in queries], [d.called for d in decisions]
+        calls = await asyncio.to_thread(self.caller.ask_batch, pool_queries, called) if self.caller.blocking else self.caller.ask_batch(pool_queries, called)
         stage("pool_call")
         fused_pools = [self._fused_pool(d, c) for d, c in zip(decisions, calls)]
         answerable = [i for i, pool in enumerate(fused_pools) if pool.any()]
@@ -225,8 +236,9 @@ class FocalWorker(Worker):
             self._outputs(q, decisions[i], calls[i], fused_pools[i], answers.get(i), latency, out)
         return out
 
-    @staticmethod
-    def _choice_query(q: Query) -> ChoiceQuery:
+    def _pool_query(self, q: Query) -> PoolQuery:
+        if q.choices is None:
+            return self.sampling.model_copy(update={"id": q.reference_id or q.query_id, "prompt": q.prompt})
         return ChoiceQuery(id=q.reference_id or q.query_id, prompt=q.prompt, choices=q.choices)
 
     @staticmethod
@@ -247,12 +259,14 @@ class FocalWorker(Worker):
             self.stats.no_model_answered += 1
             out.answers.append(Answer(answer="", answer_index=-1, distribution=[], **common))
             return
+        choices = q.choices if q.choices is not None else answers.candidates
         out.answers.append(Answer(
-            answer=q.choices[answer.answer], answer_index=answer.answer, distribution=answer.distribution.tolist(), feedback_token=self.tokens.token(q.query_id), **common,
+            answer=choices[answer.answer], answer_index=answer.answer, distribution=answer.distribution.tolist(), feedback_token=self.tokens.token(q.query_id),
+            candidates=answers.candidates or [], **common,
         ))
         out.experience.append(
             Experience(
-                query_id=q.query_id, stream=q.stream, policy_version=self.policy_version, n_choices=len(q.choices),
+                query_id=q.query_id, stream=q.stream, policy_version=self.policy_version, n_choices=len(choices), candidates=answers.candidates,
                 decider_state=decision.state.tolist(), critic_state=answer.critic_state.tolist(), pool=decision.pool.tolist(),
                 pool_logp=decision.pool_logp, predictions=np.where(answers.answered, answers.probs.argmax(1), -1).tolist(),
                 fusion_features=answer.features.tolist(), answer_index=answer.answer, answer_logp=answer.answer_logp, explored=decision.explored,

@@ -4,6 +4,10 @@ The stream is :func:`rlens.zoo.tasks.block_stream` (task families in blocks, so 
 model's choice probabilities are the softmax of its lm-eval log-likelihoods. Besides the usual dataset files the
 directory gets ``questions.jsonl`` (prompt, choices, family of every row), so real backends can be asked the same
 questions later. The bundled ``zoo_mc`` dataset (``rlens demo``) is made by this module.
+
+:func:`record_samples` does the same for open-ended tasks: every model samples ``n`` texts of each task of
+:func:`rlens.zoo.tasks.generation_stream`, saved as a samples directory (:mod:`rlens.evaluation.open_ended`) that
+``rlens replay`` replays and the ``replay`` backend serves to the streaming service.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from typing import Callable
 
 import numpy as np
 
-from rlens.backends.base import ChoiceQuery
+from rlens.backends.base import ChoiceQuery, GenerationRequest
 from rlens.evaluation.dataset import RecordedDataset, save_dataset
+from rlens.evaluation.open_ended import SampledTask, load_samples, save_samples
 from rlens.zoo.build import ZooModel, load_backend
-from rlens.zoo.tasks import FAMILIES, N_CHOICES, Question, block_stream
+from rlens.zoo.tasks import FAMILIES, N_CHOICES, GenerationTask, Question, block_stream
 
 QUESTIONS_FILE = "questions.jsonl"
 
@@ -66,3 +71,28 @@ def read_questions(path: Path) -> list[Question]:
     """The questions of a recorded stream (labels come from the dataset's ``labels.npy``, not from here)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [Question(r["family"], r["prompt"], r["choices"], -1) for r in rows]
+
+
+def record_samples(
+    models: list[ZooModel],
+    tasks: list[GenerationTask],
+    out: Path,
+    n: int = 5,
+    temperature: float = 1.0,
+    max_tokens: int = 8,
+    seed: int = 0,
+    progress: Callable[[int], None] = lambda n: None,
+) -> RecordedDataset:
+    """Every model samples ``n`` texts of every task (one line each: generation stops at a newline), with seed
+    ``seed + task index``; write the samples directory and return it as an open-ended dataset."""
+    samples: list[dict[str, list[str]]] = [{} for _ in tasks]
+    for model in models:
+        backend = load_backend(model)
+        for i, task in enumerate(tasks):
+            request = GenerationRequest(id=str(i), prompt=task.prompt, n=n, max_tokens=max_tokens, temperature=temperature, stop=["\n"], seed=seed + i)
+            samples[i][model.name] = backend.generate(request).texts
+            progress(1)
+        del backend
+    sampled = [SampledTask(prompt=t.prompt, reference=t.reference, family=t.family, samples=s) for t, s in zip(tasks, samples)]
+    save_samples(out, sampled, [m.name for m in models], np.array([m.cost for m in models]))
+    return load_samples(out)

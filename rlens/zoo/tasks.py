@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 N_CHOICES = 4
+GENERATION_FAMILIES = ["arithmetic", "counting", "ordering", "pattern"]  # the zoo's generation stream: one specialist each
 LETTERS = "abcdefgh"
 ANTONYMS = [
     ("hot", "cold"), ("big", "small"), ("up", "down"), ("fast", "slow"), ("old", "new"), ("good", "bad"),
