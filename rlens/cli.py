@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import typer
 from rich.console import Console
@@ -15,6 +16,13 @@ from rlens.focal.config import FocalConfig
 from rlens.progress import progress_bar
 from rlens.evaluation.protocols import Protocol
 from rlens.settings import settings
+
+if TYPE_CHECKING:  # the commands import what they run lazily (a quick `rlens --help`)
+    from typing import Literal
+
+    from rlens.evaluation.replay import Numerics
+    from rlens.focal.schedule import Reaction
+    from rlens.rlae.decode import SpanWeightedDecoder, Weights
 
 app = typer.Typer(help="rlens: LLM ensembles that learn from feedback.", no_args_is_help=True, add_completion=False)
 import_app = typer.Typer(help="Build datasets from other tools' outputs.", no_args_is_help=True)
@@ -35,7 +43,7 @@ errors = Console(stderr=True, soft_wrap=True)
 DEFAULT_RLAE_MODELS = "arith-char,count-bpe,order-char,pattern-bpe"  # the zoo's specialists of the RLAE families
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     errors.print(f"[bold red]error:[/] {message}", highlight=False)
     raise typer.Exit(2)
 
@@ -53,7 +61,7 @@ def quiet_transformers() -> None:
 
 
 def run_replay(data: Path, protocol: Protocol, seed: int, out: Path, variants: list[str], workers: int, config: FocalConfig, drift=None,
-               numerics: str = "portable") -> None:
+               numerics: Numerics = "portable") -> None:
     """Replay a dataset through RL-Focal and the baselines with a progress bar; print the table, write the report."""
     from rlens.evaluation.replay import DriftOptions, replay as run, total_steps
     from rlens.evaluation.report import write_outputs
@@ -116,7 +124,8 @@ def replay(
     if numerics not in ("portable", "native"):
         fail(f"--numerics must be portable or native, got {numerics!r}")
     config = replace(FocalConfig(), alpha=alpha, window=window, update_period=update_period, explore_rate=explore_rate, feedback_delay=feedback_delay)
-    run_replay(data, protocol, seed, out, variant_names(variants), workers, config, DriftOptions(one_stream, drift_reaction), numerics)
+    drift = DriftOptions(one_stream, cast("Reaction", drift_reaction))
+    run_replay(data, protocol, seed, out, variant_names(variants), workers, config, drift, cast("Numerics", numerics))
 
 
 def variant_names(option: str) -> list[str]:
@@ -586,7 +595,7 @@ def import_lm_eval(
 
 
 
-def rlae_decoder(zoo: Path | None, models: str, pool: Path | None, top_k: int) -> tuple[list[str], object]:
+def rlae_decoder(zoo: Path | None, models: str, pool: Path | None, top_k: int) -> tuple[list[str], SpanWeightedDecoder]:
     """(model names, decoder): zoo models by name, or a pool file (:func:`rlens.models.pool.build_rlae_decoder`)."""
     from rlens.models.pool import PoolConfigError, build_rlae_decoder, load_pool_config
     from rlens.rlae.decode import TokenEnsemble
@@ -666,7 +675,7 @@ def rlae_train(
     except TaskFileError as exc:
         fail(str(exc))
     names, decoder = rlae_decoder(zoo, models, pool, top_k)
-    cfg = RLAEConfig(variant=variant, span=span, max_tokens=max_tokens, episodes=episodes, observe=observe)
+    cfg = RLAEConfig(variant=cast('Literal["ppo", "mappo"]', variant), span=span, max_tokens=max_tokens, episodes=episodes, observe=cast('Literal["prompt", "text"]', observe))
     try:
         trainer = RLAETrainer(decoder, SentenceEncoder(), names, cfg, out, seed)
     except ValueError as exc:
@@ -711,15 +720,17 @@ def rlae_generate(
         names, decoder = rlae_decoder(zoo, ",".join(run_models), pool, top_k)
         if names != run_models:
             fail(f"the run was trained on {', '.join(run_models)}, the pool has {', '.join(names)}")
-        source, span = agent.weights_fn(texts, greedy=True), agent.cfg.span
+        source: Weights = agent.weights_fn(texts, greedy=True)
+        span = agent.cfg.span
     else:
         names, decoder = rlae_decoder(zoo, models, pool, top_k)
         try:
-            source = np.ones(len(names)) if weights == "uniform" else np.array([float(w) for w in weights.split(",")])
+            fixed = np.ones(len(names)) if weights == "uniform" else np.array([float(w) for w in (weights or "").split(",")])
         except ValueError:
             fail(f"--weights must be 'uniform' or comma-separated numbers, got {weights!r}")
-        if source.shape != (len(names),) or (source < 0).any() or source.sum() <= 0:
+        if fixed.shape != (len(names),) or (fixed < 0).any() or fixed.sum() <= 0:
             fail(f"--weights needs {len(names)} non-negative numbers with a positive sum (one per model: {', '.join(names)})")
+        source = fixed
     outputs = decoder.generate_batch(texts, source, max_tokens=max_tokens, span=span, stop=STOP)
     for prompt, out in zip(texts, outputs):
         console.print(f"[bold]{prompt!r}[/] -> {out.text!r} ({out.finish_reason})", highlight=False)

@@ -206,7 +206,8 @@ MESSAGES: dict[str, type[Message]] = {
     "dead_letter": DeadLetter,
 }
 
-EXPERIENCE: dict[str, type[Message]] = {"rl_focal": Experience, "rlae": RLAEExperience}  # by strategy
+AnyExperience = Experience | RLAEExperience
+EXPERIENCE: dict[str, type[Experience] | type[RLAEExperience]] = {"rl_focal": Experience, "rlae": RLAEExperience}  # by strategy
 
 
 def write_schemas(directory: Path = SCHEMA_DIR) -> list[Path]:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
 @dataclass
@@ -37,14 +37,14 @@ class LineProgress:
     def __exit__(self, *exc) -> None:
         return None
 
-    def add_task(self, description: str, total: float) -> int:
+    def add_task(self, description: str, total: float) -> TaskID:
         self.tasks.append(_Task(description, total))
-        return len(self.tasks) - 1
+        return TaskID(len(self.tasks) - 1)
 
-    def advance(self, task_id: int, advance: float) -> None:
+    def advance(self, task_id: TaskID, advance: float) -> None:
         self.update(task_id, advance=advance)
 
-    def update(self, task_id: int, advance: float = 0.0, description: str | None = None) -> None:
+    def update(self, task_id: TaskID, advance: float = 0.0, description: str | None = None) -> None:
         task = self.tasks[task_id]
         task.done += advance
         if description is not None:

@@ -97,14 +97,15 @@ class KeyStore:
     def __init__(self, path: Path | None = None, inline: str | None = None):
         if path is None and inline is None:
             raise KeysError("the gateway has no API keys: set RLENS_GATEWAY_KEYS_FILE (make keys with `rlens keys add`) or RLENS_GATEWAY_KEYS")
-        self.path, self._stamp = path, None
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
         self._by_id: dict[str, KeyRecord] = {}
         if inline is not None:
             try:
                 self._index(RECORDS.validate_json(inline))
             except ValueError as exc:
                 raise KeysError(f"RLENS_GATEWAY_KEYS is not a valid JSON list of key records: {exc}") from exc
-        else:
+        elif path is not None:
             if not path.is_file():
                 raise KeysError(f"no API keys file at {path}: make a key with `rlens keys add --tenant NAME --file {path}`")
             self.refresh()

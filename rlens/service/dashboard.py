@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 from faststream.asgi import AsgiResponse, get
+from faststream.asgi.types import ASGIApp
 
 from rlens.messages import DriftEvent
 
@@ -42,7 +43,7 @@ class StreamSeries:
         self.confidence: deque[float] = deque(maxlen=ROLLING)
         self.delay: deque[float] = deque(maxlen=ROLLING)
         self.composition: deque[list[float]] = deque(maxlen=ROLLING)
-        self.models = [deque(maxlen=ROLLING) for _ in range(n_models)]
+        self.models: list[deque[float]] = [deque(maxlen=ROLLING) for _ in range(n_models)]
         self.points: deque[dict] = deque(maxlen=POINTS)
         self.drift: deque[dict] = deque(maxlen=EVENTS)
 
@@ -105,7 +106,7 @@ class Dashboard:
         return {"strategy": self.strategy, "models": self.models, "joined": self.joined, "policies": list(self.policies), "streams": streams, "t": time.time()}
 
 
-def dashboard_routes(snapshot: Callable[[], dict]) -> list[tuple[str, object]]:
+def dashboard_routes(snapshot: Callable[[], dict]) -> list[tuple[str, ASGIApp]]:
     """``/dashboard`` (the page), ``/dashboard.js`` (its script) and ``/api/dashboard`` (``snapshot()`` as JSON)."""
     page, script = (STATIC / "dashboard.html").read_bytes(), (STATIC / "dashboard.js").read_bytes()
 

@@ -125,7 +125,7 @@ class Gateway:
         """The answer to one request: published as a query and waited for (or the first answer of an earlier
         request with the same ``Idempotency-Key``)."""
         chat = isinstance(request, ChatCompletionRequest)
-        prompt = request.prompt() if chat else request.text()
+        prompt = request.prompt() if isinstance(request, ChatCompletionRequest) else request.text()
         stream = self._check(key, request, prompt, stream_header)
         await self._take_token(key)
         if self.waiting >= self.settings.gateway_max_waiting:  # before any wait, an idempotent retry's included
@@ -313,7 +313,7 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body.model_dump(exclude_none=True), error.status, headers=error.headers)
 
 
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 429, 502, 503, 504)}
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 429, 502, 503, 504)}
 
 
 def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> FastAPI:

@@ -73,7 +73,7 @@ class GatewayState:
         if raw is None:  # expired in between: bind it now
             await self.redis.set(name, f"{new_id} {request_digest}", ex=self.ttl_s)
             return None
-        query_id, digest = raw.decode().split(" ", 1)
+        query_id, digest = (raw.decode() if isinstance(raw, bytes) else raw).split(" ", 1)
         return query_id, digest
 
     async def known(self, query_ids: list[str]) -> list[bool]:

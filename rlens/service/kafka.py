@@ -22,7 +22,7 @@ import logging
 import ssl
 import time
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 
 from faststream.kafka import KafkaBroker, KafkaResponse
 from pydantic import ValidationError
@@ -143,7 +143,7 @@ async def publish(publisher: Any, messages: list[Message]) -> None:
     await asyncio.gather(*(publisher.publish(m.model_dump_json().encode(), key=_key(m)) for m in messages))
 
 
-async def publish_batch(broker: KafkaBroker, topic: str, messages: list[Message]) -> None:
+async def publish_batch(broker: KafkaBroker, topic: str, messages: Sequence[Message]) -> None:
     """Publish ``messages`` to ``topic`` in producer batches of at most :data:`BATCH_BYTES` (each message keyed by
     its query id; a batch goes to one partition, the partitioner's choice) and wait until the broker confirmed them
     all: one send per batch instead of one per message (the worker's answers and experience)."""

@@ -66,7 +66,9 @@ import socket
 import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
+from typing import Any, cast
 
+from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 from faststream import AckPolicy
 from faststream.asgi import AsgiFastStream
@@ -77,7 +79,7 @@ from redis.exceptions import RedisError
 
 from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftMonitor, signals_of_outcome
-from rlens.messages import EXPERIENCE, DeadLetter, DriftEvent, Feedback, Message, Policy
+from rlens.messages import EXPERIENCE, AnyExperience, DeadLetter, DriftEvent, Feedback, Message, Policy
 from rlens.service.dashboard import Dashboard, dashboard_routes
 from rlens.service.kafka import Topics, app_logger, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
 from rlens.service.online import FeedbackError, OnlineTrainer
@@ -140,8 +142,8 @@ class LearnerCore:
         self.version = 0
         self.offsets: dict[str, int] = {}  # "topic:partition" -> offset after the last record reflected in the state
         self.checkpointed_offsets: dict[str, int] = {}  # the same, as of the newest checkpoint (what Kafka may commit)
-        self.experience = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
-        self.feedback = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
+        self.experience: PendingHalves[AnyExperience] = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
+        self.feedback: PendingHalves[Feedback] = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
         self.clock = 0.0  # the newest event time (record timestamp, seconds) read
         self.dropped: list[DeadLetter] = []  # dead letters of expired or evicted halves, until the app publishes them
         self.metrics: LearnerMetrics | None = None  # set by the app
@@ -265,12 +267,12 @@ class LearnerCore:
                 self.metrics.drift_events.labels(self.metrics.stream(stream), signal).inc()
         return detected
 
-    async def _react_to_drift(self, stream: str) -> None:
-        """Trim the drifted stream's window to its last ``drift_keep`` outcomes, queued ones applied first
+    async def _react_to_drift(self, stream: str, keep: int) -> None:
+        """Trim the drifted stream's window to its last ``keep`` outcomes, queued ones applied first
         (best-effort: Redis may be down)."""
         await self.apply_windows()
         try:
-            await self.windows.keep_last(stream, self.drift_keep)
+            await self.windows.keep_last(stream, keep)
             self.stats.drift_reactions += 1
         except (RedisError, OSError) as exc:
             log.warning("Redis unreachable (%s): the window of drifted stream %s was not trimmed", exc, stream)
@@ -288,7 +290,7 @@ class LearnerCore:
             self.version = 1
             self.checkpoint()
 
-    async def on_experience(self, experience: Message, record) -> tuple[Policy | None, DeadLetter | None]:
+    async def on_experience(self, experience: AnyExperience, record) -> tuple[Policy | None, DeadLetter | None]:
         qid = experience.query_id
         if qid in self.done or qid in self.experience:
             self.stats.duplicates += 1
@@ -321,7 +323,7 @@ class LearnerCore:
         self._hold(self.feedback, qid, feedback, record, coordinates)
         return None, None
 
-    async def _join(self, experience: Message, feedback: Feedback, record: dict, delay_s: float) -> tuple[Policy | None, DeadLetter | None]:
+    async def _join(self, experience: AnyExperience, feedback: Feedback, record: dict, delay_s: float) -> tuple[Policy | None, DeadLetter | None]:
         """Train on the pair; ``delay_s``: how long after the experience its feedback was written (event time)."""
         self._remember_done(experience.query_id)
         try:
@@ -343,7 +345,7 @@ class LearnerCore:
         signals = signals_of_outcome(getattr(experience, "answer_index", None), label, reward, getattr(experience, "predictions", None), self.models)
         self.dashboard.observe_join(experience.stream, signals, reward, delay_s)
         if self._observe_drift(experience.stream, signals, experience.query_id) and self.drift_keep is not None and row is not None:
-            await self._react_to_drift(experience.stream)
+            await self._react_to_drift(experience.stream, self.drift_keep)
         self.stats.joined += 1
         if self.trainer.update_due():
             return self.update(), None
@@ -417,6 +419,11 @@ class LearnerCore:
         return encode_policy(self.trainer.policy_tensors(), self.version, self.epoch, self.models, self.trainer.strategy, self.signer)
 
 
+def consumer_of(message: KafkaMessage) -> AIOKafkaConsumer:
+    """The aiokafka consumer a FastStream Kafka message came from (FastStream types it as a narrower protocol)."""
+    return cast(AIOKafkaConsumer, message.consumer)
+
+
 def lease_holder(core: LearnerCore) -> str:
     """How a learner names itself in its group's lease: process | checkpoint directory."""
     return f"{core.name}|{core.checkpoints.directory.resolve()}"
@@ -444,8 +451,9 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     """Subscribers on ``experience`` and ``feedback`` (one group, manual commits up to the checkpointed offsets), and
     the HTTP side (``/metrics``, ``/healthz``, ``/readyz``: :mod:`rlens.service.metrics`).
 
-    ``core`` None builds the app only to generate the AsyncAPI document.
+    ``core`` None builds the app only to generate the AsyncAPI document (no handler runs then).
     """
+    live = cast(LearnerCore, core)  # what the handlers use: they run only in a real learner
     registry = CollectorRegistry()
     metrics = LearnerMetrics(registry, StreamLabels(settings.metrics_streams))
     if core is not None and settings.metrics_enabled:
@@ -456,7 +464,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     policies_out = typed_publisher(broker, topics.policy, Policy, "learner", "a new version of every agent's weights after each update")
     dead_letters = typed_publisher(broker, topics.dead_letter, DeadLetter, "learner", "feedback and experience that could not be used, with the reason")
     drift_out = typed_publisher(broker, topics.drift, DriftEvent, "learner", "a change found in one signal of one stream (rlens.drift)")
-    options = {
+    options: dict[str, Any] = {
         "group_id": settings.learner_group, "batch": True, "max_records": 256, "batch_timeout_ms": 20, "auto_offset_reset": "earliest",
         "ack_policy": AckPolicy.MANUAL, "decoder": keep_bytes,
         "session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms,
@@ -468,13 +476,13 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     lock = asyncio.Lock()  # the two subscribers run as separate tasks; the core is not re-entrant
 
     async def detect_new_logs(message: KafkaMessage) -> None:
-        below = core.below_offsets(message.raw_message)
+        below = live.below_offsets(message.raw_message)
         if below:
             partitions = {key: partition_of(key) for key in below}
-            ends = await message.consumer.end_offsets(list(partitions.values()))
+            ends = await consumer_of(message).end_offsets(list(partitions.values()))
             for key, tp in partitions.items():
-                if ends.get(tp, core.offsets[key]) < core.offsets[key]:
-                    core.new_log(key, ends[tp])
+                if ends.get(tp, live.offsets[key]) < live.offsets[key]:
+                    live.new_log(key, ends[tp])
 
     async def dead_letter_out(letters: list[DeadLetter]) -> None:
         for letter in letters:
@@ -485,9 +493,9 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         kind = "feedback" if model is Feedback else "experience"
         async with lock:
             await detect_new_logs(message)
-            await core.apply_windows()  # what a Redis outage left in the backlog
+            await live.apply_windows()  # what a Redis outage left in the backlog
             for record in message.raw_message:
-                if core.already_seen(record):
+                if live.already_seen(record):
                     continue
                 metrics.records.labels(kind).inc()
                 parsed = parse_or_dead_letter(model, record, "learner")
@@ -495,26 +503,26 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
                     await dead_letter_out([parsed])  # before any checkpoint can mark this record as done
                     continue
                 try:
-                    policy, rejected = await (core.on_feedback(parsed, record) if model is Feedback else core.on_experience(parsed, record))
+                    policy, rejected = await (live.on_feedback(parsed, record) if model is Feedback else live.on_experience(parsed, record))
                 except Exception as exc:  # one record's failure must not stop the others
                     log.exception("record %s:%d@%d failed", record.topic, record.partition, record.offset)
-                    core.stats.failed_records += 1
+                    live.stats.failed_records += 1
                     policy, rejected = None, dead_letter(record, f"learner failed on it: {type(exc).__name__}: {exc}", "learner")
-                await dead_letter_out(([rejected] if rejected else []) + core.take_dead_letters())
-                await publish(drift_out, core.take_drift_events())
+                await dead_letter_out(([rejected] if rejected else []) + live.take_dead_letters())
+                await publish(drift_out, live.take_drift_events())
                 await publish(policies_out, [policy] if policy else [])  # a restart re-announces its checkpoint's policy under a new epoch
-            await core.apply_windows()  # the batch's outcomes, in one round trip
-            metrics.pending.labels("experience").set(len(core.experience))
-            metrics.pending.labels("feedback").set(len(core.feedback))
-            metrics.window_backlog.set(len(core.window_backlog))
-            metrics.policy_version.set(core.version)
-            if core.checkpoint_due():
-                await asyncio.to_thread(core.checkpoint)  # off the event loop (the lock keeps the state still)
-            if committed.get(topic) != core.checkpoints.count:
-                offsets = {tp: o for tp, o in core.commit_offsets(topic).items() if tp in message.consumer.assignment()}
+            await live.apply_windows()  # the batch's outcomes, in one round trip
+            metrics.pending.labels("experience").set(len(live.experience))
+            metrics.pending.labels("feedback").set(len(live.feedback))
+            metrics.window_backlog.set(len(live.window_backlog))
+            metrics.policy_version.set(live.version)
+            if live.checkpoint_due():
+                await asyncio.to_thread(live.checkpoint)  # off the event loop (the lock keeps the state still)
+            if committed.get(topic) != live.checkpoints.count:
+                offsets = {tp: o for tp, o in live.commit_offsets(topic).items() if tp in consumer_of(message).assignment()}
                 if offsets:
-                    await message.consumer.commit(offsets)
-                committed[topic] = core.checkpoints.count
+                    await consumer_of(message).commit(offsets)
+                committed[topic] = live.checkpoints.count
 
     experience_model = core.trainer.experience if core else EXPERIENCE[settings.strategy]
 
@@ -538,33 +546,33 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     async def checkpoint_when_idle() -> None:
         """What the last batches did reaches a checkpoint even when no further record comes."""
         while True:
-            await asyncio.sleep(core.checkpoint_every_s)
+            await asyncio.sleep(live.checkpoint_every_s)
             async with lock:
-                if core.checkpoint_due():
-                    await asyncio.to_thread(core.checkpoint)
+                if live.checkpoint_due():
+                    await asyncio.to_thread(live.checkpoint)
 
     async def keep_lease() -> None:
         while True:
             await asyncio.sleep(LEASE_TTL_S / 3)
             try:
-                if holder := await core.windows.lease(settings.learner_group, lease_name):
+                if holder := await live.windows.lease(settings.learner_group, lease_name):
                     log.error("learner %s took consumer group %s", holder, settings.learner_group)
             except (RedisError, OSError) as exc:
                 log.warning("Redis unreachable (%s): lease of group %s not renewed", exc, settings.learner_group)
 
     @app.after_startup
     async def announce() -> None:  # workers that start after a learner restart get the current policy at once
-        if core.version > 0:
-            await publish(policies_out, [core.current_policy()])
+        if live.version > 0:
+            await publish(policies_out, [live.current_policy()])
         joined.append(True)
-        background.append(asyncio.create_task(core.windows.keep_ready("learner", core.name, settings_url(settings))))
-        log.info("learner %s ready (%s): policy v%d, epoch %d; metrics, health and the dashboard on %s", core.name, settings.strategy, core.version, core.epoch, settings_url(settings))
+        background.append(asyncio.create_task(live.windows.keep_ready("learner", live.name, settings_url(settings))))
+        log.info("learner %s ready (%s): policy v%d, epoch %d; metrics, health and the dashboard on %s", live.name, settings.strategy, live.version, live.epoch, settings_url(settings))
 
     @app.on_shutdown
     async def final_checkpoint() -> None:
         async with lock:
-            core.checkpoint()
-        await core.windows.mark_ready("learner", core.name, ready=False)
-        await core.windows.release(settings.learner_group, lease_name)
+            live.checkpoint()
+        await live.windows.mark_ready("learner", live.name, ready=False)
+        await live.windows.release(settings.learner_group, lease_name)
 
     return app

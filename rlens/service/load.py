@@ -82,7 +82,7 @@ def queries_of(dataset: RecordedDataset, prompts: list[tuple[str, list[str]]] | 
     return out
 
 
-def open_ended_queries(tasks: list[GenerationTask], run_id: str) -> list[tuple[Query, str]]:
+def open_ended_queries(tasks: list[GenerationTask], run_id: str) -> list[tuple[Query, Outcome]]:
     """(query, reference) for every open-ended task, in order; the stream key is the task's family."""
     return [(Query(query_id=f"{run_id}-{i}", stream=t.family, prompt=t.prompt), t.reference) for i, t in enumerate(tasks)]
 
@@ -175,8 +175,8 @@ async def play(
                     if answer.feedback_token:  # an answer with no model behind it has nothing to rate
                         feedback_tasks.append(asyncio.create_task(send_feedback(answer, outcome)))
                     on_answer(report)
-            if sender.done() and sender.exception():
-                raise sender.exception()
+            if sender.done() and (error := sender.exception()) is not None:
+                raise error
         await sender
         await asyncio.gather(*feedback_tasks)
     finally:

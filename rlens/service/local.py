@@ -31,7 +31,7 @@ def _wait_for_port(port: int, process: subprocess.Popen, what: str, timeout_s: f
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {process.returncode}: {process.stdout.read().decode(errors='replace')[-2000:]}")
+            raise RuntimeError(f"{what} exited with code {process.returncode}: {process.stdout.read().decode(errors='replace')[-2000:] if process.stdout else ''}")
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from faststream.asgi import AsgiResponse, get
+from faststream.asgi.types import ASGIApp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
 from redis.exceptions import RedisError
 
@@ -159,7 +160,7 @@ class GatewayMetrics:
         self.feedback = Counter("rlens_gateway_feedback", "feedback requests, by outcome (accepted, duplicate)", ["outcome"], registry=registry)
 
 
-def http_routes(registry: CollectorRegistry, not_ready: Callable[[], Awaitable[str | None]]) -> list[tuple[str, object]]:
+def http_routes(registry: CollectorRegistry, not_ready: Callable[[], Awaitable[str | None]]) -> list[tuple[str, ASGIApp]]:
     """``/metrics``, ``/healthz`` and ``/readyz`` (``not_ready()``: why the process is not ready, or None)."""
 
     @get

@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ from rlens.checkpoint import CheckpointStore, load_optimizer, optimizer_tensors
 from rlens.focal.engine import Answer as EngineAnswer
 from rlens.focal.engine import Decision, FocalEngine
 from rlens.focal.features import critic_state_dim, decider_obs_dim, fusion_feature_dim
-from rlens.messages import MAX_CHOICES, Experience, Feedback, Message, RLAEExperience
+from rlens.messages import MAX_CHOICES, Experience, Feedback, RLAEExperience
 from rlens.models.answers import Extractor, label_of
 from rlens.rlae.agent import Policy, RLAEConfig, Span, update
 from rlens.rlae.observe import obs_dim
@@ -44,33 +45,36 @@ class FeedbackError(ValueError):
     """Feedback that cannot train on its experience (it goes to the dead-letter topic with this reason)."""
 
 
-class OnlineTrainer(ABC):
+E = TypeVar("E", Experience, RLAEExperience)  # the experience message a trainer learns from
+
+
+class OnlineTrainer(ABC, Generic[E]):
     strategy: str
-    experience: type[Message]  # the experience message this trainer learns from
+    experience: type[E]  # the experience message this trainer learns from
     optimizer: torch.optim.Optimizer
 
     @abstractmethod
-    def check(self, experience: Message) -> str | None:
+    def check(self, experience: E) -> str | None:
         """Why ``experience`` cannot be trained on with this pool (wrong sizes, values out of range), or None."""
 
     @abstractmethod
-    def reward(self, experience: Message, feedback: Feedback) -> float:
+    def reward(self, experience: E, feedback: Feedback) -> float:
         """The transition's reward; :class:`FeedbackError` when the feedback does not fit the experience."""
 
-    def window_row(self, experience: Message, feedback: Feedback) -> tuple[list[int], int] | None:
+    def window_row(self, experience: E, feedback: Feedback) -> tuple[list[int], int] | None:
         """(per-model predictions, label) for the stream's Redis window, or None when the strategy keeps none."""
         return None
 
     @abstractmethod
-    def confidence(self, experience: Message) -> float:
+    def confidence(self, experience: E) -> float:
         """A label-free signal of the answer (drift detection before any feedback), in [0, 1] where possible."""
 
     @abstractmethod
-    def composition(self, experience: Message) -> list[float]:
+    def composition(self, experience: E) -> list[float]:
         """Per model, its part in the answer: in the Decider's pool (1) or not (rl_focal), its mean weight (rlae)."""
 
     @abstractmethod
-    def remember(self, experience: Message, feedback: Feedback, reward: float) -> None:
+    def remember(self, experience: E, feedback: Feedback, reward: float) -> None:
         """Buffer the transition of a joined pair (``reward``: :meth:`reward` of it)."""
 
     @abstractmethod
@@ -112,7 +116,7 @@ class OnlineTrainer(ABC):
         """Start from offline training (first start only)."""
 
 
-class FocalOnlineTrainer(OnlineTrainer):
+class FocalOnlineTrainer(OnlineTrainer[Experience]):
     strategy, experience = "rl_focal", Experience
 
     def __init__(self, engine: FocalEngine, models: list[str], extractor: Extractor = "line"):
@@ -219,7 +223,7 @@ Episode = tuple[str, list[Span]]  # (stream, the spans of one generation, its re
 REHEARSAL_STREAMS = 16  # rehearsal memory: the streams updated most recently
 
 
-class RLAEOnlineTrainer(OnlineTrainer):
+class RLAEOnlineTrainer(OnlineTrainer[RLAEExperience]):
     """PPO / MAPPO on the agent's span decisions, every ``cfg.episodes_per_update`` rewarded generations.
 
     A stream that switches task (blocks of one family, then another) makes plain online PPO forget: each update

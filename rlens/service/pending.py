@@ -12,16 +12,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Generic, Iterator, TypeVar
 
 from rlens.messages import Message
 
+M = TypeVar("M", bound=Message)
+
 
 @dataclass
-class Pending:
+class Pending(Generic[M]):
     at: float  # event time (seconds) of its record
     size: int  # bytes it stands for (its record's value)
-    message: Message
+    message: M
     record: dict  # the record's coordinates, as a DeadLetter holds them
 
     @property
@@ -29,10 +31,10 @@ class Pending:
         return getattr(self.message, "stream", None)
 
 
-class PendingHalves:
+class PendingHalves(Generic[M]):
     def __init__(self, limit: int, max_bytes: int, per_stream: int | None = None):
         self.limit, self.max_bytes, self.per_stream = limit, max_bytes, per_stream or limit
-        self.items: OrderedDict[str, Pending] = OrderedDict()
+        self.items: OrderedDict[str, Pending[M]] = OrderedDict()
         self.streams: dict[str, OrderedDict[str, None]] = {}  # stream -> its halves' query ids, oldest first
         self.bytes = 0
 
@@ -45,7 +47,7 @@ class PendingHalves:
     def __contains__(self, query_id: object) -> bool:
         return query_id in self.items
 
-    def add(self, query_id: str, pending: Pending) -> list[tuple[Pending, str]]:
+    def add(self, query_id: str, pending: Pending[M]) -> list[tuple[Pending[M], str]]:
         """Hold ``pending``; the halves dropped to stay within the bounds, each with why."""
         self.items[query_id] = pending
         self.bytes += pending.size
@@ -59,12 +61,12 @@ class PendingHalves:
             dropped.append((self._pop_oldest(), f"the bound ({self.limit} halves, {self.max_bytes} bytes)"))
         return dropped
 
-    def pop(self, query_id: str) -> Pending:
+    def pop(self, query_id: str) -> Pending[M]:
         pending = self.items.pop(query_id)
         self._forget(query_id, pending)
         return pending
 
-    def _forget(self, query_id: str, pending: Pending) -> None:
+    def _forget(self, query_id: str, pending: Pending[M]) -> None:
         self.bytes -= pending.size
         if pending.stream is not None:
             mine = self.streams[pending.stream]
@@ -72,14 +74,14 @@ class PendingHalves:
             if not mine:
                 del self.streams[pending.stream]
 
-    def expire(self, before: float) -> list[Pending]:
+    def expire(self, before: float) -> list[Pending[M]]:
         """Drop and return the halves whose event time is before ``before``."""
         dropped = []
         while self.items and next(iter(self.items.values())).at < before:
             dropped.append(self._pop_oldest())
         return dropped
 
-    def _pop_oldest(self) -> Pending:
+    def _pop_oldest(self) -> Pending[M]:
         query_id, pending = self.items.popitem(last=False)
         self._forget(query_id, pending)
         return pending
@@ -87,7 +89,7 @@ class PendingHalves:
     def to_json(self) -> list:
         return [[q, p.at, p.size, p.message.model_dump(), p.record] for q, p in self.items.items()]
 
-    def load_json(self, rows: list, model: type[Message]) -> None:
+    def load_json(self, rows: list, model: type[M]) -> None:
         self.items.clear()
         self.bytes = 0
         for query_id, at, size, message, record in rows:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 from redis.asyncio import Redis
 
@@ -32,7 +33,7 @@ def pool_of(settings: Settings) -> PoolConfig:
 
 
 def build_engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
-    return FocalEngine(len(pool.models), [m.cost for m in pool.models], FocalConfig(explore_rate=settings.focal_explore_rate, update_period=settings.focal_update_period), seed=settings.seed)
+    return FocalEngine(len(pool.models), np.array([m.cost for m in pool.models]), FocalConfig(explore_rate=settings.focal_explore_rate, update_period=settings.focal_update_period), seed=settings.seed)
 
 
 def _secret(settings: Settings, name: str) -> str:
@@ -77,7 +78,7 @@ def build_worker(settings: Settings) -> Worker:
     """The worker of ``settings.strategy``."""
     pool = pool_of(settings)
     names = [m.name for m in pool.models]
-    trust = {"verifier": policy_verifier(settings), "tokens": feedback_tokens(settings)}
+    verifier, tokens = policy_verifier(settings), feedback_tokens(settings)
     if settings.strategy == "rlae":
         from rlens.rlae.observe import SentenceEncoder
         from rlens.rlae.train import RLAEAgent
@@ -85,13 +86,14 @@ def build_worker(settings: Settings) -> Worker:
 
         agent = RLAEAgent(rlae_policy(settings, len(names)).eval(), SentenceEncoder(), rlae_config(settings), len(names))
         windows = build_windows(settings, len(names), 1)  # only its readiness mark: rlae keeps no outcome windows
-        return RLAEWorker(build_rlae_decoder(pool, settings.rlae_top_k), agent, names, windows, stop=settings.rlae_stop, explore=settings.rlae_explore, seed=settings.seed, **trust)
+        return RLAEWorker(build_rlae_decoder(pool, settings.rlae_top_k), agent, names, windows, stop=settings.rlae_stop, explore=settings.rlae_explore, seed=settings.seed,
+                          verifier=verifier, tokens=tokens)
     engine = build_engine(settings, pool)
     backends = {m.name: build_backend(m) for m in pool.models}
     sampling = GenerationRequest(id="-", prompt="", n=settings.focal_samples, temperature=settings.focal_temperature, max_tokens=settings.focal_max_tokens, stop=settings.focal_stop)
     return FocalWorker(engine, names, backends, build_windows(settings, len(names), engine.cfg.window), deadline_s=settings.worker_deadline_s,
                        model_concurrency=settings.model_concurrency, circuit_failures=settings.circuit_failures, circuit_cooldown_s=settings.circuit_cooldown_s,
-                       sampling=sampling, extractor=settings.focal_extractor, **trust)
+                       sampling=sampling, extractor=settings.focal_extractor, verifier=verifier, tokens=tokens)
 
 
 def drift_monitor(settings: Settings) -> DriftMonitor | None:

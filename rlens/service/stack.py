@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from typing import TypeGuard, cast
 from pathlib import Path
 
 from pydantic import SecretStr
@@ -124,11 +125,13 @@ class LocalStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.broker = None if kafka_bootstrap else LocalBroker(broker_port)
         self.redis = None if redis_url else LocalRedis()
+        kafka_bootstrap = kafka_bootstrap or cast(LocalBroker, self.broker).bootstrap
+        redis_url = redis_url or cast(LocalRedis, self.redis).url
         own = workdir_secrets(self.workdir)
         secrets = {k: (own[k] if k == "policy_verify_key" else SecretStr(own[k])) for k in SECRETS if getattr(settings, k) is None}
         self.settings = settings.model_copy(update={
-            "kafka_bootstrap": kafka_bootstrap or self.broker.bootstrap,
-            "redis_url": SecretStr(redis_url or self.redis.url),
+            "kafka_bootstrap": kafka_bootstrap,
+            "redis_url": SecretStr(redis_url),
             "checkpoint_dir": self.workdir / "learner",
             "gateway_keys_file": self.workdir / "keys.json",
             **secrets,
@@ -168,7 +171,7 @@ class LocalStack:
         stop asked of the whole process group, e.g. Ctrl-C or a service manager) is not restarted."""
         restarted = []
 
-        def crashed(process: subprocess.Popen | None) -> bool:
+        def crashed(process: subprocess.Popen | None) -> TypeGuard[subprocess.Popen]:
             return process is not None and process.poll() is not None and process.returncode not in ASKED_TO_STOP
 
         if crashed(self.learner):
@@ -197,7 +200,7 @@ class LocalStack:
             while True:
                 dead = [p for p in self.processes() if p.poll() is not None]
                 if dead:
-                    raise RuntimeError(f"service process `rlens {dead[0].args[3]}` exited with {dead[0].returncode}; see its log in {self.workdir}")
+                    raise RuntimeError(f"service process `rlens {cast(list[str], dead[0].args)[3]}` exited with {dead[0].returncode}; see its log in {self.workdir}")
                 prefix = f"{self.settings.redis_prefix}:ready"
                 waiting = [p for p in self.processes() if not redis.exists(*(f"{prefix}:{role}:{host}-{p.pid}" for role in ("worker", "learner", "gateway")))]
                 if not waiting:
@@ -215,7 +218,8 @@ class LocalStack:
         redis = Redis.from_url(self.settings.redis_url.get_secret_value())
         prefix = f"{self.settings.redis_prefix}:ready:"
         try:
-            return {key.decode().removeprefix(prefix): redis.get(key).decode() for key in redis.scan_iter(f"{prefix}*")}
+            urls = {key.decode().removeprefix(prefix): redis.get(key) for key in redis.scan_iter(f"{prefix}*")}
+            return {name: url.decode() for name, url in urls.items() if isinstance(url, bytes)}  # a mark may expire in between
         finally:
             redis.close()
 

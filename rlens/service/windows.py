@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import math
+from typing import Sequence
 
 import numpy as np
 from redis.asyncio import Redis
@@ -160,7 +161,7 @@ class RedisWindows:
         not fit (:meth:`row_error`) is a ValueError."""
         return (await self.apply_many([(stream, query_id, predictions, label, reward)]))[0]
 
-    async def apply_many(self, outcomes: list[tuple[str, str, list[int], int, float]]) -> list[bool]:
+    async def apply_many(self, outcomes: Sequence[Sequence]) -> list[bool]:
         """Several outcomes ``(stream, query id, predictions, label, reward)`` in one round trip (a pipeline of the
         update script, run in order, each applied once); per outcome, False if it was already applied. Any row that
         does not fit is a ValueError before anything is sent."""
@@ -200,7 +201,7 @@ class RedisWindows:
         if await self._renew(keys=[key], args=[name, LEASE_TTL_S]):
             return None
         holder = await self.redis.get(key)
-        return holder.decode() if holder else "another learner"
+        return (holder.decode() if isinstance(holder, bytes) else holder) if holder else "another learner"
 
     async def release(self, group: str, name: str) -> None:
         key = f"{self.prefix}:lease:{group}"

@@ -34,6 +34,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -205,7 +206,9 @@ class FocalWorker(Worker):
 
         streams = sorted({q.stream for q in queries})
         try:
-            self.engine.windows, last_pools = await self.windows.load_with_pools(streams)
+            windows, last_pools = await self.windows.load_with_pools(streams)
+            self.engine.windows = {}  # this batch's streams only
+            self.engine.windows.update(windows)
             for stream, pool in last_pools.items():  # shared by the workers (Redis); without one, this worker's own
                 self.engine.remember_pool(stream, pool)
         except (RedisError, OSError) as exc:
@@ -279,8 +282,9 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
     """The worker's app: a batch subscriber on ``queries`` (consumer group) and one on ``policy``, and its HTTP side
     (``/metrics``, ``/healthz``, ``/readyz``: :mod:`rlens.service.metrics`).
 
-    ``core`` None builds the app of ``settings.strategy`` only to generate the AsyncAPI document.
+    ``core`` None builds the app of ``settings.strategy`` only to generate the AsyncAPI document (no handler runs then).
     """
+    live = cast(Worker, core)  # what the handlers use: they run only in a real worker
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, StreamLabels(settings.metrics_streams))
     topics = Topics.from_settings(settings)
@@ -290,7 +294,7 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
     answers = typed_publisher(broker, topics.answers, Answer, role, "one answer per query (at least once; idempotent by query id)")
     experience = typed_publisher(broker, topics.experience, EXPERIENCE[settings.strategy], role, "what the learner needs to train on an answered query")
     dead_letters = typed_publisher(broker, topics.dead_letter, DeadLetter, role, "queries and policies that could not be used, byte for byte, with the reason")
-    group = {"session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms, "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms}
+    group: dict[str, Any] = {"session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms, "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms}
 
     @broker.subscriber(
         topics.queries, group_id=settings.worker_group, batch=True, max_records=settings.worker_batch, batch_timeout_ms=20,
@@ -303,7 +307,7 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
             parsed = parse_or_dead_letter(Query, record, consumer)
             if isinstance(parsed, DeadLetter):
                 dead.append(parsed)
-            elif reason := core.rejects(parsed):
+            elif reason := live.rejects(parsed):
                 dead.append(dead_letter(record, reason, consumer))
             elif parsed.reply_to is not None and not parsed.reply_to.startswith(topics.reply_prefix):
                 dead.append(dead_letter(record, f"reply_to {parsed.reply_to!r} is not a reply topic (they start with {topics.reply_prefix!r})", consumer))
@@ -312,9 +316,9 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
             else:
                 queries.append(parsed)
                 records[parsed.query_id] = record
-        out = await core.answer(queries) if queries else BatchOutput()
+        out = await live.answer(queries) if queries else BatchOutput()
         dead += [dead_letter(records[qid], reason, consumer) for qid, reason in out.failed.items()]
-        core.stats.dead_lettered += len(dead)
+        live.stats.dead_lettered += len(dead)
         started = time.perf_counter()
         await publish_batch(broker, answers.topic, out.answers)
         await reply(out.answers, {q.query_id: q.reply_to for q in queries if q.reply_to})
@@ -356,11 +360,11 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
             metrics.no_model_answered.inc(unanswered)
         for kind, n in Counter(dead_letter_kind(letter.reason) for letter in dead).items():
             metrics.dead_letters.labels(kind).inc(n)
-        metrics.policy_version.set(core.policy_version)
-        metrics.policy_epoch.set(core.policy_epoch)
-        for stream, window in core.windows_read().items():
+        metrics.policy_version.set(live.policy_version)
+        metrics.policy_epoch.set(live.policy_epoch)
+        for stream, window in live.windows_read().items():
             label = metrics.stream(stream)
-            for model, reliability in zip(core.models, window.reliability().tolist()):
+            for model, reliability in zip(live.models, window.reliability().tolist()):
                 metrics.window_reliability.labels(label, model).set(reliability)
 
     @broker.subscriber(
@@ -369,7 +373,7 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
     )
     async def on_policy(body: bytes, message: KafkaMessage) -> None:
         parsed = parse_or_dead_letter(Policy, message.raw_message, consumer)
-        if not isinstance(parsed, DeadLetter) and (reason := core.receive_policy(parsed)):
+        if not isinstance(parsed, DeadLetter) and (reason := live.receive_policy(parsed)):
             parsed = dead_letter(message.raw_message, reason, consumer)
             metrics.policies_rejected.inc()
         if isinstance(parsed, DeadLetter):
@@ -383,11 +387,11 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
     @app.after_startup
     async def ready() -> None:
         joined.append(True)
-        log.info("worker %s ready (%s): consumer group %s joined; metrics and health on %s", core.name, settings.strategy, settings.worker_group, settings_url(settings))
-        background.append(asyncio.create_task(core.windows.keep_ready("worker", core.name, settings_url(settings))))
+        log.info("worker %s ready (%s): consumer group %s joined; metrics and health on %s", live.name, settings.strategy, settings.worker_group, settings_url(settings))
+        background.append(asyncio.create_task(live.windows.keep_ready("worker", live.name, settings_url(settings))))
 
     @app.on_shutdown
     async def leaving() -> None:
-        await core.windows.mark_ready("worker", core.name, ready=False)
+        await live.windows.mark_ready("worker", live.name, ready=False)
 
     return app
