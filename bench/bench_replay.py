@@ -26,7 +26,7 @@ from rlens.evaluation.protocols import Protocol, task_half
 from rlens.evaluation.replay import RL_VARIANTS, replay
 from rlens.evaluation.report import write_outputs
 
-SHOWN = ("rl_focal", "rl_focal_all_models", "rl_focal_no_diversity", "rl_focal_kappa", "rl_focal_paper_decider", "best_single", "best_single_per_task", "plurality", "soft_vote", "hedge", "stacking", "oracle")
+SHOWN = ("rl_focal", "rl_focal_all_models", "rl_focal_no_diversity", "rl_focal_kappa", "rl_focal_paper_decider", "rl_focal_marginal", "best_single", "best_single_per_task", "plurality", "soft_vote", "hedge", "stacking", "oracle")
 
 
 def main() -> None:

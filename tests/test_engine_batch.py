@@ -43,3 +43,23 @@ def test_fuse_batch_equals_fuse_one_by_one():
         assert e.answer == g.answer and e.answer_logp == pytest.approx(g.answer_logp, abs=1e-5)
         np.testing.assert_allclose(e.distribution, g.distribution, atol=1e-6)
         assert np.array_equal(e.features, g.features) and np.array_equal(e.critic_state, g.critic_state)  # bit for bit
+
+
+def test_the_marginal_diversity_observation_reaches_the_decider_and_the_learner():
+    """With ``marginal_diversity`` the Decider observation ends with each model's marginal focal diversity, and the
+    agents, the critic and the learner's shape check all take the longer vector."""
+    from rlens.focal.config import FocalConfig
+    from rlens.focal.features import decider_obs_dim
+    from rlens.service.online import FocalOnlineTrainer
+
+    engine = FocalEngine(3, config=FocalConfig(marginal_diversity=True), seed=0)
+    for predictions in ([0, 1, 0], [1, 0, 1], [1, 1, 0]):
+        engine.observe("s", np.array(predictions), 0, 0.0)
+    decision = engine.decide("s", 2, greedy=True)[0]
+    k = len(engine.cfg.metrics)
+    assert decision.state.shape == (decider_obs_dim(3, k, marginal=True),) == (decider_obs_dim(3, k) + 3,)
+    previous = decision.state[:3].astype(bool)
+    np.testing.assert_allclose(decision.state[-3:], engine.window("s").marginal_focal_diversity(previous))
+    answer = engine.fuse(decision, np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]]))
+    trainer = FocalOnlineTrainer(engine, ["a", "b", "c"])
+    assert trainer.dims["decider_state"] == len(decision.state) and trainer.dims["critic_state"] == len(answer.critic_state)

@@ -69,3 +69,17 @@ def test_extend_equals_pushing_row_by_row(n):
     for field in ("correct", "predictions", "labels", "rewards"):
         assert np.array_equal(getattr(extended, field), getattr(pushed, field)), field
     assert extended.reliability().tolist() == pushed.reliability().tolist()
+
+
+def test_marginal_focal_diversity_by_hand():
+    """Pool {0, 1}. Rows (right / wrong / not called): [R W R], [W R W], [W W R], [R R -].
+    Members, on the 4 rows where both were seen: FD({0, 1}) = 1/3 (each fails once alone and once with the other)
+    and FD of one model = 0, so each adds 1/3. Outsider 2, on the 3 rows where all were seen: FD({0, 1, 2}) = 5/9
+    and FD({0, 1}) = 1/3 there, so it adds 2/9."""
+    w = OutcomeWindow(3, 8)
+    for predictions in ([0, 1, 0], [1, 0, 1], [1, 1, 0], [0, 0, -1]):
+        w.push(np.array(predictions), 0, 0.0)
+    np.testing.assert_allclose(w.marginal_focal_diversity(np.array([True, True, False])), [1 / 3, 1 / 3, 2 / 9], atol=1e-6)
+    alone = OutcomeWindow(3, 8)
+    alone.push(np.array([0, 1, 1]), 0, 0.0)  # one row: too few to say anything
+    np.testing.assert_array_equal(alone.marginal_focal_diversity(np.array([True, False, False])), [0, 0, 0])

@@ -41,6 +41,7 @@ RL_VARIANTS: dict[str, tuple[dict, str]] = {
     "rl_focal_no_diversity": ({"metrics": ()}, "ablation: Decider without diversity metrics"),
     "rl_focal_kappa": ({"metrics": ("kappa",)}, "ablation: Fleiss' kappa instead of focal diversity"),
     "rl_focal_paper_decider": ({"decider_sees": "paper"}, "ablation: the paper's Decider observation (pool bits and diversity metrics only)"),
+    "rl_focal_marginal": ({"marginal_diversity": True}, "variant: the Decider also sees each model's marginal effect on the pool's focal diversity"),
 }
 PROGRESS_EVERY = 50
 Numerics = Literal["portable", "native"]

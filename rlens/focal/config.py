@@ -17,6 +17,7 @@ class FocalConfig:
     recent_rewards: int = 16  # rewards averaged into the Decider's observation
     use_decider: bool = True  # False: every query goes to the whole pool (ablation "all models")
     decider_sees: Literal["full", "paper"] = "full"  # "paper": the Decider observation keeps only the pool bits and diversity metrics (ablation)
+    marginal_diversity: bool = False  # the Decider also sees each model's marginal effect on its previous pool's focal diversity (issue 15, item 4)
     # reward
     alpha: float = 0.08  # cost weight: reward = +-1 - alpha * cost(pool) / cost(whole pool)
     # MAPPO

@@ -68,9 +68,10 @@ class FocalEngine:
         n_metrics = len(self.cfg.metrics)
         with torch.random.fork_rng(devices=[]):  # seeded initialisation without touching the global RNG
             torch.manual_seed(seed)
-            self.decider = Decider(decider_obs_dim(n_models, n_metrics), n_models, self.cfg.hidden, model_features_in_decider_obs(n_models, n_metrics))
+            marginal = self.cfg.marginal_diversity
+            self.decider = Decider(decider_obs_dim(n_models, n_metrics, marginal), n_models, self.cfg.hidden, model_features_in_decider_obs(n_models, n_metrics))
             self.fusion = Fusion(fusion_feature_dim(n_models), self.cfg.hidden, reliability_weighted_log_probs(n_models))
-            self.critic = CentralCritic(decider_obs_dim(n_models, n_metrics), critic_state_dim(n_models, n_metrics), self.cfg.hidden)
+            self.critic = CentralCritic(decider_obs_dim(n_models, n_metrics, marginal), critic_state_dim(n_models, n_metrics, marginal), self.cfg.hidden)
         params = [*self.decider.parameters(), *self.fusion.parameters(), *self.critic.parameters()]
         self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5)
         self.windows: dict[Hashable, OutcomeWindow] = {}
@@ -97,7 +98,7 @@ class FocalEngine:
 
     def _state(self, key: Hashable, n_choices: int) -> np.ndarray:
         previous = self.previous_pool.get(key, np.ones(self.n_models, dtype=bool))
-        return decider_observation(self.window(key), previous, n_choices, self.cfg.metrics, self.cfg.recent_rewards, self.cfg.decider_sees)
+        return decider_observation(self.window(key), previous, n_choices, self.cfg.metrics, self.cfg.recent_rewards, self.cfg.decider_sees, self.cfg.marginal_diversity)
 
     @torch.inference_mode()
     def decide(self, key: Hashable, n_choices: int, greedy: bool, probe: bool = False, rollouts: int = 1) -> list[Decision]:

@@ -3,7 +3,9 @@
 Decider observation (before any model is called), length 4M + K + 4:
   previous pool bits [M] | diversity metrics of that pool [K] | its plurality-vote window accuracy |
   per-model features [3M]: window reliability r_j, gap r_j - max r, rank (0 = most reliable, 1 = least) |
-  window fill | mean recent reward | 1 / n_choices (0 for an open-ended query: its candidates are known only after the call).
+  window fill | mean recent reward | 1 / n_choices (0 for an open-ended query: its candidates are known only after the call);
+  with ``marginal`` (the ``marginal_diversity`` setting), M more: each model's marginal effect on the previous pool's
+  focal diversity (:meth:`OutcomeWindow.marginal_focal_diversity`).
 Critic state (centralized critic), length (4M + K + 4) + 3M + 1: the Decider observation, then a summary of the
 answers of the pool the Fusion agent fused — per pool model its top probability, normalised entropy and agreement
 with the pool's plurality (0 for models outside the pool) — and the pool's share of the models. It is built the same
@@ -28,12 +30,12 @@ FUSION_GLOBAL_FEATURES = 3
 FUSION_FEATURES_PER_MODEL = 5
 
 
-def decider_obs_dim(n_models: int, n_metrics: int) -> int:
-    return 4 * n_models + n_metrics + 4
+def decider_obs_dim(n_models: int, n_metrics: int, marginal: bool = False) -> int:
+    return 4 * n_models + n_metrics + 4 + (n_models if marginal else 0)
 
 
-def critic_state_dim(n_models: int, n_metrics: int) -> int:
-    return decider_obs_dim(n_models, n_metrics) + 3 * n_models + 1
+def critic_state_dim(n_models: int, n_metrics: int, marginal: bool = False) -> int:
+    return decider_obs_dim(n_models, n_metrics, marginal) + 3 * n_models + 1
 
 
 def critic_state(decider_state: np.ndarray, probs: np.ndarray, pool: np.ndarray) -> np.ndarray:
@@ -71,15 +73,15 @@ def fusion_feature_dim(n_models: int) -> int:
 
 
 def decider_observation(window: OutcomeWindow, previous_pool: np.ndarray, n_choices: int, metric_names: tuple[str, ...], recent: int,
-                        sees: str = "full") -> np.ndarray:
+                        sees: str = "full", marginal: bool = False) -> np.ndarray:
     """The Decider observation; ``sees="paper"`` zeroes everything after the pool bits and diversity metrics (the
-    RL-Focal paper's observation, same length)."""
+    RL-Focal paper's observation, same length); ``marginal`` appends each model's marginal focal diversity."""
     metrics, vote_accuracy = window.pool_statistics(previous_pool, metric_names)
+    m = len(previous_pool)
     if sees == "paper":
-        m = len(previous_pool)
-        return np.concatenate([previous_pool.astype(np.float32), metrics, np.zeros(3 * m + 4, dtype=np.float32)])
+        return np.concatenate([previous_pool.astype(np.float32), metrics, np.zeros(3 * m + 4 + (m if marginal else 0), dtype=np.float32)])
+    extra = [window.marginal_focal_diversity(previous_pool)] if marginal else []
     reliability = window.reliability()
-    m = len(reliability)
     rank = np.argsort(np.argsort(-reliability, kind="stable"), kind="stable") / max(m - 1, 1)
     return np.concatenate(
         [
@@ -90,6 +92,7 @@ def decider_observation(window: OutcomeWindow, previous_pool: np.ndarray, n_choi
             reliability - reliability.max(),
             rank.astype(np.float32),
             np.array([window.fill, window.recent_reward(recent), 1.0 / n_choices if n_choices else 0.0], dtype=np.float32),
+            *extra,
         ]
     )
 

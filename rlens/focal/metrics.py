@@ -22,9 +22,7 @@ METRIC_NAMES = ("focal", "kappa", "disagreement", "yule_q", "correlation", "entr
 def focal_diversity(correct: np.ndarray) -> float:
     """Focal diversity (RL-Focal / EnsembleBench): mean over focal models j of 1 - p(2)/p(1) on the rows where j failed."""
     n, m = correct.shape
-    if n == 0:
-        return 0.0
-    if m == 1:
+    if n == 0 or m < 2:  # no rows, or no pair of models (an empty pool or a pool of one)
         return 0.0
     failed = (~correct).astype(np.float64)
     n_failed = failed.sum(1)  # [n] how many of the pool failed on each row

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlens.focal.metrics import METRIC_NAMES, diversity_metrics
+from rlens.focal.metrics import METRIC_NAMES, diversity_metrics, focal_diversity
 from rlens.focal.voting import plurality_vote
 
 
@@ -110,6 +110,24 @@ class OutcomeWindow:
         c = self.correct[self._valid()][:, members]
         rows = (c >= 0).all(1)
         return c[rows].astype(bool), self.predictions[self._valid()][rows][:, members].astype(np.int64), self.labels[self._valid()][rows]
+
+    def marginal_focal_diversity(self, pool: np.ndarray) -> np.ndarray:
+        """Per model j, the change in ``pool``'s focal diversity that j makes: FD(pool) - FD(pool without j) for a
+        member, FD(pool with j) - FD(pool) for an outsider, on the window rows where the pool and j were all observed
+        (0 with fewer than 2 such rows). Positive: j fails where the others do not (it adds error diversity)."""
+        correct = self.correct[self._valid()]
+        out = np.zeros(self.n_models, dtype=np.float32)
+        for j in range(self.n_models):
+            with_j = pool.copy()
+            with_j[j] = True
+            members = np.flatnonzero(with_j)
+            rows = (correct[:, members] >= 0).all(1)
+            if rows.sum() < 2:
+                continue
+            right = correct[rows][:, members] == 1
+            others = members != j
+            out[j] = focal_diversity(right) - focal_diversity(right[:, others])
+        return out
 
     def pool_statistics(self, pool: np.ndarray, metric_names: tuple[str, ...] = METRIC_NAMES) -> tuple[np.ndarray, float]:
         """Diversity metrics of ``pool`` and the accuracy of its plurality vote over the window (0.5 when unknown)."""

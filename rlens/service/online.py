@@ -123,8 +123,8 @@ class FocalOnlineTrainer(OnlineTrainer[Experience]):
         """``extractor``: how an open-ended query's feedback reference is read (as the workers read the samples)."""
         self.engine, self.models, self.extractor = engine, models, extractor
         self.optimizer = engine.optimizer
-        m, k = len(models), len(engine.cfg.metrics)
-        self.dims = {"decider_state": decider_obs_dim(m, k), "critic_state": critic_state_dim(m, k), "pool": m, "predictions": m}
+        m, k, marginal = len(models), len(engine.cfg.metrics), engine.cfg.marginal_diversity
+        self.dims = {"decider_state": decider_obs_dim(m, k, marginal), "critic_state": critic_state_dim(m, k, marginal), "pool": m, "predictions": m}
         self.fusion_dim = fusion_feature_dim(m)
 
     def check(self, experience: Experience) -> str | None:
