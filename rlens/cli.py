@@ -105,7 +105,7 @@ def replay(
     seed: int = typer.Option(0, help="random seed (runs are deterministic under a seed)"),
     out: Path = typer.Option(Path("out/replay"), help="directory for results.json, report.md, report.png, per_query.csv"),
     variants: str = typer.Option("all", help="RL-Focal variants to run, comma-separated (rl_focal, rl_focal_all_models, rl_focal_no_diversity, "
-                                 "rl_focal_kappa, rl_focal_paper_decider), or all"),
+                                 "rl_focal_kappa, rl_focal_paper_decider, rl_focal_marginal), or all"),
     workers: int = WORKERS,
     numerics: str = typer.Option("portable", help="portable: the same figures for a seed on any x86-64 CPU; native: this CPU's fastest kernels"),
     alpha: float = typer.Option(FocalConfig.alpha, min=0.0, help="cost weight in the reward"),

@@ -1,5 +1,5 @@
 """The code base passes ruff's pyflakes and syntax checks (unused imports or variables, undefined names) and mypy's
-type check on the modules it covers: the configuration is in pyproject.toml, so `ruff check` and `mypy` give the same
+type check on the whole package: the configuration is in pyproject.toml, so `ruff check` and `mypy` give the same
 answers by hand."""
 
 import shutil
