@@ -23,7 +23,7 @@ from machine import machine_facts
 from rlens.evaluation.dataset import load_dataset, shared_data_dir
 from rlens.focal.config import FocalConfig
 from rlens.evaluation.protocols import Protocol, task_half
-from rlens.evaluation.replay import RL_VARIANTS, replay
+from rlens.evaluation.replay import DEFAULT_VARIANTS, RL_VARIANTS, replay
 from rlens.evaluation.report import write_outputs
 
 SHOWN = ("rl_focal", "rl_focal_all_models", "rl_focal_no_diversity", "rl_focal_kappa", "rl_focal_paper_decider", "rl_focal_marginal", "best_single", "best_single_per_task", "plurality", "soft_vote", "hedge", "stacking", "oracle")
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/out"))
     parser.add_argument("--tasks", default="all", choices=["all", "tune", "holdout"])
-    parser.add_argument("--variants", nargs="+", default=list(RL_VARIANTS), choices=list(RL_VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(RL_VARIANTS))
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="FocalConfig overrides")
     args = parser.parse_args()
     config = FocalConfig()

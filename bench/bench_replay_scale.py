@@ -18,7 +18,7 @@ from pathlib import Path
 
 from machine import machine_facts
 from rlens.evaluation.protocols import Protocol
-from rlens.evaluation.replay import RL_VARIANTS, replay
+from rlens.evaluation.replay import DEFAULT_VARIANTS, replay
 from rlens.evaluation.synthetic import synthetic_dataset
 
 
@@ -26,12 +26,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--questions", type=int, nargs="+", default=[1000, 3000, 10000])
     parser.add_argument("--models", type=int, nargs="+", default=[5, 11, 20])
-    parser.add_argument("--variants", default="all", help="all, or one RL-Focal variant")
+    parser.add_argument("--variants", default="all", help="all (the replay's default variants), or one RL-Focal variant")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/out/replay_scale.json"))
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
-    variants = list(RL_VARIANTS) if args.variants == "all" else [args.variants]
+    variants = list(DEFAULT_VARIANTS) if args.variants == "all" else [args.variants]
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; variants {variants}", flush=True)
     rows = []
     for n in args.questions:

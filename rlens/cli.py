@@ -104,8 +104,8 @@ def replay(
     protocol: Protocol = typer.Option(Protocol.paper, help="paper: per task 80% warm start / 20% online test; stream: cold start over the whole stream"),
     seed: int = typer.Option(0, help="random seed (runs are deterministic under a seed)"),
     out: Path = typer.Option(Path("out/replay"), help="directory for results.json, report.md, report.png, per_query.csv"),
-    variants: str = typer.Option("all", help="RL-Focal variants to run, comma-separated (rl_focal, rl_focal_all_models, rl_focal_no_diversity, "
-                                 "rl_focal_kappa, rl_focal_paper_decider, rl_focal_marginal), or all"),
+    variants: str = typer.Option("default", help="RL-Focal variants to run, comma-separated (rl_focal, rl_focal_all_models, rl_focal_no_diversity, "
+                                 "rl_focal_kappa, rl_focal_paper_decider, rl_focal_marginal); default: all but rl_focal_marginal; all"),
     workers: int = WORKERS,
     numerics: str = typer.Option("portable", help="portable: the same figures for a seed on any x86-64 CPU; native: this CPU's fastest kernels"),
     alpha: float = typer.Option(FocalConfig.alpha, min=0.0, help="cost weight in the reward"),
@@ -129,15 +129,17 @@ def replay(
 
 
 def variant_names(option: str) -> list[str]:
-    """``--variants``: "all" or a comma-separated list of known RL-Focal variants."""
-    from rlens.evaluation.replay import RL_VARIANTS
+    """``--variants``: "default", "all" or a comma-separated list of known RL-Focal variants."""
+    from rlens.evaluation.replay import DEFAULT_VARIANTS, RL_VARIANTS
 
     if option.strip() == "all":
         return list(RL_VARIANTS)
+    if option.strip() == "default":
+        return list(DEFAULT_VARIANTS)
     names = [name.strip() for name in option.split(",") if name.strip()]
     unknown = [name for name in names if name not in RL_VARIANTS]
     if unknown or not names:
-        fail(f"--variants: unknown {unknown or 'empty list'}; known: {', '.join(RL_VARIANTS)} (or all)")
+        fail(f"--variants: unknown {unknown or 'empty list'}; known: {', '.join(RL_VARIANTS)} (or default, or all)")
     return names
 
 
@@ -149,9 +151,9 @@ def demo(
     workers: int = WORKERS,
 ) -> None:
     """Replay the bundled zoo stream (5 real small models, 5 task families in blocks) through RL-Focal; no network."""
-    from rlens.evaluation.replay import RL_VARIANTS
+    from rlens.evaluation.replay import DEFAULT_VARIANTS
 
-    run_replay(settings().demo_data, protocol, seed, out, list(RL_VARIANTS), workers, FocalConfig())
+    run_replay(settings().demo_data, protocol, seed, out, list(DEFAULT_VARIANTS), workers, FocalConfig())
 
 
 @app.command("serve-model")
@@ -497,7 +499,11 @@ def load(
 
 
 @zoo_app.command("build")
-def zoo_build(out: Path | None = typer.Option(None, help="zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)")) -> None:
+def zoo_build(
+    out: Path | None = typer.Option(None, help="zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)"),
+    threads: int = typer.Option(2, min=1, max=64, help="torch threads for training; the weights depend on it in the last digits, so keep it to rebuild "
+                                                       "the same zoo (1 is as fast on a busy 2-core machine, at two thirds of the CPU)"),
+) -> None:
     """Train the zoo's specialists (seeded, a few minutes on CPU), add SmolLM2 and Gemma 3, write the manifest."""
     from rlens.zoo.build import SPECIALISTS, build_zoo
 
@@ -506,7 +512,7 @@ def zoo_build(out: Path | None = typer.Option(None, help="zoo directory (default
     try:
         with progress_bar(console) as bar:
             task = bar.add_task(f"training {len(SPECIALISTS)} specialists", total=sum(s.steps for s in SPECIALISTS))
-            models = build_zoo(out, progress=lambda n: bar.advance(task, n))
+            models = build_zoo(out, progress=lambda n: bar.advance(task, n), threads=threads)
     except FileNotFoundError as exc:
         fail(str(exc))
     for model in models:

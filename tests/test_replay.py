@@ -11,7 +11,7 @@ from rlens.cli import app
 from rlens.evaluation.dataset import load_dataset, save_dataset
 from rlens.focal.config import FocalConfig
 from rlens.evaluation.protocols import Protocol, split, task_half
-from rlens.evaluation.replay import PORTABLE_NUMERICS, RL_VARIANTS, replay
+from rlens.evaluation.replay import DEFAULT_VARIANTS, PORTABLE_NUMERICS, replay
 from rlens.evaluation.results import SCHEMA_PATH, ReplayResults
 from rlens.evaluation.synthetic import synthetic_dataset
 
@@ -35,7 +35,7 @@ def test_cli_replay_writes_every_output(bbh_slice_dir, tmp_path):
     results = json.loads((out / "results.json").read_text())
     ReplayResults.model_validate(results)
     assert results["protocol"] == "paper" and results["seed"] == 3 and results["n_test"] == 24
-    expected = {"rl_focal", "best_single", "best_single_per_task", "plurality", "soft_vote", "hedge", "stacking", "oracle", *RL_VARIANTS}
+    expected = {"rl_focal", "best_single", "best_single_per_task", "plurality", "soft_vote", "hedge", "stacking", "oracle", *DEFAULT_VARIANTS}
     assert expected <= set(results["methods"])
     focal = results["methods"]["rl_focal"]
     assert set(focal["per_task"]) == {"boolean_expressions", "date_understanding", "formal_fallacies"}

@@ -43,6 +43,7 @@ RL_VARIANTS: dict[str, tuple[dict, str]] = {
     "rl_focal_paper_decider": ({"decider_sees": "paper"}, "ablation: the paper's Decider observation (pool bits and diversity metrics only)"),
     "rl_focal_marginal": ({"marginal_diversity": True}, "variant: the Decider also sees each model's marginal effect on the pool's focal diversity"),
 }
+DEFAULT_VARIANTS = [name for name in RL_VARIANTS if name != "rl_focal_marginal"]  # what a replay runs unless asked (the marginal one measured no gain)
 PROGRESS_EVERY = 50
 Numerics = Literal["portable", "native"]
 # read by torch and MKL when a process first computes: set before the variant processes start
@@ -172,7 +173,7 @@ def replay(
     drift detections and recovery figures). ``numerics``: see the module docstring."""
     started = time.perf_counter()
     config = config or FocalConfig()
-    variants = list(RL_VARIANTS) if variants is None else variants
+    variants = list(DEFAULT_VARIANTS) if variants is None else variants
     unknown = set(variants) - set(RL_VARIANTS)
     if unknown:
         raise ValueError(f"unknown RL-Focal variants {sorted(unknown)}; known: {sorted(RL_VARIANTS)}")

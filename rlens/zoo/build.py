@@ -165,7 +165,9 @@ def train_specialist(spec: SpecialistSpec, out_dir: Path, progress: Callable[[in
 
 
 def build_zoo(out_dir: Path, specialists: list[SpecialistSpec] = SPECIALISTS, progress: Callable[[int], None] = lambda n: None, threads: int = 2) -> list[ZooModel]:
-    """Train every specialist into ``out_dir``, add SmolLM2 and Gemma 3, and write the manifest."""
+    """Train every specialist into ``out_dir`` with ``threads`` torch threads, add SmolLM2 and Gemma 3, and write the
+    manifest. The same seeds and thread count rebuild the same weights; another thread count changes them slightly
+    (float reductions in another order)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
