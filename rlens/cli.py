@@ -442,7 +442,7 @@ def up(
 @app.command()
 def load(
     data: Path = typer.Option(settings().demo_data, "--data", help="dataset to play as multiple-choice traffic (default: the bundled stream)"),
-    tasks: str | None = typer.Option(None, help="open-ended traffic (rlae) instead: a JSON-lines task file {prompt, reference[, family]}, or 'zoo' for the zoo's generation stream (8 blocks of 50, task switches)"),
+    tasks: str | None = typer.Option(None, help="open-ended traffic (rlae, or rl_focal over the models' samples) instead: a JSON-lines task file {prompt, reference[, family]}, or 'zoo' for the zoo's generation stream (8 blocks of 50, task switches)"),
     rate: float = typer.Option(100.0, min=0.001, help="queries per second"),
     feedback_delay: float = typer.Option(0.0, min=0.0, help="seconds from a query's answer to its feedback"),
     limit: int | None = typer.Option(None, min=1, help="only the first N questions"),
