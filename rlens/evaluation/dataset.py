@@ -11,8 +11,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from rlens.evaluation.open_ended import SampledTask
+    from rlens.models.answers import Extractor
 
 PROB_SUM_TOLERANCE = 1e-2
 
@@ -38,8 +43,8 @@ class RecordedDataset:
     model_names: list[str]
     model_costs: np.ndarray  # float64 [M], cost of one call of each model
     task_names: dict[int, str]
-    sampled: list | None = None  # open-ended: the recorded samples (list[SampledTask]) the choices come from; None: multiple choice
-    extractor: str = "line"  # open-ended: how an answer is read from a sample or a reference
+    sampled: list[SampledTask] | None = None  # open-ended: the recorded samples the choices come from; None: multiple choice
+    extractor: Extractor = "line"  # open-ended: how an answer is read from a sample or a reference
 
     @property
     def open_ended(self) -> bool:

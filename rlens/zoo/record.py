@@ -5,8 +5,8 @@ model's choice probabilities are the softmax of its lm-eval log-likelihoods. Bes
 directory gets ``questions.jsonl`` (prompt, choices, family of every row), so real backends can be asked the same
 questions later. The bundled ``zoo_mc`` dataset (``rlens demo``) is made by this module.
 
-:func:`record_samples` does the same for open-ended tasks: every model samples ``n`` texts of each task of
-:func:`rlens.zoo.tasks.generation_stream`, saved as a samples directory (:mod:`rlens.evaluation.open_ended`) that
+:func:`record_samples` does the same for open-ended tasks (`rlens zoo record --samples N`: those of
+:func:`rlens.zoo.tasks.generation_stream`): every model samples ``n`` texts of each task, saved as a samples directory (:mod:`rlens.evaluation.open_ended`) that
 ``rlens replay`` replays and the ``replay`` backend serves to the streaming service.
 """
 
