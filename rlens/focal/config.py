@@ -19,7 +19,7 @@ class FocalConfig:
     decider_sees: Literal["full", "paper"] = "full"  # "paper": the Decider observation keeps only the pool bits and diversity metrics (ablation)
     marginal_diversity: bool = False  # the Decider also sees each model's marginal effect on its previous pool's focal diversity (issue 15, item 4)
     # reward
-    alpha: float = 0.08  # cost weight: reward = +-1 - alpha * cost(pool) / cost(whole pool)
+    alpha: float = 0.24  # cost weight: reward = +-1 - alpha * cost(pool) / cost(whole pool); chosen on bbh_dev's tuning half (BENCHMARKS.md)
     # MAPPO
     gamma: float = 0.0  # a pool can change at every query, so later rewards carry no credit for this one
     gae_lambda: float = 0.9
