@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlens.focal.config import FocalConfig
+
+if TYPE_CHECKING:
+    from rlens.backends.base import GenerationRequest
 
 PACKAGE_DATA = Path(__file__).parent / "data"
 
@@ -105,6 +108,12 @@ class Settings(BaseSettings):
     rlae_rehearsal: int = Field(32, ge=0, description="per stream, earlier episodes replayed in every update (against forgetting across task switches); 0: none")
     rlae_explore: bool = Field(True, description="sample the weights from the policy (on-policy experience for the learner); false: the policy's mean")
     rlae_observe: Literal["prompt", "text"] = Field("prompt", description="what the agent's MiniLM embeds: the prompt once per query, or prompt + text at every span")
+
+    def focal_sampling(self) -> GenerationRequest:
+        """How the rl_focal worker asks each chosen model about an open-ended query (id and prompt filled per query)."""
+        from rlens.backends.base import GenerationRequest  # the backends' package is not needed to read settings
+
+        return GenerationRequest(id="-", prompt="", n=self.focal_samples, temperature=self.focal_temperature, max_tokens=self.focal_max_tokens, stop=self.focal_stop)
 
 
 def settings() -> Settings:

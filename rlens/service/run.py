@@ -10,7 +10,6 @@ import numpy as np
 import torch
 from redis.asyncio import Redis
 
-from rlens.backends.base import GenerationRequest
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.checkpoint import CheckpointStore
@@ -90,10 +89,9 @@ def build_worker(settings: Settings) -> Worker:
                           verifier=verifier, tokens=tokens)
     engine = build_engine(settings, pool)
     backends = {m.name: build_backend(m) for m in pool.models}
-    sampling = GenerationRequest(id="-", prompt="", n=settings.focal_samples, temperature=settings.focal_temperature, max_tokens=settings.focal_max_tokens, stop=settings.focal_stop)
     return FocalWorker(engine, names, backends, build_windows(settings, len(names), engine.cfg.window), deadline_s=settings.worker_deadline_s,
                        model_concurrency=settings.model_concurrency, circuit_failures=settings.circuit_failures, circuit_cooldown_s=settings.circuit_cooldown_s,
-                       sampling=sampling, extractor=settings.focal_extractor, verifier=verifier, tokens=tokens)
+                       sampling=settings.focal_sampling(), extractor=settings.focal_extractor, verifier=verifier, tokens=tokens)
 
 
 def drift_monitor(settings: Settings) -> DriftMonitor | None:

@@ -157,9 +157,6 @@ class Worker(ABC):
             self.stats.policies_loaded += 1
 
 
-SAMPLING = GenerationRequest(id="-", prompt="", n=5, max_tokens=16, temperature=1.0, stop=["\n"])
-
-
 class FocalWorker(Worker):
     """The ``rl_focal`` strategy: the Decider's pool, the Fusion agent's answer among the query's choices (or, open-ended,
     among the answers the pool's samples hold; ``sampling`` says how the models sample, ``extractor`` how an answer is
@@ -170,13 +167,13 @@ class FocalWorker(Worker):
     def __init__(self, engine: FocalEngine, models: list[str], backends: dict[str, Backend], windows: RedisWindows,
                  verifier: PolicyVerifier, tokens: FeedbackTokens, deadline_s: float = 60.0, model_concurrency: int = 8,
                  circuit_failures: int = 5, circuit_cooldown_s: float = 30.0, name: str | None = None,
-                 sampling: GenerationRequest = SAMPLING, extractor: Extractor = "line"):
+                 sampling: GenerationRequest | None = None, extractor: Extractor = "line"):
         if list(backends) != models:
             raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
         super().__init__(models, windows, verifier, tokens, name)
         self.engine = engine
         self.names = np.array(models)
-        self.sampling = sampling
+        self.sampling = sampling or Settings.model_construct().focal_sampling()  # None: the settings' defaults
         # at most MAX_CHOICES - 1 candidates: "none of them" (n_choices) must stay a valid window label
         self.caller = PoolCaller(backends, deadline_s, model_concurrency, circuit_failures, circuit_cooldown_s, extractor, MAX_CHOICES - 1)
 
