@@ -73,7 +73,7 @@ class FocalEngine:
             self.fusion = Fusion(fusion_feature_dim(n_models), self.cfg.hidden, reliability_weighted_log_probs(n_models))
             self.critic = CentralCritic(decider_obs_dim(n_models, n_metrics, marginal), critic_state_dim(n_models, n_metrics, marginal), self.cfg.hidden)
         params = [*self.decider.parameters(), *self.fusion.parameters(), *self.critic.parameters()]
-        self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5)
+        self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5, foreach=True)  # one kernel per step for all tensors: the same numbers, faster
         self.windows: dict[Hashable, OutcomeWindow] = {}
         self.previous_pool: OrderedDict[Hashable, np.ndarray] = OrderedDict()  # at most cfg.max_streams, LRU
         self.buffer: list[Transition] = []
@@ -181,8 +181,7 @@ class FocalEngine:
         for width, index in by_width.items():
             windows = [self.window(decisions[i].key) for i in index]
             stacked, pools = np.stack([probs[i] for i in index]), np.stack([decisions[i].pool for i in index])
-            priors = {id(w): w.label_prior(width) for w in windows}
-            group_features = fusion_observations(stacked * pools[:, :, None], pools, np.stack([w.reliability() for w in windows]), np.stack([priors[id(w)] for w in windows]))
+            group_features = fusion_observations(stacked * pools[:, :, None], pools, np.stack([w.reliability() for w in windows]), np.stack([w.label_prior(width) for w in windows]))
             group_critic = critic_states(np.stack([decisions[i].state for i in index]), stacked, pools)
             for j, i in enumerate(index):
                 features[i], critic[i] = group_features[j], group_critic[j]

@@ -153,7 +153,7 @@ def mappo_update(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             for network in networks:  # each network's gradient is clipped on its own (the critic's is the largest)
-                nn.utils.clip_grad_norm_(network.parameters(), cfg.max_grad_norm)
+                nn.utils.clip_grad_norm_(network.parameters(), cfg.max_grad_norm, foreach=True)
             optimizer.step()
             stats["policy_loss"] += float(policy_loss.detach())
             stats["value_loss"] += float(value_loss.detach())

@@ -21,8 +21,8 @@ import numpy as np
 from rlens.evaluation.dataset import RecordedDataset
 from rlens.drift import DriftMonitor, signals_of_outcome
 from rlens.focal.config import FocalConfig
-from rlens.focal.engine import FocalEngine
-from rlens.focal.features import critic_state
+from rlens.focal.engine import Answer, FocalEngine
+from rlens.focal.features import critic_states
 from rlens.focal.voting import plurality_vote
 
 Progress = Callable[[int], None]
@@ -85,11 +85,15 @@ def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, tra
     for q in qs:
         rewards = []
         decisions = engine.decide(q.key, q.decider_choices, greedy=False, rollouts=rollouts)
-        answers = engine.fuse_batch(decisions, [q.probs] * rollouts) if train_fusion else [None] * rollouts  # one Fusion forward for the rollouts
-        for decision, answer in zip(decisions, answers):
+        answers: list[Answer | None] = [None] * rollouts
+        critic_inputs: list[np.ndarray | None] = [None] * rollouts  # an answer carries its own
+        if train_fusion:  # one Fusion forward for the rollouts
+            answers = list(engine.fuse_batch(decisions, [q.probs] * rollouts))
+        else:
+            critic_inputs = list(critic_states(np.stack([d.state for d in decisions]), np.stack([q.probs] * rollouts), np.stack([d.pool for d in decisions])))
+        for decision, answer, critic_input in zip(decisions, answers, critic_inputs):
             chosen = answer.answer if answer is not None else _pool_vote(q, decision.pool)
             rewards.append(engine.reward(decision.pool, chosen == q.label))
-            critic_input = None if answer is not None else critic_state(decision.state, q.probs, decision.pool)  # an answer carries its own
             engine.remember(decision, answer, rewards[-1], engine.fusion_reward(chosen == q.label), critic_input, q.label)
         engine.observe(q.key, q.predictions, q.label, rewards[0])  # the window keeps the first rollout's reward
         if len(engine.buffer) >= engine.cfg.warm_batch * rollouts:

@@ -27,6 +27,7 @@ class OutcomeWindow:
         self.rewards = np.zeros(size, dtype=np.float32)
         self.count = 0  # rows ever pushed
         self._reliability: np.ndarray | None = None  # cached until the next push
+        self._label_prior: dict[int, np.ndarray] = {}  # per choice count, cached until the next push
 
     def push(self, predictions: np.ndarray, label: int, reward: float) -> None:
         """Record one query: ``predictions`` int [M] with -1 for models not called, the label (-1 if unknown)."""
@@ -41,7 +42,7 @@ class OutcomeWindow:
         self.labels[row] = label
         self.rewards[row] = reward
         self.count += 1
-        self._reliability = None
+        self._forget_cache()
 
     def extend(self, predictions: np.ndarray, labels: np.ndarray, rewards: np.ndarray) -> None:
         """Record several queries at once, in order: ``predictions`` int [n, M], ``labels`` int [n], ``rewards`` [n];
@@ -55,7 +56,7 @@ class OutcomeWindow:
         self.predictions[rows], self.correct[rows] = predictions, correct
         self.labels[rows], self.rewards[rows] = labels, np.asarray(rewards)[n - keep:]
         self.count += n
-        self._reliability = None
+        self._forget_cache()
 
     def keep_last(self, k: int) -> None:
         """Forget all but the last ``k`` rows, in order (a reaction to drift: the old task's outcomes go)."""
@@ -63,9 +64,14 @@ class OutcomeWindow:
         index = (self.count - n + np.arange(n)) % self.size
         rows = [(self.predictions[i].copy(), int(self.labels[i]), float(self.rewards[i])) for i in index]
         self.correct[:], self.predictions[:], self.labels[:], self.rewards[:] = -1, -1, -1, 0.0
-        self.count, self._reliability = 0, None
+        self.count = 0
+        self._forget_cache()
         for predictions, label, reward in rows:
             self.push(predictions, label, reward)
+
+    def _forget_cache(self) -> None:
+        self._reliability = None
+        self._label_prior.clear()
 
     @property
     def n_rows(self) -> int:
@@ -88,12 +94,14 @@ class OutcomeWindow:
         return self._reliability
 
     def label_prior(self, n_choices: int) -> np.ndarray:
-        """Frequency of each choice index among the known labels of the window (zeros when none)."""
-        labels = self.labels[self._valid()]
-        labels = labels[(labels >= 0) & (labels < n_choices)]
-        if labels.size == 0:
-            return np.zeros(n_choices, dtype=np.float32)
-        return (np.bincount(labels, minlength=n_choices) / labels.size).astype(np.float32)
+        """Frequency of each choice index among the known labels of the window (zeros when none); do not modify it
+        (cached until the next push)."""
+        if n_choices not in self._label_prior:
+            labels = self.labels[self._valid()]
+            labels = labels[(labels >= 0) & (labels < n_choices)]
+            prior = np.zeros(n_choices) if labels.size == 0 else np.bincount(labels, minlength=n_choices) / labels.size
+            self._label_prior[n_choices] = prior.astype(np.float32)
+        return self._label_prior[n_choices]
 
     def recent_reward(self, last: int) -> float:
         """Mean reward of the last ``last`` rows (0 when empty)."""
