@@ -33,6 +33,7 @@ from rlens.focal.features import (
     model_features_in_decider_obs,
     reliability_weighted_log_probs,
 )
+from rlens.focal.greedy import GreedyActor
 from rlens.focal.mappo import Transition, mappo_update
 from rlens.focal.supervised import fit_fusion
 from rlens.focal.window import OutcomeWindow
@@ -57,6 +58,16 @@ class Answer:
     critic_state: np.ndarray  # centralized critic's input: Decider observation + the fused pool's answers
 
 
+def _padded(features: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-query Fusion observations [C_i, F] stacked into [B, C_max, F] with a validity mask [B, C_max]."""
+    width = max(f.shape[0] for f in features)
+    padded = np.zeros((len(features), width, features[0].shape[1]), dtype=np.float32)
+    mask = np.zeros((len(features), width), dtype=bool)
+    for i, f in enumerate(features):
+        padded[i, : len(f)], mask[i, : len(f)] = f, True
+    return padded, mask
+
+
 class FocalEngine:
     def __init__(self, n_models: int, model_costs: np.ndarray | None = None, config: FocalConfig | None = None, seed: int = 0):
         self.cfg = config or FocalConfig()
@@ -72,6 +83,7 @@ class FocalEngine:
             self.decider = Decider(decider_obs_dim(n_models, n_metrics, marginal), n_models, self.cfg.hidden, model_features_in_decider_obs(n_models, n_metrics))
             self.fusion = Fusion(fusion_feature_dim(n_models), self.cfg.hidden, reliability_weighted_log_probs(n_models))
             self.critic = CentralCritic(decider_obs_dim(n_models, n_metrics, marginal), critic_state_dim(n_models, n_metrics, marginal), self.cfg.hidden)
+        self.greedy = GreedyActor(self.decider, self.fusion)  # greedy actions in NumPy, on views of the same weights
         params = [*self.decider.parameters(), *self.fusion.parameters(), *self.critic.parameters()]
         self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5, foreach=True)  # one kernel per step for all tensors: the same numbers, faster
         self.windows: dict[Hashable, OutcomeWindow] = {}
@@ -108,9 +120,11 @@ class FocalEngine:
         question, used in the warm start); the first one becomes the stream's previous pool.
         """
         state = self._state(key, n_choices)
-        obs = torch.from_numpy(state).expand(rollouts, -1)
-        if self.cfg.use_decider:
-            pools_t, logps = self.decider.act(obs, greedy, self.torch_rng)
+        if self.cfg.use_decider and greedy:
+            pool, logp = self.greedy.pools(state[None])
+            pools, pool_logps = pool.repeat(rollouts, 0), [float(logp[0])] * rollouts
+        elif self.cfg.use_decider:
+            pools_t, logps = self.decider.act(torch.from_numpy(state).expand(rollouts, -1), False, self.torch_rng)
             pools, pool_logps = pools_t.numpy().astype(bool), logps.tolist()
         else:
             pools, pool_logps = np.ones((rollouts, self.n_models), dtype=bool), [0.0] * rollouts
@@ -124,29 +138,31 @@ class FocalEngine:
         distinct state.
 
         A state depends only on the stream's window, its previous pool and the choice count; windows do not change
-        within a batch, so queries that share those share the forward (and, greedy, the pool). The decisions equal
-        those of calling :meth:`decide` query by query.
+        within a batch, so queries that share those share the observation and the forward (and, greedy, the pool).
+        The decisions equal those of calling :meth:`decide` query by query.
         """
-        cache: dict[tuple, tuple] = {}
+        cache: dict[tuple, dict] = {}
         decisions = []
         everyone = np.ones(self.n_models, dtype=bool)
         for key, n_choices, probe, greedy in queries:
             previous = self.previous_pool.get(key, everyone)
             slot = (key, n_choices, previous.tobytes())
             if slot not in cache:
-                state = self._state(key, n_choices)
-                logits = self.decider.logits(torch.from_numpy(state)[None]) if self.cfg.use_decider else None
-                cache[slot] = (state, logits, {})
-            state, logits, greedy_pool = cache[slot]
+                cache[slot] = {"state": self._state(key, n_choices)}
+            known = cache[slot]
+            state = known["state"]
             if not self.cfg.use_decider:
                 pool, logp = everyone, 0.0
-            elif greedy and greedy_pool:
-                pool, logp = greedy_pool["pool"], greedy_pool["logp"]
+            elif greedy:
+                if "greedy" not in known:
+                    greedy_pools, greedy_logps = self.greedy.pools(state[None])
+                    known["greedy"] = (greedy_pools[0], float(greedy_logps[0]))
+                pool, logp = known["greedy"]
             else:
-                pools_t, logps = self.decider.sample(logits, greedy, self.torch_rng)
+                if "logits" not in known:
+                    known["logits"] = self.decider.logits(torch.from_numpy(state)[None])
+                pools_t, logps = self.decider.sample(known["logits"], False, self.torch_rng)
                 pool, logp = pools_t[0].numpy().astype(bool), float(logps[0])
-                if greedy:
-                    greedy_pool.update(pool=pool, logp=logp)
             self.remember_pool(key, pool)
             decisions.append(Decision(key, pool, everyone if probe else pool, state, logp, not greedy))
         return decisions
@@ -158,17 +174,25 @@ class FocalEngine:
 
     @torch.inference_mode()
     def fuse_batch(self, decisions: list[Decision], probs: list[np.ndarray]) -> list[Answer]:
-        """:meth:`fuse` for a batch (``probs[i]`` [M, C_i]) with one Fusion forward over choices padded to the widest."""
+        """:meth:`fuse` for a batch (``probs[i]`` [M, C_i]): one Fusion forward over choices padded to the widest for
+        the explored queries (torch, sampled), one for the greedy ones (NumPy)."""
         features, critic = self._fusion_inputs(decisions, probs)
-        width = max(f.shape[0] for f in features)
-        padded = np.zeros((len(features), width, features[0].shape[1]), dtype=np.float32)
-        mask = torch.zeros(len(features), width, dtype=torch.bool)
-        for i, f in enumerate(features):
-            padded[i, : len(f)] = f
-            mask[i, : len(f)] = True
-        explore = torch.tensor([d.explored for d in decisions])
-        answers, logps, dists = self.fusion.act(torch.from_numpy(padded), mask, explore, self.torch_rng)
-        return [Answer(int(answers[i]), dists[i, : len(f)].numpy().copy(), f, float(logps[i]), critic[i]) for i, f in enumerate(features)]
+        answers = np.zeros(len(decisions), dtype=np.int64)
+        logps = np.zeros(len(decisions))
+        dists: list[np.ndarray] = [np.empty(0)] * len(decisions)
+        explored = np.array([d.explored for d in decisions])
+        for rows in (np.flatnonzero(explored), np.flatnonzero(~explored)):
+            if not len(rows):
+                continue
+            padded, mask = _padded([features[i] for i in rows])
+            if explored[rows[0]]:
+                chosen, chosen_logp, dist = (t.numpy() for t in self.fusion.act(torch.from_numpy(padded), torch.from_numpy(mask), torch.ones(len(rows), dtype=torch.bool), self.torch_rng))
+            else:
+                chosen, chosen_logp, dist = self.greedy.answers(padded, mask)
+            answers[rows], logps[rows] = chosen, chosen_logp
+            for j, i in enumerate(rows):
+                dists[i] = dist[j, : len(features[i])].copy()
+        return [Answer(int(answers[i]), dists[i], f, float(logps[i]), critic[i]) for i, f in enumerate(features)]
 
     def _fusion_inputs(self, decisions: list[Decision], probs: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Each query's Fusion observation and critic state (:meth:`fusion_features`, :func:`critic_state`),
@@ -197,14 +221,12 @@ class FocalEngine:
         (answer,) = self.fuse_batch([decision], [probs])
         return answer
 
-    @torch.inference_mode()
     def greedy_answer(self, decision: Decision, probs: np.ndarray) -> int:
         """The answer the greedy policy would have given from the same state (what exploring an explored query
         cost); changes no state."""
-        pool = self.decider.sample(self.decider.logits(torch.from_numpy(decision.state)[None]), True)[0][0].numpy().astype(bool) \
-            if self.cfg.use_decider else np.ones(self.n_models, dtype=bool)
+        pool = self.greedy.pools(decision.state[None])[0][0] if self.cfg.use_decider else np.ones(self.n_models, dtype=bool)
         features = self.fusion_features(replace(decision, pool=pool), probs)
-        return int(self.fusion.scores(torch.from_numpy(features), torch.ones(len(features), dtype=torch.bool)).argmax())
+        return int(self.greedy.answers(features[None], np.ones((1, len(features)), dtype=bool))[0][0])
 
     def reward(self, pool: np.ndarray, correct: bool) -> float:
         """The Decider's reward: +1 / -1 for the final answer minus alpha times the pool's share of the whole pool's cost."""
