@@ -31,6 +31,7 @@ from rlens.focal.features import (
     fusion_observation,
     fusion_observations,
     model_features_in_decider_obs,
+    padded_choices,
     reliability_weighted_log_probs,
 )
 from rlens.focal.greedy import GreedyActor
@@ -56,16 +57,6 @@ class Answer:
     features: np.ndarray  # Fusion observation [C_valid, F]
     answer_logp: float  # log-probability of ``answer`` under the Fusion agent
     critic_state: np.ndarray  # centralized critic's input: Decider observation + the fused pool's answers
-
-
-def _padded(features: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-query Fusion observations [C_i, F] stacked into [B, C_max, F] with a validity mask [B, C_max]."""
-    width = max(f.shape[0] for f in features)
-    padded = np.zeros((len(features), width, features[0].shape[1]), dtype=np.float32)
-    mask = np.zeros((len(features), width), dtype=bool)
-    for i, f in enumerate(features):
-        padded[i, : len(f)], mask[i, : len(f)] = f, True
-    return padded, mask
 
 
 class FocalEngine:
@@ -184,7 +175,7 @@ class FocalEngine:
         for rows in (np.flatnonzero(explored), np.flatnonzero(~explored)):
             if not len(rows):
                 continue
-            padded, mask = _padded([features[i] for i in rows])
+            padded, mask = padded_choices([features[i] for i in rows])
             if explored[rows[0]]:
                 chosen, chosen_logp, dist = (t.numpy() for t in self.fusion.act(torch.from_numpy(padded), torch.from_numpy(mask), torch.ones(len(rows), dtype=torch.bool), self.torch_rng))
             else:

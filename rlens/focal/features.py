@@ -97,6 +97,17 @@ def decider_observation(window: OutcomeWindow, previous_pool: np.ndarray, n_choi
     )
 
 
+def padded_choices(features: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-query Fusion observations [C_i, F] of any choice counts stacked into [B, C_max, F] (zeros past each
+    query's choices) with the validity mask bool [B, C_max]."""
+    width = max(f.shape[0] for f in features)
+    padded = np.zeros((len(features), width, features[0].shape[1]), dtype=np.float32)
+    mask = np.zeros((len(features), width), dtype=bool)
+    for i, f in enumerate(features):
+        padded[i, : len(f)], mask[i, : len(f)] = f, True
+    return padded, mask
+
+
 def fusion_observation(probs: np.ndarray, pool: np.ndarray, reliability: np.ndarray, label_prior: np.ndarray) -> np.ndarray:
     """Per-choice features [C, 5M + 3] for the valid choices of one query (probs [M, C_valid])."""
     return fusion_observations(probs[None], pool[None], reliability[None], label_prior[None])[0]

@@ -30,12 +30,6 @@ def _mlp(x: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarr
     return x
 
 
-def _tanh_trunk(x: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    for w, b in layers:
-        x = np.tanh(x @ w + b)
-    return x
-
-
 def _log_sigmoid(x: np.ndarray) -> np.ndarray:
     return -np.logaddexp(0.0, -x)
 
@@ -56,7 +50,7 @@ class GreedyActor:
         d = self.decider
         phi = obs[:, d.model_features].reshape(len(obs), 3, d.n_models)  # [B, 3, M]
         w, b = self.heads
-        return _tanh_trunk(obs, self.trunk) @ w + b + np.einsum("k,bkm->bm", self.per_model, phi)
+        return np.tanh(_mlp(obs, self.trunk)) @ w + b + np.einsum("k,bkm->bm", self.per_model, phi)
 
     def pools(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The greedy pools (bool [B, M]: the models with a positive logit, or the single most likely one when none

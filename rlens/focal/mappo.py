@@ -20,6 +20,7 @@ from torch.distributions import Bernoulli
 
 from rlens.focal.agents import CentralCritic, Decider, Fusion
 from rlens.focal.config import FocalConfig
+from rlens.focal.features import padded_choices
 
 
 @dataclass
@@ -57,11 +58,7 @@ def _pad_fusion(batch: list[Transition]) -> tuple[torch.Tensor, torch.Tensor]:
     rows = [t.fusion_features for t in batch if t.fusion_features is not None]
     if len(rows) < len(batch):
         raise ValueError("a transition in the Fusion agent's batch has no features: the Fusion agent did not act on it")
-    c_max = max(f.shape[0] for f in rows)
-    features = np.zeros((len(batch), c_max, rows[0].shape[1]), dtype=np.float32)
-    mask = np.zeros((len(batch), c_max), dtype=bool)
-    for i, f in enumerate(rows):
-        features[i, : f.shape[0]], mask[i, : f.shape[0]] = f, True
+    features, mask = padded_choices(rows)
     return torch.from_numpy(features), torch.from_numpy(mask)
 
 

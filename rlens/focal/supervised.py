@@ -9,17 +9,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from rlens.focal.agents import Fusion
+from rlens.focal.features import padded_choices
 
 
 def fit_fusion(fusion: Fusion, optimizer: torch.optim.Optimizer, features: list[np.ndarray], labels: list[int], epochs: int,
                minibatch_size: int, max_grad_norm: float, generator: torch.Generator) -> dict[str, float]:
     """``epochs`` of minibatch cross-entropy of the Fusion's answer distribution against ``labels``, on per-question
     features [C_i, F] of any choice counts; returns the last epoch's mean loss and accuracy."""
-    width = max(f.shape[0] for f in features)
-    padded = np.zeros((len(features), width, features[0].shape[1]), dtype=np.float32)
-    mask = np.zeros((len(features), width), dtype=bool)
-    for i, f in enumerate(features):
-        padded[i, : len(f)], mask[i, : len(f)] = f, True
+    padded, mask = padded_choices(features)
     x, valid, y = torch.from_numpy(padded), torch.from_numpy(mask), torch.tensor(labels)
     loss_sum = correct = 0.0
     for _ in range(epochs):
