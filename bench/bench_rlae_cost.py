@@ -36,9 +36,10 @@ from rlens.zoo.tasks import FAMILIES, generation_split
 class NoEOS(TokenEnsemble):
     """Masks the union EOS so that every row decodes exactly max_tokens tokens (equal work across settings)."""
 
-    def distributions(self, states):
-        probs = super().distributions(states)
-        probs[:, :, 0] = 0.0
+    def own_probs(self, states):
+        probs = super().own_probs(states)
+        for p, backend in zip(probs, self.backends):
+            p[:, backend.tokenizer.eos_token_id] = 0.0
         return probs
 
 

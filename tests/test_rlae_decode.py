@@ -9,6 +9,7 @@ import torch
 
 from rlens.backends.hf import TransformersBackend
 from rlens.rlae.decode import TokenEnsemble
+from rlens.rlae.merge import DenseNext, UnionCandidates
 from rlens.rlae.vocab import EOS, UnionVocab, byte_fallback_ids, token_bytes, tokenizer_kind
 from rlens.zoo.build import bpe_corpus
 from rlens.zoo.tokenizers import char_tokenizer, gpt2_subset_tokenizer
@@ -69,6 +70,34 @@ def test_to_union_keeps_the_mass_of_mapped_tokens(tokenizers):
     mapped = vocab.index[1] >= 0
     assert union.shape == (3, len(vocab))
     torch.testing.assert_close(union.sum(1), probs[:, mapped].sum(1))
+
+
+def scattered(vocab: UnionVocab, m: int, probs: torch.Tensor) -> torch.Tensor:
+    """The union distribution by a dense scatter of the mapped tokens' mass, in token order."""
+    mapped = vocab.index[m] >= 0
+    return torch.zeros(len(probs), len(vocab)).index_add_(1, vocab.index[m][mapped], probs[:, mapped])
+
+
+def test_picks_among_the_top_tokens_are_the_dense_picks(tokenizers):
+    """SmolLM2 + Gemma 3 (byte-fallback entries that two Gemma tokens share) and a character model: peaked and flat
+    rows, ties, random weights; the union distributions, the greedy picks and the agreements are the dense ones."""
+    vocab = UnionVocab.build([tokenizers[0], tokenizers[2], tokenizers[3]])
+    g = torch.Generator().manual_seed(0)
+    space = int(vocab.index[2][tokenizers[3].convert_tokens_to_ids("▁")])
+    for temperature in (0.5, 2.0, 30.0):  # peaked, softer, nearly flat (mostly decided densely)
+        probs = [torch.softmax(torch.randn(8, len(vocab.index[m]), generator=g) * 12 / temperature, -1) for m in range(3)]
+        probs[2][0] = 0.0
+        probs[2][0, tokenizers[3].convert_tokens_to_ids("▁")] = probs[2][0, tokenizers[3].convert_tokens_to_ids("<0x20>")] = 0.5  # one entry, two tokens
+        dense = DenseNext(torch.stack([scattered(vocab, m, p) for m, p in enumerate(probs)]))
+        for m, p in enumerate(probs):
+            assert torch.equal(vocab.to_union(m, p), dense.probs[m])
+        candidates = UnionCandidates(vocab, probs, k=8)
+        assert dense.probs[2][0, space] == 1.0 and candidates.pick(np.array([[0.1, 0.1, 0.8]] * 8))[0] == space
+        for _ in range(4):
+            weights = torch.rand(8, 3, generator=g).double().numpy()
+            weights[0] = [0.0, 1.0, 0.0]
+            assert candidates.pick(weights) == dense.pick(weights)
+        np.testing.assert_array_equal(candidates.agreement(), dense.agreement())
 
 
 def greedy_tokens(backend: TransformersBackend, prompt: str, n: int) -> list[int]:

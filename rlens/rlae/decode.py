@@ -1,8 +1,9 @@
 """Token-level ensemble decoding across models with different tokenizers (the GaC step RLAE builds on), batched.
 
-At every step each model's next-token distribution is mapped into the union vocabulary (:class:`UnionVocab`),
-the distributions are mixed with the current weights, and one union token is picked per request (greedy or
-sampled). Each model then extends its own context with that text: by the one token of its vocabulary that stands
+At every step each model's next-token distribution is read over the union vocabulary (:class:`UnionVocab`), the
+distributions are mixed with the current weights, and one union token is picked per request (greedy or sampled;
+:mod:`rlens.rlae.merge` finds the greedy pick among the models' top tokens, without a dense [M, B, V_union] tensor).
+Each model then extends its own context with that text: by the one token of its vocabulary that stands
 for exactly those bytes when it has one, else by the text re-tokenized. Every model keeps one KV cache for the whole
 batch, so a step costs one incremental forward per model, never a re-encode of the context.
 
@@ -27,6 +28,7 @@ import torch
 from torch.nn import functional as F
 
 from rlens.backends.hf import TransformersBackend, cut_at_stop
+from rlens.rlae.merge import NextTokens, UnionCandidates
 from rlens.rlae.vocab import UnionVocab
 
 
@@ -71,8 +73,8 @@ class SpanWeightedDecoder(ABC, Generic[State]):
     """The decoding loop shared by the in-process ensemble and the server (top-k) one.
 
     Subclasses say how to start a batch, what every model's next-token distribution over a common token space is
-    (:meth:`step`: [M, B, U] with the EOS at column 0, and each model's entropy), what text a token stands for, and
-    how every model reads the chosen tokens.
+    (:meth:`step`: the EOS at token 0, and each model's entropy), what text a token stands for, and how every model
+    reads the chosen tokens.
     """
 
     n_models: int
@@ -81,8 +83,8 @@ class SpanWeightedDecoder(ABC, Generic[State]):
     def start(self, prompts: list[str]) -> State: ...
 
     @abstractmethod
-    def step(self, states: State) -> tuple[torch.Tensor, np.ndarray]:
-        """(every model's next-token probabilities [M, B, U], their entropies [B, M])."""
+    def step(self, states: State) -> tuple[NextTokens, np.ndarray]:
+        """(every model's next-token distribution, their entropies [B, M])."""
 
     @abstractmethod
     def piece(self, token: int) -> str: ...
@@ -94,12 +96,6 @@ class SpanWeightedDecoder(ABC, Generic[State]):
     def appended(self, states: State, row: int) -> list[list[int]]:
         """Per model, the tokens row ``row`` read after its prompt (empty where a model's tokens are not known here)."""
         return [[] for _ in range(self.n_models)]
-
-    @staticmethod
-    def mix(union_probs: torch.Tensor, weights: np.ndarray) -> torch.Tensor:
-        """The weighted mixture [B, U] of [M, B, U] distributions under [B, M] weights."""
-        mixed = torch.einsum("mbv,bm->bv", union_probs, torch.as_tensor(weights, dtype=union_probs.dtype))
-        return mixed / mixed.sum(1, keepdim=True)
 
     @staticmethod
     def _check_weights(w: np.ndarray, batch: int, n_models: int) -> np.ndarray:
@@ -122,9 +118,9 @@ class SpanWeightedDecoder(ABC, Generic[State]):
         entropy_sum, agree_sum, steps_in_span = np.zeros((batch, n_models)), np.zeros((batch, n_models)), 0
         w = np.full((batch, n_models), 1.0 / n_models)  # set at step 0, the first span's start
         for step in range(max_tokens):
-            union_probs, entropy = self.step(states)
+            next_tokens, entropy = self.step(states)
             entropy_sum += entropy
-            agree_sum += (union_probs.argmax(-1) == union_probs.sum(0).argmax(-1)).T.numpy()
+            agree_sum += next_tokens.agreement()
             steps_in_span += 1
             if step % span == 0:
                 view = SpanView(step // span, list(texts), active.copy(), entropy_sum / steps_in_span, agree_sum / steps_in_span)
@@ -132,8 +128,7 @@ class SpanWeightedDecoder(ABC, Generic[State]):
                 for i in np.flatnonzero(active):
                     span_weights[i].append(w[i])
                 entropy_sum[:], agree_sum[:], steps_in_span = 0.0, 0.0, 0
-            mixed = self.mix(union_probs, w)
-            tokens = (mixed.argmax(1) if greedy else torch.multinomial(mixed, 1, generator=generator)[:, 0]).tolist()
+            tokens = next_tokens.pick(w, greedy, generator)
             feed: list[int | None] = [None] * batch
             for i in np.flatnonzero(active):
                 if tokens[i] == 0:  # the EOS
@@ -192,7 +187,7 @@ class TokenEnsemble(SpanWeightedDecoder[list[ModelState]]):
             return ModelState(out.past_key_values, mask, logprobs, lengths, [[] for _ in rows])
         fed = torch.tensor([len(row) > 0 for row in rows])
         return ModelState(
-            out.past_key_values, mask, torch.where(fed[:, None], logprobs, state.next_logprobs), lengths,
+            out.past_key_values, mask, logprobs if fed.all() else torch.where(fed[:, None], logprobs, state.next_logprobs), lengths,
             [before + row for before, row in zip(state.appended, rows)],
         )
 
@@ -216,13 +211,14 @@ class TokenEnsemble(SpanWeightedDecoder[list[ModelState]]):
     def advance(self, states: list[ModelState], union_tokens: list[int | None]) -> list[ModelState]:
         return [self._feed(m, [self._own_tokens(m, u) if u is not None else [] for u in union_tokens], state) for m, state in enumerate(states)]
 
-    def distributions(self, states: list[ModelState]) -> torch.Tensor:
-        """Every model's next-token probabilities over the union [M, B, V_union]."""
-        return torch.stack([self.vocab.to_union(m, state.next_logprobs.exp()) for m, state in enumerate(states)])
+    def own_probs(self, states: list[ModelState]) -> list[torch.Tensor]:
+        """Every model's next-token probabilities over its own vocabulary [B, V_m]."""
+        return [state.next_logprobs.exp() for state in states]
 
-    def step(self, states: list[ModelState]) -> tuple[torch.Tensor, np.ndarray]:
-        entropy = torch.stack([-(s.next_logprobs.exp() * s.next_logprobs.nan_to_num(neginf=0.0)).sum(-1) for s in states], 1)
-        return self.distributions(states), entropy.numpy()
+    def step(self, states: list[ModelState]) -> tuple[NextTokens, np.ndarray]:
+        probs = self.own_probs(states)
+        entropy = torch.stack([-(p * s.next_logprobs.nan_to_num(neginf=0.0)).sum(-1) for p, s in zip(probs, states)], 1)
+        return UnionCandidates(self.vocab, probs), entropy.numpy()
 
     def piece(self, token: int) -> str:
         return self.vocab.pieces[token].decode()

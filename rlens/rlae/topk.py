@@ -23,6 +23,7 @@ import torch
 
 from rlens.backends.openai import OpenAIBackend
 from rlens.rlae.decode import SpanWeightedDecoder
+from rlens.rlae.merge import DenseNext, NextTokens
 
 EOS_TEXTS = frozenset({"", "<eos>", "</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>"})
 
@@ -53,7 +54,7 @@ class TopKEnsemble(SpanWeightedDecoder[ServerRows]):
     def start(self, prompts: list[str]) -> ServerRows:
         return ServerRows(list(prompts), np.zeros(len(prompts), dtype=bool))
 
-    def step(self, rows: ServerRows) -> tuple[torch.Tensor, np.ndarray]:
+    def step(self, rows: ServerRows) -> tuple[NextTokens, np.ndarray]:
         live = np.flatnonzero(~rows.done)
         asked = [rows.contexts[i] for i in live]
         tops = list(self.pool.map(lambda backend: backend.next_token_tops(asked, self.k), self.backends))
@@ -67,7 +68,7 @@ class TopKEnsemble(SpanWeightedDecoder[ServerRows]):
                     probs[m, row, self._id(text)] += float(np.exp(logprob))
         probs /= probs.sum(-1, keepdim=True)
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1).T.numpy()
-        return probs, entropy
+        return DenseNext(probs), entropy
 
     def piece(self, token: int) -> str:
         return self.pieces[token]

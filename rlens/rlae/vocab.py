@@ -9,7 +9,7 @@ Tokens with the same bytes in several models share one union entry. Special toke
 except each model's EOS, which maps to the union's own :data:`EOS` entry. Tokens that are not valid UTF-8 on their
 own (pieces of a multi-byte character) are left out too, so every union token is text that every model can read.
 A model's map into the union is a sparse one-hot matrix [V_model, V_union], stored as its column index per row
-(-1: no column): ``index_add`` applies it, batched over requests.
+(-1: no column), with its inverse (each entry's first token of that model) to read a distribution in union order.
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ class UnionVocab:
     pieces: list[bytes]  # union id -> bytes (EOS at index 0)
     index: list[torch.Tensor]  # per model: long [V_model], the union id of each token or -1
     single: list[dict[int, int]]  # per model: union id -> that model's token id standing for exactly those bytes (its first regular one)
+    inverse: list[torch.Tensor]  # per model: long [V_union], the model's first token of each union entry, or V_model (none)
+    duplicates: list[tuple[torch.Tensor, torch.Tensor]]  # per model: (its other tokens of an entry, that entry's first token)
+    unmapped: list[torch.Tensor]  # per model: its tokens with no union entry
 
     @classmethod
     def build(cls, tokenizers: list) -> "UnionVocab":
@@ -102,13 +105,30 @@ class UnionVocab:
                     own[union_id] = token_id  # the model reads its regular token for these bytes, not a byte-fallback one
             index.append(column)
             single.append(own)
-        return cls(pieces, index, single)
+        inverse, duplicates, unmapped = [], [], []
+        for column in index:
+            tokens = torch.arange(len(column))
+            mapped = column >= 0
+            first = torch.full((len(pieces),), len(column), dtype=torch.long).scatter_reduce_(0, column[mapped], tokens[mapped], reduce="amin")
+            others = mapped & (first[column.clamp_min(0)] != tokens)
+            inverse.append(first)
+            duplicates.append((tokens[others], first[column[others]]))
+            unmapped.append(tokens[~mapped])
+        return cls(pieces, index, single, inverse, duplicates, unmapped)
 
     def __len__(self) -> int:
         return len(self.pieces)
 
+    def merged(self, model: int, probs: torch.Tensor) -> torch.Tensor:
+        """Model ``model``'s next-token probabilities [B, V_model] with each union entry's mass on the model's first
+        token of it, [B, V_model + 1]: its other tokens of the entry and its tokens with no entry hold 0, and so does
+        the last column, which stands for the entries the model has no token for."""
+        out = torch.cat([probs, probs.new_zeros(len(probs), 1)], 1)
+        others, firsts = self.duplicates[model]
+        if len(others):
+            out.index_add_(1, firsts, probs[:, others])
+        return out.index_fill_(1, torch.cat([others, self.unmapped[model]]), 0.0)
+
     def to_union(self, model: int, probs: torch.Tensor) -> torch.Tensor:
         """Model ``model``'s next-token probabilities [B, V_model] as probabilities over the union [B, V_union]."""
-        mapped = self.index[model] >= 0
-        out = torch.zeros(probs.shape[0], len(self), dtype=probs.dtype)
-        return out.index_add_(1, self.index[model][mapped], probs[:, mapped])
+        return self.merged(model, probs).index_select(1, self.inverse[model])
