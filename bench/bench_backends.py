@@ -54,7 +54,10 @@ def main() -> None:
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     data = settings().demo_data
-    queries = [ChoiceQuery(id=str(i), prompt=q.prompt, choices=q.choices) for i, q in enumerate(read_questions(data / QUESTIONS_FILE)[: args.questions])]
+    queries = [
+        ChoiceQuery(id=str(i), prompt=q.prompt, choices=q.choices)
+        for i, q in enumerate(read_questions(data / QUESTIONS_FILE)[: args.questions])
+    ]
 
     local = TransformersBackend.load(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
     results = {"questions": len(queries), "torch_threads": torch.get_num_threads()}
@@ -69,9 +72,11 @@ def main() -> None:
         server.kill()
     results["http_overhead_ratio"] = results["in_process_qps"] / results["http_qps"]
     print(f"SmolLM2 choice scoring, {len(queries)} questions x 4 choices:")
-    print(f"  in-process {results['in_process_qps']:.1f} q/s; HTTP {results['http_qps']:.1f} q/s "
-          f"({args.concurrency} in flight: {results[f'http_qps_concurrency_{args.concurrency}']:.1f} q/s); "
-          f"in-process / HTTP = {results['http_overhead_ratio']:.2f}")
+    print(
+        f"  in-process {results['in_process_qps']:.1f} q/s; HTTP {results['http_qps']:.1f} q/s "
+        f"({args.concurrency} in flight: {results[f'http_qps_concurrency_{args.concurrency}']:.1f} q/s); "
+        f"in-process / HTTP = {results['http_overhead_ratio']:.2f}"
+    )
 
     dataset = load_dataset(data)
     for protocol in (Protocol.paper, Protocol.stream):
@@ -79,8 +84,10 @@ def main() -> None:
         methods = run.results.methods
         calls = {name: methods[name].mean_models_called for name in ("rl_focal", "rl_focal_all_models")}
         results[f"calls_{protocol.value}"] = {**calls, "accuracy": {name: methods[name].accuracy for name in calls}}
-        print(f"  {protocol.value}: calls per query {calls['rl_focal']:.2f} with the Decider vs {calls['rl_focal_all_models']:.2f} without "
-              f"(accuracy {100 * methods['rl_focal'].accuracy:.1f} vs {100 * methods['rl_focal_all_models'].accuracy:.1f} %)")
+        print(
+            f"  {protocol.value}: calls per query {calls['rl_focal']:.2f} with the Decider vs {calls['rl_focal_all_models']:.2f} without "
+            f"(accuracy {100 * methods['rl_focal'].accuracy:.1f} vs {100 * methods['rl_focal_all_models'].accuracy:.1f} %)"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 

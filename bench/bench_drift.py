@@ -38,11 +38,20 @@ from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import run_online
 from rlens.settings import settings
 
+
 def judge(correct: np.ndarray, detections: list[int], label_free: list[int], task: np.ndarray) -> dict:
     figures, early = drift_figures(correct, detections, task), drift_figures(correct, label_free, task)
-    return {"accuracy": float(correct.mean()), "detections": len(detections), "delays": figures.delays, "missed_switches": figures.missed_switches,
-            "false_alarms_per_1000": figures.false_alarms_per_1000, "recovery": figures.recovery,
-            "label_free_delays": early.delays, "label_free_missed": early.missed_switches, "label_free_false_alarms_per_1000": early.false_alarms_per_1000}
+    return {
+        "accuracy": float(correct.mean()),
+        "detections": len(detections),
+        "delays": figures.delays,
+        "missed_switches": figures.missed_switches,
+        "false_alarms_per_1000": figures.false_alarms_per_1000,
+        "recovery": figures.recovery,
+        "label_free_delays": early.delays,
+        "label_free_missed": early.missed_switches,
+        "label_free_false_alarms_per_1000": early.false_alarms_per_1000,
+    }
 
 
 def main() -> None:
@@ -52,15 +61,27 @@ def main() -> None:
     parser.add_argument("--reactions", nargs="+", default=["none", "trim", "reset"])
     parser.add_argument("--delta", type=float, default=0.002, help="ADWIN's delta")
     parser.add_argument("--min-gap", type=int, default=50)
-    parser.add_argument("--signals", choices=["outcome", "all"], default="all", help="which detections count as a detection (the reaction follows all)")
+    parser.add_argument(
+        "--signals",
+        choices=["outcome", "all"],
+        default="all",
+        help="which detections count as a detection (the reaction follows all)",
+    )
     parser.add_argument("--datasets", nargs="+", default=["zoo_mc", "bbh_dev"])
     parser.add_argument("--out", type=Path, default=Path("bench/out/drift.json"))
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     datasets = {"zoo_mc (validation)": settings().demo_data, "bbh_dev (held out)": settings().shared_data / "bbh_dev"}
     datasets = {name: path for name, path in datasets.items() if name.split()[0] in args.datasets}
-    result: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "seeds": args.seeds, "keep": args.keep, "delta": args.delta,
-                    "min_gap": args.min_gap, "signals": args.signals, "runs": {}}
+    result: dict = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "seeds": args.seeds,
+        "keep": args.keep,
+        "delta": args.delta,
+        "min_gap": args.min_gap,
+        "signals": args.signals,
+        "runs": {},
+    }
     for name, path in datasets.items():
         data = load_dataset(path)
         spans = task_blocks(data.task)
@@ -72,18 +93,30 @@ def main() -> None:
                 monitor = DriftMonitor(DriftConfig(delta=args.delta, min_gap=args.min_gap))
                 trace = run_online(engine, data, stream="one", drift=monitor, reaction=reaction, keep=args.keep)
                 detections = [i for i, signals in trace.detections if args.signals == "all" or "outcome" in signals]
-                runs.append({"seed": seed, **judge(trace.correct, detections, trace.label_free, data.task), "seconds": round(time.perf_counter() - started, 1)})
+                runs.append(
+                    {
+                        "seed": seed,
+                        **judge(trace.correct, detections, trace.label_free, data.task),
+                        "seconds": round(time.perf_counter() - started, 1),
+                    }
+                )
             recoveries = [r for run in runs for r in run["recovery"]]
             delays = [d for run in runs for d in run["delays"]]
             summary = {
                 "accuracy_mean": round(statistics.mean(r["accuracy"] for r in runs), 4),
-                "recovery_median": statistics.median(recoveries), "recovery_mean": round(statistics.mean(recoveries), 1),
+                "recovery_median": statistics.median(recoveries),
+                "recovery_mean": round(statistics.mean(recoveries), 1),
                 "delay_median": statistics.median(delays) if delays else None,
-                "missed_switches": sum(r["missed_switches"] for r in runs), "switches": len(runs) * (len(spans) - 1),
+                "missed_switches": sum(r["missed_switches"] for r in runs),
+                "switches": len(runs) * (len(spans) - 1),
                 "false_alarms_per_1000": round(statistics.mean(r["false_alarms_per_1000"] for r in runs), 2),
-                "label_free_delay_median": statistics.median(d) if (d := [x for r in runs for x in r["label_free_delays"]]) else None,
+                "label_free_delay_median": statistics.median(d)
+                if (d := [x for r in runs for x in r["label_free_delays"]])
+                else None,
                 "label_free_missed": sum(r["label_free_missed"] for r in runs),
-                "label_free_false_alarms_per_1000": round(statistics.mean(r["label_free_false_alarms_per_1000"] for r in runs), 2),
+                "label_free_false_alarms_per_1000": round(
+                    statistics.mean(r["label_free_false_alarms_per_1000"] for r in runs), 2
+                ),
             }
             result["runs"][f"{name} / {reaction}"] = {"summary": summary, "per_seed": runs}
             print(f"{name:22s} {reaction:6s} {summary}", flush=True)

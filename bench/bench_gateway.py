@@ -49,7 +49,9 @@ class Client:
         self.base_url, self.headers = base_url, headers
 
     async def __aenter__(self) -> "Client":
-        self.session = aiohttp.ClientSession(headers=self.headers, connector=aiohttp.TCPConnector(limit=256), timeout=aiohttp.ClientTimeout(total=60))
+        self.session = aiohttp.ClientSession(
+            headers=self.headers, connector=aiohttp.TCPConnector(limit=256), timeout=aiohttp.ClientTimeout(total=60)
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -61,14 +63,21 @@ class Client:
 
 
 def request_body(query: Query) -> dict:
-    return {"model": "rlens-focal", "messages": [{"role": "user", "content": query.prompt}],
-            "rlens": {"choices": query.choices, "reference_id": query.reference_id}, "metadata": {"stream": query.stream}}
+    return {
+        "model": "rlens-focal",
+        "messages": [{"role": "user", "content": query.prompt}],
+        "rlens": {"choices": query.choices, "reference_id": query.reference_id},
+        "metadata": {"stream": query.stream},
+    }
 
 
 def percentiles(latencies_ms: list[float]) -> dict:
     if not latencies_ms:
         return {"p50_ms": None, "p99_ms": None}
-    return {"p50_ms": round(float(np.percentile(latencies_ms, 50)), 2), "p99_ms": round(float(np.percentile(latencies_ms, 99)), 2)}
+    return {
+        "p50_ms": round(float(np.percentile(latencies_ms, 50)), 2),
+        "p99_ms": round(float(np.percentile(latencies_ms, 99)), 2),
+    }
 
 
 async def open_loop(client: Client, queries: list[Query], rate: float) -> list[float]:
@@ -107,7 +116,12 @@ async def closed_loop(client: Client, queries: list[Query], concurrency: int, se
     started = time.monotonic()
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
     elapsed = time.monotonic() - started
-    return {"concurrency": concurrency, "requests_per_s": round(len(latencies) / elapsed, 1), **percentiles(latencies), "codes": dict(codes)}
+    return {
+        "concurrency": concurrency,
+        "requests_per_s": round(len(latencies) / elapsed, 1),
+        **percentiles(latencies),
+        "codes": dict(codes),
+    }
 
 
 async def with_retries(send, attempts: int = 10) -> tuple[tuple[int, dict] | None, int]:
@@ -126,7 +140,9 @@ async def with_retries(send, attempts: int = 10) -> tuple[tuple[int, dict] | Non
     return response, attempts
 
 
-async def failure_run(client: Client, stack: LocalStack, traffic: list[tuple[Query, int]], rate: float, duration: float) -> dict:
+async def failure_run(
+    client: Client, stack: LocalStack, traffic: list[tuple[Query, int]], rate: float, duration: float
+) -> dict:
     n = int(rate * duration)
     outcome: dict[int, dict] = {}
     killed_at: list[float] = []
@@ -146,7 +162,12 @@ async def failure_run(client: Client, stack: LocalStack, traffic: list[tuple[Que
             return status, body
 
         response, attempts = await with_retries(send)
-        outcome[i] = {"code": response[0] if response is not None else None, "ids": ids, "attempts": attempts, "label": label}
+        outcome[i] = {
+            "code": response[0] if response is not None else None,
+            "ids": ids,
+            "attempts": attempts,
+            "label": label,
+        }
 
     async def kill_halfway() -> None:
         await asyncio.sleep(duration / 2)
@@ -165,23 +186,43 @@ async def failure_run(client: Client, stack: LocalStack, traffic: list[tuple[Que
 
     await asyncio.gather(*(give(o) for o in answered.values() if len(o["ids"]) == 1))
     return {
-        "requests": n, "answered": len(answered), "lost": n - len(answered), "codes": dict(Counter(o["code"] for o in outcome.values())),
-        "retried_requests": sum(o["attempts"] > 1 for o in outcome.values()), "max_attempts": max(o["attempts"] for o in outcome.values()),
-        "two_ids_for_one_request": sum(len(o["ids"]) > 1 for o in outcome.values()), "one_id_for_two_requests": len(all_ids) - len(set(all_ids)),
-        "worker_killed_at_s": round(killed_at[0], 1), "feedback": dict(feedback), "elapsed_s": round(time.monotonic() - start, 1),
+        "requests": n,
+        "answered": len(answered),
+        "lost": n - len(answered),
+        "codes": dict(Counter(o["code"] for o in outcome.values())),
+        "retried_requests": sum(o["attempts"] > 1 for o in outcome.values()),
+        "max_attempts": max(o["attempts"] for o in outcome.values()),
+        "two_ids_for_one_request": sum(len(o["ids"]) > 1 for o in outcome.values()),
+        "one_id_for_two_requests": len(all_ids) - len(set(all_ids)),
+        "worker_killed_at_s": round(killed_at[0], 1),
+        "feedback": dict(feedback),
+        "elapsed_s": round(time.monotonic() - start, 1),
     }
 
 
 def learner_joined(url: str, prefix: str) -> int:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f'rlens_learner_joined_total{{stream="{prefix}')))
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(f'rlens_learner_joined_total{{stream="{prefix}')
+        )
+    )
 
 
 def gateway_counters(url: str) -> dict[str, float]:
     """The gateway's counters (replies by outcome, timeouts, idempotent replays, requests by status)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    wanted = ("rlens_gateway_replies_total", "rlens_gateway_timeouts_total", "rlens_gateway_idempotent_replays_total", "rlens_gateway_requests_total")
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(wanted)}
+    wanted = (
+        "rlens_gateway_replies_total",
+        "rlens_gateway_timeouts_total",
+        "rlens_gateway_idempotent_replays_total",
+        "rlens_gateway_requests_total",
+    )
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(wanted)
+    }
 
 
 def main() -> None:
@@ -189,7 +230,12 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=50.0, help="requests/s of the overhead and failure runs")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of the failure run")
     parser.add_argument("--overhead-n", type=int, default=1000)
-    parser.add_argument("--timeout", type=float, default=5.0, help="RLENS_GATEWAY_TIMEOUT_S: shorter than the group's rebalance after the kill, so requests time out and are retried")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        help="RLENS_GATEWAY_TIMEOUT_S: shorter than the group's rebalance after the kill, so requests time out and are retried",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/gateway.json"))
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
@@ -197,10 +243,22 @@ def main() -> None:
     workdir = args.out.parent / "gateway-stack"
     shutil.rmtree(workdir, ignore_errors=True)
     pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
-    config = settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 6000, "kafka_heartbeat_ms": 1000, "gateway_port": 0,
-                                           "gateway_id": "bench", "gateway_timeout_s": args.timeout})
+    config = settings().model_copy(
+        update={
+            "pool_file": pool,
+            "kafka_session_timeout_ms": 6000,
+            "kafka_heartbeat_ms": 1000,
+            "gateway_port": 0,
+            "gateway_id": "bench",
+            "gateway_timeout_s": args.timeout,
+        }
+    )
     stack = LocalStack(config, workdir)
-    result: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "rate": args.rate, "duration_s": args.duration}
+    result: dict = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "rate": args.rate,
+        "duration_s": args.duration,
+    }
     try:
         stack.start_learner()
         for _ in range(2):
@@ -216,11 +274,29 @@ def main() -> None:
             async with Client(gateway, headers) as client:
                 traffic = queries_of(zoo, None, "warm")
                 await open_loop(client, [q for q, _ in traffic[:100]], args.rate)  # warm both paths
-                direct = await play(stack.settings, [(q.model_copy(update={"query_id": f"direct-{q.query_id}"}), y) for q, y in traffic[: args.overhead_n]], args.rate)
-                through = await open_loop(client, [q.model_copy(update={"query_id": f"gw-{q.query_id}"}) for q, _ in traffic[: args.overhead_n]], args.rate)
+                direct = await play(
+                    stack.settings,
+                    [
+                        (q.model_copy(update={"query_id": f"direct-{q.query_id}"}), y)
+                        for q, y in traffic[: args.overhead_n]
+                    ],
+                    args.rate,
+                )
+                through = await open_loop(
+                    client,
+                    [q.model_copy(update={"query_id": f"gw-{q.query_id}"}) for q, _ in traffic[: args.overhead_n]],
+                    args.rate,
+                )
                 d, g = percentiles(direct.latencies_ms), percentiles(through)
-                result["overhead"] = {"n": args.overhead_n, "direct_kafka": d, "gateway": g, "answered_direct": direct.answered, "answered_gateway": len(through),
-                                      "added_p50_ms": round(g["p50_ms"] - d["p50_ms"], 2), "added_p99_ms": round(g["p99_ms"] - d["p99_ms"], 2)}
+                result["overhead"] = {
+                    "n": args.overhead_n,
+                    "direct_kafka": d,
+                    "gateway": g,
+                    "answered_direct": direct.answered,
+                    "answered_gateway": len(through),
+                    "added_p50_ms": round(g["p50_ms"] - d["p50_ms"], 2),
+                    "added_p99_ms": round(g["p99_ms"] - d["p99_ms"], 2),
+                }
                 print("overhead", result["overhead"], flush=True)
                 burst = queries_of(zoo, None, "burst")
                 flat_out = await play(stack.settings, burst, rate=100_000, idle_timeout_s=60)

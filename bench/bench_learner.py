@@ -33,17 +33,40 @@ from rlens.service.windows import RedisWindows
 
 class Record:
     def __init__(self, topic: str, offset: int, value: bytes):
-        self.topic, self.partition, self.offset, self.key, self.value, self.timestamp = topic, 0, offset, b"k", value, int(time.time() * 1000)
+        self.topic, self.partition, self.offset, self.key, self.value, self.timestamp = (
+            topic,
+            0,
+            offset,
+            b"k",
+            value,
+            int(time.time() * 1000),
+        )
 
 
 def pairs(n: int, tokens: FeedbackTokens) -> tuple[list[bytes], list[bytes]]:
     engine = FocalEngine(5, seed=0)
     decision = engine.decide("s", 4, greedy=False)[0]
     fused = engine.fuse(decision, np.full((5, 4), 0.25))
-    common = dict(policy_version=0, n_choices=4, decider_state=decision.state.tolist(), critic_state=fused.critic_state.tolist(), pool=decision.pool.tolist(),
-                  pool_logp=decision.pool_logp, predictions=[1] * 5, fusion_features=fused.features.tolist(), answer_index=1, answer_logp=fused.answer_logp, explored=True)
-    experience = [Experience(query_id=f"q{i}", stream=f"s{i % 1000}", **common).model_dump_json().encode() for i in range(n)]
-    feedback = [Feedback(query_id=f"q{i}", token=tokens.token(f"q{i}"), label=i % 4).model_dump_json().encode() for i in range(n)]
+    common = dict(
+        policy_version=0,
+        n_choices=4,
+        decider_state=decision.state.tolist(),
+        critic_state=fused.critic_state.tolist(),
+        pool=decision.pool.tolist(),
+        pool_logp=decision.pool_logp,
+        predictions=[1] * 5,
+        fusion_features=fused.features.tolist(),
+        answer_index=1,
+        answer_logp=fused.answer_logp,
+        explored=True,
+    )
+    experience = [
+        Experience(query_id=f"q{i}", stream=f"s{i % 1000}", **common).model_dump_json().encode() for i in range(n)
+    ]
+    feedback = [
+        Feedback(query_id=f"q{i}", token=tokens.token(f"q{i}"), label=i % 4).model_dump_json().encode()
+        for i in range(n)
+    ]
     return experience, feedback
 
 
@@ -51,13 +74,23 @@ async def joins_per_second(redis_url: str, n: int) -> float:
     secrets = generate_secrets()
     signer, tokens = PolicySigner(secrets["RLENS_POLICY_SIGNING_KEY"]), FeedbackTokens(secrets["RLENS_FEEDBACK_SECRET"])
     models = [f"m{i}" for i in range(5)]
-    core = LearnerCore(FocalOnlineTrainer(FocalEngine(5, seed=0), models), models, RedisWindows(Redis.from_url(redis_url), 5, 128),
-                       CheckpointStore(Path(tempfile.mkdtemp())), signer, tokens)
+    core = LearnerCore(
+        FocalOnlineTrainer(FocalEngine(5, seed=0), models),
+        models,
+        RedisWindows(Redis.from_url(redis_url), 5, 128),
+        CheckpointStore(Path(tempfile.mkdtemp())),
+        signer,
+        tokens,
+    )
     experience, feedback = pairs(n, tokens)
     start = time.perf_counter()
     for i in range(n):
-        await core.on_experience(Experience.model_validate_json(experience[i]), Record("rlens.experience", i, experience[i]))
-        policy, _ = await core.on_feedback(Feedback.model_validate_json(feedback[i]), Record("rlens.feedback", i, feedback[i]))
+        await core.on_experience(
+            Experience.model_validate_json(experience[i]), Record("rlens.experience", i, experience[i])
+        )
+        policy, _ = await core.on_feedback(
+            Feedback.model_validate_json(feedback[i]), Record("rlens.feedback", i, feedback[i])
+        )
         if policy is not None:
             policy.model_dump_json()
     await core.apply_windows()  # what the app does after each batch of records (the core applies every 256 on its own)
@@ -71,8 +104,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/out/learner.json"))
     args = parser.parse_args()
     server = LocalRedis()
-    results = {"cpu": cpu_name(),
-               "cores": os.cpu_count(), "load_1min": os.getloadavg()[0], "pairs": args.pairs, "joins_per_s": {}}
+    results = {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "load_1min": os.getloadavg()[0],
+        "pairs": args.pairs,
+        "joins_per_s": {},
+    }
     try:
         for threads in args.threads:
             torch.set_num_threads(threads)

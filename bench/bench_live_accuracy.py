@@ -27,20 +27,28 @@ from rlens.settings import settings
 
 def live_run(data: Path, seed: int, workers: int, rate: float, workdir: Path) -> dict:
     pool = write_replay_pool(data, workdir / "pool.json")
-    config = settings().model_copy(update={"pool_file": pool.resolve(), "seed": seed, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500})
+    config = settings().model_copy(
+        update={"pool_file": pool.resolve(), "seed": seed, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
+    )
     stack = LocalStack(config, workdir)
     try:
         stack.start_learner()
         for _ in range(workers):
             stack.start_worker()
         stack.wait_ready(120)
-        report = asyncio.run(play(stack.settings, queries_of(load_dataset(data), None, f"live-{seed}"), rate=rate, idle_timeout_s=60))
+        report = asyncio.run(
+            play(stack.settings, queries_of(load_dataset(data), None, f"live-{seed}"), rate=rate, idle_timeout_s=60)
+        )
         time.sleep(2.0)
     finally:
         stack.stop()
     return {
-        "accuracy": report.accuracy, "answered": report.answered, "duplicates": report.duplicates,
-        "p50_ms": report.latency_percentile(50), "p99_ms": report.latency_percentile(99), "policy_version": max(report.policy_versions),
+        "accuracy": report.accuracy,
+        "answered": report.answered,
+        "duplicates": report.duplicates,
+        "p50_ms": report.latency_percentile(50),
+        "p99_ms": report.latency_percentile(99),
+        "policy_version": max(report.policy_versions),
     }
 
 
@@ -56,11 +64,18 @@ def main() -> None:
     dataset = load_dataset(args.data)
     rows = []
     for seed in args.seeds:
-        offline = replay(dataset, Protocol.stream, seed, FocalConfig(), ["rl_focal"], workers=1).results.methods["rl_focal"].accuracy
+        offline = (
+            replay(dataset, Protocol.stream, seed, FocalConfig(), ["rl_focal"], workers=1)
+            .results.methods["rl_focal"]
+            .accuracy
+        )
         live = live_run(args.data, seed, args.workers, args.rate, Path(f"bench/out/live-stack-{seed}"))
         rows.append({"seed": seed, "workers": args.workers, "offline": offline, **live})
-        print(f"seed {seed}: live {100 * live['accuracy']:.1f} % vs offline {100 * offline:.1f} % ({100 * (live['accuracy'] - offline):+.1f}); "
-              f"{live['answered']} answered, {live['duplicates']} duplicates, p50 {live['p50_ms']:.0f} ms, p99 {live['p99_ms']:.0f} ms, policy v{live['policy_version']}", flush=True)
+        print(
+            f"seed {seed}: live {100 * live['accuracy']:.1f} % vs offline {100 * offline:.1f} % ({100 * (live['accuracy'] - offline):+.1f}); "
+            f"{live['answered']} answered, {live['duplicates']} duplicates, p50 {live['p50_ms']:.0f} ms, p99 {live['p99_ms']:.0f} ms, policy v{live['policy_version']}",
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1))
 

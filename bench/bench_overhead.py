@@ -43,7 +43,13 @@ def main() -> None:
             engine.fuse(decision, q.probs)
             timings.append(time.perf_counter() - start)
     ms = 1000 * np.array(timings)
-    result = {"queries": len(ms), "median_ms": round(float(np.median(ms)), 4), "p90_ms": round(float(np.percentile(ms, 90)), 4), "p99_ms": round(float(np.percentile(ms, 99)), 4), "torch_threads": torch.get_num_threads()}
+    result = {
+        "queries": len(ms),
+        "median_ms": round(float(np.median(ms)), 4),
+        "p90_ms": round(float(np.percentile(ms, 90)), 4),
+        "p99_ms": round(float(np.percentile(ms, 99)), 4),
+        "torch_threads": torch.get_num_threads(),
+    }
     print(json.dumps(result))
 
 

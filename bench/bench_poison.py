@@ -39,7 +39,23 @@ from rlens.service.security import PolicySigner, generate_secrets
 from rlens.service.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
-EXTREMES = [float("nan"), float("inf"), float("-inf"), 1e300, -1e300, 50_000, -1, 2**63, "", "x" * 100_001, None, [], [1] * 70, {"a": 1}, True]
+EXTREMES = [
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    1e300,
+    -1e300,
+    50_000,
+    -1,
+    2**63,
+    "",
+    "x" * 100_001,
+    None,
+    [],
+    [1] * 70,
+    {"a": 1},
+    True,
+]
 
 
 def mutate(rng: np.random.Generator, good: dict) -> bytes:
@@ -60,20 +76,44 @@ def payloads(n: int, seed: int, zoo) -> dict[str, list[bytes]]:
     decision = engine.decide("s", 4, greedy=True)[0]
     fused = engine.fuse(decision, np.full((5, 4), 0.25))
     experience = Experience(
-        query_id="q", stream="s", policy_version=0, n_choices=4, decider_state=decision.state.tolist(), critic_state=fused.critic_state.tolist(),
-        pool=decision.pool.tolist(), pool_logp=decision.pool_logp, predictions=[1] * 5, fusion_features=fused.features.tolist(), answer_index=1, answer_logp=fused.answer_logp,
+        query_id="q",
+        stream="s",
+        policy_version=0,
+        n_choices=4,
+        decider_state=decision.state.tolist(),
+        critic_state=fused.critic_state.tolist(),
+        pool=decision.pool.tolist(),
+        pool_logp=decision.pool_logp,
+        predictions=[1] * 5,
+        fusion_features=fused.features.tolist(),
+        answer_index=1,
+        answer_logp=fused.answer_logp,
     ).model_dump(mode="json")
-    query = Query(query_id="q", stream="s", prompt="p", choices=["a", "b", "c", "d"], reference_id="0").model_dump(mode="json")
+    query = Query(query_id="q", stream="s", prompt="p", choices=["a", "b", "c", "d"], reference_id="0").model_dump(
+        mode="json"
+    )
     feedback = Feedback(query_id="q", token="0" * 32, label=1).model_dump(mode="json")
     attacker = PolicySigner(generate_secrets()["RLENS_POLICY_SIGNING_KEY"])
     state = engine.policy_state()
     policies = [
         encode_policy(state, 2**62, 2**40, zoo.model_names, "rl_focal", attacker),
-        encode_policy({k: v.fill_(math.nan) for k, v in engine.policy_state().items()}, 3, 2**40, zoo.model_names, "rl_focal", attacker),
+        encode_policy(
+            {k: v.fill_(math.nan) for k, v in engine.policy_state().items()},
+            3,
+            2**40,
+            zoo.model_names,
+            "rl_focal",
+            attacker,
+        ),
     ]
     small_policy = {**policies[0].model_dump(mode="json"), "weights_b64": "AAAA"}  # mutated ones stay small on the wire
     out: dict[str, list[bytes]] = {}
-    for topic, good in (("queries", query), ("feedback", feedback), ("experience", experience), ("policy", small_policy)):
+    for topic, good in (
+        ("queries", query),
+        ("feedback", feedback),
+        ("experience", experience),
+        ("policy", small_policy),
+    ):
         messages = []
         for i in range(n):
             if i % 2:
@@ -84,8 +124,9 @@ def payloads(n: int, seed: int, zoo) -> dict[str, list[bytes]]:
                     message["query_id"] = f"fuzz-{topic}-{i}"  # distinct ids: each valid query is answered once
                 messages.append(json.dumps(message).encode())
         out[topic] = messages
-    out["policy"][:len(policies)] = [p.model_dump_json().encode() for p in policies]
-    out["feedback"][0] = Feedback(query_id="fuzz-0", token="f" * 32, reward=-1).model_dump_json().encode()  # schema-valid, forged
+    out["policy"][: len(policies)] = [p.model_dump_json().encode() for p in policies]
+    # schema-valid, forged
+    out["feedback"][0] = Feedback(query_id="fuzz-0", token="f" * 32, reward=-1).model_dump_json().encode()
     return out
 
 
@@ -106,10 +147,24 @@ def valid_query(payload: bytes) -> str | None:
 
 async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str], held: int, timeout_s: float) -> dict:
     topics = Topics.from_settings(stack.settings)
-    names = {"queries": topics.queries, "feedback": topics.feedback, "experience": topics.experience, "policy": topics.policy}
-    producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap, linger_ms=20, max_request_size=16 * 2**20)
-    consumer = AIOKafkaConsumer(topics.dead_letter, topics.answers, bootstrap_servers=stack.settings.kafka_bootstrap, group_id=None,
-                                auto_offset_reset="earliest", fetch_max_wait_ms=50, max_partition_fetch_bytes=16 * 2**20)
+    names = {
+        "queries": topics.queries,
+        "feedback": topics.feedback,
+        "experience": topics.experience,
+        "policy": topics.policy,
+    }
+    producer = AIOKafkaProducer(
+        bootstrap_servers=stack.settings.kafka_bootstrap, linger_ms=20, max_request_size=16 * 2**20
+    )
+    consumer = AIOKafkaConsumer(
+        topics.dead_letter,
+        topics.answers,
+        bootstrap_servers=stack.settings.kafka_bootstrap,
+        group_id=None,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=50,
+        max_partition_fetch_bytes=16 * 2**20,
+    )
     await producer.start()
     await consumer.start()
     started = time.perf_counter()
@@ -118,12 +173,17 @@ async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str]
         deliveries = [await producer.send(names[topic], payload) for payload in messages]
         results = await asyncio.gather(*deliveries, return_exceptions=True)
         refused[names[topic]] = sum(isinstance(r, BaseException) for r in results)
-    expected = {names[t]: len(m) - {"queries": len(valid), "experience": held}.get(t, 0) - refused[names[t]] for t, m in sent.items()}
+    expected = {
+        names[t]: len(m) - {"queries": len(valid), "experience": held}.get(t, 0) - refused[names[t]]
+        for t, m in sent.items()
+    }
     dead: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
     answers: Counter[str] = Counter()
     last = time.perf_counter()
-    while time.perf_counter() - last < timeout_s and (any(dead[t] < n for t, n in expected.items()) or len(answers) < len(valid)):
+    while time.perf_counter() - last < timeout_s and (
+        any(dead[t] < n for t, n in expected.items()) or len(answers) < len(valid)
+    ):
         for tp, records in (await consumer.getmany(timeout_ms=500)).items():
             last = time.perf_counter()
             for record in records:
@@ -142,11 +202,16 @@ async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str]
     await consumer.stop()
     await producer.stop()
     return {
-        "sent": {t: len(m) for t, m in sent.items()}, "valid_queries": len(valid), "well_formed_experience_held": held,
-        "valid_answered_once": sum(answers[q] == 1 for q in valid), "valid_answered_twice_or_more": sum(answers[q] > 1 for q in valid),
-        "dead_lettered": {t.removeprefix("rlens."): dead[t] for t in expected}, "expected_dead_letters": {t.removeprefix("rlens."): n for t, n in expected.items()},
+        "sent": {t: len(m) for t, m in sent.items()},
+        "valid_queries": len(valid),
+        "well_formed_experience_held": held,
+        "valid_answered_once": sum(answers[q] == 1 for q in valid),
+        "valid_answered_twice_or_more": sum(answers[q] > 1 for q in valid),
+        "dead_lettered": {t.removeprefix("rlens."): dead[t] for t in expected},
+        "expected_dead_letters": {t.removeprefix("rlens."): n for t, n in expected.items()},
         "refused_by_the_broker": {t.removeprefix("rlens."): n for t, n in refused.items()},
-        "seconds": round(elapsed, 1), "reasons": dict(reasons.most_common(25)),
+        "seconds": round(elapsed, 1),
+        "reasons": dict(reasons.most_common(25)),
     }
 
 
@@ -165,21 +230,38 @@ def main() -> None:
     workdir = args.out.parent / "poison-stack"
     shutil.rmtree(workdir, ignore_errors=True)  # a cold start: no checkpoint of an earlier run
     pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
-    config = settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500})
+    config = settings().model_copy(
+        update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
+    )
     stack = LocalStack(config, workdir)
     try:
         stack.start_learner()
         stack.start_worker()
         stack.wait_ready(120)
         result = asyncio.run(flood(stack, sent, valid, held, timeout_s=120))
-        after = asyncio.run(play(stack.settings, queries_of(zoo.subset(list(range(200))), None, "after"), rate=50, idle_timeout_s=60))
+        after = asyncio.run(
+            play(stack.settings, queries_of(zoo.subset(list(range(200))), None, "after"), rate=50, idle_timeout_s=60)
+        )
         time.sleep(3.0)
         result["alive"] = all(p.poll() is None for p in stack.processes())
-        result["after"] = {"answered": after.answered, "of": 200, "duplicates": after.duplicates, "accuracy": round(after.accuracy, 3), "policy_versions": sorted(after.policy_versions)}
+        result["after"] = {
+            "answered": after.answered,
+            "of": 200,
+            "duplicates": after.duplicates,
+            "accuracy": round(after.accuracy, 3),
+            "policy_versions": sorted(after.policy_versions),
+        }
     finally:
         stack.stop()
-    state = json.loads((stack.settings.checkpoint_dir / (stack.settings.checkpoint_dir / "LATEST").read_text() / "state.json").read_text())
-    result["learner"] = {k: state["stats"][k] for k in ("joined", "updates", "forged_feedback", "invalid_experience", "failed_records", "rejected_updates")}
+    state = json.loads(
+        (
+            stack.settings.checkpoint_dir / (stack.settings.checkpoint_dir / "LATEST").read_text() / "state.json"
+        ).read_text()
+    )
+    result["learner"] = {
+        k: state["stats"][k]
+        for k in ("joined", "updates", "forged_feedback", "invalid_experience", "failed_records", "rejected_updates")
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

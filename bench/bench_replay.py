@@ -26,7 +26,21 @@ from rlens.evaluation.protocols import Protocol, task_half
 from rlens.evaluation.replay import DEFAULT_VARIANTS, RL_VARIANTS, replay
 from rlens.evaluation.report import write_outputs
 
-SHOWN = ("rl_focal", "rl_focal_all_models", "rl_focal_no_diversity", "rl_focal_kappa", "rl_focal_paper_decider", "rl_focal_marginal", "best_single", "best_single_per_task", "plurality", "soft_vote", "hedge", "stacking", "oracle")
+SHOWN = (
+    "rl_focal",
+    "rl_focal_all_models",
+    "rl_focal_no_diversity",
+    "rl_focal_kappa",
+    "rl_focal_paper_decider",
+    "rl_focal_marginal",
+    "best_single",
+    "best_single_per_task",
+    "plurality",
+    "soft_vote",
+    "hedge",
+    "stacking",
+    "oracle",
+)
 
 
 def main() -> None:
@@ -46,7 +60,9 @@ def main() -> None:
         name, _, value = item.partition("=")
         if name not in types:
             parser.error(f"--set {item}: FocalConfig has no field {name!r}")
-        config = replace(config, **{name: value.lower() in ("1", "true", "yes") if types[name] is bool else types[name](value)})
+        config = replace(
+            config, **{name: value.lower() in ("1", "true", "yes") if types[name] is bool else types[name](value)}
+        )
     data = load_dataset(args.data)
     if args.tasks != "all":
         data = task_half(data, args.tasks)
@@ -62,23 +78,53 @@ def main() -> None:
             write_outputs(run, args.out / protocol.value / f"seed{seed}")
             runs.append(run.results)
             focal = run.results.methods[args.variants[0]]
-            print(f"{protocol.value} seed {seed}: {args.variants[0]} {100 * focal.accuracy:.1f}% calls {focal.mean_models_called:.2f} ({seconds[-1]:.0f} s)", flush=True)
+            print(
+                f"{protocol.value} seed {seed}: {args.variants[0]} {100 * focal.accuracy:.1f}% calls {focal.mean_models_called:.2f} ({seconds[-1]:.0f} s)",
+                flush=True,
+            )
         methods = {}
         for name in SHOWN:
             if name in runs[0].methods:
                 acc = np.array([100 * r.methods[name].accuracy for r in runs])
                 calls = np.array([r.methods[name].mean_models_called for r in runs])
-                extra = {"greedy_accuracy_mean": round(100 * float(np.mean([r.methods[name].greedy_accuracy for r in runs])), 2)} if name in args.variants else {}
-                methods[name] = {**extra, "accuracy_mean": round(float(acc.mean()), 2), "accuracy_std": round(float(acc.std(ddof=1)) if len(acc) > 1 else 0.0, 2), "accuracy_per_seed": acc.round(2).tolist(), "calls_mean": round(float(calls.mean()), 2)}
-        summary[protocol.value] = {"seeds": args.seeds, "n_test": runs[0].n_test, "seconds_per_replay": round(float(np.mean(seconds)), 1), "methods": methods}
+                extra = (
+                    {
+                        "greedy_accuracy_mean": round(
+                            100 * float(np.mean([r.methods[name].greedy_accuracy for r in runs])), 2
+                        )
+                    }
+                    if name in args.variants
+                    else {}
+                )
+                methods[name] = {
+                    **extra,
+                    "accuracy_mean": round(float(acc.mean()), 2),
+                    "accuracy_std": round(float(acc.std(ddof=1)) if len(acc) > 1 else 0.0, 2),
+                    "accuracy_per_seed": acc.round(2).tolist(),
+                    "calls_mean": round(float(calls.mean()), 2),
+                }
+        summary[protocol.value] = {
+            "seeds": args.seeds,
+            "n_test": runs[0].n_test,
+            "seconds_per_replay": round(float(np.mean(seconds)), 1),
+            "methods": methods,
+        }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     lines = []
     for protocol, block in summary.items():
         if protocol not in ("paper", "stream"):
             continue
-        lines += [f"### {protocol} ({block['n_test']} test questions, seeds {block['seeds']}, {block['seconds_per_replay']} s per replay)", "", "| method | accuracy % mean ± std | per seed | models called |", "|---|---:|---|---:|"]
-        lines += [f"| {n} | {m['accuracy_mean']:.1f} ± {m['accuracy_std']:.1f} | {', '.join(f'{a:.1f}' for a in m['accuracy_per_seed'])} | {m['calls_mean']:.2f} |" for n, m in block["methods"].items()]
+        lines += [
+            f"### {protocol} ({block['n_test']} test questions, seeds {block['seeds']}, {block['seconds_per_replay']} s per replay)",
+            "",
+            "| method | accuracy % mean ± std | per seed | models called |",
+            "|---|---:|---|---:|",
+        ]
+        lines += [
+            f"| {n} | {m['accuracy_mean']:.1f} ± {m['accuracy_std']:.1f} | {', '.join(f'{a:.1f}' for a in m['accuracy_per_seed'])} | {m['calls_mean']:.2f} |"
+            for n, m in block["methods"].items()
+        ]
         lines.append("")
     (args.out / "summary.md").write_text("\n".join(lines))
     print("\n".join(lines))

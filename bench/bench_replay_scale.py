@@ -26,13 +26,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--questions", type=int, nargs="+", default=[1000, 3000, 10000])
     parser.add_argument("--models", type=int, nargs="+", default=[5, 11, 20])
-    parser.add_argument("--variants", default="all", help="all (the replay's default variants), or one RL-Focal variant")
+    parser.add_argument(
+        "--variants", default="all", help="all (the replay's default variants), or one RL-Focal variant"
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/out/replay_scale.json"))
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     variants = list(DEFAULT_VARIANTS) if args.variants == "all" else [args.variants]
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; variants {variants}", flush=True)
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; variants {variants}",
+        flush=True,
+    )
     rows = []
     for n in args.questions:
         for m in args.models:
@@ -40,10 +45,27 @@ def main() -> None:
             started = time.perf_counter()
             run = replay(data, Protocol.paper, seed=0, variants=variants, workers=args.workers)
             seconds = time.perf_counter() - started
-            rows.append({"questions": n, "models": m, "seconds": round(seconds, 1), "rl_focal_accuracy": round(run.results.methods[variants[0]].accuracy, 4)})
+            rows.append(
+                {
+                    "questions": n,
+                    "models": m,
+                    "seconds": round(seconds, 1),
+                    "rl_focal_accuracy": round(run.results.methods[variants[0]].accuracy, 4),
+                }
+            )
             print(f"{n:>6} questions x {m:>2} models: {seconds:6.1f} s", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"variants": variants, "workers": args.workers, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, "rows": rows}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "variants": variants,
+                "workers": args.workers,
+                "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -55,7 +55,9 @@ def plot(results: dict, test_families: list[str], path: Path) -> None:
     width = 10
     for name in ["rlae_ppo", "rlae_mappo", "rl_focal", "uniform (GaC)", results["best_single"]]:
         per_task = np.mean(results["per_task"][name], 0)
-        right.plot(np.arange(width - 1, len(per_task)), np.convolve(per_task, np.ones(width) / width, mode="valid"), label=name)
+        right.plot(
+            np.arange(width - 1, len(per_task)), np.convolve(per_task, np.ones(width) / width, mode="valid"), label=name
+        )
     for b in range(0, len(test_families), 50):
         right.axvline(b, color="lightgray", lw=0.8)
         right.text(b + 2, 0.02, test_families[b][:5], fontsize=7, color="gray")
@@ -69,7 +71,9 @@ def plot(results: dict, test_families: list[str], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zoo", type=Path, default=None)
-    parser.add_argument("--models", nargs="+", default=SPECIALISTS, help="the pool: zoo models (default: the 4 specialists)")
+    parser.add_argument(
+        "--models", nargs="+", default=SPECIALISTS, help="the pool: zoo models (default: the 4 specialists)"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--span", type=int, default=4)
     parser.add_argument("--episodes", type=int, default=6144)
@@ -104,10 +108,18 @@ def main() -> None:
             record(names[m], correct(test_outputs[-1], test), started)
         task = bar.add_task("uniform + grid search", total=len(test) * 2)
         started = time.perf_counter()
-        record("uniform (GaC)", correct(decode(ensemble, test, np.ones(len(zoo)), cfg, progress=lambda n: bar.advance(task, n)), test), started)
+        record(
+            "uniform (GaC)",
+            correct(decode(ensemble, test, np.ones(len(zoo)), cfg, progress=lambda n: bar.advance(task, n)), test),
+            started,
+        )
         started = time.perf_counter()
         search = grid_search(ensemble, train[:256], cfg, 0.25)
-        record("best static (grid)", correct(decode(ensemble, test, search.best, cfg, progress=lambda n: bar.advance(task, n)), test), started)
+        record(
+            "best static (grid)",
+            correct(decode(ensemble, test, search.best, cfg, progress=lambda n: bar.advance(task, n)), test),
+            started,
+        )
         for seed in args.seeds:
             started = time.perf_counter()
             hits, called = rl_focal_correct(train_outputs, train, test_outputs, test, names, FAMILIES, seed)
@@ -117,18 +129,44 @@ def main() -> None:
             for seed in args.seeds:
                 task = bar.add_task(f"rlae {variant} seed {seed}", total=args.episodes + len(test))
                 started = time.perf_counter()
-                trainer = RLAETrainer(ensemble, encoder, names, replace(cfg, variant=variant), args.out / f"runs/{variant}-{seed}", seed=seed)
-                trainer.run(train, lambda n, reward: bar.update(task, advance=n, description=f"rlae {variant} seed {seed} (reward {reward:.2f})"))
+                trainer = RLAETrainer(
+                    ensemble,
+                    encoder,
+                    names,
+                    replace(cfg, variant=variant),
+                    args.out / f"runs/{variant}-{seed}",
+                    seed=seed,
+                )
+                trainer.run(
+                    train,
+                    lambda n, reward: bar.update(
+                        task, advance=n, description=f"rlae {variant} seed {seed} (reward {reward:.2f})"
+                    ),
+                )
                 texts = decode(ensemble, test, trainer.agent, cfg, progress=lambda n: bar.advance(task, n))
                 record(f"rlae_{variant}", correct(texts, test), started)
 
     accuracy = {name: [float(np.mean(run)) for run in runs] for name, runs in per_task.items()}
     best_single = max(names, key=lambda n: accuracy[n][0])
     results = {
-        "models": names, "span": args.span, "episodes": args.episodes, "seeds": args.seeds, "grid_best": search.best.tolist(),
-        "grid_best_train_accuracy": float(search.accuracy.max()), "best_single": best_single, "accuracy": accuracy,
-        "per_family": {name: {f: float(np.mean([np.mean([h for h, t in zip(run, test) if t.family == f]) for run in runs])) for f in FAMILIES} for name, runs in per_task.items()},
-        "seconds": seconds, "rl_focal_mean_calls": float(np.mean(focal_calls)), "per_task": per_task,
+        "models": names,
+        "span": args.span,
+        "episodes": args.episodes,
+        "seeds": args.seeds,
+        "grid_best": search.best.tolist(),
+        "grid_best_train_accuracy": float(search.accuracy.max()),
+        "best_single": best_single,
+        "accuracy": accuracy,
+        "per_family": {
+            name: {
+                f: float(np.mean([np.mean([h for h, t in zip(run, test) if t.family == f]) for run in runs]))
+                for f in FAMILIES
+            }
+            for name, runs in per_task.items()
+        },
+        "seconds": seconds,
+        "rl_focal_mean_calls": float(np.mean(focal_calls)),
+        "per_task": per_task,
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, [t.family for t in test], args.out / "accuracy.png")

@@ -61,10 +61,20 @@ def measure(ensemble: NoEOS, agent: RLAEAgent | None, prompts: list[str], batch:
                 agent_seconds += time.perf_counter() - t
                 spans += 1
                 return out
-        generated += sum(len(o.union_tokens) for o in ensemble.generate_batch(chunk, weights, max_tokens=tokens, span=span))
+
+        generated += sum(
+            len(o.union_tokens) for o in ensemble.generate_batch(chunk, weights, max_tokens=tokens, span=span)
+        )
     total = time.perf_counter() - started
     model = sum(ensemble.model_seconds)
-    return {"total": total, "model": model, "agent": agent_seconds, "merge": total - model - agent_seconds, "spans": spans, "tokens": generated}
+    return {
+        "total": total,
+        "model": model,
+        "agent": agent_seconds,
+        "merge": total - model - agent_seconds,
+        "spans": spans,
+        "tokens": generated,
+    }
 
 
 def own_decoding(backends, prompts: list[str], batch: int, tokens: int) -> float:
@@ -79,7 +89,10 @@ def own_decoding(backends, prompts: list[str], batch: int, tokens: int) -> float
     return seconds
 
 
-POOLS = {"4 specialists": ["arith-char", "count-bpe", "order-char", "pattern-bpe"], "SmolLM2 + Gemma 3": ["smollm2-135m", "gemma3-270m"]}
+POOLS = {
+    "4 specialists": ["arith-char", "count-bpe", "order-char", "pattern-bpe"],
+    "SmolLM2 + Gemma 3": ["smollm2-135m", "gemma3-270m"],
+}
 
 
 def main() -> None:
@@ -95,11 +108,17 @@ def main() -> None:
     zoo = {m.name: m for m in load_zoo(args.zoo or settings().zoo_dir)}
     encoder = SentenceEncoder()
     print(f"machine: {machine_facts()}; {torch.get_num_threads()} torch threads")
-    print("| pool | batch | span | agent observes | tokens/s | model compute s | agent s | merge s | overhead / model compute | agent ms per span call | own decoding s (sum) |")
+    print(
+        "| pool | batch | span | agent observes | tokens/s | model compute s | agent s | merge s | overhead / model compute | agent ms per span call | own decoding s (sum) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for pool in args.pools:
         names = POOLS[pool]
-        tasks = generation_split(list(FAMILIES), 64, seed=5) if pool == "4 specialists" else fewshot_split(list(FEWSHOT_FAMILIES), 64, seed=5)
+        tasks = (
+            generation_split(list(FAMILIES), 64, seed=5)
+            if pool == "4 specialists"
+            else fewshot_split(list(FEWSHOT_FAMILIES), 64, seed=5)
+        )
         backends = [load_backend(zoo[name]) for name in names]
         ensemble = NoEOS(backends)
         measure(ensemble, None, [t.prompt for t in tasks[:4]], 4, 8, 4)  # warm-up
@@ -109,10 +128,15 @@ def main() -> None:
             for span in args.spans:
                 for observe in args.observe:
                     cfg = RLAEConfig(span=span, max_tokens=args.tokens, observe=observe)
-                    agent = RLAEAgent(make_policy(obs_dim(len(names)), len(names), cfg, seed=0), encoder, cfg, len(names))
+                    agent = RLAEAgent(
+                        make_policy(obs_dim(len(names)), len(names), cfg, seed=0), encoder, cfg, len(names)
+                    )
                     r = measure(ensemble, agent, prompts, batch, span, args.tokens)
-                    print(f"| {pool} | {batch} | {span} | {observe} | {r['tokens'] / r['total']:.0f} | {r['model']:.2f} | {r['agent']:.2f} | {r['merge']:.2f} | "
-                          f"{100 * (r['agent'] + r['merge']) / r['model']:.0f} % | {1000 * r['agent'] / max(r['spans'], 1):.1f} | {own:.2f} |", flush=True)
+                    print(
+                        f"| {pool} | {batch} | {span} | {observe} | {r['tokens'] / r['total']:.0f} | {r['model']:.2f} | {r['agent']:.2f} | {r['merge']:.2f} | "
+                        f"{100 * (r['agent'] + r['merge']) / r['model']:.0f} % | {1000 * r['agent'] / max(r['spans'], 1):.1f} | {own:.2f} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -66,7 +66,9 @@ def plot(results: dict, path: Path) -> None:
         ax.set_title(f"{split} families", fontsize=10)
         ax.set_ylim(0, 1)
     axes[0].set_ylabel("exact match")
-    fig.suptitle(f"{' + '.join(results['models'])}, span {results['span']}, {results['episodes']} training episodes", fontsize=10)
+    fig.suptitle(
+        f"{' + '.join(results['models'])}, span {results['span']}, {results['episodes']} training episodes", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -108,21 +110,39 @@ def main() -> None:
         outputs = {split: [] for split in ["train", "validation", *tests]}
         for m, name in enumerate(POOL):
             for split, tasks in [("train", train), ("validation", validation), *tests.items()]:
-                outputs[split].append(decode(alone[m], tasks, np.ones(1), cfg, batch=32, progress=lambda n: bar.advance(task, n)))
+                outputs[split].append(
+                    decode(alone[m], tasks, np.ones(1), cfg, batch=32, progress=lambda n: bar.advance(task, n))
+                )
             for split in tests:
                 record(split, name, outputs[split][m])
         task = bar.add_task("uniform, static weights", total=len(GRID) * len(validation) + 2 * n_test)
         for split in tests:
-            record(split, "uniform (GaC)", decode(ensemble, tests[split], np.ones(2), cfg, batch=32, progress=lambda n: bar.advance(task, n)))
+            record(
+                split,
+                "uniform (GaC)",
+                decode(ensemble, tests[split], np.ones(2), cfg, batch=32, progress=lambda n: bar.advance(task, n)),
+            )
         candidates = [np.array([1.0, 0.0]), np.array([0.0, 1.0]), *GRID]
-        validation_accuracy = [correct(outputs["validation"][0], validation).mean(), correct(outputs["validation"][1], validation).mean()]
-        validation_accuracy += [correct(decode(ensemble, validation, w, cfg, batch=32, progress=lambda n: bar.advance(task, n)), validation).mean() for w in GRID]
+        validation_accuracy = [
+            correct(outputs["validation"][0], validation).mean(),
+            correct(outputs["validation"][1], validation).mean(),
+        ]
+        validation_accuracy += [
+            correct(
+                decode(ensemble, validation, w, cfg, batch=32, progress=lambda n: bar.advance(task, n)), validation
+            ).mean()
+            for w in GRID
+        ]
         best = candidates[int(np.argmax(validation_accuracy))]
         for split in tests:
             if best.max() == 1.0:  # a corner: the single model's own outputs
                 record(split, "best static (grid)", outputs[split][int(best.argmax())])
             else:
-                record(split, "best static (grid)", decode(ensemble, tests[split], best, cfg, batch=32, progress=lambda n: bar.advance(task, n)))
+                record(
+                    split,
+                    "best static (grid)",
+                    decode(ensemble, tests[split], best, cfg, batch=32, progress=lambda n: bar.advance(task, n)),
+                )
         ranker = AnswerRanker(encoder, len(POOL)).fit(train, outputs["train"])
         for split in tests:
             chosen = ranker.choose(tests[split], outputs[split])
@@ -130,17 +150,42 @@ def main() -> None:
         for seed in args.seeds:
             for split in tests:
                 families = sorted({t.family for t in train + tests[split]})
-                focal, called = rl_focal_correct(outputs["train"], train, outputs[split], tests[split], POOL, families, seed)
+                focal, called = rl_focal_correct(
+                    outputs["train"], train, outputs[split], tests[split], POOL, families, seed
+                )
                 hits[split].setdefault("rl_focal", []).append(focal.tolist())
                 focal_calls[split].append(float(called.mean()))
         agents = {}
         for variant in args.variants:
             for seed in args.seeds:
                 task = bar.add_task(f"rlae {variant} seed {seed}", total=args.episodes + n_test)
-                trainer = RLAETrainer(ensemble, encoder, POOL, replace(cfg, variant=variant), args.out / f"runs/{variant}-{seed}", seed=seed)
-                trainer.run(train, lambda n, reward: bar.update(task, advance=n, description=f"rlae {variant} seed {seed} (reward {reward:.2f})"))
+                trainer = RLAETrainer(
+                    ensemble,
+                    encoder,
+                    POOL,
+                    replace(cfg, variant=variant),
+                    args.out / f"runs/{variant}-{seed}",
+                    seed=seed,
+                )
+                trainer.run(
+                    train,
+                    lambda n, reward: bar.update(
+                        task, advance=n, description=f"rlae {variant} seed {seed} (reward {reward:.2f})"
+                    ),
+                )
                 for split in tests:
-                    record(split, f"rlae_{variant}", decode(ensemble, tests[split], trainer.agent, cfg, batch=32, progress=lambda n: bar.advance(task, n)))
+                    record(
+                        split,
+                        f"rlae_{variant}",
+                        decode(
+                            ensemble,
+                            tests[split],
+                            trainer.agent,
+                            cfg,
+                            batch=32,
+                            progress=lambda n: bar.advance(task, n),
+                        ),
+                    )
                 agents[variant] = trainer.agent
 
     latency = {}
@@ -158,25 +203,56 @@ def main() -> None:
         decode(ensemble, prompts, agent, cfg, batch=1)
         latency[f"rlae_{variant}"] = (time.perf_counter() - started) / len(prompts)
 
-    accuracy = {split: {name: [float(np.mean(run)) for run in runs] for name, runs in per.items()} for split, per in hits.items()}
+    accuracy = {
+        split: {name: [float(np.mean(run)) for run in runs] for name, runs in per.items()}
+        for split, per in hits.items()
+    }
     results = {
-        "machine": machine_facts(), "models": POOL, "span": args.span, "episodes": args.episodes, "seeds": args.seeds,
-        "grid_candidates": [c.tolist() for c in candidates], "grid_validation_accuracy": [float(a) for a in validation_accuracy], "grid_best": best.tolist(),
-        "accuracy": accuracy, "rl_focal_mean_calls": {s: float(np.mean(c)) for s, c in focal_calls.items()}, "latency_s": latency,
-        "per_family": {split: {name: {f: float(np.mean([np.mean([h for h, t in zip(run, tests[split]) if t.family == f]) for run in runs]))
-                                      for f in dict.fromkeys(t.family for t in tests[split])} for name, runs in per.items()} for split, per in hits.items()},
+        "machine": machine_facts(),
+        "models": POOL,
+        "span": args.span,
+        "episodes": args.episodes,
+        "seeds": args.seeds,
+        "grid_candidates": [c.tolist() for c in candidates],
+        "grid_validation_accuracy": [float(a) for a in validation_accuracy],
+        "grid_best": best.tolist(),
+        "accuracy": accuracy,
+        "rl_focal_mean_calls": {s: float(np.mean(c)) for s, c in focal_calls.items()},
+        "latency_s": latency,
+        "per_family": {
+            split: {
+                name: {
+                    f: float(
+                        np.mean([np.mean([h for h, t in zip(run, tests[split]) if t.family == f]) for run in runs])
+                    )
+                    for f in dict.fromkeys(t.family for t in tests[split])
+                }
+                for name, runs in per.items()
+            }
+            for split, per in hits.items()
+        },
         "per_task": hits,
     }
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / "accuracy.png")
     for split in tests:
         families = list(dict.fromkeys(t.family for t in tests[split]))
-        print(f"\n{split} families ({len(tests[split])} tasks): | method | exact match, mean | min–max | " + " | ".join(families) + " |")
+        print(
+            f"\n{split} families ({len(tests[split])} tasks): | method | exact match, mean | min–max | "
+            + " | ".join(families)
+            + " |"
+        )
         print("|---|---|---|" + "---|" * len(families))
         for name, values in accuracy[split].items():
             fam = " | ".join(f"{100 * results['per_family'][split][name][f]:.0f}" for f in families)
-            print(f"| {name} | {100 * np.mean(values):.1f} % | {100 * min(values):.1f}–{100 * max(values):.1f} | {fam} |")
-    print("\nvalidation accuracy of the grid's weights: " + ", ".join(f"{c} {a:.3f}" for c, a in zip(results["grid_candidates"], results["grid_validation_accuracy"])) + f"; best {best.tolist()}")
+            print(
+                f"| {name} | {100 * np.mean(values):.1f} % | {100 * min(values):.1f}–{100 * max(values):.1f} | {fam} |"
+            )
+    print(
+        "\nvalidation accuracy of the grid's weights: "
+        + ", ".join(f"{c} {a:.3f}" for c, a in zip(results["grid_candidates"], results["grid_validation_accuracy"]))
+        + f"; best {best.tolist()}"
+    )
     print("latency, s per answer at batch 1: " + ", ".join(f"{k} {v:.2f}" for k, v in latency.items()))
 
 

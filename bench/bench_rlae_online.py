@@ -61,7 +61,12 @@ def offline_run(zoo: Path, episodes: int, out: Path) -> Path:
 
 async def drift_events(settings, idle_s: float = 3.0) -> list[DriftEvent]:
     """Every event on the run's drift topic."""
-    consumer = AIOKafkaConsumer(Topics.from_settings(settings).drift, bootstrap_servers=settings.kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(
+        Topics.from_settings(settings).drift,
+        bootstrap_servers=settings.kafka_bootstrap,
+        group_id=None,
+        auto_offset_reset="earliest",
+    )
     await consumer.start()
     events, last = [], time.monotonic()
     try:
@@ -74,13 +79,22 @@ async def drift_events(settings, idle_s: float = 3.0) -> list[DriftEvent]:
     return events
 
 
-def live_run(zoo: Path, traffic, rate: float, lr: float, workdir: Path, warm_start: Path | None) -> tuple[LoadReport, dict, list[DriftEvent]]:
+def live_run(
+    zoo: Path, traffic, rate: float, lr: float, workdir: Path, warm_start: Path | None
+) -> tuple[LoadReport, dict, list[DriftEvent]]:
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh learner (no checkpoint of an earlier run to resume)
     pool = write_zoo_pool(zoo, MODELS, workdir / "pool.json")
-    config = settings().model_copy(update={
-        "pool_file": pool, "strategy": "rlae", "rlae_span": SPAN, "rlae_max_tokens": MAX_TOKENS, "rlae_lr": lr,
-        "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500,
-    })
+    config = settings().model_copy(
+        update={
+            "pool_file": pool,
+            "strategy": "rlae",
+            "rlae_span": SPAN,
+            "rlae_max_tokens": MAX_TOKENS,
+            "rlae_lr": lr,
+            "kafka_session_timeout_ms": 2000,
+            "kafka_heartbeat_ms": 500,
+        }
+    )
     stack = LocalStack(config, workdir)
     try:
         stack.start_learner(*(["--warm-start", str(warm_start)] if warm_start else []))
@@ -108,8 +122,14 @@ def drift_summary(report: LoadReport, events: list[DriftEvent], families: dict[s
     for signal in ("outcome", "confidence"):
         found = sorted(index[e.query_id] for e in events if e.signal == signal and e.query_id in index)
         figures = drift_figures(np.array([float(correct.get(qid, False)) for qid in order]), found, task)
-        out[signal] = {"detections": found, "delays": figures.delays, "missed_switches": figures.missed_switches, "switches": figures.switches,
-                       "false_alarms_per_1000": figures.false_alarms_per_1000, "recovery": figures.recovery}
+        out[signal] = {
+            "detections": found,
+            "delays": figures.delays,
+            "missed_switches": figures.missed_switches,
+            "switches": figures.switches,
+            "false_alarms_per_1000": figures.false_alarms_per_1000,
+            "recovery": figures.recovery,
+        }
     return out
 
 
@@ -117,13 +137,34 @@ def summary(report: LoadReport, state: dict, block_size: int, families: dict[str
     outcomes = np.array(report.outcomes, dtype=float)
     cycle = len(FAMILIES) * block_size
     return {
-        "answered": report.answered, "duplicates": report.duplicates, "no_answer": report.no_answer,
-        "accuracy": report.accuracy, "first_cycle": float(outcomes[:cycle].mean()), "last_cycle": float(outcomes[-cycle:].mean()),
+        "answered": report.answered,
+        "duplicates": report.duplicates,
+        "no_answer": report.no_answer,
+        "accuracy": report.accuracy,
+        "first_cycle": float(outcomes[:cycle].mean()),
+        "last_cycle": float(outcomes[-cycle:].mean()),
         "per_block": [float(outcomes[i : i + block_size].mean()) for i in range(0, len(outcomes), block_size)],
-        "per_family_last_cycle": {f: float(np.mean([o for o, s in zip(report.outcomes[-cycle:], [families[q] for q in report.query_ids[-cycle:]]) if s == f])) for f in FAMILIES},
-        "policy_versions": max(report.versions), "updates": state["stats"]["updates"], "joined": state["stats"]["joined"],
-        "queries_per_s": report.answered / report.elapsed_s, "p50_ms": report.latency_percentile(50), "p99_ms": report.latency_percentile(99),
-        "outcomes": report.outcomes, "families": [families[q] for q in report.query_ids], "versions": report.versions,
+        "per_family_last_cycle": {
+            f: float(
+                np.mean(
+                    [
+                        o
+                        for o, s in zip(report.outcomes[-cycle:], [families[q] for q in report.query_ids[-cycle:]])
+                        if s == f
+                    ]
+                )
+            )
+            for f in FAMILIES
+        },
+        "policy_versions": max(report.versions),
+        "updates": state["stats"]["updates"],
+        "joined": state["stats"]["joined"],
+        "queries_per_s": report.answered / report.elapsed_s,
+        "p50_ms": report.latency_percentile(50),
+        "p99_ms": report.latency_percentile(99),
+        "outcomes": report.outcomes,
+        "families": [families[q] for q in report.query_ids],
+        "versions": report.versions,
     }
 
 
@@ -138,22 +179,41 @@ def plot(results: dict, block_size: int, path: Path) -> None:
     for name, run in results["runs"].items():
         outcomes = np.array(run["outcomes"], dtype=float)
         x = np.arange(width, len(outcomes) + 1)
-        top.plot(x, np.convolve(outcomes, np.ones(width) / width, mode="valid"), label=f"{name} (overall {100 * run['accuracy']:.1f} %)")
+        top.plot(
+            x,
+            np.convolve(outcomes, np.ones(width) / width, mode="valid"),
+            label=f"{name} (overall {100 * run['accuracy']:.1f} %)",
+        )
         bottom.plot(np.arange(1, len(outcomes) + 1), run["versions"], label=name)
         for signal, marker in (("outcome", "v"), ("confidence", "^")):
             found = run.get("drift", {}).get(signal, {}).get("detections", [])
-            top.plot(found, [0.97 if marker == "v" else 0.92] * len(found), marker, ms=4, ls="none", label=f"{name}: drift on {signal}" if found else None)
+            top.plot(
+                found,
+                [0.97 if marker == "v" else 0.92] * len(found),
+                marker,
+                ms=4,
+                ls="none",
+                label=f"{name}: drift on {signal}" if found else None,
+            )
     streams = next(iter(results["runs"].values()))["families"]
     for b in range(0, len(streams), block_size):
         for ax in (top, bottom):
             ax.axvline(b, color="lightgray", lw=0.7)
-        top.text(b + 3, 0.02, streams[min(b + block_size // 2, len(streams) - 1)][:5], fontsize=7, color="gray")  # mid-block: arrival order jitters at the edges
-    for label, value, style in (("offline RLAE-PPO (frozen, greedy)", 0.859, ":"), ("best single model", 0.507, "--"), ("uniform (GaC)", 0.122, "-.")):
+        # mid-block: arrival order jitters at the edges
+        top.text(b + 3, 0.02, streams[min(b + block_size // 2, len(streams) - 1)][:5], fontsize=7, color="gray")
+    for label, value, style in (
+        ("offline RLAE-PPO (frozen, greedy)", 0.859, ":"),
+        ("best single model", 0.507, "--"),
+        ("uniform (GaC)", 0.122, "-."),
+    ):
         top.axhline(value, color="black", lw=0.8, ls=style, label=label)
     top.set_ylabel(f"exact match (rolling {width})")
     top.set_ylim(0, 1.02)
     top.legend(fontsize=8, loc="upper left")
-    top.set_title("RLAE in the live service: served answers while the learner updates online (family switches every block)", fontsize=10)
+    top.set_title(
+        "RLAE in the live service: served answers while the learner updates online (family switches every block)",
+        fontsize=10,
+    )
     bottom.set_ylabel("policy version")
     bottom.set_xlabel("answers received")
     fig.tight_layout()
@@ -166,11 +226,17 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=24)
     parser.add_argument("--block-size", type=int, default=100)
     parser.add_argument("--rate", type=float, default=40.0)
-    parser.add_argument("--offline-episodes", type=int, default=1024, help="the warm start's offline training (0: no warm run)")
+    parser.add_argument(
+        "--offline-episodes", type=int, default=1024, help="the warm start's offline training (0: no warm run)"
+    )
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of the online updates (RLENS_RLAE_LR)")
     parser.add_argument("--out", type=Path, default=Path("out/bench_rlae_online"))
     parser.add_argument("--seed", type=int, default=7, help="the stream's seed (task order and tasks)")
-    parser.add_argument("--one-stream", action="store_true", help="one stream key for all families (the switches are drift inside it), instead of one per family")
+    parser.add_argument(
+        "--one-stream",
+        action="store_true",
+        help="one stream key for all families (the switches are drift inside it), instead of one per family",
+    )
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     zoo = args.zoo or settings().zoo_dir
@@ -182,23 +248,43 @@ def main() -> None:
         shutil.rmtree(args.out / "offline", ignore_errors=True)
         runs["warm"] = offline_run(zoo, args.offline_episodes, args.out / "offline")
         print(f"offline run: {args.offline_episodes} episodes in {time.perf_counter() - started:.0f} s")
-    results = {"settings": {**vars(args), "zoo": str(zoo), "out": str(args.out), "models": MODELS, "span": SPAN, "max_tokens": MAX_TOKENS}, "runs": {}}
+    results = {
+        "settings": {
+            **vars(args),
+            "zoo": str(zoo),
+            "out": str(args.out),
+            "models": MODELS,
+            "span": SPAN,
+            "max_tokens": MAX_TOKENS,
+        },
+        "runs": {},
+    }
     for name, warm in runs.items():
         traffic = open_ended_queries(tasks, f"online-{name}")
         families = {q.query_id: q.stream for q, _ in traffic}
         if args.one_stream:  # the service is not told the family: the switches are drift inside one stream key
             traffic = [(q.model_copy(update={"stream": "all"}), reference) for q, reference in traffic]
         report, state, events = live_run(zoo, traffic, args.rate, args.lr, args.out / name, warm)
-        results["runs"][name] = {**summary(report, state, args.block_size, families), "drift": drift_summary(report, events, families)}
+        results["runs"][name] = {
+            **summary(report, state, args.block_size, families),
+            "drift": drift_summary(report, events, families),
+        }
         run = results["runs"][name]
-        print(f"{name}: {100 * run['accuracy']:.1f} % overall, first cycle {100 * run['first_cycle']:.1f} %, last cycle {100 * run['last_cycle']:.1f} %; "
-              f"{run['updates']} updates, {run['answered']} answered ({run['queries_per_s']:.1f}/s, p50 {run['p50_ms']:.0f} ms, p99 {run['p99_ms']:.0f} ms)")
+        print(
+            f"{name}: {100 * run['accuracy']:.1f} % overall, first cycle {100 * run['first_cycle']:.1f} %, last cycle {100 * run['last_cycle']:.1f} %; "
+            f"{run['updates']} updates, {run['answered']} answered ({run['queries_per_s']:.1f}/s, p50 {run['p50_ms']:.0f} ms, p99 {run['p99_ms']:.0f} ms)"
+        )
         print("  per block: " + " ".join(f"{100 * a:.0f}" for a in run["per_block"]))
-        print("  last cycle per family: " + ", ".join(f"{f} {100 * a:.1f}" for f, a in run["per_family_last_cycle"].items()))
+        print(
+            "  last cycle per family: "
+            + ", ".join(f"{f} {100 * a:.1f}" for f, a in run["per_family_last_cycle"].items())
+        )
         for signal, d in run["drift"].items():
-            print(f"  drift, {signal}: {d['switches'] - d['missed_switches']} of {d['switches']} switches detected, median delay "
-                  f"{np.median(d['delays']) if d['delays'] else float('nan'):.0f} queries, {d['false_alarms_per_1000']:.1f} false alarms / 1,000; "
-                  f"median recovery {np.median(d['recovery']):.0f} queries")
+            print(
+                f"  drift, {signal}: {d['switches'] - d['missed_switches']} of {d['switches']} switches detected, median delay "
+                f"{np.median(d['delays']) if d['delays'] else float('nan'):.0f} queries, {d['false_alarms_per_1000']:.1f} false alarms / 1,000; "
+                f"median recovery {np.median(d['recovery']):.0f} queries"
+            )
     (args.out / "results.json").write_text(json.dumps(results))
     plot(results, args.block_size, args.out / "online.png")
     print(f"wrote {args.out}/results.json and online.png")

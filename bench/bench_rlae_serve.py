@@ -74,26 +74,53 @@ def main() -> None:
     local = TokenEnsemble([load_backend(zoo[name]) for name in POOL])
     for name, source in sources.items():
         accuracy, seconds, tokens = timed(local, tasks, source, agent_cfg(source, cfg))
-        rows.append({"weights": name, "where": "in process", "k": None, "exact_match": accuracy, "s_per_answer": seconds, "ms_per_token": 1000 * seconds * len(tasks) / tokens})
+        rows.append(
+            {
+                "weights": name,
+                "where": "in process",
+                "k": None,
+                "exact_match": accuracy,
+                "s_per_answer": seconds,
+                "ms_per_token": 1000 * seconds * len(tasks) / tokens,
+            }
+        )
         print(rows[-1], flush=True)
     del local
     servers = [ServerProcess(Path(zoo[name].path), name, zoo[name].gguf_file, startup_s=300) for name in POOL]
     try:
-        backends = [create_backend("openai", base_url=server.url, model=name, timeout_s=600) for server, name in zip(servers, POOL)]
+        backends = [
+            create_backend("openai", base_url=server.url, model=name, timeout_s=600)
+            for server, name in zip(servers, POOL)
+        ]
         for k in args.k:
             remote = TopKEnsemble(backends, k=k)
             for name, source in sources.items():
                 accuracy, seconds, tokens = timed(remote, tasks, source, agent_cfg(source, cfg))
-                rows.append({"weights": name, "where": "2 x rlens serve-model", "k": k, "exact_match": accuracy, "s_per_answer": seconds, "ms_per_token": 1000 * seconds * len(tasks) / tokens})
+                rows.append(
+                    {
+                        "weights": name,
+                        "where": "2 x rlens serve-model",
+                        "k": k,
+                        "exact_match": accuracy,
+                        "s_per_answer": seconds,
+                        "ms_per_token": 1000 * seconds * len(tasks) / tokens,
+                    }
+                )
                 print(rows[-1], flush=True)
     finally:
         for server in servers:
             server.kill()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"machine": machine_facts(), "tasks": len(tasks), "rows": rows}, indent=1))
-    print("| weights | models | top k | exact match | s per answer | ms per generated token (batches of 32) |\n|---|---|---|---|---|---|")
+    (args.out / "results.json").write_text(
+        json.dumps({"machine": machine_facts(), "tasks": len(tasks), "rows": rows}, indent=1)
+    )
+    print(
+        "| weights | models | top k | exact match | s per answer | ms per generated token (batches of 32) |\n|---|---|---|---|---|---|"
+    )
     for r in rows:
-        print(f"| {r['weights']} | {r['where']} | {r['k'] or 'full'} | {100 * r['exact_match']:.1f} % | {r['s_per_answer']:.2f} | {r['ms_per_token']:.0f} |")
+        print(
+            f"| {r['weights']} | {r['where']} | {r['k'] or 'full'} | {100 * r['exact_match']:.1f} % | {r['s_per_answer']:.2f} | {r['ms_per_token']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,17 @@ async def prefill(bootstrap: str, topic: str, payloads: list[bytes]) -> None:
 
 
 async def raw_pipe(bootstrap: str, source: str, sink: str, n: int, reply: bytes, batch: int) -> float:
-    consumer = AIOKafkaConsumer(source, bootstrap_servers=bootstrap, group_id="raw-bench", auto_offset_reset="earliest", enable_auto_commit=False,
-                                max_poll_records=batch, fetch_max_wait_ms=20, session_timeout_ms=2000, heartbeat_interval_ms=500)
+    consumer = AIOKafkaConsumer(
+        source,
+        bootstrap_servers=bootstrap,
+        group_id="raw-bench",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        max_poll_records=batch,
+        fetch_max_wait_ms=20,
+        session_timeout_ms=2000,
+        heartbeat_interval_ms=500,
+    )
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=2)
     await consumer.start()
     await producer.start()
@@ -62,7 +71,9 @@ async def raw_pipe(bootstrap: str, source: str, sink: str, n: int, reply: bytes,
 
 async def count_answers(bootstrap: str, topic: str, n: int, prefix: bytes = b"", timeout_s: float = 300) -> float:
     """Answers/s of the ``n`` queries whose ids start with ``prefix``, from the first of their answers to the last."""
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", fetch_max_wait_ms=20)
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", fetch_max_wait_ms=20
+    )
     await consumer.start()
     seen, first, deadline = set(), None, time.time() + timeout_s
     while len(seen) < n and time.time() < deadline:
@@ -83,17 +94,24 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=3000)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--load-queries", type=int, default=1200)
-    parser.add_argument("--metrics-reps", type=int, default=2, help="alternations of the worker with its metrics off and on")
+    parser.add_argument(
+        "--metrics-reps", type=int, default=2, help="alternations of the worker with its metrics off and on"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/service.json"))
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     data = settings().demo_data
     dataset = load_dataset(data)
     stream = queries_of(dataset, None, "bench")  # reference ids index the dataset the replay backends serve
-    traffic = [(stream[i % len(stream)][0].model_copy(update={"query_id": f"bench-{i}"}), stream[i % len(stream)][1]) for i in range(args.queries)]
+    traffic = [
+        (stream[i % len(stream)][0].model_copy(update={"query_id": f"bench-{i}"}), stream[i % len(stream)][1])
+        for i in range(args.queries)
+    ]
     workdir = Path("bench/out/service-stack")
     pool = write_replay_pool(data, workdir / "pool.json")
-    config = settings().model_copy(update={"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500})
+    config = settings().model_copy(
+        update={"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
+    )
     stack = LocalStack(config, workdir)
     topics = Topics.from_settings(stack.settings)
     bootstrap = stack.settings.kafka_bootstrap
@@ -102,7 +120,9 @@ def main() -> None:
         payloads = [q.model_dump_json().encode() for q, _ in traffic]
         reply_size = 700  # an Answer of the bundled stream is about this many bytes
         asyncio.run(prefill(bootstrap, "raw.in", payloads))
-        results["raw_aiokafka_msgs_per_s"] = asyncio.run(raw_pipe(bootstrap, "raw.in", "raw.out", len(payloads), b"x" * reply_size, config.worker_batch))
+        results["raw_aiokafka_msgs_per_s"] = asyncio.run(
+            raw_pipe(bootstrap, "raw.in", "raw.out", len(payloads), b"x" * reply_size, config.worker_batch)
+        )
         print(f"raw aiokafka consume->produce: {results['raw_aiokafka_msgs_per_s']:.0f} msgs/s")
 
         asyncio.run(prefill(bootstrap, topics.queries, payloads))
@@ -121,14 +141,28 @@ def main() -> None:
                     stack.workers.remove(worker)
                 stack.settings = stack.settings.model_copy(update={"metrics_enabled": state == "on"})
                 prefix = f"m{rep}{state}-"
-                asyncio.run(prefill(bootstrap, topics.queries, [q.model_copy(update={"query_id": prefix + q.query_id}).model_dump_json().encode() for q, _ in traffic]))
+                asyncio.run(
+                    prefill(
+                        bootstrap,
+                        topics.queries,
+                        [
+                            q.model_copy(update={"query_id": prefix + q.query_id}).model_dump_json().encode()
+                            for q, _ in traffic
+                        ],
+                    )
+                )
                 for _ in range(args.workers):
                     stack.start_worker()
-                rates[state].append(asyncio.run(count_answers(bootstrap, topics.answers, len(payloads), prefix.encode())))
+                rates[state].append(
+                    asyncio.run(count_answers(bootstrap, topics.answers, len(payloads), prefix.encode()))
+                )
                 print(f"worker, metrics {state}: {rates[state][-1]:.0f} queries/s", flush=True)
         if rates["on"]:
-            results.update(metrics_on_queries_per_s=rates["on"], metrics_off_queries_per_s=rates["off"],
-                           metrics_on_off_ratio=sum(rates["on"]) / sum(rates["off"]))
+            results.update(
+                metrics_on_queries_per_s=rates["on"],
+                metrics_off_queries_per_s=rates["off"],
+                metrics_on_off_ratio=sum(rates["on"]) / sum(rates["off"]),
+            )
             print(f"metrics on / off: {results['metrics_on_off_ratio']:.3f}")
 
         stack.start_learner()
@@ -136,8 +170,16 @@ def main() -> None:
         rate = results["worker_queries_per_s"] / 2
         live = queries_of(dataset.subset(list(range(min(args.load_queries, dataset.n_questions)))), None, "latency")
         report = asyncio.run(play(stack.settings, live, rate=rate, idle_timeout_s=60))
-        results.update(latency_rate=rate, latency_p50_ms=report.latency_percentile(50), latency_p99_ms=report.latency_percentile(99), latency_accuracy=report.accuracy, latency_answered=report.answered)
-        print(f"at {rate:.0f} queries/s: p50 {results['latency_p50_ms']:.1f} ms, p99 {results['latency_p99_ms']:.1f} ms ({report.answered} answered, accuracy {100 * report.accuracy:.1f} %)")
+        results.update(
+            latency_rate=rate,
+            latency_p50_ms=report.latency_percentile(50),
+            latency_p99_ms=report.latency_percentile(99),
+            latency_accuracy=report.accuracy,
+            latency_answered=report.answered,
+        )
+        print(
+            f"at {rate:.0f} queries/s: p50 {results['latency_p50_ms']:.1f} ms, p99 {results['latency_p99_ms']:.1f} ms ({report.answered} answered, accuracy {100 * report.accuracy:.1f} %)"
+        )
     finally:
         stack.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)

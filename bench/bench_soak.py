@@ -43,11 +43,19 @@ def main() -> None:
     zoo = load_dataset(settings().demo_data)
     base = queries_of(zoo, None, "soak")
     n = int(args.minutes * 60 * args.rate)
-    traffic = [(base[i % len(base)][0].model_copy(update={"query_id": f"soak-{i}", "stream": f"stream-{i % args.streams}"}), base[i % len(base)][1]) for i in range(n)]
+    traffic = [
+        (
+            base[i % len(base)][0].model_copy(update={"query_id": f"soak-{i}", "stream": f"stream-{i % args.streams}"}),
+            base[i % len(base)][1],
+        )
+        for i in range(n)
+    ]
     workdir = args.out.parent / "soak-stack"
     shutil.rmtree(workdir, ignore_errors=True)  # a cold start: no checkpoint of an earlier run
     pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
-    config = settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500})
+    config = settings().model_copy(
+        update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
+    )
     stack = LocalStack(config, workdir)
     samples: list[dict] = []
     stop = threading.Event()
@@ -55,7 +63,13 @@ def main() -> None:
     def sample() -> None:
         start = time.monotonic()
         while not stop.wait(10.0):
-            samples.append({"t": round(time.monotonic() - start), "worker_mb": rss_mb(stack.workers[0].pid), "learner_mb": rss_mb(stack.learner.pid)})
+            samples.append(
+                {
+                    "t": round(time.monotonic() - start),
+                    "worker_mb": rss_mb(stack.workers[0].pid),
+                    "learner_mb": rss_mb(stack.learner.pid),
+                }
+            )
             print(samples[-1], flush=True)
 
     try:
@@ -71,14 +85,32 @@ def main() -> None:
     finally:
         stop.set()
         stack.stop()
-    state = json.loads((stack.settings.checkpoint_dir / (stack.settings.checkpoint_dir / "LATEST").read_text() / "state.json").read_text())
+    state = json.loads(
+        (
+            stack.settings.checkpoint_dir / (stack.settings.checkpoint_dir / "LATEST").read_text() / "state.json"
+        ).read_text()
+    )
     warm = next(s for s in samples if s["t"] >= 60)
     result = {
-        "minutes": args.minutes, "streams": args.streams, "rate": args.rate, "sent": report.sent, "answered": report.answered,
-        "elapsed_s": round(report.elapsed_s, 1), "p50_ms": round(report.latency_percentile(50)), "p99_ms": round(report.latency_percentile(99)),
-        "joined": state["stats"]["joined"], "updates": state["stats"]["updates"],
-        **{f"{role}_mb": {"warm": round(warm[f"{role}_mb"]), "end": round(samples[-1][f"{role}_mb"]), "peak": round(max(s[f"{role}_mb"] for s in samples)),
-                          "end_over_warm": round(samples[-1][f"{role}_mb"] / warm[f"{role}_mb"], 3)} for role in ("worker", "learner")},
+        "minutes": args.minutes,
+        "streams": args.streams,
+        "rate": args.rate,
+        "sent": report.sent,
+        "answered": report.answered,
+        "elapsed_s": round(report.elapsed_s, 1),
+        "p50_ms": round(report.latency_percentile(50)),
+        "p99_ms": round(report.latency_percentile(99)),
+        "joined": state["stats"]["joined"],
+        "updates": state["stats"]["updates"],
+        **{
+            f"{role}_mb": {
+                "warm": round(warm[f"{role}_mb"]),
+                "end": round(samples[-1][f"{role}_mb"]),
+                "peak": round(max(s[f"{role}_mb"] for s in samples)),
+                "end_over_warm": round(samples[-1][f"{role}_mb"] / warm[f"{role}_mb"], 3),
+            }
+            for role in ("worker", "learner")
+        },
         "samples": samples,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

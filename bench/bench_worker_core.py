@@ -40,8 +40,11 @@ async def fill_windows(windows: RedisWindows, dataset, size: int) -> None:
     for task in np.unique(dataset.task):
         for i in np.flatnonzero(dataset.task == task)[-size:]:
             valid = np.flatnonzero(dataset.choice_mask[i])
-            predictions = [int(dataset.probs[i, m, valid].argmax()) for m in range(dataset.n_models)]  # choice positions
-            outcomes.append((dataset.task_name(task), f"fill-{i}", predictions, int(np.searchsorted(valid, dataset.labels[i])), 1.0))
+            # choice positions
+            predictions = [int(dataset.probs[i, m, valid].argmax()) for m in range(dataset.n_models)]
+            outcomes.append(
+                (dataset.task_name(task), f"fill-{i}", predictions, int(np.searchsorted(valid, dataset.labels[i])), 1.0)
+            )
     await windows.apply_many(outcomes)
 
 
@@ -55,14 +58,20 @@ async def measure(state: str, redis_url: str, passes: int, batch: int) -> dict:
     if state == "warm":
         await fill_windows(windows, data, engine.cfg.window)
     secrets = generate_secrets()
-    worker = FocalWorker(engine, names, {name: ReplayBackend(data, m) for m, name in enumerate(names)}, windows,
-                         PolicyVerifier(secrets["RLENS_POLICY_VERIFY_KEY"]), FeedbackTokens(secrets["RLENS_FEEDBACK_SECRET"]))
+    worker = FocalWorker(
+        engine,
+        names,
+        {name: ReplayBackend(data, m) for m, name in enumerate(names)},
+        windows,
+        PolicyVerifier(secrets["RLENS_POLICY_VERIFY_KEY"]),
+        FeedbackTokens(secrets["RLENS_FEEDBACK_SECRET"]),
+    )
     stream = [q for q, _ in queries_of(data, None, "core")]
     stages: dict[str, float] = {}
     answered, encoded_bytes, started = 0, 0, time.perf_counter()
     for _ in range(passes):
         for at in range(0, len(stream), batch):
-            out = await worker.handle(stream[at:at + batch])
+            out = await worker.handle(stream[at : at + batch])
             lap = time.perf_counter()
             encoded_bytes += sum(len(m.model_dump_json().encode()) for m in [*out.answers, *out.experience])
             out.stages["encode"] = time.perf_counter() - lap
@@ -71,8 +80,12 @@ async def measure(state: str, redis_url: str, passes: int, batch: int) -> dict:
             answered += len(out.answers)
     elapsed = time.perf_counter() - started
     await redis.aclose()
-    return {"queries_per_s": answered / elapsed, "us_per_query": {name: 1e6 * s / answered for name, s in stages.items()},
-            "us_per_query_total": 1e6 * elapsed / answered, "bytes_per_query": encoded_bytes / answered}
+    return {
+        "queries_per_s": answered / elapsed,
+        "us_per_query": {name: 1e6 * s / answered for name, s in stages.items()},
+        "us_per_query_total": 1e6 * elapsed / answered,
+        "bytes_per_query": encoded_bytes / answered,
+    }
 
 
 def main() -> None:
@@ -85,12 +98,16 @@ def main() -> None:
     torch.set_num_threads(1)
     server = LocalRedis()
     try:
-        results = {state: asyncio.run(measure(state, server.url, args.passes, args.batch)) for state in ("cold", "warm")}
+        results = {
+            state: asyncio.run(measure(state, server.url, args.passes, args.batch)) for state in ("cold", "warm")
+        }
     finally:
         server.stop()
     for state, r in results.items():
         parts = ", ".join(f"{name} {us:.0f}" for name, us in r["us_per_query"].items())
-        print(f"{state}: {r['queries_per_s']:.0f} queries/s; µs per query: {r['us_per_query_total']:.0f} in all ({parts})")
+        print(
+            f"{state}: {r['queries_per_s']:.0f} queries/s; µs per query: {r['us_per_query_total']:.0f} in all ({parts})"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine_facts(), **results}, indent=1))
 

@@ -11,7 +11,10 @@ def cpu_name() -> str:
     """The CPU model, from /proc/cpuinfo where there is one."""
     cpuinfo = Path("/proc/cpuinfo")
     lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor() or "unknown CPU")
+    return next(
+        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+        platform.processor() or "unknown CPU",
+    )
 
 
 def machine_facts() -> str:

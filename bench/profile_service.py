@@ -47,14 +47,22 @@ from rlens.service.load import feedback_for, queries_of
 from rlens.service.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
-IDLE_STAGE, IDLE = "idle (waiting on the broker or Redis)", re.compile(r"^(\w*\.?select \(selectors|BaseEventLoop\._run_once \()")
-THREAD_WAIT = re.compile(r"^(Condition\.wait|Event\.wait|Queue\.get|_worker) \((threading|queue|concurrent/futures/thread)")
+IDLE_STAGE, IDLE = (
+    "idle (waiting on the broker or Redis)",
+    re.compile(r"^(\w*\.?select \(selectors|BaseEventLoop\._run_once \()"),
+)
+THREAD_WAIT = re.compile(
+    r"^(Condition\.wait|Event\.wait|Queue\.get|_worker) \((threading|queue|concurrent/futures/thread)"
+)
 # (stage, pattern on a frame "function (file:line)"): a sample goes to the stage of its innermost matching frame
 COMMON_STAGES = [
     ("metrics (prometheus-client)", r"prometheus_client/|\.count \(rlens/service/worker"),
     ("parse messages (pydantic)", r"(^|\.)parse_or_dead_letter \("),
     ("encode messages (pydantic)", r"(^|\.)model_dump_json \("),
-    ("publish (aiokafka send, wait for acks)", r"^(publish|publish_batch|publish_dead_letters) \(rlens/service/kafka|\.(reply|dead_letter_out) \(rlens/service"),
+    (
+        "publish (aiokafka send, wait for acks)",
+        r"^(publish|publish_batch|publish_dead_letters) \(rlens/service/kafka|\.(reply|dead_letter_out) \(rlens/service",
+    ),
     ("Redis round trips (redis-py)", r"redis/asyncio/|redis/_parsers/"),
     ("aiokafka (fetch, produce, commit)", r"aiokafka/"),
 ]
@@ -97,10 +105,23 @@ def breakdown(collapsed: Path, stages: list[tuple[str, str]]) -> dict[str, float
         if IDLE.search(frames[-1]):
             stage = IDLE_STAGE
         else:
-            stage = next((name for compiled in passes for frame in reversed(frames) for name, pattern in compiled if pattern.search(frame)), "other")
+            stage = next(
+                (
+                    name
+                    for compiled in passes
+                    for frame in reversed(frames)
+                    for name, pattern in compiled
+                    if pattern.search(frame)
+                ),
+                "other",
+            )
         counts[stage] += int(n)
     total = sum(counts.values()) or 1
-    return {name: counts[name] / total for name, _ in [*stages, *FALLBACK_STAGES, ("other", ""), (IDLE_STAGE, "")] if counts[name]}
+    return {
+        name: counts[name] / total
+        for name, _ in [*stages, *FALLBACK_STAGES, ("other", ""), (IDLE_STAGE, "")]
+        if counts[name]
+    }
 
 
 class Sampler:
@@ -109,8 +130,22 @@ class Sampler:
     def __init__(self, pid: int, out: Path, rate: int):
         self.out = out
         self.process = subprocess.Popen(
-            ["py-spy", "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw", "--idle", "--nonblocking", "--output", str(out)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [
+                "py-spy",
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                str(rate),
+                "--format",
+                "raw",
+                "--idle",
+                "--nonblocking",
+                "--output",
+                str(out),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
 
     def stop(self) -> Path:
@@ -122,7 +157,9 @@ class Sampler:
 
 
 async def read_answers(bootstrap: str, topic: str, n: int, timeout_s: float = 120) -> list[Answer]:
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", fetch_max_wait_ms=20)
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", fetch_max_wait_ms=20
+    )
     await consumer.start()
     answers: dict[str, Answer] = {}
     deadline = time.monotonic() + timeout_s
@@ -145,7 +182,9 @@ def cpu_seconds(pid: int) -> float:
 
 def learner_joined(url: str) -> float:
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("rlens_learner_joined_total"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("rlens_learner_joined_total")
+    )
 
 
 def plot(results: dict, path: Path) -> None:
@@ -173,14 +212,25 @@ def profile_worker(stack: LocalStack, queries: list[Query], out: Path, rate: int
         worker.wait(60)
         stack.workers.remove(worker)
     topics = Topics.from_settings(stack.settings)
-    asyncio.run(prefill(stack.settings.kafka_bootstrap, topics.queries, [q.model_dump_json().encode() for q in queries]))
+    asyncio.run(
+        prefill(stack.settings.kafka_bootstrap, topics.queries, [q.model_dump_json().encode() for q in queries])
+    )
     worker = stack.start_worker()
     stack.wait_ready(120)  # the import and the group join are not sampled
     sampler, cpu = Sampler(worker.pid, out, rate), cpu_seconds(worker.pid)
-    per_s = asyncio.run(count_answers(stack.settings.kafka_bootstrap, topics.answers, len(queries), queries[0].query_id.split("-")[0].encode()))
+    per_s = asyncio.run(
+        count_answers(
+            stack.settings.kafka_bootstrap, topics.answers, len(queries), queries[0].query_id.split("-")[0].encode()
+        )
+    )
     cpu_ms = 1000 * (cpu_seconds(worker.pid) - cpu) / len(queries)
     print(f"{out.stem}: {per_s:.0f} queries/s, {cpu_ms:.3f} CPU ms per query", flush=True)
-    return {"per_s": per_s, "unit": "queries", "cpu_ms_each": cpu_ms, "shares": breakdown(sampler.stop(), WORKER_STAGES)}
+    return {
+        "per_s": per_s,
+        "unit": "queries",
+        "cpu_ms_each": cpu_ms,
+        "shares": breakdown(sampler.stop(), WORKER_STAGES),
+    }
 
 
 def main() -> None:
@@ -196,11 +246,16 @@ def main() -> None:
     data = settings().demo_data
     dataset = load_dataset(data)
     stream = queries_of(dataset, None, "profile")
-    traffic = [(stream[i % len(stream)][0].model_copy(update={"query_id": f"profile-{i}"}), stream[i % len(stream)][1]) for i in range(args.queries)]
+    traffic = [
+        (stream[i % len(stream)][0].model_copy(update={"query_id": f"profile-{i}"}), stream[i % len(stream)][1])
+        for i in range(args.queries)
+    ]
     labels = {q.query_id: label for q, label in traffic}
     workdir = args.out / "stack"
     pool = write_replay_pool(data, workdir / "pool.json")
-    config = settings().model_copy(update={"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500})
+    config = settings().model_copy(
+        update={"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
+    )
     stack = LocalStack(config, workdir)
     topics = Topics.from_settings(stack.settings)
     bootstrap = stack.settings.kafka_bootstrap
@@ -208,7 +263,13 @@ def main() -> None:
     try:
         results["worker"] = profile_worker(stack, [q for q, _ in traffic], args.out / "worker.txt", args.rate)
         answers = asyncio.run(read_answers(bootstrap, topics.answers, args.queries))
-        asyncio.run(prefill(bootstrap, topics.feedback, [feedback_for(a, labels[a.query_id]).model_dump_json().encode() for a in answers]))
+        asyncio.run(
+            prefill(
+                bootstrap,
+                topics.feedback,
+                [feedback_for(a, labels[a.query_id]).model_dump_json().encode() for a in answers],
+            )
+        )
         learner = stack.start_learner()
         stack.wait_ready(120)
         url = next(u for name, u in stack.http_urls().items() if name.endswith(f"-{learner.pid}"))
@@ -218,8 +279,16 @@ def main() -> None:
             time.sleep(0.2)
         elapsed = time.perf_counter() - started
         per_s, cpu_ms = (joined - before) / elapsed, 1000 * (cpu_seconds(learner.pid) - cpu) / max(joined - before, 1)
-        results["learner"] = {"per_s": per_s, "unit": "joins", "joined": joined, "cpu_ms_each": cpu_ms, "shares": breakdown(sampler.stop(), LEARNER_STAGES)}
-        print(f"learner: {joined:.0f} joined, {per_s:.0f} joins/s while sampled, {cpu_ms:.3f} CPU ms per join", flush=True)
+        results["learner"] = {
+            "per_s": per_s,
+            "unit": "joins",
+            "joined": joined,
+            "cpu_ms_each": cpu_ms,
+            "shares": breakdown(sampler.stop(), LEARNER_STAGES),
+        }
+        print(
+            f"learner: {joined:.0f} joined, {per_s:.0f} joins/s while sampled, {cpu_ms:.3f} CPU ms per join", flush=True
+        )
         learner.send_signal(signal.SIGTERM)  # the windows stay in Redis; the learner would compete with the next worker
         learner.wait(60)
         stack.learner = None

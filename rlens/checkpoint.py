@@ -74,7 +74,9 @@ class CheckpointStore:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()
-            raise CheckpointLockError(f"checkpoint directory {self.directory} is in use by {holder}: one learner per directory") from None
+            raise CheckpointLockError(
+                f"checkpoint directory {self.directory} is in use by {holder}: one learner per directory"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()}")

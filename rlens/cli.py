@@ -29,11 +29,17 @@ import_app = typer.Typer(help="Build datasets from other tools' outputs.", no_ar
 app.add_typer(import_app, name="import")
 pool_app = typer.Typer(help="Pool configurations: the models a worker ensembles.", no_args_is_help=True)
 app.add_typer(pool_app, name="pool")
-zoo_app = typer.Typer(help="The model zoo: small real models, and the streams recorded from them.", no_args_is_help=True)
+zoo_app = typer.Typer(
+    help="The model zoo: small real models, and the streams recorded from them.", no_args_is_help=True
+)
 app.add_typer(zoo_app, name="zoo")
-keys_app = typer.Typer(help="The gateway's API keys (stored hashed; each bound to a tenant, its streams and a rate).", no_args_is_help=True)
+keys_app = typer.Typer(
+    help="The gateway's API keys (stored hashed; each bound to a tenant, its streams and a rate).", no_args_is_help=True
+)
 app.add_typer(keys_app, name="keys")
-rlae_app = typer.Typer(help="RLAE: token-level ensembles whose weights an RL agent sets span by span.", no_args_is_help=True)
+rlae_app = typer.Typer(
+    help="RLAE: token-level ensembles whose weights an RL agent sets span by span.", no_args_is_help=True
+)
 app.add_typer(rlae_app, name="rlae")
 PIPED_WIDTH = 160  # rich's 80 columns for a pipe or a log file cut the wider tables' headers (rlens load's 9 columns)
 console = Console(soft_wrap=True, width=None if os.isatty(1) else PIPED_WIDTH)
@@ -60,8 +66,17 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def run_replay(data: Path, protocol: Protocol, seed: int, out: Path, variants: list[str], workers: int, config: FocalConfig, drift=None,
-               numerics: Numerics = "portable") -> None:
+def run_replay(
+    data: Path,
+    protocol: Protocol,
+    seed: int,
+    out: Path,
+    variants: list[str],
+    workers: int,
+    config: FocalConfig,
+    drift=None,
+    numerics: Numerics = "portable",
+) -> None:
     """Replay a dataset through RL-Focal and the baselines with a progress bar; print the table, write the report."""
     from rlens.evaluation.replay import DriftOptions, replay as run, total_steps
     from rlens.evaluation.report import write_outputs
@@ -70,13 +85,24 @@ def run_replay(data: Path, protocol: Protocol, seed: int, out: Path, variants: l
         dataset = load_dataset(data)
     except DatasetError as exc:
         fail(str(exc))
-    console.print(f"[bold]{dataset.name}[/]: {dataset.n_questions} questions, {dataset.n_models} models, {len(dataset.task_names)} tasks; protocol {protocol.value}, seed {seed}")
+    console.print(
+        f"[bold]{dataset.name}[/]: {dataset.n_questions} questions, {dataset.n_models} models, {len(dataset.task_names)} tasks; protocol {protocol.value}, seed {seed}"
+    )
     try:
         with progress_bar(console) as bar:
             stages = "warm start + online" if protocol == Protocol.paper else "online from a cold start"
             task = bar.add_task(f"RL-Focal {stages}", total=total_steps(dataset, protocol, config, variants))
-            result = run(dataset, protocol, seed, config, variants, workers=workers, progress=lambda n: bar.advance(task, n), drift=drift or DriftOptions(),
-                         numerics=numerics)
+            result = run(
+                dataset,
+                protocol,
+                seed,
+                config,
+                variants,
+                workers=workers,
+                progress=lambda n: bar.advance(task, n),
+                drift=drift or DriftOptions(),
+                numerics=numerics,
+            )
     except ValueError as exc:
         fail(str(exc))
     paths = write_outputs(result, out)
@@ -90,8 +116,10 @@ def run_replay(data: Path, protocol: Protocol, seed: int, out: Path, variants: l
         table.add_row(name, f"{100 * method.accuracy:.1f}", f"{method.mean_models_called:.2f}", style=style)
     console.print(table)
     if (found := result.results.drift) is not None and found.switches:
-        console.print(f"drift: {len(found.detections)} detections, {found.switches - found.missed_switches} of {found.switches} task switches detected, "
-                      f"{found.false_alarms_per_1000:.1f} false alarms per 1,000 questions (report.md)")
+        console.print(
+            f"drift: {len(found.detections)} detections, {found.switches - found.missed_switches} of {found.switches} task switches detected, "
+            f"{found.false_alarms_per_1000:.1f} false alarms per 1,000 questions (report.md)"
+        )
     console.print("wrote " + ", ".join(str(p) for p in paths))
 
 
@@ -101,20 +129,45 @@ WORKERS = typer.Option(min(2, os.cpu_count() or 1), min=1, help="processes for t
 @app.command()
 def replay(
     data: Path = typer.Option(..., "--data", help="dataset directory in the recorded-outputs format"),
-    protocol: Protocol = typer.Option(Protocol.paper, help="paper: per task 80% warm start / 20% online test; stream: cold start over the whole stream"),
+    protocol: Protocol = typer.Option(
+        Protocol.paper,
+        help="paper: per task 80% warm start / 20% online test; stream: cold start over the whole stream",
+    ),
     seed: int = typer.Option(0, help="random seed (runs are deterministic under a seed)"),
-    out: Path = typer.Option(Path("out/replay"), help="directory for results.json, report.md, report.png, per_query.csv"),
-    variants: str = typer.Option("default", help="RL-Focal variants to run, comma-separated (rl_focal, rl_focal_all_models, rl_focal_no_diversity, "
-                                 "rl_focal_kappa, rl_focal_paper_decider, rl_focal_marginal); default: all but rl_focal_marginal; all"),
+    out: Path = typer.Option(
+        Path("out/replay"), help="directory for results.json, report.md, report.png, per_query.csv"
+    ),
+    variants: str = typer.Option(
+        "default",
+        help="RL-Focal variants to run, comma-separated (rl_focal, rl_focal_all_models, rl_focal_no_diversity, "
+        "rl_focal_kappa, rl_focal_paper_decider, rl_focal_marginal); default: all but rl_focal_marginal; all",
+    ),
     workers: int = WORKERS,
-    numerics: str = typer.Option("portable", help="portable: the same figures for a seed on any x86-64 CPU; native: this CPU's fastest kernels"),
+    numerics: str = typer.Option(
+        "portable", help="portable: the same figures for a seed on any x86-64 CPU; native: this CPU's fastest kernels"
+    ),
     alpha: float = typer.Option(FocalConfig.alpha, min=0.0, help="cost weight in the reward"),
     window: int = typer.Option(FocalConfig.window, min=1, help="sliding-window length W per stream"),
-    update_period: int = typer.Option(FocalConfig.update_period, min=1, help="online MAPPO update every T explored queries"),
-    explore_rate: float = typer.Option(FocalConfig.explore_rate, min=0.0, max=1.0, help="online: share of queries on which both agents sample (and learn)"),
-    feedback_delay: int = typer.Option(FocalConfig.feedback_delay, min=0, help="feedback of a query arrives this many queries later"),
-    one_stream: bool = typer.Option(False, "--one-stream", help="one window key for the whole stream (the task unknown, as in the service): task switches become drift"),
-    drift_reaction: str = typer.Option("none", help="on a drift detection: none, trim (the window keeps its last 5 outcomes) or reset"),
+    update_period: int = typer.Option(
+        FocalConfig.update_period, min=1, help="online MAPPO update every T explored queries"
+    ),
+    explore_rate: float = typer.Option(
+        FocalConfig.explore_rate,
+        min=0.0,
+        max=1.0,
+        help="online: share of queries on which both agents sample (and learn)",
+    ),
+    feedback_delay: int = typer.Option(
+        FocalConfig.feedback_delay, min=0, help="feedback of a query arrives this many queries later"
+    ),
+    one_stream: bool = typer.Option(
+        False,
+        "--one-stream",
+        help="one window key for the whole stream (the task unknown, as in the service): task switches become drift",
+    ),
+    drift_reaction: str = typer.Option(
+        "none", help="on a drift detection: none, trim (the window keeps its last 5 outcomes) or reset"
+    ),
 ) -> None:
     """Replay a recorded dataset through RL-Focal and every baseline; write the report (with drift detections)."""
     from rlens.evaluation.replay import DriftOptions
@@ -123,7 +176,14 @@ def replay(
         fail(f"--drift-reaction must be none, trim or reset, got {drift_reaction!r}")
     if numerics not in ("portable", "native"):
         fail(f"--numerics must be portable or native, got {numerics!r}")
-    config = replace(FocalConfig(), alpha=alpha, window=window, update_period=update_period, explore_rate=explore_rate, feedback_delay=feedback_delay)
+    config = replace(
+        FocalConfig(),
+        alpha=alpha,
+        window=window,
+        update_period=update_period,
+        explore_rate=explore_rate,
+        feedback_delay=feedback_delay,
+    )
     drift = DriftOptions(one_stream, cast("Reaction", drift_reaction))
     run_replay(data, protocol, seed, out, variant_names(variants), workers, config, drift, cast("Numerics", numerics))
 
@@ -146,7 +206,10 @@ def variant_names(option: str) -> list[str]:
 @app.command()
 def demo(
     out: Path = typer.Option(Path("out/demo"), help="directory for results.json, report.md, report.png, per_query.csv"),
-    protocol: Protocol = typer.Option(Protocol.stream, help="stream: cold start, learning online over the whole stream; paper: per task 80% warm start / 20% test"),
+    protocol: Protocol = typer.Option(
+        Protocol.stream,
+        help="stream: cold start, learning online over the whole stream; paper: per task 80% warm start / 20% test",
+    ),
     seed: int = typer.Option(0, help="random seed"),
     workers: int = WORKERS,
 ) -> None:
@@ -205,7 +268,10 @@ def pool_check(config: Path = typer.Argument(..., help="pool configuration (JSON
             backend = build_backend(model)
             loaded = time.perf_counter()
             scores = backend.score_choices(probe)
-            status, latency = f"ok: P(' 4') = {scores.probabilities()[0]:.2f}", f"{1000 * (time.perf_counter() - loaded):.1f}"
+            status, latency = (
+                f"ok: P(' 4') = {scores.probabilities()[0]:.2f}",
+                f"{1000 * (time.perf_counter() - loaded):.1f}",
+            )
         except (BackendError, OSError, ValueError, KeyError) as exc:
             status, latency, failed = f"[red]failed: {exc}[/]", "-", failed + 1
         table.add_row(model.name, model.backend, f"{model.cost:g}", status, latency)
@@ -238,7 +304,10 @@ def worker(pool: Path | None = POOL) -> None:
 @app.command()
 def learner(
     pool: Path | None = POOL,
-    warm_start: Path | None = typer.Option(None, help="when there is no checkpoint yet, start from: a recorded dataset (rl_focal), an `rlens rlae train` run (rlae)"),
+    warm_start: Path | None = typer.Option(
+        None,
+        help="when there is no checkpoint yet, start from: a recorded dataset (rl_focal), an `rlens rlae train` run (rlae)",
+    ),
 ) -> None:
     """Run the learner: joins experience with feedback, updates windows and policy, checkpoints, publishes."""
     from rlens.models.pool import PoolConfigError
@@ -246,14 +315,21 @@ def learner(
 
     try:
         run_learner(service_settings(pool), warm_start)
-    except (PoolConfigError, DatasetError, ValueError, RuntimeError) as exc:  # RuntimeError: its directory or group is taken
+    except (
+        PoolConfigError,
+        DatasetError,
+        ValueError,
+        RuntimeError,
+    ) as exc:  # RuntimeError: its directory or group is taken
         fail(str(exc))
 
 
 @app.command()
 def gateway(
     port: int | None = typer.Option(None, help="port (default: $RLENS_GATEWAY_PORT, 8000)"),
-    keys: Path | None = typer.Option(None, "--keys", help="API keys file (default: $RLENS_GATEWAY_KEYS_FILE, rlens-keys.json)"),
+    keys: Path | None = typer.Option(
+        None, "--keys", help="API keys file (default: $RLENS_GATEWAY_KEYS_FILE, rlens-keys.json)"
+    ),
 ) -> None:
     """Run the OpenAI-compatible gateway: /v1/chat/completions, /v1/completions, /v1/models, /v1/feedback,
     /v1/answers/{id} in front of the Kafka service (stops cleanly on SIGTERM)."""
@@ -262,7 +338,9 @@ def gateway(
     from rlens.service.security import SecretsError
 
     s = settings()
-    s = s.model_copy(update={k: v for k, v in {"gateway_port": port, "gateway_keys_file": keys}.items() if v is not None})
+    s = s.model_copy(
+        update={k: v for k, v in {"gateway_port": port, "gateway_keys_file": keys}.items() if v is not None}
+    )
     try:
         run_gateway(s)
     except (KeysError, SecretsError) as exc:
@@ -282,7 +360,9 @@ def keys_file(path: Path | None) -> Path:
 @keys_app.command("add")
 def keys_add(
     tenant: str = typer.Option(..., help="who owns the key's queries (no other tenant can read or rate them)"),
-    streams: str = typer.Option("*", help="stream keys the key may use, comma-separated fnmatch patterns (support-*,billing)"),
+    streams: str = typer.Option(
+        "*", help="stream keys the key may use, comma-separated fnmatch patterns (support-*,billing)"
+    ),
     rate: float = typer.Option(20.0, min=0.001, help="sustained requests per second"),
     burst: int = typer.Option(40, min=1, help="requests at once above the sustained rate"),
     file: Path | None = KEYS_FILE,
@@ -295,7 +375,9 @@ def keys_add(
         key, record = add_key(path, tenant, [p.strip() for p in streams.split(",") if p.strip()], rate, burst)
     except (KeysError, ValueError) as exc:
         fail(str(exc))
-    errors.print(f"key {record.id} for tenant {tenant!r} (streams {', '.join(record.streams)}; {rate:g}/s, bursts of {burst}) added to {path}; it is shown once:")
+    errors.print(
+        f"key {record.id} for tenant {tenant!r} (streams {', '.join(record.streams)}; {rate:g}/s, bursts of {burst}) added to {path}; it is shown once:"
+    )
     print(key)
 
 
@@ -316,12 +398,22 @@ def keys_list(file: Path | None = KEYS_FILE) -> None:
         table.add_column(column)
     for r in records:
         created = datetime.datetime.fromtimestamp(r.created_at, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-        table.add_row(r.id, r.tenant, ",".join(r.streams), f"{r.rate_per_s:g}", str(r.burst), created, "revoked" if r.revoked else "active")
+        table.add_row(
+            r.id,
+            r.tenant,
+            ",".join(r.streams),
+            f"{r.rate_per_s:g}",
+            str(r.burst),
+            created,
+            "revoked" if r.revoked else "active",
+        )
     console.print(table)
 
 
 @keys_app.command("revoke")
-def keys_revoke(key_id: str = typer.Argument(..., help="the key's id (`rlens keys list`)"), file: Path | None = KEYS_FILE) -> None:
+def keys_revoke(
+    key_id: str = typer.Argument(..., help="the key's id (`rlens keys list`)"), file: Path | None = KEYS_FILE
+) -> None:
     """Revoke a key: running gateways refuse it within a second (they re-read the file when it changes)."""
     from rlens.service.api_keys import KeysError, revoke_key
 
@@ -347,15 +439,29 @@ def secrets() -> None:
 @app.command()
 def up(
     pool: Path | None = POOL,
-    strategy: str = typer.Option(settings().strategy, help="rl_focal (multiple-choice queries; open-ended ones over the models' sampled answers) or rlae (open-ended queries, token ensemble)"),
-    replay: Path = typer.Option(settings().demo_data, help="rl_focal without --pool: serve this recorded dataset's models (replay backends)"),
-    zoo_models: str = typer.Option(DEFAULT_RLAE_MODELS, help="rlae without --pool: these zoo models, in process (needs `rlens zoo build`)"),
+    strategy: str = typer.Option(
+        settings().strategy,
+        help="rl_focal (multiple-choice queries; open-ended ones over the models' sampled answers) or rlae (open-ended queries, token ensemble)",
+    ),
+    replay: Path = typer.Option(
+        settings().demo_data, help="rl_focal without --pool: serve this recorded dataset's models (replay backends)"
+    ),
+    zoo_models: str = typer.Option(
+        DEFAULT_RLAE_MODELS, help="rlae without --pool: these zoo models, in process (needs `rlens zoo build`)"
+    ),
     workers: int = typer.Option(2, min=1, help="worker processes (one consumer group)"),
     partitions: int = typer.Option(4, min=1, help="partitions of the queries topic"),
     workdir: Path = typer.Option(Path("out/up"), help="logs, the pool file and the learner's checkpoints"),
-    warm_start: Path | None = typer.Option(None, help="warm-start the learner (first start only): a recorded dataset (rl_focal), an `rlens rlae train` run (rlae)"),
+    warm_start: Path | None = typer.Option(
+        None,
+        help="warm-start the learner (first start only): a recorded dataset (rl_focal), an `rlens rlae train` run (rlae)",
+    ),
     broker_port: int = typer.Option(9092, help="port of the embedded broker (when RLENS_KAFKA_BOOTSTRAP is not set)"),
-    fresh: bool = typer.Option(False, "--fresh", help="start clean: delete the learner's checkpoints in --workdir and every Redis key under RLENS_REDIS_PREFIX"),
+    fresh: bool = typer.Option(
+        False,
+        "--fresh",
+        help="start clean: delete the learner's checkpoints in --workdir and every Redis key under RLENS_REDIS_PREFIX",
+    ),
     gateway: bool = typer.Option(True, help="run the OpenAI-compatible gateway too (its key: <workdir>/gateway.key)"),
     gateway_port: int = typer.Option(settings().gateway_port, help="the gateway's port (0: a free one)"),
 ) -> None:
@@ -379,7 +485,9 @@ def up(
         fail(f"--strategy must be rl_focal or rlae, got {strategy!r}")
     s = settings().model_copy(update={"strategy": strategy, "gateway_port": gateway_port})
     if gateway and gateway_port and port_taken(gateway_port):
-        fail(f"port {gateway_port} is taken (another `rlens up`, or another program): pass --gateway-port, or --no-gateway")
+        fail(
+            f"port {gateway_port} is taken (another `rlens up`, or another program): pass --gateway-port, or --no-gateway"
+        )
     kafka = os.environ.get("RLENS_KAFKA_BOOTSTRAP")
     redis_url = os.environ.get("RLENS_REDIS_URL")
     if redis_url is None:
@@ -396,12 +504,16 @@ def up(
             pool_file = write_zoo_pool(s.zoo_dir, [n.strip() for n in zoo_models.split(",")], workdir / "pool.json")
         else:
             pool_file = write_replay_pool(replay, workdir / "pool.json")
-        stack = LocalStack(s.model_copy(update={"pool_file": pool_file.resolve()}), workdir, partitions, kafka, redis_url, broker_port)
+        stack = LocalStack(
+            s.model_copy(update={"pool_file": pool_file.resolve()}), workdir, partitions, kafka, redis_url, broker_port
+        )
     except (DatasetError, PoolConfigError, RuntimeError, FileNotFoundError) as exc:
         fail(str(exc))
     if fresh:
         clear_state(stack.settings, workdir)
-        console.print(f"fresh start: no learner checkpoint in {workdir}, no Redis keys under {stack.settings.redis_prefix!r}")
+        console.print(
+            f"fresh start: no learner checkpoint in {workdir}, no Redis keys under {stack.settings.redis_prefix!r}"
+        )
     for line in carried_state(stack.settings, workdir):
         console.print(f"[yellow]carried over:[/] {line} (--fresh starts clean)")
     stop = []
@@ -415,15 +527,23 @@ def up(
         with console.status("starting the learner and the workers"):
             stack.wait_ready(180)
         redis_shown = redact_url(stack.settings.redis_url.get_secret_value())
-        console.print(f"[bold green]rlens is up[/] ({strategy}): Kafka {stack.settings.kafka_bootstrap}, Redis {redis_shown}, pool {pool_file}, {workers} workers; logs and secrets.env in {workdir}")
-        console.print(f"send traffic with: RLENS_KAFKA_BOOTSTRAP={stack.settings.kafka_bootstrap} rlens load --rate 50" + (" --tasks zoo" if strategy == "rlae" else ""))
+        console.print(
+            f"[bold green]rlens is up[/] ({strategy}): Kafka {stack.settings.kafka_bootstrap}, Redis {redis_shown}, pool {pool_file}, {workers} workers; logs and secrets.env in {workdir}"
+        )
+        console.print(
+            f"send traffic with: RLENS_KAFKA_BOOTSTRAP={stack.settings.kafka_bootstrap} rlens load --rate 50"
+            + (" --tasks zoo" if strategy == "rlae" else "")
+        )
         for name, url in sorted(stack.http_urls().items()):
             console.print(f"  {name.split(':')[0]:8s} {url}/metrics  /healthz  /readyz", highlight=False)
             if name.startswith("learner:"):
                 console.print(f"live dashboard: {url}/dashboard", highlight=False)
         if gateway:
             url = next(u for n, u in stack.http_urls().items() if n.startswith("gateway:"))
-            console.print(f"OpenAI-compatible gateway: {url}/v1 (docs {url}/docs); its key: export OPENAI_API_KEY=$(cat {stack.gateway_key})", highlight=False)
+            console.print(
+                f"OpenAI-compatible gateway: {url}/v1 (docs {url}/docs); its key: export OPENAI_API_KEY=$(cat {stack.gateway_key})",
+                highlight=False,
+            )
         while not stop:
             time.sleep(1)
             if stop:  # SIGTERM to the process group reaches the children too: do not restart them
@@ -441,8 +561,13 @@ def up(
 
 @app.command()
 def load(
-    data: Path = typer.Option(settings().demo_data, "--data", help="dataset to play as multiple-choice traffic (default: the bundled stream)"),
-    tasks: str | None = typer.Option(None, help="open-ended traffic (rlae, or rl_focal over the models' samples) instead: a JSON-lines task file {prompt, reference[, family]}, or 'zoo' for the zoo's generation stream (8 blocks of 50, task switches)"),
+    data: Path = typer.Option(
+        settings().demo_data, "--data", help="dataset to play as multiple-choice traffic (default: the bundled stream)"
+    ),
+    tasks: str | None = typer.Option(
+        None,
+        help="open-ended traffic (rlae, or rl_focal over the models' samples) instead: a JSON-lines task file {prompt, reference[, family]}, or 'zoo' for the zoo's generation stream (8 blocks of 50, task switches)",
+    ),
     rate: float = typer.Option(100.0, min=0.001, help="queries per second"),
     feedback_delay: float = typer.Option(0.0, min=0.0, help="seconds from a query's answer to its feedback"),
     limit: int | None = typer.Option(None, min=1, help="only the first N questions"),
@@ -454,33 +579,66 @@ def load(
     from rich.live import Live
 
     from rlens.rlae.tasks import TaskFileError, read_tasks
-    from rlens.service.load import BrokerUnreachable, LoadReport, new_run_id, open_ended_queries, play, probe_broker, queries_of
+    from rlens.service.load import (
+        BrokerUnreachable,
+        LoadReport,
+        new_run_id,
+        open_ended_queries,
+        play,
+        probe_broker,
+        queries_of,
+    )
     from rlens.zoo.record import QUESTIONS_FILE, read_questions
     from rlens.zoo.tasks import GENERATION_FAMILIES, generation_stream
 
     if tasks is not None:
         try:
-            open_ended = generation_stream(GENERATION_FAMILIES, 8, 50, seed=7) if tasks == "zoo" else read_tasks(Path(tasks))
+            open_ended = (
+                generation_stream(GENERATION_FAMILIES, 8, 50, seed=7) if tasks == "zoo" else read_tasks(Path(tasks))
+            )
         except TaskFileError as exc:
             fail(str(exc))
-        name, traffic = "zoo generation stream" if tasks == "zoo" else tasks, open_ended_queries(open_ended, new_run_id())[:limit]
+        name, traffic = (
+            "zoo generation stream" if tasks == "zoo" else tasks,
+            open_ended_queries(open_ended, new_run_id())[:limit],
+        )
     else:
         try:
             dataset = load_dataset(data)
         except DatasetError as exc:
             fail(str(exc))
-        prompts = [(q.prompt, q.choices) for q in read_questions(data / QUESTIONS_FILE)] if (data / QUESTIONS_FILE).is_file() else None
+        prompts = (
+            [(q.prompt, q.choices) for q in read_questions(data / QUESTIONS_FILE)]
+            if (data / QUESTIONS_FILE).is_file()
+            else None
+        )
         name, traffic = dataset.name, queries_of(dataset, prompts, new_run_id())[:limit]
     s = settings()
 
     def status(report) -> Table:
         table = Table(title=f"{name} → {s.kafka_bootstrap}: {rate:g} queries/s, feedback after {feedback_delay:g} s")
-        for column in ("sent", "answered", "accuracy %", "last 200 %", "calls / query", "p50 ms", "p99 ms", "duplicates", "policy"):
+        for column in (
+            "sent",
+            "answered",
+            "accuracy %",
+            "last 200 %",
+            "calls / query",
+            "p50 ms",
+            "p99 ms",
+            "duplicates",
+            "policy",
+        ):
             table.add_column(column, justify="right")
         table.add_row(
-            str(report.sent), f"{report.answered}/{len(traffic)}", f"{100 * report.accuracy:.1f}", f"{100 * report.recent_accuracy():.1f}",
+            str(report.sent),
+            f"{report.answered}/{len(traffic)}",
+            f"{100 * report.accuracy:.1f}",
+            f"{100 * report.recent_accuracy():.1f}",
             f"{sum(report.models_called) / max(len(report.models_called), 1):.2f}",
-            f"{report.latency_percentile(50):.0f}", f"{report.latency_percentile(99):.0f}", str(report.duplicates), str(max(report.policy_versions, default=0)),
+            f"{report.latency_percentile(50):.0f}",
+            f"{report.latency_percentile(99):.0f}",
+            str(report.duplicates),
+            str(max(report.policy_versions, default=0)),
         )
         return table
 
@@ -489,11 +647,15 @@ def load(
     except BrokerUnreachable as exc:
         fail(str(exc))
     with Live(status(LoadReport()), console=console, refresh_per_second=4) as live:
-        report = asyncio.run(play(s, traffic, rate, feedback_delay, idle_timeout, on_answer=lambda r: live.update(status(r))))
+        report = asyncio.run(
+            play(s, traffic, rate, feedback_delay, idle_timeout, on_answer=lambda r: live.update(status(r)))
+        )
         live.update(status(report))
     for task, (correct, answered) in sorted(report.per_task.items()):
         console.print(f"  {task:40s} {100 * correct / max(answered, 1):5.1f} % of {answered}")
-    console.print(f"answered {report.answered} of {len(traffic)} in {report.elapsed_s:.1f} s; accuracy {100 * report.accuracy:.1f} %; {report.duplicates} duplicate answers")
+    console.print(
+        f"answered {report.answered} of {len(traffic)} in {report.elapsed_s:.1f} s; accuracy {100 * report.accuracy:.1f} %; {report.duplicates} duplicate answers"
+    )
     if report.answered < len(traffic):
         raise typer.Exit(1)
 
@@ -501,8 +663,13 @@ def load(
 @zoo_app.command("build")
 def zoo_build(
     out: Path | None = typer.Option(None, help="zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)"),
-    threads: int = typer.Option(2, min=1, max=64, help="torch threads for training; the weights depend on it in the last digits, so keep it to rebuild "
-                                                       "the same zoo (1 is as fast on a busy 2-core machine, at two thirds of the CPU)"),
+    threads: int = typer.Option(
+        2,
+        min=1,
+        max=64,
+        help="torch threads for training; the weights depend on it in the last digits, so keep it to rebuild "
+        "the same zoo (1 is as fast on a busy 2-core machine, at two thirds of the CPU)",
+    ),
 ) -> None:
     """Train the zoo's specialists (seeded, a few minutes on CPU), add SmolLM2 and Gemma 3, write the manifest."""
     from rlens.zoo.build import SPECIALISTS, build_zoo
@@ -528,8 +695,13 @@ def zoo_record(
     block_size: int = typer.Option(120, min=1, help="questions per block"),
     seed: int = typer.Option(0, help="seed of the question stream"),
     models: str | None = typer.Option(None, help="comma-separated zoo models (default: every model of the zoo)"),
-    samples: int = typer.Option(0, min=0, max=64, help="open-ended instead: each model samples this many texts per task of the zoo's generation "
-                                                       "stream (families arithmetic, counting, ordering, pattern), saved as a samples directory"),
+    samples: int = typer.Option(
+        0,
+        min=0,
+        max=64,
+        help="open-ended instead: each model samples this many texts per task of the zoo's generation "
+        "stream (families arithmetic, counting, ordering, pattern), saved as a samples directory",
+    ),
     temperature: float = typer.Option(1.0, min=0.01, help="open-ended: the sampling temperature"),
 ) -> None:
     """Ask every zoo model every question of a generated stream (multiple choice, or open-ended with --samples);
@@ -553,18 +725,30 @@ def zoo_record(
         task = bar.add_task("sampling" if samples else "scoring", total=blocks * block_size * len(chosen))
         advance = lambda n: bar.advance(task, n)  # noqa: E731
         if samples:
-            dataset = record_samples(chosen, generation_stream(GENERATION_FAMILIES, blocks, block_size, seed), out, samples, temperature, seed=seed, progress=advance)
+            dataset = record_samples(
+                chosen,
+                generation_stream(GENERATION_FAMILIES, blocks, block_size, seed),
+                out,
+                samples,
+                temperature,
+                seed=seed,
+                progress=advance,
+            )
         else:
             dataset = record_stream(chosen, out, blocks, block_size, seed, progress=advance)
     accuracy = (model_predictions(dataset) == dataset.labels[:, None]).mean(0)
     for name, acc in zip(dataset.model_names, accuracy):
         console.print(f"  {name:14s} accuracy {100 * acc:5.1f} %" + (" (its most frequent answer)" if samples else ""))
-    console.print(f"wrote {out}: {dataset.n_questions} {'tasks' if samples else 'questions'} x {dataset.n_models} models")
+    console.print(
+        f"wrote {out}: {dataset.n_questions} {'tasks' if samples else 'questions'} x {dataset.n_models} models"
+    )
 
 
 @import_app.command("lm-eval")
 def import_lm_eval(
-    model: list[str] = typer.Option(..., "--model", help="NAME=PATH: a samples_*.jsonl file or a directory of them (repeat per model)"),
+    model: list[str] = typer.Option(
+        ..., "--model", help="NAME=PATH: a samples_*.jsonl file or a directory of them (repeat per model)"
+    ),
     out: Path = typer.Option(..., "--out", help="dataset directory to write"),
     cost: list[str] = typer.Option([], "--cost", help="NAME=COST: relative cost of one call of that model (default 1)"),
 ) -> None:
@@ -596,9 +780,10 @@ def import_lm_eval(
         load_dataset(out)  # the written directory must pass the same validation as any dataset
     except DatasetError as exc:
         fail(str(exc))
-    console.print(f"wrote {summary.out}: {summary.n_questions} questions x {summary.n_models} models, tasks {', '.join(summary.tasks)}" + (f"; dropped {summary.dropped} questions missing for some model" if summary.dropped else ""))
-
-
+    console.print(
+        f"wrote {summary.out}: {summary.n_questions} questions x {summary.n_models} models, tasks {', '.join(summary.tasks)}"
+        + (f"; dropped {summary.dropped} questions missing for some model" if summary.dropped else "")
+    )
 
 
 def rlae_decoder(zoo: Path | None, models: str, pool: Path | None, top_k: int) -> tuple[list[str], SpanWeightedDecoder]:
@@ -647,17 +832,29 @@ def write_training_plot(curve: list[tuple[int, float]], path: Path, title: str) 
 
 @rlae_app.command("train")
 def rlae_train(
-    out: Path = typer.Option(Path("out/rlae"), help="run directory: checkpoints, training.png (an existing run resumes)"),
-    variant: str = typer.Option("ppo", help="ppo (one agent, Dirichlet weights) or mappo (one agent per model, centralized critic)"),
+    out: Path = typer.Option(
+        Path("out/rlae"), help="run directory: checkpoints, training.png (an existing run resumes)"
+    ),
+    variant: str = typer.Option(
+        "ppo", help="ppo (one agent, Dirichlet weights) or mappo (one agent per model, centralized critic)"
+    ),
     models: str = typer.Option(DEFAULT_RLAE_MODELS, help="comma-separated zoo models"),
     zoo: Path | None = typer.Option(None, help="built zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)"),
-    pool: Path | None = typer.Option(None, help="a pool file instead of zoo models: all `transformers`, or all `openai` servers (top-k)"),
+    pool: Path | None = typer.Option(
+        None, help="a pool file instead of zoo models: all `transformers`, or all `openai` servers (top-k)"
+    ),
     top_k: int = typer.Option(5, min=1, max=20, help="with a pool of servers: top tokens asked of each per step"),
-    tasks: str | None = typer.Option(None, help="JSON lines of {prompt, reference[, family]}, or 'fewshot' (1000 few-shot tasks for the real LLMs); default: 1000 zoo generation tasks"),
+    tasks: str | None = typer.Option(
+        None,
+        help="JSON lines of {prompt, reference[, family]}, or 'fewshot' (1000 few-shot tasks for the real LLMs); default: 1000 zoo generation tasks",
+    ),
     span: int = typer.Option(4, min=1, help="tokens per span: the agent sets the weights every SPAN tokens"),
     max_tokens: int = typer.Option(16, min=1, help="generated tokens per episode at most"),
     episodes: int = typer.Option(6144, min=1, help="training episodes"),
-    observe: str = typer.Option("prompt", help="what the agent's MiniLM embeds: 'prompt' (once per generation) or 'text' (prompt + text so far, every span)"),
+    observe: str = typer.Option(
+        "prompt",
+        help="what the agent's MiniLM embeds: 'prompt' (once per generation) or 'text' (prompt + text so far, every span)",
+    ),
     seed: int = typer.Option(0, help="seed of the policy, the task order and the sampling"),
 ) -> None:
     """Train the RLAE agent offline on prompts + references (reward: exact match), with checkpoints after every update."""
@@ -681,7 +878,13 @@ def rlae_train(
     except TaskFileError as exc:
         fail(str(exc))
     names, decoder = rlae_decoder(zoo, models, pool, top_k)
-    cfg = RLAEConfig(variant=cast('Literal["ppo", "mappo"]', variant), span=span, max_tokens=max_tokens, episodes=episodes, observe=cast('Literal["prompt", "text"]', observe))
+    cfg = RLAEConfig(
+        variant=cast('Literal["ppo", "mappo"]', variant),
+        span=span,
+        max_tokens=max_tokens,
+        episodes=episodes,
+        observe=cast('Literal["prompt", "text"]', observe),
+    )
     try:
         trainer = RLAETrainer(decoder, SentenceEncoder(), names, cfg, out, seed)
     except ValueError as exc:
@@ -691,19 +894,31 @@ def rlae_train(
     console.print(f"RLAE-{variant.upper()} over {', '.join(names)}; span {span}, {len(train_tasks)} training tasks")
     with progress_bar(console) as bar:
         task = bar.add_task("training", total=episodes)
-        state = trainer.run(train_tasks, lambda n, reward: bar.update(task, advance=n, description=f"training (reward {reward:.2f})"))
+        state = trainer.run(
+            train_tasks, lambda n, reward: bar.update(task, advance=n, description=f"training (reward {reward:.2f})")
+        )
     write_training_plot(state.curve, out / "training.png", f"RLAE-{variant.upper()}, span {span}: {', '.join(names)}")
-    console.print(f"{state.episodes} episodes, {state.updates} updates; last reward {state.curve[-1][1]:.2f}; wrote {out} (training.png)")
+    console.print(
+        f"{state.episodes} episodes, {state.updates} updates; last reward {state.curve[-1][1]:.2f}; wrote {out} (training.png)"
+    )
 
 
 @rlae_app.command("generate")
 def rlae_generate(
-    prompts: list[str] = typer.Argument(..., help="prompts to answer (the zoo's form: 'Q: add: 12+7=\\nA:'; \\n is read as a newline)"),
+    prompts: list[str] = typer.Argument(
+        ..., help="prompts to answer (the zoo's form: 'Q: add: 12+7=\\nA:'; \\n is read as a newline)"
+    ),
     run: Path | None = typer.Option(None, help="a `rlens rlae train` run directory (its agent sets the weights)"),
-    weights: str | None = typer.Option(None, help="fixed weights instead of an agent: 'uniform' or comma-separated numbers"),
-    models: str = typer.Option(DEFAULT_RLAE_MODELS, help="comma-separated zoo models (with --weights; a run knows its own)"),
+    weights: str | None = typer.Option(
+        None, help="fixed weights instead of an agent: 'uniform' or comma-separated numbers"
+    ),
+    models: str = typer.Option(
+        DEFAULT_RLAE_MODELS, help="comma-separated zoo models (with --weights; a run knows its own)"
+    ),
     zoo: Path | None = typer.Option(None, help="built zoo directory (default: $RLENS_ZOO_DIR or ~/.cache/rlens/zoo)"),
-    pool: Path | None = typer.Option(None, help="a pool file instead of zoo models: all `transformers`, or all `openai` servers (top-k)"),
+    pool: Path | None = typer.Option(
+        None, help="a pool file instead of zoo models: all `transformers`, or all `openai` servers (top-k)"
+    ),
     top_k: int = typer.Option(5, min=1, max=20, help="with a pool of servers: top tokens asked of each per step"),
     span: int = typer.Option(4, min=1, help="tokens per span (with --weights; a run knows its own)"),
     max_tokens: int = typer.Option(16, min=1, help="tokens to generate at most"),
@@ -731,11 +946,17 @@ def rlae_generate(
     else:
         names, decoder = rlae_decoder(zoo, models, pool, top_k)
         try:
-            fixed = np.ones(len(names)) if weights == "uniform" else np.array([float(w) for w in (weights or "").split(",")])
+            fixed = (
+                np.ones(len(names))
+                if weights == "uniform"
+                else np.array([float(w) for w in (weights or "").split(",")])
+            )
         except ValueError:
             fail(f"--weights must be 'uniform' or comma-separated numbers, got {weights!r}")
         if fixed.shape != (len(names),) or (fixed < 0).any() or fixed.sum() <= 0:
-            fail(f"--weights needs {len(names)} non-negative numbers with a positive sum (one per model: {', '.join(names)})")
+            fail(
+                f"--weights needs {len(names)} non-negative numbers with a positive sum (one per model: {', '.join(names)})"
+            )
         source = fixed
     outputs = decoder.generate_batch(texts, source, max_tokens=max_tokens, span=span, stop=STOP)
     for prompt, out in zip(texts, outputs):

@@ -30,7 +30,9 @@ RECENT, BEFORE = 20, 100  # a detection's means: of the last RECENT values, and 
 @dataclass(frozen=True)
 class DriftConfig:
     detector: Detector = "adwin"
-    delta: float = 0.05  # ADWIN's confidence (smaller: fewer false alarms, later detections); chosen on zoo_mc (BENCHMARKS.md)
+    delta: float = (
+        0.05  # ADWIN's confidence (smaller: fewer false alarms, later detections); chosen on zoo_mc (BENCHMARKS.md)
+    )
     clock: int = 8  # ADWIN checks for a change every this many observations
     threshold: float = 10.0  # Page-Hinkley's threshold (on 0/1 and [0, 1] signals)
     min_gap: int = 20  # observations between two detections of one key
@@ -86,7 +88,7 @@ class DriftMonitor:
             return None
         key.last_detection = key.count
         values = list(key.values)
-        after, before = values[-RECENT:], values[-RECENT - BEFORE: -RECENT]
+        after, before = values[-RECENT:], values[-RECENT - BEFORE : -RECENT]
         return Detection(stream, signal, key.count, _mean(before), _mean(after), self._window(key))
 
     def _key(self, stream: str, signal: str) -> _Key:
@@ -106,7 +108,10 @@ class DriftMonitor:
         return int(width) if width is not None else key.count
 
     def to_json(self) -> list:
-        return [[stream, signal, key.count, key.last_detection, list(key.values)] for (stream, signal), key in self.keys.items()]
+        return [
+            [stream, signal, key.count, key.last_detection, list(key.values)]
+            for (stream, signal), key in self.keys.items()
+        ]
 
     def load_json(self, state: list) -> None:
         """Rebuild every key's detector by feeding it the kept values (no detection is reported while doing so)."""
@@ -141,9 +146,9 @@ def task_blocks(task) -> list[tuple[int, int]]:
 def recovery_time(correct, start: int, end: int) -> int:
     """Queries from a switch at ``start`` until the rolling accuracy over the block's last RECOVERY_ROLLING answers
     is within RECOVERY_TOLERANCE of the accuracy of the block's second half; the block's length if never."""
-    level = _mean(list(correct[(start + end) // 2: end]))
+    level = _mean(list(correct[(start + end) // 2 : end]))
     for t in range(start + RECOVERY_ROLLING - 1, end):
-        if _mean(list(correct[t - RECOVERY_ROLLING + 1: t + 1])) >= level - RECOVERY_TOLERANCE:
+        if _mean(list(correct[t - RECOVERY_ROLLING + 1 : t + 1])) >= level - RECOVERY_TOLERANCE:
             return t - start + 1
     return end - start
 
@@ -164,18 +169,27 @@ def drift_figures(correct, detections: list[int], task) -> DriftFigures:
             missed += 1
         false_alarms += sum(1 for d in detections if middle <= d < end)
         # detections after the first early one, within the first half, are the same switch seen again: not counted
-    return DriftFigures(delays, missed, len(blocks) - 1, 1000 * false_alarms / max(len(correct), 1),
-                        [recovery_time(correct, s, e) for s, e in blocks[1:]])
+    return DriftFigures(
+        delays,
+        missed,
+        len(blocks) - 1,
+        1000 * false_alarms / max(len(correct), 1),
+        [recovery_time(correct, s, e) for s, e in blocks[1:]],
+    )
 
 
 def _mean(values: list[float]) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 
 
-def signals_of_outcome(answer_index: int | None, label: int | None, reward: float, predictions: list[int] | None, models: list[str]) -> dict[str, float]:
+def signals_of_outcome(
+    answer_index: int | None, label: int | None, reward: float, predictions: list[int] | None, models: list[str]
+) -> dict[str, float]:
     """The labelled signals of one joined outcome: ``outcome`` and, where a label and the models' predictions are
     known, ``model:<name>`` for each model that answered (prediction -1: not called or failed)."""
-    signals = {"outcome": float(answer_index == label) if label is not None and answer_index is not None else float(reward > 0)}
+    signals = {
+        "outcome": float(answer_index == label) if label is not None and answer_index is not None else float(reward > 0)
+    }
     if label is not None and predictions is not None:
         signals.update({f"model:{name}": float(p == label) for name, p in zip(models, predictions) if p >= 0})
     return signals

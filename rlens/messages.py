@@ -47,9 +47,16 @@ class Query(Message):
     stream: Key = Field(description="stream / task key: the sliding window it belongs to")
     prompt: str = Field(max_length=MAX_TEXT)
     choices: list[Annotated[str, Field(max_length=10_000)]] | None = Field(None, min_length=2, max_length=MAX_CHOICES)
-    reference_id: str | None = Field(None, max_length=256, description="the question's id in a recorded dataset (replay backend)")
+    reference_id: str | None = Field(
+        None, max_length=256, description="the question's id in a recorded dataset (replay backend)"
+    )
     sent_at: float | None = Field(None, description="unix time the producer sent it (latency accounting)")
-    reply_to: str | None = Field(None, max_length=249, pattern=r"^[A-Za-z0-9._-]+$", description="a gateway replica's reply topic (under <topic_prefix>replies.): the worker publishes the answer there too")
+    reply_to: str | None = Field(
+        None,
+        max_length=249,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="a gateway replica's reply topic (under <topic_prefix>replies.): the worker publishes the answer there too",
+    )
 
 
 class ModelFailureRecord(BaseModel):
@@ -62,10 +69,20 @@ class ModelFailureRecord(BaseModel):
 class Answer(Message):
     query_id: str
     stream: str
-    answer: str = Field(description="the chosen choice's text (rl_focal) or the generated text (rlae); empty when no model answered")
-    answer_index: int = Field(ge=-1, description="position of the answer among the query's choices (rl_focal, open-ended: among candidates); -1 when no model answered or under rlae")
-    distribution: list[float] = Field(description="the Fusion agent's distribution over the choices (rl_focal, open-ended: over candidates; empty under rlae)")
-    candidates: list[str] = Field(default_factory=list, description="rl_focal, open-ended queries: the answers extracted from the pool's samples, most frequent first (what answer_index and distribution refer to)")
+    answer: str = Field(
+        description="the chosen choice's text (rl_focal) or the generated text (rlae); empty when no model answered"
+    )
+    answer_index: int = Field(
+        ge=-1,
+        description="position of the answer among the query's choices (rl_focal, open-ended: among candidates); -1 when no model answered or under rlae",
+    )
+    distribution: list[float] = Field(
+        description="the Fusion agent's distribution over the choices (rl_focal, open-ended: over candidates; empty under rlae)"
+    )
+    candidates: list[str] = Field(
+        default_factory=list,
+        description="rl_focal, open-ended queries: the answers extracted from the pool's samples, most frequent first (what answer_index and distribution refer to)",
+    )
     chosen_models: list[str] = Field(description="the Decider's pool")
     answered_models: list[str] = Field(description="models of the pool that answered (the Fusion agent used these)")
     called_models: list[str] = Field(description="models asked (the pool, plus the rest on a window-refresh probe)")
@@ -74,9 +91,14 @@ class Answer(Message):
     latency_ms: float = Field(ge=0, description="from the worker taking the query to publishing the answer")
     worker: str
     strategy: Strategy = "rl_focal"
-    span_weights: list[list[float]] = Field(default_factory=list, description="rlae: the ensemble weights of each span, one per model")
+    span_weights: list[list[float]] = Field(
+        default_factory=list, description="rlae: the ensemble weights of each span, one per model"
+    )
     finish_reason: str | None = Field(None, description="rlae: 'stop' (end of text or a stop string) or 'length'")
-    feedback_token: str = Field("", description="what this query's Feedback must carry as its token (binds feedback to the answer); empty when no model answered")
+    feedback_token: str = Field(
+        "",
+        description="what this query's Feedback must carry as its token (binds feedback to the answer); empty when no model answered",
+    )
 
 
 class Feedback(Message):
@@ -88,7 +110,9 @@ class Feedback(Message):
     token: str = Field(min_length=1, max_length=128, description="the answer's feedback_token")
     stream: Key | None = Field(None, description="if given, it must be the query's stream")
     label: int | None = Field(None, ge=0, lt=MAX_CHOICES)
-    reference: str | None = Field(None, max_length=MAX_TEXT, description="the correct answer text of an open-ended query")
+    reference: str | None = Field(
+        None, max_length=MAX_TEXT, description="the correct answer text of an open-ended query"
+    )
     reward: float | None = Field(None, ge=-1, le=1)
 
     @model_validator(mode="after")
@@ -105,19 +129,32 @@ class Experience(Message):
     query_id: Key
     stream: Key
     policy_version: int = Field(ge=0)
-    n_choices: int = Field(ge=1, le=MAX_CHOICES, description="the query's choices (open-ended: its candidates, at least 1)")
+    n_choices: int = Field(
+        ge=1, le=MAX_CHOICES, description="the query's choices (open-ended: its candidates, at least 1)"
+    )
     decider_state: list[Real] = Field(max_length=MAX_VECTOR)
     critic_state: list[Real] = Field(max_length=MAX_VECTOR)
     pool: list[bool] = Field(max_length=MAX_MODELS)
     pool_logp: float = Field(le=0, ge=-MAX_ABS)
-    predictions: list[Choice] = Field(max_length=MAX_MODELS, description="per model: its top choice, -1 where not called or failed (the window row)")
-    fusion_features: list[Annotated[list[Real], Field(max_length=MAX_VECTOR)]] = Field(max_length=MAX_CHOICES, description="the Fusion agent's observation [choices, features]")
+    predictions: list[Choice] = Field(
+        max_length=MAX_MODELS, description="per model: its top choice, -1 where not called or failed (the window row)"
+    )
+    fusion_features: list[Annotated[list[Real], Field(max_length=MAX_VECTOR)]] = Field(
+        max_length=MAX_CHOICES, description="the Fusion agent's observation [choices, features]"
+    )
     answer_index: int = Field(ge=0, lt=MAX_CHOICES)
     answer_logp: float = Field(le=0, ge=-MAX_ABS)
-    explored: bool = Field(False, description="both agents sampled their actions (pool_logp and answer_logp are of the sampled actions); "
-                                              "false: greedy, which trains only the critic")
-    candidates: list[Annotated[str, Field(max_length=10_000)]] | None = Field(None, max_length=MAX_CHOICES, description="open-ended queries: the extracted answers the choices stand for "
-                                                                                                  "(a feedback reference is matched against them); None: multiple choice")
+    explored: bool = Field(
+        False,
+        description="both agents sampled their actions (pool_logp and answer_logp are of the sampled actions); "
+        "false: greedy, which trains only the critic",
+    )
+    candidates: list[Annotated[str, Field(max_length=10_000)]] | None = Field(
+        None,
+        max_length=MAX_CHOICES,
+        description="open-ended queries: the extracted answers the choices stand for "
+        "(a feedback reference is matched against them); None: multiple choice",
+    )
 
 
 class SpanDecision(BaseModel):
@@ -155,12 +192,16 @@ class Policy(Message):
     n_models: int = Field(ge=1, le=MAX_MODELS)
     models: list[Key] = Field(max_length=MAX_MODELS)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    signature: str = Field(max_length=128, description="base64 Ed25519 signature of signed_bytes() by the learner's key")
+    signature: str = Field(
+        max_length=128, description="base64 Ed25519 signature of signed_bytes() by the learner's key"
+    )
     weights_b64: str
 
     def signed_bytes(self) -> bytes:
         """What the learner signs: everything that says what the weights are, never the weights' encoding."""
-        return json.dumps([self.strategy, self.epoch, self.version, self.models, self.sha256], separators=(",", ":")).encode()
+        return json.dumps(
+            [self.strategy, self.epoch, self.version, self.models, self.sha256], separators=(",", ":")
+        ).encode()
 
 
 class DriftEvent(Message):
@@ -173,7 +214,9 @@ class DriftEvent(Message):
     detector: str = Field(max_length=64, description="the river detector (adwin, page_hinkley)")
     position: int = Field(ge=1, description="the how-many-th value of this signal on this stream it came with")
     query_id: Key = Field(description="the query whose value completed the detection")
-    mean_before: float | None = Field(description="mean of the 100 values before the last 20 (null when there were none)")
+    mean_before: float | None = Field(
+        description="mean of the 100 values before the last 20 (null when there were none)"
+    )
     mean_after: float = Field(description="mean of the last 20 values")
     window: int = Field(ge=0, description="values the detector kept after the change")
     at: float = Field(description="unix time of the detection")
@@ -186,7 +229,9 @@ class DeadLetter(Message):
     partition: int
     offset: int
     key_b64: str | None
-    value_b64: str = Field(description="the value's first DEAD_LETTER_VALUE_BYTES bytes (all of it when value_truncated is false)")
+    value_b64: str = Field(
+        description="the value's first DEAD_LETTER_VALUE_BYTES bytes (all of it when value_truncated is false)"
+    )
     value_bytes: int = Field(0, ge=0, description="the whole value's size")
     value_sha256: str = Field("", description="the whole value's SHA-256 (hex)")
     value_truncated: bool = False
@@ -207,7 +252,11 @@ MESSAGES: dict[str, type[Message]] = {
 }
 
 AnyExperience = Experience | RLAEExperience
-EXPERIENCE: dict[str, type[Experience] | type[RLAEExperience]] = {"rl_focal": Experience, "rlae": RLAEExperience}  # by strategy
+# by strategy
+EXPERIENCE: dict[str, type[Experience] | type[RLAEExperience]] = {
+    "rl_focal": Experience,
+    "rlae": RLAEExperience,
+}
 
 
 def write_schemas(directory: Path = SCHEMA_DIR) -> list[Path]:

@@ -20,7 +20,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RLENS_", extra="ignore")
 
     shared_data: Path = Field(Path("../shared/datasets"), description="where the shared recorded datasets live")
-    zoo_dir: Path = Field(Path.home() / ".cache" / "rlens" / "zoo", description="where `rlens zoo build` puts the model zoo")
+    zoo_dir: Path = Field(
+        Path.home() / ".cache" / "rlens" / "zoo", description="where `rlens zoo build` puts the model zoo"
+    )
     demo_data: Path = Field(PACKAGE_DATA / "zoo_mc", description="the bundled dataset that `rlens demo` replays")
     http_timeout_s: float = Field(30.0, gt=0, description="openai backend: timeout of one HTTP attempt")
     http_retries: int = Field(2, ge=0, description="openai backend: retries after a transport error, timeout or 5xx")
@@ -33,87 +35,232 @@ class Settings(BaseSettings):
     kafka_sasl_username: str | None = None
     kafka_sasl_password: SecretStr | None = None
     kafka_ssl_cafile: Path | None = Field(None, description="CA bundle for SSL / SASL_SSL")
-    kafka_acks: Literal["all", "1"] = Field("all", description="producer acknowledgements: all (every in-sync replica; the default) or 1 (the leader only)")
-    kafka_idempotence: bool = Field(False, description="idempotent producers (no duplicates from producer retries); needs a broker that supports them (tansu does not)")
-    kafka_replication: int = Field(1, ge=1, description="replication factor of the topics the service creates (3 on a real cluster, with min.insync.replicas=2)")
-    topic_prefix: str = Field("rlens.", description="topic names are this prefix + queries, answers, feedback, experience, policy, dead-letter")
+    kafka_acks: Literal["all", "1"] = Field(
+        "all", description="producer acknowledgements: all (every in-sync replica; the default) or 1 (the leader only)"
+    )
+    kafka_idempotence: bool = Field(
+        False,
+        description="idempotent producers (no duplicates from producer retries); needs a broker that supports them (tansu does not)",
+    )
+    kafka_replication: int = Field(
+        1,
+        ge=1,
+        description="replication factor of the topics the service creates (3 on a real cluster, with min.insync.replicas=2)",
+    )
+    topic_prefix: str = Field(
+        "rlens.",
+        description="topic names are this prefix + queries, answers, feedback, experience, policy, dead-letter",
+    )
     kafka_session_timeout_ms: int = Field(10_000, ge=1000, description="consumer-group session timeout")
     kafka_heartbeat_ms: int = Field(3_000, ge=100, description="consumer-group heartbeat interval")
-    kafka_fetch_max_wait_ms: int = Field(20, ge=0, description="how long a fetch waits for data (bounds the latency added by polling)")
+    kafka_fetch_max_wait_ms: int = Field(
+        20, ge=0, description="how long a fetch waits for data (bounds the latency added by polling)"
+    )
     # streaming service: Redis windows
-    redis_url: SecretStr = Field(SecretStr("redis://127.0.0.1:6379/0"), description="Redis for the sliding windows (redis://user:password@host:port/db, rediss:// for TLS)")
+    redis_url: SecretStr = Field(
+        SecretStr("redis://127.0.0.1:6379/0"),
+        description="Redis for the sliding windows (redis://user:password@host:port/db, rediss:// for TLS)",
+    )
     redis_prefix: str = Field("rlens", description="prefix of every Redis key")
     window_ttl_s: int = Field(7 * 86400, ge=1, description="a stream's window expires after this long without feedback")
-    dedup_ttl_s: int = Field(86400, ge=1, description="how long a query's applied outcome is remembered (duplicate feedback)")
+    dedup_ttl_s: int = Field(
+        86400, ge=1, description="how long a query's applied outcome is remembered (duplicate feedback)"
+    )
     # streaming service: trust (see rlens.service.security; `rlens secrets` generates all three)
-    feedback_secret: SecretStr | None = Field(None, description="workers, learner, gateway: the HMAC key of the answers' feedback tokens")
-    policy_signing_key: SecretStr | None = Field(None, description="learner only: Ed25519 private key (base64) that signs policies")
-    policy_verify_key: str | None = Field(None, description="workers: the learner's Ed25519 public key (base64); only policies it verifies are loaded")
+    feedback_secret: SecretStr | None = Field(
+        None, description="workers, learner, gateway: the HMAC key of the answers' feedback tokens"
+    )
+    policy_signing_key: SecretStr | None = Field(
+        None, description="learner only: Ed25519 private key (base64) that signs policies"
+    )
+    policy_verify_key: str | None = Field(
+        None, description="workers: the learner's Ed25519 public key (base64); only policies it verifies are loaded"
+    )
     # streaming service: worker and learner
-    strategy: Literal["rl_focal", "rlae"] = Field("rl_focal", description="rl_focal: Decider + Fusion (multiple-choice queries, and open-ended ones over the models' sampled answers); rlae: open-ended queries (span-weighted token ensemble)")
-    pool_file: Path | None = Field(None, description="the pool file of the worker and the learner (see rlens.models.pool)")
+    strategy: Literal["rl_focal", "rlae"] = Field(
+        "rl_focal",
+        description="rl_focal: Decider + Fusion (multiple-choice queries, and open-ended ones over the models' sampled answers); rlae: open-ended queries (span-weighted token ensemble)",
+    )
+    pool_file: Path | None = Field(
+        None, description="the pool file of the worker and the learner (see rlens.models.pool)"
+    )
     worker_group: str = Field("rlens-workers", description="the workers' consumer group on the queries topic")
     learner_group: str = Field("rlens-learner", description="the learner's consumer group")
     seed: int = Field(0, description="seed of the engines' initial weights and of their sampling")
-    metrics_host: str = Field("127.0.0.1", description="where a worker or learner serves /metrics, /healthz and /readyz (0.0.0.0 in a container)")
-    metrics_port: int = Field(0, ge=0, le=65535, description="their port; 0: a free one, announced in the process's readiness mark in Redis")
-    metrics_enabled: bool = Field(True, description="update the Prometheus metrics (false: /metrics stays empty; for measuring their cost)")
-    metrics_streams: int = Field(100, ge=1, description="stream keys that get their own metric labels; the rest share 'other'")
-    torch_threads: int = Field(1, ge=1, description="torch threads of a worker or learner process: one is fastest for the agents' tiny networks on a busy machine (raise it for in-process LLMs on an idle one)")
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="where a worker or learner serves /metrics, /healthz and /readyz (0.0.0.0 in a container)",
+    )
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="their port; 0: a free one, announced in the process's readiness mark in Redis"
+    )
+    metrics_enabled: bool = Field(
+        True, description="update the Prometheus metrics (false: /metrics stays empty; for measuring their cost)"
+    )
+    metrics_streams: int = Field(
+        100, ge=1, description="stream keys that get their own metric labels; the rest share 'other'"
+    )
+    torch_threads: int = Field(
+        1,
+        ge=1,
+        description="torch threads of a worker or learner process: one is fastest for the agents' tiny networks on a busy machine (raise it for in-process LLMs on an idle one)",
+    )
     worker_batch: int = Field(32, ge=1, description="queries the worker takes per batch")
     worker_deadline_s: float = Field(60.0, gt=0, description="a query's models must answer within this")
-    model_concurrency: int = Field(8, ge=1, description="threads per model: its calls run in these (a hung model holds only its own); when all are stuck past the deadline, its calls fail at once")
-    circuit_failures: int = Field(5, ge=1, description="missed deadlines in a row that open a model's circuit (its calls then fail at once; errors answered in time never do)")
-    circuit_cooldown_s: float = Field(30.0, gt=0, description="how long an open circuit refuses calls before one is let through")
+    model_concurrency: int = Field(
+        8,
+        ge=1,
+        description="threads per model: its calls run in these (a hung model holds only its own); when all are stuck past the deadline, its calls fail at once",
+    )
+    circuit_failures: int = Field(
+        5,
+        ge=1,
+        description="missed deadlines in a row that open a model's circuit (its calls then fail at once; errors answered in time never do)",
+    )
+    circuit_cooldown_s: float = Field(
+        30.0, gt=0, description="how long an open circuit refuses calls before one is let through"
+    )
     checkpoint_dir: Path = Field(Path("out/learner"), description="the learner's checkpoints")
-    checkpoint_every_s: float = Field(5.0, gt=0, description="the learner checkpoints at most this often (and on shutdown); Kafka offsets are committed up to the newest checkpoint")
+    checkpoint_every_s: float = Field(
+        5.0,
+        gt=0,
+        description="the learner checkpoints at most this often (and on shutdown); Kafka offsets are committed up to the newest checkpoint",
+    )
     pending_limit: int = Field(100_000, ge=1, description="experience / feedback held while waiting for the other half")
-    pending_ttl_s: float = Field(3600.0, gt=0, description="an unmatched experience or feedback is dead-lettered this long after its record's timestamp (event time)")
-    pending_bytes: int = Field(256 * 2**20, ge=2**20, description="bytes of unmatched experience, and of unmatched feedback, held at most (oldest dropped first)")
-    pending_per_stream: int = Field(10_000, ge=1, description="unmatched halves one stream key may hold (past that, its own oldest is dropped)")
+    pending_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        description="an unmatched experience or feedback is dead-lettered this long after its record's timestamp (event time)",
+    )
+    pending_bytes: int = Field(
+        256 * 2**20,
+        ge=2**20,
+        description="bytes of unmatched experience, and of unmatched feedback, held at most (oldest dropped first)",
+    )
+    pending_per_stream: int = Field(
+        10_000, ge=1, description="unmatched halves one stream key may hold (past that, its own oldest is dropped)"
+    )
     # the OpenAI-compatible gateway (`rlens gateway`; rlens.service.gateway)
     gateway_host: str = Field("127.0.0.1", description="where the gateway listens (0.0.0.0 in a container)")
-    gateway_port: int = Field(8000, ge=0, le=65535, description="its port (0: a free one, announced in its readiness mark in Redis)")
-    gateway_id: str = Field("", pattern=r"^[A-Za-z0-9._-]*$", max_length=100, description="this replica's name: its reply topic is <topic_prefix>replies.<id> (stable across restarts, e.g. a StatefulSet pod name; default: the host name)")
-    gateway_strategies: list[Literal["rl_focal", "rlae"]] | None = Field(None, description="strategies the deployment runs (JSON list; default: [RLENS_STRATEGY]); requests for another get a clear error")
-    gateway_keys_file: Path | None = Field(Path("rlens-keys.json"), description="the API keys (hashed; `rlens keys add`), re-read when it changes")
+    gateway_port: int = Field(
+        8000, ge=0, le=65535, description="its port (0: a free one, announced in its readiness mark in Redis)"
+    )
+    gateway_id: str = Field(
+        "",
+        pattern=r"^[A-Za-z0-9._-]*$",
+        max_length=100,
+        description="this replica's name: its reply topic is <topic_prefix>replies.<id> (stable across restarts, e.g. a StatefulSet pod name; default: the host name)",
+    )
+    gateway_strategies: list[Literal["rl_focal", "rlae"]] | None = Field(
+        None,
+        description="strategies the deployment runs (JSON list; default: [RLENS_STRATEGY]); requests for another get a clear error",
+    )
+    gateway_keys_file: Path | None = Field(
+        Path("rlens-keys.json"), description="the API keys (hashed; `rlens keys add`), re-read when it changes"
+    )
     gateway_keys: str | None = Field(None, description="the API key records as JSON instead of a file (containers)")
-    gateway_timeout_s: float = Field(30.0, gt=0, description="how long a request waits for its answer (then 504 with the query id: fetch it later at /v1/answers/{id})")
-    gateway_retention_s: int = Field(3600, ge=1, description="answers, idempotency keys and queries are kept this long: the late-answer fetch and the feedback window (keep it within RLENS_PENDING_TTL_S)")
-    gateway_max_waiting: int = Field(1000, ge=1, description="requests waiting for answers at once per replica; more get 503 with Retry-After")
+    gateway_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="how long a request waits for its answer (then 504 with the query id: fetch it later at /v1/answers/{id})",
+    )
+    gateway_retention_s: int = Field(
+        3600,
+        ge=1,
+        description="answers, idempotency keys and queries are kept this long: the late-answer fetch and the feedback window (keep it within RLENS_PENDING_TTL_S)",
+    )
+    gateway_max_waiting: int = Field(
+        1000, ge=1, description="requests waiting for answers at once per replica; more get 503 with Retry-After"
+    )
     gateway_max_body_bytes: int = Field(1_048_576, ge=1024, description="largest request body (413 above)")
     gateway_max_prompt_chars: int = Field(100_000, ge=1, le=100_000, description="longest prompt (413 above)")
     # drift detection (the learner; rlens.drift)
-    drift_detector: Literal["adwin", "page_hinkley", "off"] = Field("adwin", description="river's change detector per (stream, signal) on the joined outcomes; off: none")
-    drift_delta: float = Field(0.05, gt=0, lt=1, description="ADWIN's confidence: smaller, fewer false alarms and later detections (0.05: chosen on zoo_mc, BENCHMARKS.md)")
+    drift_detector: Literal["adwin", "page_hinkley", "off"] = Field(
+        "adwin", description="river's change detector per (stream, signal) on the joined outcomes; off: none"
+    )
+    drift_delta: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="ADWIN's confidence: smaller, fewer false alarms and later detections (0.05: chosen on zoo_mc, BENCHMARKS.md)",
+    )
     drift_min_gap: int = Field(20, ge=1, description="values of one (stream, signal) between two of its detections")
-    drift_reaction: Literal["trim", "none"] = Field("none", description="on a drift of a stream's outcome or of one of its models: trim its window to the last RLENS_DRIFT_KEEP outcomes (the old task's rows go), or nothing (the default: trim helped on zoo_mc, not on the held-out bbh_dev; BENCHMARKS.md)")
+    drift_reaction: Literal["trim", "none"] = Field(
+        "none",
+        description="on a drift of a stream's outcome or of one of its models: trim its window to the last RLENS_DRIFT_KEEP outcomes (the old task's rows go), or nothing (the default: trim helped on zoo_mc, not on the held-out bbh_dev; BENCHMARKS.md)",
+    )
     drift_keep: int = Field(5, ge=0, description="outcomes a stream's window keeps when it is trimmed after a drift")
-    focal_explore_rate: float = Field(FocalConfig.explore_rate, ge=0, le=1, description="rl_focal: share of queries on which both agents sample their actions "
-                                      "(logged with their probabilities; only these train the policies); the rest are answered greedily")
-    focal_update_period: int = Field(FocalConfig.update_period, ge=1, description="rl_focal: the learner updates once this many explored transitions are joined")
-    focal_samples: int = Field(5, ge=1, le=64, description="rl_focal, open-ended queries: texts each chosen model samples; their extracted answers make its distribution")
-    focal_temperature: float = Field(1.0, gt=0, le=10, description="rl_focal, open-ended queries: the models' sampling temperature")
-    focal_max_tokens: int = Field(16, ge=1, le=4096, description="rl_focal, open-ended queries: tokens per sample at most")
-    focal_stop: list[str] = Field(["\n"], max_length=8, description="rl_focal, open-ended queries: a sample stops before the first of these strings (JSON list)")
-    focal_extractor: Literal["line", "number"] = Field("line", description="rl_focal, open-ended queries: the answer in a sample (and in a feedback reference): its first line, or its first number")
+    focal_explore_rate: float = Field(
+        FocalConfig.explore_rate,
+        ge=0,
+        le=1,
+        description="rl_focal: share of queries on which both agents sample their actions "
+        "(logged with their probabilities; only these train the policies); the rest are answered greedily",
+    )
+    focal_update_period: int = Field(
+        FocalConfig.update_period,
+        ge=1,
+        description="rl_focal: the learner updates once this many explored transitions are joined",
+    )
+    focal_samples: int = Field(
+        5,
+        ge=1,
+        le=64,
+        description="rl_focal, open-ended queries: texts each chosen model samples; their extracted answers make its distribution",
+    )
+    focal_temperature: float = Field(
+        1.0, gt=0, le=10, description="rl_focal, open-ended queries: the models' sampling temperature"
+    )
+    focal_max_tokens: int = Field(
+        16, ge=1, le=4096, description="rl_focal, open-ended queries: tokens per sample at most"
+    )
+    focal_stop: list[str] = Field(
+        ["\n"],
+        max_length=8,
+        description="rl_focal, open-ended queries: a sample stops before the first of these strings (JSON list)",
+    )
+    focal_extractor: Literal["line", "number"] = Field(
+        "line",
+        description="rl_focal, open-ended queries: the answer in a sample (and in a feedback reference): its first line, or its first number",
+    )
     # streaming service: the rlae strategy
-    rlae_variant: Literal["ppo", "mappo"] = Field("ppo", description="ppo (one agent, Dirichlet weights) or mappo (one agent per model, centralized critic)")
+    rlae_variant: Literal["ppo", "mappo"] = Field(
+        "ppo", description="ppo (one agent, Dirichlet weights) or mappo (one agent per model, centralized critic)"
+    )
     rlae_span: int = Field(4, ge=1, description="tokens per span: the agent sets the weights every this many tokens")
     rlae_max_tokens: int = Field(16, ge=1, description="tokens generated per query at most")
     rlae_stop: list[str] = Field(["\n"], description="generation stops before the first of these strings (JSON list)")
-    rlae_top_k: int = Field(5, ge=1, le=20, description="pools of openai servers: top tokens asked of each server per step")
+    rlae_top_k: int = Field(
+        5, ge=1, le=20, description="pools of openai servers: top tokens asked of each server per step"
+    )
     rlae_update_episodes: int = Field(64, ge=1, description="rewarded generations between two online PPO updates")
     rlae_lr: float = Field(1e-3, gt=0, description="learning rate of the online PPO updates")
-    rlae_rehearsal: int = Field(32, ge=0, description="per stream, earlier episodes replayed in every update (against forgetting across task switches); 0: none")
-    rlae_explore: bool = Field(True, description="sample the weights from the policy (on-policy experience for the learner); false: the policy's mean")
-    rlae_observe: Literal["prompt", "text"] = Field("prompt", description="what the agent's MiniLM embeds: the prompt once per query, or prompt + text at every span")
+    rlae_rehearsal: int = Field(
+        32,
+        ge=0,
+        description="per stream, earlier episodes replayed in every update (against forgetting across task switches); 0: none",
+    )
+    rlae_explore: bool = Field(
+        True,
+        description="sample the weights from the policy (on-policy experience for the learner); false: the policy's mean",
+    )
+    rlae_observe: Literal["prompt", "text"] = Field(
+        "prompt",
+        description="what the agent's MiniLM embeds: the prompt once per query, or prompt + text at every span",
+    )
 
     def focal_sampling(self) -> GenerationRequest:
         """How the rl_focal worker asks each chosen model about an open-ended query (id and prompt filled per query)."""
         from rlens.backends.base import GenerationRequest  # the backends' package is not needed to read settings
 
-        return GenerationRequest(id="-", prompt="", n=self.focal_samples, temperature=self.focal_temperature, max_tokens=self.focal_max_tokens, stop=self.focal_stop)
+        return GenerationRequest(
+            id="-",
+            prompt="",
+            n=self.focal_samples,
+            temperature=self.focal_temperature,
+            max_tokens=self.focal_max_tokens,
+            stop=self.focal_stop,
+        )
 
 
 def settings() -> Settings:

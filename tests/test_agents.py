@@ -9,7 +9,16 @@ from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.focal.metrics import METRIC_NAMES
 from rlens.focal.window import OutcomeWindow
-from rlens.focal.features import critic_state, critic_state_dim, decider_obs_dim, decider_observation, model_features_in_decider_obs, fusion_feature_dim, fusion_observation, reliability_weighted_log_probs
+from rlens.focal.features import (
+    critic_state,
+    critic_state_dim,
+    decider_obs_dim,
+    decider_observation,
+    model_features_in_decider_obs,
+    fusion_feature_dim,
+    fusion_observation,
+    reliability_weighted_log_probs,
+)
 
 
 def test_decider_never_returns_an_empty_pool():
@@ -54,7 +63,9 @@ def test_untrained_decider_calls_the_models_close_to_the_most_reliable():
 
 @pytest.mark.parametrize("n_models, n_choices", [(2, 2), (5, 19), (32, 7)])
 def test_fusion_masks_invalid_choices_for_any_pool_size(n_models, n_choices):
-    fusion = Fusion(fusion_feature_dim(n_models), hidden=16, reliability_weighted_log_probs=reliability_weighted_log_probs(n_models))
+    fusion = Fusion(
+        fusion_feature_dim(n_models), hidden=16, reliability_weighted_log_probs=reliability_weighted_log_probs(n_models)
+    )
     features = torch.randn(3, n_choices, fusion_feature_dim(n_models))
     mask = torch.ones(3, n_choices, dtype=torch.bool)
     mask[0, 1:] = False

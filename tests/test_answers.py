@@ -38,7 +38,9 @@ def test_sampled_answers_of_a_zoo_model_form_a_distribution(quick_zoo):
 
     model = next(m for m in load_zoo(quick_zoo) if m.name == "count-bpe")
     backend = load_backend(model)
-    request = GenerationRequest(id="c", prompt="Q: count a in: a b a b\nA:", n=8, max_tokens=4, temperature=1.0, stop=["\n"], seed=0)
+    request = GenerationRequest(
+        id="c", prompt="Q: count a in: a b a b\nA:", n=8, max_tokens=4, temperature=1.0, stop=["\n"], seed=0
+    )
     texts = backend.generate(request).texts
     assert len(texts) == 8 and backend.generate(request).texts == texts
     dist = answer_distribution(texts, "line")

@@ -31,7 +31,9 @@ def char_tokenizer():
 def tiny():
     torch.manual_seed(0)
     tokenizer = char_tokenizer()
-    config = transformers.GPT2Config(vocab_size=len(CHARS) + 1, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        vocab_size=len(CHARS) + 1, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+    )
     return TransformersBackend(transformers.GPT2LMHeadModel(config), tokenizer)
 
 
@@ -115,7 +117,9 @@ def test_smollm2_gguf_scores_match_reference():
     prompt = "Question: What is the capital of France?\nAnswer:"
     choices = [" Paris", " London", " Berlin, the capital of Germany"]
     scores = backend.score_choices(ChoiceQuery(id="fr", prompt=prompt, choices=choices))
-    assert scores.loglikelihoods == pytest.approx([reference_loglikelihood(backend, prompt, c) for c in choices], abs=1e-4)
+    assert scores.loglikelihoods == pytest.approx(
+        [reference_loglikelihood(backend, prompt, c) for c in choices], abs=1e-4
+    )
     assert int(np.argmax(scores.loglikelihoods)) == 0
 
 
@@ -126,11 +130,15 @@ def test_gemma3_reads_its_bos_first_in_scores_and_prompt_logprobs(gemma3):
     context, _ = encode_pair(gemma3.tokenizer, prompt, choices[0])
     assert context[0] == gemma3.tokenizer.bos_token_id and context == gemma3.tokenizer(prompt).input_ids
     scores = gemma3.score_choices(ChoiceQuery(id="g", prompt=prompt, choices=choices))
-    assert scores.loglikelihoods == pytest.approx([reference_loglikelihood(gemma3, prompt, c) for c in choices], abs=1e-3)
+    assert scores.loglikelihoods == pytest.approx(
+        [reference_loglikelihood(gemma3, prompt, c) for c in choices], abs=1e-3
+    )
     assert int(np.argmax(scores.loglikelihoods)) == 0 and scores.is_greedy[0]
     echoed = gemma3.prompt_logprobs([prompt + choices[0]], top=2)[0]
-    assert "".join(echoed.tokens) == prompt + choices[0] and echoed.logprobs[0] is not None  # the BOS is read, not reported
-    assert sum(echoed.logprobs[-2:]) == pytest.approx(scores.loglikelihoods[0], abs=1e-3)  # " 7" is two tokens: "▁", "7"
+    # the BOS is read, not reported
+    assert "".join(echoed.tokens) == prompt + choices[0] and echoed.logprobs[0] is not None
+    # " 7" is two tokens: "▁", "7"
+    assert sum(echoed.logprobs[-2:]) == pytest.approx(scores.loglikelihoods[0], abs=1e-3)
     assert gemma3.prompt_logprobs([prompt], top=1)[0].next_token == " "
 
 
@@ -159,4 +167,6 @@ def test_zoo_specialist_scores_match_reference(quick_zoo, name):
     for family in FAMILIES:
         q = make_question(family, rng)
         scores = backend.score_choices(ChoiceQuery(id="z", prompt=q.prompt, choices=q.choices))
-        assert scores.loglikelihoods == pytest.approx([reference_loglikelihood(backend, q.prompt, c) for c in q.choices], abs=1e-4)
+        assert scores.loglikelihoods == pytest.approx(
+            [reference_loglikelihood(backend, q.prompt, c) for c in q.choices], abs=1e-4
+        )

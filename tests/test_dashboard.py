@@ -22,10 +22,19 @@ from rlens.settings import settings
 
 def browser(tmp_path) -> webdriver.Chrome:
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    assert chromium and driver, "the dashboard test needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+    assert chromium and driver, (
+        "the dashboard test needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+    )
     options = Options()
     options.binary_location = chromium
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1600", f"--user-data-dir={tmp_path / 'chromium'}"):
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1600",
+        f"--user-data-dir={tmp_path / 'chromium'}",
+    ):
         options.add_argument(argument)
     return webdriver.Chrome(options=options, service=Service(driver))
 
@@ -41,10 +50,23 @@ def wait_for(condition, timeout_s: float = 60.0, what: str = "condition"):
 
 def test_the_dashboard_shows_the_played_streams_live_and_marks_the_task_switch(tmp_path, zoo):
     pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
-    stack = LocalStack(settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500,
-                                                   "focal_explore_rate": 1.0}), tmp_path)  # every query explored: an update every 64 joins
+    # every query explored: an update every 64 joins
+    stack = LocalStack(
+        settings().model_copy(
+            update={
+                "pool_file": pool,
+                "kafka_session_timeout_ms": 2000,
+                "kafka_heartbeat_ms": 500,
+                "focal_explore_rate": 1.0,
+            }
+        ),
+        tmp_path,
+    )
     # 240 questions on one stream key "support" (ordering, then antonyms: a task switch), then 60 under their task's key
-    traffic = [(q.model_copy(update={"stream": "support"}) if i < 240 else q, label) for i, (q, label) in enumerate(queries_of(zoo.subset(list(range(300))), None, "dash"))]
+    traffic = [
+        (q.model_copy(update={"stream": "support"}) if i < 240 else q, label)
+        for i, (q, label) in enumerate(queries_of(zoo.subset(list(range(300))), None, "dash"))
+    ]
     driver = None
     try:
         stack.start_learner()
@@ -53,16 +75,31 @@ def test_the_dashboard_shows_the_played_streams_live_and_marks_the_task_switch(t
         learner = next(u for name, u in stack.http_urls().items() if name.startswith("learner:"))
         driver = browser(tmp_path)
         driver.get(f"{learner}/dashboard")
-        wait_for(lambda: driver.find_element(By.ID, "strategy").text == "rl_focal", what="the page to load its first snapshot")
+        wait_for(
+            lambda: driver.find_element(By.ID, "strategy").text == "rl_focal",
+            what="the page to load its first snapshot",
+        )
         assert driver.find_element(By.ID, "joined").text == "0" and driver.find_element(By.ID, "empty").is_displayed()
         player = threading.Thread(target=lambda: asyncio.run(play(stack.settings, traffic, rate=40, idle_timeout_s=60)))
         player.start()
-        seen = [int(wait_for(lambda: (t := driver.find_element(By.ID, "joined").text) != "0" and t, what="the first joins"))]
-        seen.append(int(wait_for(lambda: (t := int(driver.find_element(By.ID, "joined").text)) > seen[0] and t, what="the count to move on")))
+        seen = [
+            int(wait_for(lambda: (t := driver.find_element(By.ID, "joined").text) != "0" and t, what="the first joins"))
+        ]
+        seen.append(
+            int(
+                wait_for(
+                    lambda: (t := int(driver.find_element(By.ID, "joined").text)) > seen[0] and t,
+                    what="the count to move on",
+                )
+            )
+        )
         player.join(120)
         wait_for(lambda: driver.find_element(By.ID, "joined").text == "300", what="all 300 joins on the page")
         time.sleep(2.5)  # one more refresh after the last join
-        cards = {card.get_attribute("data-stream"): card for card in driver.find_elements(By.CSS_SELECTOR, ".card[data-stream]")}
+        cards = {
+            card.get_attribute("data-stream"): card
+            for card in driver.find_elements(By.CSS_SELECTOR, ".card[data-stream]")
+        }
         markers = cards["support"].find_elements(By.CSS_SELECTOR, ".drift-marker")
         accuracy = cards["support"].find_element(By.CSS_SELECTOR, ".accuracy").text
         version = driver.find_element(By.ID, "version").text

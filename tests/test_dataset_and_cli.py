@@ -38,7 +38,7 @@ def test_load_round_trip(bbh_slice_dir):
         (lambda d: np.save(d / "labels.npy", np.full(120, 7)), "labels.npy", "not one of its valid choices"),
         (lambda d: np.save(d / "task.npy", np.zeros(3, np.int64)), "task.npy", "integer array [120]"),
         (lambda d: np.save(d / "choice_mask.npy", np.ones((120, 3))), "choice_mask.npy", "must be bool"),
-        (lambda d: (d / "models.json").write_text("[{\"index\": 0}]"), "models.json", "lists 1 models"),
+        (lambda d: (d / "models.json").write_text('[{"index": 0}]'), "models.json", "lists 1 models"),
         (lambda d: (d / "models.json").write_text("{oops"), "models.json", "not valid JSON"),
         (lambda d: np.save(d / "probs.npy", np.load(d / "probs.npy") * 2), "probs.npy", "sum to"),
         (lambda d: np.save(d / "probs.npy", np.full_like(np.load(d / "probs.npy"), np.nan)), "probs.npy", "NaN"),
@@ -97,7 +97,8 @@ def test_demo_is_the_main_job_on_the_bundled_stream(tmp_path):
 
     result = runner.invoke(app, ["demo", "--out", str(tmp_path), "--workers", "1"])
     assert result.exit_code == 0, result.output
-    assert "RL-Focal online from a cold start" in result.output and "warm start" not in result.output  # the stream protocol's stages
+    # the stream protocol's stages
+    assert "RL-Focal online from a cold start" in result.output and "warm start" not in result.output
     assert {p.name for p in tmp_path.iterdir()} == {"results.json", "report.md", "report.png", "per_query.csv"}
     methods = json.loads((tmp_path / "results.json").read_text())["methods"]
     rl = methods["rl_focal"]
@@ -111,17 +112,29 @@ def test_service_commands_say_in_one_line_what_is_missing(tmp_path, monkeypatch)
 
     monkeypatch.setenv("RLENS_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # nothing listens there
     result = CliRunner().invoke(app, ["load", "--limit", "5"])
-    assert result.exit_code == 2 and "no Kafka broker answers at 127.0.0.1:1: start the service with `rlens up`" in result.output
+    assert (
+        result.exit_code == 2
+        and "no Kafka broker answers at 127.0.0.1:1: start the service with `rlens up`" in result.output
+    )
     assert "Traceback" not in result.output
     monkeypatch.delenv("RLENS_KAFKA_BOOTSTRAP")
     with socket.socket() as taken:  # a port something else listens on
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = CliRunner().invoke(app, ["up", "--broker-port", str(port), "--workdir", str(tmp_path / "up"), "--no-gateway"])
+        result = CliRunner().invoke(
+            app, ["up", "--broker-port", str(port), "--workdir", str(tmp_path / "up"), "--no-gateway"]
+        )
         gateway = CliRunner().invoke(app, ["up", "--gateway-port", str(port), "--workdir", str(tmp_path / "up")])
-    assert result.exit_code == 2 and f"port {port} is taken (another `rlens up`, or another program): pass --broker-port" in result.output
-    assert gateway.exit_code == 2 and f"port {port} is taken (another `rlens up`, or another program): pass --gateway-port, or --no-gateway" in gateway.output
+    assert (
+        result.exit_code == 2
+        and f"port {port} is taken (another `rlens up`, or another program): pass --broker-port" in result.output
+    )
+    assert (
+        gateway.exit_code == 2
+        and f"port {port} is taken (another `rlens up`, or another program): pass --gateway-port, or --no-gateway"
+        in gateway.output
+    )
 
 
 def test_progress_without_a_terminal_prints_a_line_per_tenth():
@@ -139,7 +152,11 @@ def test_progress_without_a_terminal_prints_a_line_per_tenth():
         for _ in range(40):
             bar.advance(task, 1)
     lines = out.getvalue().splitlines()
-    assert len(lines) == 10 and lines[0].startswith("replay: 4/40 (10 %), ") and lines[-1].startswith("replay: 40/40 (100 %), ")
+    assert (
+        len(lines) == 10
+        and lines[0].startswith("replay: 4/40 (10 %), ")
+        and lines[-1].startswith("replay: 40/40 (100 %), ")
+    )
     assert "s left" in lines[0] and "s left" not in lines[-1]
 
 
@@ -148,8 +165,10 @@ def test_piped_output_is_wide_enough_for_the_widest_table():
     import subprocess
     import sys
 
-    code = ("from rich.table import Table\nfrom rlens.cli import console\nt = Table()\n"
-            "[t.add_column(c) for c in ('sent', 'answered', 'accuracy %', 'last 200 %', 'calls / query', 'p50 ms', 'p99 ms', 'duplicates', 'policy')]\n"
-            "console.print(t)")
+    code = (
+        "from rich.table import Table\nfrom rlens.cli import console\nt = Table()\n"
+        "[t.add_column(c) for c in ('sent', 'answered', 'accuracy %', 'last 200 %', 'calls / query', 'p50 ms', 'p99 ms', 'duplicates', 'policy')]\n"
+        "console.print(t)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert "accuracy %" in out and "duplicates" in out and "…" not in out

@@ -10,6 +10,7 @@ from rlens.drift import DriftConfig, DriftMonitor, signals_of_outcome
 
 def step(before: float, after: float, n_before: int = 300, n_after: int = 300) -> list[float]:
     """A 0/1 stream whose rate of ones steps from ``before`` to ``after``: in every 10 values, round(10 p) ones first."""
+
     def block(p: float, n: int) -> list[float]:
         ones = round(10 * p)
         return [1.0 if i % 10 < ones else 0.0 for i in range(n)]
@@ -50,7 +51,9 @@ def test_the_same_values_give_the_same_detections_and_a_restored_monitor_goes_on
     feed(original, values[:350])
     restored = DriftMonitor(DriftConfig(history=1000))
     restored.load_json(json.loads(json.dumps(original.to_json())))  # what a checkpoint holds: plain JSON
-    assert [(d.position, d.mean_after) for d in feed(original, values[350:])] == [(d.position, d.mean_after) for d in feed(restored, values[350:])]
+    assert [(d.position, d.mean_after) for d in feed(original, values[350:])] == [
+        (d.position, d.mean_after) for d in feed(restored, values[350:])
+    ]
 
 
 def test_keys_are_bounded_and_non_finite_values_ignored():

@@ -26,10 +26,16 @@ def test_decide_batch_equals_decide_one_by_one(greedy):
     expected = [one.decide(key, c, greedy=greedy, probe=probe)[0] for key, c, probe in queries()]
     got = batch.decide_batch([(key, c, probe, greedy) for key, c, probe in queries()])
     for e, g in zip(expected, got):
-        assert np.array_equal(e.pool, g.pool) and np.array_equal(e.called, g.called) and e.explored == g.explored == (not greedy)
+        assert (
+            np.array_equal(e.pool, g.pool)
+            and np.array_equal(e.called, g.called)
+            and e.explored == g.explored == (not greedy)
+        )
         np.testing.assert_allclose(e.state, g.state)
         assert e.pool_logp == pytest.approx(g.pool_logp, abs=1e-6)
-    assert {k: v.tolist() for k, v in one.previous_pool.items()} == {k: v.tolist() for k, v in batch.previous_pool.items()}
+    assert {k: v.tolist() for k, v in one.previous_pool.items()} == {
+        k: v.tolist() for k, v in batch.previous_pool.items()
+    }
 
 
 def test_fuse_batch_equals_fuse_one_by_one():
@@ -62,4 +68,6 @@ def test_the_marginal_diversity_observation_reaches_the_decider_and_the_learner(
     np.testing.assert_allclose(decision.state[-3:], engine.window("s").marginal_focal_diversity(previous))
     answer = engine.fuse(decision, np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]]))
     trainer = FocalOnlineTrainer(engine, ["a", "b", "c"])
-    assert trainer.dims["decider_state"] == len(decision.state) and trainer.dims["critic_state"] == len(answer.critic_state)
+    assert trainer.dims["decider_state"] == len(decision.state) and trainer.dims["critic_state"] == len(
+        answer.critic_state
+    )

@@ -23,7 +23,8 @@ def test_greedy_pools_and_log_probs_equal_the_torch_deciders():
     actor = GreedyActor(decider, fusion)
     obs = torch.randn(256, 20)
     with torch.no_grad():
-        decider.heads.bias[:] = torch.tensor([-3.0, -3.0, -3.0, -3.0])  # some observations give an empty draw: the fallback pool
+        # some observations give an empty draw: the fallback pool
+        decider.heads.bias[:] = torch.tensor([-3.0, -3.0, -3.0, -3.0])
         logits = decider.logits(obs)
         pools, logp = decider.sample(logits, greedy=True)
     np_pools, np_logp = actor.pools(obs.numpy())
@@ -77,4 +78,6 @@ def test_the_actor_reads_the_live_weights():
     fusion.scores(features, mask).sum().backward()
     optimizer.step()
     with torch.no_grad():
-        assert np.allclose(actor.fusion_scores(features.numpy(), mask.numpy()), fusion.scores(features, mask).numpy(), atol=1e-5)
+        assert np.allclose(
+            actor.fusion_scores(features.numpy(), mask.numpy()), fusion.scores(features, mask).numpy(), atol=1e-5
+        )

@@ -31,8 +31,11 @@ from trust import SIGNER, TOKENS, VERIFIER, token
 
 MODELS = ["a", "b", "c"]
 TASKS = [
-    SampledTask(prompt="1+1=", reference="2", family="add", samples={"a": [" 2", " 2", " 3", ""], "b": [" 3"], "c": []}),
-    SampledTask(prompt="2+2=", reference="4", family="add", samples={"a": [" 5"], "b": [" 6", " 6"]}),  # c gave none; nobody is right
+    SampledTask(
+        prompt="1+1=", reference="2", family="add", samples={"a": [" 2", " 2", " 3", ""], "b": [" 3"], "c": []}
+    ),
+    # c gave none; nobody is right
+    SampledTask(prompt="2+2=", reference="4", family="add", samples={"a": [" 5"], "b": [" 6", " 6"]}),
     SampledTask(prompt="say", reference="y", family="other", samples={"a": [""], "b": ["\n"]}),  # no answer at all
 ]
 SAMPLING = GenerationRequest(id="-", prompt="", n=5, max_tokens=8, temperature=1.0, stop=["\n"])
@@ -90,10 +93,15 @@ def test_the_pool_call_turns_samples_into_candidates_next_to_multiple_choice_que
     data = sampled_dataset("t", TASKS, MODELS, np.ones(3))
     caller = PoolCaller({m: ReplayBackend(data, m) for m in MODELS})
     everyone = np.ones(3, dtype=bool)
-    open_ended, choice = caller.ask_batch([SAMPLING.model_copy(update={"id": "0"}), ChoiceQuery(id="1", prompt="x", choices=["5", "6"])], [everyone, everyone])
+    open_ended, choice = caller.ask_batch(
+        [SAMPLING.model_copy(update={"id": "0"}), ChoiceQuery(id="1", prompt="x", choices=["5", "6"])],
+        [everyone, everyone],
+    )
     assert open_ended.candidates == ["3", "2"] and open_ended.answered.tolist() == [True, True, False]
     np.testing.assert_allclose(open_ended.probs, [[0.25, 0.5], [1, 0], [0, 0]])
-    assert [(f.model, f.reason) for f in open_ended.failures] == [("c", "none of its 0 samples holds an answer (line extractor)")]
+    assert [(f.model, f.reason) for f in open_ended.failures] == [
+        ("c", "none of its 0 samples holds an answer (line extractor)")
+    ]
     assert choice.candidates is None and choice.probs.shape == (3, 2) and choice.answered.all()
     assert caller.models[2].breaker.in_a_row == 0  # a model without an answer responded: its circuit stays closed
 
@@ -102,7 +110,14 @@ class Record:
     """A consumer record's coordinates (what the learner keeps of a message)."""
 
     def __init__(self, offset: int, value: bytes = b"{}"):
-        self.topic, self.partition, self.offset, self.key, self.value, self.timestamp = "rlens.feedback", 0, offset, b"k", value, None
+        self.topic, self.partition, self.offset, self.key, self.value, self.timestamp = (
+            "rlens.feedback",
+            0,
+            offset,
+            b"k",
+            value,
+            None,
+        )
 
 
 def windows_for(url: str, n_models: int = len(MODELS)) -> RedisWindows:
@@ -114,22 +129,56 @@ def test_the_worker_answers_with_a_candidate_and_the_learner_labels_it_by_the_re
 
     async def scenario():
         await Redis.from_url(redis_server.url).flushdb()
-        every_model = FocalEngine(3, config=FocalConfig(use_decider=False), seed=0)  # the whole pool is called: candidates by hand
-        worker = FocalWorker(every_model, MODELS, {m: ReplayBackend(data, m) for m in MODELS}, windows_for(redis_server.url), VERIFIER, TOKENS, sampling=SAMPLING)
-        queries = [Query(query_id=f"q{i}", stream=t.family, prompt=t.prompt, reference_id=str(i)) for i, t in enumerate(TASKS)]
+        # the whole pool is called: candidates by hand
+        every_model = FocalEngine(3, config=FocalConfig(use_decider=False), seed=0)
+        worker = FocalWorker(
+            every_model,
+            MODELS,
+            {m: ReplayBackend(data, m) for m in MODELS},
+            windows_for(redis_server.url),
+            VERIFIER,
+            TOKENS,
+            sampling=SAMPLING,
+        )
+        queries = [
+            Query(query_id=f"q{i}", stream=t.family, prompt=t.prompt, reference_id=str(i)) for i, t in enumerate(TASKS)
+        ]
         out = await worker.answer(queries)
         first, second, third = out.answers
-        assert first.candidates == ["3", "2"] and first.answer == first.candidates[first.answer_index] and len(first.distribution) == 2
-        assert second.candidates == ["5", "6"] and third.answer == "" and third.answer_index == -1 and third.candidates == []
+        assert (
+            first.candidates == ["3", "2"]
+            and first.answer == first.candidates[first.answer_index]
+            and len(first.distribution) == 2
+        )
+        assert (
+            second.candidates == ["5", "6"]
+            and third.answer == ""
+            and third.answer_index == -1
+            and third.candidates == []
+        )
         experience = {e.query_id: e for e in out.experience}
-        assert set(experience) == {"q0", "q1"} and experience["q0"].candidates == ["3", "2"] and experience["q0"].n_choices == 2
+        assert (
+            set(experience) == {"q0", "q1"}
+            and experience["q0"].candidates == ["3", "2"]
+            and experience["q0"].n_choices == 2
+        )
         assert experience["q0"].predictions == [1, 0, -1] and [f.model for f in first.failures] == ["c"]
 
-        core = LearnerCore(FocalOnlineTrainer(FocalEngine(3, seed=0), MODELS), MODELS, windows_for(redis_server.url), CheckpointStore(tmp_path / "ckpt"), SIGNER, TOKENS)
+        core = LearnerCore(
+            FocalOnlineTrainer(FocalEngine(3, seed=0), MODELS),
+            MODELS,
+            windows_for(redis_server.url),
+            CheckpointStore(tmp_path / "ckpt"),
+            SIGNER,
+            TOKENS,
+        )
         assert core.trainer.check(experience["q0"]) is None
         for qid, reference in (("q0", "2"), ("q1", " 4\nsomething else")):
             await core.on_experience(experience[qid], Record(0))
-            assert await core.on_feedback(Feedback(query_id=qid, token=token(qid), reference=reference), Record(1)) == (None, None)
+            assert await core.on_feedback(Feedback(query_id=qid, token=token(qid), reference=reference), Record(1)) == (
+                None,
+                None,
+            )
         await core.apply_windows()
         window = (await core.windows.load(["add"]))["add"]
         assert window.labels[:2].tolist() == [1, 2]  # "2" is candidate 1; "4" is none of the 2 candidates
@@ -138,7 +187,9 @@ def test_the_worker_answers_with_a_candidate_and_the_learner_labels_it_by_the_re
         assert [t.label for t in engine.buffer] == [1, -1]  # no candidate to learn from when none is right
         await core.on_experience(experience["q0"].model_copy(update={"query_id": "q9"}), Record(0))
         _, dead = await core.on_feedback(Feedback(query_id="q9", token=token("q9"), label=2), Record(3))
-        assert "label 2 is not one of query q9's 2 candidates" in dead.reason and base64.b64decode(dead.value_b64) == b"{}"
+        assert (
+            "label 2 is not one of query q9's 2 candidates" in dead.reason and base64.b64decode(dead.value_b64) == b"{}"
+        )
         wrong = experience["q0"].model_copy(update={"candidates": ["3"]})
         assert "candidates must be its 2 choices" in core.trainer.check(wrong)
 
@@ -151,14 +202,25 @@ def test_real_zoo_models_sample_answers_for_the_worker(quick_zoo, redis_server):
 
     names = ["arith-char", "count-bpe"]
     backends = {m.name: load_backend(m) for m in load_zoo(quick_zoo) if m.name in names}
-    worker = FocalWorker(FocalEngine(2, seed=0), names, backends, windows_for(redis_server.url, 2), VERIFIER, TOKENS,
-                         sampling=SAMPLING.model_copy(update={"n": 4, "max_tokens": 4, "seed": 0}))
+    worker = FocalWorker(
+        FocalEngine(2, seed=0),
+        names,
+        backends,
+        windows_for(redis_server.url, 2),
+        VERIFIER,
+        TOKENS,
+        sampling=SAMPLING.model_copy(update={"n": 4, "max_tokens": 4, "seed": 0}),
+    )
     tasks = generation_stream(["arithmetic", "counting"], 2, 3, seed=0)
-    out = asyncio.run(worker.answer([Query(query_id=f"z{i}", stream=t.family, prompt=t.prompt) for i, t in enumerate(tasks)]))
+    out = asyncio.run(
+        worker.answer([Query(query_id=f"z{i}", stream=t.family, prompt=t.prompt) for i, t in enumerate(tasks)])
+    )
     assert len(out.answers) == len(tasks) and not out.failed
     for answer in out.answers:
         if answer.answered_models:  # a model's 4 samples of at most 4 tokens, read up to the first newline
-            assert answer.answer in answer.candidates and all(0 < len(c) <= 40 and "\n" not in c for c in answer.candidates)
+            assert answer.answer in answer.candidates and all(
+                0 < len(c) <= 40 and "\n" not in c for c in answer.candidates
+            )
     assert all(e.n_choices == len(e.candidates) for e in out.experience) and out.experience
 
 
@@ -170,6 +232,8 @@ def test_the_replay_of_recorded_samples_beats_the_best_single_model():
     run = replay(data, Protocol.stream, seed=0, variants=["rl_focal"], workers=1)
     methods = run.results.methods
     # specialists: each family has a model right on ~85 % of its samples, the others on 25 %; choosing well wins big
-    assert methods["rl_focal"].accuracy > methods["best_single"].accuracy + 0.15, {k: v.accuracy for k, v in methods.items()}
+    assert methods["rl_focal"].accuracy > methods["best_single"].accuracy + 0.15, {
+        k: v.accuracy for k, v in methods.items()
+    }
     assert methods["rl_focal"].mean_models_called < 3
     assert json.loads(run.results.model_dump_json())["n_test"] == 400

@@ -20,7 +20,11 @@ import schemathesis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from hypothesis import HealthCheck, settings as hsettings
 from redis.asyncio import Redis
-from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance, status_code_conformance
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from rlens.messages import Answer, Query
 from rlens.service.api_keys import KeysError, KeyStore, add_key, read_records, revoke_key
@@ -36,18 +40,28 @@ CHOICES = ["A", "B", "C", "D"]  # the bundled stream's questions have four optio
 def test_keys_are_stored_hashed_bound_to_streams_and_revocable(tmp_path):
     path = tmp_path / "keys.json"
     key, record = add_key(path, "acme", ["acme-*", "shared"])
-    assert key.startswith(f"rlk_{record.id}_") and key.split("_", 2)[2] not in path.read_text()  # only the hash is stored
+    # only the hash is stored
+    assert key.startswith(f"rlk_{record.id}_") and key.split("_", 2)[2] not in path.read_text()
     assert path.stat().st_mode & 0o777 == 0o600
     store = KeyStore(path)
     assert store.lookup(key) == record
-    assert store.lookup(key[:-1] + ("x" if key[-1] != "x" else "y")) is None and store.lookup(None) is None and store.lookup("rlk_") is None
-    assert record.allows("acme-eu") and record.allows("shared") and not record.allows("other") and not record.allows("acme")
+    assert (
+        store.lookup(key[:-1] + ("x" if key[-1] != "x" else "y")) is None
+        and store.lookup(None) is None
+        and store.lookup("rlk_") is None
+    )
+    assert (
+        record.allows("acme-eu")
+        and record.allows("shared")
+        and not record.allows("other")
+        and not record.allows("acme")
+    )
     revoke_key(path, record.id)
     store.refresh()
     assert store.lookup(key) is None and read_records(path)[0].revoked
     with pytest.raises(KeysError, match="no API keys file at .*: make a key with `rlens keys add"):
         KeyStore(tmp_path / "missing.json")
-    path.write_text("[{\"id\": 1}]")
+    path.write_text('[{"id": 1}]')
     with pytest.raises(KeysError, match="is not a valid keys file"):
         read_records(path)
 
@@ -58,7 +72,9 @@ def test_cli_makes_lists_and_revokes_keys_and_never_prints_a_stored_secret(tmp_p
     from rlens.cli import app
 
     path = tmp_path / "keys.json"
-    added = CliRunner().invoke(app, ["keys", "add", "--tenant", "acme", "--streams", "acme-*, shared", "--rate", "5", "--file", str(path)])
+    added = CliRunner().invoke(
+        app, ["keys", "add", "--tenant", "acme", "--streams", "acme-*, shared", "--rate", "5", "--file", str(path)]
+    )
     assert added.exit_code == 0, added.output
     key = added.stdout.strip().splitlines()[-1]
     record = KeyStore(path).lookup(key)
@@ -96,10 +112,18 @@ MAX_WAITING = 3
 def gw(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("gateway")
     pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
-    config = settings().model_copy(update={
-        "pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "gateway_port": 0, "gateway_id": "test-gw",
-        "gateway_timeout_s": TIMEOUT_S, "gateway_max_waiting": MAX_WAITING, "gateway_max_prompt_chars": 1000,
-    })
+    config = settings().model_copy(
+        update={
+            "pool_file": pool,
+            "kafka_session_timeout_ms": 2000,
+            "kafka_heartbeat_ms": 500,
+            "gateway_port": 0,
+            "gateway_id": "test-gw",
+            "gateway_timeout_s": TIMEOUT_S,
+            "gateway_max_waiting": MAX_WAITING,
+            "gateway_max_prompt_chars": 1000,
+        }
+    )
     stack = LocalStack(config, workdir)
     keys = {"local": stack.gateway_key.read_text().strip()}
     keys["acme"], _ = add_key(workdir / "keys.json", "acme", ["acme-*"])
@@ -123,10 +147,25 @@ def auth(gw, who: str = "local") -> dict[str, str]:
     return {"Authorization": f"Bearer {gw['keys'][who]}"}
 
 
-def ask(gw, who: str = "local", question: int = 0, stream: str = "demo", headers: dict | None = None, timeout: float = 60, **extra) -> httpx.Response:
-    body = {"model": "rlens-focal", "messages": [{"role": "user", "content": f"question {question}"}],
-            "rlens": {"choices": CHOICES, "reference_id": str(question)}, "metadata": {"stream": stream}, **extra}
-    return httpx.post(f"{gw['url']}/v1/chat/completions", json=body, headers={**auth(gw, who), **(headers or {})}, timeout=timeout)
+def ask(
+    gw,
+    who: str = "local",
+    question: int = 0,
+    stream: str = "demo",
+    headers: dict | None = None,
+    timeout: float = 60,
+    **extra,
+) -> httpx.Response:
+    body = {
+        "model": "rlens-focal",
+        "messages": [{"role": "user", "content": f"question {question}"}],
+        "rlens": {"choices": CHOICES, "reference_id": str(question)},
+        "metadata": {"stream": stream},
+        **extra,
+    }
+    return httpx.post(
+        f"{gw['url']}/v1/chat/completions", json=body, headers={**auth(gw, who), **(headers or {})}, timeout=timeout
+    )
 
 
 def metric(url: str, name: str, **labels) -> float:
@@ -146,37 +185,72 @@ def test_the_official_openai_client_works_unchanged(gw):
     client = openai.OpenAI(base_url=f"{gw['url']}/v1", api_key=gw["keys"]["local"], max_retries=0)
     assert [m.id for m in client.models.list()] == ["rlens-focal"]
     extra = {"rlens": {"choices": CHOICES, "reference_id": "3"}, "metadata": {"stream": "client"}}
-    chat = client.chat.completions.create(model="rlens-focal", messages=[{"role": "user", "content": "question 3"}], extra_body=extra)
+    chat = client.chat.completions.create(
+        model="rlens-focal", messages=[{"role": "user", "content": "question 3"}], extra_body=extra
+    )
     account = chat.model_extra["rlens"]
     assert chat.id == account["query_id"] and chat.id.startswith("rl-") and chat.choices[0].finish_reason == "stop"
-    assert chat.choices[0].message.content == CHOICES[account["answer_index"]] and account["answered_models"] and account["policy_version"] >= 0
-    assert account["stream"] == "client" and len(account["distribution"]) == 4 and abs(sum(account["distribution"]) - 1) < 1e-4
-    text = client.completions.create(model="rlens-focal", prompt="question 4", extra_body={**extra, "rlens": {"choices": CHOICES, "reference_id": "4"}})
+    assert (
+        chat.choices[0].message.content == CHOICES[account["answer_index"]]
+        and account["answered_models"]
+        and account["policy_version"] >= 0
+    )
+    assert (
+        account["stream"] == "client"
+        and len(account["distribution"]) == 4
+        and abs(sum(account["distribution"]) - 1) < 1e-4
+    )
+    text = client.completions.create(
+        model="rlens-focal",
+        prompt="question 4",
+        extra_body={**extra, "rlens": {"choices": CHOICES, "reference_id": "4"}},
+    )
     assert text.choices[0].text in CHOICES and text.id != chat.id
-    chunks = list(client.chat.completions.create(model="rlens-focal", messages=[{"role": "user", "content": "question 5"}], stream=True,
-                                                 extra_body={**extra, "rlens": {"choices": CHOICES, "reference_id": "5"}}))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) in CHOICES and chunks[-1].choices[0].finish_reason == "stop"
+    chunks = list(
+        client.chat.completions.create(
+            model="rlens-focal",
+            messages=[{"role": "user", "content": "question 5"}],
+            stream=True,
+            extra_body={**extra, "rlens": {"choices": CHOICES, "reference_id": "5"}},
+        )
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks) in CHOICES
+        and chunks[-1].choices[0].finish_reason == "stop"
+    )
     with pytest.raises(openai.NotFoundError, match="this deployment does not run rlens-rlae"):
         client.chat.completions.create(model="rlens-rlae", messages=[{"role": "user", "content": "2+2="}])
     # open-ended: the models are asked for samples, which a pool replaying multiple-choice records cannot give
-    with pytest.raises(openai.InternalServerError, match="no model of the pool answered .*records choice probabilities, not samples"):
-        client.chat.completions.create(model="rlens-focal", messages=[{"role": "user", "content": "2+2="}], extra_body={"rlens": {"reference_id": "6"}})
+    with pytest.raises(
+        openai.InternalServerError, match="no model of the pool answered .*records choice probabilities, not samples"
+    ):
+        client.chat.completions.create(
+            model="rlens-focal",
+            messages=[{"role": "user", "content": "2+2="}],
+            extra_body={"rlens": {"reference_id": "6"}},
+        )
 
 
 def test_feedback_is_checked_against_its_query_applied_once_and_joined_by_the_learner(gw):
     answer = ask(gw, question=7, stream="fb").json()
     url = f"{gw['url']}/v1/feedback"
     assert httpx.post(url, json={"id": answer["id"], "label": 9}, headers=auth(gw)).status_code == 400  # 4 options
-    assert httpx.post(url, json={"id": answer["id"], "reference": "B"}, headers=auth(gw)).status_code == 400  # not open-ended
+    # not open-ended
+    assert httpx.post(url, json={"id": answer["id"], "reference": "B"}, headers=auth(gw)).status_code == 400
     infinite = b'{"id": "%s", "reward": Infinity}' % answer["id"].encode()
-    assert httpx.post(url, content=infinite, headers={**auth(gw), "Content-Type": "application/json"}).status_code == 400
+    assert (
+        httpx.post(url, content=infinite, headers={**auth(gw), "Content-Type": "application/json"}).status_code == 400
+    )
     assert httpx.post(url, json={"id": answer["id"], "reward": 2.0}, headers=auth(gw)).status_code == 400
     assert httpx.post(url, json={"id": answer["id"]}, headers=auth(gw)).status_code == 400
     unknown = httpx.post(url, json={"id": "rl-unknown", "label": 1}, headers=auth(gw))
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "query_not_found"
     first = httpx.post(url, json={"id": answer["id"], "label": 2}, headers=auth(gw))
     again = httpx.post(url, json={"id": answer["id"], "label": 2}, headers=auth(gw))
-    assert (first.status_code, first.json()["status"]) == (202, "accepted") and (again.status_code, again.json()["status"]) == (200, "duplicate")
+    assert (first.status_code, first.json()["status"]) == (202, "accepted") and (
+        again.status_code,
+        again.json()["status"],
+    ) == (200, "duplicate")
     learner = role_url(gw, "learner")
     deadline = time.monotonic() + 60
     while metric(learner, "rlens_learner_joined_total", stream="fb") < 1 and time.monotonic() < deadline:
@@ -195,17 +269,32 @@ def test_keys_streams_tenants_sizes_and_rates_are_enforced(gw, tmp_path):
     forbidden = ask(gw, "acme", stream="other-team")
     assert forbidden.status_code == 403 and forbidden.json()["error"]["code"] == "stream_not_allowed"
     assert ask(gw, "acme", stream="acme-eu").status_code == 200
-    assert ask(gw, headers={"X-Rlens-Stream": "acme-eu"}, stream="x").json()["rlens"]["stream"] == "acme-eu"  # the header wins
-    big = httpx.post(f"{gw['url']}/v1/chat/completions", content=b"{" + b" " * 1_100_000 + b"}", headers={**auth(gw), "Content-Type": "application/json"})
+    # the header wins
+    assert ask(gw, headers={"X-Rlens-Stream": "acme-eu"}, stream="x").json()["rlens"]["stream"] == "acme-eu"
+    big = httpx.post(
+        f"{gw['url']}/v1/chat/completions",
+        content=b"{" + b" " * 1_100_000 + b"}",
+        headers={**auth(gw), "Content-Type": "application/json"},
+    )
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
-    long_prompt = httpx.post(f"{gw['url']}/v1/completions", json={"model": "rlens-focal", "prompt": "x" * 1001, "rlens": {"choices": CHOICES}}, headers=auth(gw))
+    long_prompt = httpx.post(
+        f"{gw['url']}/v1/completions",
+        json={"model": "rlens-focal", "prompt": "x" * 1001, "rlens": {"choices": CHOICES}},
+        headers=auth(gw),
+    )
     assert long_prompt.status_code == 413 and long_prompt.json()["error"]["code"] == "prompt_too_long"
     # another tenant can neither read nor rate this tenant's answer, and trying changes nothing
     mine = ask(gw, question=11, stream="iso").json()["id"]
     assert httpx.get(f"{gw['url']}/v1/answers/{mine}", headers=auth(gw, "other")).status_code == 404
-    assert httpx.post(f"{gw['url']}/v1/feedback", json={"id": mine, "label": 0}, headers=auth(gw, "other")).status_code == 404
+    assert (
+        httpx.post(f"{gw['url']}/v1/feedback", json={"id": mine, "label": 0}, headers=auth(gw, "other")).status_code
+        == 404
+    )
     assert httpx.get(f"{gw['url']}/v1/answers/{mine}", headers=auth(gw)).json()["id"] == mine
-    assert httpx.post(f"{gw['url']}/v1/feedback", json={"id": mine, "label": 0}, headers=auth(gw)).json()["status"] == "accepted"
+    assert (
+        httpx.post(f"{gw['url']}/v1/feedback", json={"id": mine, "label": 0}, headers=auth(gw)).json()["status"]
+        == "accepted"
+    )
     # the slow key: a burst of 2, then 429 with Retry-After
     codes = [ask(gw, "slow", question=i) for i in range(3)]
     assert [c.status_code for c in codes] == [200, 200, 429]
@@ -225,15 +314,26 @@ def test_an_idempotent_retry_gets_the_same_answer_without_asking_twice(gw):
 
 def read_queries(settings_, after: set[str], timeout_s: float = 30) -> list[Query]:
     """Queries on the queries topic whose ids are not in ``after``, once some arrive."""
+
     async def run() -> list[Query]:
-        consumer = AIOKafkaConsumer(Topics.from_settings(settings_).queries, bootstrap_servers=settings_.kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
+        consumer = AIOKafkaConsumer(
+            Topics.from_settings(settings_).queries,
+            bootstrap_servers=settings_.kafka_bootstrap,
+            group_id=None,
+            auto_offset_reset="earliest",
+        )
         await consumer.start()
         found: list[Query] = []
         deadline = time.monotonic() + timeout_s
         try:
             while not found and time.monotonic() < deadline:
                 batches = await consumer.getmany(timeout_ms=500)
-                found += [q for records in batches.values() for r in records if (q := Query.model_validate_json(r.value)).query_id not in after]
+                found += [
+                    q
+                    for records in batches.values()
+                    for r in records
+                    if (q := Query.model_validate_json(r.value)).query_id not in after
+                ]
         finally:
             await consumer.stop()
         return found
@@ -243,7 +343,12 @@ def read_queries(settings_, after: set[str], timeout_s: float = 30) -> list[Quer
 
 def all_query_ids(settings_) -> set[str]:
     async def run() -> set[str]:
-        consumer = AIOKafkaConsumer(Topics.from_settings(settings_).queries, bootstrap_servers=settings_.kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
+        consumer = AIOKafkaConsumer(
+            Topics.from_settings(settings_).queries,
+            bootstrap_servers=settings_.kafka_bootstrap,
+            group_id=None,
+            auto_offset_reset="earliest",
+        )
         await consumer.start()
         ids: set[str] = set()
         try:
@@ -261,7 +366,10 @@ def test_a_stalled_worker_gives_504_with_the_query_id_503_when_full_and_the_late
     worker.send_signal(signal.SIGSTOP)
     try:
         results: list[httpx.Response] = []
-        threads = [threading.Thread(target=lambda i=i: results.append(ask(gw, question=30 + i, stream="stall"))) for i in range(MAX_WAITING)]
+        threads = [
+            threading.Thread(target=lambda i=i: results.append(ask(gw, question=30 + i, stream="stall")))
+            for i in range(MAX_WAITING)
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
@@ -279,9 +387,15 @@ def test_a_stalled_worker_gives_504_with_the_query_id_503_when_full_and_the_late
     finally:
         worker.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + 60
-    while (fetched := httpx.get(f"{gw['url']}/v1/answers/{late['query_id']}", headers=auth(gw))).status_code == 202 and time.monotonic() < deadline:
+    while (
+        fetched := httpx.get(f"{gw['url']}/v1/answers/{late['query_id']}", headers=auth(gw))
+    ).status_code == 202 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert fetched.status_code == 200 and fetched.json()["id"] == late["query_id"] and fetched.json()["choices"][0]["message"]["content"] in CHOICES
+    assert (
+        fetched.status_code == 200
+        and fetched.json()["id"] == late["query_id"]
+        and fetched.json()["choices"][0]["message"]["content"] in CHOICES
+    )
 
 
 def test_a_forged_reply_never_answers_a_client(gw):
@@ -293,14 +407,28 @@ def test_a_forged_reply_never_answers_a_client(gw):
         thread = threading.Thread(target=lambda: result.append(ask(gw, question=50, stream="forge")))
         thread.start()
         query = read_queries(stack.settings, before)[0]
-        forged = Answer(query_id=query.query_id, stream=query.stream, answer="D", answer_index=3, distribution=[0, 0, 0, 1], chosen_models=["x"],
-                        answered_models=["x"], called_models=["x"], policy_version=0, latency_ms=1, worker="attacker", feedback_token="0" * 32)
+        forged = Answer(
+            query_id=query.query_id,
+            stream=query.stream,
+            answer="D",
+            answer_index=3,
+            distribution=[0, 0, 0, 1],
+            chosen_models=["x"],
+            answered_models=["x"],
+            called_models=["x"],
+            policy_version=0,
+            latency_ms=1,
+            worker="attacker",
+            feedback_token="0" * 32,
+        )
 
         async def send() -> None:
             producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap)
             await producer.start()
             try:
-                await producer.send_and_wait(query.reply_to, forged.model_dump_json().encode(), key=query.query_id.encode())
+                await producer.send_and_wait(
+                    query.reply_to, forged.model_dump_json().encode(), key=query.query_id.encode()
+                )
             finally:
                 await producer.stop()
 
@@ -319,14 +447,22 @@ def test_a_forged_reply_never_answers_a_client(gw):
 def test_a_query_replying_outside_the_reply_topics_is_dead_lettered(gw):
     settings_ = gw["stack"].settings
     topics = Topics.from_settings(settings_)
-    hijack = Query(query_id="hijack-1", stream="s", prompt="p", choices=CHOICES, reference_id="1", reply_to=topics.policy)
+    hijack = Query(
+        query_id="hijack-1", stream="s", prompt="p", choices=CHOICES, reference_id="1", reply_to=topics.policy
+    )
 
     async def run() -> tuple[list, list]:
         producer = AIOKafkaProducer(bootstrap_servers=settings_.kafka_bootstrap)
         await producer.start()
         await producer.send_and_wait(topics.queries, hijack.model_dump_json().encode(), key=b"hijack-1")
         await producer.stop()
-        consumer = AIOKafkaConsumer(topics.dead_letter, topics.policy, bootstrap_servers=settings_.kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
+        consumer = AIOKafkaConsumer(
+            topics.dead_letter,
+            topics.policy,
+            bootstrap_servers=settings_.kafka_bootstrap,
+            group_id=None,
+            auto_offset_reset="earliest",
+        )
         await consumer.start()
         letters, policies = [], []
         deadline = time.monotonic() + 60
@@ -370,5 +506,9 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @schema.parametrize()
 @hsettings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 def test_fuzzed_requests_get_documented_answers_and_never_an_internal_error(case, gw):
-    response = case.call_and_validate(headers=auth(gw), checks=[status_code_conformance, content_type_conformance, response_schema_conformance], timeout=60)
+    response = case.call_and_validate(
+        headers=auth(gw),
+        checks=[status_code_conformance, content_type_conformance, response_schema_conformance],
+        timeout=60,
+    )
     assert response.status_code != 500

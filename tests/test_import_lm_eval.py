@@ -31,7 +31,12 @@ def sample_v04(doc_id: int, task: str, lls: list[float], target) -> dict:
 
 def sample_old(doc_id: int, task: str, lls: list[float], target) -> dict:
     """Older record: list arguments, numeric log-likelihoods, resps only."""
-    return {"doc_id": doc_id, "target": target, "arguments": [[f"Q{doc_id}", f" {c}"] for c in CHOICES[task]], "resps": [[ll, False] for ll in lls]}
+    return {
+        "doc_id": doc_id,
+        "target": target,
+        "arguments": [[f"Q{doc_id}", f" {c}"] for c in CHOICES[task]],
+        "resps": [[ll, False] for ll in lls],
+    }
 
 
 def write(path: Path, records: list[dict]) -> Path:
@@ -44,16 +49,35 @@ def write(path: Path, records: list[dict]) -> Path:
 def two_models(tmp_path: Path) -> dict[str, Path]:
     a, b = tmp_path / "model_a", tmp_path / "model_b"
     # model a: lm-eval 0.4 format, targets as choice text; doc 2 of "bool" is missing for model b
-    write(a / "samples_bool_2024-06-26T17-14-54.123456.jsonl", [sample_v04(0, "bool", [-0.1, -2.0], "False"), sample_v04(1, "bool", [-3.0, -0.2], "True"), sample_v04(2, "bool", [-1.0, -1.0], "True")])
-    write(a / "samples_abc_2024-06-26T17-14-54.123456.jsonl", [sample_v04(0, "abc", [-1.0, -0.5, -4.0], "(B)"), sample_v04(1, "abc", [-2.0, -2.0, -0.1], "(C)")])
+    write(
+        a / "samples_bool_2024-06-26T17-14-54.123456.jsonl",
+        [
+            sample_v04(0, "bool", [-0.1, -2.0], "False"),
+            sample_v04(1, "bool", [-3.0, -0.2], "True"),
+            sample_v04(2, "bool", [-1.0, -1.0], "True"),
+        ],
+    )
+    write(
+        a / "samples_abc_2024-06-26T17-14-54.123456.jsonl",
+        [sample_v04(0, "abc", [-1.0, -0.5, -4.0], "(B)"), sample_v04(1, "abc", [-2.0, -2.0, -0.1], "(C)")],
+    )
     # model b: older format, targets as indices, docs in another order
-    write(b / "samples_abc_2024-07-01T09-00-00.000001.jsonl", [sample_old(1, "abc", [-0.3, -2.0, -2.0], 2), sample_old(0, "abc", [-0.7, -0.7, -0.7], 1)])
-    write(b / "samples_bool_2024-07-01T09-00-00.000001.jsonl", [sample_old(1, "bool", [-0.5, -0.5], 1), sample_old(0, "bool", [-5.0, -0.01], 0)])
+    write(
+        b / "samples_abc_2024-07-01T09-00-00.000001.jsonl",
+        [sample_old(1, "abc", [-0.3, -2.0, -2.0], 2), sample_old(0, "abc", [-0.7, -0.7, -0.7], 1)],
+    )
+    write(
+        b / "samples_bool_2024-07-01T09-00-00.000001.jsonl",
+        [sample_old(1, "bool", [-0.5, -0.5], 1), sample_old(0, "bool", [-5.0, -0.01], 0)],
+    )
     return {"a": a, "b": b}
 
 
 def test_task_names_from_file_names():
-    assert task_name(Path("samples_leaderboard_bbh_hyperbaton_2024-06-26T17-14-54.123456.jsonl")) == "leaderboard_bbh_hyperbaton"
+    assert (
+        task_name(Path("samples_leaderboard_bbh_hyperbaton_2024-06-26T17-14-54.123456.jsonl"))
+        == "leaderboard_bbh_hyperbaton"
+    )
     assert task_name(Path("samples_arc.jsonl")) == "arc"
 
 
@@ -74,10 +98,28 @@ def test_join_softmax_and_labels(two_models, tmp_path):
 
 def test_cli_import_then_replay(two_models, tmp_path):
     out = tmp_path / "ds"
-    result = runner.invoke(app, ["import", "lm-eval", "--model", f"a={two_models['a']}", "--model", f"b={two_models['b']}", "--out", str(out)])
+    result = runner.invoke(
+        app,
+        ["import", "lm-eval", "--model", f"a={two_models['a']}", "--model", f"b={two_models['b']}", "--out", str(out)],
+    )
     assert result.exit_code == 0, result.output
     assert "4 questions x 2 models" in result.output and "dropped 1" in result.output
-    result = runner.invoke(app, ["replay", "--data", str(out), "--protocol", "stream", "--out", str(tmp_path / "r"), "--variants", "rl_focal", "--workers", "1"])
+    result = runner.invoke(
+        app,
+        [
+            "replay",
+            "--data",
+            str(out),
+            "--protocol",
+            "stream",
+            "--out",
+            str(tmp_path / "r"),
+            "--variants",
+            "rl_focal",
+            "--workers",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "r" / "results.json").read_text())["n_test"] == 4
 
@@ -100,13 +142,22 @@ def test_bad_sample_files_give_clear_errors(tmp_path, record, words):
     with pytest.raises(DatasetError, match=words):
         import_lm_eval({"m": tmp_path / "m"}, tmp_path / "out")
     result = runner.invoke(app, ["import", "lm-eval", "--model", f"m={tmp_path / 'm'}", "--out", str(tmp_path / "out")])
-    assert result.exit_code == 2 and "samples_t_" in result.output and words in result.output and "Traceback" not in result.output
+    assert (
+        result.exit_code == 2
+        and "samples_t_" in result.output
+        and words in result.output
+        and "Traceback" not in result.output
+    )
 
 
 def test_cli_argument_errors(two_models, tmp_path):
     result = runner.invoke(app, ["import", "lm-eval", "--model", "a", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "NAME=VALUE" in result.output
-    result = runner.invoke(app, ["import", "lm-eval", "--model", f"a={two_models['a']}", "--cost", "z=2", "--out", str(tmp_path / "o")])
+    result = runner.invoke(
+        app, ["import", "lm-eval", "--model", f"a={two_models['a']}", "--cost", "z=2", "--out", str(tmp_path / "o")]
+    )
     assert result.exit_code == 2 and "no --model of that name" in result.output
-    result = runner.invoke(app, ["import", "lm-eval", "--model", f"a={tmp_path / 'nothing'}", "--out", str(tmp_path / "o")])
+    result = runner.invoke(
+        app, ["import", "lm-eval", "--model", f"a={tmp_path / 'nothing'}", "--out", str(tmp_path / "o")]
+    )
     assert result.exit_code == 2 and "no such file or directory" in result.output

@@ -48,7 +48,9 @@ def test_decider_learns_to_call_the_rewarded_model():
     for _ in range(15):
         for decision in engine.decide("s", 2, greedy=False, rollouts=64):
             reward = 1.0 if decision.pool[1] else -1.0
-            engine.remember(decision, None, reward, reward, critic_state(decision.state, np.full((3, 2), 0.5), decision.pool))
+            engine.remember(
+                decision, None, reward, reward, critic_state(decision.state, np.full((3, 2), 0.5), decision.pool)
+            )
         engine.update(train_decider=True, train_fusion=False, envs=64)
     (probe,) = engine.decide("s", 2, greedy=False)
     after = torch.sigmoid(engine.decider.logits(torch.from_numpy(probe.state)))[1].item()
@@ -157,7 +159,8 @@ def test_supervised_fusion_fit_learns_the_labelled_answer():
     stats = engine.fit_fusion(features, [2] * len(features))
     (g,) = engine.decide("s", 3, greedy=True)
     assert stats["accuracy"] > 0.9 and engine.fuse(g, probs).answer == 2
-    assert all(torch.equal(a, b) for a, b in zip(engine.decider.parameters(), toy_engine(seed=5).decider.parameters()))  # only the Fusion moved
+    # only the Fusion moved
+    assert all(torch.equal(a, b) for a, b in zip(engine.decider.parameters(), toy_engine(seed=5).decider.parameters()))
 
 
 def test_labels_train_the_fusion_on_greedy_transitions_too():

@@ -49,7 +49,14 @@ def test_edge_cases_are_finite_and_defined():
 
     one = np.array([[1], [0], [1]], dtype=bool)
     values = dict(zip(METRIC_NAMES, diversity_metrics(one, np.array([[0], [1], [0]]))))
-    assert values == {"focal": 0.0, "kappa": 1.0, "disagreement": 0.0, "yule_q": 1.0, "correlation": 1.0, "entropy": 0.0}
+    assert values == {
+        "focal": 0.0,
+        "kappa": 1.0,
+        "disagreement": 0.0,
+        "yule_q": 1.0,
+        "correlation": 1.0,
+        "entropy": 0.0,
+    }
 
     never_fail = np.ones((4, 3), dtype=bool)
     assert focal_diversity(never_fail) == 1.0  # no failure coincides with another

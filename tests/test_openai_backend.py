@@ -40,7 +40,10 @@ def servers(zoo_models):
 
 def questions(n: int, seed: int = 0) -> list[ChoiceQuery]:
     rng = np.random.default_rng(seed)
-    return [ChoiceQuery(id=str(i), prompt=q.prompt, choices=q.choices) for i, q in enumerate(make_question(f, rng) for f in FAMILIES for _ in range(n))]
+    return [
+        ChoiceQuery(id=str(i), prompt=q.prompt, choices=q.choices)
+        for i, q in enumerate(make_question(f, rng) for f in FAMILIES for _ in range(n))
+    ]
 
 
 @pytest.mark.parametrize("name", ["arith-char", "count-bpe"])
@@ -62,9 +65,15 @@ def test_served_smollm2_equals_in_process():
 
         remote = create_backend("openai", base_url=server.url, model="smollm2")
         local = TransformersBackend.load(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
-        query = ChoiceQuery(id="fr", prompt="Question: What is the capital of France?\nAnswer:", choices=[" Paris", " London", " Berlin, the capital of Germany"])
+        query = ChoiceQuery(
+            id="fr",
+            prompt="Question: What is the capital of France?\nAnswer:",
+            choices=[" Paris", " London", " Berlin, the capital of Germany"],
+        )
         for q in [query, *questions(1)]:
-            assert remote.score_choices(q).loglikelihoods == pytest.approx(local.score_choices(q).loglikelihoods, abs=1e-4)
+            assert remote.score_choices(q).loglikelihoods == pytest.approx(
+                local.score_choices(q).loglikelihoods, abs=1e-4
+            )
     finally:
         server.kill()
 
@@ -87,7 +96,11 @@ def test_server_rejects_bad_requests_with_openai_errors(servers):
         ({"model": "arith-char", "prompt": "x", "logprobs": 1, "max_tokens": 3}, 400, "one greedy token"),
         ({"model": "arith-char", "prompt": "x", "echo": True, "max_tokens": 5}, 400, "echo"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
-        ({"model": "arith-char", "prompt": "x" * 500, "echo": True, "max_tokens": 0, "logprobs": 1}, 400, "model window"),
+        (
+            {"model": "arith-char", "prompt": "x" * 500, "echo": True, "max_tokens": 0, "logprobs": 1},
+            400,
+            "model window",
+        ),
     ]
     for body, status, words in cases:
         response = httpx.post(url, json=body)
@@ -112,17 +125,48 @@ class Misbehaving(BaseHTTPRequestHandler):
             "garbage": b"\x00\x01 this is not json",
             "list": b"[1, 2, 3]",
             "no-choices": json.dumps({"id": "x", "created": 0, "model": "m"}).encode(),
-            "short": json.dumps({"id": "x", "created": 0, "model": "m", "choices": [{"index": 0, "text": "a", "logprobs": None}]}).encode(),
-            "ragged": json.dumps({"id": "x", "created": 0, "model": "m", "choices": [
-                {"index": i, "text": "a", "logprobs": {"tokens": ["a", "b"], "token_logprobs": [None], "top_logprobs": [None, {}], "text_offset": [0, 1]}} for i in range(4)]}).encode(),
+            "short": json.dumps(
+                {"id": "x", "created": 0, "model": "m", "choices": [{"index": 0, "text": "a", "logprobs": None}]}
+            ).encode(),
+            "ragged": json.dumps(
+                {
+                    "id": "x",
+                    "created": 0,
+                    "model": "m",
+                    "choices": [
+                        {
+                            "index": i,
+                            "text": "a",
+                            "logprobs": {
+                                "tokens": ["a", "b"],
+                                "token_logprobs": [None],
+                                "top_logprobs": [None, {}],
+                                "text_offset": [0, 1],
+                            },
+                        }
+                        for i in range(4)
+                    ],
+                }
+            ).encode(),
             "400": b'{"error": {"message": "bad"}}',
         }.get(mode)
         if mode == "400":
             return self._send(400, body)
         if mode in ("503-then-ok", "hang"):
             prompt = "Q: add: 12+7=\nA:"
-            choices = [{"index": i, "text": prompt + c, "logprobs": {"tokens": ["Q: add: 12+7=\nA:", c], "token_logprobs": [None, -float(i + 1)], "top_logprobs": [None, {" 19": -1.0}], "text_offset": [0, len(prompt)]}}
-                       for i, c in enumerate(QUESTION.choices)]
+            choices = [
+                {
+                    "index": i,
+                    "text": prompt + c,
+                    "logprobs": {
+                        "tokens": ["Q: add: 12+7=\nA:", c],
+                        "token_logprobs": [None, -float(i + 1)],
+                        "top_logprobs": [None, {" 19": -1.0}],
+                        "text_offset": [0, len(prompt)],
+                    },
+                }
+                for i, c in enumerate(QUESTION.choices)
+            ]
             body = json.dumps({"id": "x", "created": 0, "model": "m", "choices": choices}).encode()
         self._send(200, body)
 
@@ -166,7 +210,9 @@ def test_malformed_responses_are_rejected_clearly_without_retry(misbehaving, mod
 
 def test_retry_with_backoff_then_success(misbehaving):
     misbehaving.mode = "503-then-ok"
-    backend = create_backend("openai", base_url=f"http://127.0.0.1:{misbehaving.server_port}/v1", model="m", retries=2, backoff_s=0.05)
+    backend = create_backend(
+        "openai", base_url=f"http://127.0.0.1:{misbehaving.server_port}/v1", model="m", retries=2, backoff_s=0.05
+    )
     scores = backend.score_choices(QUESTION)
     assert scores.loglikelihoods == [-1.0, -2.0, -3.0, -4.0] and scores.is_greedy == [True, False, False, False]
     assert misbehaving.requests == 2
@@ -174,7 +220,14 @@ def test_retry_with_backoff_then_success(misbehaving):
 
 def test_a_hung_server_times_out_and_never_hangs_the_caller(misbehaving):
     misbehaving.mode = "hang"
-    backend = create_backend("openai", base_url=f"http://127.0.0.1:{misbehaving.server_port}/v1", model="m", timeout_s=0.3, retries=1, backoff_s=0.05)
+    backend = create_backend(
+        "openai",
+        base_url=f"http://127.0.0.1:{misbehaving.server_port}/v1",
+        model="m",
+        timeout_s=0.3,
+        retries=1,
+        backoff_s=0.05,
+    )
     start = time.monotonic()
     with pytest.raises(BackendError, match="failed after 2 attempts; last error: ReadTimeout"):
         backend.score_choices(QUESTION)
@@ -184,7 +237,9 @@ def test_a_hung_server_times_out_and_never_hangs_the_caller(misbehaving):
 def test_killed_server_is_a_per_query_failure_and_the_pool_still_answers(zoo_models):
     server = ServerProcess(Path(zoo_models["order-char"].path), "order-char")
     pool = {
-        "order-char@http": create_backend("openai", base_url=server.url, model="order-char", timeout_s=2, retries=1, backoff_s=0.05),
+        "order-char@http": create_backend(
+            "openai", base_url=server.url, model="order-char", timeout_s=2, retries=1, backoff_s=0.05
+        ),
         "arith-char": load_backend(zoo_models["arith-char"]),
         "count-bpe": load_backend(zoo_models["count-bpe"]),
     }
@@ -202,7 +257,11 @@ def test_killed_server_is_a_per_query_failure_and_the_pool_still_answers(zoo_mod
             continue
         assert answers.answered.tolist() == [False, True, True]
         [failure] = answers.failures
-        assert failure.model == "order-char@http" and "failed after 2 attempts" in failure.reason and "ConnectError" in failure.reason
+        assert (
+            failure.model == "order-char@http"
+            and "failed after 2 attempts" in failure.reason
+            and "ConnectError" in failure.reason
+        )
         decision = engine.decide(key="t", n_choices=len(query.choices), greedy=True)[0]
         decision.pool = decision.pool & answers.answered
         if decision.pool.any():
@@ -215,7 +274,9 @@ def test_killed_server_is_a_per_query_failure_and_the_pool_still_answers(zoo_mod
 
 def test_pool_deadline_records_a_slow_model(misbehaving, zoo_models):
     misbehaving.mode = "hang"
-    slow = create_backend("openai", base_url=f"http://127.0.0.1:{misbehaving.server_port}/v1", model="m", timeout_s=30, retries=0)
+    slow = create_backend(
+        "openai", base_url=f"http://127.0.0.1:{misbehaving.server_port}/v1", model="m", timeout_s=30, retries=0
+    )
     caller = PoolCaller({"slow": slow, "arith-char": load_backend(zoo_models["arith-char"])}, deadline_s=0.5)
     start = time.monotonic()
     answers = caller.ask(QUESTION, np.array([True, True]))
@@ -250,11 +311,34 @@ def test_rlae_generate_over_a_pool_of_servers(servers, zoo_models, tmp_path):
     from rlens.cli import app
 
     pool = tmp_path / "servers.json"
-    pool.write_text(json.dumps({"models": [{"name": n, "backend": "openai", "options": {"base_url": servers[n].url, "model": n}} for n in ("arith-char", "count-bpe")]}))
-    result = CliRunner().invoke(app, ["rlae", "generate", "--pool", str(pool), "--weights", "1,0", "--top-k", "3", "Q: add: 12+7=\\nA:"])
+    pool.write_text(
+        json.dumps(
+            {
+                "models": [
+                    {"name": n, "backend": "openai", "options": {"base_url": servers[n].url, "model": n}}
+                    for n in ("arith-char", "count-bpe")
+                ]
+            }
+        )
+    )
+    result = CliRunner().invoke(
+        app, ["rlae", "generate", "--pool", str(pool), "--weights", "1,0", "--top-k", "3", "Q: add: 12+7=\\nA:"]
+    )
     assert result.exit_code == 0 and "span 0: arith-char 1.00  count-bpe 0.00" in result.output, result.output
     mixed = tmp_path / "mixed.json"
-    mixed.write_text(json.dumps({"models": [{"name": "a", "backend": "openai", "options": {"base_url": servers["arith-char"].url, "model": "arith-char"}},
-                                            {"name": "b", "backend": "transformers", "options": {"path": zoo_models["count-bpe"].path}}]}))
+    mixed.write_text(
+        json.dumps(
+            {
+                "models": [
+                    {
+                        "name": "a",
+                        "backend": "openai",
+                        "options": {"base_url": servers["arith-char"].url, "model": "arith-char"},
+                    },
+                    {"name": "b", "backend": "transformers", "options": {"path": zoo_models["count-bpe"].path}},
+                ]
+            }
+        )
+    )
     result = CliRunner().invoke(app, ["rlae", "generate", "--pool", str(mixed), "--weights", "uniform", "x"])
     assert result.exit_code == 2 and "all `transformers` models (in process) or all `openai` servers" in result.output

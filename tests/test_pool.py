@@ -18,11 +18,22 @@ from rlens.models.pool import PoolConfigError, load_pool_config
         ("{", "not valid JSON"),
         ('{"models": []}', "models: List should have at least 1 item"),
         ('{"models": [{"name": "a", "backend": "nope"}]}', "unknown backend 'nope'"),
-        ('{"models": [{"name": "a", "backend": "replay", "options": {"dataset": "d", "model": 0}}, {"name": "a", "backend": "replay", "options": {"dataset": "d", "model": 1}}]}', "unique"),
-        ('{"models": [{"name": "a", "backend": "openai", "options": {"base_ur": "http://x/v1", "model": "m"}}]}',
-         "model 'a': unknown option(s) base_ur for backend openai; its options: api_key, backoff_s, base_url, max_concurrency, model, retries, timeout_s"),
-        ('{"models": [{"name": "a", "backend": "openai", "options": {"base_url": "http://x/v1"}}]}', "model 'a': backend openai needs option(s) model"),
-        ('{"models": [{"name": "z", "backend": "transformers", "options": {"path": "p", "devise": "cpu"}}]}', "its options: device, gguf_file, path"),
+        (
+            '{"models": [{"name": "a", "backend": "replay", "options": {"dataset": "d", "model": 0}}, {"name": "a", "backend": "replay", "options": {"dataset": "d", "model": 1}}]}',
+            "unique",
+        ),
+        (
+            '{"models": [{"name": "a", "backend": "openai", "options": {"base_ur": "http://x/v1", "model": "m"}}]}',
+            "model 'a': unknown option(s) base_ur for backend openai; its options: api_key, backoff_s, base_url, max_concurrency, model, retries, timeout_s",
+        ),
+        (
+            '{"models": [{"name": "a", "backend": "openai", "options": {"base_url": "http://x/v1"}}]}',
+            "model 'a': backend openai needs option(s) model",
+        ),
+        (
+            '{"models": [{"name": "z", "backend": "transformers", "options": {"path": "p", "devise": "cpu"}}]}',
+            "its options: device, gguf_file, path",
+        ),
         ('{"models": [{"name": "a", "backend": "openai", "cost": 0}]}', "models.0.cost"),
     ],
 )
@@ -41,11 +52,17 @@ def test_shipped_pool_files_are_valid():
 
 
 def test_pool_check_probes_every_model(tmp_path, quick_zoo, bbh_slice_dir):
-    pool = {"models": [
-        {"name": "arith", "backend": "transformers", "options": {"path": str(quick_zoo / "arith-char")}},
-        {"name": "recorded", "backend": "replay", "options": {"dataset": str(bbh_slice_dir), "model": 1}},
-        {"name": "dead", "backend": "openai", "options": {"base_url": "http://127.0.0.1:9/v1", "model": "x", "retries": 0, "timeout_s": 1}},
-    ]}
+    pool = {
+        "models": [
+            {"name": "arith", "backend": "transformers", "options": {"path": str(quick_zoo / "arith-char")}},
+            {"name": "recorded", "backend": "replay", "options": {"dataset": str(bbh_slice_dir), "model": 1}},
+            {
+                "name": "dead",
+                "backend": "openai",
+                "options": {"base_url": "http://127.0.0.1:9/v1", "model": "x", "retries": 0, "timeout_s": 1},
+            },
+        ]
+    }
     path = tmp_path / "pool.json"
     path.write_text(json.dumps(pool))
     result = CliRunner().invoke(app, ["pool", "check", str(path)], env={"COLUMNS": "300"})
@@ -57,7 +74,11 @@ def test_pool_check_probes_every_model(tmp_path, quick_zoo, bbh_slice_dir):
 
 def test_up_refuses_a_pool_with_a_typo_before_starting_anything(tmp_path):
     pool = tmp_path / "pool.json"
-    pool.write_text('{"models": [{"name": "a", "backend": "openai", "options": {"base_url": "http://x/v1", "modle": "m"}}]}')
-    result = CliRunner().invoke(app, ["up", "--pool", str(pool), "--workdir", str(tmp_path / "up"), "--no-gateway", "--broker-port", "1"])
+    pool.write_text(
+        '{"models": [{"name": "a", "backend": "openai", "options": {"base_url": "http://x/v1", "modle": "m"}}]}'
+    )
+    result = CliRunner().invoke(
+        app, ["up", "--pool", str(pool), "--workdir", str(tmp_path / "up"), "--no-gateway", "--broker-port", "1"]
+    )
     assert result.exit_code == 2 and "unknown option(s) modle for backend openai; its options: api_key" in result.output
     assert not (tmp_path / "up").exists()  # nothing was started or written

@@ -33,11 +33,17 @@ def test_rows_round_trip_into_the_same_window_as_in_memory(redis_url):
     async def scenario():
         redis, windows = await fresh(redis_url)
         reference = OutcomeWindow(3, 4)
-        rows = [([0, 1, -1], 0, 0.9), ([1, 1, 2], 1, 0.8), ([2, -1, 2], -1, -1.0), ([0, 0, 0], 0, 1.0), ([1, 2, 1], 1, 0.5)]
+        rows = [
+            ([0, 1, -1], 0, 0.9),
+            ([1, 1, 2], 1, 0.8),
+            ([2, -1, 2], -1, -1.0),
+            ([0, 0, 0], 0, 1.0),
+            ([1, 2, 1], 1, 0.5),
+        ]
         for i, (predictions, label, reward) in enumerate(rows):
             assert await windows.apply("task-a", f"q{i}", predictions, label, reward)
             reference.push(np.array(predictions), label, reward)
-        loaded = (await windows.load(["task-a", "task-b"]))
+        loaded = await windows.load(["task-a", "task-b"])
         window, empty = loaded["task-a"], loaded["task-b"]
         assert window.n_rows == 4 and empty.n_rows == 0  # bounded to W; a missing key is a cold window
         np.testing.assert_allclose(window.reliability(), reference.reliability())
@@ -66,10 +72,20 @@ def test_a_batch_of_outcomes_applies_in_one_round_trip_in_order_and_once(redis_u
     async def scenario():
         redis, windows = await fresh(redis_url)
         await redis.script_flush()  # the script is not cached yet: the pipeline must load it
-        applied = await windows.apply_many([("a", "q1", [0, 1, 2], 0, 1.0), ("b", "q2", [1, 1, 1], 1, 0.5), ("a", "q3", [2, 2, 2], 2, 0.0), ("a", "q1", [0, 1, 2], 0, 1.0)])
+        applied = await windows.apply_many(
+            [
+                ("a", "q1", [0, 1, 2], 0, 1.0),
+                ("b", "q2", [1, 1, 1], 1, 0.5),
+                ("a", "q3", [2, 2, 2], 2, 0.0),
+                ("a", "q1", [0, 1, 2], 0, 1.0),
+            ]
+        )
         assert applied == [True, True, True, False]  # the repeated query counts once
         assert await redis.lrange(windows.window_key("a"), 0, -1) == [b"[0,1.0,0,1,2]", b"[2,0.0,2,2,2]"]
-        assert await windows.apply_many([("b", "q2", [1, 1, 1], 1, 0.5), ("b", "q4", [0, 0, 0], 0, 1.0)]) == [False, True]
+        assert await windows.apply_many([("b", "q2", [1, 1, 1], 1, 0.5), ("b", "q4", [0, 0, 0], 0, 1.0)]) == [
+            False,
+            True,
+        ]
         with pytest.raises(ValueError, match="query q6: predictions for 2 models"):  # checked before anything is sent
             await windows.apply_many([("c", "q5", [0, 0, 0], 0, 1.0), ("c", "q6", [0, 0], 0, 1.0)])
         assert await redis.llen(windows.window_key("c")) == 0
@@ -111,6 +127,7 @@ def test_concurrent_duplicated_updates_from_many_clients(redis_url):
 def test_the_streams_last_pools_are_shared_and_bad_ones_ignored(redis_url):
     """One worker saves a stream's pool, another reads it with the windows (one round trip); a value that does not
     fit the pool (wrong length, not 0/1, empty) is ignored, and the pool expires with the window."""
+
     async def scenario():
         redis, windows = await fresh(redis_url, window_ttl_s=60)
         other = RedisWindows(redis, n_models=3, size=4)

@@ -30,12 +30,24 @@ def test_paper_protocol_split(bbh):
 
 def test_cli_replay_writes_every_output(bbh_slice_dir, tmp_path):
     out = tmp_path / "out"
-    result = CliRunner().invoke(app, ["replay", "--data", str(bbh_slice_dir), "--out", str(out), "--seed", "3", "--workers", "2"])
+    result = CliRunner().invoke(
+        app, ["replay", "--data", str(bbh_slice_dir), "--out", str(out), "--seed", "3", "--workers", "2"]
+    )
     assert result.exit_code == 0, result.output
     results = json.loads((out / "results.json").read_text())
     ReplayResults.model_validate(results)
     assert results["protocol"] == "paper" and results["seed"] == 3 and results["n_test"] == 24
-    expected = {"rl_focal", "best_single", "best_single_per_task", "plurality", "soft_vote", "hedge", "stacking", "oracle", *DEFAULT_VARIANTS}
+    expected = {
+        "rl_focal",
+        "best_single",
+        "best_single_per_task",
+        "plurality",
+        "soft_vote",
+        "hedge",
+        "stacking",
+        "oracle",
+        *DEFAULT_VARIANTS,
+    }
     assert expected <= set(results["methods"])
     focal = results["methods"]["rl_focal"]
     assert set(focal["per_task"]) == {"boolean_expressions", "date_understanding", "formal_fallacies"}
@@ -63,7 +75,9 @@ def test_stream_protocol_and_determinism(bbh_slice_dir):
 
 
 def test_cli_replay_rejects_unknown_variants(bbh_slice_dir, tmp_path):
-    result = CliRunner().invoke(app, ["replay", "--data", str(bbh_slice_dir), "--out", str(tmp_path), "--variants", "rl_focal,rl_fokal"])
+    result = CliRunner().invoke(
+        app, ["replay", "--data", str(bbh_slice_dir), "--out", str(tmp_path), "--variants", "rl_focal,rl_fokal"]
+    )
     assert result.exit_code == 2 and "unknown ['rl_fokal']" in result.output and "rl_focal_kappa" in result.output
 
 
@@ -84,7 +98,10 @@ def test_replay_reports_drift_detections_and_recovery_on_one_stream_key(zoo, tmp
     assert drift.switches - drift.missed_switches >= 1 and all(d >= 0 for d in drift.delays)
     assert all(20 <= r <= 120 for r in drift.recovery)  # at least the rolling window, at most the block
     write_outputs(one, tmp_path)
-    assert "## Drift" in (tmp_path / "report.md").read_text() and json.loads((tmp_path / "results.json").read_text())["drift"]["one_stream"]
+    assert (
+        "## Drift" in (tmp_path / "report.md").read_text()
+        and json.loads((tmp_path / "results.json").read_text())["drift"]["one_stream"]
+    )
     bad = CliRunner().invoke(app, ["replay", "--data", "x", "--drift-reaction", "forget"])
     assert bad.exit_code == 2 and "--drift-reaction must be none, trim or reset" in bad.output
 
@@ -106,4 +123,5 @@ def test_synthetic_datasets_are_seeded_valid_and_any_shape(tmp_path):
     accuracy = (a.probs.argmax(-1) == a.labels[:, None]).mean()
     assert 0.3 < accuracy < 0.9  # models better than chance (0.25), not perfect
     save_dataset(a, tmp_path / "synthetic")
-    np.testing.assert_allclose(load_dataset(tmp_path / "synthetic").probs, a.probs, atol=1e-6)  # passes the format's validation
+    # passes the format's validation
+    np.testing.assert_allclose(load_dataset(tmp_path / "synthetic").probs, a.probs, atol=1e-6)

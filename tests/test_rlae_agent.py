@@ -10,7 +10,9 @@ from rlens.rlae.agent import RLAEConfig, Span, gae_over_spans, make_policy, upda
 
 def test_gae_over_spans_matches_a_hand_computation():
     # episode 1: spans 0, 1 (reward 1 at the end); episode 2: spans 2, 3 (reward 0.5); gamma 1, lambda 0.5
-    advantages, returns = gae_over_spans(np.array([0, 1, 0, 0.5]), np.array([0.2, 0.4, 0.1, 0.3]), np.array([False, True, False, True]), 1.0, 0.5)
+    advantages, returns = gae_over_spans(
+        np.array([0, 1, 0, 0.5]), np.array([0.2, 0.4, 0.1, 0.3]), np.array([False, True, False, True]), 1.0, 0.5
+    )
     np.testing.assert_allclose(advantages, [0.5, 0.6, 0.3, 0.2], atol=1e-6)
     np.testing.assert_allclose(returns, [0.7, 1.0, 0.4, 0.5], atol=1e-6)
 
@@ -49,8 +51,10 @@ def test_updates_make_the_rewarded_weighting_more_likely(variant):
             with torch.no_grad():
                 actions, logps, values = policy.act(torch.from_numpy(obs), generator=generator)
             reward = float(policy.weights(actions)[1, 0] > 0.5)
-            spans += [Span(obs[0], actions[0].numpy(), float(logps[0]), float(values[0])),
-                      Span(obs[1], actions[1].numpy(), float(logps[1]), float(values[1]), reward=reward, last=True)]
+            spans += [
+                Span(obs[0], actions[0].numpy(), float(logps[0]), float(values[0])),
+                Span(obs[1], actions[1].numpy(), float(logps[1]), float(values[1]), reward=reward, last=True),
+            ]
         update(policy, optimizer, spans, cfg, generator)
     after = rewarded_share()
     assert 0.3 < before < 0.7

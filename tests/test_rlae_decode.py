@@ -56,7 +56,11 @@ def test_union_round_trips_text_for_every_zoo_tokenizer(tokenizers):
 def test_same_bytes_share_one_union_entry_and_eos_is_shared(tokenizers):
     vocab = UnionVocab.build(tokenizers)
     char, gpt2, smol, gemma = tokenizers
-    assert vocab.index[0][char.convert_tokens_to_ids("a")] == vocab.index[1][gpt2.convert_tokens_to_ids("a")] == vocab.index[2][smol.convert_tokens_to_ids("a")]
+    assert (
+        vocab.index[0][char.convert_tokens_to_ids("a")]
+        == vocab.index[1][gpt2.convert_tokens_to_ids("a")]
+        == vocab.index[2][smol.convert_tokens_to_ids("a")]
+    )
     assert vocab.index[3][gemma.convert_tokens_to_ids("a")] == vocab.index[0][char.convert_tokens_to_ids("a")]
     assert vocab.pieces[int(vocab.index[2][smol.convert_tokens_to_ids("Ġhello")])] == b" hello"
     assert all(int(vocab.index[m][t.eos_token_id]) == 0 for m, t in enumerate(tokenizers)) and vocab.pieces[0] == EOS
@@ -85,9 +89,13 @@ def test_picks_among_the_top_tokens_are_the_dense_picks(tokenizers):
     g = torch.Generator().manual_seed(0)
     space = int(vocab.index[2][tokenizers[3].convert_tokens_to_ids("▁")])
     for temperature in (0.5, 2.0, 30.0):  # peaked, softer, nearly flat (mostly decided densely)
-        probs = [torch.softmax(torch.randn(8, len(vocab.index[m]), generator=g) * 12 / temperature, -1) for m in range(3)]
+        probs = [
+            torch.softmax(torch.randn(8, len(vocab.index[m]), generator=g) * 12 / temperature, -1) for m in range(3)
+        ]
         probs[2][0] = 0.0
-        probs[2][0, tokenizers[3].convert_tokens_to_ids("▁")] = probs[2][0, tokenizers[3].convert_tokens_to_ids("<0x20>")] = 0.5  # one entry, two tokens
+        probs[2][0, tokenizers[3].convert_tokens_to_ids("▁")] = probs[2][
+            0, tokenizers[3].convert_tokens_to_ids("<0x20>")
+        ] = 0.5  # one entry, two tokens
         dense = DenseNext(torch.stack([scattered(vocab, m, p) for m, p in enumerate(probs)]))
         for m, p in enumerate(probs):
             assert torch.equal(vocab.to_union(m, p), dense.probs[m])
@@ -103,24 +111,42 @@ def test_picks_among_the_top_tokens_are_the_dense_picks(tokenizers):
 def greedy_tokens(backend: TransformersBackend, prompt: str, n: int) -> list[int]:
     ids = backend.tokenizer(prompt).input_ids  # the tokenizer's own special tokens: Gemma's BOS, nothing for the others
     assert ids[-1] != backend.tokenizer.eos_token_id
-    out = backend.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=n, do_sample=False,
-                                 pad_token_id=backend.tokenizer.eos_token_id, eos_token_id=backend.tokenizer.eos_token_id)
-    tokens = out[0, len(ids):].tolist()
-    return tokens[: tokens.index(backend.tokenizer.eos_token_id)] if backend.tokenizer.eos_token_id in tokens else tokens
+    out = backend.model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=n,
+        do_sample=False,
+        pad_token_id=backend.tokenizer.eos_token_id,
+        eos_token_id=backend.tokenizer.eos_token_id,
+    )
+    tokens = out[0, len(ids) :].tolist()
+    return (
+        tokens[: tokens.index(backend.tokenizer.eos_token_id)] if backend.tokenizer.eos_token_id in tokens else tokens
+    )
 
 
 def test_one_hot_weights_reproduce_each_models_greedy_output(quick_zoo, smollm2, gemma3):
-    backends = [TransformersBackend.load(quick_zoo / "arith-char"), TransformersBackend.load(quick_zoo / "count-bpe"), smollm2, gemma3]
+    backends = [
+        TransformersBackend.load(quick_zoo / "arith-char"),
+        TransformersBackend.load(quick_zoo / "count-bpe"),
+        smollm2,
+        gemma3,
+    ]
     ensemble = TokenEnsemble(backends)
     prompts = ["Q: add: 12+7=\nA:", "Question: What is the capital of France?\nAnswer:", "3 + 4 = 7\n12 + 5 ="]
     for m, backend in enumerate(backends):
-        for batched, prompt in zip(ensemble.generate_batch(prompts, np.eye(len(backends))[m], max_tokens=12, span=4), prompts):
+        for batched, prompt in zip(
+            ensemble.generate_batch(prompts, np.eye(len(backends))[m], max_tokens=12, span=4), prompts
+        ):
             alone = ensemble.generate(prompt, np.eye(len(backends))[m], max_tokens=12, span=4)
             expected = greedy_tokens(backend, prompt, 12)
             for out in (alone, batched):
-                assert [ensemble.vocab.single[m][u] for u in out.union_tokens] == expected  # token for token, same length
+                assert [
+                    ensemble.vocab.single[m][u] for u in out.union_tokens
+                ] == expected  # token for token, same length
                 assert out.text == backend.tokenizer.decode(expected)
-                read = expected if out.finish_reason == "stop" else expected[:-1]  # the last token of a cut-off output is not read
+                # the last token of a cut-off output is not read
+                read = expected if out.finish_reason == "stop" else expected[:-1]
                 assert out.appended[m] == read
 
 
@@ -134,7 +160,9 @@ def test_mixed_weights_decode_text_every_model_has_read(quick_zoo, smollm2):
     backends = [TransformersBackend.load(quick_zoo / "arith-char"), smollm2]
     ensemble = TokenEnsemble(backends)
     views = []
-    out = ensemble.generate("The capital of France is", lambda view: views.append(view) or np.array([0.3, 0.7]), max_tokens=10, span=4)
+    out = ensemble.generate(
+        "The capital of France is", lambda view: views.append(view) or np.array([0.3, 0.7]), max_tokens=10, span=4
+    )
     pieces = [ensemble.vocab.pieces[u] for u in out.union_tokens]
     assert len(views) == len(out.span_weights) >= 2
     for k, view in enumerate(views):  # the weights of span k are chosen seeing the text of the first 4k tokens
@@ -149,14 +177,28 @@ def test_mixed_weights_decode_text_every_model_has_read(quick_zoo, smollm2):
 
 def test_a_batch_decodes_what_each_prompt_decodes_alone(quick_zoo, smollm2):
     """Rows of different lengths, re-tokenized pieces and early finishers share one padded batch per model."""
-    backends = [TransformersBackend.load(quick_zoo / "arith-char"), TransformersBackend.load(quick_zoo / "pattern-bpe"), smollm2]
+    backends = [
+        TransformersBackend.load(quick_zoo / "arith-char"),
+        TransformersBackend.load(quick_zoo / "pattern-bpe"),
+        smollm2,
+    ]
     ensemble = TokenEnsemble(backends)
-    prompts = ["Q: add: 3+4=\nA:", "The capital of France is", "Q: next: 2 4 6\nA:", "Once upon a time, in a land far away, there", "Hi"]
+    prompts = [
+        "Q: add: 3+4=\nA:",
+        "The capital of France is",
+        "Q: next: 2 4 6\nA:",
+        "Once upon a time, in a land far away, there",
+        "Hi",
+    ]
     weights = np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [0.2, 0.6, 0.2], [0.3, 0.3, 0.4], [1.0, 0.0, 0.0]])
     batch = ensemble.generate_batch(prompts, weights, max_tokens=14, span=4, stop=["\n"])
     for i, prompt in enumerate(prompts):
         alone = ensemble.generate(prompt, weights[i], max_tokens=14, span=4, stop=["\n"])
-        assert (batch[i].text, batch[i].union_tokens, batch[i].finish_reason) == (alone.text, alone.union_tokens, alone.finish_reason)
+        assert (batch[i].text, batch[i].union_tokens, batch[i].finish_reason) == (
+            alone.text,
+            alone.union_tokens,
+            alone.finish_reason,
+        )
         assert batch[i].appended == alone.appended
 
 
@@ -164,10 +206,13 @@ def test_span_statistics_are_each_models_entropy_and_agreement(quick_zoo):
     backend = TransformersBackend.load(quick_zoo / "order-char")
     ensemble = TokenEnsemble([backend, backend])
     views = []
-    ensemble.generate("Q: sort: c a b\nA:", lambda view: views.append(view) or np.array([0.5, 0.5]), max_tokens=4, span=4)
+    ensemble.generate(
+        "Q: sort: c a b\nA:", lambda view: views.append(view) or np.array([0.5, 0.5]), max_tokens=4, span=4
+    )
     ids = backend.tokenizer.encode("Q: sort: c a b\nA:", add_special_tokens=False)
     with torch.no_grad():
         logprobs = torch.log_softmax(backend.model(torch.tensor([ids])).logits[0, -1], -1)
     first = float(-(logprobs.exp() * logprobs).sum())
-    np.testing.assert_allclose(views[0].entropy, [[first, first]], rtol=1e-4)  # span 0: the prompt's next-token distribution
+    # span 0: the prompt's next-token distribution
+    np.testing.assert_allclose(views[0].entropy, [[first, first]], rtol=1e-4)
     np.testing.assert_array_equal(views[0].agreement, [[1.0, 1.0]])  # two copies of one model always agree

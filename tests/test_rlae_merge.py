@@ -61,6 +61,7 @@ def test_the_dense_view_sums_in_model_order():
     nxt = DenseNext(p)
     assert nxt.pick(np.array([[0.25, 0.5, 0.25]])) == [1]  # .05 + .3 + .125 = .475 against .2 + .2 + .125 = .525
     assert nxt.pick(np.array([[0.0, 1.0, 0.0]])) == [0]
-    assert nxt.agreement().tolist() == [[True, False, False]]  # sum: 1.3 against 1.7, token 1; the tie of model 2 goes to 0
+    # sum: 1.3 against 1.7, token 1; the tie of model 2 goes to 0
+    assert nxt.agreement().tolist() == [[True, False, False]]
     drawn = nxt.pick(np.array([[1.0, 0.0, 0.0]]), greedy=False, generator=torch.Generator().manual_seed(0))
     assert drawn in ([0], [1])

@@ -28,7 +28,14 @@ class Record:
     """A consumer record's coordinates (what the learner keeps of a feedback message)."""
 
     def __init__(self, offset: int, value: bytes = b"{}", timestamp: int | None = None):
-        self.topic, self.partition, self.offset, self.key, self.value, self.timestamp = "rlens.feedback", 0, offset, b"k", value, timestamp
+        self.topic, self.partition, self.offset, self.key, self.value, self.timestamp = (
+            "rlens.feedback",
+            0,
+            offset,
+            b"k",
+            value,
+            timestamp,
+        )
 
 
 def windows_for(url: str, n_models: int = 5) -> RedisWindows:
@@ -40,15 +47,33 @@ def experience(engine: FocalEngine, qid: str, stream: str = "s", answer: int = 1
     probs = np.full((engine.n_models, n_choices), 1 / n_choices)
     fused = engine.fuse(decision, probs)
     return Experience(
-        query_id=qid, stream=stream, policy_version=0, n_choices=n_choices, decider_state=decision.state.tolist(),
-        critic_state=fused.critic_state.tolist(), pool=decision.pool.tolist(), pool_logp=decision.pool_logp,
-        predictions=[answer] * engine.n_models, fusion_features=fused.features.tolist(), answer_index=answer, answer_logp=fused.answer_logp, explored=True,
+        query_id=qid,
+        stream=stream,
+        policy_version=0,
+        n_choices=n_choices,
+        decider_state=decision.state.tolist(),
+        critic_state=fused.critic_state.tolist(),
+        pool=decision.pool.tolist(),
+        pool_logp=decision.pool_logp,
+        predictions=[answer] * engine.n_models,
+        fusion_features=fused.features.tolist(),
+        answer_index=answer,
+        answer_logp=fused.answer_logp,
+        explored=True,
     )
 
 
 def learner(tmp_path: Path, url: str, **options) -> LearnerCore:
     models = [f"m{i}" for i in range(5)]
-    return LearnerCore(FocalOnlineTrainer(FocalEngine(5, seed=0), models), models, windows_for(url), CheckpointStore(tmp_path / "ckpt"), SIGNER, TOKENS, **options)
+    return LearnerCore(
+        FocalOnlineTrainer(FocalEngine(5, seed=0), models),
+        models,
+        windows_for(url),
+        CheckpointStore(tmp_path / "ckpt"),
+        SIGNER,
+        TOKENS,
+        **options,
+    )
 
 
 def fb(qid: str, **outcome) -> Feedback:
@@ -73,8 +98,15 @@ def test_join_in_either_order_ignores_duplicates_and_rewards_correctly(tmp_path,
         await core.apply_windows()  # what the app does after each batch of records
         assert core.stats.joined == 3 and core.stats.duplicates == 2 and core.stats.windows_applied == 3
         rewards = [t.reward for t in core.trainer.engine.buffer]
-        pool_cost = [core.trainer.engine.cfg.alpha * core.trainer.engine.cost_share[np.asarray(experience(worker_engine, "x").pool)].sum()] * 2
-        assert rewards[0] == pytest.approx(1 - pool_cost[0]) and rewards[1] == pytest.approx(-1 - pool_cost[1]) and rewards[2] == 0.25
+        pool_cost = [
+            core.trainer.engine.cfg.alpha
+            * core.trainer.engine.cost_share[np.asarray(experience(worker_engine, "x").pool)].sum()
+        ] * 2
+        assert (
+            rewards[0] == pytest.approx(1 - pool_cost[0])
+            and rewards[1] == pytest.approx(-1 - pool_cost[1])
+            and rewards[2] == 0.25
+        )
         window = (await core.windows.load(["s"]))["s"]
         assert window.n_rows == 3 and list(window.labels[:3]) == [1, 2, -1]
 
@@ -102,10 +134,15 @@ def test_pending_halves_are_bounded_expire_by_event_time_and_are_dead_lettered(t
             await core.on_experience(experience(engine, f"e{i}"), Record(i, timestamp=1_000_000 + i))
         assert list(core.experience) == ["e2", "e3", "e4"] and core.stats.evicted == 2 and core.stats.expired == 0
         dropped = core.take_dead_letters()
-        assert [d.offset for d in dropped] == [0, 1] and all("pending experience reached the bound (3 halves" in d.reason for d in dropped)
-        await core.on_feedback(fb("late", label=0), Record(9, timestamp=1_000_004 + hour))  # an hour of event time after e4
+        assert [d.offset for d in dropped] == [0, 1] and all(
+            "pending experience reached the bound (3 halves" in d.reason for d in dropped
+        )
+        # an hour of event time after e4
+        await core.on_feedback(fb("late", label=0), Record(9, timestamp=1_000_004 + hour))
         assert list(core.experience) == ["e4"] and list(core.feedback) == ["late"] and core.stats.expired == 2
-        assert all("no feedback within 3600 s (event time); not trained on" in d.reason for d in core.take_dead_letters())
+        assert all(
+            "no feedback within 3600 s (event time); not trained on" in d.reason for d in core.take_dead_letters()
+        )
         # bytes bound too: one large feedback pushes the older halves out
         small = learner(tmp_path / "bytes", redis_server.url, pending_bytes=1000)
         for i in range(3):
@@ -116,7 +153,10 @@ def test_pending_halves_are_bounded_expire_by_event_time_and_are_dead_lettered(t
         await quota.on_experience(experience(engine, "other", stream="quiet"), Record(0))
         for i in range(5):
             await quota.on_experience(experience(engine, f"junk{i}", stream="flood"), Record(1 + i))
-        assert list(quota.experience) == ["other", "junk3", "junk4"] and quota.experience.streams.keys() == {"quiet", "flood"}
+        assert list(quota.experience) == ["other", "junk3", "junk4"] and quota.experience.streams.keys() == {
+            "quiet",
+            "flood",
+        }
         assert all("reached its stream's quota (2 halves)" in d.reason for d in quota.take_dead_letters())
 
     asyncio.run(scenario())
@@ -152,17 +192,29 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path, redis_server):
         core.checkpoints.close()  # one learner per checkpoint directory: the first one leaves
         resumed = learner(tmp_path, redis_server.url)
         assert resumed.version == 1 and resumed.stats == core.stats and resumed.offsets == {"rlens.feedback:0": 70}
-        assert list(resumed.experience) == ["pending"] and len(resumed.trainer.engine.buffer) == 6 and "q5" in resumed.done
-        assert all(torch.equal(resumed.trainer.engine.policy_state()[k], v) for k, v in core.trainer.engine.policy_state().items())
+        assert (
+            list(resumed.experience) == ["pending"] and len(resumed.trainer.engine.buffer) == 6 and "q5" in resumed.done
+        )
+        assert all(
+            torch.equal(resumed.trainer.engine.policy_state()[k], v)
+            for k, v in core.trainer.engine.policy_state().items()
+        )
         a, b = core.trainer.engine.optimizer.state_dict(), resumed.trainer.engine.optimizer.state_dict()
-        assert all(torch.equal(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"]) and float(a["state"][i]["step"]) == float(b["state"][i]["step"]) for i in a["state"])
+        assert all(
+            torch.equal(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"])
+            and float(a["state"][i]["step"]) == float(b["state"][i]["step"])
+            for i in a["state"]
+        )
         assert resumed.already_seen(Record(69)) and not resumed.already_seen(Record(70))
-        assert core.trainer.engine.update() == pytest.approx(resumed.trainer.engine.update())  # same buffer, weights, optimizer, RNG
+        # same buffer, weights, optimizer, RNG
+        assert core.trainer.engine.update() == pytest.approx(resumed.trainer.engine.update())
 
     asyncio.run(scenario())
 
 
-def test_a_task_switch_raises_drift_events_on_the_outcome_and_the_models_and_detectors_survive_a_restart(tmp_path, redis_server):
+def test_a_task_switch_raises_drift_events_on_the_outcome_and_the_models_and_detectors_survive_a_restart(
+    tmp_path, redis_server
+):
     """The worker answers 1 and every model predicts 1: right while the labels are 1, wrong after they switch to 0."""
     from rlens.drift import DriftMonitor
 
@@ -189,9 +241,16 @@ def test_a_task_switch_raises_drift_events_on_the_outcome_and_the_models_and_det
     outcome = [e for e in events if e.signal == "outcome"]
     first = outcome[0].position
     assert outcome and 200 < first <= 260 and outcome[0].mean_before == 1.0
-    assert outcome[0].mean_after == pytest.approx(max(0, 200 - (first - 20)) / 20)  # the last 20 values: those before the switch were right
-    assert outcome[0].stream == "switch" and outcome[0].query_id == f"d{outcome[0].position - 1}" and outcome[0].detector == "adwin"
-    assert {e.signal for e in events} >= {"outcome", "model:m0", "model:m4"} and not [e for e in events if e.signal == "confidence"]
+    # the last 20 values: those before the switch were right
+    assert outcome[0].mean_after == pytest.approx(max(0, 200 - (first - 20)) / 20)
+    assert (
+        outcome[0].stream == "switch"
+        and outcome[0].query_id == f"d{outcome[0].position - 1}"
+        and outcome[0].detector == "adwin"
+    )
+    assert {e.signal for e in events} >= {"outcome", "model:m0", "model:m4"} and not [
+        e for e in events if e.signal == "confidence"
+    ]
     assert resumed.drift.to_json() == core.drift.to_json()  # the detectors' state came back with the checkpoint
 
 
@@ -212,7 +271,8 @@ def test_policies_are_verified_before_loading():
         decode_policy(good, engine.policy_state(), ["a", "b", "x"], "rl_focal", VERIFIER)
     with pytest.raises(PolicyError, match="is an rl_focal policy, this worker runs rlae"):
         decode_policy(good, engine.policy_state(), models, "rlae", VERIFIER)
-    four_models = focal_policy(FocalEngine(4, seed=0), 2, models)  # signed, for this pool, but a 4-model policy's tensors
+    # signed, for this pool, but a 4-model policy's tensors
+    four_models = focal_policy(FocalEngine(4, seed=0), 2, models)
     with pytest.raises(PolicyError, match="do not fit this worker"):
         decode_policy(four_models, engine.policy_state(), models, "rl_focal", VERIFIER)
 
@@ -234,13 +294,19 @@ def test_worker_answers_with_cold_windows_and_without_failed_models(zoo, redis_s
         for answer in out.answers:
             assert zoo.model_names[2] not in answer.answered_models
             if zoo.model_names[2] in answer.called_models:
-                assert answer.failures[0].model == zoo.model_names[2] and "model server is down" in answer.failures[0].reason
+                assert (
+                    answer.failures[0].model == zoo.model_names[2]
+                    and "model server is down" in answer.failures[0].reason
+                )
         # a newer verified policy is swapped in before the next batch, an older one is ignored
         core.receive_policy(focal_policy(FocalEngine(5, seed=7), 3, zoo.model_names))
         core.receive_policy(focal_policy(FocalEngine(5, seed=8), 2, zoo.model_names))
         assert core.policy_version == 0
         await core.handle(queries[:1])
-        assert core.policy_version == 3 and torch.equal(core.engine.policy_state()["fusion.linear.weight"], FocalEngine(5, seed=7).policy_state()["fusion.linear.weight"])
+        assert core.policy_version == 3 and torch.equal(
+            core.engine.policy_state()["fusion.linear.weight"],
+            FocalEngine(5, seed=7).policy_state()["fusion.linear.weight"],
+        )
 
     asyncio.run(scenario())
 
@@ -248,10 +314,16 @@ def test_worker_answers_with_cold_windows_and_without_failed_models(zoo, redis_s
 def test_workers_share_each_streams_previous_pool_through_redis(zoo, redis_server):
     """The Decider's observation starts with the stream's previous pool: whichever worker answered the stream last,
     the next worker sees that pool, not its own stale one."""
+
     async def scenario():
         backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
         await Redis.from_url(redis_server.url).flushdb()
-        first, second = (FocalWorker(FocalEngine(5, seed=s), zoo.model_names, backends, windows_for(redis_server.url), VERIFIER, TOKENS) for s in (0, 1))
+        first, second = (
+            FocalWorker(
+                FocalEngine(5, seed=s), zoo.model_names, backends, windows_for(redis_server.url), VERIFIER, TOKENS
+            )
+            for s in (0, 1)
+        )
         queries = [q.model_copy(update={"stream": "shared"}) for q, _ in queries_of(zoo, None, "p")[:3]]
         await second.handle(queries[:1])
         with torch.no_grad():  # the first worker's Decider now calls only model 4
@@ -285,12 +357,26 @@ def test_asyncapi_document_and_message_schemas_are_in_sync():
 
     written, generated = json.loads(ASYNCAPI_PATH.read_text()), asyncapi_document()
     for part in ("channels", "operations"):
-        assert set(written[part]) == set(generated[part]), (part, set(written[part]) ^ set(generated[part]), "run python -m rlens.service.asyncapi")
+        assert set(written[part]) == set(generated[part]), (
+            part,
+            set(written[part]) ^ set(generated[part]),
+            "run python -m rlens.service.asyncapi",
+        )
         different = [name for name in written[part] if written[part][name] != generated[part][name]]
         assert not different, (part, different[:3], "run python -m rlens.service.asyncapi")
     assert written == generated, "run python -m rlens.service.asyncapi"
     for name, model in MESSAGES.items():
-        assert json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text()) == model.model_json_schema(), "run python -m rlens.service.asyncapi"
+        assert json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text()) == model.model_json_schema(), (
+            "run python -m rlens.service.asyncapi"
+        )
     channels = asyncapi_document()["channels"]
-    assert {c["address"] for c in channels.values()} == {"rlens.queries", "rlens.answers", "rlens.feedback", "rlens.experience", "rlens.policy", "rlens.dead-letter",
-                                                             "rlens.replies.gateway-id", "rlens.drift"}
+    assert {c["address"] for c in channels.values()} == {
+        "rlens.queries",
+        "rlens.answers",
+        "rlens.feedback",
+        "rlens.experience",
+        "rlens.policy",
+        "rlens.dead-letter",
+        "rlens.replies.gateway-id",
+        "rlens.drift",
+    }

@@ -45,7 +45,14 @@ MODELS = [f"m{i}" for i in range(5)]
 
 class Record:
     def __init__(self, offset: int, value: bytes = b"{}", topic: str = "rlens.feedback", timestamp: int | None = None):
-        self.topic, self.partition, self.offset, self.key, self.value, self.timestamp = topic, 0, offset, b"k", value, timestamp
+        self.topic, self.partition, self.offset, self.key, self.value, self.timestamp = (
+            topic,
+            0,
+            offset,
+            b"k",
+            value,
+            timestamp,
+        )
 
 
 def windows_for(url: str) -> RedisWindows:
@@ -53,7 +60,15 @@ def windows_for(url: str) -> RedisWindows:
 
 
 def learner(tmp_path: Path, url: str, **options) -> LearnerCore:
-    return LearnerCore(FocalOnlineTrainer(FocalEngine(5, seed=0), MODELS), MODELS, windows_for(url), CheckpointStore(tmp_path / "ckpt"), SIGNER, TOKENS, **options)
+    return LearnerCore(
+        FocalOnlineTrainer(FocalEngine(5, seed=0), MODELS),
+        MODELS,
+        windows_for(url),
+        CheckpointStore(tmp_path / "ckpt"),
+        SIGNER,
+        TOKENS,
+        **options,
+    )
 
 
 def experience(qid: str, stream: str = "s", answer: int = 1, n_choices: int = 4, **changes) -> Experience:
@@ -61,9 +76,19 @@ def experience(qid: str, stream: str = "s", answer: int = 1, n_choices: int = 4,
     decision = engine.decide(stream, n_choices, greedy=False)[0]  # explored: it trains the policies
     fused = engine.fuse(decision, np.full((5, n_choices), 1 / n_choices))
     fields = dict(
-        query_id=qid, stream=stream, policy_version=0, n_choices=n_choices, decider_state=decision.state.tolist(),
-        critic_state=fused.critic_state.tolist(), pool=decision.pool.tolist(), pool_logp=decision.pool_logp,
-        predictions=[answer] * 5, fusion_features=fused.features.tolist(), answer_index=answer, answer_logp=fused.answer_logp, explored=True,
+        query_id=qid,
+        stream=stream,
+        policy_version=0,
+        n_choices=n_choices,
+        decider_state=decision.state.tolist(),
+        critic_state=fused.critic_state.tolist(),
+        pool=decision.pool.tolist(),
+        pool_logp=decision.pool_logp,
+        predictions=[answer] * 5,
+        fusion_features=fused.features.tolist(),
+        answer_index=answer,
+        answer_logp=fused.answer_logp,
+        explored=True,
     )
     return Experience(**{**fields, **changes})
 
@@ -91,7 +116,9 @@ def test_forged_non_finite_and_mistyped_policies_are_rejected_and_later_real_one
     nan = {k: torch.full_like(v, float("nan")) for k, v in real.items()}
     assert "non-finite values" in worker.receive_policy(encode_policy(nan, 3, 1, zoo.model_names, "rl_focal", SIGNER))
     doubles = {k: v.double() for k, v in real.items()}
-    assert "wrong shape or dtype" in worker.receive_policy(encode_policy(doubles, 4, 1, zoo.model_names, "rl_focal", SIGNER))
+    assert "wrong shape or dtype" in worker.receive_policy(
+        encode_policy(doubles, 4, 1, zoo.model_names, "rl_focal", SIGNER)
+    )
     assert worker.stats.policies_rejected == 4 and worker.policy_version == 0
     # the learner's real versions are loaded, and a restarted learner (a later epoch) supersedes a higher version
     assert worker.receive_policy(encode_policy(real, 5, 1, zoo.model_names, "rl_focal", SIGNER)) is None
@@ -120,7 +147,11 @@ def test_forged_feedback_is_dead_lettered_and_the_true_feedback_still_joins(tmp_
         assert "token does not match" in dead.reason
         assert not core.feedback and core.stats.forged_feedback == 2 and core.stats.duplicates == 0
         await core.on_experience(experience("a", answer=1), Record(0, topic="rlens.experience"))
-        assert await core.on_feedback(fb("a", label=1), Record(2)) == (None, None)  # the true label is not a "duplicate"
+        # the true label is not a "duplicate"
+        assert await core.on_feedback(fb("a", label=1), Record(2)) == (
+            None,
+            None,
+        )
         await core.apply_windows()
         window = (await core.windows.load(["s"]))["s"]
         assert core.stats.joined == 1 and window.n_rows == 1 and window.labels[0] == 1
@@ -135,7 +166,13 @@ def test_forged_feedback_is_dead_lettered_and_the_true_feedback_still_joins(tmp_
 # --- non-finite and out-of-range messages ----------------------------------------------------------------------------
 def test_messages_refuse_nan_infinity_and_values_out_of_bounds():
     good = json.loads(experience("q").model_dump_json())
-    for field, value in [("critic_state", [float("nan")] * 3), ("pool_logp", float("-inf")), ("n_choices", 50_000), ("predictions", [40_000] * 5), ("decider_state", [1e300])]:
+    for field, value in [
+        ("critic_state", [float("nan")] * 3),
+        ("pool_logp", float("-inf")),
+        ("n_choices", 50_000),
+        ("predictions", [40_000] * 5),
+        ("decider_state", [1e300]),
+    ]:
         with pytest.raises(ValidationError):  # json.dumps writes NaN and -Infinity literals, as a forged message would
             Experience.model_validate_json(json.dumps({**good, field: value}))
     for bad in ({"reward": float("nan")}, {"reward": -10}, {"label": 40_000}):
@@ -184,7 +221,10 @@ def test_an_update_that_leaves_non_finite_weights_is_undone(tmp_path, redis_serv
             await core.on_experience(experience(f"q{i}"), Record(i, topic="rlens.experience"))
             outputs.append(await core.on_feedback(fb(f"q{i}", label=1), Record(i)))
         assert all(policy is None for policy, _ in outputs) and core.stats.rejected_updates == 1 and core.version == 0
-        assert all(torch.equal(before[k], v) for k, v in core.trainer.policy_tensors().items()) and not core.trainer.engine.buffer
+        assert (
+            all(torch.equal(before[k], v) for k, v in core.trainer.policy_tensors().items())
+            and not core.trainer.engine.buffer
+        )
         monkeypatch.setattr(core.trainer.engine, "update", original)
         for i in range(64, 128):
             await core.on_experience(experience(f"q{i}"), Record(i, topic="rlens.experience"))
@@ -205,7 +245,17 @@ def test_window_rows_that_do_not_fit_are_refused_on_write_and_skipped_on_read(re
             await windows.apply("s", "big", [1, 0, -1, 2, 1], 40_000, 1.0)
         with pytest.raises(ValueError, match="finite"):
             await windows.apply("s", "nan", [1, 0, -1, 2, 1], 1, math.nan)
-        for row in (b"[40000,1.0,1,1,1,1,1]", b"[1,1.0,1,1]", b"not json", b'[1,"x",1,1,1,1,1]', b"[1,NaN,1,1,1,1,1]", b"[1,1.0,1,1,1,1,99999]", b"[[1,1],[1,1],[1,1],[1,1],[1,1],[1,1],[1,1]]", b"[1," + b"9" * 400 + b",1,1,1,1,1]", b"[1,1.0,1,1,1,1," + b"9" * 400 + b"]"):
+        for row in (
+            b"[40000,1.0,1,1,1,1,1]",
+            b"[1,1.0,1,1]",
+            b"not json",
+            b'[1,"x",1,1,1,1,1]',
+            b"[1,NaN,1,1,1,1,1]",
+            b"[1,1.0,1,1,1,1,99999]",
+            b"[[1,1],[1,1],[1,1],[1,1],[1,1],[1,1],[1,1]]",
+            b"[1," + b"9" * 400 + b",1,1,1,1,1]",
+            b"[1,1.0,1,1,1,1," + b"9" * 400 + b"]",
+        ):
             await redis.rpush(windows.window_key("s"), row)
         assert await windows.apply("s", "ok2", [0, 0, 0, 0, 0], 0, -1.0)
         window = (await windows.load(["s"]))["s"]
@@ -229,7 +279,9 @@ def test_a_query_that_makes_its_batch_raise_is_dead_lettered_alone(zoo):
     queries = [q for q, _ in queries_of(zoo, None, "t")[:15]]
     poison = queries[6].model_copy(update={"query_id": "poison"})
     out = asyncio.run(worker.answer(queries[:6] + [poison] + queries[7:]))
-    assert sorted(a.query_id for a in out.answers) == sorted(q.query_id for q in queries if q.query_id != queries[6].query_id)
+    assert sorted(a.query_id for a in out.answers) == sorted(
+        q.query_id for q in queries if q.query_id != queries[6].query_id
+    )
     assert list(out.failed) == ["poison"] and "OverflowError" in out.failed["poison"]
     assert all(a.feedback_token == token(a.query_id) for a in out.answers)
 
@@ -237,8 +289,15 @@ def test_a_query_that_makes_its_batch_raise_is_dead_lettered_alone(zoo):
 def test_dead_letters_of_oversize_records_are_small_and_identify_the_record():
     value = b"x" * (12 * 1024 * 1024 + 600 * 1024)
     letter = dead_letter(Record(7, value, topic="rlens.queries"), "too large", "worker w")
-    assert len(letter.model_dump_json()) < 3 * DEAD_LETTER_VALUE_BYTES and letter.value_truncated and letter.value_bytes == len(value)
-    assert letter.value_sha256 == hashlib.sha256(value).hexdigest() and base64.b64decode(letter.value_b64) == value[:DEAD_LETTER_VALUE_BYTES]
+    assert (
+        len(letter.model_dump_json()) < 3 * DEAD_LETTER_VALUE_BYTES
+        and letter.value_truncated
+        and letter.value_bytes == len(value)
+    )
+    assert (
+        letter.value_sha256 == hashlib.sha256(value).hexdigest()
+        and base64.b64decode(letter.value_b64) == value[:DEAD_LETTER_VALUE_BYTES]
+    )
     assert (letter.topic, letter.partition, letter.offset) == ("rlens.queries", 0, 7)
 
 
@@ -256,7 +315,10 @@ class Hung(Backend):
 
 class Fast(Backend):
     def score_choices(self, query):
-        return ChoiceScores(loglikelihoods=[-0.1] + [-3.0] * (len(query.choices) - 1), is_greedy=[True] + [False] * (len(query.choices) - 1))
+        return ChoiceScores(
+            loglikelihoods=[-0.1] + [-3.0] * (len(query.choices) - 1),
+            is_greedy=[True] + [False] * (len(query.choices) - 1),
+        )
 
 
 def test_a_hung_model_neither_starves_nor_gets_blamed_on_a_healthy_one():
@@ -266,11 +328,18 @@ def test_a_hung_model_neither_starves_nor_gets_blamed_on_a_healthy_one():
     try:
         both = caller.ask_batch(queries, [np.array([True, True])] * 32)
         assert all(a.answered.tolist() == [False, True] for a in both)
-        assert [(f.model, f.reason) for a in both for f in a.failures] == [("hung", "no answer within the 1 s deadline")] * 32
+        assert [(f.model, f.reason) for a in both for f in a.failures] == [
+            ("hung", "no answer within the 1 s deadline")
+        ] * 32
         fast_only = caller.ask_batch(queries, [np.array([False, True])] * 32)  # 4 threads are still stuck in "hung"
-        assert all(a.answered.tolist() == [False, True] and not a.failures for a in fast_only) and caller.failure_counts["fast"] == 0
+        assert (
+            all(a.answered.tolist() == [False, True] and not a.failures for a in fast_only)
+            and caller.failure_counts["fast"] == 0
+        )
         [again] = caller.ask_batch(queries[:1], [np.array([True, True])])  # all its threads stuck: refused at once
-        assert again.answered.tolist() == [False, True] and again.failures[0].reason.startswith("ModelUnavailable: busy: all 4 of its threads")
+        assert again.answered.tolist() == [False, True] and again.failures[0].reason.startswith(
+            "ModelUnavailable: busy: all 4 of its threads"
+        )
     finally:
         hung.release.set()
         caller.close()
@@ -287,7 +356,13 @@ class Picky(Backend):
 
 def test_bad_queries_never_open_a_models_circuit_but_missed_deadlines_do():
     hung = Hung()
-    caller = PoolCaller({"picky": Picky(), "hung": hung}, deadline_s=0.5, model_concurrency=8, circuit_failures=3, circuit_cooldown_s=600)
+    caller = PoolCaller(
+        {"picky": Picky(), "hung": hung},
+        deadline_s=0.5,
+        model_concurrency=8,
+        circuit_failures=3,
+        circuit_cooldown_s=600,
+    )
     try:
         bad = [ChoiceQuery(id=str(i), prompt="bad", choices=["a", "b"]) for i in range(20)]
         caller.ask_batch(bad, [np.array([True, False])] * 20)  # 20 errors in a row, each answered in time
@@ -296,7 +371,9 @@ def test_bad_queries_never_open_a_models_circuit_but_missed_deadlines_do():
         for _ in range(2):
             caller.ask_batch([ChoiceQuery(id="g", prompt="good", choices=["a", "b"])], [np.array([False, True])])
         [after] = caller.ask_batch([ChoiceQuery(id="g", prompt="good", choices=["a", "b"])], [np.array([True, True])])
-        assert after.answered.tolist() == [True, False] and after.failures[0].reason.startswith("ModelUnavailable: circuit open after 3 missed deadlines")
+        assert after.answered.tolist() == [True, False] and after.failures[0].reason.startswith(
+            "ModelUnavailable: circuit open after 3 missed deadlines"
+        )
     finally:
         hung.release.set()
         caller.close()
@@ -355,7 +432,9 @@ def test_one_learner_per_checkpoint_directory(tmp_path):
     with pytest.raises(CheckpointLockError, match="in use by pid"):
         CheckpointStore(tmp_path)
     other_process = subprocess.run(
-        [sys.executable, "-c", f"from rlens.checkpoint import CheckpointStore; CheckpointStore({str(tmp_path)!r})"], capture_output=True, text=True,
+        [sys.executable, "-c", f"from rlens.checkpoint import CheckpointStore; CheckpointStore({str(tmp_path)!r})"],
+        capture_output=True,
+        text=True,
     )
     assert other_process.returncode != 0 and "CheckpointLockError" in other_process.stderr
     assert CheckpointStore(tmp_path, lock=False).load_latest()[1]["marker"] == 1.0  # a reader needs no lock
@@ -390,10 +469,12 @@ def test_the_learner_applies_its_backlog_in_batches_and_drops_only_a_row_no_wind
         core = learner(tmp_path, redis_server.url)
         await Redis.from_url(redis_server.url).delete(core.windows.window_key("b"))
         good = [("b", f"q{i}", [1, 0, -1, 2, 1], 1, 1.0) for i in range(600)]  # more than one round trip's batch
-        core.window_backlog.extend(good[:300] + [("b", "bad", [1, 0], 1, 1.0)] + good[300:] + [good[0]])  # a short row, a repeat
+        # a short row, a repeat
+        core.window_backlog.extend(good[:300] + [("b", "bad", [1, 0], 1, 1.0)] + good[300:] + [good[0]])
         await core.apply_windows()
         assert not core.window_backlog and core.stats.windows_applied == 600
-        assert await Redis.from_url(redis_server.url).llen(core.windows.window_key("b")) == 128  # trimmed to W, in order
+        # trimmed to W, in order
+        assert await Redis.from_url(redis_server.url).llen(core.windows.window_key("b")) == 128
         core.checkpoints.close()
 
     asyncio.run(scenario())
@@ -410,7 +491,11 @@ def test_the_engines_per_stream_state_is_bounded():
 
 # --- secrets ------------------------------------------------------------------------------------------------------------
 def test_secrets_are_not_printed():
-    config = Settings(redis_url=SecretStr("redis://:S3cr3t-pw@redis.internal:6380/0"), kafka_sasl_password=SecretStr("kafka-pw"), feedback_secret=SecretStr("f" * 20))
+    config = Settings(
+        redis_url=SecretStr("redis://:S3cr3t-pw@redis.internal:6380/0"),
+        kafka_sasl_password=SecretStr("kafka-pw"),
+        feedback_secret=SecretStr("f" * 20),
+    )
     assert not any(secret in repr(config) + str(config.model_dump()) for secret in ("S3cr3t-pw", "kafka-pw", "f" * 20))
     assert redact_url(config.redis_url.get_secret_value()) == "redis://:***@redis.internal:6380/0"
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
@@ -419,7 +504,10 @@ def test_secrets_are_not_printed():
 
 def test_the_service_runs_without_the_model_extras():
     blocked = "import sys\nfor m in ('transformers', 'fastapi', 'uvicorn', 'gguf', 'tiktoken', 'accelerate'): sys.modules[m] = None\n"
-    check = blocked + "import rlens.cli, rlens.service.run, rlens.service.stack, rlens.service.load\nrlens.cli.quiet_transformers()\nprint('ok')"
+    check = (
+        blocked
+        + "import rlens.cli, rlens.service.run, rlens.service.stack, rlens.service.load\nrlens.cli.quiet_transformers()\nprint('ok')"
+    )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
@@ -431,8 +519,16 @@ def test_cli_generates_secrets_and_a_process_without_its_secrets_says_which(monk
 
     printed = CliRunner().invoke(app, ["secrets"])
     values = dict(line.split("=", 1) for line in printed.output.splitlines() if "=" in line)
-    assert printed.exit_code == 0 and set(values) == {"RLENS_FEEDBACK_SECRET", "RLENS_POLICY_SIGNING_KEY", "RLENS_POLICY_VERIFY_KEY"}
-    assert PolicySigner(values["RLENS_POLICY_SIGNING_KEY"]).verifier().verify(b"x", PolicySigner(values["RLENS_POLICY_SIGNING_KEY"]).sign(b"x"))
+    assert printed.exit_code == 0 and set(values) == {
+        "RLENS_FEEDBACK_SECRET",
+        "RLENS_POLICY_SIGNING_KEY",
+        "RLENS_POLICY_VERIFY_KEY",
+    }
+    assert (
+        PolicySigner(values["RLENS_POLICY_SIGNING_KEY"])
+        .verifier()
+        .verify(b"x", PolicySigner(values["RLENS_POLICY_SIGNING_KEY"]).sign(b"x"))
+    )
     pool = str(Path(__file__).parent.parent / "infra" / "pool.zoo.json")
     for name in ("RLENS_FEEDBACK_SECRET", "RLENS_POLICY_SIGNING_KEY", "RLENS_POLICY_VERIFY_KEY"):
         monkeypatch.delenv(name, raising=False)
@@ -474,8 +570,15 @@ def test_metric_labels_stay_bounded_under_a_flood_of_stream_keys():
     joined = next(m for m in registry.collect() if m.name == "rlens_learner_joined").samples
     assert len([s for s in joined if s.name.endswith("_total")]) == 11  # 10 streams by name + "other"
     assert registry.get_sample_value("rlens_learner_joined_total", {"stream": OTHER}) == 9_990
-    assert dead_letter_kind("feedback token does not match query q") == "forged_feedback" and dead_letter_kind("invalid JSON: x") == "unreadable" and dead_letter_kind("label 7 is not one of query z's 4 choices") == "feedback_mismatch"
-    assert failure_kind("no answer within the 1 s deadline") == "deadline" and failure_kind("ModelUnavailable: busy") == "refused"
+    assert (
+        dead_letter_kind("feedback token does not match query q") == "forged_feedback"
+        and dead_letter_kind("invalid JSON: x") == "unreadable"
+        and dead_letter_kind("label 7 is not one of query z's 4 choices") == "feedback_mismatch"
+    )
+    assert (
+        failure_kind("no answer within the 1 s deadline") == "deadline"
+        and failure_kind("ModelUnavailable: busy") == "refused"
+    )
 
 
 def test_the_learner_measures_each_feedbacks_delay_after_its_experience(tmp_path, redis_server):

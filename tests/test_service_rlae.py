@@ -52,11 +52,15 @@ def ensemble(quick_zoo):
 
 def new_worker(ensemble, encoder, explore: bool = True, seed: int = 0) -> RLAEWorker:
     agent = RLAEAgent(make_policy(obs_dim(len(MODELS)), len(MODELS), CFG, seed=0), encoder, CFG, len(MODELS))
-    return RLAEWorker(ensemble, agent, MODELS, None, VERIFIER, TOKENS, stop=["\n"], explore=explore, seed=seed, name="w")
+    return RLAEWorker(
+        ensemble, agent, MODELS, None, VERIFIER, TOKENS, stop=["\n"], explore=explore, seed=seed, name="w"
+    )
 
 
 def new_learner(tmp_path: Path) -> LearnerCore:
-    trainer = RLAEOnlineTrainer(make_policy(obs_dim(len(MODELS)), len(MODELS), CFG, seed=0), CFG, MODELS, seed=0, rehearsal=2)
+    trainer = RLAEOnlineTrainer(
+        make_policy(obs_dim(len(MODELS)), len(MODELS), CFG, seed=0), CFG, MODELS, seed=0, rehearsal=2
+    )
     return LearnerCore(trainer, MODELS, None, CheckpointStore(tmp_path / "ckpt"), SIGNER, TOKENS)
 
 
@@ -65,24 +69,48 @@ def test_worker_answers_open_ended_queries_with_span_weights_and_isolates_a_fail
     tasks = generation_split(FAMILIES, 6, seed=3)
     queries = [q for q, _ in open_ended_queries(tasks, "t")]
     assert worker.rejects(queries[0]) is None
-    assert "answers open-ended queries" in worker.rejects(Query(query_id="mc", stream="s", prompt="p", choices=["a", "b"]))
-    too_long = Query(query_id="long", stream="s", prompt="Q: add: " + "1+" * (2 * max(b.max_length for b in ensemble.backends)) + "1=\nA:")
+    assert "answers open-ended queries" in worker.rejects(
+        Query(query_id="mc", stream="s", prompt="p", choices=["a", "b"])
+    )
+    too_long = Query(
+        query_id="long",
+        stream="s",
+        prompt="Q: add: " + "1+" * (2 * max(b.max_length for b in ensemble.backends)) + "1=\nA:",
+    )
     out = asyncio.run(worker.handle(queries[:3] + [too_long] + queries[3:]))
-    alone = asyncio.run(new_worker(ensemble, encoder, explore=False).handle(queries))  # the same queries without the bad one
+    # the same queries without the bad one
+    alone = asyncio.run(new_worker(ensemble, encoder, explore=False).handle(queries))
     answers = {a.query_id: a for a in out.answers}
-    assert len(out.answers) == 7 and len(out.experience) == 6 and worker.stats.answered == 6 and worker.stats.no_model_answered == 1
-    assert answers["long"].answer == "" and answers["long"].answered_models == [] and "exceeds the window" in answers["long"].failures[0].reason
+    assert (
+        len(out.answers) == 7
+        and len(out.experience) == 6
+        and worker.stats.answered == 6
+        and worker.stats.no_model_answered == 1
+    )
+    assert (
+        answers["long"].answer == ""
+        and answers["long"].answered_models == []
+        and "exceeds the window" in answers["long"].failures[0].reason
+    )
     for expected, experience in zip(alone.answers, out.experience):
         answer = answers[expected.query_id]
-        assert answer.strategy == "rlae" and answer.answer_index == -1 and answer.answer == experience.text == expected.answer
+        assert (
+            answer.strategy == "rlae"
+            and answer.answer_index == -1
+            and answer.answer == experience.text == expected.answer
+        )
         assert answer.span_weights == expected.span_weights and len(experience.spans) == len(answer.span_weights) >= 1
         for span, weights in zip(experience.spans, answer.span_weights):
             assert sum(weights) == pytest.approx(1.0) and len(span.obs) == obs_dim(len(MODELS))
             # the experience holds the action that set the weights of its span
-            np.testing.assert_allclose(worker.agent.policy.weights(torch.tensor(span.action)).numpy(), weights, atol=1e-6)
+            np.testing.assert_allclose(
+                worker.agent.policy.weights(torch.tensor(span.action)).numpy(), weights, atol=1e-6
+            )
 
 
-def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_load_each_version(ensemble, encoder, tmp_path):
+def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_load_each_version(
+    ensemble, encoder, tmp_path
+):
     async def scenario():
         worker, core = new_worker(ensemble, encoder), new_learner(tmp_path)
         initial = {k: v.clone() for k, v in core.trainer.policy.state_dict().items()}
@@ -93,38 +121,57 @@ def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_loa
         # q-0: bare reward; q-1: only a label (dead letter); q-2 feedback before its experience; the rest references
         for i, task in enumerate(tasks):
             qid = f"q-{i}"
-            feedback = Feedback(query_id=qid, token=token(qid), reward=0.5) if i == 0 else Feedback(query_id=qid, token=token(qid), label=1) if i == 1 else Feedback(query_id=qid, token=token(qid), reference=task.reference)
+            feedback = (
+                Feedback(query_id=qid, token=token(qid), reward=0.5)
+                if i == 0
+                else Feedback(query_id=qid, token=token(qid), label=1)
+                if i == 1
+                else Feedback(query_id=qid, token=token(qid), reference=task.reference)
+            )
             pair = [core.on_feedback(feedback, Record(i)), core.on_experience(experience[qid], Record(i))]
             for step in pair if i == 2 else pair[::-1]:
                 policy, rejected = await step
                 policies += [policy] if policy else []
                 dead += [rejected] if rejected else []
-        await core.on_feedback(Feedback(query_id="q-3", token=token("q-3"), reference="dup"), Record(99))  # duplicate feedback: ignored
+        # duplicate feedback: ignored
+        await core.on_feedback(Feedback(query_id="q-3", token=token("q-3"), reference="dup"), Record(99))
         assert core.stats.joined == 10 and core.stats.duplicates == 1 and core.stats.invalid_feedback == 1
         # the rehearsal memory keeps each stream's latest 2 episodes of the update (those of q-0, q-2..q-8)
-        assert {s: len(e) for s, e in core.trainer.memory.items()} == {s: min(2, [t.family for t in tasks[:9]].count(s) - (s == tasks[1].family)) for s in FAMILIES}
+        assert {s: len(e) for s, e in core.trainer.memory.items()} == {
+            s: min(2, [t.family for t in tasks[:9]].count(s) - (s == tasks[1].family)) for s in FAMILIES
+        }
         assert len(dead) == 1 and "needs a reference text or a reward, got only a label" in dead[0].reason
         assert [p.version for p in policies] == [1] and policies[0].strategy == "rlae" and core.trainer.episodes == 2
         rewards = core.stats.last_update["mean_reward"]
         expected = [0.5] + [float(exact_match(experience[f"q-{i}"].text, tasks[i].reference)) for i in range(2, 9)]
         assert rewards == pytest.approx(np.mean(expected))
-        assert any(not torch.equal(initial[k], v) for k, v in core.trainer.policy.state_dict().items())  # the update changed the agent
+        # the update changed the agent
+        assert any(not torch.equal(initial[k], v) for k, v in core.trainer.policy.state_dict().items())
         worker.receive_policy(policies[0])
         await worker.handle([Query(query_id="next", stream="s", prompt=tasks[0].prompt)])
         assert worker.policy_version == 1
-        assert all(torch.equal(core.trainer.policy.state_dict()[k], v) for k, v in worker.agent.policy.state_dict().items())
+        assert all(
+            torch.equal(core.trainer.policy.state_dict()[k], v) for k, v in worker.agent.policy.state_dict().items()
+        )
         # a checkpoint with two episodes buffered resumes to the very same next update
         core.checkpoint()
         core.checkpoints.close()
         resumed = new_learner(tmp_path)
-        assert resumed.version == 1 and resumed.trainer.episodes == 2 and resumed.stats == core.stats and "q-10" in resumed.done
+        assert (
+            resumed.version == 1
+            and resumed.trainer.episodes == 2
+            and resumed.stats == core.stats
+            and "q-10" in resumed.done
+        )
         for _ in range(6):
             for c in (core, resumed):
                 c.trainer.remember(experience["q-5"], Feedback(query_id="q-5", token="t", reward=1.0), 1.0)
         remembered = sum(len(e) for e in resumed.trainer.memory.values())
         stats = core.trainer.update()
         assert stats == pytest.approx(resumed.trainer.update()) and stats["rehearsed"] == remembered > 0
-        assert all(torch.equal(resumed.trainer.policy.state_dict()[k], v) for k, v in core.trainer.policy.state_dict().items())
+        assert all(
+            torch.equal(resumed.trainer.policy.state_dict()[k], v) for k, v in core.trainer.policy.state_dict().items()
+        )
 
     asyncio.run(scenario())
 
@@ -149,13 +196,25 @@ def test_learner_warm_starts_from_an_offline_run_of_the_same_models_and_settings
         other_models.warm_start(tmp_path / "empty")
 
 
-@pytest.mark.parametrize("variant", ["ppo", "mappo"])  # a MAPPO policy (1.4 MB here) exceeds Kafka's default 1 MB message size
-def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_policies_reach_the_workers(quick_zoo, tmp_path, variant):
+# a MAPPO policy (1.4 MB here) exceeds Kafka's default 1 MB message size
+@pytest.mark.parametrize("variant", ["ppo", "mappo"])
+def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_policies_reach_the_workers(
+    quick_zoo, tmp_path, variant
+):
     pool = write_zoo_pool(quick_zoo, MODELS, tmp_path / "pool.json")
-    config = settings().model_copy(update={
-        "pool_file": pool, "strategy": "rlae", "rlae_variant": variant, "rlae_span": 2, "rlae_max_tokens": 6, "rlae_update_episodes": 16, "worker_batch": 8,
-        "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500,
-    })
+    config = settings().model_copy(
+        update={
+            "pool_file": pool,
+            "strategy": "rlae",
+            "rlae_variant": variant,
+            "rlae_span": 2,
+            "rlae_max_tokens": 6,
+            "rlae_update_episodes": 16,
+            "worker_batch": 8,
+            "kafka_session_timeout_ms": 2000,
+            "kafka_heartbeat_ms": 500,
+        }
+    )
     stack = LocalStack(config, tmp_path)
     stack.start_learner()
     stack.start_worker()
@@ -166,13 +225,20 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
     async def scenario():
         producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap)
         await producer.start()
-        await producer.send_and_wait(topics.queries, Query(query_id="mc", stream="s", prompt="p", choices=["a", "b"]).model_dump_json().encode())
+        await producer.send_and_wait(
+            topics.queries, Query(query_id="mc", stream="s", prompt="p", choices=["a", "b"]).model_dump_json().encode()
+        )
         await producer.stop()
         first = await play(stack.settings, open_ended_queries(tasks[:48], "a"), rate=50, idle_timeout_s=90)
         await asyncio.sleep(3.0)  # the third policy reaches the worker
         then = await play(stack.settings, open_ended_queries(tasks[48:], "b"), rate=50, idle_timeout_s=60)
         through_gateway = await ask_the_gateway(stack, tasks[0])
-        consumer = AIOKafkaConsumer(topics.dead_letter, bootstrap_servers=stack.settings.kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
+        consumer = AIOKafkaConsumer(
+            topics.dead_letter,
+            bootstrap_servers=stack.settings.kafka_bootstrap,
+            group_id=None,
+            auto_offset_reset="earliest",
+        )
         await consumer.start()
         dead: list[DeadLetter] = []
         deadline = time.time() + 30
@@ -187,18 +253,27 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
         first, then, dead, (reply, chunks, feedback) = asyncio.run(scenario())
         learner = next(u for name, u in stack.http_urls().items() if name.startswith("learner:"))
         deadline = time.time() + 60  # the gateway's feedback reaches the learner (later on a busy machine)
-        while (dashboard := httpx.get(f"{learner}/api/dashboard", timeout=10).json())["joined"] < 53 and time.time() < deadline:
+        while (dashboard := httpx.get(f"{learner}/api/dashboard", timeout=10).json())[
+            "joined"
+        ] < 53 and time.time() < deadline:
             time.sleep(0.5)
     finally:
         stack.stop()
     directory = stack.settings.checkpoint_dir
     state = json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
     assert first.answered == 48 and first.duplicates == 0 and first.no_answer == 0 and then.answered == 4
-    assert state["stats"]["joined"] == 53 and state["stats"]["updates"] == 3 and state["fresh"] == 5  # 52 + the gateway's rated one; 53 - 3 x 16 not yet trained on
+    # 52 + the gateway's rated one; 53 - 3 x 16 not yet trained on
+    assert state["stats"]["joined"] == 53 and state["stats"]["updates"] == 3 and state["fresh"] == 5
     assert then.policy_versions == {3}  # the workers run the learner's newest version
-    assert [d.reason for d in dead] == ["multiple-choice query: the rlae worker answers open-ended queries (no choices) only"]
+    assert [d.reason for d in dead] == [
+        "multiple-choice query: the rlae worker answers open-ended queries (no choices) only"
+    ]
     weights = reply.model_extra["rlens"]["span_weights"]
-    assert weights and all(len(w) == len(MODELS) and abs(sum(w) - 1) < 1e-3 for w in weights) and reply.choices[0].finish_reason in ("stop", "length")
+    assert (
+        weights
+        and all(len(w) == len(MODELS) and abs(sum(w) - 1) < 1e-3 for w in weights)
+        and reply.choices[0].finish_reason in ("stop", "length")
+    )
     assert chunks[-1].choices[0].finish_reason in ("stop", "length") and chunks[-1].model_extra["rlens"]["span_weights"]
     assert feedback == (202, "accepted")
     assert dashboard["strategy"] == "rlae" and dashboard["joined"] == 53 and len(dashboard["policies"]) == 3
@@ -211,11 +286,19 @@ async def ask_the_gateway(stack: LocalStack, task) -> tuple:
     url = next(u for name, u in stack.http_urls().items() if name.startswith("gateway:"))
     key = stack.gateway_key.read_text().strip()
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
-    reply = await client.completions.create(model="rlens-rlae", prompt=task.prompt, extra_body={"metadata": {"stream": task.family}})
-    stream = await client.chat.completions.create(model="rlens-rlae", messages=[{"role": "user", "content": task.prompt}], stream=True)
+    reply = await client.completions.create(
+        model="rlens-rlae", prompt=task.prompt, extra_body={"metadata": {"stream": task.family}}
+    )
+    stream = await client.chat.completions.create(
+        model="rlens-rlae", messages=[{"role": "user", "content": task.prompt}], stream=True
+    )
     chunks = [chunk async for chunk in stream]
     with pytest.raises(openai.NotFoundError, match="this deployment does not run rlens-focal"):
-        await client.chat.completions.create(model="rlens-focal", messages=[{"role": "user", "content": "q"}], extra_body={"rlens": {"choices": ["a", "b"]}})
+        await client.chat.completions.create(
+            model="rlens-focal",
+            messages=[{"role": "user", "content": "q"}],
+            extra_body={"rlens": {"choices": ["a", "b"]}},
+        )
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}) as http:
         response = await http.post("/v1/feedback", json={"id": reply.id, "reference": task.reference})
     return reply, chunks, (response.status_code, response.json()["status"])
@@ -232,5 +315,9 @@ def test_cli_errors_for_bad_open_ended_traffic_and_strategy(tmp_path):
     assert result.exit_code == 2 and f"{bad}:2: not a task line" in result.output
     result = CliRunner().invoke(app, ["up", "--strategy", "rl_focus"])
     assert result.exit_code == 2 and "--strategy must be rl_focal or rlae" in result.output
-    result = CliRunner().invoke(app, ["up", "--strategy", "rlae", "--zoo-models", "no-such-model", "--workdir", str(tmp_path / "up")], env={"RLENS_ZOO_DIR": str(tmp_path)})
+    result = CliRunner().invoke(
+        app,
+        ["up", "--strategy", "rlae", "--zoo-models", "no-such-model", "--workdir", str(tmp_path / "up")],
+        env={"RLENS_ZOO_DIR": str(tmp_path)},
+    )
     assert result.exit_code == 2 and "build the zoo first" in result.output

@@ -32,12 +32,22 @@ from rlens.settings import settings
 N = 600  # the first 5 task blocks of the bundled stream
 
 
-def make_stack(tmp_path: Path, workers: int = 1, explore: tuple[float, int] = (1.0, 64), data: Path | None = None, **options) -> LocalStack:
+def make_stack(
+    tmp_path: Path, workers: int = 1, explore: tuple[float, int] = (1.0, 64), data: Path | None = None, **options
+) -> LocalStack:
     """``explore``: (exploration share, explored joins per update); by default every query is explored, so the
     learner updates every 64 joins, deterministically. ``data``: the dataset the replay pool serves (default: the demo's)."""
     pool = write_replay_pool(data or settings().demo_data, tmp_path / "pool.json")
-    config = settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "worker_batch": 16,
-                                           "focal_explore_rate": explore[0], "focal_update_period": explore[1]})
+    config = settings().model_copy(
+        update={
+            "pool_file": pool,
+            "kafka_session_timeout_ms": 2000,
+            "kafka_heartbeat_ms": 500,
+            "worker_batch": 16,
+            "focal_explore_rate": explore[0],
+            "focal_update_period": explore[1],
+        }
+    )
     stack = LocalStack(config, tmp_path, **options)
     stack.start_learner()
     for _ in range(workers):
@@ -63,7 +73,9 @@ def feedback_applied(stack: LocalStack, queries: list[Query], timeout_s: float =
 
     from rlens.service.windows import RedisWindows
 
-    windows = RedisWindows(Redis.from_url(stack.settings.redis_url.get_secret_value()), 1, 1, prefix=stack.settings.redis_prefix)
+    windows = RedisWindows(
+        Redis.from_url(stack.settings.redis_url.get_secret_value()), 1, 1, prefix=stack.settings.redis_prefix
+    )
 
     async def wait(i: int) -> None:
         if i == 0:
@@ -71,7 +83,9 @@ def feedback_applied(stack: LocalStack, queries: list[Query], timeout_s: float =
         previous, deadline = queries[i - 1], time.monotonic() + timeout_s
         while not await windows.redis.exists(windows.applied_key(previous.stream, previous.query_id)):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the outcome of query {previous.query_id} did not reach its window in {timeout_s:g} s")
+                raise TimeoutError(
+                    f"the outcome of query {previous.query_id} did not reach its window in {timeout_s:g} s"
+                )
             await asyncio.sleep(0.005)
 
     return wait
@@ -80,19 +94,33 @@ def feedback_applied(stack: LocalStack, queries: list[Query], timeout_s: float =
 def test_end_to_end_learns_as_well_as_the_offline_loop(tmp_path, zoo):
     """In a closed loop (each query waits until the previous one's feedback is in its window, as offline), so the
     comparison does not depend on how fast the machine is; only the policy's trip to the worker may lag a little."""
-    stack = make_stack(tmp_path, explore=(0.25, 16))  # mostly greedy (sampled answers would blur the comparison), ~9 updates
+    # mostly greedy (sampled answers would blur the comparison), ~9 updates
+    stack = make_stack(tmp_path, explore=(0.25, 16))
     queries = traffic(zoo, "e2e")
     try:
-        report = asyncio.run(play(stack.settings, queries, rate=1000, idle_timeout_s=60, before_send=feedback_applied(stack, [q for q, _ in queries])))
+        report = asyncio.run(
+            play(
+                stack.settings,
+                queries,
+                rate=1000,
+                idle_timeout_s=60,
+                before_send=feedback_applied(stack, [q for q, _ in queries]),
+            )
+        )
         time.sleep(1.0)  # the last feedback reaches the learner
     finally:
         stack.stop()
-    offline = run_online(FocalEngine(zoo.n_models, zoo.model_costs, FocalConfig(explore_rate=0.25, update_period=16), seed=0), zoo.subset(list(range(N))))
+    offline = run_online(
+        FocalEngine(zoo.n_models, zoo.model_costs, FocalConfig(explore_rate=0.25, update_period=16), seed=0),
+        zoo.subset(list(range(N))),
+    )
     assert report.answered == N and report.duplicates == 0 and report.no_answer == 0
     assert abs(report.accuracy - offline.correct.mean()) < 0.05, (report.accuracy, offline.correct.mean())
     assert max(report.policy_versions) >= 4  # policies were learned online and hot-swapped into the worker
     state = final_learner_state(stack)
-    assert state["stats"]["joined"] == N and state["stats"]["windows_applied"] == N and state["stats"]["duplicates"] == 0
+    assert (
+        state["stats"]["joined"] == N and state["stats"]["windows_applied"] == N and state["stats"]["duplicates"] == 0
+    )
 
 
 def test_open_ended_queries_end_to_end_learn_as_well_as_the_offline_loop(tmp_path):
@@ -103,13 +131,26 @@ def test_open_ended_queries_end_to_end_learn_as_well_as_the_offline_loop(tmp_pat
     stack = make_stack(tmp_path, explore=(0.25, 16), data=tmp_path / "samples")
     queries = queries_of(load_dataset(tmp_path / "samples"), None, "open")
     try:
-        report = asyncio.run(play(stack.settings, queries, rate=1000, idle_timeout_s=60, before_send=feedback_applied(stack, [q for q, _ in queries])))
+        report = asyncio.run(
+            play(
+                stack.settings,
+                queries,
+                rate=1000,
+                idle_timeout_s=60,
+                before_send=feedback_applied(stack, [q for q, _ in queries]),
+            )
+        )
         time.sleep(1.0)
     finally:
         stack.stop()
-    offline = run_online(FocalEngine(3, data.model_costs, FocalConfig(explore_rate=0.25, update_period=16), seed=0), data)
+    offline = run_online(
+        FocalEngine(3, data.model_costs, FocalConfig(explore_rate=0.25, update_period=16), seed=0), data
+    )
     assert report.answered == 300 and report.no_answer == 0 and max(report.policy_versions) >= 2
-    assert abs(report.accuracy - offline.correct.mean()) < 0.05 and report.accuracy > 0.75, (report.accuracy, offline.correct.mean())
+    assert abs(report.accuracy - offline.correct.mean()) < 0.05 and report.accuracy > 0.75, (
+        report.accuracy,
+        offline.correct.mean(),
+    )
     assert sum(report.models_called) < 3 * 300  # the Decider prunes the pool
     assert final_learner_state(stack)["stats"]["joined"] == 300
 
@@ -124,7 +165,9 @@ def test_a_worker_killed_mid_stream_loses_no_query(tmp_path, zoo):
             stack.kill(stack.workers[0])
 
     try:
-        report = asyncio.run(play(stack.settings, traffic(zoo, "kill-worker"), rate=80, idle_timeout_s=60, on_answer=kill_one))
+        report = asyncio.run(
+            play(stack.settings, traffic(zoo, "kill-worker"), rate=80, idle_timeout_s=60, on_answer=kill_one)
+        )
     finally:
         stack.stop()
     assert killed and report.answered == N  # every query answered at least once
@@ -141,7 +184,9 @@ def test_a_learner_killed_mid_stream_resumes_without_losing_or_repeating_a_trans
             restarted.append(stack.start_learner())
 
     try:
-        report = asyncio.run(play(stack.settings, traffic(zoo, "kill-learner"), rate=60, idle_timeout_s=60, on_answer=kill_learner))
+        report = asyncio.run(
+            play(stack.settings, traffic(zoo, "kill-learner"), rate=60, idle_timeout_s=60, on_answer=kill_learner)
+        )
         wait_for_checkpoint(stack, joined=N - N % 64)  # the restarted learner caught up to its last update
         time.sleep(1.0)
         markers, rows = redis_outcomes(stack)
@@ -168,7 +213,9 @@ def wait_for_checkpoint(stack: LocalStack, joined: int, timeout_s: float = 90.0)
     """Wait for a learner checkpoint with at least ``joined`` transitions (one is written at every update)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if (stack.settings.checkpoint_dir / "LATEST").is_file() and final_learner_state(stack)["stats"]["joined"] >= joined:
+        if (stack.settings.checkpoint_dir / "LATEST").is_file() and final_learner_state(stack)["stats"][
+            "joined"
+        ] >= joined:
             return
         time.sleep(0.5)
     raise TimeoutError(f"no checkpoint with {joined} joined transitions after {timeout_s:g} s")
@@ -176,7 +223,8 @@ def wait_for_checkpoint(stack: LocalStack, joined: int, timeout_s: float = 90.0)
 
 def test_redis_restarted_empty_keeps_the_service_answering(tmp_path, zoo):
     redis = LocalRedis()
-    stack = make_stack(tmp_path, explore=(FocalConfig.explore_rate, FocalConfig.update_period), redis_url=redis.url)  # greedy answers, as served
+    # greedy answers, as served
+    stack = make_stack(tmp_path, explore=(FocalConfig.explore_rate, FocalConfig.update_period), redis_url=redis.url)
     restarted = []
 
     def restart_redis(report) -> None:
@@ -186,7 +234,9 @@ def test_redis_restarted_empty_keeps_the_service_answering(tmp_path, zoo):
             restarted.append(LocalRedis(redis.port))
 
     try:
-        report = asyncio.run(play(stack.settings, traffic(zoo, "redis"), rate=60, idle_timeout_s=60, on_answer=restart_redis))
+        report = asyncio.run(
+            play(stack.settings, traffic(zoo, "redis"), rate=60, idle_timeout_s=60, on_answer=restart_redis)
+        )
         time.sleep(1.0)
     finally:
         stack.stop()
@@ -224,9 +274,15 @@ def test_a_second_learner_on_the_same_group_or_directory_refuses_to_start(tmp_pa
     try:
         for directory in (stack.settings.checkpoint_dir, tmp_path / "other"):
             env = {**stack.env(), "RLENS_CHECKPOINT_DIR": str(directory)}
-            second = subprocess.run([sys.executable, "-m", "rlens.cli", "learner"], env=env, capture_output=True, text=True, timeout=120)
+            second = subprocess.run(
+                [sys.executable, "-m", "rlens.cli", "learner"], env=env, capture_output=True, text=True, timeout=120
+            )
             assert second.returncode == 2, second.stderr[-2000:]
-            expected = "is in use by pid" if directory == stack.settings.checkpoint_dir else "holds consumer group 'rlens-learner': one learner per group"
+            expected = (
+                "is in use by pid"
+                if directory == stack.settings.checkpoint_dir
+                else "holds consumer group 'rlens-learner': one learner per group"
+            )
             assert expected in second.stderr + second.stdout
         assert stack.learner.poll() is None  # the first learner runs on
     finally:
@@ -237,7 +293,9 @@ def test_redis_down_at_start_delays_readiness_but_stops_nothing(tmp_path, zoo):
     redis = LocalRedis()
     redis.stop()  # its port, with nothing behind it yet
     pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
-    config = settings().model_copy(update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "worker_batch": 16})
+    config = settings().model_copy(
+        update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "worker_batch": 16}
+    )
     stack = LocalStack(config, tmp_path, redis_url=redis.url)
     restarted = None
     try:
@@ -277,7 +335,10 @@ def test_every_process_serves_metrics_and_health_and_the_counts_follow_the_traff
         urls = stack.http_urls()
         assert sorted(name.split(":")[0] for name in urls) == ["learner", "worker"]
         for url in urls.values():
-            assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200 and httpx.get(f"{url}/readyz", timeout=10).status_code == 200
+            assert (
+                httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+                and httpx.get(f"{url}/readyz", timeout=10).status_code == 200
+            )
         report = asyncio.run(play(stack.settings, traffic(zoo, "metrics", 150), rate=50, idle_timeout_s=60))
         time.sleep(3.0)  # the last feedback reaches the learner
         worker = scrape(next(u for n, u in urls.items() if n.startswith("worker")))
@@ -288,15 +349,25 @@ def test_every_process_serves_metrics_and_health_and_the_counts_follow_the_traff
     assert report.answered == 150
     assert worker["rlens_worker_queries_total"] == worker["rlens_worker_answers_total"] == 150
     assert sum(worker[f"rlens_worker_answers_total{{stream={s}}}"] for s in streams) == 150
-    assert worker["rlens_worker_stage_seconds_count{stage=decide}"] > 0 and worker["rlens_worker_stage_seconds_count{stage=publish}"] > 0
+    assert (
+        worker["rlens_worker_stage_seconds_count{stage=decide}"] > 0
+        and worker["rlens_worker_stage_seconds_count{stage=publish}"] > 0
+    )
     assert worker["rlens_worker_models_called_count"] == 150 and worker["rlens_worker_model_selected_total"] >= 150
     assert learner["rlens_learner_joined_total"] == 150 and learner["rlens_learner_records_total{kind=feedback}"] == 150
     assert learner["rlens_learner_updates_total{outcome=applied}"] == 2 and learner["rlens_learner_policy_version"] == 2
     assert worker["rlens_worker_policy_version"] >= 1  # the learner's policies reached the worker
     reliabilities = {k: v for k, v in worker.items() if k.startswith("rlens_worker_window_reliability{")}
-    assert len(reliabilities) >= 5 and all(0 < v < 1 for v in reliabilities.values())  # each model, Laplace-smoothed, per stream read
-    assert learner["rlens_learner_last_update{stat=decider_entropy}"] > 0 and learner["rlens_learner_last_update{stat=fusion_entropy}"] > 0
-    assert "rlens_learner_last_update{stat=fusion_policy_loss}" in learner and "rlens_learner_last_update{stat=value_loss}" in learner
+    # each model, Laplace-smoothed, per stream read
+    assert len(reliabilities) >= 5 and all(0 < v < 1 for v in reliabilities.values())
+    assert (
+        learner["rlens_learner_last_update{stat=decider_entropy}"] > 0
+        and learner["rlens_learner_last_update{stat=fusion_entropy}"] > 0
+    )
+    assert (
+        "rlens_learner_last_update{stat=fusion_policy_loss}" in learner
+        and "rlens_learner_last_update{stat=value_loss}" in learner
+    )
 
 
 def test_a_task_switch_on_one_stream_is_published_on_the_drift_topic_and_counted(tmp_path, zoo):
@@ -311,10 +382,19 @@ def test_a_task_switch_on_one_stream_is_published_on_the_drift_topic_and_counted
         learner = scrape(next(u for n, u in stack.http_urls().items() if n.startswith("learner")))
 
         async def read_drift() -> list[dict]:
-            consumer = AIOKafkaConsumer(Topics.from_settings(stack.settings).drift, bootstrap_servers=stack.settings.kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
+            consumer = AIOKafkaConsumer(
+                Topics.from_settings(stack.settings).drift,
+                bootstrap_servers=stack.settings.kafka_bootstrap,
+                group_id=None,
+                auto_offset_reset="earliest",
+            )
             await consumer.start()
             try:
-                return [json.loads(r.value) for records in (await consumer.getmany(timeout_ms=5000)).values() for r in records]
+                return [
+                    json.loads(r.value)
+                    for records in (await consumer.getmany(timeout_ms=5000)).values()
+                    for r in records
+                ]
             finally:
                 await consumer.stop()
 
@@ -323,18 +403,38 @@ def test_a_task_switch_on_one_stream_is_published_on_the_drift_topic_and_counted
         stack.stop()
     assert report.answered == 240
     outcome = [e for e in events if e["signal"] == "outcome"]
-    first = int(outcome[0]["query_id"].rsplit("-", 1)[1]) if outcome else -1  # feedback joins in arrival order: judge by the query
-    assert 120 <= first < 200 and outcome[0]["stream"] == "one" and outcome[0]["mean_after"] < outcome[0]["mean_before"] - 0.3
+    # feedback joins in arrival order: judge by the query
+    first = int(outcome[0]["query_id"].rsplit("-", 1)[1]) if outcome else -1
+    assert (
+        120 <= first < 200
+        and outcome[0]["stream"] == "one"
+        and outcome[0]["mean_after"] < outcome[0]["mean_before"] - 0.3
+    )
     assert learner["rlens_learner_drift_events_total{signal=outcome,stream=one}"] == len(outcome)
-    assert 0 <= learner["rlens_learner_accuracy{stream=one}"] <= 1 and learner["rlens_learner_confidence{stream=one}"] > 0
+    assert (
+        0 <= learner["rlens_learner_accuracy{stream=one}"] <= 1 and learner["rlens_learner_confidence{stream=one}"] > 0
+    )
 
 
 MALFORMED = st.one_of(
     st.binary(max_size=300),
     st.text(max_size=200).map(str.encode),
-    st.dictionaries(st.text(max_size=10), st.one_of(st.none(), st.integers(), st.text(max_size=20), st.lists(st.integers(), max_size=3)), max_size=6).map(lambda d: json.dumps(d).encode()),
-    st.fixed_dictionaries({"query_id": st.text(max_size=5), "stream": st.text(max_size=5), "prompt": st.integers(), "choices": st.lists(st.text(max_size=3), max_size=1)}).map(lambda d: json.dumps(d).encode()),
-    st.fixed_dictionaries({"query_id": st.just("q"), "label": st.integers(max_value=-1)}).map(lambda d: json.dumps(d).encode()),
+    st.dictionaries(
+        st.text(max_size=10),
+        st.one_of(st.none(), st.integers(), st.text(max_size=20), st.lists(st.integers(), max_size=3)),
+        max_size=6,
+    ).map(lambda d: json.dumps(d).encode()),
+    st.fixed_dictionaries(
+        {
+            "query_id": st.text(max_size=5),
+            "stream": st.text(max_size=5),
+            "prompt": st.integers(),
+            "choices": st.lists(st.text(max_size=3), max_size=1),
+        }
+    ).map(lambda d: json.dumps(d).encode()),
+    st.fixed_dictionaries({"query_id": st.just("q"), "label": st.integers(max_value=-1)}).map(
+        lambda d: json.dumps(d).encode()
+    ),
 )
 
 
@@ -365,30 +465,53 @@ def schema_valid_poison(zoo) -> dict[str, list[bytes]]:
 
     attacker = PolicySigner(generate_secrets()["RLENS_POLICY_SIGNING_KEY"])
     forged = encode_policy(FocalEngine(5, seed=9).policy_state(), 2**62, 2**40, zoo.model_names, "rl_focal", attacker)
-    short = Experience(query_id="short", stream="s", policy_version=0, n_choices=2, decider_state=[0.1] * 3, critic_state=[0.0], pool=[True],
-                       pool_logp=0.0, predictions=[0], fusion_features=[[0.0], [0.0]], answer_index=0, answer_logp=0.0)
+    short = Experience(
+        query_id="short",
+        stream="s",
+        policy_version=0,
+        n_choices=2,
+        decider_state=[0.1] * 3,
+        critic_state=[0.0],
+        pool=[True],
+        pool_logp=0.0,
+        predictions=[0],
+        fusion_features=[[0.0], [0.0]],
+        answer_index=0,
+        answer_logp=0.0,
+    )
     return {
         "policy": [forged.model_dump_json().encode()],
         "experience": [short.model_dump_json().encode()],
-        "feedback": [Feedback(query_id=f"fuzz-{i}", token="0" * 32, label=0).model_dump_json().encode() for i in range(5)],
+        "feedback": [
+            Feedback(query_id=f"fuzz-{i}", token="0" * 32, label=0).model_dump_json().encode() for i in range(5)
+        ],
     }
 
 
 def test_fuzzed_and_poisoned_messages_on_every_topic_are_dead_lettered_and_the_service_keeps_its_policy(tmp_path, zoo):
     payloads = fuzzed_payloads(10_000)
     assert len(payloads) >= 9_000
-    stack = make_stack(tmp_path, explore=(FocalConfig.explore_rate, FocalConfig.update_period))  # greedy answers, as served
+    # greedy answers, as served
+    stack = make_stack(tmp_path, explore=(FocalConfig.explore_rate, FocalConfig.update_period))
     topics = Topics.from_settings(stack.settings)
     poison = schema_valid_poison(zoo)
     sent = {  # topic -> (payloads, the consumer that must dead-letter them)
-        topics.queries: ([p for p in payloads[0::4] if not is_valid(Query, p)] + [b"x" * (12 * 2**20 + 600 * 2**10)], "worker"),
+        topics.queries: (
+            [p for p in payloads[0::4] if not is_valid(Query, p)] + [b"x" * (12 * 2**20 + 600 * 2**10)],
+            "worker",
+        ),
         topics.feedback: ([p for p in payloads[1::4] if not is_valid(Feedback, p)] + poison["feedback"], "learner"),
-        topics.experience: ([p for p in payloads[2::4] if not is_valid(Experience, p)] + poison["experience"], "learner"),
+        topics.experience: (
+            [p for p in payloads[2::4] if not is_valid(Experience, p)] + poison["experience"],
+            "learner",
+        ),
         topics.policy: ([p for p in payloads[3::4][:500] if not is_valid(Policy, p)] + poison["policy"], "worker"),
     }
 
     async def scenario():
-        producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap, linger_ms=20, max_request_size=16 * 2**20)
+        producer = AIOKafkaProducer(
+            bootstrap_servers=stack.settings.kafka_bootstrap, linger_ms=20, max_request_size=16 * 2**20
+        )
         await producer.start()
         for topic, (messages, _) in sent.items():
             for payload in messages:
@@ -396,7 +519,12 @@ def test_fuzzed_and_poisoned_messages_on_every_topic_are_dead_lettered_and_the_s
         await producer.flush()
         report = await play(stack.settings, traffic(zoo, "fuzz", 200), rate=100, idle_timeout_s=90)
         await producer.stop()
-        consumer = AIOKafkaConsumer(topics.dead_letter, bootstrap_servers=stack.settings.kafka_bootstrap, group_id=None, auto_offset_reset="earliest")
+        consumer = AIOKafkaConsumer(
+            topics.dead_letter,
+            bootstrap_servers=stack.settings.kafka_bootstrap,
+            group_id=None,
+            auto_offset_reset="earliest",
+        )
         await consumer.start()
         dead: list[DeadLetter] = []
         deadline = time.time() + 90
@@ -417,10 +545,16 @@ def test_fuzzed_and_poisoned_messages_on_every_topic_are_dead_lettered_and_the_s
     for topic, (messages, consumer) in sent.items():
         letters = [d for d in dead if d.topic == topic]
         # each one: its first bytes and the hash of all of them
-        assert sorted((base64.b64decode(d.value_b64), d.value_sha256) for d in letters) == sorted((m[:DEAD_LETTER_VALUE_BYTES], hashlib.sha256(m).hexdigest()) for m in messages), topic
+        assert sorted((base64.b64decode(d.value_b64), d.value_sha256) for d in letters) == sorted(
+            (m[:DEAD_LETTER_VALUE_BYTES], hashlib.sha256(m).hexdigest()) for m in messages
+        ), topic
         assert all(d.reason and d.consumer.startswith(consumer) for d in letters)
     reasons = " | ".join(d.reason for d in dead)
-    assert "bad signature" in reasons and "decider_state has 3 values" in reasons and "feedback token does not match" in reasons
+    assert (
+        "bad signature" in reasons
+        and "decider_state has 3 values" in reasons
+        and "feedback token does not match" in reasons
+    )
 
 
 def test_publish_batch_splits_into_bounded_producer_batches_and_keeps_every_key():
@@ -435,8 +569,22 @@ def test_publish_batch_splits_into_bounded_producer_batches_and_keeps_every_key(
     async def scenario() -> list:
         broker = make_broker(config)
         await broker.connect()
-        answers = [Answer(query_id=f"b{i}", stream="s", answer="A", answer_index=0, distribution=[1 / 3 + i * 1e-9] * 120, chosen_models=["m"],
-                          answered_models=["m"], called_models=["m"], policy_version=0, worker="w", latency_ms=1.0) for i in range(700)]
+        answers = [
+            Answer(
+                query_id=f"b{i}",
+                stream="s",
+                answer="A",
+                answer_index=0,
+                distribution=[1 / 3 + i * 1e-9] * 120,
+                chosen_models=["m"],
+                answered_models=["m"],
+                called_models=["m"],
+                policy_version=0,
+                worker="w",
+                latency_ms=1.0,
+            )
+            for i in range(700)
+        ]
         assert sum(len(a.model_dump_json()) for a in answers) > 3 * BATCH_BYTES
         sent, real = [], broker.publish_batch
 
@@ -448,7 +596,9 @@ def test_publish_batch_splits_into_bounded_producer_batches_and_keeps_every_key(
         await publish_batch(broker, "batched", answers)
         assert len(sent) >= 4 and max(sent) <= BATCH_BYTES
         await broker.stop()
-        consumer = AIOKafkaConsumer("batched", bootstrap_servers=broker_process.bootstrap, group_id=None, auto_offset_reset="earliest")
+        consumer = AIOKafkaConsumer(
+            "batched", bootstrap_servers=broker_process.bootstrap, group_id=None, auto_offset_reset="earliest"
+        )
         await consumer.start()
         records, deadline = [], time.monotonic() + 60
         while len(records) < 700 and time.monotonic() < deadline:

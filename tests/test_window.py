@@ -49,7 +49,8 @@ def test_keep_last_forgets_all_but_the_last_rows_in_order():
     window.keep_last(2)
     assert window.n_rows == 2 and window.count == 2
     assert window.recent_reward(1) == 5.0 and window.recent_reward(2) == 4.5  # rows 4 and 5, newest last
-    assert window.reliability().tolist() == pytest.approx([(1 + 1) / (2 + 2), 0.5, (2 + 1) / (2 + 2)])  # model 0 right on row 5 only
+    # model 0 right on row 5 only
+    assert window.reliability().tolist() == pytest.approx([(1 + 1) / (2 + 2), 0.5, (2 + 1) / (2 + 2)])
     window.keep_last(0)
     assert window.n_rows == 0 and window.recent_reward(3) == 0.0
 
@@ -79,7 +80,9 @@ def test_marginal_focal_diversity_by_hand():
     w = OutcomeWindow(3, 8)
     for predictions in ([0, 1, 0], [1, 0, 1], [1, 1, 0], [0, 0, -1]):
         w.push(np.array(predictions), 0, 0.0)
-    np.testing.assert_allclose(w.marginal_focal_diversity(np.array([True, True, False])), [1 / 3, 1 / 3, 2 / 9], atol=1e-6)
+    np.testing.assert_allclose(
+        w.marginal_focal_diversity(np.array([True, True, False])), [1 / 3, 1 / 3, 2 / 9], atol=1e-6
+    )
     alone = OutcomeWindow(3, 8)
     alone.push(np.array([0, 1, 1]), 0, 0.0)  # one row: too few to say anything
     np.testing.assert_array_equal(alone.marginal_focal_diversity(np.array([True, False, False])), [0, 0, 0])

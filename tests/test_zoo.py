@@ -14,7 +14,16 @@ from rlens.evaluation.dataset import load_dataset
 from rlens.settings import settings
 from rlens.zoo.build import SPECIALISTS, bpe_corpus, load_zoo, train_specialist
 from rlens.zoo.record import QUESTIONS_FILE, read_questions
-from rlens.zoo.tasks import ANTONYMS, FAMILIES, N_CHOICES, block_stream, exact_match, generation_split, generation_stream, make_question
+from rlens.zoo.tasks import (
+    ANTONYMS,
+    FAMILIES,
+    N_CHOICES,
+    block_stream,
+    exact_match,
+    generation_split,
+    generation_stream,
+    make_question,
+)
 from rlens.zoo.tokenizers import GPT2_PATTERN, char_tokenizer, gpt2_subset_tokenizer, load_gpt2_ranks
 
 
@@ -73,7 +82,9 @@ def test_generation_tasks_have_exact_references_in_blocks_and_splits():
     stream = generation_stream(list(FAMILIES), 6, 4, seed=1)
     assert stream == generation_stream(list(FAMILIES), 6, 4, seed=1) != generation_stream(list(FAMILIES), 6, 4, seed=2)
     families = [t.family for t in stream][::4]
-    assert all(x != y for x, y in zip(families, families[1:])) and [t.family for t in stream] == [f for f in families for _ in range(4)]
+    assert all(x != y for x, y in zip(families, families[1:])) and [t.family for t in stream] == [
+        f for f in families for _ in range(4)
+    ]
     for task in generation_split(list(FAMILIES), 300, seed=0):
         body = task.prompt.removeprefix("Q: ").removesuffix("\nA:")
         if task.family == "arithmetic":  # "add: 12+7=" -> "19"
@@ -85,7 +96,12 @@ def test_generation_tasks_have_exact_references_in_blocks_and_splits():
             seq = [int(x) for x in body.removeprefix("next: ").split()]
             assert task.reference == str(seq[-1] + seq[1] - seq[0])
     assert {t.family for t in generation_split(list(FAMILIES), 300, seed=0)} == set(FAMILIES)
-    assert exact_match(" 19", "19") and exact_match("a b c\n", "a b c") and not exact_match(" 19 20", "19") and not exact_match("", "19")
+    assert (
+        exact_match(" 19", "19")
+        and exact_match("a b c\n", "a b c")
+        and not exact_match(" 19 20", "19")
+        and not exact_match("", "19")
+    )
 
 
 def test_gpt2_subset_tokenizes_the_corpus_exactly_like_full_gpt2():
@@ -165,7 +181,10 @@ def test_fewshot_tasks_are_seeded_solved_examples_then_the_question():
     assert make_task("spell", np.random.default_rng(3)).reference.count("-") >= 4
     assert fewshot_split(list(FAMILIES), 30, seed=5) == fewshot_split(list(FAMILIES), 30, seed=5)
     families = [t.family for t in fewshot_stream(["add", "month", "weekday"], 4, seed=1)]
-    assert sorted(set(families)) == ["add", "month", "weekday"] and all(families[i] == families[i - i % 4] for i in range(12))  # one block each
+    # one block each
+    assert sorted(set(families)) == ["add", "month", "weekday"] and all(
+        families[i] == families[i - i % 4] for i in range(12)
+    )
     with pytest.raises(ValueError, match="unknown few-shot family"):
         make_task("poetry", np.random.default_rng(0))
 
@@ -175,9 +194,27 @@ def test_zoo_record_cli_records_the_models_named(quick_zoo, tmp_path):
 
     from rlens.cli import app
 
-    result = CliRunner().invoke(app, ["zoo", "record", "--zoo", str(quick_zoo), "--models", "arith-char,count-bpe", "--blocks", "2", "--block-size", "3", "--out", str(tmp_path / "d")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "zoo",
+            "record",
+            "--zoo",
+            str(quick_zoo),
+            "--models",
+            "arith-char,count-bpe",
+            "--blocks",
+            "2",
+            "--block-size",
+            "3",
+            "--out",
+            str(tmp_path / "d"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     dataset = load_dataset(tmp_path / "d")
     assert dataset.model_names == ["arith-char", "count-bpe"] and dataset.n_questions == 6
-    result = CliRunner().invoke(app, ["zoo", "record", "--zoo", str(quick_zoo), "--models", "arith-char,gpt-5", "--out", str(tmp_path / "e")])
+    result = CliRunner().invoke(
+        app, ["zoo", "record", "--zoo", str(quick_zoo), "--models", "arith-char,gpt-5", "--out", str(tmp_path / "e")]
+    )
     assert result.exit_code == 2 and "unknown zoo model(s) gpt-5" in result.output

@@ -18,4 +18,14 @@ from rlens.backends.base import (
     register_backend,
 )
 
-__all__ = ["BACKENDS", "Backend", "BackendError", "ChoiceQuery", "ChoiceScores", "GenerationRequest", "Generations", "create_backend", "register_backend"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "BackendError",
+    "ChoiceQuery",
+    "ChoiceScores",
+    "GenerationRequest",
+    "Generations",
+    "create_backend",
+    "register_backend",
+]

@@ -24,7 +24,15 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from rlens.backends.base import Backend, BackendError, ChoiceQuery, ChoiceScores, GenerationRequest, Generations, register_backend
+from rlens.backends.base import (
+    Backend,
+    BackendError,
+    ChoiceQuery,
+    ChoiceScores,
+    GenerationRequest,
+    Generations,
+    register_backend,
+)
 
 
 def bos_prefix(tokenizer) -> list[int]:
@@ -83,10 +91,17 @@ class TransformersBackend(Backend):
         self.tokenizer = tokenizer
         self.prefix = bos_prefix(tokenizer)  # read before every prompt
         self.device = device
-        self.max_length = int(max_length or getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None) or 2048)
+        self.max_length = int(
+            max_length
+            or getattr(model.config, "max_position_embeddings", None)
+            or getattr(model.config, "n_positions", None)
+            or 2048
+        )
 
     @classmethod
-    def load(cls, path: str | Path, gguf_file: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "TransformersBackend":
+    def load(
+        cls, path: str | Path, gguf_file: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> "TransformersBackend":
         """Load a local model directory (or a GGUF file inside it; a ``tokenizer.json`` beside it is read instead of
         converting the GGUF file's vocabulary); never touches the network."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -95,7 +110,9 @@ class TransformersBackend(Backend):
         if not path.is_dir():
             raise BackendError(f"transformers backend: {path} is not a model directory")
         options = {"gguf_file": gguf_file} if gguf_file else {}
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **({} if (path / "tokenizer.json").is_file() else options))
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, local_files_only=True, **({} if (path / "tokenizer.json").is_file() else options)
+        )
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **options)
         return cls(model, tokenizer, device)
 
@@ -109,7 +126,9 @@ class TransformersBackend(Backend):
         longest = max(len(c) for c in continuations)
         room = self.max_length - (longest - 1)
         if room < 1:
-            raise BackendError(f"query {query.id}: a choice of {longest} tokens does not fit the model window of {self.max_length}")
+            raise BackendError(
+                f"query {query.id}: a choice of {longest} tokens does not fit the model window of {self.max_length}"
+            )
         context = context[-room:]
 
         out = self.model(torch.tensor([context], device=self.device), use_cache=True, logits_to_keep=1)
@@ -117,7 +136,9 @@ class TransformersBackend(Backend):
         rest_logp = torch.empty(0)  # the log-probabilities of every continuation's later tokens, when there are some
         if longest > 1:
             n = len(continuations)
-            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+            pad = (
+                self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+            )
             rest = torch.full((n, longest - 1), pad, dtype=torch.long, device=self.device)
             for i, c in enumerate(continuations):
                 rest[i, : len(c) - 1] = torch.tensor(c[:-1])
@@ -125,7 +146,9 @@ class TransformersBackend(Backend):
             cache.batch_repeat_interleave(n)
             positions = torch.arange(len(context), len(context) + longest - 1, device=self.device).expand(n, -1)
             mask = torch.ones(n, len(context) + longest - 1, dtype=torch.long, device=self.device)  # right padding only
-            rest_logp = F.log_softmax(self.model(rest, past_key_values=cache, attention_mask=mask, position_ids=positions).logits.float(), -1)
+            rest_logp = F.log_softmax(
+                self.model(rest, past_key_values=cache, attention_mask=mask, position_ids=positions).logits.float(), -1
+            )
 
         loglikelihoods, greedy = [], []
         for i, c in enumerate(continuations):
@@ -140,7 +163,9 @@ class TransformersBackend(Backend):
 
     def _window_check(self, n_tokens: int, extra: int, what: str) -> None:
         if n_tokens + extra > self.max_length:
-            raise BackendError(f"{what}: {n_tokens} prompt tokens + {extra} do not fit the model window of {self.max_length}")
+            raise BackendError(
+                f"{what}: {n_tokens} prompt tokens + {extra} do not fit the model window of {self.max_length}"
+            )
 
     @torch.inference_mode()
     def prompt_logprobs(self, texts: list[str], top: int = 1) -> list[PromptLogprobs]:
@@ -164,7 +189,10 @@ class TransformersBackend(Backend):
         for i, row in enumerate(rows):
             steps = logp[i, : skip + len(row)]  # steps[j] predicts the token after input position j
             best = steps.topk(top, -1)
-            tops = [{token_text(int(t)): float(v) for t, v in zip(best.indices[j], best.values[j])} for j in range(skip + len(row))]
+            tops = [
+                {token_text(int(t)): float(v) for t, v in zip(best.indices[j], best.values[j])}
+                for j in range(skip + len(row))
+            ]
             results.append(
                 PromptLogprobs(
                     tokens=[token_text(t) for t in row],
@@ -195,12 +223,24 @@ class TransformersBackend(Backend):
         for i, row in enumerate(rows):
             ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        logits = self.model(ids.to(self.device), attention_mask=mask.to(self.device), position_ids=positions.to(self.device), logits_to_keep=1).logits[:, -1]
+        logits = self.model(
+            ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            logits_to_keep=1,
+        ).logits[:, -1]
         best = F.log_softmax(logits.float(), -1).cpu().topk(top, -1)
         results = []
         for i, row in enumerate(rows):
             tops = {self.tokenizer.decode([int(t)]): float(v) for t, v in zip(best.indices[i], best.values[i])}
-            results.append(NextToken(self.tokenizer.decode([int(best.indices[i, 0])]), float(best.values[i, 0]), tops, len(row) - len(self.prefix)))
+            results.append(
+                NextToken(
+                    self.tokenizer.decode([int(best.indices[i, 0])]),
+                    float(best.values[i, 0]),
+                    tops,
+                    len(row) - len(self.prefix),
+                )
+            )
         return results
 
     def generate(self, request: GenerationRequest) -> Generations:
@@ -211,9 +251,15 @@ class TransformersBackend(Backend):
         """``request.n`` completions as (text, finish reason: "stop" or "length")."""
         if request.temperature == 0 and request.n > 1:
             raise BackendError(f"query {request.id}: n > 1 needs temperature > 0 (greedy decoding gives one answer)")
-        ids = self.prefix + self.tokenizer.encode(request.prompt, add_special_tokens=False) or [self.tokenizer.eos_token_id]
+        ids = self.prefix + self.tokenizer.encode(request.prompt, add_special_tokens=False) or [
+            self.tokenizer.eos_token_id
+        ]
         self._window_check(len(ids), request.max_tokens, f"query {request.id}")
-        sampling = {"do_sample": True, "temperature": request.temperature, "top_k": 0, "top_p": 1.0} if request.temperature > 0 else {"do_sample": False}
+        sampling = (
+            {"do_sample": True, "temperature": request.temperature, "top_k": 0, "top_p": 1.0}
+            if request.temperature > 0
+            else {"do_sample": False}
+        )
         with torch.random.fork_rng(devices=[] if self.device == "cpu" else None):
             if request.seed is not None:
                 torch.manual_seed(request.seed)

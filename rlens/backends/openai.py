@@ -21,7 +21,15 @@ import time
 import httpx
 from pydantic import ValidationError
 
-from rlens.backends.base import Backend, BackendError, ChoiceQuery, ChoiceScores, GenerationRequest, Generations, register_backend
+from rlens.backends.base import (
+    Backend,
+    BackendError,
+    ChoiceQuery,
+    ChoiceScores,
+    GenerationRequest,
+    Generations,
+    register_backend,
+)
 from rlens.backends.openai_protocol import CompletionChoice, CompletionRequest, CompletionResponse, ModelList
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
@@ -96,11 +104,15 @@ class OpenAIBackend(Backend):
         try:
             response = CompletionResponse.model_validate(body)
         except ValidationError as exc:
-            raise BackendError(f"{self._where()}: malformed completion response: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
+            raise BackendError(
+                f"{self._where()}: malformed completion response: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}"
+            ) from None
         expected = len(request.prompts) * request.n
         choices = sorted(response.choices, key=lambda c: c.index)
         if [c.index for c in choices] != list(range(expected)):
-            raise BackendError(f"{self._where()}: malformed completion response: choice indices {[c.index for c in choices]}, expected 0..{expected - 1}")
+            raise BackendError(
+                f"{self._where()}: malformed completion response: choice indices {[c.index for c in choices]}, expected 0..{expected - 1}"
+            )
         return choices
 
     def list_models(self) -> list[str]:
@@ -112,9 +124,13 @@ class OpenAIBackend(Backend):
     def score_choices(self, query: ChoiceQuery) -> ChoiceScores:
         boundary = len(query.prompt.rstrip(" "))  # lm-eval: the context's trailing spaces belong to the continuation
         if boundary == 0:
-            raise BackendError(f"query {query.id}: the openai backend needs a non-empty prompt (the first token has no log-probability)")
+            raise BackendError(
+                f"query {query.id}: the openai backend needs a non-empty prompt (the first token has no log-probability)"
+            )
         prompts = [query.prompt + choice for choice in query.choices]
-        request = CompletionRequest(model=self.model, prompt=prompts, max_tokens=1, temperature=0.0, echo=True, logprobs=1)
+        request = CompletionRequest(
+            model=self.model, prompt=prompts, max_tokens=1, temperature=0.0, echo=True, logprobs=1
+        )
         loglikelihoods, greedy = [], []
         for text, choice in zip(prompts, self._complete(request)):
             total, is_greedy = self._continuation_score(query.id, text, boundary, choice)
@@ -122,10 +138,14 @@ class OpenAIBackend(Backend):
             greedy.append(is_greedy)
         return ChoiceScores(loglikelihoods=loglikelihoods, is_greedy=greedy)
 
-    def _continuation_score(self, query_id: str, text: str, boundary: int, choice: CompletionChoice) -> tuple[float, bool]:
+    def _continuation_score(
+        self, query_id: str, text: str, boundary: int, choice: CompletionChoice
+    ) -> tuple[float, bool]:
         lp = choice.logprobs
         if lp is None or lp.top_logprobs is None:
-            raise BackendError(f"{self._where()}: malformed completion response: no logprobs with top tokens for an echo request")
+            raise BackendError(
+                f"{self._where()}: malformed completion response: no logprobs with top tokens for an echo request"
+            )
         offsets = lp.text_offset
         in_prompt = [i for i, offset in enumerate(offsets) if offset < len(text)]
         total, is_greedy, used = 0.0, True, 0
@@ -135,7 +155,9 @@ class OpenAIBackend(Backend):
                 continue  # a context token
             logprob, top = lp.token_logprobs[i], lp.top_logprobs[i]
             if logprob is None or not top:
-                raise BackendError(f"{self._where()}: malformed completion response: query {query_id}: continuation token {i} has no log-probability")
+                raise BackendError(
+                    f"{self._where()}: malformed completion response: query {query_id}: continuation token {i} has no log-probability"
+                )
             total += logprob
             is_greedy = is_greedy and max(top, key=top.__getitem__) == lp.tokens[i]
             used += 1
@@ -150,13 +172,20 @@ class OpenAIBackend(Backend):
         for choice in self._complete(request):
             lp = choice.logprobs
             if lp is None or not lp.top_logprobs or not lp.top_logprobs[0]:
-                raise BackendError(f"{self._where()}: malformed completion response: no top logprobs for the next token (the server must return logprobs={k})")
+                raise BackendError(
+                    f"{self._where()}: malformed completion response: no top logprobs for the next token (the server must return logprobs={k})"
+                )
             tops.append(lp.top_logprobs[0])
         return tops
 
     def generate(self, request: GenerationRequest) -> Generations:
         completion = CompletionRequest(
-            model=self.model, prompt=request.prompt, max_tokens=request.max_tokens, temperature=request.temperature,
-            n=request.n, stop=request.stop or None, seed=request.seed,
+            model=self.model,
+            prompt=request.prompt,
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            n=request.n,
+            stop=request.stop or None,
+            seed=request.seed,
         )
         return Generations(texts=[choice.text for choice in self._complete(completion)])

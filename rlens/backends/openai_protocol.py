@@ -21,7 +21,9 @@ class CompletionRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     n: int = Field(1, ge=1, le=64)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20, description="top tokens per position (OpenAI allows 5, vLLM 20 by default)")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="top tokens per position (OpenAI allows 5, vLLM 20 by default)"
+    )
     stop: str | list[str] | None = None
     seed: int | None = None
 

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlens.backends.base import Backend, BackendError, ChoiceQuery, ChoiceScores, GenerationRequest, Generations, register_backend
+from rlens.backends.base import (
+    Backend,
+    BackendError,
+    ChoiceQuery,
+    ChoiceScores,
+    GenerationRequest,
+    Generations,
+    register_backend,
+)
 from rlens.evaluation.dataset import RecordedDataset
 
 
 @register_backend("replay")
 class ReplayBackend(Backend):
     blocking = False
+
     def __init__(self, dataset: RecordedDataset, model: int | str):
         self.dataset = dataset
         self.model = dataset.model_names.index(model) if isinstance(model, str) else int(model)
@@ -35,7 +44,9 @@ class ReplayBackend(Backend):
 
     def generate(self, request: GenerationRequest) -> Generations:
         if self.dataset.sampled is None:
-            raise BackendError(f"replay backend: dataset {self.dataset.name} records choice probabilities, not samples (no {request.id!r} texts to replay)")
+            raise BackendError(
+                f"replay backend: dataset {self.dataset.name} records choice probabilities, not samples (no {request.id!r} texts to replay)"
+            )
         texts = self.dataset.sampled[self._row(request.id)].samples.get(self.dataset.model_names[self.model], [])
         return Generations(texts=texts[: request.n])
 
@@ -45,11 +56,16 @@ class ReplayBackend(Backend):
         if answer is None:
             answer = self._answers[row] = self._recorded(row)
         if len(answer.loglikelihoods) != len(query.choices):
-            raise BackendError(f"replay backend: question {row} has {len(answer.loglikelihoods)} recorded choices, the query {len(query.choices)}")
+            raise BackendError(
+                f"replay backend: question {row} has {len(answer.loglikelihoods)} recorded choices, the query {len(query.choices)}"
+            )
         return answer
 
     def _recorded(self, row: int) -> ChoiceScores:
         probs = self.dataset.probs[row, self.model, self.dataset.choice_mask[row]].astype(np.float64)
         best = probs.argmax()
         # built from the dataset's own arrays, already of the right types: no validation needed
-        return ChoiceScores.model_construct(loglikelihoods=np.log(np.maximum(probs, 1e-30)).tolist(), is_greedy=[bool(i == best) for i in range(len(probs))])
+        return ChoiceScores.model_construct(
+            loglikelihoods=np.log(np.maximum(probs, 1e-30)).tolist(),
+            is_greedy=[bool(i == best) for i in range(len(probs))],
+        )

@@ -43,7 +43,9 @@ class RecordedDataset:
     model_names: list[str]
     model_costs: np.ndarray  # float64 [M], cost of one call of each model
     task_names: dict[int, str]
-    sampled: list[SampledTask] | None = None  # open-ended: the recorded samples the choices come from; None: multiple choice
+    sampled: list[SampledTask] | None = (
+        None  # open-ended: the recorded samples the choices come from; None: multiple choice
+    )
     extractor: Extractor = "line"  # open-ended: how an answer is read from a sample or a reference
 
     @property
@@ -116,7 +118,9 @@ def read_models(path: Path, n_models: int | None) -> tuple[list[str], np.ndarray
     if n_models is None:
         n_models = len(entries)
     if len(entries) != n_models or not entries:
-        raise DatasetError(path, f"lists {len(entries)} models but probs.npy has {n_models} on axis 1" if entries else "lists no model")
+        raise DatasetError(
+            path, f"lists {len(entries)} models but probs.npy has {n_models} on axis 1" if entries else "lists no model"
+        )
     names: list[str | None] = [None] * n_models
     costs = np.ones(n_models)
     for position, entry in enumerate(entries):
@@ -156,10 +160,15 @@ def load_dataset(directory: str | Path) -> RecordedDataset:
     task = _load_array(directory, "task.npy")
 
     if probs.ndim != 3 or not np.issubdtype(probs.dtype, np.floating):
-        raise DatasetError(directory / "probs.npy", f"must be a float array [questions, models, choices], got {probs.dtype} {probs.shape}")
+        raise DatasetError(
+            directory / "probs.npy",
+            f"must be a float array [questions, models, choices], got {probs.dtype} {probs.shape}",
+        )
     n, m, c = probs.shape
     if n == 0 or m == 0 or c < 2:
-        raise DatasetError(directory / "probs.npy", f"needs at least 1 question, 1 model and 2 choice columns, got shape {probs.shape}")
+        raise DatasetError(
+            directory / "probs.npy", f"needs at least 1 question, 1 model and 2 choice columns, got shape {probs.shape}"
+        )
     if mask.shape != (n, c) or mask.dtype != np.bool_:
         raise DatasetError(directory / "choice_mask.npy", f"must be bool [{n}, {c}], got {mask.dtype} {mask.shape}")
     for name, arr in (("labels.npy", labels), ("task.npy", task)):
@@ -170,17 +179,28 @@ def load_dataset(directory: str | Path) -> RecordedDataset:
     n_valid = mask.sum(1)
     if (n_valid < 2).any():
         row = int(np.argmax(n_valid < 2))
-        raise DatasetError(directory / "choice_mask.npy", f"question {row} has {int(n_valid[row])} valid choices; at least 2 are needed")
+        raise DatasetError(
+            directory / "choice_mask.npy",
+            f"question {row} has {int(n_valid[row])} valid choices; at least 2 are needed",
+        )
     if (probs * ~mask[:, None, :]).max() > 0:
         row = int(np.argmax((probs * ~mask[:, None, :]).max(axis=(1, 2)) > 0))
-        raise DatasetError(directory / "probs.npy", f"question {row} puts probability on a choice that choice_mask.npy marks invalid")
+        raise DatasetError(
+            directory / "probs.npy", f"question {row} puts probability on a choice that choice_mask.npy marks invalid"
+        )
     sums = probs.sum(2)
     if np.abs(sums - 1).max() > PROB_SUM_TOLERANCE:
         row, model = (int(i) for i in np.unravel_index(int(np.argmax(np.abs(sums - 1))), sums.shape))
-        raise DatasetError(directory / "probs.npy", f"question {row}, model {model}: probabilities sum to {sums[row, model]:.4f}, not 1")
+        raise DatasetError(
+            directory / "probs.npy",
+            f"question {row}, model {model}: probabilities sum to {sums[row, model]:.4f}, not 1",
+        )
     if (labels < 0).any() or (labels >= c).any() or not mask[np.arange(n), np.clip(labels, 0, c - 1)].all():
         row = int(np.argmax((labels < 0) | (labels >= c) | ~mask[np.arange(n), np.clip(labels, 0, c - 1)]))
-        raise DatasetError(directory / "labels.npy", f"question {row} has label {int(labels[row])}, which is not one of its valid choices")
+        raise DatasetError(
+            directory / "labels.npy",
+            f"question {row} has label {int(labels[row])}, which is not one of its valid choices",
+        )
 
     model_names, costs = read_models(directory / "models.json", m)
     task_names = _tasks(directory / "tasks.json", task)
@@ -201,7 +221,9 @@ def write_models(directory: Path, names: list[str], costs: np.ndarray) -> None:
     (directory / "models.json").write_text(json.dumps(models, indent=1))
 
 
-def save_dataset(dataset: RecordedDataset, directory: str | Path, task_choices: dict[int, list[str]] | None = None) -> Path:
+def save_dataset(
+    dataset: RecordedDataset, directory: str | Path, task_choices: dict[int, list[str]] | None = None
+) -> Path:
     """Write ``dataset`` in the recorded-outputs format (used by importers and tests)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,13 @@ def is_samples_dir(directory: Path) -> bool:
     return (directory / SAMPLES_FILE).is_file() and not (directory / "probs.npy").exists()
 
 
-def save_samples(directory: Path, tasks: list[SampledTask], model_names: list[str], model_costs: np.ndarray, extractor: Extractor = "line") -> Path:
+def save_samples(
+    directory: Path,
+    tasks: list[SampledTask],
+    model_names: list[str],
+    model_costs: np.ndarray,
+    extractor: Extractor = "line",
+) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     write_models(directory, model_names, model_costs)
     with (directory / SAMPLES_FILE).open("w") as f:
@@ -61,7 +67,9 @@ def load_samples(directory: Path) -> RecordedDataset:
             tasks.append(SampledTask.model_validate_json(line))
         except ValidationError as exc:
             first = exc.errors()[0]
-            raise DatasetError(path, f"line {number}: {'.'.join(str(p) for p in first['loc']) or 'the line'}: {first['msg']}") from None
+            raise DatasetError(
+                path, f"line {number}: {'.'.join(str(p) for p in first['loc']) or 'the line'}: {first['msg']}"
+            ) from None
     if not tasks:
         raise DatasetError(path, "holds no task")
     extractor: Extractor = "line"
@@ -79,8 +87,14 @@ def load_samples(directory: Path) -> RecordedDataset:
     return sampled_dataset(directory.name, tasks, model_names, costs, extractor)
 
 
-def sampled_dataset(name: str, tasks: list[SampledTask], model_names: list[str], model_costs: np.ndarray, extractor: Extractor = "line",
-                    families: list[str] | None = None) -> RecordedDataset:
+def sampled_dataset(
+    name: str,
+    tasks: list[SampledTask],
+    model_names: list[str],
+    model_costs: np.ndarray,
+    extractor: Extractor = "line",
+    families: list[str] | None = None,
+) -> RecordedDataset:
     """The open-ended dataset of recorded samples (see the module docstring); task ids are positions in
     ``families`` (default: the families in order of first appearance)."""
     choices = [pool_choices([task.samples.get(m) for m in model_names], extractor) for task in tasks]
@@ -95,5 +109,15 @@ def sampled_dataset(name: str, tasks: list[SampledTask], model_names: list[str],
         labels[n] = label if label < len(candidates) else width - 1
     families = families or list(dict.fromkeys(task.family for task in tasks))
     task_ids = np.array([families.index(task.family) for task in tasks], np.int64)
-    return RecordedDataset(name, probs, mask, labels, task_ids, list(model_names), np.asarray(model_costs, np.float64), dict(enumerate(families)),
-                           sampled=tasks, extractor=extractor)
+    return RecordedDataset(
+        name,
+        probs,
+        mask,
+        labels,
+        task_ids,
+        list(model_names),
+        np.asarray(model_costs, np.float64),
+        dict(enumerate(families)),
+        sampled=tasks,
+        extractor=extractor,
+    )

@@ -40,10 +40,17 @@ RL_VARIANTS: dict[str, tuple[dict, str]] = {
     "rl_focal_all_models": ({"use_decider": False}, "ablation: no Decider, Fusion over the whole pool"),
     "rl_focal_no_diversity": ({"metrics": ()}, "ablation: Decider without diversity metrics"),
     "rl_focal_kappa": ({"metrics": ("kappa",)}, "ablation: Fleiss' kappa instead of focal diversity"),
-    "rl_focal_paper_decider": ({"decider_sees": "paper"}, "ablation: the paper's Decider observation (pool bits and diversity metrics only)"),
-    "rl_focal_marginal": ({"marginal_diversity": True}, "variant: the Decider also sees each model's marginal effect on the pool's focal diversity"),
+    "rl_focal_paper_decider": (
+        {"decider_sees": "paper"},
+        "ablation: the paper's Decider observation (pool bits and diversity metrics only)",
+    ),
+    "rl_focal_marginal": (
+        {"marginal_diversity": True},
+        "variant: the Decider also sees each model's marginal effect on the pool's focal diversity",
+    ),
 }
-DEFAULT_VARIANTS = [name for name in RL_VARIANTS if name != "rl_focal_marginal"]  # what a replay runs unless asked (the marginal one measured no gain)
+# what a replay runs unless asked (the marginal one measured no gain)
+DEFAULT_VARIANTS = [name for name in RL_VARIANTS if name != "rl_focal_marginal"]
 PROGRESS_EVERY = 50
 Numerics = Literal["portable", "native"]
 # read by torch and MKL when a process first computes: set before the variant processes start
@@ -74,15 +81,30 @@ class DriftOptions:
     keep: int = 5
 
 
-def run_variant(variant: str, data: RecordedDataset, warm_index: np.ndarray, test_index: np.ndarray, config: FocalConfig, seed: int,
-                report: Callable[[int], None] | None, drift: DriftOptions = DriftOptions()) -> OnlineTrace:
+def run_variant(
+    variant: str,
+    data: RecordedDataset,
+    warm_index: np.ndarray,
+    test_index: np.ndarray,
+    config: FocalConfig,
+    seed: int,
+    report: Callable[[int], None] | None,
+    drift: DriftOptions = DriftOptions(),
+) -> OnlineTrace:
     """Warm start (when there is a warm split) then online operation, for one RL-Focal variant."""
     torch.set_num_threads(1)
     engine = FocalEngine(data.n_models, data.model_costs, replace(config, **RL_VARIANTS[variant][0]), seed=seed)
     if len(warm_index):
         warm_start(engine, data.subset(warm_index), report)
-    return run_online(engine, data.subset(test_index), report, stream="one" if drift.one_stream else None, drift=DriftMonitor(),
-                      reaction=drift.reaction, keep=drift.keep)
+    return run_online(
+        engine,
+        data.subset(test_index),
+        report,
+        stream="one" if drift.one_stream else None,
+        drift=DriftMonitor(),
+        reaction=drift.reaction,
+        keep=drift.keep,
+    )
 
 
 class _Batched:
@@ -103,7 +125,9 @@ class _Batched:
             self.pending = 0
 
 
-def _variant_in_worker(variant, data, warm_index, test_index, config, seed, drift, progress_queue) -> tuple[str, OnlineTrace]:
+def _variant_in_worker(
+    variant, data, warm_index, test_index, config, seed, drift, progress_queue
+) -> tuple[str, OnlineTrace]:
     report = _Batched(progress_queue.put)
     trace = run_variant(variant, data, warm_index, test_index, config, seed, report, drift)
     report.flush()
@@ -124,7 +148,9 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _run_variants(variants, data, warm_index, test_index, config, seed, workers, progress, drift, numerics: Numerics) -> dict[str, OnlineTrace]:
+def _run_variants(
+    variants, data, warm_index, test_index, config, seed, workers, progress, drift, numerics: Numerics
+) -> dict[str, OnlineTrace]:
     """Each variant's trace; in this process only for native numerics with one worker (or one variant)."""
     if numerics == "native" and (workers <= 1 or len(variants) == 1):
         traces = {}
@@ -135,10 +161,16 @@ def _run_variants(variants, data, warm_index, test_index, config, seed, workers,
                 report.flush()
         return traces
     context = multiprocessing.get_context("spawn")
-    with _environment(PORTABLE_NUMERICS if numerics == "portable" else {}), context.Manager() as manager, \
-            ProcessPoolExecutor(max_workers=max(1, min(workers, len(variants))), mp_context=context) as pool:
+    with (
+        _environment(PORTABLE_NUMERICS if numerics == "portable" else {}),
+        context.Manager() as manager,
+        ProcessPoolExecutor(max_workers=max(1, min(workers, len(variants))), mp_context=context) as pool,
+    ):
         progress_queue = manager.Queue()
-        futures = [pool.submit(_variant_in_worker, v, data, warm_index, test_index, config, seed, drift, progress_queue) for v in variants]
+        futures = [
+            pool.submit(_variant_in_worker, v, data, warm_index, test_index, config, seed, drift, progress_queue)
+            for v in variants
+        ]
         while not all(f.done() for f in futures):
             try:
                 n = progress_queue.get(timeout=0.1)
@@ -197,15 +229,25 @@ def replay(
         if run is not None:
             answers[name], calls[name], descriptions[name] = run.answers, run.models_called, description
 
-    hindsight = " (chosen in hindsight on the test stream: no warm split)" if protocol == Protocol.stream else " (chosen on the warm-start split)"
+    hindsight = (
+        " (chosen in hindsight on the test stream: no warm split)"
+        if protocol == Protocol.stream
+        else " (chosen on the warm-start split)"
+    )
     for j, run in baselines.single_models(test).items():
         add(f"single:{data.model_names[j]}", run, "one model alone")
     add("best_single", baselines.best_single(warm, test), "best single model" + hindsight)
-    add("best_single_per_task", baselines.best_single_per_task(warm, test), "best single model of each task" + hindsight)
+    add(
+        "best_single_per_task", baselines.best_single_per_task(warm, test), "best single model of each task" + hindsight
+    )
     add("plurality", baselines.plurality(test), "plurality vote of all models (ties: larger summed probability)")
     add("soft_vote", baselines.soft_voting(test), "argmax of the mean distribution of all models")
     add("hedge", baselines.hedge(test), "online Hedge weights over the models, weighted vote")
-    add("stacking", baselines.stacking(warm, test), "per-task logistic stacking on log-probabilities, fit on the warm-start split")
+    add(
+        "stacking",
+        baselines.stacking(warm, test),
+        "per-task logistic stacking on log-probabilities, fit on the warm-start split",
+    )
     add("oracle", baselines.oracle(test), "any model correct (upper bound)")
 
     task_names = {int(t): data.task_name(t) for t in np.unique(test.task)}
@@ -213,15 +255,35 @@ def replay(
     for name, predicted in answers.items():
         correct = predicted == test.labels
         per_task = {task_names[t]: float(correct[test.task == t].mean()) for t in task_names}
-        exploration = {"explored": float(traces[name].explored.mean()), "greedy_accuracy": float(traces[name].greedy_correct.mean())} if name in traces else {}
-        methods[name] = MethodResult(accuracy=float(correct.mean()), per_task=per_task, mean_models_called=calls[name], description=descriptions[name], **exploration)
+        exploration = (
+            {
+                "explored": float(traces[name].explored.mean()),
+                "greedy_accuracy": float(traces[name].greedy_correct.mean()),
+            }
+            if name in traces
+            else {}
+        )
+        methods[name] = MethodResult(
+            accuracy=float(correct.mean()),
+            per_task=per_task,
+            mean_models_called=calls[name],
+            description=descriptions[name],
+            **exploration,
+        )
     main = traces.get("rl_focal") or next(iter(traces.values()))
     detections = [i for i, _ in main.detections]
     figures = drift_figures(main.correct, detections, test.task)
     drift_result = DriftResult(
-        one_stream=drift.one_stream, detector="adwin", reaction=drift.reaction, detections=detections, signals=[signals for _, signals in main.detections],
-        delays=figures.delays, missed_switches=figures.missed_switches, switches=figures.switches,
-        false_alarms_per_1000=figures.false_alarms_per_1000, recovery=figures.recovery,
+        one_stream=drift.one_stream,
+        detector="adwin",
+        reaction=drift.reaction,
+        detections=detections,
+        signals=[signals for _, signals in main.detections],
+        delays=figures.delays,
+        missed_switches=figures.missed_switches,
+        switches=figures.switches,
+        false_alarms_per_1000=figures.false_alarms_per_1000,
+        recovery=figures.recovery,
     )
     results = ReplayResults(
         protocol=protocol.value,

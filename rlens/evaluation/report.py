@@ -39,22 +39,46 @@ def write_plot(run: ReplayRun, path: Path) -> None:
         if name in run.answers:
             correct = (run.answers[name] == test.labels).astype(float)
             style = {"linewidth": 2.2, "color": "black"} if name == "rl_focal" else {"linewidth": 1.1, "alpha": 0.85}
-            top.plot(x, 100 * _rolling(correct, ROLLING), label=f"{name} ({100 * results.methods[name].accuracy:.1f}%)", **style)
+            top.plot(
+                x,
+                100 * _rolling(correct, ROLLING),
+                label=f"{name} ({100 * results.methods[name].accuracy:.1f}%)",
+                **style,
+            )
     for axis in (top, bottom):
         for start, _, _ in _task_blocks(test.task)[1:]:
             axis.axvline(start, color="grey", linestyle=":", linewidth=0.8)
     for start, end, task_id in _task_blocks(test.task):
-        top.text((start + end) / 2, 1.5, test.task_name(task_id)[:18], rotation=90, fontsize=7, ha="center", va="bottom", color="dimgrey")
+        top.text(
+            (start + end) / 2,
+            1.5,
+            test.task_name(task_id)[:18],
+            rotation=90,
+            fontsize=7,
+            ha="center",
+            va="bottom",
+            color="dimgrey",
+        )
     drift = results.drift
     if drift is not None and drift.detections:
-        top.plot(drift.detections, [4] * len(drift.detections), "v", color="tab:red", markersize=7,
-                 label=f"drift detected ({len(drift.detections)}; {'one stream key' if drift.one_stream else 'a key per task'})")
+        top.plot(
+            drift.detections,
+            [4] * len(drift.detections),
+            "v",
+            color="tab:red",
+            markersize=7,
+            label=f"drift detected ({len(drift.detections)}; {'one stream key' if drift.one_stream else 'a key per task'})",
+        )
     top.set_ylabel(f"rolling accuracy (%, last {ROLLING})")
     top.set_ylim(0, 100)
     # legends above their axes, never over the curves
     top.legend(loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=8, ncol=4, frameon=False)
-    fig.suptitle(f"{results.dataset}: protocol {results.protocol}, seed {results.seed}, {results.n_test} test questions (dotted: task switches)")
-    bottom.plot(x, _rolling(run.models_called.astype(float), ROLLING), color="tab:red", label="models called (incl. probes)")
+    fig.suptitle(
+        f"{results.dataset}: protocol {results.protocol}, seed {results.seed}, {results.n_test} test questions (dotted: task switches)"
+    )
+    bottom.plot(
+        x, _rolling(run.models_called.astype(float), ROLLING), color="tab:red", label="models called (incl. probes)"
+    )
     bottom.plot(x, _rolling(run.pool_size.astype(float), ROLLING), color="black", label="RL-Focal pool size")
     bottom.set_ylim(0, len(results.models) + 0.5)
     bottom.set_ylabel("models")
@@ -76,22 +100,45 @@ def markdown(run: ReplayRun) -> str:
         "| method | accuracy % | models called / query | description |",
         "|---|---:|---:|---|",
     ]
-    lines += [f"| {name} | {100 * m.accuracy:.1f} | {m.mean_models_called:.2f} | {m.description} |" for name, m in ranked]
+    lines += [
+        f"| {name} | {100 * m.accuracy:.1f} | {m.mean_models_called:.2f} | {m.description} |" for name, m in ranked
+    ]
     tasks = list(results.methods["rl_focal"].per_task) if "rl_focal" in results.methods else list(ranked[0][1].per_task)
-    shown = [name for name in ("rl_focal", "best_single", "best_single_per_task", "soft_vote", "stacking", "oracle") if name in results.methods]
-    lines += ["", "## Per task (accuracy %)", "", "| task | " + " | ".join(shown) + " |", "|---|" + "---:|" * len(shown)]
+    shown = [
+        name
+        for name in ("rl_focal", "best_single", "best_single_per_task", "soft_vote", "stacking", "oracle")
+        if name in results.methods
+    ]
+    lines += [
+        "",
+        "## Per task (accuracy %)",
+        "",
+        "| task | " + " | ".join(shown) + " |",
+        "|---|" + "---:|" * len(shown),
+    ]
     for task in tasks:
-        lines.append(f"| {task} | " + " | ".join(f"{100 * results.methods[n].per_task[task]:.1f}" for n in shown) + " |")
+        lines.append(
+            f"| {task} | " + " | ".join(f"{100 * results.methods[n].per_task[task]:.1f}" for n in shown) + " |"
+        )
     if (drift := results.drift) is not None:
-        keys = "one window key for the whole stream (task switches are drift inside it)" if drift.one_stream else "a window key per task"
+        keys = (
+            "one window key for the whole stream (task switches are drift inside it)"
+            if drift.one_stream
+            else "a window key per task"
+        )
         median = lambda values: f"{statistics.median(values):g}" if values else "–"  # noqa: E731
         lines += [
-            "", "## Drift (RL-Focal, the learner's detector on its outcomes)", "",
-            f"{keys}; detector {drift.detector}, reaction `{drift.reaction}`.", "",
-            "| detections | switches detected | median delay | false alarms / 1,000 | median recovery |", "|---:|---:|---:|---:|---:|",
+            "",
+            "## Drift (RL-Focal, the learner's detector on its outcomes)",
+            "",
+            f"{keys}; detector {drift.detector}, reaction `{drift.reaction}`.",
+            "",
+            "| detections | switches detected | median delay | false alarms / 1,000 | median recovery |",
+            "|---:|---:|---:|---:|---:|",
             f"| {len(drift.detections)} | {drift.switches - drift.missed_switches} of {drift.switches} | {median(drift.delays)} | "
             f"{drift.false_alarms_per_1000:.1f} | {median(drift.recovery)} |",
-            "", "Delay: questions from a switch to its first detection. Recovery: questions from a switch until the rolling accuracy over",
+            "",
+            "Delay: questions from a switch to its first detection. Recovery: questions from a switch until the rolling accuracy over",
             "the last 20 answers is within 2 points of the block's second half. Detections are the red marks on the plot.",
         ]
     lines += ["", "![rolling accuracy and pool size](report.png)", ""]
@@ -105,7 +152,16 @@ def write_per_query(run: ReplayRun, path: Path) -> None:
         writer.writerow(["position", "task", "label", "rl_focal_pool_size", "rl_focal_models_called", *names])
         for i in range(run.results.n_test):
             task = run.test.task_name(run.test.task[i])
-            writer.writerow([i, task, int(run.test.labels[i]), int(run.pool_size[i]), int(run.models_called[i]), *(int(run.answers[n][i]) for n in names)])
+            writer.writerow(
+                [
+                    i,
+                    task,
+                    int(run.test.labels[i]),
+                    int(run.pool_size[i]),
+                    int(run.models_called[i]),
+                    *(int(run.answers[n][i]) for n in names),
+                ]
+            )
 
 
 def write_outputs(run: ReplayRun, out: Path) -> list[Path]:

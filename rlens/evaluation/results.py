@@ -21,9 +21,16 @@ class MethodResult(BaseModel):
     per_task: dict[str, float] = Field(description="accuracy per task, keyed by task name")
     mean_models_called: float = Field(ge=0, description="models called per test question, on average")
     description: str = ""
-    explored: float | None = Field(None, ge=0, le=1, description="RL-Focal: share of the test questions on which both agents sampled (and learned)")
-    greedy_accuracy: float | None = Field(None, ge=0, le=1, description="RL-Focal: accuracy had every test question been answered greedily "
-                                                                         "from the same states (exploration cost = greedy_accuracy - accuracy)")
+    explored: float | None = Field(
+        None, ge=0, le=1, description="RL-Focal: share of the test questions on which both agents sampled (and learned)"
+    )
+    greedy_accuracy: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="RL-Focal: accuracy had every test question been answered greedily "
+        "from the same states (exploration cost = greedy_accuracy - accuracy)",
+    )
 
 
 class DriftResult(BaseModel):
@@ -32,7 +39,9 @@ class DriftResult(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    one_stream: bool = Field(description="every question on one window key (task switches are drift inside it); false: a key per task")
+    one_stream: bool = Field(
+        description="every question on one window key (task switches are drift inside it); false: a key per task"
+    )
     detector: str
     reaction: Literal["none", "trim", "reset"] = Field(description="what a detection did to the stream's window")
     detections: list[int] = Field(description="test questions whose outcome completed a detection")
@@ -40,8 +49,12 @@ class DriftResult(BaseModel):
     delays: list[int] = Field(description="per detected switch: questions from the switch to its first detection")
     missed_switches: int = Field(description="switches with no detection in the first half of their block")
     switches: int
-    false_alarms_per_1000: float = Field(description="detections in a block's second half (or the first block) per 1,000 questions")
-    recovery: list[int] = Field(description="per switch: questions until the rolling accuracy (last 20) is within 2 points of the block's second half")
+    false_alarms_per_1000: float = Field(
+        description="detections in a block's second half (or the first block) per 1,000 questions"
+    )
+    recovery: list[int] = Field(
+        description="per switch: questions until the rolling accuracy (last 20) is within 2 points of the block's second half"
+    )
 
 
 class ReplayResults(BaseModel):
@@ -53,10 +66,15 @@ class ReplayResults(BaseModel):
     n_test: int = Field(description="number of test questions (the online stream)")
     dataset: str
     models: list[str]
-    methods: dict[str, MethodResult] = Field(description="keyed by method: rl_focal, best_single, soft_vote, stacking, ...")
+    methods: dict[str, MethodResult] = Field(
+        description="keyed by method: rl_focal, best_single, soft_vote, stacking, ..."
+    )
     config: dict = Field(description="the RL-Focal hyper-parameters used")
     elapsed_s: float
-    numerics: Literal["portable", "native"] = Field("native", description="portable: the same figures on any x86-64 CPU; native: this CPU's fastest kernels (rlens.evaluation.replay)")
+    numerics: Literal["portable", "native"] = Field(
+        "native",
+        description="portable: the same figures on any x86-64 CPU; native: this CPU's fastest kernels (rlens.evaluation.replay)",
+    )
     drift: DriftResult | None = Field(None, description="RL-Focal's drift detections and recovery after task switches")
 
 

@@ -12,7 +12,9 @@ import numpy as np
 from rlens.evaluation.dataset import RecordedDataset
 
 
-def synthetic_dataset(n_questions: int, n_models: int, n_tasks: int = 1, n_choices: int = 4, seed: int = 0) -> RecordedDataset:
+def synthetic_dataset(
+    n_questions: int, n_models: int, n_tasks: int = 1, n_choices: int = 4, seed: int = 0
+) -> RecordedDataset:
     if n_questions < 1 or n_models < 1 or n_tasks < 1 or n_choices < 2:
         raise ValueError("a synthetic dataset needs at least 1 question, 1 model, 1 task and 2 choices")
     rng = np.random.default_rng(seed)
@@ -40,7 +42,9 @@ def synthetic_dataset(n_questions: int, n_models: int, n_tasks: int = 1, n_choic
     )
 
 
-def synthetic_samples(n_tasks: int, n_models: int, n_families: int = 2, n_samples: int = 5, block: int = 50, seed: int = 0) -> RecordedDataset:
+def synthetic_samples(
+    n_tasks: int, n_models: int, n_families: int = 2, n_samples: int = 5, block: int = 50, seed: int = 0
+) -> RecordedDataset:
     """A seeded open-ended dataset of recorded samples (:mod:`rlens.evaluation.open_ended`): arithmetic-like
     references, families in blocks of ``block`` tasks, and specialists: model j samples the reference with
     probability 0.85 on family ``j % n_families`` and 0.25 on the others, a near miss otherwise, and now and then
@@ -60,6 +64,10 @@ def synthetic_samples(n_tasks: int, n_models: int, n_families: int = 2, n_sample
         for j, name in enumerate(names):
             right = rng.random(n_samples) < skill[j]
             misses = reference + rng.integers(1, 4, n_samples)
-            samples[name] = ["" if rng.random() < 0.05 else f" {reference if r else int(m)}" for r, m in zip(right, misses)]
-        tasks.append(SampledTask(prompt=f"task {i}: ", reference=str(reference), family=f"family_{family}", samples=samples))
+            samples[name] = [
+                "" if rng.random() < 0.05 else f" {reference if r else int(m)}" for r, m in zip(right, misses)
+            ]
+        tasks.append(
+            SampledTask(prompt=f"task {i}: ", reference=str(reference), family=f"family_{family}", samples=samples)
+        )
     return sampled_dataset(f"synthetic_samples_{n_tasks}x{n_models}", tasks, names, np.ones(n_models))

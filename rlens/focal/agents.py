@@ -17,7 +17,9 @@ from torch.distributions import Categorical
 
 
 def mlp(n_in: int, hidden: int, n_out: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(n_in, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, n_out))
+    return nn.Sequential(
+        nn.Linear(n_in, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, n_out)
+    )
 
 
 def output_layer(net: nn.Sequential) -> nn.Linear:
@@ -71,11 +73,15 @@ class Decider(nn.Module):
         fallback = F.one_hot(logits.argmax(-1), logits.shape[-1]).to(pools.dtype)
         return torch.where((pools == fallback).all(-1), torch.logaddexp(logp, empty_logp), logp)
 
-    def act(self, obs: torch.Tensor, greedy: bool, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def act(
+        self, obs: torch.Tensor, greedy: bool, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(pools, log-probability of each pool); computed without Distribution objects (hot path)."""
         return self.sample(self.logits(obs), greedy, generator)
 
-    def sample(self, logits: torch.Tensor, greedy: bool, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(
+        self, logits: torch.Tensor, greedy: bool, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pools drawn from (or, greedy, the mode of) given logits, and their log-probabilities."""
         pools = (logits > 0).float() if greedy else torch.bernoulli(torch.sigmoid(logits), generator=generator)
         pools = self.never_empty(pools, logits)
@@ -109,7 +115,13 @@ class Fusion(nn.Module):
     def distribution(self, features: torch.Tensor, choice_mask: torch.Tensor) -> Categorical:
         return Categorical(logits=self.scores(features, choice_mask), validate_args=False)
 
-    def act(self, features: torch.Tensor, choice_mask: torch.Tensor, explore: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def act(
+        self,
+        features: torch.Tensor,
+        choice_mask: torch.Tensor,
+        explore: torch.Tensor,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(answers [B], their log-probabilities [B], the distributions [B, C]) for features [B, C, F]: a sample
         where ``explore`` (bool [B]) is set, the mode elsewhere; computed without Distribution objects (hot path)."""
         log_probs = torch.log_softmax(self.scores(features, choice_mask), -1)

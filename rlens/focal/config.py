@@ -16,7 +16,9 @@ class FocalConfig:
     metrics: tuple[str, ...] = METRIC_NAMES  # diversity metrics in the Decider's observation
     recent_rewards: int = 16  # rewards averaged into the Decider's observation
     use_decider: bool = True  # False: every query goes to the whole pool (ablation "all models")
-    decider_sees: Literal["full", "paper"] = "full"  # "paper": the Decider observation keeps only the pool bits and diversity metrics (ablation)
+    decider_sees: Literal["full", "paper"] = (
+        "full"  # "paper": the Decider observation keeps only the pool bits and diversity metrics (ablation)
+    )
     marginal_diversity: bool = False  # the Decider also sees each model's marginal effect on its previous pool's focal diversity (issue 15, item 4)
     # reward
     alpha: float = 0.24  # cost weight: reward = +-1 - alpha * cost(pool) / cost(whole pool); chosen on bbh_dev's tuning half (BENCHMARKS.md)
@@ -29,7 +31,9 @@ class FocalConfig:
     minibatch_size: int = 64
     ent_coef: float = 0.01
     vf_coef: float = 0.5
-    label_coef: float = 1.0  # weight of the Fusion's cross-entropy on labelled transitions (greedy ones too) in each update
+    label_coef: float = (
+        1.0  # weight of the Fusion's cross-entropy on labelled transitions (greedy ones too) in each update
+    )
     max_grad_norm: float = 0.5
     hidden: int = 64
     # schedule
@@ -37,8 +41,12 @@ class FocalConfig:
     warm_batch: int = 256  # questions per warm-start update
     warm_rollouts: int = 4  # warm start: each recorded question is played this many times (parallel environments)
     decider_warm_passes: int = 1  # passes over the warm-start split (Algorithm 1, Decider phase)
-    fusion_supervised_epochs: int = 4  # warm start: cross-entropy epochs of the Fusion on the labels before its MAPPO passes (0: none)
-    fusion_warm_passes: int = 1  # passes over the warm-start split (Algorithm 1, Fusion phase, after the supervised start)
+    fusion_supervised_epochs: int = (
+        4  # warm start: cross-entropy epochs of the Fusion on the labels before its MAPPO passes (0: none)
+    )
+    fusion_warm_passes: int = (
+        1  # passes over the warm-start split (Algorithm 1, Fusion phase, after the supervised start)
+    )
     joint_warm_passes: int = 2  # then passes updating both agents on the Fusion agent's reward
     explore_rate: float = 0.05  # online: share of queries on which both agents sample (and train); the rest are greedy
     probe_rate: float = 0.05  # online: fraction of queries that also call the rest of the pool to refresh windows

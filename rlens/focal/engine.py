@@ -60,7 +60,9 @@ class Answer:
 
 
 class FocalEngine:
-    def __init__(self, n_models: int, model_costs: np.ndarray | None = None, config: FocalConfig | None = None, seed: int = 0):
+    def __init__(
+        self, n_models: int, model_costs: np.ndarray | None = None, config: FocalConfig | None = None, seed: int = 0
+    ):
         self.cfg = config or FocalConfig()
         self.n_models = n_models
         costs = np.ones(n_models) if model_costs is None else np.asarray(model_costs, dtype=np.float64)
@@ -71,12 +73,24 @@ class FocalEngine:
         with torch.random.fork_rng(devices=[]):  # seeded initialisation without touching the global RNG
             torch.manual_seed(seed)
             marginal = self.cfg.marginal_diversity
-            self.decider = Decider(decider_obs_dim(n_models, n_metrics, marginal), n_models, self.cfg.hidden, model_features_in_decider_obs(n_models, n_metrics))
-            self.fusion = Fusion(fusion_feature_dim(n_models), self.cfg.hidden, reliability_weighted_log_probs(n_models))
-            self.critic = CentralCritic(decider_obs_dim(n_models, n_metrics, marginal), critic_state_dim(n_models, n_metrics, marginal), self.cfg.hidden)
+            self.decider = Decider(
+                decider_obs_dim(n_models, n_metrics, marginal),
+                n_models,
+                self.cfg.hidden,
+                model_features_in_decider_obs(n_models, n_metrics),
+            )
+            self.fusion = Fusion(
+                fusion_feature_dim(n_models), self.cfg.hidden, reliability_weighted_log_probs(n_models)
+            )
+            self.critic = CentralCritic(
+                decider_obs_dim(n_models, n_metrics, marginal),
+                critic_state_dim(n_models, n_metrics, marginal),
+                self.cfg.hidden,
+            )
         self.greedy = GreedyActor(self.decider, self.fusion)  # greedy actions in NumPy, on views of the same weights
         params = [*self.decider.parameters(), *self.fusion.parameters(), *self.critic.parameters()]
-        self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5, foreach=True)  # one kernel per step for all tensors: the same numbers, faster
+        # one kernel per step for all tensors: the same numbers, faster
+        self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5, foreach=True)
         self.windows: dict[Hashable, OutcomeWindow] = {}
         self.previous_pool: OrderedDict[Hashable, np.ndarray] = OrderedDict()  # at most cfg.max_streams, LRU
         self.buffer: list[Transition] = []
@@ -101,10 +115,20 @@ class FocalEngine:
 
     def _state(self, key: Hashable, n_choices: int) -> np.ndarray:
         previous = self.previous_pool.get(key, np.ones(self.n_models, dtype=bool))
-        return decider_observation(self.window(key), previous, n_choices, self.cfg.metrics, self.cfg.recent_rewards, self.cfg.decider_sees, self.cfg.marginal_diversity)
+        return decider_observation(
+            self.window(key),
+            previous,
+            n_choices,
+            self.cfg.metrics,
+            self.cfg.recent_rewards,
+            self.cfg.decider_sees,
+            self.cfg.marginal_diversity,
+        )
 
     @torch.inference_mode()
-    def decide(self, key: Hashable, n_choices: int, greedy: bool, probe: bool = False, rollouts: int = 1) -> list[Decision]:
+    def decide(
+        self, key: Hashable, n_choices: int, greedy: bool, probe: bool = False, rollouts: int = 1
+    ) -> list[Decision]:
         """Choose the pool for one query of stream ``key`` (before any model is called); ``n_choices`` 0: open-ended.
 
         ``rollouts`` > 1 draws that many pools from the same state (parallel environments over one recorded
@@ -121,7 +145,10 @@ class FocalEngine:
             pools, pool_logps = np.ones((rollouts, self.n_models), dtype=bool), [0.0] * rollouts
         self.remember_pool(key, pools[0])
         everyone = np.ones(self.n_models, dtype=bool)
-        return [Decision(key, pool, everyone if probe else pool, state, logp, not greedy) for pool, logp in zip(pools, pool_logps)]
+        return [
+            Decision(key, pool, everyone if probe else pool, state, logp, not greedy)
+            for pool, logp in zip(pools, pool_logps)
+        ]
 
     @torch.inference_mode()
     def decide_batch(self, queries: list[tuple[Hashable, int, bool, bool]]) -> list[Decision]:
@@ -161,7 +188,9 @@ class FocalEngine:
     def fusion_features(self, decision: Decision, probs: np.ndarray) -> np.ndarray:
         """The Fusion's observation [C, F] for the pool of ``decision`` and the models' distributions ``probs`` [M, C]."""
         window = self.window(decision.key)
-        return fusion_observation(probs * decision.pool[:, None], decision.pool, window.reliability(), window.label_prior(probs.shape[1]))
+        return fusion_observation(
+            probs * decision.pool[:, None], decision.pool, window.reliability(), window.label_prior(probs.shape[1])
+        )
 
     @torch.inference_mode()
     def fuse_batch(self, decisions: list[Decision], probs: list[np.ndarray]) -> list[Answer]:
@@ -177,7 +206,15 @@ class FocalEngine:
                 continue
             padded, mask = padded_choices([features[i] for i in rows])
             if explored[rows[0]]:
-                chosen, chosen_logp, dist = (t.numpy() for t in self.fusion.act(torch.from_numpy(padded), torch.from_numpy(mask), torch.ones(len(rows), dtype=torch.bool), self.torch_rng))
+                chosen, chosen_logp, dist = (
+                    t.numpy()
+                    for t in self.fusion.act(
+                        torch.from_numpy(padded),
+                        torch.from_numpy(mask),
+                        torch.ones(len(rows), dtype=torch.bool),
+                        self.torch_rng,
+                    )
+                )
             else:
                 chosen, chosen_logp, dist = self.greedy.answers(padded, mask)
             answers[rows], logps[rows] = chosen, chosen_logp
@@ -185,7 +222,9 @@ class FocalEngine:
                 dists[i] = dist[j, : len(features[i])].copy()
         return [Answer(int(answers[i]), dists[i], f, float(logps[i]), critic[i]) for i, f in enumerate(features)]
 
-    def _fusion_inputs(self, decisions: list[Decision], probs: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def _fusion_inputs(
+        self, decisions: list[Decision], probs: list[np.ndarray]
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Each query's Fusion observation and critic state (:meth:`fusion_features`, :func:`critic_state`),
         computed together for the queries with the same number of choices."""
         features: list[np.ndarray] = [np.empty(0)] * len(decisions)
@@ -196,7 +235,12 @@ class FocalEngine:
         for width, index in by_width.items():
             windows = [self.window(decisions[i].key) for i in index]
             stacked, pools = np.stack([probs[i] for i in index]), np.stack([decisions[i].pool for i in index])
-            group_features = fusion_observations(stacked * pools[:, :, None], pools, np.stack([w.reliability() for w in windows]), np.stack([w.label_prior(width) for w in windows]))
+            group_features = fusion_observations(
+                stacked * pools[:, :, None],
+                pools,
+                np.stack([w.reliability() for w in windows]),
+                np.stack([w.label_prior(width) for w in windows]),
+            )
             group_critic = critic_states(np.stack([decisions[i].state for i in index]), stacked, pools)
             for j, i in enumerate(index):
                 features[i], critic[i] = group_features[j], group_critic[j]
@@ -215,7 +259,11 @@ class FocalEngine:
     def greedy_answer(self, decision: Decision, probs: np.ndarray) -> int:
         """The answer the greedy policy would have given from the same state (what exploring an explored query
         cost); changes no state."""
-        pool = self.greedy.pools(decision.state[None])[0][0] if self.cfg.use_decider else np.ones(self.n_models, dtype=bool)
+        pool = (
+            self.greedy.pools(decision.state[None])[0][0]
+            if self.cfg.use_decider
+            else np.ones(self.n_models, dtype=bool)
+        )
         features = self.fusion_features(replace(decision, pool=pool), probs)
         return int(self.greedy.answers(features[None], np.ones((1, len(features)), dtype=bool))[0][0])
 
@@ -237,8 +285,15 @@ class FocalEngine:
         """
         self.window(key).push(predictions, label, reward)
 
-    def remember(self, decision: Decision, answer: Answer | None, reward: float, fusion_reward: float, critic_input: np.ndarray | None = None,
-                 label: int = -1) -> None:
+    def remember(
+        self,
+        decision: Decision,
+        answer: Answer | None,
+        reward: float,
+        fusion_reward: float,
+        critic_input: np.ndarray | None = None,
+        label: int = -1,
+    ) -> None:
         """Keep one rewarded transition for the next update (``answer`` None: the Fusion agent did not act, and
         ``critic_input``, the critic's state, is then required; ``label``: the correct choice, -1 if unknown; a
         label that is none of the choices, as when no model answered right, teaches the Fusion nothing: kept as -1)."""
@@ -265,7 +320,16 @@ class FocalEngine:
     def fit_fusion(self, features: list[np.ndarray], labels: list[int]) -> dict[str, float]:
         """Supervised pre-training of the Fusion agent (:func:`rlens.focal.supervised.fit_fusion`)."""
         cfg = self.cfg
-        return fit_fusion(self.fusion, self.optimizer, features, labels, cfg.fusion_supervised_epochs, cfg.minibatch_size, cfg.max_grad_norm, self.torch_rng)
+        return fit_fusion(
+            self.fusion,
+            self.optimizer,
+            features,
+            labels,
+            cfg.fusion_supervised_epochs,
+            cfg.minibatch_size,
+            cfg.max_grad_norm,
+            self.torch_rng,
+        )
 
     def update_due(self) -> bool:
         """Online: ``update_period`` explored transitions are buffered (or, whatever the exploration, 16 times as

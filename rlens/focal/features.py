@@ -53,7 +53,15 @@ def critic_states(decider_states: np.ndarray, probs: np.ndarray, pools: np.ndarr
     votes = np.zeros((b, c), dtype=np.int64)
     np.add.at(votes, (np.repeat(np.arange(b), m), predictions.ravel()), pools.ravel())  # the pool's votes per choice
     plurality = np.where(pools.any(1), votes.argmax(1), -1)
-    summary = np.concatenate([top * selected, entropy * selected, (predictions == plurality[:, None]) * selected, selected.sum(1, keepdims=True) / m], axis=1)
+    summary = np.concatenate(
+        [
+            top * selected,
+            entropy * selected,
+            (predictions == plurality[:, None]) * selected,
+            selected.sum(1, keepdims=True) / m,
+        ],
+        axis=1,
+    )
     return np.concatenate([decider_states, summary.astype(np.float32)], axis=1)
 
 
@@ -72,14 +80,23 @@ def fusion_feature_dim(n_models: int) -> int:
     return FUSION_FEATURES_PER_MODEL * n_models + FUSION_GLOBAL_FEATURES
 
 
-def decider_observation(window: OutcomeWindow, previous_pool: np.ndarray, n_choices: int, metric_names: tuple[str, ...], recent: int,
-                        sees: str = "full", marginal: bool = False) -> np.ndarray:
+def decider_observation(
+    window: OutcomeWindow,
+    previous_pool: np.ndarray,
+    n_choices: int,
+    metric_names: tuple[str, ...],
+    recent: int,
+    sees: str = "full",
+    marginal: bool = False,
+) -> np.ndarray:
     """The Decider observation; ``sees="paper"`` zeroes everything after the pool bits and diversity metrics (the
     RL-Focal paper's observation, same length); ``marginal`` appends each model's marginal focal diversity."""
     metrics, vote_accuracy = window.pool_statistics(previous_pool, metric_names)
     m = len(previous_pool)
     if sees == "paper":
-        return np.concatenate([previous_pool.astype(np.float32), metrics, np.zeros(3 * m + 4 + (m if marginal else 0), dtype=np.float32)])
+        return np.concatenate(
+            [previous_pool.astype(np.float32), metrics, np.zeros(3 * m + 4 + (m if marginal else 0), dtype=np.float32)]
+        )
     extra = [window.marginal_focal_diversity(previous_pool)] if marginal else []
     reliability = window.reliability()
     rank = np.argsort(np.argsort(-reliability, kind="stable"), kind="stable") / max(m - 1, 1)
@@ -91,7 +108,9 @@ def decider_observation(window: OutcomeWindow, previous_pool: np.ndarray, n_choi
             reliability,
             reliability - reliability.max(),
             rank.astype(np.float32),
-            np.array([window.fill, window.recent_reward(recent), 1.0 / n_choices if n_choices else 0.0], dtype=np.float32),
+            np.array(
+                [window.fill, window.recent_reward(recent), 1.0 / n_choices if n_choices else 0.0], dtype=np.float32
+            ),
             *extra,
         ]
     )
@@ -108,12 +127,16 @@ def padded_choices(features: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return padded, mask
 
 
-def fusion_observation(probs: np.ndarray, pool: np.ndarray, reliability: np.ndarray, label_prior: np.ndarray) -> np.ndarray:
+def fusion_observation(
+    probs: np.ndarray, pool: np.ndarray, reliability: np.ndarray, label_prior: np.ndarray
+) -> np.ndarray:
     """Per-choice features [C, 5M + 3] for the valid choices of one query (probs [M, C_valid])."""
     return fusion_observations(probs[None], pool[None], reliability[None], label_prior[None])[0]
 
 
-def fusion_observations(probs: np.ndarray, pools: np.ndarray, reliability: np.ndarray, label_prior: np.ndarray) -> np.ndarray:
+def fusion_observations(
+    probs: np.ndarray, pools: np.ndarray, reliability: np.ndarray, label_prior: np.ndarray
+) -> np.ndarray:
     """:func:`fusion_observation` of B queries with the same number of choices: probs [B, M, C], pools bool [B, M],
     reliability [B, M], label_prior [B, >= C] -> [B, C, 5M + 3]."""
     b, m, c = probs.shape
@@ -121,7 +144,9 @@ def fusion_observations(probs: np.ndarray, pools: np.ndarray, reliability: np.nd
     rel = reliability.astype(np.float32)[:, :, None]
     log_p = np.log(np.maximum(probs, LOG_FLOOR)) * selected
     top = (np.arange(c)[None, None, :] == probs.argmax(2)[:, :, None]).astype(np.float32) * selected
-    per_model = np.concatenate([log_p, top, rel * log_p, rel * top, np.repeat(rel * selected, c, axis=2)], axis=1)  # [B, 5M, C]
+    # [B, 5M, C]
+    per_model = np.concatenate([log_p, top, rel * log_p, rel * top, np.repeat(rel * selected, c, axis=2)], axis=1)
     prior = label_prior[:, :c]
-    global_rows = np.stack([prior, np.log(prior + 0.02), np.full((b, c), 1.0 / c, dtype=np.float32)], axis=1)  # [B, 3, C]
+    # [B, 3, C]
+    global_rows = np.stack([prior, np.log(prior + 0.02), np.full((b, c), 1.0 / c, dtype=np.float32)], axis=1)
     return np.concatenate([per_model, global_rows], axis=1).transpose(0, 2, 1).astype(np.float32)

@@ -18,7 +18,9 @@ from rlens.focal.agents import Decider, Fusion
 
 def _layers(net: nn.Sequential) -> list[tuple[np.ndarray, np.ndarray]]:
     """(weight.T, bias) views of each linear layer of a Linear/Tanh stack."""
-    return [(layer.weight.detach().numpy().T, layer.bias.detach().numpy()) for layer in net if isinstance(layer, nn.Linear)]
+    return [
+        (layer.weight.detach().numpy().T, layer.bias.detach().numpy()) for layer in net if isinstance(layer, nn.Linear)
+    ]
 
 
 def _mlp(x: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:

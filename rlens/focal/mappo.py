@@ -40,7 +40,9 @@ class Transition:
     label: int = -1  # the correct choice when the feedback gave it (-1: a bare reward)
 
 
-def gae(rewards: np.ndarray, values: np.ndarray, next_value: np.ndarray, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
+def gae(
+    rewards: np.ndarray, values: np.ndarray, next_value: np.ndarray, gamma: float, lam: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Generalised advantage estimation, arrays [steps, envs] (``next_value`` [envs]); returns (advantages, returns)."""
     advantages = np.zeros_like(rewards, dtype=np.float32)
     last = np.zeros(rewards.shape[1], dtype=np.float32)
@@ -116,7 +118,12 @@ def mappo_update(
         return torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip, 1 + cfg.clip)).mean()
 
     networks = [decider, fusion, critic]
-    stats = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0}  # the sums over the agents, and each trained agent's own
+    # the sums over the agents, and each trained agent's own
+    stats = {
+        "policy_loss": 0.0,
+        "value_loss": 0.0,
+        "entropy": 0.0,
+    }
     n_steps = 0
     for _ in range(cfg.update_epochs):
         order = torch.randperm(len(batch), generator=generator)
@@ -125,12 +132,24 @@ def mappo_update(
             per_agent = {}
             if train_decider and (mb_d := mb[explored[mb]]).numel():
                 logits = decider.logits(states[mb_d])
-                entropy_d = Bernoulli(logits=logits, validate_args=False).entropy().sum(-1).mean()  # of the draws: a regulariser
-                per_agent["decider"] = (clipped_surrogate(decider.log_prob(logits, pools[mb_d]), old_pool_logp[mb_d], _normalised(advantages_of[0][mb_d])), entropy_d)
+                # of the draws: a regulariser
+                entropy_d = Bernoulli(logits=logits, validate_args=False).entropy().sum(-1).mean()
+                per_agent["decider"] = (
+                    clipped_surrogate(
+                        decider.log_prob(logits, pools[mb_d]), old_pool_logp[mb_d], _normalised(advantages_of[0][mb_d])
+                    ),
+                    entropy_d,
+                )
             if train_fusion and (mb_f := mb[explored[mb] & acted[mb]]).numel():
                 dist = fusion.distribution(features[mb_f], choice_mask[mb_f])
-                per_agent["fusion"] = (clipped_surrogate(dist.log_prob(answers[mb_f]), old_answer_logp[mb_f], _normalised(advantages_of[1][mb_f])), dist.entropy().mean())
-            if supervise and (mb_l := mb[labelled[mb]]).numel():  # off-policy-safe: a label is right whatever was answered
+                per_agent["fusion"] = (
+                    clipped_surrogate(
+                        dist.log_prob(answers[mb_f]), old_answer_logp[mb_f], _normalised(advantages_of[1][mb_f])
+                    ),
+                    dist.entropy().mean(),
+                )
+            # off-policy-safe: a label is right whatever was answered
+            if supervise and (mb_l := mb[labelled[mb]]).numel():
                 label_loss = nn.functional.cross_entropy(fusion.scores(features[mb_l], choice_mask[mb_l]), labels[mb_l])
                 stats["label_loss"] = stats.get("label_loss", 0.0) + float(label_loss.detach())
             else:

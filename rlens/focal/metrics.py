@@ -43,7 +43,9 @@ def fleiss_kappa(predictions: np.ndarray, n_categories: int | None = None) -> fl
     if m == 1:
         return 1.0
     k = int(n_categories if n_categories is not None else predictions.max() + 1)
-    counts = np.bincount((np.arange(n)[:, None] * k + predictions).ravel(), minlength=n * k).reshape(n, k).astype(np.float64)
+    counts = (
+        np.bincount((np.arange(n)[:, None] * k + predictions).ravel(), minlength=n * k).reshape(n, k).astype(np.float64)
+    )
     p_row = ((counts**2).sum(1) - m) / (m * (m - 1))
     p_cat = counts.sum(0) / (n * m)
     p_bar, p_e = p_row.sum() / n, float((p_cat**2).sum())
@@ -114,7 +116,9 @@ def binary_entropy(correct: np.ndarray) -> float:
     return float(np.minimum(n_correct, m - n_correct).sum() / (n * (m - np.ceil(m / 2))))
 
 
-def diversity_metrics(correct: np.ndarray, predictions: np.ndarray, names: tuple[str, ...] = METRIC_NAMES) -> np.ndarray:
+def diversity_metrics(
+    correct: np.ndarray, predictions: np.ndarray, names: tuple[str, ...] = METRIC_NAMES
+) -> np.ndarray:
     """The metrics in ``names`` (a subset of METRIC_NAMES, in that order) as a float32 vector."""
     correct = np.asarray(correct, dtype=bool)
     predictions = np.asarray(predictions, dtype=np.int64)

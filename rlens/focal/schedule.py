@@ -46,7 +46,15 @@ def questions(data: RecordedDataset) -> list[Question]:
         valid = np.flatnonzero(data.choice_mask[i])
         probs = data.probs[i][:, valid]
         predictions = np.where(probs.max(1) > 0, probs.argmax(1), -1)
-        out.append(Question(int(data.task[i]), probs, predictions, int(np.searchsorted(valid, data.labels[i])), 0 if data.open_ended else len(valid)))
+        out.append(
+            Question(
+                int(data.task[i]),
+                probs,
+                predictions,
+                int(np.searchsorted(valid, data.labels[i])),
+                0 if data.open_ended else len(valid),
+            )
+        )
     return out
 
 
@@ -60,8 +68,10 @@ class OnlineTrace:
     models_called: np.ndarray  # models actually called (pool plus window-refresh probes)
     explored: np.ndarray  # both agents sampled (the others are greedy)
     greedy_correct: np.ndarray  # whether the greedy policy's answer from the same state would have been right
-    detections: list[tuple[int, list[str]]] = field(default_factory=list)  # (question, the signals whose drift its outcome completed)
-    label_free: list[int] = field(default_factory=list)  # questions whose answer's confidence completed a drift detection (no reaction)
+    # (question, the signals whose drift its outcome completed)
+    detections: list[tuple[int, list[str]]] = field(default_factory=list)
+    # questions whose answer's confidence completed a drift detection (no reaction)
+    label_free: list[int] = field(default_factory=list)
 
 
 def _pool_vote(q: Question, pool: np.ndarray) -> int:
@@ -73,7 +83,9 @@ def _pool_vote(q: Question, pool: np.ndarray) -> int:
     return int(plurality_vote(q.predictions[answered][None, :], q.probs.shape[1], q.probs[answered].sum(0)[None, :])[0])
 
 
-def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, train_fusion: bool, progress: Progress | None) -> None:
+def _warm_pass(
+    engine: FocalEngine, qs: list[Question], train_decider: bool, train_fusion: bool, progress: Progress | None
+) -> None:
     """One pass over the warm-start split from empty windows, updating the selected agents every ``warm_batch``.
 
     Each question is played ``warm_rollouts`` times from the same state (parallel environments over recorded
@@ -90,11 +102,19 @@ def _warm_pass(engine: FocalEngine, qs: list[Question], train_decider: bool, tra
         if train_fusion:  # one Fusion forward for the rollouts
             answers = list(engine.fuse_batch(decisions, [q.probs] * rollouts))
         else:
-            critic_inputs = list(critic_states(np.stack([d.state for d in decisions]), np.stack([q.probs] * rollouts), np.stack([d.pool for d in decisions])))
+            critic_inputs = list(
+                critic_states(
+                    np.stack([d.state for d in decisions]),
+                    np.stack([q.probs] * rollouts),
+                    np.stack([d.pool for d in decisions]),
+                )
+            )
         for decision, answer, critic_input in zip(decisions, answers, critic_inputs):
             chosen = answer.answer if answer is not None else _pool_vote(q, decision.pool)
             rewards.append(engine.reward(decision.pool, chosen == q.label))
-            engine.remember(decision, answer, rewards[-1], engine.fusion_reward(chosen == q.label), critic_input, q.label)
+            engine.remember(
+                decision, answer, rewards[-1], engine.fusion_reward(chosen == q.label), critic_input, q.label
+            )
         engine.observe(q.key, q.predictions, q.label, rewards[0])  # the window keeps the first rollout's reward
         if len(engine.buffer) >= engine.cfg.warm_batch * rollouts:
             engine.update(train_decider, train_fusion, envs=rollouts)
@@ -149,8 +169,15 @@ def warm_start_steps(cfg: FocalConfig, n_questions: int) -> int:
     return n_questions * (sum(_warm_passes(cfg)) + (cfg.fusion_supervised_epochs > 0))
 
 
-def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | None = None, stream: Hashable | None = None,
-               drift: DriftMonitor | None = None, reaction: Reaction = "none", keep: int = 10) -> OnlineTrace:
+def run_online(
+    engine: FocalEngine,
+    data: RecordedDataset,
+    progress: Progress | None = None,
+    stream: Hashable | None = None,
+    drift: DriftMonitor | None = None,
+    reaction: Reaction = "none",
+    keep: int = 10,
+) -> OnlineTrace:
     """Algorithm 2 over ``data``. The window key is each question's task, or ``stream`` for all of them (the task
     unknown, as in the service). ``drift`` is fed each outcome when its feedback arrives (the learner's signals:
     ``outcome`` and each called model's ``model:<index>``) and each answer's confidence as it is given (label-free);
@@ -159,7 +186,14 @@ def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | 
     qs = questions(data)
     cfg = engine.cfg
     n = len(qs)
-    trace = OnlineTrace(np.zeros(n, np.int64), np.zeros(n, bool), np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool), np.zeros(n, bool))
+    trace = OnlineTrace(
+        np.zeros(n, np.int64),
+        np.zeros(n, bool),
+        np.zeros(n, np.int64),
+        np.zeros(n, np.int64),
+        np.zeros(n, bool),
+        np.zeros(n, bool),
+    )
     pending: deque = deque()
 
     def deliver(i, decision, answer) -> None:
@@ -170,7 +204,9 @@ def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | 
         engine.remember(decision, answer, reward, engine.fusion_reward(answer.answer == q.label), label=q.label)
         if drift is not None:
             called = np.where(decision.called, q.predictions, -1).tolist()
-            signals = signals_of_outcome(answer.answer, q.label, reward, called, [str(m) for m in range(engine.n_models)])
+            signals = signals_of_outcome(
+                answer.answer, q.label, reward, called, [str(m) for m in range(engine.n_models)]
+            )
             found = [signal for signal, value in signals.items() if drift.observe(str(key), signal, value) is not None]
             if found:
                 trace.detections.append((i, found))
@@ -182,11 +218,17 @@ def run_online(engine: FocalEngine, data: RecordedDataset, progress: Progress | 
     for i, q in enumerate(qs):
         probe = cfg.probe_rate > 0 and engine.rng.random() < cfg.probe_rate
         explore = cfg.explore_rate > 0 and engine.rng.random() < cfg.explore_rate
-        (decision,) = engine.decide(q.key if stream is None else stream, q.decider_choices, greedy=not explore, probe=probe)
+        (decision,) = engine.decide(
+            q.key if stream is None else stream, q.decider_choices, greedy=not explore, probe=probe
+        )
         answer = engine.fuse(decision, q.probs)
         trace.answers[i], trace.correct[i], trace.explored[i] = answer.answer, answer.answer == q.label, explore
         trace.greedy_correct[i] = (engine.greedy_answer(decision, q.probs) if explore else answer.answer) == q.label
-        if drift is not None and drift.observe(str(q.key if stream is None else stream), "confidence", math.exp(answer.answer_logp)) is not None:
+        if (
+            drift is not None
+            and drift.observe(str(q.key if stream is None else stream), "confidence", math.exp(answer.answer_logp))
+            is not None
+        ):
             trace.label_free.append(i)
         trace.pool_size[i], trace.models_called[i] = decision.pool.sum(), decision.called.sum()
         pending.append((i, decision, answer))

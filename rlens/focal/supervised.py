@@ -12,8 +12,16 @@ from rlens.focal.agents import Fusion
 from rlens.focal.features import padded_choices
 
 
-def fit_fusion(fusion: Fusion, optimizer: torch.optim.Optimizer, features: list[np.ndarray], labels: list[int], epochs: int,
-               minibatch_size: int, max_grad_norm: float, generator: torch.Generator) -> dict[str, float]:
+def fit_fusion(
+    fusion: Fusion,
+    optimizer: torch.optim.Optimizer,
+    features: list[np.ndarray],
+    labels: list[int],
+    epochs: int,
+    minibatch_size: int,
+    max_grad_norm: float,
+    generator: torch.Generator,
+) -> dict[str, float]:
     """``epochs`` of minibatch cross-entropy of the Fusion's answer distribution against ``labels``, on per-question
     features [C_i, F] of any choice counts; returns the last epoch's mean loss and accuracy."""
     padded, mask = padded_choices(features)

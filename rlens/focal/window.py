@@ -49,12 +49,12 @@ class OutcomeWindow:
         the same as :meth:`push` on each row in turn."""
         n = len(labels)
         keep = min(n, self.size)  # only the last ``size`` rows stay
-        predictions, labels = np.asarray(predictions)[n - keep:], np.asarray(labels)[n - keep:]
+        predictions, labels = np.asarray(predictions)[n - keep :], np.asarray(labels)[n - keep :]
         rows = (self.count + n - keep + np.arange(keep)) % self.size
         correct = np.where(predictions >= 0, predictions == labels[:, None], -1)
         correct[labels < 0] = -1  # reward-only feedback: nothing is known of the models' correctness
         self.predictions[rows], self.correct[rows] = predictions, correct
-        self.labels[rows], self.rewards[rows] = labels, np.asarray(rewards)[n - keep:]
+        self.labels[rows], self.rewards[rows] = labels, np.asarray(rewards)[n - keep :]
         self.count += n
         self._forget_cache()
 
@@ -117,7 +117,11 @@ class OutcomeWindow:
         members = np.flatnonzero(pool)
         c = self.correct[self._valid()][:, members]
         rows = (c >= 0).all(1)
-        return c[rows].astype(bool), self.predictions[self._valid()][rows][:, members].astype(np.int64), self.labels[self._valid()][rows]
+        return (
+            c[rows].astype(bool),
+            self.predictions[self._valid()][rows][:, members].astype(np.int64),
+            self.labels[self._valid()][rows],
+        )
 
     def marginal_focal_diversity(self, pool: np.ndarray) -> np.ndarray:
         """Per model j, the change in ``pool``'s focal diversity that j makes: FD(pool) - FD(pool without j) for a
@@ -137,7 +141,9 @@ class OutcomeWindow:
             out[j] = focal_diversity(right) - focal_diversity(right[:, others])
         return out
 
-    def pool_statistics(self, pool: np.ndarray, metric_names: tuple[str, ...] = METRIC_NAMES) -> tuple[np.ndarray, float]:
+    def pool_statistics(
+        self, pool: np.ndarray, metric_names: tuple[str, ...] = METRIC_NAMES
+    ) -> tuple[np.ndarray, float]:
         """Diversity metrics of ``pool`` and the accuracy of its plurality vote over the window (0.5 when unknown)."""
         correct, predictions, labels = self.pool_rows(pool)
         metrics = diversity_metrics(correct, predictions, metric_names)

@@ -58,7 +58,9 @@ def align(distributions: list[dict[str, float] | None]) -> tuple[list[str], np.n
     return candidates, probs
 
 
-def pool_choices(samples: list[list[str] | None], kind: Extractor = "line", max_choices: int | None = None) -> tuple[list[str], np.ndarray]:
+def pool_choices(
+    samples: list[list[str] | None], kind: Extractor = "line", max_choices: int | None = None
+) -> tuple[list[str], np.ndarray]:
     """Each model's samples (None: not called or failed) → the candidates and the models' distributions [M, C]
     (:func:`answer_distribution`, then :func:`align`); beyond ``max_choices`` candidates, the least likely are dropped."""
     candidates, probs = align([answer_distribution(s, kind) if s else None for s in samples])

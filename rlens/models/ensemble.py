@@ -97,8 +97,18 @@ class _Model:
     """One model's threads, the calls running in them (since when), and its circuit breaker."""
 
     def __init__(self, name: str, backend: Backend, concurrency: int, deadline_s: float, breaker: CircuitBreaker):
-        self.name, self.backend, self.concurrency, self.deadline_s, self.breaker = name, backend, concurrency, deadline_s, breaker
-        self.executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"rlens-{name}"[:30]) if backend.blocking else None
+        self.name, self.backend, self.concurrency, self.deadline_s, self.breaker = (
+            name,
+            backend,
+            concurrency,
+            deadline_s,
+            breaker,
+        )
+        self.executor = (
+            ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"rlens-{name}"[:30])
+            if backend.blocking
+            else None
+        )
         self.running: dict[int, float] = {}  # call id -> when it started (monotonic)
         self.lock = threading.Lock()
 
@@ -107,7 +117,11 @@ class _Model:
 
     def submit(self, query: PoolQuery) -> "Future | _Done":
         if not self.breaker.allow():
-            return _Done(error=ModelUnavailable(f"circuit open after {self.breaker.in_a_row} missed deadlines in a row; next try in {self.breaker.open_until - self.breaker.clock():.0f} s"))
+            return _Done(
+                error=ModelUnavailable(
+                    f"circuit open after {self.breaker.in_a_row} missed deadlines in a row; next try in {self.breaker.open_until - self.breaker.clock():.0f} s"
+                )
+            )
         if self.executor is None:
             try:
                 return _Done(self.ask(query))
@@ -117,7 +131,11 @@ class _Model:
         with self.lock:
             stuck = sum(now - started > self.deadline_s for started in self.running.values())
         if stuck >= self.concurrency:  # a queued call would never start in time
-            return _Done(error=ModelUnavailable(f"busy: all {stuck} of its threads have been in one call for over {self.deadline_s:g} s (hung?)"))
+            return _Done(
+                error=ModelUnavailable(
+                    f"busy: all {stuck} of its threads have been in one call for over {self.deadline_s:g} s (hung?)"
+                )
+            )
         return self.executor.submit(self._call, query)
 
     def _call(self, query: PoolQuery) -> ChoiceScores | Generations:
@@ -136,15 +154,26 @@ class ModelUnavailable(Exception):
 
 
 class PoolCaller:
-    def __init__(self, backends: dict[str, Backend], deadline_s: float = 60.0, model_concurrency: int = 8,
-                 circuit_failures: int = 5, circuit_cooldown_s: float = 30.0, extractor: Extractor = "line", max_choices: int = 64):
+    def __init__(
+        self,
+        backends: dict[str, Backend],
+        deadline_s: float = 60.0,
+        model_concurrency: int = 8,
+        circuit_failures: int = 5,
+        circuit_cooldown_s: float = 30.0,
+        extractor: Extractor = "line",
+        max_choices: int = 64,
+    ):
         """``backends`` in the pool's model order (name -> backend); ``extractor`` and ``max_choices``: how open-ended
         samples become candidates (:func:`rlens.models.answers.pool_choices`)."""
         self.extractor, self.max_choices = extractor, max_choices
         self.names = list(backends)
         self.backends = list(backends.values())
         self.deadline_s = deadline_s
-        self.models = [_Model(n, b, model_concurrency, deadline_s, CircuitBreaker(circuit_failures, circuit_cooldown_s)) for n, b in backends.items()]
+        self.models = [
+            _Model(n, b, model_concurrency, deadline_s, CircuitBreaker(circuit_failures, circuit_cooldown_s))
+            for n, b in backends.items()
+        ]
         self.failure_counts: Counter[str] = Counter()
 
     def close(self) -> None:

@@ -43,7 +43,9 @@ class PoolModel(BaseModel):
     def _options(self) -> "PoolModel":
         valid, required = backend_options(self.backend)
         if unknown := sorted(set(self.options) - valid):
-            raise ValueError(f"model {self.name!r}: unknown option(s) {', '.join(unknown)} for backend {self.backend}; its options: {', '.join(sorted(valid))}")
+            raise ValueError(
+                f"model {self.name!r}: unknown option(s) {', '.join(unknown)} for backend {self.backend}; its options: {', '.join(sorted(valid))}"
+            )
         if missing := sorted(required - set(self.options)):
             raise ValueError(f"model {self.name!r}: backend {self.backend} needs option(s) {', '.join(missing)}")
         return self
@@ -58,8 +60,11 @@ def backend_options(backend: str) -> tuple[set[str], set[str]]:
         skip = {"cls", "dtype"}  # dtype is no JSON value
     else:
         target, skip = BACKENDS[backend].__init__, {"self"}
-    parameters = [p for name, p in inspect.signature(target).parameters.items()
-                  if name not in skip and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    parameters = [
+        p
+        for name, p in inspect.signature(target).parameters.items()
+        if name not in skip and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
     return {p.name for p in parameters}, {p.name for p in parameters if p.default is p.empty}
 
 
@@ -88,7 +93,9 @@ def load_pool_config(path: Path) -> PoolConfig:
         raise PoolConfigError(f"{path}: not valid JSON ({exc})") from None
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise PoolConfigError(f"{path}: {'.'.join(str(p) for p in first['loc'])}: {first['msg'].removeprefix('Value error, ')}") from None
+        raise PoolConfigError(
+            f"{path}: {'.'.join(str(p) for p in first['loc'])}: {first['msg'].removeprefix('Value error, ')}"
+        ) from None
 
 
 def build_backend(model: PoolModel) -> Backend:
@@ -101,7 +108,9 @@ def build_backend(model: PoolModel) -> Backend:
     if model.backend == "replay":
         from rlens.evaluation.dataset import load_dataset
 
-        return create_backend("replay", **{**model.options, "dataset": load_dataset(Path(model.options["dataset"]).expanduser())})
+        return create_backend(
+            "replay", **{**model.options, "dataset": load_dataset(Path(model.options["dataset"]).expanduser())}
+        )
     if model.backend == "openai":
         s = settings()
         defaults = {"timeout_s": s.http_timeout_s, "retries": s.http_retries, "max_concurrency": s.http_max_concurrency}
@@ -117,6 +126,8 @@ def build_rlae_decoder(config: PoolConfig, top_k: int = 5):
 
     kinds = {m.backend for m in config.models}
     if kinds not in ({"transformers"}, {"openai"}):
-        raise PoolConfigError(f"an RLAE pool is all `transformers` models (in process) or all `openai` servers (top-k), got {', '.join(sorted(kinds))}")
+        raise PoolConfigError(
+            f"an RLAE pool is all `transformers` models (in process) or all `openai` servers (top-k), got {', '.join(sorted(kinds))}"
+        )
     backends: list = [build_backend(m) for m in config.models]  # all TransformersBackend, or all OpenAIBackend
     return TokenEnsemble(backends) if kinds == {"transformers"} else TopKEnsemble(backends, top_k)

@@ -27,14 +27,24 @@ from fastapi.responses import JSONResponse
 from rlens.backends.base import BackendError, GenerationRequest
 from rlens.backends.hf import NextToken, PromptLogprobs, TransformersBackend
 from rlens.service.local import free_port
-from rlens.backends.openai_protocol import CompletionChoice, CompletionRequest, CompletionResponse, Logprobs, ModelCard, ModelList, Usage
+from rlens.backends.openai_protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Logprobs,
+    ModelCard,
+    ModelList,
+    Usage,
+)
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
 
 
-def echo_choice(index: int, prompt: str, scored: PromptLogprobs, max_tokens: int, want_logprobs: bool) -> CompletionChoice:
+def echo_choice(
+    index: int, prompt: str, scored: PromptLogprobs, max_tokens: int, want_logprobs: bool
+) -> CompletionChoice:
     """The prompt echoed back, plus the greedy next token when ``max_tokens`` is 1."""
     tokens, offsets, logprobs, top = list(scored.tokens), list(scored.offsets), list(scored.logprobs), list(scored.top)
     text = prompt
@@ -44,7 +54,11 @@ def echo_choice(index: int, prompt: str, scored: PromptLogprobs, max_tokens: int
         logprobs.append(scored.next_logprob)
         top.append(scored.next_top)
         text += scored.next_token
-    logprob_block = Logprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=top, text_offset=offsets) if want_logprobs else None
+    logprob_block = (
+        Logprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=top, text_offset=offsets)
+        if want_logprobs
+        else None
+    )
     return CompletionChoice(index=index, text=text, logprobs=logprob_block, finish_reason="length")
 
 
@@ -52,7 +66,12 @@ def next_token_choice(index: int, prompt: str, next_token: NextToken, eos_text: 
     """The greedy next token and its top tokens; the EOS ends the text ("" and finish reason "stop"), as vLLM does."""
     ended = next_token.token == eos_text
     text = "" if ended else next_token.token
-    logprobs = Logprobs(tokens=[next_token.token], token_logprobs=[next_token.logprob], top_logprobs=[next_token.top], text_offset=[len(prompt)])
+    logprobs = Logprobs(
+        tokens=[next_token.token],
+        token_logprobs=[next_token.logprob],
+        top_logprobs=[next_token.top],
+        text_offset=[len(prompt)],
+    )
     return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason="stop" if ended else "length")
 
 
@@ -76,10 +95,15 @@ def create_app(backend: TransformersBackend, model_name: str) -> FastAPI:
     @app.post("/v1/completions", response_model=None)
     def completions(request: CompletionRequest) -> CompletionResponse | JSONResponse:
         if request.model != model_name:
-            return error(404, f"the model {request.model!r} does not exist; this server serves {model_name!r}", "not_found_error")
+            return error(
+                404, f"the model {request.model!r} does not exist; this server serves {model_name!r}", "not_found_error"
+            )
         top_k_only = request.logprobs is not None and not request.echo
         if top_k_only and (request.max_tokens != 1 or request.n > 1 or request.temperature > 0):
-            return error(400, "rlens serve-model returns logprobs with echo (prompt scoring) or for one greedy token (max_tokens 1, n 1, temperature 0)")
+            return error(
+                400,
+                "rlens serve-model returns logprobs with echo (prompt scoring) or for one greedy token (max_tokens 1, n 1, temperature 0)",
+            )
         if request.echo and (request.max_tokens > 1 or request.n > 1 or request.temperature > 0 and request.max_tokens):
             return error(400, "echo is supported for prompt scoring: max_tokens 0 or 1, n 1, temperature 0")
         choices, prompt_tokens, completion_tokens = [], 0, 0
@@ -87,24 +111,42 @@ def create_app(backend: TransformersBackend, model_name: str) -> FastAPI:
             with lock:
                 if top_k_only:
                     eos_text = backend.tokenizer.decode([backend.tokenizer.eos_token_id])
-                    for i, (prompt, next_token) in enumerate(zip(request.prompts, backend.next_tokens(request.prompts, max(request.logprobs or 1, 1)))):
+                    for i, (prompt, next_token) in enumerate(
+                        zip(request.prompts, backend.next_tokens(request.prompts, max(request.logprobs or 1, 1)))
+                    ):
                         choices.append(next_token_choice(i, prompt, next_token, eos_text))
                         prompt_tokens += next_token.prompt_tokens
                         completion_tokens += 1
                 elif request.echo:
-                    for i, (prompt, scored) in enumerate(zip(request.prompts, backend.prompt_logprobs(request.prompts, max(request.logprobs or 1, 1)))):
+                    for i, (prompt, scored) in enumerate(
+                        zip(request.prompts, backend.prompt_logprobs(request.prompts, max(request.logprobs or 1, 1)))
+                    ):
                         choices.append(echo_choice(i, prompt, scored, request.max_tokens, request.logprobs is not None))
                         prompt_tokens += len(scored.tokens)
                         completion_tokens += request.max_tokens
                 else:
                     for p, prompt in enumerate(request.prompts):
-                        generation = GenerationRequest(id=str(p), prompt=prompt, n=request.n, max_tokens=request.max_tokens, temperature=request.temperature, stop=request.stops, seed=request.seed)
+                        generation = GenerationRequest(
+                            id=str(p),
+                            prompt=prompt,
+                            n=request.n,
+                            max_tokens=request.max_tokens,
+                            temperature=request.temperature,
+                            stop=request.stops,
+                            seed=request.seed,
+                        )
                         for k, (text, reason) in enumerate(backend.sample(generation)):
                             choices.append(CompletionChoice(index=p * request.n + k, text=text, finish_reason=reason))
         except BackendError as exc:
             return error(400, str(exc))
-        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
-        return CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name, choices=choices, usage=usage)
+        usage = Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+        return CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name, choices=choices, usage=usage
+        )
 
     return app
 
@@ -115,14 +157,26 @@ class ServerProcess:
     def __init__(self, path: Path, name: str, gguf_file: str | None = None, startup_s: float = 120.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        command = [sys.executable, "-m", "rlens.cli", "serve-model", str(path), "--port", str(self.port), "--name", name]
+        command = [
+            sys.executable,
+            "-m",
+            "rlens.cli",
+            "serve-model",
+            str(path),
+            "--port",
+            str(self.port),
+            "--name",
+            name,
+        ]
         if gguf_file:
             command += ["--gguf-file", gguf_file]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"serve-model exited with {self.process.returncode}: {self.process.communicate()[0].decode()[-2000:]}")
+                raise RuntimeError(
+                    f"serve-model exited with {self.process.returncode}: {self.process.communicate()[0].decode()[-2000:]}"
+                )
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
                     return

@@ -45,7 +45,9 @@ class RLAEConfig:
     max_grad_norm: float = 0.5
     min_concentration: float = 0.05  # ppo: Dirichlet concentrations stay above this
     init_log_std: float = -0.5  # mappo: the agents' exploration noise on their logits, at the start
-    observe: Literal["prompt", "text"] = "prompt"  # what MiniLM embeds: the prompt once per generation, or prompt + text at every span
+    observe: Literal["prompt", "text"] = (
+        "prompt"  # what MiniLM embeds: the prompt once per generation, or prompt + text at every span
+    )
 
     @property
     def max_spans(self) -> int:
@@ -57,7 +59,11 @@ class DirichletPolicy(nn.Module):
 
     def __init__(self, obs_dim: int, n_models: int, cfg: RLAEConfig):
         super().__init__()
-        self.actor, self.critic, self.floor = mlp(obs_dim, cfg.hidden, n_models), mlp(obs_dim, cfg.hidden, 1), cfg.min_concentration
+        self.actor, self.critic, self.floor = (
+            mlp(obs_dim, cfg.hidden, n_models),
+            mlp(obs_dim, cfg.hidden, 1),
+            cfg.min_concentration,
+        )
         with torch.no_grad():  # start near uniform weights with moderate spread (concentration about 2 each)
             output_layer(self.actor).weight.mul_(0.01)
             output_layer(self.actor).bias.fill_(2.0)
@@ -65,14 +71,18 @@ class DirichletPolicy(nn.Module):
     def distribution(self, obs: torch.Tensor) -> Dirichlet:
         return Dirichlet(nn.functional.softplus(self.actor(obs)) + self.floor)
 
-    def act(self, obs: torch.Tensor, greedy: bool = False, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def act(
+        self, obs: torch.Tensor, greedy: bool = False, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(action, its log-probability, value); the weights are the action. Greedy: the Dirichlet's mean."""
         dist = self.distribution(obs)
         if greedy:
             action = dist.mean
         else:
             with torch.random.fork_rng(devices=[]):  # torch's Dirichlet sampler reads the global RNG: seed it from ours
-                torch.manual_seed(int(torch.randint(1 << 62, (1,), generator=generator)) if generator is not None else torch.seed())
+                torch.manual_seed(
+                    int(torch.randint(1 << 62, (1,), generator=generator)) if generator is not None else torch.seed()
+                )
                 action = dist.sample().clamp_min(1e-6)
             action = action / action.sum(-1, keepdim=True)
         return action, dist.log_prob(action), self.critic(obs).squeeze(-1)
@@ -103,7 +113,9 @@ class MultiAgentPolicy(nn.Module):
     def distribution(self, obs: torch.Tensor) -> Normal:
         return Normal(torch.cat([actor(obs) for actor in self.actors], -1), self.log_std.exp())
 
-    def act(self, obs: torch.Tensor, greedy: bool = False, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def act(
+        self, obs: torch.Tensor, greedy: bool = False, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dist = self.distribution(obs)
         noise = torch.randn(dist.mean.shape, generator=generator)
         action = dist.mean if greedy else dist.mean + dist.stddev * noise
@@ -139,7 +151,9 @@ class Span:
     last: bool = False  # the episode's last span
 
 
-def gae_over_spans(rewards: np.ndarray, values: np.ndarray, last: np.ndarray, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
+def gae_over_spans(
+    rewards: np.ndarray, values: np.ndarray, last: np.ndarray, gamma: float, lam: float
+) -> tuple[np.ndarray, np.ndarray]:
     """GAE over consecutive spans of whole episodes (``last`` marks each episode's end, bootstrapped at 0)."""
     advantages = np.zeros_like(rewards, dtype=np.float32)
     running = 0.0
@@ -153,7 +167,13 @@ def gae_over_spans(rewards: np.ndarray, values: np.ndarray, last: np.ndarray, ga
     return advantages, advantages + values
 
 
-def update(policy: Policy, optimizer: torch.optim.Optimizer, spans: list[Span], cfg: RLAEConfig, generator: torch.Generator | None = None) -> dict[str, float]:
+def update(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    spans: list[Span],
+    cfg: RLAEConfig,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
     """PPO (clipped surrogate, value loss, entropy bonus, minibatch epochs) on whole episodes of spans."""
     if not spans or not spans[-1].last:
         raise ValueError("update needs whole episodes: the last span must end an episode")
@@ -161,7 +181,13 @@ def update(policy: Policy, optimizer: torch.optim.Optimizer, spans: list[Span], 
     actions = torch.from_numpy(np.stack([s.action for s in spans]).astype(np.float32))
     old_logp = torch.tensor([s.logp for s in spans])
     values = np.array([s.value for s in spans], dtype=np.float32)
-    advantages, returns = gae_over_spans(np.array([s.reward for s in spans], np.float32), values, np.array([s.last for s in spans]), cfg.gamma, cfg.gae_lambda)
+    advantages, returns = gae_over_spans(
+        np.array([s.reward for s in spans], np.float32),
+        values,
+        np.array([s.last for s in spans]),
+        cfg.gamma,
+        cfg.gae_lambda,
+    )
     advantages_t, returns_t = torch.from_numpy(advantages), torch.from_numpy(returns)
     stats = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0}
     n = len(spans)
@@ -181,5 +207,9 @@ def update(policy: Policy, optimizer: torch.optim.Optimizer, spans: list[Span], 
             loss.backward()
             nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
             optimizer.step()
-            stats = {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy.mean().item()}
+            stats = {
+                "policy_loss": policy_loss.item(),
+                "value_loss": value_loss.item(),
+                "entropy": entropy.mean().item(),
+            }
     return stats

@@ -99,13 +99,27 @@ class SpanWeightedDecoder(ABC, Generic[State]):
 
     @staticmethod
     def _check_weights(w: np.ndarray, batch: int, n_models: int) -> np.ndarray:
-        w = np.broadcast_to(np.asarray(w, dtype=np.float64), (batch, n_models)) if np.ndim(w) == 1 else np.asarray(w, dtype=np.float64)
+        w = (
+            np.broadcast_to(np.asarray(w, dtype=np.float64), (batch, n_models))
+            if np.ndim(w) == 1
+            else np.asarray(w, dtype=np.float64)
+        )
         if w.shape != (batch, n_models) or (w < 0).any() or (w.sum(1) <= 0).any():
-            raise ValueError(f"weights must be [{batch}, {n_models}] (or [{n_models}]) non-negative numbers with a positive sum per row, got shape {w.shape}")
+            raise ValueError(
+                f"weights must be [{batch}, {n_models}] (or [{n_models}]) non-negative numbers with a positive sum per row, got shape {w.shape}"
+            )
         return w / w.sum(1, keepdims=True)
 
-    def generate_batch(self, prompts: list[str], weights: Weights, max_tokens: int = 32, span: int = 8, stop: list[str] | None = None,
-                       greedy: bool = True, generator: torch.Generator | None = None) -> list[EnsembleOutput]:
+    def generate_batch(
+        self,
+        prompts: list[str],
+        weights: Weights,
+        max_tokens: int = 32,
+        span: int = 8,
+        stop: list[str] | None = None,
+        greedy: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> list[EnsembleOutput]:
         """Decode up to ``max_tokens`` tokens per prompt; the weights are (re)set every ``span`` tokens."""
         if span < 1:
             raise ValueError(f"span must be at least 1 token, got {span}")
@@ -123,7 +137,9 @@ class SpanWeightedDecoder(ABC, Generic[State]):
             agree_sum += next_tokens.agreement()
             steps_in_span += 1
             if step % span == 0:
-                view = SpanView(step // span, list(texts), active.copy(), entropy_sum / steps_in_span, agree_sum / steps_in_span)
+                view = SpanView(
+                    step // span, list(texts), active.copy(), entropy_sum / steps_in_span, agree_sum / steps_in_span
+                )
                 w = self._check_weights(weights(view) if callable(weights) else weights, batch, n_models)
                 for i in np.flatnonzero(active):
                     span_weights[i].append(w[i])
@@ -143,7 +159,10 @@ class SpanWeightedDecoder(ABC, Generic[State]):
             if not active.any() or step == max_tokens - 1:
                 break
             states = self.advance(states, [u if active[i] else None for i, u in enumerate(feed)])
-        return [EnsembleOutput(texts[i], chosen[i], span_weights[i], reasons[i], self.appended(states, i)) for i in range(batch)]
+        return [
+            EnsembleOutput(texts[i], chosen[i], span_weights[i], reasons[i], self.appended(states, i))
+            for i in range(batch)
+        ]
 
     def generate(self, prompt: str, weights: Weights, **options) -> EnsembleOutput:
         """One prompt (see :meth:`generate_batch`)."""
@@ -156,7 +175,10 @@ class TokenEnsemble(SpanWeightedDecoder[list[ModelState]]):
     def __init__(self, backends: list[TransformersBackend], vocab: UnionVocab | None = None):
         self.backends, self.n_models = backends, len(backends)
         self.vocab = vocab or UnionVocab.build([b.tokenizer for b in backends])
-        self.pad_ids = [b.tokenizer.pad_token_id if b.tokenizer.pad_token_id is not None else b.tokenizer.eos_token_id for b in backends]
+        self.pad_ids = [
+            b.tokenizer.pad_token_id if b.tokenizer.pad_token_id is not None else b.tokenizer.eos_token_id
+            for b in backends
+        ]
         self._retokenized: list[dict[int, list[int]]] = [{} for _ in backends]
         self.model_seconds = [0.0] * len(backends)  # time spent in each model's forward passes (for cost figures)
 
@@ -168,7 +190,9 @@ class TokenEnsemble(SpanWeightedDecoder[list[ModelState]]):
             return state
         lengths = [(state.lengths[i] if state else 0) + len(row) for i, row in enumerate(rows)]
         if max(lengths) > backend.max_length:
-            raise ValueError(f"context of {max(lengths)} tokens exceeds the window of {backend.max_length} tokens of model {m}")
+            raise ValueError(
+                f"context of {max(lengths)} tokens exceeds the window of {backend.max_length} tokens of model {m}"
+            )
         ids = torch.full((len(rows), width), self.pad_ids[m], dtype=torch.long)
         new_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):
@@ -178,8 +202,12 @@ class TokenEnsemble(SpanWeightedDecoder[list[ModelState]]):
         positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -width:]
         started = time.perf_counter()
         out = backend.model(
-            input_ids=ids.to(backend.device), attention_mask=mask.to(backend.device), position_ids=positions.to(backend.device),
-            past_key_values=state.cache if state else None, use_cache=True, logits_to_keep=1,  # only the next token's logits
+            input_ids=ids.to(backend.device),
+            attention_mask=mask.to(backend.device),
+            position_ids=positions.to(backend.device),
+            past_key_values=state.cache if state else None,
+            use_cache=True,
+            logits_to_keep=1,  # only the next token's logits
         )
         logprobs = F.log_softmax(out.logits[:, -1].float(), -1).cpu()
         self.model_seconds[m] += time.perf_counter() - started
@@ -187,14 +215,21 @@ class TokenEnsemble(SpanWeightedDecoder[list[ModelState]]):
             return ModelState(out.past_key_values, mask, logprobs, lengths, [[] for _ in rows])
         fed = torch.tensor([len(row) > 0 for row in rows])
         return ModelState(
-            out.past_key_values, mask, logprobs if fed.all() else torch.where(fed[:, None], logprobs, state.next_logprobs), lengths,
+            out.past_key_values,
+            mask,
+            logprobs if fed.all() else torch.where(fed[:, None], logprobs, state.next_logprobs),
+            lengths,
             [before + row for before, row in zip(state.appended, rows)],
         )
 
     def start(self, prompts: list[str]) -> list[ModelState]:
         states = []
         for m, backend in enumerate(self.backends):
-            rows = [backend.prefix + backend.tokenizer.encode(p, add_special_tokens=False) or [backend.tokenizer.eos_token_id] for p in prompts]
+            rows = [
+                backend.prefix + backend.tokenizer.encode(p, add_special_tokens=False)
+                or [backend.tokenizer.eos_token_id]
+                for p in prompts
+            ]
             states.append(self._feed(m, rows, None))
         return states
 
@@ -205,11 +240,16 @@ class TokenEnsemble(SpanWeightedDecoder[list[ModelState]]):
             return [own]
         cached = self._retokenized[m].get(union_token)
         if cached is None:
-            cached = self._retokenized[m][union_token] = self.backends[m].tokenizer.encode(self.vocab.pieces[union_token].decode(), add_special_tokens=False)
+            cached = self._retokenized[m][union_token] = self.backends[m].tokenizer.encode(
+                self.vocab.pieces[union_token].decode(), add_special_tokens=False
+            )
         return cached
 
     def advance(self, states: list[ModelState], union_tokens: list[int | None]) -> list[ModelState]:
-        return [self._feed(m, [self._own_tokens(m, u) if u is not None else [] for u in union_tokens], state) for m, state in enumerate(states)]
+        return [
+            self._feed(m, [self._own_tokens(m, u) if u is not None else [] for u in union_tokens], state)
+            for m, state in enumerate(states)
+        ]
 
     def own_probs(self, states: list[ModelState]) -> list[torch.Tensor]:
         """Every model's next-token probabilities over its own vocabulary [B, V_m]."""

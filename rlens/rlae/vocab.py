@@ -32,7 +32,11 @@ def tokenizer_kind(tokenizer) -> str:
     kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
     if "ByteLevel" in kinds:
         return "byte_level"
-    if "ByteFallback" in kinds or "Metaspace" in kinds or any(d.get("pattern", {}).get("String") == "▁" for d in decoder.get("decoders", [])):
+    if (
+        "ByteFallback" in kinds
+        or "Metaspace" in kinds
+        or any(d.get("pattern", {}).get("String") == "▁" for d in decoder.get("decoders", []))
+    ):
         return "sentencepiece"
     return "plain"
 
@@ -47,7 +51,9 @@ def token_bytes(tokenizer) -> list[bytes | None]:
         if token_id in special or token is None:
             out.append(None)
         elif kind == "byte_level":
-            out.append(bytes(from_unicode[ch] for ch in token) if all(ch in from_unicode for ch in token) else token.encode())
+            out.append(
+                bytes(from_unicode[ch] for ch in token) if all(ch in from_unicode for ch in token) else token.encode()
+            )
         elif kind == "sentencepiece":
             match = SP_BYTE.match(token)
             out.append(bytes([int(match[1], 16)]) if match else token.replace("▁", " ").encode())
@@ -61,7 +67,11 @@ def byte_fallback_ids(tokenizer) -> set[int]:
     regular tokens (``▁``) that the model reads in ordinary text."""
     if tokenizer_kind(tokenizer) != "sentencepiece":
         return set()
-    return {i for i, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))) if token and SP_BYTE.match(token)}
+    return {
+        i
+        for i, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+        if token and SP_BYTE.match(token)
+    }
 
 
 def _readable(piece: bytes) -> bool:
@@ -76,9 +86,12 @@ def _readable(piece: bytes) -> bool:
 class UnionVocab:
     pieces: list[bytes]  # union id -> bytes (EOS at index 0)
     index: list[torch.Tensor]  # per model: long [V_model], the union id of each token or -1
-    single: list[dict[int, int]]  # per model: union id -> that model's token id standing for exactly those bytes (its first regular one)
-    inverse: list[torch.Tensor]  # per model: long [V_union], the model's first token of each union entry, or V_model (none)
-    duplicates: list[tuple[torch.Tensor, torch.Tensor]]  # per model: (its other tokens of an entry, that entry's first token)
+    # per model: union id -> that model's token id standing for exactly those bytes (its first regular one)
+    single: list[dict[int, int]]
+    # per model: long [V_union], the model's first token of each union entry, or V_model (none)
+    inverse: list[torch.Tensor]
+    # per model: (its other tokens of an entry, that entry's first token)
+    duplicates: list[tuple[torch.Tensor, torch.Tensor]]
     unmapped: list[torch.Tensor]  # per model: its tokens with no union entry
 
     @classmethod
@@ -102,14 +115,18 @@ class UnionVocab:
                     pieces.append(piece)
                 union_id = column[token_id] = ids[piece]
                 if union_id not in own or (own[union_id] in fallback and token_id not in fallback):
-                    own[union_id] = token_id  # the model reads its regular token for these bytes, not a byte-fallback one
+                    own[union_id] = (
+                        token_id  # the model reads its regular token for these bytes, not a byte-fallback one
+                    )
             index.append(column)
             single.append(own)
         inverse, duplicates, unmapped = [], [], []
         for column in index:
             tokens = torch.arange(len(column))
             mapped = column >= 0
-            first = torch.full((len(pieces),), len(column), dtype=torch.long).scatter_reduce_(0, column[mapped], tokens[mapped], reduce="amin")
+            first = torch.full((len(pieces),), len(column), dtype=torch.long).scatter_reduce_(
+                0, column[mapped], tokens[mapped], reduce="amin"
+            )
             others = mapped & (first[column.clamp_min(0)] != tokens)
             inverse.append(first)
             duplicates.append((tokens[others], first[column[others]]))

@@ -53,7 +53,15 @@ def new_key(tenant: str, streams: list[str], rate_per_s: float = 20.0, burst: in
     """A fresh key (shown once) and its record (what is stored)."""
     key_id = "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(8))
     secret = secrets.token_urlsafe(32)
-    record = KeyRecord(id=key_id, sha256=_hash(secret), tenant=tenant, streams=streams, rate_per_s=rate_per_s, burst=burst, created_at=time.time())
+    record = KeyRecord(
+        id=key_id,
+        sha256=_hash(secret),
+        tenant=tenant,
+        streams=streams,
+        rate_per_s=rate_per_s,
+        burst=burst,
+        created_at=time.time(),
+    )
     return f"{PREFIX}{key_id}_{secret}", record
 
 
@@ -76,7 +84,9 @@ def write_records(path: Path, records: list[KeyRecord]) -> None:
     os.replace(tmp, path)
 
 
-def add_key(path: Path, tenant: str, streams: list[str], rate_per_s: float = 20.0, burst: int = 40) -> tuple[str, KeyRecord]:
+def add_key(
+    path: Path, tenant: str, streams: list[str], rate_per_s: float = 20.0, burst: int = 40
+) -> tuple[str, KeyRecord]:
     key, record = new_key(tenant, streams, rate_per_s, burst)
     write_records(path, [*read_records(path), record])
     return key, record
@@ -96,7 +106,9 @@ class KeyStore:
 
     def __init__(self, path: Path | None = None, inline: str | None = None):
         if path is None and inline is None:
-            raise KeysError("the gateway has no API keys: set RLENS_GATEWAY_KEYS_FILE (make keys with `rlens keys add`) or RLENS_GATEWAY_KEYS")
+            raise KeysError(
+                "the gateway has no API keys: set RLENS_GATEWAY_KEYS_FILE (make keys with `rlens keys add`) or RLENS_GATEWAY_KEYS"
+            )
         self.path = path
         self._stamp: tuple[int, int] | None = None
         self._by_id: dict[str, KeyRecord] = {}
@@ -107,7 +119,9 @@ class KeyStore:
                 raise KeysError(f"RLENS_GATEWAY_KEYS is not a valid JSON list of key records: {exc}") from exc
         elif path is not None:
             if not path.is_file():
-                raise KeysError(f"no API keys file at {path}: make a key with `rlens keys add --tenant NAME --file {path}`")
+                raise KeysError(
+                    f"no API keys file at {path}: make a key with `rlens keys add --tenant NAME --file {path}`"
+                )
             self.refresh()
 
     def _index(self, records: list[KeyRecord]) -> None:
@@ -130,7 +144,7 @@ class KeyStore:
         """The record of a presented key, or None (missing, malformed, unknown, revoked or wrong secret)."""
         if not key or not key.startswith(PREFIX) or key.count("_") < 2:
             return None
-        key_id, secret = key[len(PREFIX):].split("_", 1)
+        key_id, secret = key[len(PREFIX) :].split("_", 1)
         record = self._by_id.get(key_id)
         if record is None or not hmac.compare_digest(record.sha256, _hash(secret)):
             return None

@@ -23,12 +23,25 @@ ASYNCAPI_PATH = Path(__file__).resolve().parents[2] / "schemas" / "asyncapi.json
 
 
 def asyncapi_document() -> dict:
-    settings = Settings(_env_file=None, kafka_bootstrap="kafka:9092")  # defaults only: the document must not depend on the environment
+    # defaults only: the document must not depend on the environment
+    settings = Settings(_env_file=None, kafka_bootstrap="kafka:9092")
     rlae = settings.model_copy(update={"strategy": "rlae"})
-    gateway = settings.model_copy(update={"gateway_id": "gateway-id", "gateway_keys": "[]", "feedback_secret": SecretStr("x" * 32)})
-    brokers = [create_worker_app(settings, None).broker, create_worker_app(rlae, None).broker, create_learner_app(settings, None).broker,
-               create_gateway_app(gateway).state.broker]
-    spec = AsyncAPI(*brokers, title="rlens", version="1", description="Streaming LLM ensembles (RL-Focal, RLAE): worker, learner and gateway topics", schema_version="3.0.0")
+    gateway = settings.model_copy(
+        update={"gateway_id": "gateway-id", "gateway_keys": "[]", "feedback_secret": SecretStr("x" * 32)}
+    )
+    brokers = [
+        create_worker_app(settings, None).broker,
+        create_worker_app(rlae, None).broker,
+        create_learner_app(settings, None).broker,
+        create_gateway_app(gateway).state.broker,
+    ]
+    spec = AsyncAPI(
+        *brokers,
+        title="rlens",
+        version="1",
+        description="Streaming LLM ensembles (RL-Focal, RLAE): worker, learner and gateway topics",
+        schema_version="3.0.0",
+    )
     return json.loads(spec.to_specification().to_json())
 
 

@@ -18,18 +18,33 @@ from rlens.focal.mappo import Transition
 
 def transition_to_json(t: Transition) -> dict:
     return {
-        "state": t.state.tolist(), "critic_state": t.critic_state.tolist(), "pool": t.pool.tolist(), "pool_logp": t.pool_logp,
-        "reward": t.reward, "fusion_reward": t.fusion_reward, "explored": t.explored,
+        "state": t.state.tolist(),
+        "critic_state": t.critic_state.tolist(),
+        "pool": t.pool.tolist(),
+        "pool_logp": t.pool_logp,
+        "reward": t.reward,
+        "fusion_reward": t.fusion_reward,
+        "explored": t.explored,
         "fusion_features": None if t.fusion_features is None else t.fusion_features.tolist(),
-        "answer": t.answer, "answer_logp": t.answer_logp, "label": t.label,
+        "answer": t.answer,
+        "answer_logp": t.answer_logp,
+        "label": t.label,
     }
 
 
 def transition_from_json(d: dict) -> Transition:
     return Transition(
-        state=np.asarray(d["state"], np.float32), critic_state=np.asarray(d["critic_state"], np.float32), pool=np.asarray(d["pool"], np.float32),
-        pool_logp=d["pool_logp"], reward=d["reward"], fusion_reward=d["fusion_reward"], explored=d["explored"], fusion_features=None if d["fusion_features"] is None else np.asarray(d["fusion_features"], np.float32),
-        answer=d["answer"], answer_logp=d["answer_logp"], label=d["label"],
+        state=np.asarray(d["state"], np.float32),
+        critic_state=np.asarray(d["critic_state"], np.float32),
+        pool=np.asarray(d["pool"], np.float32),
+        pool_logp=d["pool_logp"],
+        reward=d["reward"],
+        fusion_reward=d["fusion_reward"],
+        explored=d["explored"],
+        fusion_features=None if d["fusion_features"] is None else np.asarray(d["fusion_features"], np.float32),
+        answer=d["answer"],
+        answer_logp=d["answer_logp"],
+        label=d["label"],
     )
 
 
@@ -37,10 +52,16 @@ def save_engine(store: CheckpointStore, engine: FocalEngine, version: int, state
     """One checkpoint of ``engine`` plus the learner's JSON-able ``state``; returns its directory."""
     adam, optimizer_meta = optimizer_tensors(engine.optimizer)
     payload = {
-        **state, "optimizer": optimizer_meta, "rng_numpy": engine.rng.bit_generator.state,
+        **state,
+        "optimizer": optimizer_meta,
+        "rng_numpy": engine.rng.bit_generator.state,
         "buffer": [transition_to_json(t) for t in engine.buffer],
     }
-    return store.save(version, {"policy": engine.policy_state(), "optimizer": {**adam, "rng.torch": engine.torch_rng.get_state()}}, payload)
+    return store.save(
+        version,
+        {"policy": engine.policy_state(), "optimizer": {**adam, "rng.torch": engine.torch_rng.get_state()}},
+        payload,
+    )
 
 
 def load_engine(store: CheckpointStore, engine: FocalEngine) -> dict | None:

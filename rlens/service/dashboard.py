@@ -50,8 +50,13 @@ class StreamSeries:
     def point(self) -> dict:
         composition = np.mean(self.composition, axis=0).round(4).tolist() if self.composition else []
         return {
-            "n": self.joins, "t": time.time(), "accuracy": _mean(self.outcome), "reward": _mean(self.reward),
-            "confidence": _mean(self.confidence), "delay_s": _mean(self.delay), "composition": composition,
+            "n": self.joins,
+            "t": time.time(),
+            "accuracy": _mean(self.outcome),
+            "reward": _mean(self.reward),
+            "confidence": _mean(self.confidence),
+            "delay_s": _mean(self.delay),
+            "composition": composition,
             "model_accuracy": [_mean(m) for m in self.models],
         }
 
@@ -93,7 +98,15 @@ class Dashboard:
 
     def observe_drift(self, event: DriftEvent) -> None:
         series = self._stream(event.stream)
-        series.drift.append({"n": series.joins, "signal": event.signal, "before": event.mean_before, "after": event.mean_after, "t": event.at})
+        series.drift.append(
+            {
+                "n": series.joins,
+                "signal": event.signal,
+                "before": event.mean_before,
+                "after": event.mean_after,
+                "t": event.at,
+            }
+        )
 
     def observe_policy(self, version: int) -> None:
         self.policies.append({"version": version, "t": time.time(), "joined": self.joined})
@@ -103,7 +116,14 @@ class Dashboard:
             {"stream": name, "joins": s.joins, "points": list(s.points), "drift": list(s.drift), "now": s.point()}
             for name, s in reversed(self.streams.items())  # the most recently active first
         ]
-        return {"strategy": self.strategy, "models": self.models, "joined": self.joined, "policies": list(self.policies), "streams": streams, "t": time.time()}
+        return {
+            "strategy": self.strategy,
+            "models": self.models,
+            "joined": self.joined,
+            "policies": list(self.policies),
+            "streams": streams,
+            "t": time.time(),
+        }
 
 
 def dashboard_routes(snapshot: Callable[[], dict]) -> list[tuple[str, ASGIApp]]:
@@ -120,6 +140,8 @@ def dashboard_routes(snapshot: Callable[[], dict]) -> list[tuple[str, ASGIApp]]:
 
     @get
     async def api(scope) -> AsgiResponse:
-        return AsgiResponse(json.dumps(snapshot()).encode(), 200, {"content-type": "application/json", "cache-control": "no-store"})
+        return AsgiResponse(
+            json.dumps(snapshot()).encode(), 200, {"content-type": "application/json", "cache-control": "no-store"}
+        )
 
     return [("/dashboard", html), ("/dashboard.js", javascript), ("/api/dashboard", api)]

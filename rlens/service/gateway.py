@@ -48,11 +48,35 @@ from starlette.exceptions import HTTPException
 from rlens.messages import MAX_TEXT, Answer, DeadLetter, Feedback, Query
 from rlens.service.api_keys import KeyRecord, KeyStore
 from rlens.service.gateway_state import GatewayState, QueryRecord, digest
-from rlens.service.kafka import Topics, dead_letter, ensure_topics, keep_bytes, make_broker, parse_or_dead_letter, publish_dead_letters, typed_publisher
+from rlens.service.kafka import (
+    Topics,
+    dead_letter,
+    ensure_topics,
+    keep_bytes,
+    make_broker,
+    parse_or_dead_letter,
+    publish_dead_letters,
+    typed_publisher,
+)
 from rlens.service.metrics import GatewayMetrics
 from rlens.service.openai_api import (
-    MODEL_OF, MODELS, DEFAULT_STREAM, AnswerStatus, ApiError, ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
-    ErrorResponse, FeedbackReceipt, FeedbackRequest, ModelCard, ModelList, chat_completion, completion, stream_chunks,
+    MODEL_OF,
+    MODELS,
+    DEFAULT_STREAM,
+    AnswerStatus,
+    ApiError,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    FeedbackReceipt,
+    FeedbackRequest,
+    ModelCard,
+    ModelList,
+    chat_completion,
+    completion,
+    stream_chunks,
 )
 from rlens.service.security import FeedbackTokens
 from rlens.service.windows import RedisWindows
@@ -72,8 +96,17 @@ class Gateway:
     take feedback, fetch answers. ``publish_query`` / ``publish_feedback`` send one message and return once the
     broker confirmed it."""
 
-    def __init__(self, settings: Settings, keys: KeyStore, state: GatewayState, tokens: FeedbackTokens, metrics: GatewayMetrics,
-                 publish_query, publish_feedback, reply_topic: str):
+    def __init__(
+        self,
+        settings: Settings,
+        keys: KeyStore,
+        state: GatewayState,
+        tokens: FeedbackTokens,
+        metrics: GatewayMetrics,
+        publish_query,
+        publish_feedback,
+        reply_topic: str,
+    ):
         self.settings, self.keys, self.state, self.tokens, self.metrics = settings, keys, state, tokens, metrics
         self.publish_query, self.publish_feedback, self.reply_topic = publish_query, publish_feedback, reply_topic
         self.strategies = settings.gateway_strategies or [settings.strategy]
@@ -86,42 +119,86 @@ class Gateway:
         scheme, _, key = (authorization or "").partition(" ")
         record = self.keys.lookup(key.strip()) if scheme.lower() == "bearer" else None
         if record is None:
-            raise ApiError(401, "missing or invalid API key: send `Authorization: Bearer rlk_...` (make keys with `rlens keys add`)",
-                           "invalid_request_error", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "missing or invalid API key: send `Authorization: Bearer rlk_...` (make keys with `rlens keys add`)",
+                "invalid_request_error",
+                "invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         return record
 
     # asking
 
-    def _check(self, key: KeyRecord, request: ChatCompletionRequest | CompletionRequest, prompt: str, stream_header: str | None) -> str:
+    def _check(
+        self, key: KeyRecord, request: ChatCompletionRequest | CompletionRequest, prompt: str, stream_header: str | None
+    ) -> str:
         """The request's stream key, or the error that refuses the request (model, choices, stream, prompt size)."""
         strategy = MODELS.get(request.model)
         if strategy is None or strategy not in self.strategies:
             served = ", ".join(MODEL_OF[s] for s in self.strategies)
-            why = f"model {request.model!r} does not exist" if strategy is None else f"this deployment does not run {request.model}"
+            why = (
+                f"model {request.model!r} does not exist"
+                if strategy is None
+                else f"this deployment does not run {request.model}"
+            )
             raise ApiError(404, f"{why}; it serves {served}", "invalid_request_error", "model_not_found", "model")
         choices = request.rlens.choices
         if strategy == "rlae" and choices is not None:
-            raise ApiError(400, "rlens-rlae answers open-ended requests: leave out rlens.choices (multiple-choice requests go to rlens-focal)",
-                           "invalid_request_error", "unexpected_choices", "rlens.choices")
+            raise ApiError(
+                400,
+                "rlens-rlae answers open-ended requests: leave out rlens.choices (multiple-choice requests go to rlens-focal)",
+                "invalid_request_error",
+                "unexpected_choices",
+                "rlens.choices",
+            )
         stream = stream_header or (request.metadata or {}).get("stream") or DEFAULT_STREAM
         if len(stream) > 256:
-            raise ApiError(400, "the stream key is longer than 256 characters", "invalid_request_error", "invalid_stream", "metadata.stream")
+            raise ApiError(
+                400,
+                "the stream key is longer than 256 characters",
+                "invalid_request_error",
+                "invalid_stream",
+                "metadata.stream",
+            )
         if not key.allows(stream):
-            raise ApiError(403, f"this API key may not use stream {stream!r}", "permission_error", "stream_not_allowed", "metadata.stream")
+            raise ApiError(
+                403,
+                f"this API key may not use stream {stream!r}",
+                "permission_error",
+                "stream_not_allowed",
+                "metadata.stream",
+            )
         if len(prompt) > min(self.settings.gateway_max_prompt_chars, MAX_TEXT):
-            raise ApiError(413, f"the prompt has {len(prompt)} characters; the limit is {self.settings.gateway_max_prompt_chars}",
-                           "invalid_request_error", "prompt_too_long", "messages")
+            raise ApiError(
+                413,
+                f"the prompt has {len(prompt)} characters; the limit is {self.settings.gateway_max_prompt_chars}",
+                "invalid_request_error",
+                "prompt_too_long",
+                "messages",
+            )
         return stream
 
     async def _take_token(self, key: KeyRecord) -> None:
         wait = await self.state.take_token(key.id, key.rate_per_s, key.burst)
         if wait > 0:
             self.metrics.rate_limited.inc()
-            raise ApiError(429, f"rate limit of this API key ({key.rate_per_s:g} requests/s, bursts of {key.burst}) reached; retry in {wait:.2f} s",
-                           "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+            raise ApiError(
+                429,
+                f"rate limit of this API key ({key.rate_per_s:g} requests/s, bursts of {key.burst}) reached; retry in {wait:.2f} s",
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
 
-    async def ask(self, key: KeyRecord, request: ChatCompletionRequest | CompletionRequest, body: bytes,
-                  idempotency_key: str | None, stream_header: str | None) -> Answer:
+    async def ask(
+        self,
+        key: KeyRecord,
+        request: ChatCompletionRequest | CompletionRequest,
+        body: bytes,
+        idempotency_key: str | None,
+        stream_header: str | None,
+    ) -> Answer:
         """The answer to one request: published as a query and waited for (or the first answer of an earlier
         request with the same ``Idempotency-Key``)."""
         chat = isinstance(request, ChatCompletionRequest)
@@ -129,19 +206,34 @@ class Gateway:
         stream = self._check(key, request, prompt, stream_header)
         await self._take_token(key)
         if self.waiting >= self.settings.gateway_max_waiting:  # before any wait, an idempotent retry's included
-            raise ApiError(503, f"{self.waiting} requests are waiting for answers on this gateway; retry shortly", "server_error", "overloaded",
-                           headers={"Retry-After": "1"})
+            raise ApiError(
+                503,
+                f"{self.waiting} requests are waiting for answers on this gateway; retry shortly",
+                "server_error",
+                "overloaded",
+                headers={"Retry-After": "1"},
+            )
         query_id = f"rl-{uuid.uuid4().hex}"
         if idempotency_key:
             if len(idempotency_key) > 256:
-                raise ApiError(400, "Idempotency-Key is longer than 256 characters", "invalid_request_error", "invalid_idempotency_key")
+                raise ApiError(
+                    400,
+                    "Idempotency-Key is longer than 256 characters",
+                    "invalid_request_error",
+                    "invalid_idempotency_key",
+                )
             request_digest = digest(body)
             earlier = await self.state.idempotent(key.tenant, idempotency_key, request_digest, query_id)
             if earlier is not None:
                 query_id, earlier_digest = earlier
                 if earlier_digest != request_digest:
-                    raise ApiError(409, "this Idempotency-Key was used with a different request", "invalid_request_error", "idempotency_key_reused",
-                                   query_id=query_id)
+                    raise ApiError(
+                        409,
+                        "this Idempotency-Key was used with a different request",
+                        "invalid_request_error",
+                        "idempotency_key_reused",
+                        query_id=query_id,
+                    )
                 self.metrics.idempotent_replays.inc()
                 if (answer := await self.state.answer(query_id)) is not None:
                     return answer
@@ -149,15 +241,30 @@ class Gateway:
                 if record is not None and record.published:
                     return await self._wait(query_id, poll=True)
                 # the first request never published it (that replica crashed in between): publish it now
-        record = QueryRecord(tenant=key.tenant, stream=stream, model=request.model, chat=chat, n_choices=len(request.rlens.choices or []))
+        record = QueryRecord(
+            tenant=key.tenant, stream=stream, model=request.model, chat=chat, n_choices=len(request.rlens.choices or [])
+        )
         await self.state.remember_query(query_id, record)
-        query = Query(query_id=query_id, stream=stream, prompt=prompt, choices=request.rlens.choices, reference_id=request.rlens.reference_id,
-                      sent_at=time.time(), reply_to=self.reply_topic)
+        query = Query(
+            query_id=query_id,
+            stream=stream,
+            prompt=prompt,
+            choices=request.rlens.choices,
+            reference_id=request.rlens.reference_id,
+            sent_at=time.time(),
+            reply_to=self.reply_topic,
+        )
         try:
             await self.publish_query(query)
         except (KafkaError, OSError, TimeoutError) as exc:
-            raise ApiError(503, f"could not publish the query to Kafka ({type(exc).__name__}); retry shortly", "server_error", "unavailable",
-                           query_id=query_id, headers={"Retry-After": "1"}) from exc
+            raise ApiError(
+                503,
+                f"could not publish the query to Kafka ({type(exc).__name__}); retry shortly",
+                "server_error",
+                "unavailable",
+                query_id=query_id,
+                headers={"Retry-After": "1"},
+            ) from exc
         await self.state.mark_published(query_id, record)
         return await self._wait(query_id)
 
@@ -179,8 +286,13 @@ class Gateway:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.metrics.timeouts.inc()
-                    raise ApiError(504, f"no answer within {self.settings.gateway_timeout_s:g} s; fetch it later at /v1/answers/{query_id}",
-                                   "timeout", "answer_timeout", query_id=query_id)
+                    raise ApiError(
+                        504,
+                        f"no answer within {self.settings.gateway_timeout_s:g} s; fetch it later at /v1/answers/{query_id}",
+                        "timeout",
+                        "answer_timeout",
+                        query_id=query_id,
+                    )
                 try:
                     return await asyncio.wait_for(asyncio.shield(future), min(left, POLL_S) if poll else left)
                 except TimeoutError:
@@ -219,25 +331,56 @@ class Gateway:
         """The record of a query this key's tenant asked; 404 otherwise (another tenant's looks the same as none)."""
         record = await self.state.query(query_id)
         if record is None or record.tenant != key.tenant:
-            raise ApiError(404, f"no query {query_id!r} for this API key's tenant (unknown, or older than {self.settings.gateway_retention_s} s)",
-                           "invalid_request_error", "query_not_found", "id")
+            raise ApiError(
+                404,
+                f"no query {query_id!r} for this API key's tenant (unknown, or older than {self.settings.gateway_retention_s} s)",
+                "invalid_request_error",
+                "query_not_found",
+                "id",
+            )
         return record
 
     async def feedback(self, key: KeyRecord, request: FeedbackRequest) -> FeedbackReceipt:
         record = await self.owned_query(key, request.id)
         if request.label is None and request.reference is None and request.reward is None:
-            raise ApiError(400, "feedback needs a label, a reference or a reward", "invalid_request_error", "missing_outcome")
+            raise ApiError(
+                400, "feedback needs a label, a reference or a reward", "invalid_request_error", "missing_outcome"
+            )
         if request.label is not None and not record.n_choices:
-            raise ApiError(400, "label is for multiple-choice queries; this one was open-ended: give a reference or a reward", "invalid_request_error", "invalid_label", "label")
+            raise ApiError(
+                400,
+                "label is for multiple-choice queries; this one was open-ended: give a reference or a reward",
+                "invalid_request_error",
+                "invalid_label",
+                "label",
+            )
         if request.label is not None and request.label >= record.n_choices:
-            raise ApiError(400, f"label {request.label} is out of range: the query had {record.n_choices} options", "invalid_request_error", "invalid_label", "label")
+            raise ApiError(
+                400,
+                f"label {request.label} is out of range: the query had {record.n_choices} options",
+                "invalid_request_error",
+                "invalid_label",
+                "label",
+            )
         if request.reference is not None and record.n_choices:
-            raise ApiError(400, "reference is for open-ended queries; this one was multiple choice: give a label", "invalid_request_error", "invalid_reference", "reference")
+            raise ApiError(
+                400,
+                "reference is for open-ended queries; this one was multiple choice: give a label",
+                "invalid_request_error",
+                "invalid_reference",
+                "reference",
+            )
         if not await self.state.claim_feedback(request.id):
             self.metrics.feedback.labels("duplicate").inc()
             return FeedbackReceipt(id=request.id, status="duplicate")
-        message = Feedback(query_id=request.id, token=self.tokens.token(request.id), stream=record.stream,
-                           label=request.label, reference=request.reference, reward=request.reward)
+        message = Feedback(
+            query_id=request.id,
+            token=self.tokens.token(request.id),
+            stream=record.stream,
+            label=request.label,
+            reference=request.reference,
+            reward=request.reward,
+        )
         try:
             await self.publish_feedback(message)
         except Exception:
@@ -280,7 +423,9 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope, receive, send) -> None:
-        error = ApiError(413, f"the request body is larger than {self.limit} bytes", "invalid_request_error", "request_too_large")
+        error = ApiError(
+            413, f"the request body is larger than {self.limit} bytes", "invalid_request_error", "request_too_large"
+        )
         await error_response(error)(scope, receive, send)
 
 
@@ -313,39 +458,69 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body.model_dump(exclude_none=True), error.status, headers=error.headers)
 
 
-ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 429, 502, 503, 504)}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 429, 502, 503, 504)
+}
 
 
 def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> FastAPI:
     """The gateway's ASGI app: the OpenAI routes, feedback and answers, and /metrics, /healthz, /readyz."""
     from rlens.service.run import feedback_tokens
 
-    keys = keys or KeyStore(settings.gateway_keys_file if settings.gateway_keys is None else None, settings.gateway_keys)
+    keys = keys or KeyStore(
+        settings.gateway_keys_file if settings.gateway_keys is None else None, settings.gateway_keys
+    )
     topics = Topics.from_settings(settings)
     name = gateway_id(settings)
     reply_topic = topics.replies(name)
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
     broker = make_broker(settings)
-    queries = typed_publisher(broker, topics.queries, Query, "gateway", "the requests, each with reply_to = the replica's reply topic")
+    queries = typed_publisher(
+        broker, topics.queries, Query, "gateway", "the requests, each with reply_to = the replica's reply topic"
+    )
     feedback = typed_publisher(broker, topics.feedback, Feedback, "gateway", "feedback given through POST /v1/feedback")
-    dead_letters = typed_publisher(broker, topics.dead_letter, DeadLetter, "gateway", "replies that could not be used, with the reason")
-    pool = BlockingConnectionPool.from_url(settings.redis_url.get_secret_value(), max_connections=REDIS_CONNECTIONS, timeout=5,
-                                           socket_timeout=5, socket_connect_timeout=2, health_check_interval=10)
+    dead_letters = typed_publisher(
+        broker, topics.dead_letter, DeadLetter, "gateway", "replies that could not be used, with the reason"
+    )
+    pool = BlockingConnectionPool.from_url(
+        settings.redis_url.get_secret_value(),
+        max_connections=REDIS_CONNECTIONS,
+        timeout=5,
+        socket_timeout=5,
+        socket_connect_timeout=2,
+        health_check_interval=10,
+    )
     redis = Redis(connection_pool=pool)  # requests wait for a free connection instead of failing
     marks = RedisWindows(redis, 1, 1, settings.redis_prefix)  # only its readiness mark
 
     async def publish_one(publisher, message) -> None:
         await publisher.publish(message.model_dump_json().encode(), key=message.query_id.encode())
 
-    gateway = Gateway(settings, keys, GatewayState(redis, settings.redis_prefix, settings.gateway_retention_s), feedback_tokens(settings), metrics,
-                      lambda q: publish_one(queries, q), lambda f: publish_one(feedback, f), reply_topic)
+    gateway = Gateway(
+        settings,
+        keys,
+        GatewayState(redis, settings.redis_prefix, settings.gateway_retention_s),
+        feedback_tokens(settings),
+        metrics,
+        lambda q: publish_one(queries, q),
+        lambda f: publish_one(feedback, f),
+        reply_topic,
+    )
     consumer = f"gateway {name}"
 
     @broker.subscriber(
-        reply_topic, group_id=f"rlens-gateway-{name}", batch=True, max_records=256, batch_timeout_ms=5, auto_offset_reset="earliest",
-        ack_policy=AckPolicy.NACK_ON_ERROR, decoder=keep_bytes, session_timeout_ms=settings.kafka_session_timeout_ms,
-        heartbeat_interval_ms=settings.kafka_heartbeat_ms, fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+        reply_topic,
+        group_id=f"rlens-gateway-{name}",
+        batch=True,
+        max_records=256,
+        batch_timeout_ms=5,
+        auto_offset_reset="earliest",
+        ack_policy=AckPolicy.NACK_ON_ERROR,
+        decoder=keep_bytes,
+        session_timeout_ms=settings.kafka_session_timeout_ms,
+        heartbeat_interval_ms=settings.kafka_heartbeat_ms,
+        fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
         description="answers to this replica's queries (workers publish each answer here too)",
     )
     async def on_replies(bodies: list[bytes], message: KafkaMessage) -> None:
@@ -356,7 +531,9 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
         for (record, answer), outcome in zip(answers, outcomes):
             metrics.replies.labels(outcome).inc()
             if outcome == "forged":
-                dead.append(dead_letter(record, f"answer for {answer.query_id} without a valid feedback token", consumer))
+                dead.append(
+                    dead_letter(record, f"answer for {answer.query_id} without a valid feedback token", consumer)
+                )
         for _ in range(len(parsed) - len(answers)):
             metrics.replies.labels("unreadable").inc()
         await publish_dead_letters(dead_letters, dead)
@@ -371,7 +548,13 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
         url = f"http://{settings.gateway_host}:{settings.gateway_port}"
         process = f"{socket.gethostname()}-{os.getpid()}"
         mark = asyncio.create_task(marks.keep_ready("gateway", process, url))
-        log.info("gateway %s ready on %s (reply topic %s; serves %s)", name, url, reply_topic, ", ".join(MODEL_OF[s] for s in gateway.strategies))
+        log.info(
+            "gateway %s ready on %s (reply topic %s; serves %s)",
+            name,
+            url,
+            reply_topic,
+            ", ".join(MODEL_OF[s] for s in gateway.strategies),
+        )
         try:
             yield
         finally:
@@ -380,8 +563,12 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
             await broker.stop()
             await redis.aclose()
 
-    app = FastAPI(title="rlens gateway", version="1", lifespan=lifespan,
-                  description="OpenAI-compatible front door of an rlens ensemble, with a feedback API. See README.md.")
+    app = FastAPI(
+        title="rlens gateway",
+        version="1",
+        lifespan=lifespan,
+        description="OpenAI-compatible front door of an rlens ensemble, with a feedback API. See README.md.",
+    )
     app.state.gateway, app.state.broker = gateway, broker
 
     @app.exception_handler(ApiError)
@@ -392,16 +579,34 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"] if p != "body")
-        return error_response(ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], "invalid_request_error", "invalid_request", where or None))
+        return error_response(
+            ApiError(
+                400,
+                f"{where}: {first['msg']}" if where else first["msg"],
+                "invalid_request_error",
+                "invalid_request",
+                where or None,
+            )
+        )
 
     @app.exception_handler(HTTPException)
     async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(ApiError(exc.status_code, str(exc.detail), "invalid_request_error", headers=dict(exc.headers or {})))
+        return error_response(
+            ApiError(exc.status_code, str(exc.detail), "invalid_request_error", headers=dict(exc.headers or {}))
+        )
 
     @app.exception_handler(RedisError)
     async def on_redis(request: Request, exc: RedisError) -> JSONResponse:
         log.error("Redis unreachable: %s", exc)
-        return error_response(ApiError(503, "the gateway's state store (Redis) is unreachable; retry shortly", "server_error", "unavailable", headers={"Retry-After": "1"}))
+        return error_response(
+            ApiError(
+                503,
+                "the gateway's state store (Redis) is unreachable; retry shortly",
+                "server_error",
+                "unavailable",
+                headers={"Retry-After": "1"},
+            )
+        )
 
     app.add_middleware(BodyLimit, limit=settings.gateway_max_body_bytes)
     app.add_middleware(Measure, metrics=metrics)
@@ -412,35 +617,65 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     def answer_response(answer: Answer, model: str, chat: bool, stream: bool) -> Any:
         if not answer.answered_models:
             failures = "; ".join(f"{f.model}: {f.reason}" for f in answer.failures) or "no model was called"
-            raise ApiError(502, f"no model of the pool answered ({failures})", "server_error", "no_model_answered", query_id=answer.query_id)
+            raise ApiError(
+                502,
+                f"no model of the pool answered ({failures})",
+                "server_error",
+                "no_model_answered",
+                query_id=answer.query_id,
+            )
         if stream:
-            events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(answer, model, chat)) + "data: [DONE]\n\n"
+            events = (
+                "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(answer, model, chat))
+                + "data: [DONE]\n\n"
+            )
             return StreamingResponse(iter([events]), media_type="text/event-stream")
         body = chat_completion(answer, model) if chat else completion(answer, model)
-        return Response(body.model_dump_json(), media_type="application/json")  # already validated: skip FastAPI's second pass
+        # already validated: skip FastAPI's second pass
+        return Response(body.model_dump_json(), media_type="application/json")
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models(key: KeyRecord = Depends(key_of)) -> ModelList:
         """The strategies this deployment runs, as models."""
         return ModelList(data=[ModelCard(id=MODEL_OF[s]) for s in gateway.strategies])
 
-    async def ask(request: Request, body: ChatCompletionRequest | CompletionRequest, key: KeyRecord, idempotency_key: str | None, stream_key: str | None):
+    async def ask(
+        request: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        key: KeyRecord,
+        idempotency_key: str | None,
+        stream_key: str | None,
+    ):
         answer = await gateway.ask(key, body, await request.body(), idempotency_key, stream_key)
         return answer_response(answer, body.model, isinstance(body, ChatCompletionRequest), body.stream)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
-    async def chat_completions(request: Request, body: ChatCompletionRequest, key: KeyRecord = Depends(key_of),
-                               idempotency_key: str | None = Header(None), x_rlens_stream: str | None = Header(None)):
+    async def chat_completions(
+        request: Request,
+        body: ChatCompletionRequest,
+        key: KeyRecord = Depends(key_of),
+        idempotency_key: str | None = Header(None),
+        x_rlens_stream: str | None = Header(None),
+    ):
         """Answer a conversation (multiple choice with rlens.choices, model rlens-focal; open-ended: rlens-rlae, or rlens-focal over sampled answers)."""
         return await ask(request, body, key, idempotency_key, x_rlens_stream)
 
     @app.post("/v1/completions", response_model=Completion, responses=ERRORS)
-    async def completions(request: Request, body: CompletionRequest, key: KeyRecord = Depends(key_of),
-                          idempotency_key: str | None = Header(None), x_rlens_stream: str | None = Header(None)):
+    async def completions(
+        request: Request,
+        body: CompletionRequest,
+        key: KeyRecord = Depends(key_of),
+        idempotency_key: str | None = Header(None),
+        x_rlens_stream: str | None = Header(None),
+    ):
         """Answer a prompt (multiple choice with rlens.choices, model rlens-focal; open-ended: rlens-rlae, or rlens-focal over sampled answers)."""
         return await ask(request, body, key, idempotency_key, x_rlens_stream)
 
-    @app.get("/v1/answers/{query_id}", response_model=ChatCompletion | Completion, responses={**ERRORS, 202: {"model": AnswerStatus}})
+    @app.get(
+        "/v1/answers/{query_id}",
+        response_model=ChatCompletion | Completion,
+        responses={**ERRORS, 202: {"model": AnswerStatus}},
+    )
     async def answers(query_id: str, key: KeyRecord = Depends(key_of)):
         """A query's answer (e.g. after a 504), for as long as the gateway retains it; 202 while it is pending."""
         record = await gateway.owned_query(key, query_id)
@@ -449,7 +684,12 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
             return JSONResponse(AnswerStatus(id=query_id).model_dump(), 202)
         return answer_response(answer, record.model, record.chat, stream=False)
 
-    @app.post("/v1/feedback", response_model=FeedbackReceipt, status_code=202, responses={**ERRORS, 200: {"model": FeedbackReceipt}})
+    @app.post(
+        "/v1/feedback",
+        response_model=FeedbackReceipt,
+        status_code=202,
+        responses={**ERRORS, 200: {"model": FeedbackReceipt}},
+    )
     async def feedback_route(body: FeedbackRequest, key: KeyRecord = Depends(key_of)):
         """Rate an answer of this key's tenant once: 202 accepted; 200 duplicate (it had feedback; nothing changed)."""
         receipt = await gateway.feedback(key, body)
@@ -485,7 +725,9 @@ def run_gateway(settings: Settings) -> None:
         settings = settings.model_copy(update={"gateway_port": free_port()})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
-    uvicorn.run(create_gateway_app(settings), host=settings.gateway_host, port=settings.gateway_port, log_level="warning")
+    uvicorn.run(
+        create_gateway_app(settings), host=settings.gateway_host, port=settings.gateway_port, log_level="warning"
+    )
 
 
 OPENAPI_FILE = Path(__file__).resolve().parents[2] / "schemas" / "gateway.openapi.json"

@@ -31,8 +31,10 @@ from rlens.messages import DeadLetter, Message
 from rlens.settings import Settings
 
 M = TypeVar("M", bound=Message)
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # policies are large (RLAE-MAPPO over 4 models: 1.8 MB); the broker's topic limit must allow them
-BATCH_BYTES = 512 * 1024  # a producer batch of :func:`publish_batch` stays under a broker's default message limit (1 MB)
+# policies are large (RLAE-MAPPO over 4 models: 1.8 MB); the broker's topic limit must allow them
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# a producer batch of :func:`publish_batch` stays under a broker's default message limit (1 MB)
+BATCH_BYTES = 512 * 1024
 DEAD_LETTER_VALUE_BYTES = 4096  # a dead letter keeps this much of the value (its size and hash say the rest)
 log = logging.getLogger("rlens.kafka")
 
@@ -58,7 +60,9 @@ class Topics:
     @classmethod
     def from_settings(cls, settings: Settings) -> "Topics":
         p = settings.topic_prefix
-        return cls(f"{p}queries", f"{p}answers", f"{p}feedback", f"{p}experience", f"{p}policy", f"{p}dead-letter", f"{p}drift")
+        return cls(
+            f"{p}queries", f"{p}answers", f"{p}feedback", f"{p}experience", f"{p}policy", f"{p}dead-letter", f"{p}drift"
+        )
 
 
 def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBroker:
@@ -67,9 +71,15 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
 
     security = None
     protocol = settings.kafka_security_protocol.upper()
-    context = ssl.create_default_context(cafile=str(settings.kafka_ssl_cafile) if settings.kafka_ssl_cafile else None) if "SSL" in protocol else None
+    context = (
+        ssl.create_default_context(cafile=str(settings.kafka_ssl_cafile) if settings.kafka_ssl_cafile else None)
+        if "SSL" in protocol
+        else None
+    )
     if protocol.startswith("SASL"):
-        mechanism = {"PLAIN": SASLPlaintext, "SCRAM-SHA-256": SASLScram256, "SCRAM-SHA-512": SASLScram512}.get((settings.kafka_sasl_mechanism or "PLAIN").upper())
+        mechanism = {"PLAIN": SASLPlaintext, "SCRAM-SHA-256": SASLScram256, "SCRAM-SHA-512": SASLScram512}.get(
+            (settings.kafka_sasl_mechanism or "PLAIN").upper()
+        )
         if mechanism is None:
             raise ValueError(f"unsupported RLENS_KAFKA_SASL_MECHANISM {settings.kafka_sasl_mechanism!r}")
         password = settings.kafka_sasl_password.get_secret_value() if settings.kafka_sasl_password else ""
@@ -81,8 +91,13 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
     logger = logging.getLogger("rlens.kafka")
     logger.setLevel(log_level)
     return KafkaBroker(
-        settings.kafka_bootstrap, security=security, logger=logger, log_level=logging.DEBUG,
-        max_batch_size=MAX_MESSAGE_BYTES, max_request_size=MAX_MESSAGE_BYTES, acks=-1 if settings.kafka_acks == "all" else 1,
+        settings.kafka_bootstrap,
+        security=security,
+        logger=logger,
+        log_level=logging.DEBUG,
+        max_batch_size=MAX_MESSAGE_BYTES,
+        max_request_size=MAX_MESSAGE_BYTES,
+        acks=-1 if settings.kafka_acks == "all" else 1,
         enable_idempotence=settings.kafka_idempotence,
     )
 
@@ -108,7 +123,11 @@ def parse_or_dead_letter(model: type[M], record: Any, consumer: str) -> M | Dead
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        reason = f"invalid JSON: {first['msg']}" if first["type"] == "json_invalid" else f"not a valid {model.__name__}: {where}: {first['msg']}"
+        reason = (
+            f"invalid JSON: {first['msg']}"
+            if first["type"] == "json_invalid"
+            else f"not a valid {model.__name__}: {where}: {first['msg']}"
+        )
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
         reason = f"unreadable {model.__name__}: {exc}"
     return dead_letter(record, reason, consumer)
@@ -161,10 +180,19 @@ async def publish_batch(broker: KafkaBroker, topic: str, messages: Sequence[Mess
 
 async def publish_dead_letters(publisher: Any, letters: list[DeadLetter]) -> None:
     """Publish dead letters; one the broker refuses is logged (coordinates and reason) instead."""
-    results = await asyncio.gather(*(publisher.publish(d.model_dump_json().encode(), key=_key(d)) for d in letters), return_exceptions=True)
+    results = await asyncio.gather(
+        *(publisher.publish(d.model_dump_json().encode(), key=_key(d)) for d in letters), return_exceptions=True
+    )
     for letter, result in zip(letters, results):
         if isinstance(result, BaseException):
-            log.error("could not publish the dead letter of %s:%d@%d (%s): %s", letter.topic, letter.partition, letter.offset, letter.reason, result)
+            log.error(
+                "could not publish the dead letter of %s:%d@%d (%s): %s",
+                letter.topic,
+                letter.partition,
+                letter.offset,
+                letter.reason,
+                result,
+            )
 
 
 def _key(message: Message) -> bytes | None:
@@ -184,7 +212,11 @@ async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[st
     try:
         existing = set(await admin.list_topics())
         replication = settings.kafka_replication
-        wanted = [NewTopic(t, partitions if t == topics.queries else 1, replication) for t in (*vars(topics).values(), *extra) if t not in existing]
+        wanted = [
+            NewTopic(t, partitions if t == topics.queries else 1, replication)
+            for t in (*vars(topics).values(), *extra)
+            if t not in existing
+        ]
         if wanted:
             try:
                 await admin.create_topics(wanted)

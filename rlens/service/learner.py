@@ -81,7 +81,17 @@ from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftMonitor, signals_of_outcome
 from rlens.messages import EXPERIENCE, AnyExperience, DeadLetter, DriftEvent, Feedback, Message, Policy
 from rlens.service.dashboard import Dashboard, dashboard_routes
-from rlens.service.kafka import Topics, app_logger, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish, publish_dead_letters, typed_publisher
+from rlens.service.kafka import (
+    Topics,
+    app_logger,
+    dead_letter,
+    keep_bytes,
+    make_broker,
+    parse_or_dead_letter,
+    publish,
+    publish_dead_letters,
+    typed_publisher,
+)
 from rlens.service.online import FeedbackError, OnlineTrainer
 from rlens.service.metrics import LearnerMetrics, StreamLabels, dead_letter_kind, http_routes, not_ready, settings_url
 from rlens.service.pending import Pending, PendingHalves
@@ -127,16 +137,31 @@ class LearnerStats:
 
 
 class LearnerCore:
-    def __init__(self, trainer: OnlineTrainer, models: list[str], windows: RedisWindows, checkpoints: CheckpointStore,
-                 signer: PolicySigner, tokens: FeedbackTokens, pending_limit: int = 100_000, pending_ttl_s: float = 3600.0,
-                 pending_bytes: int = 256 * 2**20, pending_per_stream: int = 10_000, done_limit: int = 200_000, redis_wait_s: float = 10.0,
-                 backlog_limit: int = 100_000, checkpoint_every_s: float = 5.0, drift: DriftMonitor | None = None,
-                 drift_keep: int | None = None):
+    def __init__(
+        self,
+        trainer: OnlineTrainer,
+        models: list[str],
+        windows: RedisWindows,
+        checkpoints: CheckpointStore,
+        signer: PolicySigner,
+        tokens: FeedbackTokens,
+        pending_limit: int = 100_000,
+        pending_ttl_s: float = 3600.0,
+        pending_bytes: int = 256 * 2**20,
+        pending_per_stream: int = 10_000,
+        done_limit: int = 200_000,
+        redis_wait_s: float = 10.0,
+        backlog_limit: int = 100_000,
+        checkpoint_every_s: float = 5.0,
+        drift: DriftMonitor | None = None,
+        drift_keep: int | None = None,
+    ):
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.signer, self.tokens = signer, tokens
         self.pending_limit, self.pending_ttl_s, self.done_limit = pending_limit, pending_ttl_s, done_limit
         self.redis_wait_s, self.backlog_limit = redis_wait_s, backlog_limit
-        self.window_backlog: deque[list] = deque()  # [stream, query id, predictions, label, reward] not yet in Redis, oldest first
+        # [stream, query id, predictions, label, reward] not yet in Redis, oldest first
+        self.window_backlog: deque[list] = deque()
         self._redis_retry_at = 0.0  # after a bounded wait gave up: no new try before this (monotonic clock)
         self.epoch = time.time_ns() // 1_000_000
         self.version = 0
@@ -153,7 +178,11 @@ class LearnerCore:
         self.checkpoint_every_s = checkpoint_every_s
         self.last_checkpoint = float("-inf")  # monotonic time of the newest checkpoint
         self.checkpointed_version = 0
-        self.drift, self.drift_keep = drift, drift_keep  # drift_keep: trim a drifted stream's window to this many outcomes (None: no reaction)
+        # drift_keep: trim a drifted stream's window to this many outcomes (None: no reaction)
+        self.drift, self.drift_keep = (
+            drift,
+            drift_keep,
+        )
         self.drift_events: list[DriftEvent] = []  # detections since the app last took them
         self.dashboard = Dashboard(trainer.strategy, models)
         restored = trainer.load(checkpoints)
@@ -206,12 +235,18 @@ class LearnerCore:
 
     def below_offsets(self, records) -> set[str]:
         """The "topic:partition" keys of records below the offsets the state reflects (redeliveries, or a new log)."""
-        return {f"{r.topic}:{r.partition}" for r in records if r.offset < self.offsets.get(f"{r.topic}:{r.partition}", 0)}
+        return {
+            f"{r.topic}:{r.partition}" for r in records if r.offset < self.offsets.get(f"{r.topic}:{r.partition}", 0)
+        }
 
     def new_log(self, key: str, log_end: int) -> None:
         """Partition ``key`` restarted from offset 0 (its log ends at ``log_end``, below our offset): read it anew."""
-        log.warning("%s ends at offset %d, below the %d this learner reached: a new log (broker data lost?); reading it from the start",
-                    key, log_end, self.offsets[key])
+        log.warning(
+            "%s ends at offset %d, below the %d this learner reached: a new log (broker data lost?); reading it from the start",
+            key,
+            log_end,
+            self.offsets[key],
+        )
         self.offsets[key] = 0
         self.checkpointed_offsets[key] = 0
         self.stats.new_logs += 1
@@ -229,10 +264,16 @@ class LearnerCore:
         for dropped, why in pending.add(query_id, Pending(at, len(record.value or b""), message, coordinates)):
             self.stats.evicted += 1
             self._drop(dropped, f"unmatched {kind} dropped: the learner's pending {kind} reached {why}")
-        for halves, name, missing in ((self.experience, "experience", "feedback"), (self.feedback, "feedback", "experience")):
+        for halves, name, missing in (
+            (self.experience, "experience", "feedback"),
+            (self.feedback, "feedback", "experience"),
+        ):
             for dropped in halves.expire(self.clock - self.pending_ttl_s):
                 self.stats.expired += 1
-                self._drop(dropped, f"{name} expired: no {missing} within {self.pending_ttl_s:g} s (event time); not trained on, there is no default reward")
+                self._drop(
+                    dropped,
+                    f"{name} expired: no {missing} within {self.pending_ttl_s:g} s (event time); not trained on, there is no default reward",
+                )
 
     def _drop(self, dropped: Pending, reason: str) -> None:
         self.dropped.append(DeadLetter.model_validate({**dropped.record, "reason": reason, "at": time.time()}))
@@ -257,12 +298,26 @@ class LearnerCore:
             detected = True
             before = None if math.isnan(found.mean_before) else found.mean_before
             event = DriftEvent(
-                stream=stream, signal=signal, detector=self.drift.config.detector, position=found.position, query_id=query_id,
-                mean_before=before, mean_after=found.mean_after, window=found.window, at=time.time(),
+                stream=stream,
+                signal=signal,
+                detector=self.drift.config.detector,
+                position=found.position,
+                query_id=query_id,
+                mean_before=before,
+                mean_after=found.mean_after,
+                window=found.window,
+                at=time.time(),
             )
             self.drift_events.append(event)
             self.dashboard.observe_drift(event)
-            log.info("drift on stream %s, %s: %s -> %.2f (value %d)", stream, signal, "?" if before is None else f"{before:.2f}", found.mean_after, found.position)
+            log.info(
+                "drift on stream %s, %s: %s -> %.2f (value %d)",
+                stream,
+                signal,
+                "?" if before is None else f"{before:.2f}",
+                found.mean_after,
+                found.position,
+            )
             if self.metrics is not None:
                 self.metrics.drift_events.labels(self.metrics.stream(stream), signal).inc()
         return detected
@@ -304,7 +359,11 @@ class LearnerCore:
         if qid in self.feedback:
             held = self.feedback.pop(qid)
             return await self._join(experience, held.message, held.record, held.at - event_time(record))
-        coordinates = {**dead_letter(record, "", "learner").model_dump(), "value_b64": ""}  # the experience itself is held apart
+        # the experience itself is held apart
+        coordinates = {
+            **dead_letter(record, "", "learner").model_dump(),
+            "value_b64": "",
+        }
         self._hold(self.experience, qid, experience, record, coordinates)
         return None, None
 
@@ -312,7 +371,9 @@ class LearnerCore:
         qid = feedback.query_id
         if not self.tokens.valid(qid, feedback.token):
             self.stats.forged_feedback += 1
-            return None, dead_letter(record, f"feedback token does not match query {qid} (not from its answer)", "learner")
+            return None, dead_letter(
+                record, f"feedback token does not match query {qid} (not from its answer)", "learner"
+            )
         if qid in self.done or qid in self.feedback:
             self.stats.duplicates += 1
             return None, None
@@ -323,12 +384,16 @@ class LearnerCore:
         self._hold(self.feedback, qid, feedback, record, coordinates)
         return None, None
 
-    async def _join(self, experience: AnyExperience, feedback: Feedback, record: dict, delay_s: float) -> tuple[Policy | None, DeadLetter | None]:
+    async def _join(
+        self, experience: AnyExperience, feedback: Feedback, record: dict, delay_s: float
+    ) -> tuple[Policy | None, DeadLetter | None]:
         """Train on the pair; ``delay_s``: how long after the experience its feedback was written (event time)."""
         self._remember_done(experience.query_id)
         try:
             if feedback.stream is not None and feedback.stream != experience.stream:
-                raise FeedbackError(f"feedback for stream {feedback.stream!r}, query {experience.query_id} is on stream {experience.stream!r}")
+                raise FeedbackError(
+                    f"feedback for stream {feedback.stream!r}, query {experience.query_id} is on stream {experience.stream!r}"
+                )
             reward = self.trainer.reward(experience, feedback)
         except FeedbackError as exc:
             self.stats.invalid_feedback += 1
@@ -341,10 +406,21 @@ class LearnerCore:
         self.trainer.remember(experience, feedback, reward)
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
-        label = (row[1] if row[1] >= 0 else None) if row is not None else feedback.label  # open-ended rl_focal: the reference's candidate
-        signals = signals_of_outcome(getattr(experience, "answer_index", None), label, reward, getattr(experience, "predictions", None), self.models)
+        # open-ended rl_focal: the reference's candidate
+        label = (row[1] if row[1] >= 0 else None) if row is not None else feedback.label
+        signals = signals_of_outcome(
+            getattr(experience, "answer_index", None),
+            label,
+            reward,
+            getattr(experience, "predictions", None),
+            self.models,
+        )
         self.dashboard.observe_join(experience.stream, signals, reward, delay_s)
-        if self._observe_drift(experience.stream, signals, experience.query_id) and self.drift_keep is not None and row is not None:
+        if (
+            self._observe_drift(experience.stream, signals, experience.query_id)
+            and self.drift_keep is not None
+            and row is not None
+        ):
             await self._react_to_drift(experience.stream, self.drift_keep)
         self.stats.joined += 1
         if self.trainer.update_due():
@@ -362,7 +438,8 @@ class LearnerCore:
         delay, waited = 0.05, 0.0
         while self.window_backlog and time.monotonic() >= self._redis_retry_at:
             batch = list(itertools.islice(self.window_backlog, APPLY_BATCH))
-            errors = [self.windows.row_error(*outcome[2:]) for outcome in batch]  # a row no window can hold is dropped, never blocks the others
+            # a row no window can hold is dropped, never blocks the others
+            errors = [self.windows.row_error(*outcome[2:]) for outcome in batch]
             try:
                 applied = await self.windows.apply_many([outcome for outcome, error in zip(batch, errors) if not error])
                 for outcome, error in zip(batch, errors):
@@ -373,7 +450,11 @@ class LearnerCore:
             except (RedisError, OSError) as exc:
                 self.stats.redis_retries += 1
                 if waited >= self.redis_wait_s:
-                    log.warning("Redis unreachable (%s): %d outcomes wait in the backlog; next try in 2 s", exc, len(self.window_backlog))
+                    log.warning(
+                        "Redis unreachable (%s): %d outcomes wait in the backlog; next try in 2 s",
+                        exc,
+                        len(self.window_backlog),
+                    )
                     self._redis_retry_at = time.monotonic() + 2.0
                     break
                 log.warning("Redis unreachable (%s); retrying in %.2f s", exc, delay)
@@ -412,11 +493,19 @@ class LearnerCore:
         self.dashboard.observe_policy(self.version)
         if self.checkpoint_due():
             self.checkpoint()
-        log.info("update %d: policy v%d (epoch %d), %d transitions joined", self.stats.updates, self.version, self.epoch, self.stats.joined)
+        log.info(
+            "update %d: policy v%d (epoch %d), %d transitions joined",
+            self.stats.updates,
+            self.version,
+            self.epoch,
+            self.stats.joined,
+        )
         return self.current_policy()
 
     def current_policy(self) -> Policy:
-        return encode_policy(self.trainer.policy_tensors(), self.version, self.epoch, self.models, self.trainer.strategy, self.signer)
+        return encode_policy(
+            self.trainer.policy_tensors(), self.version, self.epoch, self.models, self.trainer.strategy, self.signer
+        )
 
 
 def consumer_of(message: KafkaMessage) -> AIOKafkaConsumer:
@@ -432,19 +521,28 @@ def lease_holder(core: LearnerCore) -> str:
 async def claim_group(settings: Settings, core: LearnerCore) -> None:
     """One learner per consumer group: take the group's lease in Redis, or RuntimeError naming who holds it. A holder
     on our checkpoint directory is gone (we hold that directory's lock): a restart after a crash takes over."""
-    windows = RedisWindows(Redis.from_url(settings.redis_url.get_secret_value(), socket_connect_timeout=2), core.windows.n_models, 1, settings.redis_prefix)
+    windows = RedisWindows(
+        Redis.from_url(settings.redis_url.get_secret_value(), socket_connect_timeout=2),
+        core.windows.n_models,
+        1,
+        settings.redis_prefix,
+    )
     me = lease_holder(core)
     try:
         holder = await windows.lease(settings.learner_group, me)
         if holder is not None and holder.split("|", 1)[-1] == me.split("|", 1)[-1]:
             holder = await windows.lease(settings.learner_group, me, take_over=True)
     except (RedisError, OSError) as exc:
-        log.warning("Redis unreachable (%s): cannot check that no other learner runs in group %s", exc, settings.learner_group)
+        log.warning(
+            "Redis unreachable (%s): cannot check that no other learner runs in group %s", exc, settings.learner_group
+        )
         holder = None
     finally:
         await windows.redis.aclose()
     if holder is not None:
-        raise RuntimeError(f"learner {holder.split('|')[0]} holds consumer group {settings.learner_group!r}: one learner per group (stop it, or wait {LEASE_TTL_S} s after it died)")
+        raise RuntimeError(
+            f"learner {holder.split('|')[0]} holds consumer group {settings.learner_group!r}: one learner per group (stop it, or wait {LEASE_TTL_S} s after it died)"
+        )
 
 
 def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFastStream:
@@ -461,13 +559,29 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         metrics.checkpoint_age.set_function(lambda: time.monotonic() - core.last_checkpoint)
     topics = Topics.from_settings(settings)
     broker = make_broker(settings)
-    policies_out = typed_publisher(broker, topics.policy, Policy, "learner", "a new version of every agent's weights after each update")
-    dead_letters = typed_publisher(broker, topics.dead_letter, DeadLetter, "learner", "feedback and experience that could not be used, with the reason")
-    drift_out = typed_publisher(broker, topics.drift, DriftEvent, "learner", "a change found in one signal of one stream (rlens.drift)")
+    policies_out = typed_publisher(
+        broker, topics.policy, Policy, "learner", "a new version of every agent's weights after each update"
+    )
+    dead_letters = typed_publisher(
+        broker,
+        topics.dead_letter,
+        DeadLetter,
+        "learner",
+        "feedback and experience that could not be used, with the reason",
+    )
+    drift_out = typed_publisher(
+        broker, topics.drift, DriftEvent, "learner", "a change found in one signal of one stream (rlens.drift)"
+    )
     options: dict[str, Any] = {
-        "group_id": settings.learner_group, "batch": True, "max_records": 256, "batch_timeout_ms": 20, "auto_offset_reset": "earliest",
-        "ack_policy": AckPolicy.MANUAL, "decoder": keep_bytes,
-        "session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms,
+        "group_id": settings.learner_group,
+        "batch": True,
+        "max_records": 256,
+        "batch_timeout_ms": 20,
+        "auto_offset_reset": "earliest",
+        "ack_policy": AckPolicy.MANUAL,
+        "decoder": keep_bytes,
+        "session_timeout_ms": settings.kafka_session_timeout_ms,
+        "heartbeat_interval_ms": settings.kafka_heartbeat_ms,
         "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
     }
     lease_name = lease_holder(core) if core else ""
@@ -503,14 +617,20 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
                     await dead_letter_out([parsed])  # before any checkpoint can mark this record as done
                     continue
                 try:
-                    policy, rejected = await (live.on_feedback(parsed, record) if model is Feedback else live.on_experience(parsed, record))
+                    policy, rejected = await (
+                        live.on_feedback(parsed, record) if model is Feedback else live.on_experience(parsed, record)
+                    )
                 except Exception as exc:  # one record's failure must not stop the others
                     log.exception("record %s:%d@%d failed", record.topic, record.partition, record.offset)
                     live.stats.failed_records += 1
-                    policy, rejected = None, dead_letter(record, f"learner failed on it: {type(exc).__name__}: {exc}", "learner")
+                    policy, rejected = (
+                        None,
+                        dead_letter(record, f"learner failed on it: {type(exc).__name__}: {exc}", "learner"),
+                    )
                 await dead_letter_out(([rejected] if rejected else []) + live.take_dead_letters())
                 await publish(drift_out, live.take_drift_events())
-                await publish(policies_out, [policy] if policy else [])  # a restart re-announces its checkpoint's policy under a new epoch
+                # a restart re-announces its checkpoint's policy under a new epoch
+                await publish(policies_out, [policy] if policy else [])
             await live.apply_windows()  # the batch's outcomes, in one round trip
             metrics.pending.labels("experience").set(len(live.experience))
             metrics.pending.labels("feedback").set(len(live.feedback))
@@ -519,23 +639,35 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
             if live.checkpoint_due():
                 await asyncio.to_thread(live.checkpoint)  # off the event loop (the lock keeps the state still)
             if committed.get(topic) != live.checkpoints.count:
-                offsets = {tp: o for tp, o in live.commit_offsets(topic).items() if tp in consumer_of(message).assignment()}
+                offsets = {
+                    tp: o for tp, o in live.commit_offsets(topic).items() if tp in consumer_of(message).assignment()
+                }
                 if offsets:
                     await consumer_of(message).commit(offsets)
                 committed[topic] = live.checkpoints.count
 
     experience_model = core.trainer.experience if core else EXPERIENCE[settings.strategy]
 
-    @broker.subscriber(topics.experience, description=f"JSON {experience_model.__name__} messages from the {settings.strategy} workers", **options)
+    @broker.subscriber(
+        topics.experience,
+        description=f"JSON {experience_model.__name__} messages from the {settings.strategy} workers",
+        **options,
+    )
     async def on_experience(bodies: list[bytes], message: KafkaMessage) -> None:
         await handle(message, experience_model, topics.experience)
 
-    @broker.subscriber(topics.feedback, description="JSON Feedback messages: label, reference or reward per query id, any delay, duplicates allowed (schemas/messages/feedback.schema.json)", **options)
+    @broker.subscriber(
+        topics.feedback,
+        description="JSON Feedback messages: label, reference or reward per query id, any delay, duplicates allowed (schemas/messages/feedback.schema.json)",
+        **options,
+    )
     async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
         await handle(message, Feedback, topics.feedback)
 
     joined: list[bool] = []
-    routes = http_routes(registry, lambda: not_ready(core, joined)) + (dashboard_routes(core.dashboard.snapshot) if core else [])
+    routes = http_routes(registry, lambda: not_ready(core, joined)) + (
+        dashboard_routes(core.dashboard.snapshot) if core else []
+    )
     app = AsgiFastStream(broker, asgi_routes=routes, logger=app_logger())
 
     @app.on_startup
@@ -566,7 +698,14 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
             await publish(policies_out, [live.current_policy()])
         joined.append(True)
         background.append(asyncio.create_task(live.windows.keep_ready("learner", live.name, settings_url(settings))))
-        log.info("learner %s ready (%s): policy v%d, epoch %d; metrics, health and the dashboard on %s", live.name, settings.strategy, live.version, live.epoch, settings_url(settings))
+        log.info(
+            "learner %s ready (%s): policy v%d, epoch %d; metrics, health and the dashboard on %s",
+            live.name,
+            settings.strategy,
+            live.version,
+            live.epoch,
+            settings_url(settings),
+        )
 
     @app.on_shutdown
     async def final_checkpoint() -> None:

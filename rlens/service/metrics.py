@@ -25,12 +25,22 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 # dead-letter reasons (their opening words) -> the label of their kind: a small, fixed set
 DEAD_LETTER_KINDS = (
-    ("invalid JSON", "unreadable"), ("unreadable", "unreadable"), ("not a valid", "invalid"),
-    ("multiple-choice query", "wrong_strategy"), ("query id", "duplicate"),
-    ("answering failed", "failed"), ("reply_to", "invalid"), ("learner failed", "failed"), ("policy v", "policy_rejected"),
-    ("feedback token", "forged_feedback"), ("experience does not fit", "experience_mismatch"),
-    ("unmatched", "evicted"), ("experience expired", "expired"), ("feedback expired", "expired"),
-    ("feedback for", "feedback_mismatch"), ("label ", "feedback_mismatch"),
+    ("invalid JSON", "unreadable"),
+    ("unreadable", "unreadable"),
+    ("not a valid", "invalid"),
+    ("multiple-choice query", "wrong_strategy"),
+    ("query id", "duplicate"),
+    ("answering failed", "failed"),
+    ("reply_to", "invalid"),
+    ("learner failed", "failed"),
+    ("policy v", "policy_rejected"),
+    ("feedback token", "forged_feedback"),
+    ("experience does not fit", "experience_mismatch"),
+    ("unmatched", "evicted"),
+    ("experience expired", "expired"),
+    ("feedback expired", "expired"),
+    ("feedback for", "feedback_mismatch"),
+    ("label ", "feedback_mismatch"),
 )
 
 
@@ -85,43 +95,129 @@ class WorkerMetrics:
         self.stream = streams
         self.queries = Counter("rlens_worker_queries", "queries taken, by stream", ["stream"], registry=registry)
         self.answers = Counter("rlens_worker_answers", "answers published, by stream", ["stream"], registry=registry)
-        self.no_model_answered = Counter("rlens_worker_no_model_answered", "answers with no model behind them (every called model failed)", registry=registry)
-        self.dead_letters = Counter("rlens_worker_dead_letters", "messages dead-lettered, by kind", ["kind"], registry=registry)
-        self.batch_size = Histogram("rlens_worker_batch_size", "queries per batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
-        self.stage_seconds = Histogram("rlens_worker_stage_seconds", "seconds per batch in each stage", ["stage"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.models_called = Histogram("rlens_worker_models_called", "models called per query", buckets=tuple(range(0, 21)), registry=registry)
-        self.model_selected = Counter("rlens_worker_model_selected", "queries whose pool held the model", ["model"], registry=registry)
-        self.model_failures = Counter("rlens_worker_model_failures", "calls of a model that failed, by kind (deadline, refused, error)", ["model", "kind"], registry=registry)
+        self.no_model_answered = Counter(
+            "rlens_worker_no_model_answered",
+            "answers with no model behind them (every called model failed)",
+            registry=registry,
+        )
+        self.dead_letters = Counter(
+            "rlens_worker_dead_letters", "messages dead-lettered, by kind", ["kind"], registry=registry
+        )
+        self.batch_size = Histogram(
+            "rlens_worker_batch_size", "queries per batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry
+        )
+        self.stage_seconds = Histogram(
+            "rlens_worker_stage_seconds",
+            "seconds per batch in each stage",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.models_called = Histogram(
+            "rlens_worker_models_called", "models called per query", buckets=tuple(range(0, 21)), registry=registry
+        )
+        self.model_selected = Counter(
+            "rlens_worker_model_selected", "queries whose pool held the model", ["model"], registry=registry
+        )
+        self.model_failures = Counter(
+            "rlens_worker_model_failures",
+            "calls of a model that failed, by kind (deadline, refused, error)",
+            ["model", "kind"],
+            registry=registry,
+        )
         self.policy_version = Gauge("rlens_worker_policy_version", "version of the policy in use", registry=registry)
-        self.policy_epoch = Gauge("rlens_worker_policy_epoch", "epoch (learner start, ms) of the policy in use", registry=registry)
-        self.window_reliability = Gauge("rlens_worker_window_reliability", "each model's reliability in a stream's window (Laplace-smoothed accuracy when called), as the worker last read it",
-                                        ["stream", "model"], registry=registry)
-        self.reply_failures = Counter("rlens_worker_reply_failures", "answers a gateway's reply topic did not take in time (they are on the answers topic)", registry=registry)
-        self.policies_rejected = Counter("rlens_worker_policies_rejected", "policies refused (forged, non-finite, not for this pool)", registry=registry)
+        self.policy_epoch = Gauge(
+            "rlens_worker_policy_epoch", "epoch (learner start, ms) of the policy in use", registry=registry
+        )
+        self.window_reliability = Gauge(
+            "rlens_worker_window_reliability",
+            "each model's reliability in a stream's window (Laplace-smoothed accuracy when called), as the worker last read it",
+            ["stream", "model"],
+            registry=registry,
+        )
+        self.reply_failures = Counter(
+            "rlens_worker_reply_failures",
+            "answers a gateway's reply topic did not take in time (they are on the answers topic)",
+            registry=registry,
+        )
+        self.policies_rejected = Counter(
+            "rlens_worker_policies_rejected",
+            "policies refused (forged, non-finite, not for this pool)",
+            registry=registry,
+        )
 
 
 class LearnerMetrics:
     def __init__(self, registry: CollectorRegistry, streams: StreamLabels):
         self.stream = streams
-        self.records = Counter("rlens_learner_records", "experience and feedback records read, by topic kind", ["kind"], registry=registry)
-        self.joined = Counter("rlens_learner_joined", "transitions joined (experience with its feedback), by stream", ["stream"], registry=registry)
-        self.dead_letters = Counter("rlens_learner_dead_letters", "records dead-lettered, by kind", ["kind"], registry=registry)
-        self.feedback_delay = Histogram("rlens_learner_feedback_delay_seconds", "feedback record time minus experience record time, per join",
-                                        buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300, 1800, 3600), registry=registry)
-        self.reward = Gauge("rlens_learner_reward", "rolling mean reward (EWMA, weight 0.05 per join), by stream", ["stream"], registry=registry)
+        self.records = Counter(
+            "rlens_learner_records", "experience and feedback records read, by topic kind", ["kind"], registry=registry
+        )
+        self.joined = Counter(
+            "rlens_learner_joined",
+            "transitions joined (experience with its feedback), by stream",
+            ["stream"],
+            registry=registry,
+        )
+        self.dead_letters = Counter(
+            "rlens_learner_dead_letters", "records dead-lettered, by kind", ["kind"], registry=registry
+        )
+        self.feedback_delay = Histogram(
+            "rlens_learner_feedback_delay_seconds",
+            "feedback record time minus experience record time, per join",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 60, 300, 1800, 3600),
+            registry=registry,
+        )
+        self.reward = Gauge(
+            "rlens_learner_reward",
+            "rolling mean reward (EWMA, weight 0.05 per join), by stream",
+            ["stream"],
+            registry=registry,
+        )
         self.pending = Gauge("rlens_learner_pending", "unmatched halves held, by kind", ["kind"], registry=registry)
         self.window_backlog = Gauge("rlens_learner_window_backlog", "outcomes waiting for Redis", registry=registry)
-        self.updates = Counter("rlens_learner_updates", "policy updates, by outcome (applied, undone)", ["outcome"], registry=registry)
-        self.update_seconds = Histogram("rlens_learner_update_seconds", "seconds per update", buckets=LATENCY_BUCKETS, registry=registry)
-        self.policy_version = Gauge("rlens_learner_policy_version", "newest policy version published", registry=registry)
-        self.checkpoint_age = Gauge("rlens_learner_checkpoint_age_seconds", "seconds since the newest checkpoint", registry=registry)
-        self.accuracy = Gauge("rlens_learner_accuracy", "rolling share of right answers (EWMA, weight 0.05 per join), by stream", ["stream"], registry=registry)
-        self.model_accuracy = Gauge("rlens_learner_model_accuracy", "rolling share of right top choices of each called model (EWMA, weight 0.05), by stream and model",
-                                    ["stream", "model"], registry=registry)
-        self.confidence = Gauge("rlens_learner_confidence", "rolling label-free confidence of the answers (EWMA, weight 0.05), by stream", ["stream"], registry=registry)
-        self.drift_events = Counter("rlens_learner_drift_events", "drift detections, by stream and signal (outcome, confidence, model:<name>)", ["stream", "signal"], registry=registry)
-        self.last_update = Gauge("rlens_learner_last_update", "statistics of the newest update: policy_loss, value_loss, entropy, and each agent's (decider_policy_loss, decider_entropy, fusion_...)",
-                                 ["stat"], registry=registry)
+        self.updates = Counter(
+            "rlens_learner_updates", "policy updates, by outcome (applied, undone)", ["outcome"], registry=registry
+        )
+        self.update_seconds = Histogram(
+            "rlens_learner_update_seconds", "seconds per update", buckets=LATENCY_BUCKETS, registry=registry
+        )
+        self.policy_version = Gauge(
+            "rlens_learner_policy_version", "newest policy version published", registry=registry
+        )
+        self.checkpoint_age = Gauge(
+            "rlens_learner_checkpoint_age_seconds", "seconds since the newest checkpoint", registry=registry
+        )
+        self.accuracy = Gauge(
+            "rlens_learner_accuracy",
+            "rolling share of right answers (EWMA, weight 0.05 per join), by stream",
+            ["stream"],
+            registry=registry,
+        )
+        self.model_accuracy = Gauge(
+            "rlens_learner_model_accuracy",
+            "rolling share of right top choices of each called model (EWMA, weight 0.05), by stream and model",
+            ["stream", "model"],
+            registry=registry,
+        )
+        self.confidence = Gauge(
+            "rlens_learner_confidence",
+            "rolling label-free confidence of the answers (EWMA, weight 0.05), by stream",
+            ["stream"],
+            registry=registry,
+        )
+        self.drift_events = Counter(
+            "rlens_learner_drift_events",
+            "drift detections, by stream and signal (outcome, confidence, model:<name>)",
+            ["stream", "signal"],
+            registry=registry,
+        )
+        self.last_update = Gauge(
+            "rlens_learner_last_update",
+            "statistics of the newest update: policy_loss, value_loss, entropy, and each agent's (decider_policy_loss, decider_entropy, fusion_...)",
+            ["stat"],
+            registry=registry,
+        )
         self._reward: dict[str, float] = {}
         self._signals: dict[tuple[str, str], float] = {}
 
@@ -150,17 +246,41 @@ class LearnerMetrics:
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry):
-        self.requests = Counter("rlens_gateway_requests", "HTTP requests, by route and status code", ["route", "code"], registry=registry)
-        self.request_seconds = Histogram("rlens_gateway_request_seconds", "seconds per request, by route", ["route"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.requests = Counter(
+            "rlens_gateway_requests", "HTTP requests, by route and status code", ["route", "code"], registry=registry
+        )
+        self.request_seconds = Histogram(
+            "rlens_gateway_request_seconds",
+            "seconds per request, by route",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.waiting = Gauge("rlens_gateway_waiting", "requests waiting for their answers", registry=registry)
-        self.timeouts = Counter("rlens_gateway_timeouts", "requests answered 504 (no answer in time)", registry=registry)
+        self.timeouts = Counter(
+            "rlens_gateway_timeouts", "requests answered 504 (no answer in time)", registry=registry
+        )
         self.rate_limited = Counter("rlens_gateway_rate_limited", "requests refused with 429", registry=registry)
-        self.idempotent_replays = Counter("rlens_gateway_idempotent_replays", "requests that repeated an Idempotency-Key", registry=registry)
-        self.replies = Counter("rlens_gateway_replies", "answers read from the reply topic, by outcome (stored, duplicate, unknown, forged, unreadable)", ["outcome"], registry=registry)
-        self.feedback = Counter("rlens_gateway_feedback", "feedback requests, by outcome (accepted, duplicate)", ["outcome"], registry=registry)
+        self.idempotent_replays = Counter(
+            "rlens_gateway_idempotent_replays", "requests that repeated an Idempotency-Key", registry=registry
+        )
+        self.replies = Counter(
+            "rlens_gateway_replies",
+            "answers read from the reply topic, by outcome (stored, duplicate, unknown, forged, unreadable)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.feedback = Counter(
+            "rlens_gateway_feedback",
+            "feedback requests, by outcome (accepted, duplicate)",
+            ["outcome"],
+            registry=registry,
+        )
 
 
-def http_routes(registry: CollectorRegistry, not_ready: Callable[[], Awaitable[str | None]]) -> list[tuple[str, ASGIApp]]:
+def http_routes(
+    registry: CollectorRegistry, not_ready: Callable[[], Awaitable[str | None]]
+) -> list[tuple[str, ASGIApp]]:
     """``/metrics``, ``/healthz`` and ``/readyz`` (``not_ready()``: why the process is not ready, or None)."""
 
     @get

@@ -124,7 +124,12 @@ class FocalOnlineTrainer(OnlineTrainer[Experience]):
         self.engine, self.models, self.extractor = engine, models, extractor
         self.optimizer = engine.optimizer
         m, k, marginal = len(models), len(engine.cfg.metrics), engine.cfg.marginal_diversity
-        self.dims = {"decider_state": decider_obs_dim(m, k, marginal), "critic_state": critic_state_dim(m, k, marginal), "pool": m, "predictions": m}
+        self.dims = {
+            "decider_state": decider_obs_dim(m, k, marginal),
+            "critic_state": critic_state_dim(m, k, marginal),
+            "pool": m,
+            "predictions": m,
+        }
         self.fusion_dim = fusion_feature_dim(m)
 
     def check(self, experience: Experience) -> str | None:
@@ -136,7 +141,9 @@ class FocalOnlineTrainer(OnlineTrainer[Experience]):
             return f"a multiple-choice query has at least 2 choices, this one {n}"
         if experience.candidates is not None and (len(experience.candidates) != n or n >= MAX_CHOICES):
             return f"an open-ended query's {len(experience.candidates)} candidates must be its {n} choices, at most {MAX_CHOICES - 1}"
-        if len(experience.fusion_features) != n or any(len(row) != self.fusion_dim for row in experience.fusion_features):
+        if len(experience.fusion_features) != n or any(
+            len(row) != self.fusion_dim for row in experience.fusion_features
+        ):
             return f"fusion_features must be [{n} choices, {self.fusion_dim}]"
         if experience.answer_index >= n or max(experience.predictions) >= n:
             return f"answer_index or a prediction is not one of the {n} choices"
@@ -149,12 +156,16 @@ class FocalOnlineTrainer(OnlineTrainer[Experience]):
         candidates, ``n_choices`` when none of them; None for a bare reward. :class:`FeedbackError` when it does not fit."""
         qid, n = experience.query_id, experience.n_choices
         if feedback.label is not None and feedback.label >= n:
-            raise FeedbackError(f"label {feedback.label} is not one of query {qid}'s {n} {'candidates' if experience.candidates is not None else 'choices'}")
+            raise FeedbackError(
+                f"label {feedback.label} is not one of query {qid}'s {n} {'candidates' if experience.candidates is not None else 'choices'}"
+            )
         if feedback.label is not None or feedback.reference is None:
             return feedback.label
         if experience.candidates is None:
             if feedback.reward is None:
-                raise FeedbackError(f"feedback for multiple-choice query {qid} needs a label or a reward, got only a reference")
+                raise FeedbackError(
+                    f"feedback for multiple-choice query {qid} needs a label or a reward, got only a reference"
+                )
             return None
         return label_of(feedback.reference, experience.candidates, self.extractor)
 
@@ -179,11 +190,28 @@ class FocalOnlineTrainer(OnlineTrainer[Experience]):
         """The Decider's reward is ``reward``; the Fusion agent's is the answer's correctness (no cost), or the
         feedback's own reward when it gives one."""
         pool = np.asarray(experience.pool, dtype=bool)
-        decision = Decision(experience.stream, pool, pool, np.asarray(experience.decider_state, np.float32), experience.pool_logp, experience.explored)
+        decision = Decision(
+            experience.stream,
+            pool,
+            pool,
+            np.asarray(experience.decider_state, np.float32),
+            experience.pool_logp,
+            experience.explored,
+        )
         features = np.asarray(experience.fusion_features, np.float32)
-        answer = EngineAnswer(experience.answer_index, np.zeros(len(features)), features, experience.answer_logp, np.asarray(experience.critic_state, np.float32))
+        answer = EngineAnswer(
+            experience.answer_index,
+            np.zeros(len(features)),
+            features,
+            experience.answer_logp,
+            np.asarray(experience.critic_state, np.float32),
+        )
         label = self.label(experience, feedback)
-        fusion_reward = feedback.reward if feedback.reward is not None else self.engine.fusion_reward(experience.answer_index == label)
+        fusion_reward = (
+            feedback.reward
+            if feedback.reward is not None
+            else self.engine.fusion_reward(experience.answer_index == label)
+        )
         self.engine.remember(decision, answer, reward, fusion_reward, label=-1 if label is None else label)
 
     def update_due(self) -> bool:
@@ -269,11 +297,16 @@ class RLAEOnlineTrainer(OnlineTrainer[RLAEExperience]):
         if feedback.reward is not None:
             return feedback.reward
         if feedback.reference is None:
-            raise FeedbackError(f"feedback for open-ended query {experience.query_id} needs a reference text or a reward, got only a label")
+            raise FeedbackError(
+                f"feedback for open-ended query {experience.query_id} needs a reference text or a reward, got only a label"
+            )
         return float(exact_match(experience.text, feedback.reference))
 
     def remember(self, experience: RLAEExperience, feedback: Feedback, reward: float) -> None:
-        spans = [Span(np.asarray(s.obs, np.float32), np.asarray(s.action, np.float32), s.logp, s.value) for s in experience.spans]
+        spans = [
+            Span(np.asarray(s.obs, np.float32), np.asarray(s.action, np.float32), s.logp, s.value)
+            for s in experience.spans
+        ]
         spans[-1].reward, spans[-1].last = reward, True
         self.fresh.append((experience.stream, spans))
 
@@ -289,9 +322,20 @@ class RLAEOnlineTrainer(OnlineTrainer[RLAEExperience]):
             with torch.no_grad():
                 values = self.policy.critic(torch.from_numpy(np.stack([s.obs for s in replayed]))).squeeze(-1).tolist()
             replayed = [replace(s, value=v) for s, v in zip(replayed, values)]
-        stats = update(self.policy, self.optimizer, [s for _, spans in self.fresh for s in spans] + replayed, self.cfg, self.generator)
+        stats = update(
+            self.policy,
+            self.optimizer,
+            [s for _, spans in self.fresh for s in spans] + replayed,
+            self.cfg,
+            self.generator,
+        )
         rewards = [spans[-1].reward for _, spans in self.fresh]
-        stats = {**stats, "episodes": len(rewards), "mean_reward": float(np.mean(rewards)), "rehearsed": sum(s.last for s in replayed)}
+        stats = {
+            **stats,
+            "episodes": len(rewards),
+            "mean_reward": float(np.mean(rewards)),
+            "rehearsed": sum(s.last for s in replayed),
+        }
         if self.rehearsal:
             for stream, spans in self.fresh:
                 kept = self.memory.setdefault(stream, [])
@@ -319,10 +363,22 @@ class RLAEOnlineTrainer(OnlineTrainer[RLAEExperience]):
             "action": torch.from_numpy(np.stack([s.action for s in spans])) if spans else torch.zeros(0, m),
         }
         payload = {
-            **state, "models": self.models, "config": asdict(self.cfg), "optimizer": meta, "fresh": len(self.fresh),
+            **state,
+            "models": self.models,
+            "config": asdict(self.cfg),
+            "optimizer": meta,
+            "fresh": len(self.fresh),
             "episodes": [[stream, [[s.logp, s.value, s.reward] for s in episode]] for stream, episode in episodes],
         }
-        return store.save(version, {"policy": self.policy.state_dict(), "optimizer": {**adam, "rng.torch": self.generator.get_state()}, "episodes": tensors}, payload)
+        return store.save(
+            version,
+            {
+                "policy": self.policy.state_dict(),
+                "optimizer": {**adam, "rng.torch": self.generator.get_state()},
+                "episodes": tensors,
+            },
+            payload,
+        )
 
     def load(self, store: CheckpointStore) -> dict | None:
         restored = store.load_latest()
@@ -336,7 +392,10 @@ class RLAEOnlineTrainer(OnlineTrainer[RLAEExperience]):
         obs, action, row = tensors["episodes"]["obs"].numpy(), tensors["episodes"]["action"].numpy(), 0
         episodes: list[Episode] = []
         for stream, spans in state["episodes"]:
-            episode = [Span(obs[row + k], action[row + k], logp, value, reward) for k, (logp, value, reward) in enumerate(spans)]
+            episode = [
+                Span(obs[row + k], action[row + k], logp, value, reward)
+                for k, (logp, value, reward) in enumerate(spans)
+            ]
             episode[-1].last = True
             episodes.append((stream, episode))
             row += len(spans)
@@ -357,7 +416,13 @@ class RLAEOnlineTrainer(OnlineTrainer[RLAEExperience]):
     def _check_run(self, where: Path, state: dict) -> None:
         if state["models"] != self.models:
             raise ValueError(f"{where} was trained on models {state['models']}, the pool is {self.models}")
-        theirs = {k: state["config"].get(k, "text" if k == "observe" else None) for k in ("variant", "span", "max_tokens", "observe")}  # runs before `observe` saw the text
+        # runs before `observe` saw the text
+        theirs = {
+            k: state["config"].get(k, "text" if k == "observe" else None)
+            for k in ("variant", "span", "max_tokens", "observe")
+        }
         ours = {k: getattr(self.cfg, k) for k in theirs}
         if theirs != ours:
-            raise ValueError(f"{where} holds an RLAE agent with {theirs}, the settings ask for {ours} (RLENS_RLAE_VARIANT / _SPAN / _MAX_TOKENS / _OBSERVE)")
+            raise ValueError(
+                f"{where} holds an RLAE agent with {theirs}, the settings ask for {ours} (RLENS_RLAE_VARIANT / _SPAN / _MAX_TOKENS / _OBSERVE)"
+            )

@@ -30,8 +30,14 @@ class RlensRequest(Request):
     """rlens's extension of a request."""
 
     choices: list[Annotated[str, Field(max_length=10_000)]] | None = Field(
-        None, min_length=2, max_length=MAX_CHOICES, description="multiple choice: the options (rlens-focal); absent: open-ended (rlens-rlae, or rlens-focal over the models' sampled answers)")
-    reference_id: str | None = Field(None, max_length=256, description="the question's id in a recorded dataset (pools of replay backends)")
+        None,
+        min_length=2,
+        max_length=MAX_CHOICES,
+        description="multiple choice: the options (rlens-focal); absent: open-ended (rlens-rlae, or rlens-focal over the models' sampled answers)",
+    )
+    reference_id: str | None = Field(
+        None, max_length=256, description="the question's id in a recorded dataset (pools of replay backends)"
+    )
 
 
 class TextPart(Request):
@@ -50,10 +56,17 @@ class ChatMessage(Request):
 
 
 class CommonRequest(Request):
-    model: str = Field(description="rlens-focal (RL-Focal: multiple choice, or open-ended over sampled answers) or rlens-rlae (open-ended, RLAE)")
-    stream: bool = Field(False, description="server-sent events in OpenAI's chunk format (one content chunk: workers do not stream spans yet)")
+    model: str = Field(
+        description="rlens-focal (RL-Focal: multiple choice, or open-ended over sampled answers) or rlens-rlae (open-ended, RLAE)"
+    )
+    stream: bool = Field(
+        False,
+        description="server-sent events in OpenAI's chunk format (one content chunk: workers do not stream spans yet)",
+    )
     n: int = Field(1, ge=1, le=1, description="one answer per request")
-    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, description="metadata.stream: the stream key (default 'default')")
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
+        None, description="metadata.stream: the stream key (default 'default')"
+    )
     rlens: RlensRequest = Field(default_factory=RlensRequest)
 
 
@@ -92,9 +105,16 @@ class RlensAnswer(BaseModel):
 
     query_id: str
     stream: str
-    answer_index: int = Field(description="rlens-focal: the chosen option's position (open-ended: among candidates; -1 when none)")
-    distribution: list[float] = Field(description="rlens-focal: the Fusion agent's distribution over the options (open-ended: over candidates)")
-    candidates: list[str] = Field(default_factory=list, description="rlens-focal, open-ended: the answers the pool's samples held, most frequent first")
+    answer_index: int = Field(
+        description="rlens-focal: the chosen option's position (open-ended: among candidates; -1 when none)"
+    )
+    distribution: list[float] = Field(
+        description="rlens-focal: the Fusion agent's distribution over the options (open-ended: over candidates)"
+    )
+    candidates: list[str] = Field(
+        default_factory=list,
+        description="rlens-focal, open-ended: the answers the pool's samples held, most frequent first",
+    )
     chosen_models: list[str]
     answered_models: list[str]
     called_models: list[str]
@@ -161,7 +181,9 @@ class ModelList(BaseModel):
 
 class FeedbackReceipt(BaseModel):
     id: str
-    status: Literal["accepted", "duplicate"] = Field(description="accepted: published to the learner; duplicate: this query already has feedback, nothing changed")
+    status: Literal["accepted", "duplicate"] = Field(
+        description="accepted: published to the learner; duplicate: this query already has feedback, nothing changed"
+    )
 
 
 class AnswerStatus(BaseModel):
@@ -174,7 +196,10 @@ class ErrorBody(BaseModel):
     type: str
     param: str | None = None
     code: str | None = None
-    query_id: str | None = Field(None, description="the query's id where one was made (a timed-out request's answer is at /v1/answers/{query_id})")
+    query_id: str | None = Field(
+        None,
+        description="the query's id where one was made (a timed-out request's answer is at /v1/answers/{query_id})",
+    )
 
 
 class ErrorResponse(BaseModel):
@@ -184,11 +209,21 @@ class ErrorResponse(BaseModel):
 class ApiError(Exception):
     """An error the gateway answers in OpenAI's shape, with its HTTP status (and headers, e.g. Retry-After)."""
 
-    def __init__(self, status: int, message: str, type: str, code: str | None = None, param: str | None = None,
-                 query_id: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str,
+        code: str | None = None,
+        param: str | None = None,
+        query_id: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.headers = status, headers or {}
-        self.body = ErrorResponse(error=ErrorBody(message=message, type=type, code=code, param=param, query_id=query_id))
+        self.body = ErrorResponse(
+            error=ErrorBody(message=message, type=type, code=code, param=param, query_id=query_id)
+        )
 
 
 def finish_reason(answer: Answer) -> str:
@@ -196,13 +231,23 @@ def finish_reason(answer: Answer) -> str:
 
 
 def chat_completion(answer: Answer, model: str) -> ChatCompletion:
-    return ChatCompletion(id=answer.query_id, created=int(time.time()), model=model, rlens=RlensAnswer.of(answer),
-                          choices=[ChatChoice(message=AssistantMessage(content=answer.answer), finish_reason=finish_reason(answer))])
+    return ChatCompletion(
+        id=answer.query_id,
+        created=int(time.time()),
+        model=model,
+        rlens=RlensAnswer.of(answer),
+        choices=[ChatChoice(message=AssistantMessage(content=answer.answer), finish_reason=finish_reason(answer))],
+    )
 
 
 def completion(answer: Answer, model: str) -> Completion:
-    return Completion(id=answer.query_id, created=int(time.time()), model=model, rlens=RlensAnswer.of(answer),
-                      choices=[CompletionChoice(text=answer.answer, finish_reason=finish_reason(answer))])
+    return Completion(
+        id=answer.query_id,
+        created=int(time.time()),
+        model=model,
+        rlens=RlensAnswer.of(answer),
+        choices=[CompletionChoice(text=answer.answer, finish_reason=finish_reason(answer))],
+    )
 
 
 def stream_chunks(answer: Answer, model: str, chat: bool) -> list[dict[str, Any]]:
@@ -212,11 +257,29 @@ def stream_chunks(answer: Answer, model: str, chat: bool) -> list[dict[str, Any]
     if chat:
         kind = {**base, "object": "chat.completion.chunk"}
         return [
-            {**kind, "choices": [{"index": 0, "delta": {"role": "assistant", "content": answer.answer}, "finish_reason": None, "logprobs": None}]},
-            {**kind, "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason(answer), "logprobs": None}], "rlens": account},
+            {
+                **kind,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": answer.answer},
+                        "finish_reason": None,
+                        "logprobs": None,
+                    }
+                ],
+            },
+            {
+                **kind,
+                "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason(answer), "logprobs": None}],
+                "rlens": account,
+            },
         ]
     kind = {**base, "object": "text_completion"}
     return [
         {**kind, "choices": [{"index": 0, "text": answer.answer, "finish_reason": None, "logprobs": None}]},
-        {**kind, "choices": [{"index": 0, "text": "", "finish_reason": finish_reason(answer), "logprobs": None}], "rlens": account},
+        {
+            **kind,
+            "choices": [{"index": 0, "text": "", "finish_reason": finish_reason(answer), "logprobs": None}],
+            "rlens": account,
+        },
     ]

@@ -29,20 +29,33 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
     return sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
 
 
-def encode_policy(tensors: dict[str, torch.Tensor], version: int, epoch: int, models: list[str], strategy: str, signer: PolicySigner) -> Policy:
+def encode_policy(
+    tensors: dict[str, torch.Tensor], version: int, epoch: int, models: list[str], strategy: str, signer: PolicySigner
+) -> Policy:
     blob = save_safetensors({k: v.contiguous() for k, v in tensors.items()})
     unsigned = Policy(
-        strategy=strategy, epoch=epoch, version=version, created_at=time.time(), n_models=len(models), models=models,
-        sha256=hashlib.sha256(blob).hexdigest(), signature="", weights_b64=base64.b64encode(blob).decode(),
+        strategy=strategy,
+        epoch=epoch,
+        version=version,
+        created_at=time.time(),
+        n_models=len(models),
+        models=models,
+        sha256=hashlib.sha256(blob).hexdigest(),
+        signature="",
+        weights_b64=base64.b64encode(blob).decode(),
     )
     return unsigned.model_copy(update={"signature": signer.sign(unsigned.signed_bytes())})
 
 
-def decode_policy(policy: Policy, expected: dict[str, torch.Tensor], models: list[str], strategy: str, verifier: PolicyVerifier) -> dict[str, torch.Tensor]:
+def decode_policy(
+    policy: Policy, expected: dict[str, torch.Tensor], models: list[str], strategy: str, verifier: PolicyVerifier
+) -> dict[str, torch.Tensor]:
     """The verified tensors of ``policy`` for a worker whose current tensors are ``expected`` (names, shapes,
     dtypes); else :class:`PolicyError`."""
     if not verifier.verify(policy.signed_bytes(), policy.signature):
-        raise PolicyError(f"policy v{policy.version} (epoch {policy.epoch}): bad signature (not signed by this deployment's learner)")
+        raise PolicyError(
+            f"policy v{policy.version} (epoch {policy.epoch}): bad signature (not signed by this deployment's learner)"
+        )
     if policy.strategy != strategy:
         raise PolicyError(f"policy v{policy.version} is an {policy.strategy} policy, this worker runs {strategy}")
     if policy.models != models:
@@ -62,7 +75,9 @@ def decode_policy(policy: Policy, expected: dict[str, torch.Tensor], models: lis
     if want != got:
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
         wrong = sorted(k for k in set(want) & set(got) if want[k] != got[k])
-        raise PolicyError(f"policy v{policy.version}: tensors do not fit this worker (missing {missing[:3]}, extra {extra[:3]}, wrong shape or dtype {wrong[:3]})")
+        raise PolicyError(
+            f"policy v{policy.version}: tensors do not fit this worker (missing {missing[:3]}, extra {extra[:3]}, wrong shape or dtype {wrong[:3]})"
+        )
     if bad := non_finite(tensors):
         raise PolicyError(f"policy v{policy.version}: non-finite values in {bad[:3]}")
     return tensors

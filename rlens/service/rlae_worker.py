@@ -32,16 +32,33 @@ class RLAEWorker(Worker):
 
     strategy = "rlae"
 
-    def __init__(self, decoder: SpanWeightedDecoder, agent: RLAEAgent, models: list[str], windows: RedisWindows, verifier: PolicyVerifier,
-                 tokens: FeedbackTokens, stop: list[str], explore: bool = True, seed: int = 0, name: str | None = None):
+    def __init__(
+        self,
+        decoder: SpanWeightedDecoder,
+        agent: RLAEAgent,
+        models: list[str],
+        windows: RedisWindows,
+        verifier: PolicyVerifier,
+        tokens: FeedbackTokens,
+        stop: list[str],
+        explore: bool = True,
+        seed: int = 0,
+        name: str | None = None,
+    ):
         if decoder.n_models != len(models) or agent.n_models != len(models):
-            raise ValueError(f"the decoder has {decoder.n_models} models and the agent {agent.n_models}, the pool {len(models)}")
+            raise ValueError(
+                f"the decoder has {decoder.n_models} models and the agent {agent.n_models}, the pool {len(models)}"
+            )
         super().__init__(models, windows, verifier, tokens, name)
         self.decoder, self.agent, self.stop, self.explore = decoder, agent, stop, explore
         self.generator = torch.Generator().manual_seed(seed)
 
     def rejects(self, query: Query) -> str | None:
-        return "multiple-choice query: the rlae worker answers open-ended queries (no choices) only" if query.choices is not None else None
+        return (
+            "multiple-choice query: the rlae worker answers open-ended queries (no choices) only"
+            if query.choices is not None
+            else None
+        )
 
     def policy_tensors(self) -> dict[str, torch.Tensor]:
         return self.agent.policy.state_dict()
@@ -53,7 +70,9 @@ class RLAEWorker(Worker):
         record: list[list[Span]] = [[] for _ in prompts]
         weights = self.agent.weights_fn(prompts, greedy=not self.explore, generator=self.generator, record=record)
         cfg = self.agent.cfg
-        return self.decoder.generate_batch(prompts, weights, max_tokens=cfg.max_tokens, span=cfg.span, stop=self.stop), record
+        return self.decoder.generate_batch(
+            prompts, weights, max_tokens=cfg.max_tokens, span=cfg.span, stop=self.stop
+        ), record
 
     def _decode_each(self, prompts: list[str]) -> list[tuple[EnsembleOutput, list[Span]] | str]:
         """Every prompt's (output, spans), decoded as one batch or, if the batch fails, one by one; a failure's reason."""
@@ -71,24 +90,57 @@ class RLAEWorker(Worker):
         results = await asyncio.to_thread(self._decode_each, [q.prompt for q in queries])
         latency = 1000 * (time.perf_counter() - started)
         out = BatchOutput(stages={"decode": latency / 1000})
-        common = {"called_models": self.models, "policy_version": self.policy_version, "worker": self.name, "latency_ms": latency, "strategy": "rlae"}
+        common = {
+            "called_models": self.models,
+            "policy_version": self.policy_version,
+            "worker": self.name,
+            "latency_ms": latency,
+            "strategy": "rlae",
+        }
         for q, result in zip(queries, results):
             if isinstance(result, str):
                 self.stats.no_model_answered += 1
-                out.answers.append(Answer(
-                    query_id=q.query_id, stream=q.stream, answer="", answer_index=-1, distribution=[], chosen_models=[], answered_models=[],
-                    failures=[ModelFailureRecord(model="ensemble", reason=result)], **common,
-                ))
+                out.answers.append(
+                    Answer(
+                        query_id=q.query_id,
+                        stream=q.stream,
+                        answer="",
+                        answer_index=-1,
+                        distribution=[],
+                        chosen_models=[],
+                        answered_models=[],
+                        failures=[ModelFailureRecord(model="ensemble", reason=result)],
+                        **common,
+                    )
+                )
                 continue
             output, spans = result
-            out.answers.append(Answer(
-                query_id=q.query_id, stream=q.stream, answer=output.text, answer_index=-1, distribution=[], chosen_models=self.models,
-                answered_models=self.models, span_weights=[w.tolist() for w in output.span_weights], finish_reason=output.finish_reason,
-                feedback_token=self.tokens.token(q.query_id), **common,
-            ))
-            out.experience.append(RLAEExperience(
-                query_id=q.query_id, stream=q.stream, policy_version=self.policy_version, text=output.text,
-                spans=[SpanDecision(obs=s.obs.tolist(), action=s.action.tolist(), logp=s.logp, value=s.value) for s in spans],
-            ))
+            out.answers.append(
+                Answer(
+                    query_id=q.query_id,
+                    stream=q.stream,
+                    answer=output.text,
+                    answer_index=-1,
+                    distribution=[],
+                    chosen_models=self.models,
+                    answered_models=self.models,
+                    span_weights=[w.tolist() for w in output.span_weights],
+                    finish_reason=output.finish_reason,
+                    feedback_token=self.tokens.token(q.query_id),
+                    **common,
+                )
+            )
+            out.experience.append(
+                RLAEExperience(
+                    query_id=q.query_id,
+                    stream=q.stream,
+                    policy_version=self.policy_version,
+                    text=output.text,
+                    spans=[
+                        SpanDecision(obs=s.obs.tolist(), action=s.action.tolist(), logp=s.logp, value=s.value)
+                        for s in spans
+                    ],
+                )
+            )
             self.stats.answered += 1
         return out

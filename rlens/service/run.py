@@ -32,13 +32,20 @@ def pool_of(settings: Settings) -> PoolConfig:
 
 
 def build_engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
-    return FocalEngine(len(pool.models), np.array([m.cost for m in pool.models]), FocalConfig(explore_rate=settings.focal_explore_rate, update_period=settings.focal_update_period), seed=settings.seed)
+    return FocalEngine(
+        len(pool.models),
+        np.array([m.cost for m in pool.models]),
+        FocalConfig(explore_rate=settings.focal_explore_rate, update_period=settings.focal_update_period),
+        seed=settings.seed,
+    )
 
 
 def _secret(settings: Settings, name: str) -> str:
     value = getattr(settings, name)
     if value is None:
-        raise SecretsError(f"RLENS_{name.upper()} is not set: generate the service's secrets with `rlens secrets` (`rlens up` makes its own)")
+        raise SecretsError(
+            f"RLENS_{name.upper()} is not set: generate the service's secrets with `rlens secrets` (`rlens up` makes its own)"
+        )
     return value if isinstance(value, str) else value.get_secret_value()
 
 
@@ -55,14 +62,20 @@ def policy_signer(settings: Settings) -> PolicySigner:
 
 
 def build_windows(settings: Settings, n_models: int, size: int) -> RedisWindows:
-    redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_timeout=5, socket_connect_timeout=2, health_check_interval=10)
+    redis = Redis.from_url(
+        settings.redis_url.get_secret_value(), socket_timeout=5, socket_connect_timeout=2, health_check_interval=10
+    )
     return RedisWindows(redis, n_models, size, settings.redis_prefix, settings.window_ttl_s, settings.dedup_ttl_s)
 
 
 def rlae_config(settings: Settings) -> RLAEConfig:
     return RLAEConfig(
-        variant=settings.rlae_variant, span=settings.rlae_span, max_tokens=settings.rlae_max_tokens,
-        episodes_per_update=settings.rlae_update_episodes, lr=settings.rlae_lr, observe=settings.rlae_observe,
+        variant=settings.rlae_variant,
+        span=settings.rlae_span,
+        max_tokens=settings.rlae_max_tokens,
+        episodes_per_update=settings.rlae_update_episodes,
+        lr=settings.rlae_lr,
+        observe=settings.rlae_observe,
     )
 
 
@@ -83,21 +96,45 @@ def build_worker(settings: Settings) -> Worker:
         from rlens.rlae.train import RLAEAgent
         from rlens.service.rlae_worker import RLAEWorker
 
-        agent = RLAEAgent(rlae_policy(settings, len(names)).eval(), SentenceEncoder(), rlae_config(settings), len(names))
+        agent = RLAEAgent(
+            rlae_policy(settings, len(names)).eval(), SentenceEncoder(), rlae_config(settings), len(names)
+        )
         windows = build_windows(settings, len(names), 1)  # only its readiness mark: rlae keeps no outcome windows
-        return RLAEWorker(build_rlae_decoder(pool, settings.rlae_top_k), agent, names, windows, stop=settings.rlae_stop, explore=settings.rlae_explore, seed=settings.seed,
-                          verifier=verifier, tokens=tokens)
+        return RLAEWorker(
+            build_rlae_decoder(pool, settings.rlae_top_k),
+            agent,
+            names,
+            windows,
+            stop=settings.rlae_stop,
+            explore=settings.rlae_explore,
+            seed=settings.seed,
+            verifier=verifier,
+            tokens=tokens,
+        )
     engine = build_engine(settings, pool)
     backends = {m.name: build_backend(m) for m in pool.models}
-    return FocalWorker(engine, names, backends, build_windows(settings, len(names), engine.cfg.window), deadline_s=settings.worker_deadline_s,
-                       model_concurrency=settings.model_concurrency, circuit_failures=settings.circuit_failures, circuit_cooldown_s=settings.circuit_cooldown_s,
-                       sampling=settings.focal_sampling(), extractor=settings.focal_extractor, verifier=verifier, tokens=tokens)
+    return FocalWorker(
+        engine,
+        names,
+        backends,
+        build_windows(settings, len(names), engine.cfg.window),
+        deadline_s=settings.worker_deadline_s,
+        model_concurrency=settings.model_concurrency,
+        circuit_failures=settings.circuit_failures,
+        circuit_cooldown_s=settings.circuit_cooldown_s,
+        sampling=settings.focal_sampling(),
+        extractor=settings.focal_extractor,
+        verifier=verifier,
+        tokens=tokens,
+    )
 
 
 def drift_monitor(settings: Settings) -> DriftMonitor | None:
     if settings.drift_detector == "off":
         return None
-    return DriftMonitor(DriftConfig(detector=settings.drift_detector, delta=settings.drift_delta, min_gap=settings.drift_min_gap))
+    return DriftMonitor(
+        DriftConfig(detector=settings.drift_detector, delta=settings.drift_delta, min_gap=settings.drift_min_gap)
+    )
 
 
 def build_learner(settings: Settings, warm_start: Path | None = None) -> LearnerCore:
@@ -108,15 +145,26 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
     signer, tokens = policy_signer(settings), feedback_tokens(settings)
     trainer: OnlineTrainer
     if settings.strategy == "rlae":
-        trainer = RLAEOnlineTrainer(rlae_policy(settings, len(names)), rlae_config(settings), names, settings.seed, settings.rlae_rehearsal)
+        trainer = RLAEOnlineTrainer(
+            rlae_policy(settings, len(names)), rlae_config(settings), names, settings.seed, settings.rlae_rehearsal
+        )
         window = 1
     else:
         engine = build_engine(settings, pool)
         trainer, window = FocalOnlineTrainer(engine, names, settings.focal_extractor), engine.cfg.window
     core = LearnerCore(
-        trainer, names, build_windows(settings, len(names), window), CheckpointStore(settings.checkpoint_dir), signer, tokens,
-        pending_limit=settings.pending_limit, pending_ttl_s=settings.pending_ttl_s, pending_bytes=settings.pending_bytes,
-        pending_per_stream=settings.pending_per_stream, checkpoint_every_s=settings.checkpoint_every_s, drift=drift_monitor(settings),
+        trainer,
+        names,
+        build_windows(settings, len(names), window),
+        CheckpointStore(settings.checkpoint_dir),
+        signer,
+        tokens,
+        pending_limit=settings.pending_limit,
+        pending_ttl_s=settings.pending_ttl_s,
+        pending_bytes=settings.pending_bytes,
+        pending_per_stream=settings.pending_per_stream,
+        checkpoint_every_s=settings.checkpoint_every_s,
+        drift=drift_monitor(settings),
         drift_keep=settings.drift_keep if settings.drift_reaction == "trim" else None,
     )
     if warm_start is not None:
@@ -133,7 +181,11 @@ def run_app(app, settings: Settings) -> None:
     """Run a worker's or learner's app: its subscribers and, on ``settings.metrics_host:metrics_port``, its HTTP side."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("aiokafka").setLevel(logging.WARNING)  # its group-join chatter; warnings and errors still show
-    asyncio.run(app.run(log_level=logging.WARNING, run_extra_options={"host": settings.metrics_host, "port": settings.metrics_port}))
+    asyncio.run(
+        app.run(
+            log_level=logging.WARNING, run_extra_options={"host": settings.metrics_host, "port": settings.metrics_port}
+        )
+    )
 
 
 def run_worker(settings: Settings) -> None:
@@ -143,7 +195,8 @@ def run_worker(settings: Settings) -> None:
 
 
 def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
-    torch.set_num_threads(settings.torch_threads)  # the learner's MAPPO update: 2.4x faster on one thread on a busy machine (BENCHMARKS.md)
+    # the learner's MAPPO update: 2.4x faster on one thread on a busy machine (BENCHMARKS.md)
+    torch.set_num_threads(settings.torch_threads)
     settings = with_metrics_port(settings)
     core = build_learner(settings, warm_start)
     asyncio.run(claim_group(settings, core))  # before the app starts: a refused learner never joins the group

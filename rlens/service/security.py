@@ -70,7 +70,9 @@ class FeedbackTokens:
 
     def __init__(self, secret: str):
         if len(secret) < 16:
-            raise SecretsError("RLENS_FEEDBACK_SECRET must be at least 16 characters (generate one with `rlens secrets`)")
+            raise SecretsError(
+                "RLENS_FEEDBACK_SECRET must be at least 16 characters (generate one with `rlens secrets`)"
+            )
         self._secret = secret.encode()
 
     def token(self, query_id: str) -> str:

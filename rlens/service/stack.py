@@ -59,7 +59,12 @@ def write_replay_pool(dataset_dir: Path, path: Path) -> Path:
     """A pool file of every model of a recorded dataset, as ``replay`` backends (costs from the dataset)."""
     dataset = load_dataset(dataset_dir)
     models = [
-        {"name": name, "backend": "replay", "cost": float(cost), "options": {"dataset": str(Path(dataset_dir).resolve()), "model": i}}
+        {
+            "name": name,
+            "backend": "replay",
+            "cost": float(cost),
+            "options": {"dataset": str(Path(dataset_dir).resolve()), "model": i},
+        }
         for i, (name, cost) in enumerate(zip(dataset.model_names, dataset.model_costs))
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +81,12 @@ def write_zoo_pool(zoo_dir: Path, names: list[str], path: Path) -> Path:
     if unknown:
         raise FileNotFoundError(f"zoo model(s) {', '.join(unknown)} not in {zoo_dir}; it has {', '.join(zoo)}")
     models = [
-        {"name": n, "backend": "transformers", "cost": zoo[n].cost, "options": {"path": zoo[n].path, **({"gguf_file": zoo[n].gguf_file} if zoo[n].gguf_file else {})}}
+        {
+            "name": n,
+            "backend": "transformers",
+            "cost": zoo[n].cost,
+            "options": {"path": zoo[n].path, **({"gguf_file": zoo[n].gguf_file} if zoo[n].gguf_file else {})},
+        }
         for n in names
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +105,9 @@ def carried_state(settings: Settings, workdir: Path) -> list[str]:
     latest = CheckpointStore(directory, lock=False).latest() if directory.is_dir() else None
     if latest is not None:
         state = json.loads((latest / "state.json").read_text())
-        found.append(f"the learner resumes its checkpoint v{state['version']} ({state['stats']['joined']} transitions joined) from {directory}")
+        found.append(
+            f"the learner resumes its checkpoint v{state['version']} ({state['stats']['joined']} transitions joined) from {directory}"
+        )
     redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_connect_timeout=1)
     try:
         streams = sum(1 for _ in redis.scan_iter(f"{settings.redis_prefix}:win:*", count=1000))
@@ -120,7 +132,15 @@ def clear_state(settings: Settings, workdir: Path) -> None:
 
 
 class LocalStack:
-    def __init__(self, settings: Settings, workdir: Path, partitions: int = 4, kafka_bootstrap: str | None = None, redis_url: str | None = None, broker_port: int | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        workdir: Path,
+        partitions: int = 4,
+        kafka_bootstrap: str | None = None,
+        redis_url: str | None = None,
+        broker_port: int | None = None,
+    ):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.broker = None if kafka_bootstrap else LocalBroker(broker_port)
@@ -128,14 +148,20 @@ class LocalStack:
         kafka_bootstrap = kafka_bootstrap or cast(LocalBroker, self.broker).bootstrap
         redis_url = redis_url or cast(LocalRedis, self.redis).url
         own = workdir_secrets(self.workdir)
-        secrets = {k: (own[k] if k == "policy_verify_key" else SecretStr(own[k])) for k in SECRETS if getattr(settings, k) is None}
-        self.settings = settings.model_copy(update={
-            "kafka_bootstrap": kafka_bootstrap,
-            "redis_url": SecretStr(redis_url),
-            "checkpoint_dir": self.workdir / "learner",
-            "gateway_keys_file": self.workdir / "keys.json",
-            **secrets,
-        })
+        secrets = {
+            k: (own[k] if k == "policy_verify_key" else SecretStr(own[k]))
+            for k in SECRETS
+            if getattr(settings, k) is None
+        }
+        self.settings = settings.model_copy(
+            update={
+                "kafka_bootstrap": kafka_bootstrap,
+                "redis_url": SecretStr(redis_url),
+                "checkpoint_dir": self.workdir / "learner",
+                "gateway_keys_file": self.workdir / "keys.json",
+                **secrets,
+            }
+        )
         asyncio.run(ensure_topics(self.settings, partitions))
         self.workers: list[subprocess.Popen] = []
         self.learner: subprocess.Popen | None = None
@@ -146,11 +172,19 @@ class LocalStack:
         """The environment of the child processes: the stack's settings as RLENS_* variables."""
         values = self.settings.model_dump(mode="json", exclude_none=True)
         values.update({k: v.get_secret_value() for k, v in self.settings if isinstance(v, SecretStr)})
-        return {**os.environ, **{f"RLENS_{k.upper()}": json.dumps(v) if isinstance(v, (list, dict)) else str(v) for k, v in values.items()}}
+        return {
+            **os.environ,
+            **{
+                f"RLENS_{k.upper()}": json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+                for k, v in values.items()
+            },
+        }
 
     def _spawn(self, command: str, log_name: str, *args: str) -> subprocess.Popen:
         log = open(self.workdir / log_name, "ab")
-        return subprocess.Popen([sys.executable, "-m", "rlens.cli", command, *args], env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "rlens.cli", command, *args], env=self.env(), stdout=log, stderr=subprocess.STDOUT
+        )
 
     def start_worker(self) -> subprocess.Popen:
         process = self._spawn("worker", f"worker-{len(self.workers)}.log")
@@ -200,13 +234,23 @@ class LocalStack:
             while True:
                 dead = [p for p in self.processes() if p.poll() is not None]
                 if dead:
-                    raise RuntimeError(f"service process `rlens {cast(list[str], dead[0].args)[3]}` exited with {dead[0].returncode}; see its log in {self.workdir}")
+                    raise RuntimeError(
+                        f"service process `rlens {cast(list[str], dead[0].args)[3]}` exited with {dead[0].returncode}; see its log in {self.workdir}"
+                    )
                 prefix = f"{self.settings.redis_prefix}:ready"
-                waiting = [p for p in self.processes() if not redis.exists(*(f"{prefix}:{role}:{host}-{p.pid}" for role in ("worker", "learner", "gateway")))]
+                waiting = [
+                    p
+                    for p in self.processes()
+                    if not redis.exists(
+                        *(f"{prefix}:{role}:{host}-{p.pid}" for role in ("worker", "learner", "gateway"))
+                    )
+                ]
                 if not waiting:
                     return
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{len(waiting)} service processes not ready after {timeout_s:g} s; see {self.workdir}")
+                    raise TimeoutError(
+                        f"{len(waiting)} service processes not ready after {timeout_s:g} s; see {self.workdir}"
+                    )
                 time.sleep(0.1)
         finally:
             redis.close()
@@ -219,7 +263,8 @@ class LocalStack:
         prefix = f"{self.settings.redis_prefix}:ready:"
         try:
             urls = {key.decode().removeprefix(prefix): redis.get(key) for key in redis.scan_iter(f"{prefix}*")}
-            return {name: url.decode() for name, url in urls.items() if isinstance(url, bytes)}  # a mark may expire in between
+            # a mark may expire in between
+            return {name: url.decode() for name, url in urls.items() if isinstance(url, bytes)}
         finally:
             redis.close()
 

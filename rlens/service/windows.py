@@ -61,7 +61,15 @@ return 0
 
 
 class RedisWindows:
-    def __init__(self, redis: Redis, n_models: int, size: int, prefix: str = "rlens", window_ttl_s: int = 7 * 86400, dedup_ttl_s: int = 86400):
+    def __init__(
+        self,
+        redis: Redis,
+        n_models: int,
+        size: int,
+        prefix: str = "rlens",
+        window_ttl_s: int = 7 * 86400,
+        dedup_ttl_s: int = 86400,
+    ):
         self.redis = redis
         self.n_models, self.size, self.prefix = n_models, size, prefix
         self.window_ttl_s, self.dedup_ttl_s = window_ttl_s, dedup_ttl_s
@@ -92,7 +100,9 @@ class RedisWindows:
         """The current window of each stream (one round trip); rows that do not fit the pool are skipped."""
         return (await self.load_with_pools(streams, pools=False))[0]
 
-    async def load_with_pools(self, streams: list[str], pools: bool = True) -> tuple[dict[str, OutcomeWindow], dict[str, np.ndarray]]:
+    async def load_with_pools(
+        self, streams: list[str], pools: bool = True
+    ) -> tuple[dict[str, OutcomeWindow], dict[str, np.ndarray]]:
         """Each stream's window and, where one was saved and fits this pool, its last pool (bool [M]), in one round
         trip."""
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -112,7 +122,9 @@ class RedisWindows:
         """Each stream's latest pool (one round trip; the last writer wins)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for stream, pool in pools.items():
-                pipe.set(self.pool_key(stream), "".join("1" if chosen else "0" for chosen in pool), ex=self.window_ttl_s)
+                pipe.set(
+                    self.pool_key(stream), "".join("1" if chosen else "0" for chosen in pool), ex=self.window_ttl_s
+                )
             await pipe.execute()
 
     def _windows(self, streams: list[str], raw: list) -> dict[str, OutcomeWindow]:
@@ -142,7 +154,12 @@ class RedisWindows:
     def _parse_row(self, row: bytes) -> list | None:
         try:
             values = json.loads(row)
-            if isinstance(values, list) and len(values) == self.n_models + 2 and all(isinstance(v, int) for v in values[2:]) and isinstance(values[0], int):
+            if (
+                isinstance(values, list)
+                and len(values) == self.n_models + 2
+                and all(isinstance(v, int) for v in values[2:])
+                and isinstance(values[0], int)
+            ):
                 if self.row_error(values[2:], values[0], float(values[1])) is None:
                     return [values[0], float(values[1]), *values[2:]]
         except (ValueError, TypeError, OverflowError):
@@ -187,7 +204,9 @@ class RedisWindows:
             else:
                 await self.redis.delete(self.ready_key(role, name))
         except (RedisError, OSError) as exc:
-            log.warning("Redis unreachable (%s): readiness mark of %s %s not %s", exc, role, name, "set" if ready else "removed")
+            log.warning(
+                "Redis unreachable (%s): readiness mark of %s %s not %s", exc, role, name, "set" if ready else "removed"
+            )
             return False
         return True
 

@@ -48,9 +48,37 @@ from rlens.backends.base import Backend, ChoiceQuery, GenerationRequest
 from rlens.models.answers import Extractor
 from rlens.models.ensemble import PoolCaller, PoolQuery
 from rlens.focal.engine import FocalEngine
-from rlens.messages import EXPERIENCE, MAX_CHOICES, Answer, DeadLetter, Experience, Message, ModelFailureRecord, Policy, Query
-from rlens.service.kafka import Topics, app_logger, dead_letter, keep_bytes, make_broker, parse_or_dead_letter, publish_batch, publish_dead_letters, typed_publisher
-from rlens.service.metrics import StreamLabels, WorkerMetrics, dead_letter_kind, failure_kind, http_routes, not_ready, settings_url
+from rlens.messages import (
+    EXPERIENCE,
+    MAX_CHOICES,
+    Answer,
+    DeadLetter,
+    Experience,
+    Message,
+    ModelFailureRecord,
+    Policy,
+    Query,
+)
+from rlens.service.kafka import (
+    Topics,
+    app_logger,
+    dead_letter,
+    keep_bytes,
+    make_broker,
+    parse_or_dead_letter,
+    publish_batch,
+    publish_dead_letters,
+    typed_publisher,
+)
+from rlens.service.metrics import (
+    StreamLabels,
+    WorkerMetrics,
+    dead_letter_kind,
+    failure_kind,
+    http_routes,
+    not_ready,
+    settings_url,
+)
 from rlens.service.policy import PolicyError, decode_policy
 from rlens.service.security import FeedbackTokens, PolicyVerifier
 from rlens.service.windows import RedisWindows
@@ -65,7 +93,8 @@ class BatchOutput:
     answers: list[Answer] = field(default_factory=list)
     experience: list[Message] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # query id -> why it could not be answered (dead-lettered)
-    stages: dict[str, float] = field(default_factory=dict)  # seconds spent in each stage (window_read, decide, pool_call, fuse, decode)
+    # seconds spent in each stage (window_read, decide, pool_call, fuse, decode)
+    stages: dict[str, float] = field(default_factory=dict)
 
     def extend(self, other: "BatchOutput") -> None:
         self.answers += other.answers
@@ -90,7 +119,14 @@ class Worker(ABC):
 
     strategy: str
 
-    def __init__(self, models: list[str], windows: RedisWindows, verifier: PolicyVerifier, tokens: FeedbackTokens, name: str | None = None):
+    def __init__(
+        self,
+        models: list[str],
+        windows: RedisWindows,
+        verifier: PolicyVerifier,
+        tokens: FeedbackTokens,
+        name: str | None = None,
+    ):
         self.models, self.windows, self.verifier, self.tokens = models, windows, verifier, tokens
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.policy_epoch, self.policy_version = 0, 0
@@ -138,10 +174,17 @@ class Worker(ABC):
         Why it was rejected, or None."""
         order = (policy.epoch, policy.version)
         try:
-            if order > max((self.policy_epoch, self.policy_version), self._next_policy[0] if self._next_policy else (0, 0)):
-                self._next_policy = (order, decode_policy(policy, self.policy_tensors(), self.models, self.strategy, self.verifier))
+            if order > max(
+                (self.policy_epoch, self.policy_version), self._next_policy[0] if self._next_policy else (0, 0)
+            ):
+                self._next_policy = (
+                    order,
+                    decode_policy(policy, self.policy_tensors(), self.models, self.strategy, self.verifier),
+                )
             elif not self.verifier.verify(policy.signed_bytes(), policy.signature):
-                raise PolicyError(f"policy v{policy.version} (epoch {policy.epoch}): bad signature (not signed by this deployment's learner)")
+                raise PolicyError(
+                    f"policy v{policy.version} (epoch {policy.epoch}): bad signature (not signed by this deployment's learner)"
+                )
         except PolicyError as exc:
             self.stats.policies_rejected += 1
             log.error("rejected %s", exc)
@@ -164,10 +207,22 @@ class FocalWorker(Worker):
 
     strategy = "rl_focal"
 
-    def __init__(self, engine: FocalEngine, models: list[str], backends: dict[str, Backend], windows: RedisWindows,
-                 verifier: PolicyVerifier, tokens: FeedbackTokens, deadline_s: float = 60.0, model_concurrency: int = 8,
-                 circuit_failures: int = 5, circuit_cooldown_s: float = 30.0, name: str | None = None,
-                 sampling: GenerationRequest | None = None, extractor: Extractor = "line"):
+    def __init__(
+        self,
+        engine: FocalEngine,
+        models: list[str],
+        backends: dict[str, Backend],
+        windows: RedisWindows,
+        verifier: PolicyVerifier,
+        tokens: FeedbackTokens,
+        deadline_s: float = 60.0,
+        model_concurrency: int = 8,
+        circuit_failures: int = 5,
+        circuit_cooldown_s: float = 30.0,
+        name: str | None = None,
+        sampling: GenerationRequest | None = None,
+        extractor: Extractor = "line",
+    ):
         if list(backends) != models:
             raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
         super().__init__(models, windows, verifier, tokens, name)
@@ -175,7 +230,9 @@ class FocalWorker(Worker):
         self.names = np.array(models)
         self.sampling = sampling or Settings.model_construct().focal_sampling()  # None: the settings' defaults
         # at most MAX_CHOICES - 1 candidates: "none of them" (n_choices) must stay a valid window label
-        self.caller = PoolCaller(backends, deadline_s, model_concurrency, circuit_failures, circuit_cooldown_s, extractor, MAX_CHOICES - 1)
+        self.caller = PoolCaller(
+            backends, deadline_s, model_concurrency, circuit_failures, circuit_cooldown_s, extractor, MAX_CHOICES - 1
+        )
 
     def windows_read(self) -> dict:
         return self.engine.windows
@@ -217,18 +274,32 @@ class FocalWorker(Worker):
         rng = self.engine.rng
         probes = [cfg.probe_rate > 0 and rng.random() < cfg.probe_rate for _ in queries]
         greedy = [not (cfg.explore_rate > 0 and rng.random() < cfg.explore_rate) for _ in queries]
-        decisions = self.engine.decide_batch([(q.stream, len(q.choices) if q.choices else 0, p, g) for q, p, g in zip(queries, probes, greedy)])
+        decisions = self.engine.decide_batch(
+            [(q.stream, len(q.choices) if q.choices else 0, p, g) for q, p, g in zip(queries, probes, greedy)]
+        )
         try:
-            await self.windows.save_pools({stream: self.engine.previous_pool[stream] for stream in streams if stream in self.engine.previous_pool})
+            await self.windows.save_pools(
+                {stream: self.engine.previous_pool[stream] for stream in streams if stream in self.engine.previous_pool}
+            )
         except (RedisError, OSError) as exc:
             log.warning("Redis unreachable (%s): the streams' last pools stay in this worker", exc)
         stage("decide")
         pool_queries, called = [self._pool_query(q) for q in queries], [d.called for d in decisions]
-        calls = await asyncio.to_thread(self.caller.ask_batch, pool_queries, called) if self.caller.blocking else self.caller.ask_batch(pool_queries, called)
+        calls = (
+            await asyncio.to_thread(self.caller.ask_batch, pool_queries, called)
+            if self.caller.blocking
+            else self.caller.ask_batch(pool_queries, called)
+        )
         stage("pool_call")
         fused_pools = [self._fused_pool(d, c) for d, c in zip(decisions, calls)]
         answerable = [i for i, pool in enumerate(fused_pools) if pool.any()]
-        fused = self.engine.fuse_batch([replace(decisions[i], pool=fused_pools[i]) for i in answerable], [calls[i].probs for i in answerable]) if answerable else []
+        fused = (
+            self.engine.fuse_batch(
+                [replace(decisions[i], pool=fused_pools[i]) for i in answerable], [calls[i].probs for i in answerable]
+            )
+            if answerable
+            else []
+        )
         stage("fuse")
         answers = dict(zip(answerable, fused))
         latency = 1000 * (time.perf_counter() - started)
@@ -247,29 +318,52 @@ class FocalWorker(Worker):
         pool = decision.pool & answers.answered
         return pool if pool.any() else answers.answered.copy()
 
-    def _outputs(self, q: Query, decision, answers, fused_pool: np.ndarray, answer, latency: float, out: BatchOutput) -> None:
+    def _outputs(
+        self, q: Query, decision, answers, fused_pool: np.ndarray, answer, latency: float, out: BatchOutput
+    ) -> None:
         names = self.names
         common = {
-            "query_id": q.query_id, "stream": q.stream, "chosen_models": names[decision.pool].tolist(),
-            "answered_models": names[fused_pool].tolist(), "called_models": names[decision.called].tolist(),
+            "query_id": q.query_id,
+            "stream": q.stream,
+            "chosen_models": names[decision.pool].tolist(),
+            "answered_models": names[fused_pool].tolist(),
+            "called_models": names[decision.called].tolist(),
             "failures": [ModelFailureRecord(model=f.model, reason=f.reason) for f in answers.failures],
-            "policy_version": self.policy_version, "worker": self.name, "latency_ms": latency,
+            "policy_version": self.policy_version,
+            "worker": self.name,
+            "latency_ms": latency,
         }
         if answer is None:
             self.stats.no_model_answered += 1
             out.answers.append(Answer(answer="", answer_index=-1, distribution=[], **common))
             return
         choices = q.choices if q.choices is not None else answers.candidates
-        out.answers.append(Answer(
-            answer=choices[answer.answer], answer_index=answer.answer, distribution=answer.distribution.tolist(), feedback_token=self.tokens.token(q.query_id),
-            candidates=answers.candidates or [], **common,
-        ))
+        out.answers.append(
+            Answer(
+                answer=choices[answer.answer],
+                answer_index=answer.answer,
+                distribution=answer.distribution.tolist(),
+                feedback_token=self.tokens.token(q.query_id),
+                candidates=answers.candidates or [],
+                **common,
+            )
+        )
         out.experience.append(
             Experience(
-                query_id=q.query_id, stream=q.stream, policy_version=self.policy_version, n_choices=len(choices), candidates=answers.candidates,
-                decider_state=decision.state.tolist(), critic_state=answer.critic_state.tolist(), pool=decision.pool.tolist(),
-                pool_logp=decision.pool_logp, predictions=np.where(answers.answered, answers.probs.argmax(1), -1).tolist(),
-                fusion_features=answer.features.tolist(), answer_index=answer.answer, answer_logp=answer.answer_logp, explored=decision.explored,
+                query_id=q.query_id,
+                stream=q.stream,
+                policy_version=self.policy_version,
+                n_choices=len(choices),
+                candidates=answers.candidates,
+                decider_state=decision.state.tolist(),
+                critic_state=answer.critic_state.tolist(),
+                pool=decision.pool.tolist(),
+                pool_logp=decision.pool_logp,
+                predictions=np.where(answers.answered, answers.probs.argmax(1), -1).tolist(),
+                fusion_features=answer.features.tolist(),
+                answer_index=answer.answer,
+                answer_logp=answer.answer_logp,
+                explored=decision.explored,
             )
         )
         self.stats.answered += 1
@@ -288,15 +382,40 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
     broker = make_broker(settings)
     consumer = f"worker {core.name}" if core else "worker"
     role = f"worker ({settings.strategy})"
-    answers = typed_publisher(broker, topics.answers, Answer, role, "one answer per query (at least once; idempotent by query id)")
-    experience = typed_publisher(broker, topics.experience, EXPERIENCE[settings.strategy], role, "what the learner needs to train on an answered query")
-    dead_letters = typed_publisher(broker, topics.dead_letter, DeadLetter, role, "queries and policies that could not be used, byte for byte, with the reason")
-    group: dict[str, Any] = {"session_timeout_ms": settings.kafka_session_timeout_ms, "heartbeat_interval_ms": settings.kafka_heartbeat_ms, "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms}
+    answers = typed_publisher(
+        broker, topics.answers, Answer, role, "one answer per query (at least once; idempotent by query id)"
+    )
+    experience = typed_publisher(
+        broker,
+        topics.experience,
+        EXPERIENCE[settings.strategy],
+        role,
+        "what the learner needs to train on an answered query",
+    )
+    dead_letters = typed_publisher(
+        broker,
+        topics.dead_letter,
+        DeadLetter,
+        role,
+        "queries and policies that could not be used, byte for byte, with the reason",
+    )
+    group: dict[str, Any] = {
+        "session_timeout_ms": settings.kafka_session_timeout_ms,
+        "heartbeat_interval_ms": settings.kafka_heartbeat_ms,
+        "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
+    }
 
     @broker.subscriber(
-        topics.queries, group_id=settings.worker_group, batch=True, max_records=settings.worker_batch, batch_timeout_ms=20,
-        auto_offset_reset="earliest", ack_policy=AckPolicy.NACK_ON_ERROR, decoder=keep_bytes,
-        description="JSON Query messages (schemas/messages/query.schema.json); anything else is dead-lettered", **group,
+        topics.queries,
+        group_id=settings.worker_group,
+        batch=True,
+        max_records=settings.worker_batch,
+        batch_timeout_ms=20,
+        auto_offset_reset="earliest",
+        ack_policy=AckPolicy.NACK_ON_ERROR,
+        decoder=keep_bytes,
+        description="JSON Query messages (schemas/messages/query.schema.json); anything else is dead-lettered",
+        **group,
     )
     async def on_queries(bodies: list[bytes], message: KafkaMessage) -> None:
         queries, records, dead = [], {}, []
@@ -307,7 +426,13 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
             elif reason := live.rejects(parsed):
                 dead.append(dead_letter(record, reason, consumer))
             elif parsed.reply_to is not None and not parsed.reply_to.startswith(topics.reply_prefix):
-                dead.append(dead_letter(record, f"reply_to {parsed.reply_to!r} is not a reply topic (they start with {topics.reply_prefix!r})", consumer))
+                dead.append(
+                    dead_letter(
+                        record,
+                        f"reply_to {parsed.reply_to!r} is not a reply topic (they start with {topics.reply_prefix!r})",
+                        consumer,
+                    )
+                )
             elif parsed.query_id in records:
                 dead.append(dead_letter(record, f"query id {parsed.query_id} appears twice in one batch", consumer))
             else:
@@ -330,9 +455,15 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
         """Each answer also to its gateway's reply topic; one that fails within REPLY_TIMEOUT_S is logged and counted
         (the answer is on ``answers`` anyway), so no reply topic can hold the batch."""
         sent = [(a, reply_to[a.query_id]) for a in answers if a.query_id in reply_to]
-        results = await asyncio.gather(*(
-            asyncio.wait_for(broker.publish(a.model_dump_json().encode(), topic, key=a.query_id.encode()), REPLY_TIMEOUT_S) for a, topic in sent
-        ), return_exceptions=True)
+        results = await asyncio.gather(
+            *(
+                asyncio.wait_for(
+                    broker.publish(a.model_dump_json().encode(), topic, key=a.query_id.encode()), REPLY_TIMEOUT_S
+                )
+                for a, topic in sent
+            ),
+            return_exceptions=True,
+        )
         for (a, topic), result in zip(sent, results):
             if isinstance(result, BaseException):
                 metrics.reply_failures.inc()
@@ -349,7 +480,9 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
             metrics.answers.labels(stream).inc(n)
         for model, n in Counter(model for a in out.answers for model in a.chosen_models).items():
             metrics.model_selected.labels(model).inc(n)
-        for (model, kind), n in Counter((f.model, failure_kind(f.reason)) for a in out.answers for f in a.failures).items():
+        for (model, kind), n in Counter(
+            (f.model, failure_kind(f.reason)) for a in out.answers for f in a.failures
+        ).items():
             metrics.model_failures.labels(model, kind).inc(n)
         for a in out.answers:
             metrics.models_called.observe(len(a.called_models))
@@ -365,7 +498,10 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
                 metrics.window_reliability.labels(label, model).set(reliability)
 
     @broker.subscriber(
-        topics.policy, auto_offset_reset="earliest", decoder=keep_bytes, fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+        topics.policy,
+        auto_offset_reset="earliest",
+        decoder=keep_bytes,
+        fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
         description="JSON Policy messages (schemas/messages/policy.schema.json), read by every worker",
     )
     async def on_policy(body: bytes, message: KafkaMessage) -> None:
@@ -378,13 +514,21 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
             await publish_dead_letters(dead_letters, [parsed])
 
     joined: list[bool] = []
-    app = AsgiFastStream(broker, asgi_routes=http_routes(registry, lambda: not_ready(core, joined)), logger=app_logger())
+    app = AsgiFastStream(
+        broker, asgi_routes=http_routes(registry, lambda: not_ready(core, joined)), logger=app_logger()
+    )
     background: list[asyncio.Task] = []
 
     @app.after_startup
     async def ready() -> None:
         joined.append(True)
-        log.info("worker %s ready (%s): consumer group %s joined; metrics and health on %s", live.name, settings.strategy, settings.worker_group, settings_url(settings))
+        log.info(
+            "worker %s ready (%s): consumer group %s joined; metrics and health on %s",
+            live.name,
+            settings.strategy,
+            settings.worker_group,
+            settings_url(settings),
+        )
         background.append(asyncio.create_task(live.windows.keep_ready("worker", live.name, settings_url(settings))))
 
     @app.on_shutdown

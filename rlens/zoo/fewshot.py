@@ -16,17 +16,97 @@ import numpy as np
 from rlens.zoo.tasks import GenerationTask
 
 SHOTS = 3
-WORDS = ["apple", "house", "river", "green", "table", "window", "music", "garden", "winter", "yellow", "pencil", "orange", "summer", "butter", "candle"]
-NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve", "thirteen",
-                "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty"]
-MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"]
+WORDS = [
+    "apple",
+    "house",
+    "river",
+    "green",
+    "table",
+    "window",
+    "music",
+    "garden",
+    "winter",
+    "yellow",
+    "pencil",
+    "orange",
+    "summer",
+    "butter",
+    "candle",
+]
+NUMBER_WORDS = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+    "twenty",
+]
+MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
 WEEKDAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
-CONTINENTS = [("France", "Europe"), ("Japan", "Asia"), ("Kenya", "Africa"), ("Brazil", "South America"), ("Canada", "North America"),
-              ("Egypt", "Africa"), ("India", "Asia"), ("Peru", "South America"), ("Mexico", "North America"), ("Italy", "Europe"),
-              ("Nigeria", "Africa"), ("China", "Asia"), ("Chile", "South America"), ("Spain", "Europe"), ("Norway", "Europe"), ("Vietnam", "Asia")]
-PAST_TENSE = [("go", "went"), ("eat", "ate"), ("see", "saw"), ("run", "ran"), ("walk", "walked"), ("play", "played"), ("write", "wrote"),
-              ("take", "took"), ("give", "gave"), ("buy", "bought"), ("think", "thought"), ("jump", "jumped"), ("sing", "sang"),
-              ("drink", "drank"), ("come", "came"), ("make", "made")]
+CONTINENTS = [
+    ("France", "Europe"),
+    ("Japan", "Asia"),
+    ("Kenya", "Africa"),
+    ("Brazil", "South America"),
+    ("Canada", "North America"),
+    ("Egypt", "Africa"),
+    ("India", "Asia"),
+    ("Peru", "South America"),
+    ("Mexico", "North America"),
+    ("Italy", "Europe"),
+    ("Nigeria", "Africa"),
+    ("China", "Asia"),
+    ("Chile", "South America"),
+    ("Spain", "Europe"),
+    ("Norway", "Europe"),
+    ("Vietnam", "Asia"),
+]
+PAST_TENSE = [
+    ("go", "went"),
+    ("eat", "ate"),
+    ("see", "saw"),
+    ("run", "ran"),
+    ("walk", "walked"),
+    ("play", "played"),
+    ("write", "wrote"),
+    ("take", "took"),
+    ("give", "gave"),
+    ("buy", "bought"),
+    ("think", "thought"),
+    ("jump", "jumped"),
+    ("sing", "sang"),
+    ("drink", "drank"),
+    ("come", "came"),
+    ("make", "made"),
+]
 
 
 def _pick(rng: np.random.Generator, items: list):
@@ -104,8 +184,23 @@ def spell(rng):
 
 
 FAMILIES: dict[str, Callable[[np.random.Generator], tuple[str, str]]] = {
-    f.__name__: f for f in (add, add_two_digit, multiply, successor, larger, number_word, month, weekday, continent, past_tense,
-                            first_letter, uppercase, count_up, spell)
+    f.__name__: f
+    for f in (
+        add,
+        add_two_digit,
+        multiply,
+        successor,
+        larger,
+        number_word,
+        month,
+        weekday,
+        continent,
+        past_tense,
+        first_letter,
+        uppercase,
+        count_up,
+        spell,
+    )
 }
 
 

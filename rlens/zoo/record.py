@@ -89,10 +89,20 @@ def record_samples(
     for model in models:
         backend = load_backend(model)
         for i, task in enumerate(tasks):
-            request = GenerationRequest(id=str(i), prompt=task.prompt, n=n, max_tokens=max_tokens, temperature=temperature, stop=["\n"], seed=seed + i)
+            request = GenerationRequest(
+                id=str(i),
+                prompt=task.prompt,
+                n=n,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                stop=["\n"],
+                seed=seed + i,
+            )
             samples[i][model.name] = backend.generate(request).texts
             progress(1)
         del backend
-    sampled = [SampledTask(prompt=t.prompt, reference=t.reference, family=t.family, samples=s) for t, s in zip(tasks, samples)]
+    sampled = [
+        SampledTask(prompt=t.prompt, reference=t.reference, family=t.family, samples=s) for t, s in zip(tasks, samples)
+    ]
     save_samples(out, sampled, [m.name for m in models], np.array([m.cost for m in models]))
     return load_samples(out)

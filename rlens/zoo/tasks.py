@@ -15,16 +15,55 @@ from typing import Callable
 import numpy as np
 
 N_CHOICES = 4
-GENERATION_FAMILIES = ["arithmetic", "counting", "ordering", "pattern"]  # the zoo's generation stream: one specialist each
+# the zoo's generation stream: one specialist each
+GENERATION_FAMILIES = [
+    "arithmetic",
+    "counting",
+    "ordering",
+    "pattern",
+]
 LETTERS = "abcdefgh"
 ANTONYMS = [
-    ("hot", "cold"), ("big", "small"), ("up", "down"), ("fast", "slow"), ("old", "new"), ("good", "bad"),
-    ("happy", "sad"), ("light", "dark"), ("high", "low"), ("open", "closed"), ("full", "empty"), ("hard", "soft"),
-    ("rich", "poor"), ("early", "late"), ("wet", "dry"), ("long", "short"), ("strong", "weak"), ("loud", "quiet"),
-    ("thick", "thin"), ("near", "far"), ("true", "false"), ("win", "lose"), ("buy", "sell"), ("day", "night"),
-    ("left", "right"), ("in", "out"), ("yes", "no"), ("first", "last"), ("heavy", "light"), ("clean", "dirty"),
-    ("young", "old"), ("love", "hate"), ("start", "end"), ("push", "pull"), ("inside", "outside"), ("above", "below"),
-    ("before", "after"), ("cheap", "expensive"), ("sweet", "sour"), ("war", "peace"),
+    ("hot", "cold"),
+    ("big", "small"),
+    ("up", "down"),
+    ("fast", "slow"),
+    ("old", "new"),
+    ("good", "bad"),
+    ("happy", "sad"),
+    ("light", "dark"),
+    ("high", "low"),
+    ("open", "closed"),
+    ("full", "empty"),
+    ("hard", "soft"),
+    ("rich", "poor"),
+    ("early", "late"),
+    ("wet", "dry"),
+    ("long", "short"),
+    ("strong", "weak"),
+    ("loud", "quiet"),
+    ("thick", "thin"),
+    ("near", "far"),
+    ("true", "false"),
+    ("win", "lose"),
+    ("buy", "sell"),
+    ("day", "night"),
+    ("left", "right"),
+    ("in", "out"),
+    ("yes", "no"),
+    ("first", "last"),
+    ("heavy", "light"),
+    ("clean", "dirty"),
+    ("young", "old"),
+    ("love", "hate"),
+    ("start", "end"),
+    ("push", "pull"),
+    ("inside", "outside"),
+    ("above", "below"),
+    ("before", "after"),
+    ("cheap", "expensive"),
+    ("sweet", "sour"),
+    ("war", "peace"),
 ]
 
 

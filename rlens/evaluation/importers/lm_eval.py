@@ -77,7 +77,9 @@ def _target(value, choices: list[str], path: Path, line: int) -> int:
     elif isinstance(value, str) and value.strip() in choices:
         index = choices.index(value.strip())
     else:
-        raise DatasetError(path, f"line {line}: target {value!r} is neither a choice index nor one of the choices {choices}")
+        raise DatasetError(
+            path, f"line {line}: target {value!r} is neither a choice index nor one of the choices {choices}"
+        )
     if not 0 <= index < len(choices):
         raise DatasetError(path, f"line {line}: target index {index} is outside the {len(choices)} choices")
     return index
@@ -98,7 +100,10 @@ def read_samples(path: Path) -> dict[int, Sample]:
                 raise DatasetError(path, f"line {line_no}: no 'doc_id' (is this an lm-eval --log_samples file?)")
             responses = record.get("filtered_resps", record.get("resps"))
             if not isinstance(responses, list) or len(responses) < 2:
-                raise DatasetError(path, f"line {line_no}: 'filtered_resps'/'resps' must list one log-likelihood per choice (at least 2); multiple-choice tasks only")
+                raise DatasetError(
+                    path,
+                    f"line {line_no}: 'filtered_resps'/'resps' must list one log-likelihood per choice (at least 2); multiple-choice tasks only",
+                )
             lls = [_loglikelihood(r, path, line_no) for r in responses]
             choices = _choices(record.get("arguments"), len(lls))
             if "target" not in record:
@@ -149,7 +154,10 @@ def import_lm_eval(models: dict[str, Path], out: Path, costs: dict[str, float] |
             n_choices = len(samples[0].loglikelihoods)
             for n, s in zip(names, samples):
                 if len(s.loglikelihoods) != n_choices or s.target != samples[0].target:
-                    raise DatasetError(per_model[n][task][0], f"doc_id {doc}: {len(s.loglikelihoods)} choices / target {s.target}, but model {names[0]!r} has {n_choices} / {samples[0].target}")
+                    raise DatasetError(
+                        per_model[n][task][0],
+                        f"doc_id {doc}: {len(s.loglikelihoods)} choices / target {s.target}, but model {names[0]!r} has {n_choices} / {samples[0].target}",
+                    )
             rows.append((task_id, samples))
 
     c_max = max(len(s[0].loglikelihoods) for _, s in rows)
