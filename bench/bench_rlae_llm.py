@@ -33,15 +33,16 @@ from machine import machine_facts
 
 from rlens.cli import quiet_transformers
 from rlens.progress import progress_bar
-from rlens.rlae.agent import RLAEConfig
+from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.evaluate import correct, decode, rl_focal_correct
-from rlens.rlae.observe import SentenceEncoder
+from rlens.rlae.observe import SentenceEncoder, obs_dim
 from rlens.rlae.ranker import AnswerRanker
-from rlens.rlae.train import RLAETrainer
+from rlens.rlae.train import RLAEAgent, RLAETrainer
 from rlens.settings import settings
 from rlens.zoo.build import load_backend, load_zoo
 from rlens.zoo.fewshot import fewshot_split, fewshot_stream
+from rlens.zoo.tasks import GenerationTask
 
 SEEN = ["add_two_digit", "continent", "multiply", "successor", "number_word", "past_tense", "count_up"]
 UNSEEN = ["add", "weekday", "first_letter", "uppercase", "month", "larger"]
@@ -74,6 +75,31 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def latency_per_answer(
+    prompts: list[GenerationTask],
+    alone: list[TokenEnsemble],
+    ensemble: TokenEnsemble,
+    ranker: AnswerRanker,
+    agents: dict[str, RLAEAgent],
+    cfg: RLAEConfig,
+) -> dict[str, float]:
+    """Seconds per answer at batch 1: each model alone, the ranker ensemble (both answer, then the scorer), RLAE."""
+    latency = {}
+    for m, name in enumerate(POOL):
+        started = time.perf_counter()
+        decode(alone[m], prompts, np.ones(1), cfg, batch=1)
+        latency[name] = (time.perf_counter() - started) / len(prompts)
+    started = time.perf_counter()
+    answers = [decode(alone[m], prompts, np.ones(1), cfg, batch=1) for m in range(len(POOL))]
+    ranker.choose(prompts, answers)
+    latency["ranker ensemble"] = (time.perf_counter() - started) / len(prompts)
+    for variant, agent in agents.items():
+        started = time.perf_counter()
+        decode(ensemble, prompts, agent, cfg, batch=1)
+        latency[f"rlae_{variant}"] = (time.perf_counter() - started) / len(prompts)
+    return latency
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zoo", type=Path, default=None)
@@ -83,6 +109,12 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["ppo", "mappo"], choices=["ppo", "mappo"])
     parser.add_argument("--out", type=Path, default=Path("out/bench_rlae_llm"))
     parser.add_argument("--quick", action="store_true", help="a smoke run: an eighth of every split, 64 episodes")
+    parser.add_argument(
+        "--latency-only",
+        action="store_true",
+        help="only the latency table, with untrained agents and a ranker fitted on 32 training tasks (neither's "
+        "cost depends on its weights; the answers' lengths may)",
+    )
     args = parser.parse_args()
     scale = 8 if args.quick else 1
     args.episodes = 64 if args.quick else args.episodes
@@ -98,6 +130,19 @@ def main() -> None:
     train, validation = fewshot_split(SEEN, 512 // scale, seed=100), fewshot_split(SEEN, 96 // scale, seed=101)
     tests = {"seen": fewshot_stream(SEEN, 24 // scale, seed=7), "unseen": fewshot_stream(UNSEEN, 24 // scale, seed=8)}
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.latency_only:
+        fit = train[:32]
+        ranker = AnswerRanker(encoder, len(POOL)).fit(fit, [decode(a, fit, np.ones(1), cfg, batch=32) for a in alone])
+        agents = {
+            v: RLAEAgent(
+                make_policy(obs_dim(len(POOL)), len(POOL), replace(cfg, variant=v), seed=0), encoder, cfg, len(POOL)
+            )
+            for v in args.variants
+        }
+        latency = latency_per_answer(tests["seen"][::14][:12], alone, ensemble, ranker, agents, cfg)
+        (args.out / "latency.json").write_text(json.dumps({"machine": machine_facts(), "latency_s": latency}, indent=1))
+        print("latency, s per answer at batch 1: " + ", ".join(f"{k} {v:.2f}" for k, v in latency.items()))
+        return
     hits: dict[str, dict[str, list[list[bool]]]] = {split: {} for split in tests}
     focal_calls: dict[str, list[float]] = {split: [] for split in tests}
 
@@ -188,20 +233,7 @@ def main() -> None:
                     )
                 agents[variant] = trainer.agent
 
-    latency = {}
-    prompts = tests["seen"][::14][:12]
-    for m, name in enumerate(POOL):
-        started = time.perf_counter()
-        decode(alone[m], prompts, np.ones(1), cfg, batch=1)
-        latency[name] = (time.perf_counter() - started) / len(prompts)
-    started = time.perf_counter()
-    answers = [decode(alone[m], prompts, np.ones(1), cfg, batch=1) for m in range(len(POOL))]
-    ranker.choose(prompts, answers)
-    latency["ranker ensemble"] = (time.perf_counter() - started) / len(prompts)
-    for variant, agent in agents.items():
-        started = time.perf_counter()
-        decode(ensemble, prompts, agent, cfg, batch=1)
-        latency[f"rlae_{variant}"] = (time.perf_counter() - started) / len(prompts)
+    latency = latency_per_answer(tests["seen"][::14][:12], alone, ensemble, ranker, agents, cfg)
 
     accuracy = {
         split: {name: [float(np.mean(run)) for run in runs] for name, runs in per.items()}
