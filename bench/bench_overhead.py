@@ -3,7 +3,8 @@
     python bench/bench_overhead.py [--data DIR] [--queries N]
 
 Windows are filled with the warm-start split first (full windows, as in operation). Times ``decide`` and
-``fuse`` for each test question of the paper protocol and prints median / p90 / p99 in milliseconds.
+``fuse`` for each test question of the paper protocol and prints median / p90 / p99 in milliseconds, and the median
+in units of one small NumPy operation timed in the same run (``small_op_us``), which moves less between machines.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from machine import machine_facts
+from machine import machine_facts, small_op_us
 from rlens.evaluation.dataset import load_dataset, shared_data_dir
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import questions
@@ -49,7 +50,10 @@ def main() -> None:
         "p90_ms": round(float(np.percentile(ms, 90)), 4),
         "p99_ms": round(float(np.percentile(ms, 99)), 4),
         "torch_threads": torch.get_num_threads(),
+        # the yardstick of this run (bench/machine.py): the median decision in small NumPy operations
+        "small_op_us": round(small_op_us(), 3),
     }
+    result["median_in_small_ops"] = round(1000 * result["median_ms"] / result["small_op_us"], 1)
     print(json.dumps(result))
 
 

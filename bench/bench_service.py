@@ -9,8 +9,8 @@
    workers start; queries/s from the first answer to the N-th (startup excluded). Ratio to (1).
    Then, in the same run, the worker with its metrics off and on (``RLENS_METRICS_ENABLED``), alternately,
    ``--metrics-reps`` times each on N fresh queries: the ratio of the two throughputs.
-3. Latency: the whole stack (learner + W workers) under `rlens load` traffic at half the rate measured in (2):
-   p50 / p99 from sending a query to receiving its answer.
+3. Latency: the whole stack (learner + W workers) under `rlens load` traffic at ``--load-share`` (default half) of
+   the rate measured in (2): p50 / p99 from sending a query to receiving its answer.
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=3000)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--load-queries", type=int, default=1200)
+    parser.add_argument("--load-share", type=float, default=0.5, help="the latency phase's rate, as a share of (2)'s")
     parser.add_argument(
         "--metrics-reps", type=int, default=2, help="alternations of the worker with its metrics off and on"
     )
@@ -167,7 +168,7 @@ def main() -> None:
 
         stack.start_learner()
         stack.wait_ready(120)
-        rate = results["worker_queries_per_s"] / 2
+        rate = results["worker_queries_per_s"] * args.load_share
         live = queries_of(dataset.subset(list(range(min(args.load_queries, dataset.n_questions)))), None, "latency")
         report = asyncio.run(play(stack.settings, live, rate=rate, idle_timeout_s=60))
         results.update(
