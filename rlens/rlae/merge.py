@@ -77,18 +77,16 @@ class UnionCandidates(NextTokens):
             torch.stack([x[rows].index_select(1, self.vocab.inverse[m]) for m, x in enumerate(self.merged)])
         )
 
-    def _best(
-        self, weights: torch.Tensor, values: torch.Tensor, candidates: torch.Tensor, cutoff: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _best(self, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the lowest union id of each row's best candidate under ``weights``, whether nothing else can score as much)."""
-        scores, bound = mixture(values, weights), mixture(cutoff, weights)[:, 0]
+        scores, bound = mixture(self.scores, weights), mixture(self.cutoff, weights)[:, 0]
         best = scores.max(1, keepdim=True).values
-        token = torch.where(scores == best, candidates, len(self.vocab)).min(1).values
+        token = torch.where(scores == best, self.candidates, len(self.vocab)).min(1).values
         return token, best[:, 0] > bound
 
     def agreement(self) -> np.ndarray:
         ones = torch.ones(self.batch, len(self.merged), dtype=self.scores.dtype)
-        consensus, sure = self._best(ones, self.scores, self.candidates, self.cutoff)
+        consensus, sure = self._best(ones)
         tops = []
         for values, union in zip(self.top_values, self.top_union):
             tops.append(torch.where(values == values[:, :1], union, len(self.vocab)).min(1).values)
@@ -103,7 +101,7 @@ class UnionCandidates(NextTokens):
         w = torch.as_tensor(weights, dtype=self.scores.dtype)
         if not greedy:
             return self.dense().pick(weights, greedy, generator)
-        token, sure = self._best(w, self.scores, self.candidates, self.cutoff)
+        token, sure = self._best(w)
         unsure = torch.nonzero(~sure)[:, 0]
         if len(unsure):
             token[unsure] = torch.tensor(self.dense(unsure).pick(w[unsure].numpy()))
