@@ -1,0 +1,194 @@
+"""Does the learner keep up with a worker at its maximum rate? The stack (1 learner, 1 worker, replay backends, the
+bundled stream's tasks as stream keys) for ``--minutes`` with the worker saturated and every answer's feedback sent
+at once.
+
+    python bench/bench_learner_lag.py [--minutes 5] [--in-flight 2000] [--out bench/out/learner_lag.json]
+
+The load generator keeps ``--in-flight`` queries sent but not yet answered, so the worker always has a backlog and
+answers at its maximum rate on this machine (with the learner, the broker and the load generator beside it). Every
+10 s the bench reads the worker's and the learner's ``/metrics``:
+
+* experience lag: answers the worker published (one experience record each) minus experience records the learner read;
+* feedback lag: feedback records sent minus feedback records the learner read;
+* the learner's unmatched halves held (``rlens_learner_pending``), joins and updates;
+* each process's share of a core over the last 10 s (worker, learner, broker, Redis, the load generator).
+
+Reported: the worker's rate, the learner's join rate, each lag's median over the run and its least-squares slope
+over the samples after the first minute (records/s; a learner that falls behind shows a positive slope of about
+the rate it misses), and ``keeps_up`` when the slope of the total lag is under 1 % of the worker's rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from machine import machine_facts
+from rlens.evaluation.dataset import load_dataset
+from rlens.service.load import LoadReport, play, queries_of
+from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.settings import settings
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of a process's /metrics summed over its labels except ``kind`` and ``outcome``:
+    {name, or name{kind or outcome}: value}."""
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            kept = [sample.labels[label] for label in ("kind", "outcome") if label in sample.labels]
+            key = f"{sample.name}{{{kept[0]}}}" if kept else sample.name
+            totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def slope(times: list[float], values: list[float]) -> float:
+    """Least-squares slope of values over times (per second); 0 with fewer than two points."""
+    return float(np.polyfit(times, values, 1)[0]) if len(times) >= 2 else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument("--in-flight", type=int, default=2000, help="queries sent but not yet answered")
+    parser.add_argument("--max-rate", type=float, default=4000.0, help="queries prepared per second of the run")
+    parser.add_argument("--out", type=Path, default=Path("bench/out/learner_lag.json"))
+    args = parser.parse_args()
+    machine = machine_facts()
+    print(f"machine: {machine}", flush=True)
+    base = queries_of(load_dataset(settings().demo_data), None, "lag")
+    n = int(args.minutes * 60 * args.max_rate)
+    traffic = [
+        (base[i % len(base)][0].model_copy(update={"query_id": f"lag-{i}"}), base[i % len(base)][1]) for i in range(n)
+    ]
+    workdir = args.out.parent / "learner-lag-stack"
+    shutil.rmtree(workdir, ignore_errors=True)  # a cold start: no checkpoint of an earlier run
+    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
+    config = settings().model_copy(
+        update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
+    )
+    stack = LocalStack(config, workdir)
+    samples: list[dict] = []
+    stop = threading.Event()
+    seen = LoadReport()
+    deadline = time.monotonic() + 60 * args.minutes + 3600  # set when the stack is ready
+
+    def sample() -> None:
+        urls = stack.http_urls()
+        worker = next(url for name, url in urls.items() if name.startswith("worker"))
+        learner = next(url for name, url in urls.items() if name.startswith("learner"))
+        pids = {
+            "worker": stack.workers[0].pid,
+            "learner": stack.learner.pid,
+            "broker": stack.broker.process.pid,
+            "redis": stack.redis.process.pid,
+            "load": os.getpid(),
+        }
+        start = time.monotonic()
+        cpu, last = {role: cpu_seconds(pid) for role, pid in pids.items()}, start
+        while not stop.wait(10.0):
+            w, ell = scrape(worker), scrape(learner)
+            now, at = {role: cpu_seconds(pid) for role, pid in pids.items()}, time.monotonic()
+            row = {
+                "t": round(time.monotonic() - start, 1),
+                "answers": w.get("rlens_worker_answers_total", 0.0),
+                "feedback_sent": seen.feedback_sent,
+                "experience_read": ell.get("rlens_learner_records_total{experience}", 0.0),
+                "feedback_read": ell.get("rlens_learner_records_total{feedback}", 0.0),
+                "pending": ell.get("rlens_learner_pending{experience}", 0.0)
+                + ell.get("rlens_learner_pending{feedback}", 0.0),
+                "joined": ell.get("rlens_learner_joined_total", 0.0),
+                "updates": ell.get("rlens_learner_updates_total{applied}", 0.0),
+                "policy_version": ell.get("rlens_learner_policy_version", 0.0),
+            }
+            row["cpu_share"] = {role: round((now[role] - cpu[role]) / (at - last), 2) for role in pids}
+            cpu, last = now, at
+            row["experience_lag"] = row["answers"] - row["experience_read"]
+            row["feedback_lag"] = row["feedback_sent"] - row["feedback_read"]
+            samples.append(row)
+            print(row, flush=True)
+
+    def on_answer(report: LoadReport) -> None:
+        nonlocal seen
+        seen = report
+
+    async def keep_in_flight(i: int) -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the run's time is up")  # ends the sender; the answers so far are the run
+        while i - seen.answered >= args.in_flight:
+            await asyncio.sleep(0.005)
+
+    try:
+        stack.start_learner()
+        stack.start_worker()
+        stack.wait_ready(120)
+        deadline = time.monotonic() + 60 * args.minutes
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            asyncio.run(
+                play(
+                    stack.settings,
+                    traffic,
+                    rate=1e9,
+                    idle_timeout_s=60,
+                    on_answer=on_answer,
+                    before_send=keep_in_flight,
+                )
+            )
+        except TimeoutError:
+            pass
+        stop.set()
+        sampler.join()
+    finally:
+        stop.set()
+        stack.stop()
+    steady = [s for s in samples if s["t"] >= 60]
+    times = [s["t"] for s in steady]
+    span = steady[-1]["t"] - steady[0]["t"]
+    worker_rate = (steady[-1]["answers"] - steady[0]["answers"]) / span
+    lags = {
+        kind: {
+            "median": float(np.median([s[kind] for s in steady])),
+            "max": max(s[kind] for s in steady),
+            "slope_per_s": round(slope(times, [s[kind] for s in steady]), 2),
+        }
+        for kind in ("experience_lag", "feedback_lag", "pending")
+    }
+    total_slope = slope(times, [s["experience_lag"] + s["feedback_lag"] for s in steady])
+    result = {
+        "machine": machine,
+        "minutes": args.minutes,
+        "in_flight": args.in_flight,
+        "worker_queries_per_s": round(worker_rate, 1),
+        "learner_joins_per_s": round((steady[-1]["joined"] - steady[0]["joined"]) / span, 1),
+        "updates": steady[-1]["updates"],
+        "lags": lags,
+        "total_lag_slope_per_s": round(total_slope, 2),
+        "keeps_up": total_slope < 0.01 * worker_rate,
+        "samples": samples,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
