@@ -88,7 +88,6 @@ def main() -> None:
     samples: list[dict] = []
     stop = threading.Event()
     seen = LoadReport()
-    deadline = time.monotonic() + 60 * args.minutes + 3600  # set when the stack is ready
 
     def sample() -> None:
         urls = stack.http_urls()
@@ -129,32 +128,23 @@ def main() -> None:
         nonlocal seen
         seen = report
 
-    async def keep_in_flight(i: int) -> None:
-        if time.monotonic() > deadline:
-            raise TimeoutError("the run's time is up")  # ends the sender; the answers so far are the run
-        while i - seen.answered >= args.in_flight:
-            await asyncio.sleep(0.005)
-
     try:
         stack.start_learner()
         stack.start_worker()
         stack.wait_ready(120)
-        deadline = time.monotonic() + 60 * args.minutes
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        try:
-            asyncio.run(
-                play(
-                    stack.settings,
-                    traffic,
-                    rate=1e9,
-                    idle_timeout_s=60,
-                    on_answer=on_answer,
-                    before_send=keep_in_flight,
-                )
+        asyncio.run(
+            play(
+                stack.settings,
+                traffic,
+                rate=1e9,
+                idle_timeout_s=60,
+                on_answer=on_answer,
+                max_in_flight=args.in_flight,
+                duration_s=60 * args.minutes,
             )
-        except TimeoutError:
-            pass
+        )
         stop.set()
         sampler.join()
     finally:

@@ -9,8 +9,12 @@
    workers start; queries/s from the first answer to the N-th (startup excluded). Ratio to (1).
    Then, in the same run, the worker with its metrics off and on (``RLENS_METRICS_ENABLED``), alternately,
    ``--metrics-reps`` times each on N fresh queries: the ratio of the two throughputs.
-3. Latency: the whole stack (learner + W workers) under `rlens load` traffic at ``--load-share`` (default half) of
-   the rate measured in (2): p50 / p99 from sending a query to receiving its answer.
+3. Latency, on a fresh stack (its own broker and Redis, so the learner has no earlier phase's records to read):
+   learner + W workers. First the stack's own maximum: for ``--saturate-s`` seconds the load generator keeps 2,000
+   queries unanswered (the learner, the broker and the load generator share the machine with the workers, so this
+   is below (2)). Then ``--load-s`` seconds of traffic at ``--load-share`` (default 0.8) of that rate, feedback
+   sent as each answer arrives: p50 / p99 from sending a query to receiving its answer, over the answers after the
+   phase's first 5 s and per 10 s, and the accuracy served.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from machine import machine_facts
 from rlens.evaluation.dataset import load_dataset
+from rlens.messages import Query
 from rlens.service.kafka import Topics
-from rlens.service.load import play, queries_of
+from rlens.service.load import Outcome, play, queries_of
 from rlens.service.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
@@ -89,12 +95,23 @@ async def count_answers(bootstrap: str, topic: str, n: int, prefix: bytes = b"",
     return n / elapsed
 
 
+def cycled(stream: list[tuple[Query, Outcome]], prefix: str, n: int) -> list[tuple[Query, Outcome]]:
+    """``n`` queries cycling through ``stream``, with fresh query ids."""
+    return [
+        (stream[i % len(stream)][0].model_copy(update={"query_id": f"{prefix}-{i}"}), stream[i % len(stream)][1])
+        for i in range(n)
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--queries", type=int, default=3000)
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--load-queries", type=int, default=1200)
-    parser.add_argument("--load-share", type=float, default=0.5, help="the latency phase's rate, as a share of (2)'s")
+    parser.add_argument("--saturate-s", type=float, default=30.0, help="seconds of the stack at its maximum rate")
+    parser.add_argument("--load-s", type=float, default=60.0, help="seconds of the latency phase")
+    parser.add_argument(
+        "--load-share", type=float, default=0.8, help="the latency phase's rate, as a share of the stack's maximum"
+    )
     parser.add_argument(
         "--metrics-reps", type=int, default=2, help="alternations of the worker with its metrics off and on"
     )
@@ -104,10 +121,7 @@ def main() -> None:
     data = settings().demo_data
     dataset = load_dataset(data)
     stream = queries_of(dataset, None, "bench")  # reference ids index the dataset the replay backends serve
-    traffic = [
-        (stream[i % len(stream)][0].model_copy(update={"query_id": f"bench-{i}"}), stream[i % len(stream)][1])
-        for i in range(args.queries)
-    ]
+    traffic = cycled(stream, "bench", args.queries)
     workdir = Path("bench/out/service-stack")
     pool = write_replay_pool(data, workdir / "pool.json")
     config = settings().model_copy(
@@ -166,20 +180,46 @@ def main() -> None:
             )
             print(f"metrics on / off: {results['metrics_on_off_ratio']:.3f}")
 
+    finally:
+        stack.stop()
+    stack = LocalStack(config, Path("bench/out/service-latency-stack"))
+    try:
         stack.start_learner()
+        for _ in range(args.workers):
+            stack.start_worker()
         stack.wait_ready(120)
-        rate = results["worker_queries_per_s"] * args.load_share
-        live = queries_of(dataset.subset(list(range(min(args.load_queries, dataset.n_questions)))), None, "latency")
-        report = asyncio.run(play(stack.settings, live, rate=rate, idle_timeout_s=60))
+        saturated = asyncio.run(
+            play(
+                stack.settings,
+                cycled(stream, "saturate", int(args.saturate_s * 10_000)),
+                rate=1e9,
+                idle_timeout_s=60,
+                max_in_flight=2000,
+                duration_s=args.saturate_s,
+            )
+        )
+        after = [t for t in saturated.answered_at if t >= saturated.answered_at[0] + 10.0]
+        results["stack_queries_per_s"] = (len(after) - 1) / (after[-1] - after[0])
+        print(f"the stack at its maximum: {results['stack_queries_per_s']:.0f} queries/s")
+        rate = results["stack_queries_per_s"] * args.load_share
+        report = asyncio.run(
+            play(stack.settings, cycled(stream, "latency", int(args.load_s * rate)), rate=rate, idle_timeout_s=60)
+        )
+        steady = [ms for ms, t in zip(report.latencies_ms, report.answered_at) if t >= 5.0]
         results.update(
             latency_rate=rate,
-            latency_p50_ms=report.latency_percentile(50),
-            latency_p99_ms=report.latency_percentile(99),
+            latency_p50_ms=float(np.percentile(steady, 50)),
+            latency_p99_ms=float(np.percentile(steady, 99)),
             latency_accuracy=report.accuracy,
             latency_answered=report.answered,
+            latency_by_10s=[  # [start s, answers, p50 ms, p99 ms] per 10 s of the phase: does the backlog grow?
+                [start, len(chunk), round(float(np.percentile(chunk, 50))), round(float(np.percentile(chunk, 99)))]
+                for start in range(0, int(report.answered_at[-1]) + 1, 10)
+                if (chunk := [ms for ms, t in zip(report.latencies_ms, report.answered_at) if start <= t < start + 10])
+            ],
         )
         print(
-            f"at {rate:.0f} queries/s: p50 {results['latency_p50_ms']:.1f} ms, p99 {results['latency_p99_ms']:.1f} ms ({report.answered} answered, accuracy {100 * report.accuracy:.1f} %)"
+            f"at {rate:.0f} queries/s ({args.load_share:g} of the stack's maximum): p50 {results['latency_p50_ms']:.1f} ms, p99 {results['latency_p99_ms']:.1f} ms ({report.answered} answered, accuracy {100 * report.accuracy:.1f} %)"
         )
     finally:
         stack.stop()

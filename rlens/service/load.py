@@ -43,6 +43,7 @@ class LoadReport:
     no_answer: int = 0  # answers with failures and nothing answered
     feedback_sent: int = 0
     latencies_ms: list[float] = field(default_factory=list)  # send -> answer received
+    answered_at: list[float] = field(default_factory=list)  # seconds from the start of play to each answer
     outcomes: list[bool] = field(default_factory=list)  # in arrival order
     query_ids: list[str] = field(default_factory=list)  # each answer's query, in arrival order
     streams: list[str] = field(default_factory=list)  # each answer's stream, in arrival order
@@ -129,9 +130,14 @@ async def play(
     idle_timeout_s: float = 60.0,
     on_answer: Callable[[LoadReport], None] = lambda report: None,
     before_send: Callable[[int], Awaitable[None]] | None = None,
+    max_in_flight: int | None = None,
+    duration_s: float | None = None,
 ) -> LoadReport:
     """Play ``traffic`` at ``rate`` queries/s (see the module); ``before_send(i)``, if given, is awaited before the
-    i-th query goes out (a closed loop: e.g. until the service has applied the previous query's feedback)."""
+    i-th query goes out (a closed loop: e.g. until the service has applied the previous query's feedback).
+    ``max_in_flight``: never more than that many queries sent and not yet answered (with a high ``rate``, the
+    service always has that backlog: its maximum rate). ``duration_s``: stop sending after that many seconds, and
+    wait for the answers of what was sent."""
     topics = Topics.from_settings(settings)
     report = LoadReport()
     outcomes = {q.query_id: (outcome, q.stream) for q, outcome in traffic}
@@ -158,8 +164,12 @@ async def play(
 
     async def send_queries() -> None:
         for i, (query, _) in enumerate(traffic):
+            if duration_s is not None and time.perf_counter() - start >= duration_s:
+                break
             if before_send is not None:
                 await before_send(i)
+            while max_in_flight is not None and i - report.answered >= max_in_flight:
+                await asyncio.sleep(0.005)
             delay = start + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -177,7 +187,10 @@ async def play(
     answered: set[str] = set()
     last_progress = time.perf_counter()
     try:
-        while len(answered) < len(traffic) and time.perf_counter() - last_progress < idle_timeout_s:
+        while (
+            len(answered) < (report.sent if sender.done() else len(traffic))
+            and time.perf_counter() - last_progress < idle_timeout_s
+        ):
             batch = await consumer.getmany(timeout_ms=200)
             for records in batch.values():
                 for record in records:
@@ -205,9 +218,9 @@ async def play(
                     report.per_task.setdefault(stream, [0, 0])
                     report.per_task[stream][0] += correct
                     report.per_task[stream][1] += 1
-                    report.latencies_ms.append(
-                        1000 * (time.perf_counter() - sent_at.get(answer.query_id, time.perf_counter()))
-                    )
+                    now = time.perf_counter()
+                    report.latencies_ms.append(1000 * (now - sent_at.get(answer.query_id, now)))
+                    report.answered_at.append(now - start)
                     if answer.feedback_token:  # an answer with no model behind it has nothing to rate
                         feedback_tasks.append(asyncio.create_task(send_feedback(answer, outcome)))
                     on_answer(report)
