@@ -313,6 +313,32 @@ def test_redis_down_at_start_delays_readiness_but_stops_nothing(tmp_path, zoo):
     assert alive == [True, True] and report.answered == 100 and report.no_answer == 0
 
 
+def test_play_keeps_at_most_max_in_flight_unanswered_and_stops_sending_after_duration(tmp_path, zoo):
+    stack = make_stack(tmp_path)
+    in_flight: list[int] = []
+    played = [
+        (q.model_copy(update={"query_id": f"bounded-{i}"}), o) for i, (q, o) in enumerate(traffic(zoo, "b", 1200) * 10)
+    ]
+    try:
+        report = asyncio.run(
+            play(
+                stack.settings,
+                played,
+                rate=1e9,
+                idle_timeout_s=60,
+                on_answer=lambda r: in_flight.append(r.sent - r.answered),
+                max_in_flight=8,
+                duration_s=2.0,
+            )
+        )
+    finally:
+        stack.stop()
+    assert 0 < report.sent < 12_000, "the sender should stop after 2 s, long before 12,000 queries at 8 in flight"
+    assert report.answered == report.sent and report.feedback_sent == report.answered
+    assert max(in_flight) <= 8 and len(report.answered_at) == report.answered
+    assert report.answered_at == sorted(report.answered_at)
+
+
 def scrape(url: str) -> dict[str, float]:
     """A process's /metrics: each sample's name (with its labels) -> value, and each metric's total over its labels."""
     import httpx
