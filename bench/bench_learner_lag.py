@@ -13,9 +13,9 @@ answers at its maximum rate on this machine (with the learner, the broker and th
 * the learner's unmatched halves held (``rlens_learner_pending``), joins and updates;
 * each process's share of a core over the last 10 s (worker, learner, broker, Redis, the load generator).
 
-Reported: the worker's rate, the learner's join rate, each lag's median over the run and its least-squares slope
-over the samples after the first minute (records/s; a learner that falls behind shows a positive slope of about
-the rate it misses), and ``keeps_up`` when the slope of the total lag is under 1 % of the worker's rate.
+Reported, over the samples after the first minute: the worker's rate, the learner's join rate, each lag's median,
+maximum and least-squares slope (records/s; a learner that falls behind shows a positive slope of about the rate
+it misses), and ``keeps_up`` when the slope of the total lag is under 1 % of the worker's rate.
 """
 
 from __future__ import annotations
