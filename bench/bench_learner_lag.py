@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -34,9 +33,9 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from machine import machine_facts
+from stacks import cycled, replay_stack
 from rlens.evaluation.dataset import load_dataset
 from rlens.service.load import LoadReport, play, queries_of
-from rlens.service.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
 
@@ -73,18 +72,10 @@ def main() -> None:
     args = parser.parse_args()
     machine = machine_facts()
     print(f"machine: {machine}", flush=True)
-    base = queries_of(load_dataset(settings().demo_data), None, "lag")
-    n = int(args.minutes * 60 * args.max_rate)
-    traffic = [
-        (base[i % len(base)][0].model_copy(update={"query_id": f"lag-{i}"}), base[i % len(base)][1]) for i in range(n)
-    ]
-    workdir = args.out.parent / "learner-lag-stack"
-    shutil.rmtree(workdir, ignore_errors=True)  # a cold start: no checkpoint of an earlier run
-    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
-    config = settings().model_copy(
-        update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
+    traffic = cycled(
+        queries_of(load_dataset(settings().demo_data), None, "lag"), "lag", int(args.minutes * 60 * args.max_rate)
     )
-    stack = LocalStack(config, workdir)
+    stack = replay_stack(args.out.parent / "learner-lag-stack")
     samples: list[dict] = []
     stop = threading.Event()
     seen = LoadReport()
@@ -150,7 +141,7 @@ def main() -> None:
     finally:
         stop.set()
         stack.stop()
-    steady = [s for s in samples if s["t"] >= 60]
+    steady = [s for s in samples if s["t"] >= 60] or samples  # a run shorter than 2 minutes: all of it
     times = [s["t"] for s in steady]
     span = steady[-1]["t"] - steady[0]["t"]
     worker_rate = (steady[-1]["answers"] - steady[0]["answers"]) / span

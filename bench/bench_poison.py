@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import math
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -28,6 +27,7 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from machine import machine_facts
+from stacks import replay_stack
 from rlens.evaluation.dataset import load_dataset
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Answer, DeadLetter, Experience, Feedback, Query
@@ -36,7 +36,7 @@ from rlens.service.load import play, queries_of
 from rlens.service.online import FocalOnlineTrainer
 from rlens.service.policy import encode_policy
 from rlens.service.security import PolicySigner, generate_secrets
-from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.service.stack import LocalStack
 from rlens.settings import settings
 
 EXTREMES = [
@@ -227,13 +227,7 @@ def main() -> None:
     valid = {qid for qid in map(valid_query, sent["queries"]) if qid}
     trainer = FocalOnlineTrainer(FocalEngine(zoo.n_models, seed=0), zoo.model_names)
     held = sum(fits_the_pool(p, trainer) for p in sent["experience"])
-    workdir = args.out.parent / "poison-stack"
-    shutil.rmtree(workdir, ignore_errors=True)  # a cold start: no checkpoint of an earlier run
-    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
-    config = settings().model_copy(
-        update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
-    )
-    stack = LocalStack(config, workdir)
+    stack = replay_stack(args.out.parent / "poison-stack")
     try:
         stack.start_learner()
         stack.start_worker()

@@ -30,11 +30,10 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from machine import machine_facts
+from stacks import cycled, replay_stack
 from rlens.evaluation.dataset import load_dataset
-from rlens.messages import Query
 from rlens.service.kafka import Topics
-from rlens.service.load import Outcome, play, queries_of
-from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.service.load import play, queries_of
 from rlens.settings import settings
 
 
@@ -95,14 +94,6 @@ async def count_answers(bootstrap: str, topic: str, n: int, prefix: bytes = b"",
     return n / elapsed
 
 
-def cycled(stream: list[tuple[Query, Outcome]], prefix: str, n: int) -> list[tuple[Query, Outcome]]:
-    """``n`` queries cycling through ``stream``, with fresh query ids."""
-    return [
-        (stream[i % len(stream)][0].model_copy(update={"query_id": f"{prefix}-{i}"}), stream[i % len(stream)][1])
-        for i in range(n)
-    ]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--queries", type=int, default=3000)
@@ -122,21 +113,16 @@ def main() -> None:
     dataset = load_dataset(data)
     stream = queries_of(dataset, None, "bench")  # reference ids index the dataset the replay backends serve
     traffic = cycled(stream, "bench", args.queries)
-    workdir = Path("bench/out/service-stack")
-    pool = write_replay_pool(data, workdir / "pool.json")
-    config = settings().model_copy(
-        update={"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
-    )
-    stack = LocalStack(config, workdir)
+    stack = replay_stack(Path("bench/out/service-stack"))
     topics = Topics.from_settings(stack.settings)
     bootstrap = stack.settings.kafka_bootstrap
-    results: dict = {"queries": args.queries, "workers": args.workers, "worker_batch": config.worker_batch}
+    results: dict = {"queries": args.queries, "workers": args.workers, "worker_batch": stack.settings.worker_batch}
     try:
         payloads = [q.model_dump_json().encode() for q, _ in traffic]
         reply_size = 700  # an Answer of the bundled stream is about this many bytes
         asyncio.run(prefill(bootstrap, "raw.in", payloads))
         results["raw_aiokafka_msgs_per_s"] = asyncio.run(
-            raw_pipe(bootstrap, "raw.in", "raw.out", len(payloads), b"x" * reply_size, config.worker_batch)
+            raw_pipe(bootstrap, "raw.in", "raw.out", len(payloads), b"x" * reply_size, stack.settings.worker_batch)
         )
         print(f"raw aiokafka consume->produce: {results['raw_aiokafka_msgs_per_s']:.0f} msgs/s")
 
@@ -182,7 +168,7 @@ def main() -> None:
 
     finally:
         stack.stop()
-    stack = LocalStack(config, Path("bench/out/service-latency-stack"))
+    stack = replay_stack(Path("bench/out/service-latency-stack"))
     try:
         stack.start_learner()
         for _ in range(args.workers):

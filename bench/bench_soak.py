@@ -13,15 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import threading
 import time
 from pathlib import Path
 
 from machine import machine_facts
+from stacks import replay_stack
 from rlens.evaluation.dataset import load_dataset
 from rlens.service.load import play, queries_of
-from rlens.service.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
 
@@ -50,13 +49,7 @@ def main() -> None:
         )
         for i in range(n)
     ]
-    workdir = args.out.parent / "soak-stack"
-    shutil.rmtree(workdir, ignore_errors=True)  # a cold start: no checkpoint of an earlier run
-    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
-    config = settings().model_copy(
-        update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
-    )
-    stack = LocalStack(config, workdir)
+    stack = replay_stack(args.out.parent / "soak-stack")
     samples: list[dict] = []
     stop = threading.Event()
 
@@ -90,7 +83,7 @@ def main() -> None:
             stack.settings.checkpoint_dir / (stack.settings.checkpoint_dir / "LATEST").read_text() / "state.json"
         ).read_text()
     )
-    warm = next(s for s in samples if s["t"] >= 60)
+    warm = next((s for s in samples if s["t"] >= 60), samples[0])  # a run shorter than a minute: its first sample
     result = {
         "minutes": args.minutes,
         "streams": args.streams,

@@ -1,0 +1,31 @@
+"""What the service benchmarks share: a fresh local stack serving the bundled stream on `replay` backends, and
+traffic that cycles through a stream with fresh query ids."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from rlens.messages import Query
+from rlens.service.load import Outcome
+from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.settings import settings
+
+
+def replay_stack(workdir: Path) -> LocalStack:
+    """A local stack (its own tansu broker and redis-server) in an emptied ``workdir`` (a cold start: no checkpoint
+    of an earlier run), its pool the bundled stream's models as `replay` backends, with short group timeouts."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
+    config = settings().model_copy(
+        update={"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
+    )
+    return LocalStack(config, workdir)
+
+
+def cycled(stream: list[tuple[Query, Outcome]], prefix: str, n: int) -> list[tuple[Query, Outcome]]:
+    """``n`` queries cycling through ``stream``, with the query ids ``prefix-0``, ``prefix-1``, ..."""
+    return [
+        (stream[i % len(stream)][0].model_copy(update={"query_id": f"{prefix}-{i}"}), stream[i % len(stream)][1])
+        for i in range(n)
+    ]
