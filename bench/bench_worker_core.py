@@ -6,8 +6,9 @@ the JSON encoding of its answers and experience, with the windows in a real redi
 The bundled stream (replay backends, 5 models) in stream order, on one torch thread. Two states: *cold* (empty
 windows, a fresh policy: every model is called) and *warm* (each stream's window full, ``window`` rows from the
 dataset's own outcomes, in Redis). Prints queries/s and microseconds per query for each stage of the batch
-(window read, Decider, pool call, Fusion, building the messages, JSON encoding). This is the part of the worker's
-time that is the service's own code; the broker client's part is in ``bench_service.py``.
+(window read, Decider, pool call, Fusion, building the messages, JSON encoding), and, as a yardstick timed in the
+same run, a raw Redis round trip (PING) with the window read of a batch in those units. This is the part of the
+worker's time that is the service's own code; the broker client's part is in ``bench_service.py``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,20 @@ async def fill_windows(windows: RedisWindows, dataset, size: int) -> None:
                 (dataset.task_name(task), f"fill-{i}", predictions, int(np.searchsorted(valid, dataset.labels[i])), 1.0)
             )
     await windows.apply_many(outcomes)
+
+
+async def redis_round_trip_us(redis_url: str, calls: int = 2000) -> float:
+    """Microseconds per PING on the same redis-server and client library, the best of 5 runs of ``calls`` (a
+    yardstick in the same run: the window read of a batch is one pipelined round trip plus the parsing)."""
+    redis = Redis.from_url(redis_url)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(calls):
+            await redis.ping()
+        best = min(best, (time.perf_counter() - started) / calls)
+    await redis.aclose()
+    return 1e6 * best
 
 
 async def measure(state: str, redis_url: str, passes: int, batch: int) -> dict:
@@ -101,15 +116,21 @@ def main() -> None:
         results = {
             state: asyncio.run(measure(state, server.url, args.passes, args.batch)) for state in ("cold", "warm")
         }
+        round_trip = asyncio.run(redis_round_trip_us(server.url))
     finally:
         server.stop()
+    print(f"raw Redis round trip (PING, redis-py asyncio): {round_trip:.0f} µs")
     for state, r in results.items():
         parts = ", ".join(f"{name} {us:.0f}" for name, us in r["us_per_query"].items())
+        r["window_read_round_trips_per_batch"] = r["us_per_query"]["window_read"] * args.batch / round_trip
         print(
-            f"{state}: {r['queries_per_s']:.0f} queries/s; µs per query: {r['us_per_query_total']:.0f} in all ({parts})"
+            f"{state}: {r['queries_per_s']:.0f} queries/s; µs per query: {r['us_per_query_total']:.0f} in all ({parts}); "
+            f"a batch's window read costs {r['window_read_round_trips_per_batch']:.1f} raw round trips"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine_facts(), **results}, indent=1))
+    args.out.write_text(
+        json.dumps({"machine": machine_facts(), "redis_round_trip_us": round_trip, **results}, indent=1)
+    )
 
 
 if __name__ == "__main__":
