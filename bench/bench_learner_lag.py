@@ -141,7 +141,8 @@ def main() -> None:
     finally:
         stop.set()
         stack.stop()
-    steady = [s for s in samples if s["t"] >= 60] or samples  # a run shorter than 2 minutes: all of it
+    steady = [s for s in samples if s["t"] >= 60]
+    steady = steady if len(steady) >= 2 else samples  # a run too short for two samples after its first minute
     times = [s["t"] for s in steady]
     span = steady[-1]["t"] - steady[0]["t"]
     worker_rate = (steady[-1]["answers"] - steady[0]["answers"]) / span

@@ -108,6 +108,8 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("bench/out/service.json"))
     args = parser.parse_args()
+    if args.saturate_s <= 12:
+        parser.error("--saturate-s must be above 12: the maximum is measured after the phase's first 10 s")
     print(f"machine: {machine_facts()}", flush=True)
     data = settings().demo_data
     dataset = load_dataset(data)
