@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from rlens.focal.engine import FocalEngine
+from rlens.focal.features import padded_choices
 
 
 def warmed_engine(seed: int = 3) -> FocalEngine:
@@ -71,3 +72,15 @@ def test_the_marginal_diversity_observation_reaches_the_decider_and_the_learner(
     assert trainer.dims["decider_state"] == len(decision.state) and trainer.dims["critic_state"] == len(
         answer.critic_state
     )
+
+
+def test_padded_choices_pads_only_where_widths_differ():
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.random((w, 4)).astype(np.float32) for w in (3, 3, 2))
+    padded, mask = padded_choices([a, b])  # nothing to pad: stacked as they are
+    assert np.array_equal(padded, np.stack([a, b])) and mask.all() and mask.shape == (2, 3)
+    padded, mask = padded_choices([a, c])
+    assert np.array_equal(padded[1, :2], c) and not padded[1, 2].any()
+    assert mask.tolist() == [[True, True, True], [True, True, False]]
+    (one,), (one_mask,) = padded_choices([c])
+    assert np.array_equal(one, c) and one_mask.all()

@@ -6,6 +6,7 @@ import pytest
 from rlens.focal.metrics import (
     METRIC_NAMES,
     binary_entropy,
+    choice_counts,
     correlation,
     diversity_metrics,
     fleiss_kappa,
@@ -83,3 +84,14 @@ def test_focal_diversity_is_permutation_invariant():
     correct = rng.random((50, 6)) < 0.6
     assert focal_diversity(correct) == pytest.approx(focal_diversity(correct[:, rng.permutation(6)]))
     assert focal_diversity(correct) == pytest.approx(focal_diversity(correct[rng.permutation(50)]))
+
+
+def test_choice_counts_and_metrics_from_given_counts():
+    predictions = np.array([[0, 0, 2], [1, 2, 2]])
+    assert choice_counts(predictions).tolist() == [[2, 0, 1], [0, 1, 2]]
+    assert choice_counts(predictions, 4).tolist() == [[2, 0, 1, 0], [0, 1, 2, 0]]  # a choice nobody took
+    correct = predictions == 2
+    # counts over more choices than were predicted (as the window passes them) change no metric
+    assert diversity_metrics(correct, predictions, counts=choice_counts(predictions, 5)).tolist() == (
+        diversity_metrics(correct, predictions).tolist()
+    )

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from rlens.focal.voting import plurality_vote
 from rlens.focal.window import OutcomeWindow
 
 
@@ -23,6 +24,25 @@ def test_pool_rows_use_only_rows_where_every_member_was_observed():
     assert correct.tolist() == [[False, True]] and predictions.tolist() == [[0, 1]] and labels.tolist() == [1]
     metrics, vote_accuracy = window.pool_statistics(np.array([True, True, False]))
     assert vote_accuracy == 0.5  # row 0: votes 0,0 -> right; row 1: votes 0,1 tie -> 0 -> wrong
+
+
+def test_pool_statistics_vote_is_the_plurality_vote_on_the_known_labels():
+    """The vote accuracy comes from the kappa's per-row choice counts; it must equal plurality_vote's, ties to the
+    lowest choice, with reward-only rows (label -1) left out, on random windows and pools."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        m, n_choices = int(rng.integers(1, 6)), int(rng.integers(2, 5))
+        window = OutcomeWindow(m, int(rng.integers(1, 20)))
+        for _ in range(int(rng.integers(1, 30))):
+            window.push(rng.integers(-1, n_choices, m), label=int(rng.integers(-1, n_choices)), reward=1.0)
+        pool = rng.random(m) < 0.6
+        pool[rng.integers(m)] = True
+        _, predictions, labels = window.pool_rows(pool)
+        known = labels >= 0
+        expected = (
+            float((plurality_vote(predictions[known], n_choices) == labels[known]).mean()) if known.any() else 0.5
+        )
+        assert window.pool_statistics(pool)[1] == expected
 
 
 def test_ring_buffer_keeps_the_last_rows_and_reward_only_feedback():

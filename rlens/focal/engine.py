@@ -33,6 +33,7 @@ from rlens.focal.features import (
     model_features_in_decider_obs,
     padded_choices,
     reliability_weighted_log_probs,
+    stack_rows,
 )
 from rlens.focal.greedy import GreedyActor
 from rlens.focal.mappo import Transition, mappo_update
@@ -93,6 +94,8 @@ class FocalEngine:
         self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5, foreach=True)
         self.windows: dict[Hashable, OutcomeWindow] = {}
         self.previous_pool: OrderedDict[Hashable, np.ndarray] = OrderedDict()  # at most cfg.max_streams, LRU
+        self.everyone = np.ones(n_models, dtype=bool)  # the whole pool (read-only: decisions share it)
+        self.everyone.flags.writeable = False
         self.buffer: list[Transition] = []
         self.explored_buffered = 0  # explored transitions in the buffer
 
@@ -114,7 +117,7 @@ class FocalEngine:
             self.previous_pool.popitem(last=False)
 
     def _state(self, key: Hashable, n_choices: int) -> np.ndarray:
-        previous = self.previous_pool.get(key, np.ones(self.n_models, dtype=bool))
+        previous = self.previous_pool.get(key, self.everyone)
         return decider_observation(
             self.window(key),
             previous,
@@ -125,7 +128,6 @@ class FocalEngine:
             self.cfg.marginal_diversity,
         )
 
-    @torch.inference_mode()
     def decide(
         self, key: Hashable, n_choices: int, greedy: bool, probe: bool = False, rollouts: int = 1
     ) -> list[Decision]:
@@ -137,16 +139,16 @@ class FocalEngine:
         state = self._state(key, n_choices)
         if self.cfg.use_decider and greedy:
             pool, logp = self.greedy.pools(state[None])
-            pools, pool_logps = pool.repeat(rollouts, 0), [float(logp[0])] * rollouts
+            pools, pool_logps = (pool if rollouts == 1 else pool.repeat(rollouts, 0)), [float(logp[0])] * rollouts
         elif self.cfg.use_decider:
-            pools_t, logps = self.decider.act(torch.from_numpy(state).expand(rollouts, -1), False, self.torch_rng)
+            with torch.inference_mode():
+                pools_t, logps = self.decider.act(torch.from_numpy(state).expand(rollouts, -1), False, self.torch_rng)
             pools, pool_logps = pools_t.numpy().astype(bool), logps.tolist()
         else:
             pools, pool_logps = np.ones((rollouts, self.n_models), dtype=bool), [0.0] * rollouts
         self.remember_pool(key, pools[0])
-        everyone = np.ones(self.n_models, dtype=bool)
         return [
-            Decision(key, pool, everyone if probe else pool, state, logp, not greedy)
+            Decision(key, pool, self.everyone if probe else pool, state, logp, not greedy)
             for pool, logp in zip(pools, pool_logps)
         ]
 
@@ -161,7 +163,7 @@ class FocalEngine:
         """
         cache: dict[tuple, dict] = {}
         decisions = []
-        everyone = np.ones(self.n_models, dtype=bool)
+        everyone = self.everyone
         for key, n_choices, probe, greedy in queries:
             previous = self.previous_pool.get(key, everyone)
             slot = (key, n_choices, previous.tobytes())
@@ -192,7 +194,6 @@ class FocalEngine:
             probs * decision.pool[:, None], decision.pool, window.reliability(), window.label_prior(probs.shape[1])
         )
 
-    @torch.inference_mode()
     def fuse_batch(self, decisions: list[Decision], probs: list[np.ndarray]) -> list[Answer]:
         """:meth:`fuse` for a batch (``probs[i]`` [M, C_i]): one Fusion forward over choices padded to the widest for
         the explored queries (torch, sampled), one for the greedy ones (NumPy)."""
@@ -200,21 +201,21 @@ class FocalEngine:
         answers = np.zeros(len(decisions), dtype=np.int64)
         logps = np.zeros(len(decisions))
         dists: list[np.ndarray] = [np.empty(0)] * len(decisions)
-        explored = np.array([d.explored for d in decisions])
-        for rows in (np.flatnonzero(explored), np.flatnonzero(~explored)):
-            if not len(rows):
+        explored = [i for i, d in enumerate(decisions) if d.explored]
+        greedy = [i for i, d in enumerate(decisions) if not d.explored]
+        for rows in (explored, greedy):
+            if not rows:
                 continue
             padded, mask = padded_choices([features[i] for i in rows])
-            if explored[rows[0]]:
-                chosen, chosen_logp, dist = (
-                    t.numpy()
-                    for t in self.fusion.act(
+            if rows is explored:
+                with torch.inference_mode():
+                    sampled = self.fusion.act(
                         torch.from_numpy(padded),
                         torch.from_numpy(mask),
                         torch.ones(len(rows), dtype=torch.bool),
                         self.torch_rng,
                     )
-                )
+                chosen, chosen_logp, dist = (t.numpy() for t in sampled)
             else:
                 chosen, chosen_logp, dist = self.greedy.answers(padded, mask)
             answers[rows], logps[rows] = chosen, chosen_logp
@@ -234,19 +235,18 @@ class FocalEngine:
             by_width[p.shape[1]].append(i)
         for width, index in by_width.items():
             windows = [self.window(decisions[i].key) for i in index]
-            stacked, pools = np.stack([probs[i] for i in index]), np.stack([decisions[i].pool for i in index])
+            stacked, pools = stack_rows([probs[i] for i in index]), stack_rows([decisions[i].pool for i in index])
             group_features = fusion_observations(
                 stacked * pools[:, :, None],
                 pools,
-                np.stack([w.reliability() for w in windows]),
-                np.stack([w.label_prior(width) for w in windows]),
+                stack_rows([w.reliability() for w in windows]),
+                stack_rows([w.label_prior(width) for w in windows]),
             )
-            group_critic = critic_states(np.stack([decisions[i].state for i in index]), stacked, pools)
+            group_critic = critic_states(stack_rows([decisions[i].state for i in index]), stacked, pools)
             for j, i in enumerate(index):
                 features[i], critic[i] = group_features[j], group_critic[j]
         return features, critic
 
-    @torch.inference_mode()
     def fuse(self, decision: Decision, probs: np.ndarray) -> Answer:
         """Answer distribution over the valid choices from the pool's distributions ``probs`` [M, C_valid]; the
         answer is sampled from it for an explored decision, its mode otherwise.

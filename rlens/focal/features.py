@@ -46,23 +46,22 @@ def critic_state(decider_state: np.ndarray, probs: np.ndarray, pool: np.ndarray)
 def critic_states(decider_states: np.ndarray, probs: np.ndarray, pools: np.ndarray) -> np.ndarray:
     """:func:`critic_state` of B queries with the same number of choices: [B, D], [B, M, C], bool [B, M]."""
     b, m, c = probs.shape
+    d = decider_states.shape[1]
+    out = np.empty((b, d + 3 * m + 1), dtype=np.float32)
     selected = pools.astype(np.float32)
-    top = probs.max(2)
     entropy = -(probs * np.log(np.maximum(probs, LOG_FLOOR))).sum(2) / np.log(max(c, 2))  # one choice (all agree): 0
     predictions = probs.argmax(2)
-    votes = np.zeros((b, c), dtype=np.int64)
-    np.add.at(votes, (np.repeat(np.arange(b), m), predictions.ravel()), pools.ravel())  # the pool's votes per choice
+    cells = (np.arange(b)[:, None] * c + predictions).ravel()
+    votes = np.bincount(cells, weights=pools.ravel(), minlength=b * c).reshape(b, c)  # the pool's votes per choice
     plurality = np.where(pools.any(1), votes.argmax(1), -1)
-    summary = np.concatenate(
-        [
-            top * selected,
-            entropy * selected,
-            (predictions == plurality[:, None]) * selected,
-            selected.sum(1, keepdims=True) / m,
-        ],
-        axis=1,
+    out[:, :d], out[:, d : d + m], out[:, d + m : d + 2 * m] = (
+        decider_states,
+        probs.max(2) * selected,
+        entropy * selected,
     )
-    return np.concatenate([decider_states, summary.astype(np.float32)], axis=1)
+    out[:, d + 2 * m : d + 3 * m] = (predictions == plurality[:, None]) * selected
+    out[:, -1] = selected.sum(1) / m
+    return out
 
 
 def model_features_in_decider_obs(n_models: int, n_metrics: int) -> slice:
@@ -116,10 +115,17 @@ def decider_observation(
     )
 
 
+def stack_rows(arrays: list[np.ndarray]) -> np.ndarray:
+    """``np.stack(arrays)``, without its few microseconds of overhead for a single array (the one-query path)."""
+    return arrays[0][None] if len(arrays) == 1 else np.stack(arrays)
+
+
 def padded_choices(features: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Per-query Fusion observations [C_i, F] of any choice counts stacked into [B, C_max, F] (zeros past each
     query's choices) with the validity mask bool [B, C_max]."""
     width = max(f.shape[0] for f in features)
+    if all(f.shape[0] == width for f in features):  # nothing to pad
+        return stack_rows(features).astype(np.float32, copy=False), np.ones((len(features), width), dtype=bool)
     padded = np.zeros((len(features), width, features[0].shape[1]), dtype=np.float32)
     mask = np.zeros((len(features), width), dtype=bool)
     for i, f in enumerate(features):
@@ -140,13 +146,14 @@ def fusion_observations(
     """:func:`fusion_observation` of B queries with the same number of choices: probs [B, M, C], pools bool [B, M],
     reliability [B, M], label_prior [B, >= C] -> [B, C, 5M + 3]."""
     b, m, c = probs.shape
-    selected = pools.astype(np.float32)[:, :, None]  # [B, M, 1]
-    rel = reliability.astype(np.float32)[:, :, None]
-    log_p = np.log(np.maximum(probs, LOG_FLOOR)) * selected
-    top = (np.arange(c)[None, None, :] == probs.argmax(2)[:, :, None]).astype(np.float32) * selected
-    # [B, 5M, C]
-    per_model = np.concatenate([log_p, top, rel * log_p, rel * top, np.repeat(rel * selected, c, axis=2)], axis=1)
+    out = np.empty((b, c, FUSION_FEATURES_PER_MODEL * m + FUSION_GLOBAL_FEATURES), dtype=np.float32)
+    selected = pools.astype(np.float32)[:, None, :]  # [B, 1, M]
+    rel = reliability.astype(np.float32)[:, None, :]
+    per_choice = probs.transpose(0, 2, 1)  # [B, C, M]
+    log_p = np.log(np.maximum(per_choice, LOG_FLOOR)) * selected
+    top = (np.arange(c)[None, :, None] == probs.argmax(2)[:, None, :]).astype(np.float32) * selected
+    out[..., :m], out[..., m : 2 * m], out[..., 2 * m : 3 * m] = log_p, top, rel * log_p
+    out[..., 3 * m : 4 * m], out[..., 4 * m : 5 * m] = rel * top, rel * selected
     prior = label_prior[:, :c]
-    # [B, 3, C]
-    global_rows = np.stack([prior, np.log(prior + 0.02), np.full((b, c), 1.0 / c, dtype=np.float32)], axis=1)
-    return np.concatenate([per_model, global_rows], axis=1).transpose(0, 2, 1).astype(np.float32)
+    out[..., 5 * m], out[..., 5 * m + 1], out[..., 5 * m + 2] = prior, np.log(prior + 0.02), np.float32(1.0 / c)
+    return out

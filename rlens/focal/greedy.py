@@ -52,7 +52,7 @@ class GreedyActor:
         d = self.decider
         phi = obs[:, d.model_features].reshape(len(obs), 3, d.n_models)  # [B, 3, M]
         w, b = self.heads
-        return np.tanh(_mlp(obs, self.trunk)) @ w + b + np.einsum("k,bkm->bm", self.per_model, phi)
+        return np.tanh(_mlp(obs, self.trunk)) @ w + b + self.per_model @ phi
 
     def pools(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The greedy pools (bool [B, M]: the models with a positive logit, or the single most likely one when none
@@ -62,10 +62,11 @@ class GreedyActor:
         top = logits.argmax(1)
         empty = ~pools.any(1)
         pools[empty, top[empty]] = True
-        logp = np.where(pools, _log_sigmoid(logits), _log_sigmoid(-logits)).sum(1)
+        log_out = _log_sigmoid(-logits)  # each model's log-probability of staying out
+        logp = np.where(pools, _log_sigmoid(logits), log_out).sum(1)
         single = pools.sum(1) == 1
         fallback = single & pools[np.arange(len(pools)), top]  # the pool an empty draw also becomes
-        logp = np.where(fallback, np.logaddexp(logp, _log_sigmoid(-logits).sum(1)), logp)
+        logp = np.where(fallback, np.logaddexp(logp, log_out.sum(1)), logp)
         return pools, logp
 
     def fusion_scores(self, features: np.ndarray, choice_mask: np.ndarray) -> np.ndarray:

@@ -24,31 +24,50 @@ def focal_diversity(correct: np.ndarray) -> float:
     n, m = correct.shape
     if n == 0 or m < 2:  # no rows, or no pair of models (an empty pool or a pool of one)
         return 0.0
-    failed = (~correct).astype(np.float64)
-    n_failed = failed.sum(1)  # [n] how many of the pool failed on each row
-    rows_j = failed.sum(0)  # [m] rows where focal model j failed
+    c = correct.astype(np.float64)
+    return _focal(c, _row_sums(c))
+
+
+def _row_sums(c: np.ndarray) -> np.ndarray:
+    """How many models were right on each row (a product: cheaper than ``sum(1)`` on small arrays, and exact)."""
+    return c @ np.ones(c.shape[1])
+
+
+def _focal(c: np.ndarray, n_right: np.ndarray) -> float:
+    """:func:`focal_diversity` of float correctness [n, m] with its :func:`_row_sums`, n >= 1, m >= 2."""
+    m = c.shape[1]
+    failed = (1.0 - c).T  # [m, n]
+    n_failed = m - n_right  # [n] how many of the pool failed on each row
     # p(1) = sum_i (i/m) p_i and p(2) = sum_i i(i-1)/(m(m-1)) p_i, with p_i taken over the rows where j failed
-    # (both scaled by the row count, which cancels in the ratio).
-    p1 = failed.T @ (n_failed / m)
-    p2 = failed.T @ (n_failed * (n_failed - 1) / (m * (m - 1)))
-    lam = np.where(rows_j > 0, 1.0 - p2 / np.where(p1 > 0, p1, 1.0), 1.0)
+    # (both scaled by the row count, which cancels in the ratio); p(1) = 0: j never failed.
+    p1 = failed @ (n_failed / m)
+    p2 = failed @ (n_failed * (n_failed - 1) / (m * (m - 1)))
+    lam = np.where(p1 > 0, 1.0 - p2 / np.where(p1 > 0, p1, 1.0), 1.0)
     return float(lam.sum() / m)
 
 
-def fleiss_kappa(predictions: np.ndarray, n_categories: int | None = None) -> float:
-    """Fleiss' kappa of the models (raters) over the rows (subjects), categories = predicted choices."""
+def choice_counts(predictions: np.ndarray, n_choices: int | None = None) -> np.ndarray:
+    """How many models chose each choice on each row: predictions int [n, m] (all >= 0) -> float [n, n_choices]
+    (``n_choices`` at least the largest prediction + 1; that by default)."""
+    n = predictions.shape[0]
+    k = int(n_choices if n_choices is not None else predictions.max(initial=0) + 1)
+    cells = (np.arange(n)[:, None] * k + predictions).ravel()
+    return np.bincount(cells, minlength=n * k).reshape(n, k).astype(np.float64)
+
+
+def fleiss_kappa(predictions: np.ndarray, n_categories: int | None = None, counts: np.ndarray | None = None) -> float:
+    """Fleiss' kappa of the models (raters) over the rows (subjects), categories = predicted choices; ``counts``:
+    their :func:`choice_counts` when already known."""
     n, m = predictions.shape
     if n == 0:
         return 0.0
     if m == 1:
         return 1.0
-    k = int(n_categories if n_categories is not None else predictions.max() + 1)
-    counts = (
-        np.bincount((np.arange(n)[:, None] * k + predictions).ravel(), minlength=n * k).reshape(n, k).astype(np.float64)
-    )
-    p_row = ((counts**2).sum(1) - m) / (m * (m - 1))
+    if counts is None:
+        counts = choice_counts(predictions, n_categories)
+    p_bar = (((counts**2).sum(1) - m) / (m * (m - 1))).sum() / n
     p_cat = counts.sum(0) / (n * m)
-    p_bar, p_e = p_row.sum() / n, float((p_cat**2).sum())
+    p_e = float((p_cat**2).sum())
     if p_e >= 1.0 - 1e-12:
         return 1.0  # every model always gave the same single category: perfect agreement
     return float((p_bar - p_e) / (1.0 - p_e))
@@ -63,11 +82,16 @@ def _upper_pairs(m: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pair_counts(correct: np.ndarray) -> PairCounts:
-    """N11, N00, N10, N01 for every pair i < j (vectors of length m(m-1)/2)."""
-    c = correct.astype(np.float64)
-    w = 1.0 - c
-    iu = _upper_pairs(correct.shape[1])
-    return (c.T @ c)[iu], (w.T @ w)[iu], (c.T @ w)[iu], (w.T @ c)[iu]
+    """N11, N00, N10, N01 for every pair i < j (vectors of length m(m-1)/2), from one product."""
+    return _pair_counts(correct.astype(np.float64))
+
+
+def _pair_counts(c: np.ndarray) -> PairCounts:
+    both = c.T @ c  # [m, m]: rows where i and j were both right; its diagonal: rows where each was right
+    i, j = _upper_pairs(c.shape[1])
+    n11, right_i, right_j = both[i, j], both[i, i], both[j, j]
+    n10, n01 = right_i - n11, right_j - n11
+    return n11, c.shape[0] - n11 - n10 - n01, n10, n01
 
 
 def _mean_ratio(numerator: np.ndarray, denominator: np.ndarray) -> float:
@@ -112,25 +136,43 @@ def binary_entropy(correct: np.ndarray) -> float:
     n, m = correct.shape
     if n == 0 or m == 1:
         return 0.0
-    n_correct = correct.sum(1)
-    return float(np.minimum(n_correct, m - n_correct).sum() / (n * (m - np.ceil(m / 2))))
+    return _entropy(_row_sums(correct.astype(np.float64)), m)
+
+
+def _entropy(n_right: np.ndarray, m: int) -> float:
+    return float(np.minimum(n_right, m - n_right).sum() / (len(n_right) * (m - np.ceil(m / 2))))
+
+
+# Every metric's value for a pool of one model (it agrees perfectly with itself)
+_ONE_MODEL = {"focal": 0.0, "kappa": 1.0, "disagreement": 0.0, "yule_q": 1.0, "correlation": 1.0, "entropy": 0.0}
 
 
 def diversity_metrics(
-    correct: np.ndarray, predictions: np.ndarray, names: tuple[str, ...] = METRIC_NAMES
+    correct: np.ndarray,
+    predictions: np.ndarray,
+    names: tuple[str, ...] = METRIC_NAMES,
+    counts: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The metrics in ``names`` (a subset of METRIC_NAMES, in that order) as a float32 vector."""
+    """The metrics in ``names`` (a subset of METRIC_NAMES, in that order) as a float32 vector; ``counts``: the
+    rows' :func:`choice_counts`, when already known. The intermediate counts are computed once for all metrics."""
     correct = np.asarray(correct, dtype=bool)
     predictions = np.asarray(predictions, dtype=np.int64)
     if correct.shape != predictions.shape or correct.ndim != 2:
         raise ValueError(f"correct {correct.shape} and predictions {predictions.shape} must both be [rows, models]")
-    counts = pair_counts(correct) if correct.shape[0] and correct.shape[1] > 1 else None
+    n, m = correct.shape
+    if n == 0:
+        return np.zeros(len(names), dtype=np.float32)
+    if m == 1:
+        return np.array([_ONE_MODEL[name] for name in names], dtype=np.float32)
+    c = correct.astype(np.float64)
+    n_right = _row_sums(c)
+    pairs = _pair_counts(c) if {"disagreement", "yule_q", "correlation"} & set(names) else None
     compute = {
-        "focal": lambda: focal_diversity(correct),
-        "kappa": lambda: fleiss_kappa(predictions),
-        "disagreement": lambda: pairwise_disagreement(correct, counts),
-        "yule_q": lambda: yule_q(correct, counts),
-        "correlation": lambda: correlation(correct, counts),
-        "entropy": lambda: binary_entropy(correct),
+        "focal": lambda: _focal(c, n_right),
+        "kappa": lambda: fleiss_kappa(predictions, counts=counts),
+        "disagreement": lambda: pairwise_disagreement(correct, pairs),
+        "yule_q": lambda: yule_q(correct, pairs),
+        "correlation": lambda: correlation(correct, pairs),
+        "entropy": lambda: _entropy(n_right, m),
     }
     return np.array([compute[name]() for name in names], dtype=np.float32)

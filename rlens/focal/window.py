@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlens.focal.metrics import METRIC_NAMES, diversity_metrics, focal_diversity
-from rlens.focal.voting import plurality_vote
+from rlens.focal.metrics import METRIC_NAMES, choice_counts, diversity_metrics, focal_diversity
 
 
 class OutcomeWindow:
@@ -115,13 +114,10 @@ class OutcomeWindow:
     def pool_rows(self, pool: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """correct bool [n, k], predictions [n, k], labels [n] on the rows where every pool member was observed."""
         members = np.flatnonzero(pool)
-        c = self.correct[self._valid()][:, members]
-        rows = (c >= 0).all(1)
-        return (
-            c[rows].astype(bool),
-            self.predictions[self._valid()][rows][:, members].astype(np.int64),
-            self.labels[self._valid()][rows],
-        )
+        n = self.n_rows
+        c = self.correct[:n, members]
+        rows = np.flatnonzero((c >= 0).all(1))
+        return c[rows].astype(bool), self.predictions[rows[:, None], members].astype(np.int64), self.labels[rows]
 
     def marginal_focal_diversity(self, pool: np.ndarray) -> np.ndarray:
         """Per model j, the change in ``pool``'s focal diversity that j makes: FD(pool) - FD(pool without j) for a
@@ -146,10 +142,13 @@ class OutcomeWindow:
     ) -> tuple[np.ndarray, float]:
         """Diversity metrics of ``pool`` and the accuracy of its plurality vote over the window (0.5 when unknown)."""
         correct, predictions, labels = self.pool_rows(pool)
-        metrics = diversity_metrics(correct, predictions, metric_names)
-        known = labels >= 0
-        if not known.any():
+        if not len(labels):
+            return diversity_metrics(correct, predictions, metric_names), 0.5
+        counts = choice_counts(predictions, int(max(predictions.max(), labels.max()) + 1))  # votes per row and choice
+        metrics = diversity_metrics(correct, predictions, metric_names, counts)
+        known = int((labels >= 0).sum())
+        if not known:
             return metrics, 0.5
-        n_choices = int(max(predictions.max(initial=0), labels.max()) + 1)
-        vote = plurality_vote(predictions[known], n_choices)
-        return metrics, float((vote == labels[known]).mean())
+        # the plurality vote (ties to the lowest choice, as plurality_vote) against the known labels (an unknown
+        # label, -1, is never a vote's choice)
+        return metrics, float((counts.argmax(1) == labels).sum() / known)
