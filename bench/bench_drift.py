@@ -16,6 +16,8 @@ from the switch to the first detection inside the block's first half; missed oth
 Fusion agent's confidence in each answer, before any feedback); false alarms (detections outside those first
 halves) per 1,000 queries; and the recovery time per block: queries from the switch until the
 rolling accuracy over the last 20 answers of the block is within 2 points of the accuracy of the block's second half.
+``recovered_before_detection`` counts the switches whose recovery was over before their first detection (or that
+none followed): a reaction to that detection comes too late for them.
 """
 
 from __future__ import annotations
@@ -32,11 +34,21 @@ import numpy as np
 
 from machine import machine_facts
 from rlens.evaluation.dataset import load_dataset
-from rlens.drift import DriftConfig, DriftMonitor, drift_figures, task_blocks
+from rlens.drift import DriftConfig, DriftMonitor, drift_figures, recovery_time, task_blocks
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import run_online
 from rlens.settings import settings
+
+
+def recovered_before_detection(correct: np.ndarray, detections: list[int], task: np.ndarray) -> int:
+    """Switches whose recovery was over before their first detection in the block's first half, or that no detection
+    followed: a reaction to the switch's own detection comes too late for those."""
+    late = 0
+    for start, end in task_blocks(task)[1:]:
+        early = [d - start for d in detections if start <= d < (start + end) // 2]
+        late += not early or early[0] >= recovery_time(correct, start, end)
+    return late
 
 
 def judge(correct: np.ndarray, detections: list[int], label_free: list[int], task: np.ndarray) -> dict:
@@ -48,6 +60,8 @@ def judge(correct: np.ndarray, detections: list[int], label_free: list[int], tas
         "missed_switches": figures.missed_switches,
         "false_alarms_per_1000": figures.false_alarms_per_1000,
         "recovery": figures.recovery,
+        "recovered_before_detection": recovered_before_detection(correct, detections, task),
+        "recovered_before_label_free_detection": recovered_before_detection(correct, label_free, task),
         "label_free_delays": early.delays,
         "label_free_missed": early.missed_switches,
         "label_free_false_alarms_per_1000": early.false_alarms_per_1000,
@@ -106,6 +120,8 @@ def main() -> None:
                 "accuracy_mean": round(statistics.mean(r["accuracy"] for r in runs), 4),
                 "recovery_median": statistics.median(recoveries),
                 "recovery_mean": round(statistics.mean(recoveries), 1),
+                "recovered_before_detection": sum(r["recovered_before_detection"] for r in runs),
+                "recovered_before_label_free_detection": sum(r["recovered_before_label_free_detection"] for r in runs),
                 "delay_median": statistics.median(delays) if delays else None,
                 "missed_switches": sum(r["missed_switches"] for r in runs),
                 "switches": len(runs) * (len(spans) - 1),
