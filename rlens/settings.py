@@ -236,9 +236,9 @@ class Settings(BaseSettings):
     rlae_update_episodes: int = Field(64, ge=1, description="rewarded generations between two online PPO updates")
     rlae_lr: float = Field(1e-3, gt=0, description="learning rate of the online PPO updates")
     rlae_rehearsal: int = Field(
-        32,
+        400,
         ge=0,
-        description="per stream, earlier episodes replayed in every update (against forgetting across task switches); 0: none",
+        description="earlier episodes replayed in every update, in all, shared evenly by the (at most 16) streams updated most recently (against forgetting across task switches); 0: none",
     )
     rlae_explore: bool = Field(
         True,

@@ -248,17 +248,18 @@ class FocalOnlineTrainer(OnlineTrainer[Experience]):
 
 
 Episode = tuple[str, list[Span]]  # (stream, the spans of one generation, its reward on the last)
-REHEARSAL_STREAMS = 16  # rehearsal memory: the streams updated most recently
+REHEARSAL_STREAMS = 16  # rehearsal memory: the streams updated most recently, sharing its budget
 
 
 class RLAEOnlineTrainer(OnlineTrainer[RLAEExperience]):
     """PPO / MAPPO on the agent's span decisions, every ``cfg.episodes_per_update`` rewarded generations.
 
     A stream that switches task (blocks of one family, then another) makes plain online PPO forget: each update
-    fits the family of the moment. So every update also replays, per stream, the latest ``rehearsal`` episodes of
-    earlier updates (at most :data:`REHEARSAL_STREAMS` streams): their ratios are taken against the policy that
-    acted, so the clipped objective pulls the policy back toward what earned reward there, and their values come
-    from the current critic.
+    fits the family of the moment. So every update also replays ``rehearsal`` episodes of earlier updates in all,
+    shared evenly by the :data:`REHEARSAL_STREAMS` streams updated most recently (each keeps its latest; at least
+    one each): with one stream key, the memory reaches back over several task blocks. Their ratios are taken against
+    the policy that acted, so the clipped objective pulls the policy back toward what earned reward there, and their
+    values come from the current critic.
     """
 
     strategy, experience = "rlae", RLAEExperience
@@ -338,12 +339,13 @@ class RLAEOnlineTrainer(OnlineTrainer[RLAEExperience]):
         }
         if self.rehearsal:
             for stream, spans in self.fresh:
-                kept = self.memory.setdefault(stream, [])
-                kept.append(spans)
-                del kept[: -self.rehearsal]
+                self.memory.setdefault(stream, []).append(spans)
                 self.memory.move_to_end(stream)
             while len(self.memory) > REHEARSAL_STREAMS:
                 self.memory.popitem(last=False)
+            share = max(1, self.rehearsal // len(self.memory))  # the budget, shared evenly (at least one each)
+            for kept in self.memory.values():
+                del kept[:-share]
         self.fresh = []
         return stats
 
