@@ -2,6 +2,7 @@
 baselines, on few-shot tasks, with a test on task families the agent never saw, and latency per answer.
 
     python bench/bench_rlae_llm.py [--zoo DIR] [--seeds 0 1 2] [--span 4] [--episodes 384] [--out out/bench_rlae_llm]
+                                   [--validation-only | --latency-only]
 
 Tasks (``rlens/zoo/fewshot.py``, three solved examples then the question, exact match, stop at the newline, at
 most 20 tokens). Seen families: add_two_digit, continent, multiply, successor, number_word, past_tense, count_up.
@@ -115,6 +116,12 @@ def main() -> None:
         help="only the latency table, with untrained agents and a ranker fitted on 32 training tasks (neither's "
         "cost depends on its weights; the answers' lengths may)",
     )
+    parser.add_argument(
+        "--validation-only",
+        action="store_true",
+        help="only train the RLAE agents and score them on the validation split (to choose settings such as the "
+        "span there, never on the test streams); writes validation.json",
+    )
     args = parser.parse_args()
     scale = 8 if args.quick else 1
     args.episodes = 64 if args.quick else args.episodes
@@ -142,6 +149,31 @@ def main() -> None:
         latency = latency_per_answer(tests["seen"][::14][:12], alone, ensemble, ranker, agents, cfg)
         (args.out / "latency.json").write_text(json.dumps({"machine": machine_facts(), "latency_s": latency}, indent=1))
         print("latency, s per answer at batch 1: " + ", ".join(f"{k} {v:.2f}" for k, v in latency.items()))
+        return
+    if args.validation_only:
+        scores = {}
+        for variant in args.variants:
+            for seed in args.seeds:
+                with progress_bar(console) as bar:
+                    task = bar.add_task(f"rlae {variant} seed {seed}", total=args.episodes + len(validation))
+                    trainer = RLAETrainer(
+                        ensemble,
+                        encoder,
+                        POOL,
+                        replace(cfg, variant=variant),
+                        args.out / f"runs/{variant}-{seed}",
+                        seed,
+                    )
+                    trainer.run(train, lambda n, reward: bar.advance(task, n))
+                    texts = decode(
+                        ensemble, validation, trainer.agent, cfg, batch=32, progress=lambda n: bar.advance(task, n)
+                    )
+                scores[f"{variant}-{seed}"] = float(correct(texts, validation).mean())
+                print(
+                    f"rlae {variant} seed {seed}, span {args.span}: validation {100 * scores[f'{variant}-{seed}']:.1f} %"
+                )
+        summary = {"machine": machine_facts(), "span": args.span, "episodes": args.episodes, "validation": scores}
+        (args.out / "validation.json").write_text(json.dumps(summary, indent=1))
         return
     hits: dict[str, dict[str, list[list[bool]]]] = {split: {} for split in tests}
     focal_calls: dict[str, list[float]] = {split: [] for split in tests}
