@@ -150,21 +150,27 @@ def main() -> None:
         (args.out / "latency.json").write_text(json.dumps({"machine": machine_facts(), "latency_s": latency}, indent=1))
         print("latency, s per answer at batch 1: " + ", ".join(f"{k} {v:.2f}" for k, v in latency.items()))
         return
+
+    def trained(variant: str, seed: int, bar, task) -> RLAETrainer:
+        """An RLAE agent trained on the training split (its run in OUT/runs/VARIANT-SEED), progress on ``task``."""
+        trainer = RLAETrainer(
+            ensemble, encoder, POOL, replace(cfg, variant=variant), args.out / f"runs/{variant}-{seed}", seed=seed
+        )
+        trainer.run(
+            train,
+            lambda n, reward: bar.update(
+                task, advance=n, description=f"rlae {variant} seed {seed} (reward {reward:.2f})"
+            ),
+        )
+        return trainer
+
     if args.validation_only:
         scores = {}
         for variant in args.variants:
             for seed in args.seeds:
                 with progress_bar(console) as bar:
                     task = bar.add_task(f"rlae {variant} seed {seed}", total=args.episodes + len(validation))
-                    trainer = RLAETrainer(
-                        ensemble,
-                        encoder,
-                        POOL,
-                        replace(cfg, variant=variant),
-                        args.out / f"runs/{variant}-{seed}",
-                        seed,
-                    )
-                    trainer.run(train, lambda n, reward: bar.advance(task, n))
+                    trainer = trained(variant, seed, bar, task)
                     texts = decode(
                         ensemble, validation, trainer.agent, cfg, batch=32, progress=lambda n: bar.advance(task, n)
                     )
@@ -236,20 +242,7 @@ def main() -> None:
         for variant in args.variants:
             for seed in args.seeds:
                 task = bar.add_task(f"rlae {variant} seed {seed}", total=args.episodes + n_test)
-                trainer = RLAETrainer(
-                    ensemble,
-                    encoder,
-                    POOL,
-                    replace(cfg, variant=variant),
-                    args.out / f"runs/{variant}-{seed}",
-                    seed=seed,
-                )
-                trainer.run(
-                    train,
-                    lambda n, reward: bar.update(
-                        task, advance=n, description=f"rlae {variant} seed {seed} (reward {reward:.2f})"
-                    ),
-                )
+                trainer = trained(variant, seed, bar, task)
                 for split in tests:
                     record(
                         split,
