@@ -6,7 +6,6 @@ import pytest
 from rlens.focal.metrics import (
     METRIC_NAMES,
     binary_entropy,
-    choice_counts,
     correlation,
     diversity_metrics,
     fleiss_kappa,
@@ -14,6 +13,7 @@ from rlens.focal.metrics import (
     pairwise_disagreement,
     yule_q,
 )
+from rlens.focal.voting import choice_counts
 
 # 3 models x 5 rows (1 = correct). Failures per row: 0, 1 (m0), 2 (m0, m1), 3, 1 (m1).
 CORRECT = np.array([[1, 1, 1], [0, 1, 1], [0, 0, 1], [0, 0, 0], [1, 0, 1]], dtype=bool)
@@ -90,6 +90,7 @@ def test_choice_counts_and_metrics_from_given_counts():
     predictions = np.array([[0, 0, 2], [1, 2, 2]])
     assert choice_counts(predictions).tolist() == [[2, 0, 1], [0, 1, 2]]
     assert choice_counts(predictions, 4).tolist() == [[2, 0, 1, 0], [0, 1, 2, 0]]  # a choice nobody took
+    assert choice_counts(np.array([[0, -1, 2]]), answered_only=False).tolist() == [[1, 0, 1]]  # -1: no vote
     correct = predictions == 2
     # counts over more choices than were predicted (as the window passes them) change no metric
     assert diversity_metrics(correct, predictions, counts=choice_counts(predictions, 5)).tolist() == (

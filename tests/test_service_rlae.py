@@ -19,7 +19,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from rlens.backends.hf import TransformersBackend
 from rlens.checkpoint import CheckpointStore
 from rlens.messages import DeadLetter, Feedback, Query
-from rlens.rlae.agent import RLAEConfig, make_policy
+from rlens.rlae.agent import RLAEConfig, Span, make_policy
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.observe import obs_dim
 from rlens.rlae.train import RLAEAgent, RLAETrainer
@@ -322,3 +322,33 @@ def test_cli_errors_for_bad_open_ended_traffic_and_strategy(tmp_path):
         env={"RLENS_ZOO_DIR": str(tmp_path)},
     )
     assert result.exit_code == 2 and "build the zoo first" in result.output
+
+
+def test_the_rehearsal_budget_is_shared_by_the_streams():
+    """``rehearsal`` episodes in all: one stream keeps that many of its latest, two streams half each."""
+    trainer = RLAEOnlineTrainer(
+        make_policy(obs_dim(len(MODELS)), len(MODELS), CFG, seed=0), CFG, MODELS, seed=0, rehearsal=4
+    )
+    rng = np.random.default_rng(0)
+
+    def episodes(stream: str, n: int) -> list:
+        made = []
+        for i in range(n):
+            span = Span(
+                rng.normal(size=obs_dim(len(MODELS))).astype(np.float32),
+                np.full(len(MODELS), 1 / len(MODELS), np.float32),
+                -1.0,
+                0.0,
+                reward=float(i % 2),
+                last=True,
+            )
+            made.append((stream, [span]))
+        return made
+
+    trainer.fresh = episodes("a", 6)
+    trainer.update()
+    assert {s: len(kept) for s, kept in trainer.memory.items()} == {"a": 4}
+    assert trainer.memory["a"][-1][0].reward == 1.0  # the latest kept: the 6th episode
+    trainer.fresh = episodes("b", 6)
+    trainer.update()
+    assert {s: len(kept) for s, kept in trainer.memory.items()} == {"a": 2, "b": 2}

@@ -16,6 +16,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from rlens.focal.voting import choice_counts
+
 METRIC_NAMES = ("focal", "kappa", "disagreement", "yule_q", "correlation", "entropy")
 
 
@@ -44,15 +46,6 @@ def _focal(c: np.ndarray, n_right: np.ndarray) -> float:
     p2 = failed @ (n_failed * (n_failed - 1) / (m * (m - 1)))
     lam = np.where(p1 > 0, 1.0 - p2 / np.where(p1 > 0, p1, 1.0), 1.0)
     return float(lam.sum() / m)
-
-
-def choice_counts(predictions: np.ndarray, n_choices: int | None = None) -> np.ndarray:
-    """How many models chose each choice on each row: predictions int [n, m] (all >= 0) -> float [n, n_choices]
-    (``n_choices`` at least the largest prediction + 1; that by default)."""
-    n = predictions.shape[0]
-    k = int(n_choices if n_choices is not None else predictions.max(initial=0) + 1)
-    cells = (np.arange(n)[:, None] * k + predictions).ravel()
-    return np.bincount(cells, minlength=n * k).reshape(n, k).astype(np.float64)
 
 
 def fleiss_kappa(predictions: np.ndarray, n_categories: int | None = None, counts: np.ndarray | None = None) -> float:

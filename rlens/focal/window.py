@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlens.focal.metrics import METRIC_NAMES, choice_counts, diversity_metrics, focal_diversity
+from rlens.focal.metrics import METRIC_NAMES, diversity_metrics, focal_diversity
+from rlens.focal.voting import choice_counts
 
 
 class OutcomeWindow:
@@ -149,6 +150,6 @@ class OutcomeWindow:
         known = int((labels >= 0).sum())
         if not known:
             return metrics, 0.5
-        # the plurality vote (ties to the lowest choice, as plurality_vote) against the known labels (an unknown
-        # label, -1, is never a vote's choice)
+        # plurality_vote's answer from the same counts (ties to the lowest choice) against the known labels (an
+        # unknown label, -1, is never a vote's choice)
         return metrics, float((counts.argmax(1) == labels).sum() / known)
