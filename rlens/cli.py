@@ -120,10 +120,20 @@ def run_replay(
             f"drift: {len(found.detections)} detections, {found.switches - found.missed_switches} of {found.switches} task switches detected, "
             f"{found.false_alarms_per_1000:.1f} false alarms per 1,000 questions (report.md)"
         )
+        if not (drift and drift.one_stream):
+            console.print(
+                "  (each task had its own window, so a switch was known, not drift to detect; --one-stream plays the "
+                "stream under one key, as the service does when it is not told the task)"
+            )
     console.print("wrote " + ", ".join(str(p) for p in paths))
 
 
 WORKERS = typer.Option(min(2, os.cpu_count() or 1), min=1, help="processes for the RL-Focal variants")
+ONE_STREAM = typer.Option(
+    False,
+    "--one-stream",
+    help="one window key for the whole stream (the task unknown, as in the service): task switches become drift",
+)
 
 
 @app.command()
@@ -160,11 +170,7 @@ def replay(
     feedback_delay: int = typer.Option(
         FocalConfig.feedback_delay, min=0, help="feedback of a query arrives this many queries later"
     ),
-    one_stream: bool = typer.Option(
-        False,
-        "--one-stream",
-        help="one window key for the whole stream (the task unknown, as in the service): task switches become drift",
-    ),
+    one_stream: bool = ONE_STREAM,
     drift_reaction: str = typer.Option(
         "none", help="on a drift detection: none, trim (the window keeps its last 5 outcomes) or reset"
     ),
@@ -212,11 +218,21 @@ def demo(
     ),
     seed: int = typer.Option(0, help="random seed"),
     workers: int = WORKERS,
+    one_stream: bool = ONE_STREAM,
 ) -> None:
     """Replay the bundled zoo stream (5 real small models, 5 task families in blocks) through RL-Focal; no network."""
-    from rlens.evaluation.replay import DEFAULT_VARIANTS
+    from rlens.evaluation.replay import DEFAULT_VARIANTS, DriftOptions
 
-    run_replay(settings().demo_data, protocol, seed, out, list(DEFAULT_VARIANTS), workers, FocalConfig())
+    run_replay(
+        settings().demo_data,
+        protocol,
+        seed,
+        out,
+        list(DEFAULT_VARIANTS),
+        workers,
+        FocalConfig(),
+        DriftOptions(one_stream),
+    )
 
 
 @app.command("serve-model")

@@ -105,6 +105,18 @@ def test_demo_is_the_main_job_on_the_bundled_stream(tmp_path):
     assert rl["accuracy"] > methods["best_single"]["accuracy"] + 0.2
     assert rl["accuracy"] > methods["soft_vote"]["accuracy"] + 0.1
     assert rl["mean_models_called"] < 2.5
+    assert "each task had its own window" in result.output  # why nothing drifted
+
+
+def test_demo_as_one_stream_detects_the_task_switches(tmp_path):
+    """`rlens demo --one-stream`: the task unknown (one window), the learner's detector finds most task switches."""
+    import json
+
+    result = runner.invoke(app, ["demo", "--one-stream", "--out", str(tmp_path), "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    drift = json.loads((tmp_path / "results.json").read_text())["drift"]
+    assert drift["switches"] == 9 and drift["switches"] - drift["missed_switches"] >= 6
+    assert "each task had its own window" not in result.output
 
 
 def test_service_commands_say_in_one_line_what_is_missing(tmp_path, monkeypatch):
