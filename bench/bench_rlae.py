@@ -1,6 +1,7 @@
 """RLAE-PPO and RLAE-MAPPO against every baseline on the zoo's generation stream (exact match).
 
-    python bench/bench_rlae.py [--zoo DIR] [--models arith-char count-bpe ...] [--seeds 0 1 2] [--span 4] [--episodes 6144] [--out out/bench_rlae]
+    python bench/bench_rlae.py [--zoo DIR] [--models arith-char count-bpe ...] [--seeds 0 1 2] [--span 4] [--episodes 6144]
+                               [--variants ppo mappo] [--shots 2] [--grid-tasks 256] [--out out/bench_rlae]
 
 Training split: 1000 open-ended tasks of uniformly drawn families (seed 100). Test stream: 8 blocks of 50 tasks,
 the family switching at every block (seed 7). Families: arithmetic, counting, ordering, pattern (no zoo model
@@ -9,6 +10,11 @@ each single model; the uniform token ensemble (GaC); the best static weights of 
 on 256 training tasks; RL-Focal (warm start on the training split's greedy answers, then online on the stream);
 RLAE-PPO and RLAE-MAPPO trained offline on the training split, then frozen (greedy weights) on the stream.
 Writes results.json, a table (stdout) and accuracy.png (per method, seeds as points; rolling accuracy on the stream).
+
+A pool may mix the specialists with the zoo's general LLMs (pool (c) of issue 16: ``--models smollm2-135m
+gemma3-270m arith-char ...``). The specialists read the prompt as they were trained; a general LLM (a zoo model
+trained on no family) first reads ``--shots`` solved examples of each family (drawn with seed 99, apart from every
+split), the same for every task, since the task's family is not given to the ensemble.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from rich.progress import Progress
 
 from machine import machine_facts
+from rlens.cli import quiet_transformers
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.evaluate import correct, decode, grid_search, rl_focal_correct
@@ -31,7 +38,7 @@ from rlens.rlae.observe import SentenceEncoder
 from rlens.rlae.train import RLAETrainer
 from rlens.settings import settings
 from rlens.zoo.build import load_backend, load_zoo
-from rlens.zoo.tasks import generation_split, generation_stream
+from rlens.zoo.tasks import generation_split, generation_stream, training_example
 
 FAMILIES = ["arithmetic", "counting", "ordering", "pattern"]
 SPECIALISTS = ["arith-char", "count-bpe", "order-char", "pattern-bpe"]
@@ -54,6 +61,8 @@ def plot(results: dict, test_families: list[str], path: Path) -> None:
     left.set_ylim(0, 1)
     width = 10
     for name in ["rlae_ppo", "rlae_mappo", "rl_focal", "uniform (GaC)", results["best_single"]]:
+        if name not in results["per_task"]:
+            continue
         per_task = np.mean(results["per_task"][name], 0)
         right.plot(
             np.arange(width - 1, len(per_task)), np.convolve(per_task, np.ones(width) / width, mode="valid"), label=name
@@ -77,15 +86,26 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--span", type=int, default=4)
     parser.add_argument("--episodes", type=int, default=6144)
+    parser.add_argument("--variants", nargs="+", default=["ppo", "mappo"], choices=["ppo", "mappo"])
+    parser.add_argument("--shots", type=int, default=2, help="solved examples per family a general LLM reads first")
+    parser.add_argument(
+        "--grid-tasks", type=int, default=256, help="training tasks the static-weight grid is searched on (0: no grid)"
+    )
     parser.add_argument("--out", type=Path, default=Path("out/bench_rlae"))
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     torch.set_num_threads(2)
+    quiet_transformers()
     models = {m.name: m for m in load_zoo(args.zoo or settings().zoo_dir)}
     zoo = [models[name] for name in args.models]
     names = [m.name for m in zoo]
     backends = [load_backend(m) for m in zoo]
-    ensemble, encoder = TokenEnsemble(backends), SentenceEncoder()
+    rng = np.random.default_rng(99)
+    shots = "".join(
+        p + " " + c.strip() + "\n" for p, c in (training_example(f, rng) for f in FAMILIES for _ in range(args.shots))
+    )
+    contexts = ["" if m.trained_on else shots for m in zoo]  # general LLMs read the solved examples first
+    ensemble, encoder = TokenEnsemble(backends, contexts=contexts), SentenceEncoder()
     cfg = RLAEConfig(span=args.span, episodes=args.episodes)
     train, test = generation_split(FAMILIES, 1000, seed=100), generation_stream(FAMILIES, 8, 50, seed=7)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -102,30 +122,32 @@ def main() -> None:
         train_outputs, test_outputs = [], []
         for m, backend in enumerate(backends):
             started = time.perf_counter()
-            alone = TokenEnsemble([backend])
+            alone = TokenEnsemble([backend], contexts=[contexts[m]])
             train_outputs.append(decode(alone, train, np.ones(1), cfg, progress=lambda n: bar.advance(task, n)))
             test_outputs.append(decode(alone, test, np.ones(1), cfg, progress=lambda n: bar.advance(task, n)))
             record(names[m], correct(test_outputs[-1], test), started)
-        task = bar.add_task("uniform + grid search", total=len(test) * 2)
+        task = bar.add_task("uniform + grid search", total=len(test) * (1 + bool(args.grid_tasks)))
         started = time.perf_counter()
         record(
             "uniform (GaC)",
             correct(decode(ensemble, test, np.ones(len(zoo)), cfg, progress=lambda n: bar.advance(task, n)), test),
             started,
         )
-        started = time.perf_counter()
-        search = grid_search(ensemble, train[:256], cfg, 0.25)
-        record(
-            "best static (grid)",
-            correct(decode(ensemble, test, search.best, cfg, progress=lambda n: bar.advance(task, n)), test),
-            started,
-        )
+        search = None
+        if args.grid_tasks:
+            started = time.perf_counter()
+            search = grid_search(ensemble, train[: args.grid_tasks], cfg, 0.25)
+            record(
+                "best static (grid)",
+                correct(decode(ensemble, test, search.best, cfg, progress=lambda n: bar.advance(task, n)), test),
+                started,
+            )
         for seed in args.seeds:
             started = time.perf_counter()
             hits, called = rl_focal_correct(train_outputs, train, test_outputs, test, names, FAMILIES, seed)
             record("rl_focal", hits, started)
             focal_calls.append(float(called.mean()))
-        for variant in ["ppo", "mappo"]:
+        for variant in args.variants:
             for seed in args.seeds:
                 task = bar.add_task(f"rlae {variant} seed {seed}", total=args.episodes + len(test))
                 started = time.perf_counter()
@@ -153,8 +175,9 @@ def main() -> None:
         "span": args.span,
         "episodes": args.episodes,
         "seeds": args.seeds,
-        "grid_best": search.best.tolist(),
-        "grid_best_train_accuracy": float(search.accuracy.max()),
+        "shots": shots,
+        "grid_best": None if search is None else search.best.tolist(),
+        "grid_best_train_accuracy": None if search is None else float(search.accuracy.max()),
         "best_single": best_single,
         "accuracy": accuracy,
         "per_family": {
@@ -175,7 +198,8 @@ def main() -> None:
     for name, values in accuracy.items():
         fam = " | ".join(f"{100 * results['per_family'][name][f]:.1f}" for f in FAMILIES)
         print(f"| {name} | {100 * np.mean(values):.1f} % | {100 * min(values):.1f}–{100 * max(values):.1f} | {fam} |")
-    print(f"grid best weights {dict(zip(names, search.best.round(2)))}; RL-Focal mean calls {np.mean(focal_calls):.2f}")
+    grid = "no grid" if search is None else f"grid best weights {dict(zip(names, search.best.round(2)))}"
+    print(f"{grid}; RL-Focal mean calls {np.mean(focal_calls):.2f}")
 
 
 if __name__ == "__main__":

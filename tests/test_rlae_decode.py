@@ -202,6 +202,23 @@ def test_a_batch_decodes_what_each_prompt_decodes_alone(quick_zoo, smollm2):
         assert batch[i].appended == alone.appended
 
 
+def test_a_models_context_is_read_before_every_prompt_by_that_model_only(quick_zoo, smollm2):
+    """``contexts``: a general LLM reads solved examples first, the specialist reads the bare prompt."""
+    arith = TransformersBackend.load(quick_zoo / "arith-char")
+    shots = "3 + 4 = 7\n10 + 5 = 15\n"
+    prompts = ["12 + 5 =", "2 + 2 ="]
+    with_context = TokenEnsemble([arith, smollm2], contexts=["", shots])
+    plain = TokenEnsemble([arith, smollm2])
+    for m, context in enumerate(["", shots]):  # one-hot weights: each model's own greedy output on what it reads
+        one_hot = np.eye(2)[m]
+        got = with_context.generate_batch(prompts, one_hot, max_tokens=6, span=4)
+        expected = plain.generate_batch([context + p for p in prompts], one_hot, max_tokens=6, span=4)
+        assert [o.union_tokens for o in got] == [o.union_tokens for o in expected]
+    assert [o.text for o in got] != [o.text for o in plain.generate_batch(prompts, np.eye(2)[1], max_tokens=6, span=4)]
+    with pytest.raises(ValueError, match="one per model"):
+        TokenEnsemble([arith, smollm2], contexts=[shots])
+
+
 def test_span_statistics_are_each_models_entropy_and_agreement(quick_zoo):
     backend = TransformersBackend.load(quick_zoo / "order-char")
     ensemble = TokenEnsemble([backend, backend])

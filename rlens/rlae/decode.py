@@ -172,8 +172,15 @@ class SpanWeightedDecoder(ABC, Generic[State]):
 class TokenEnsemble(SpanWeightedDecoder[list[ModelState]]):
     """In-process models: full next-token distributions over the union vocabulary, one KV cache per model."""
 
-    def __init__(self, backends: list[TransformersBackend], vocab: UnionVocab | None = None):
+    def __init__(
+        self, backends: list[TransformersBackend], vocab: UnionVocab | None = None, contexts: list[str] | None = None
+    ):
+        """``contexts[m]``: text model ``m`` reads before every prompt (e.g. solved examples for a general LLM
+        among specialists of the prompt's format); none by default."""
+        if contexts is not None and len(contexts) != len(backends):
+            raise ValueError(f"{len(contexts)} contexts for {len(backends)} models: give one per model ('' for none)")
         self.backends, self.n_models = backends, len(backends)
+        self.contexts = contexts or [""] * len(backends)
         self.vocab = vocab or UnionVocab.build([b.tokenizer for b in backends])
         self.pad_ids = [
             b.tokenizer.pad_token_id if b.tokenizer.pad_token_id is not None else b.tokenizer.eos_token_id
@@ -226,7 +233,7 @@ class TokenEnsemble(SpanWeightedDecoder[list[ModelState]]):
         states = []
         for m, backend in enumerate(self.backends):
             rows = [
-                backend.prefix + backend.tokenizer.encode(p, add_special_tokens=False)
+                backend.prefix + backend.tokenizer.encode(self.contexts[m] + p, add_special_tokens=False)
                 or [backend.tokenizer.eos_token_id]
                 for p in prompts
             ]
