@@ -201,8 +201,11 @@ def _key(message: Message) -> bytes | None:
 
 
 async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[str, ...] = ()) -> None:
-    """Create the service's topics (``queries`` with ``partitions`` partitions, so workers can share them) and the
-    ``extra`` ones (one partition each: a gateway's reply topic)."""
+    """Create the service's topics and the ``extra`` ones (one partition each: a gateway's reply topic).
+
+    The per-query topics (queries, answers, feedback, experience, dead letters) get ``partitions`` partitions: workers
+    share the queries, and the local broker's reads slow down sharply as one partition's log holds more small
+    batches (BENCHMARKS.md, issue 17). The policy and drift topics keep one partition, so their order holds."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import TopicAlreadyExistsError
 
@@ -213,7 +216,7 @@ async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[st
         existing = set(await admin.list_topics())
         replication = settings.kafka_replication
         wanted = [
-            NewTopic(t, partitions if t == topics.queries else 1, replication)
+            NewTopic(t, 1 if t in (topics.policy, topics.drift, *extra) else partitions, replication)
             for t in (*vars(topics).values(), *extra)
             if t not in existing
         ]
