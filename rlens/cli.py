@@ -466,7 +466,9 @@ def up(
         DEFAULT_RLAE_MODELS, help="rlae without --pool: these zoo models, in process (needs `rlens zoo build`)"
     ),
     workers: int = typer.Option(2, min=1, help="worker processes (one consumer group)"),
-    partitions: int = typer.Option(4, min=1, help="partitions of the per-query topics (queries, answers, feedback, experience, dead letters)"),
+    partitions: int = typer.Option(
+        4, min=1, help="partitions of the per-query topics (queries, answers, feedback, experience, dead letters)"
+    ),
     workdir: Path = typer.Option(Path("out/up"), help="logs, the pool file and the learner's checkpoints"),
     warm_start: Path | None = typer.Option(
         None,
