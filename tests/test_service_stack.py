@@ -266,6 +266,35 @@ def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path
     assert stats["joined"] == 400 and stats["new_logs"] >= 2  # experience and feedback: both new logs were read
 
 
+def test_per_query_topics_get_the_partitions_and_ordered_topics_keep_one():
+    """Answers, feedback, experience and dead letters are spread like the queries (the local broker reads a partition
+    more slowly the more small batches it holds); policies and drift events stay in order on one partition."""
+    broker = LocalBroker()
+    try:
+        config = settings().model_copy(update={"kafka_bootstrap": broker.bootstrap, "topic_prefix": "parts."})
+        asyncio.run(ensure_topics(config, partitions=3, extra=("parts.replies.g1",)))
+
+        async def partitions() -> dict[str, int]:
+            consumer = AIOKafkaConsumer(bootstrap_servers=broker.bootstrap)
+            await consumer.start()
+            try:
+                names = await consumer.topics()
+                return {t: len(consumer.partitions_for_topic(t) or ()) for t in names if t.startswith("parts.")}
+            finally:
+                await consumer.stop()
+
+        found = asyncio.run(partitions())
+    finally:
+        broker.stop()
+    topics = Topics.from_settings(config)
+    assert found == {
+        **{t: 3 for t in (topics.queries, topics.answers, topics.feedback, topics.experience, topics.dead_letter)},
+        topics.policy: 1,
+        topics.drift: 1,
+        "parts.replies.g1": 1,
+    }
+
+
 def test_a_second_learner_on_the_same_group_or_directory_refuses_to_start(tmp_path):
     import subprocess
     import sys
