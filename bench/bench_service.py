@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument(
         "--metrics-reps", type=int, default=2, help="alternations of the worker with its metrics off and on"
     )
+    parser.add_argument("--partitions", type=int, default=4, help="partitions of the per-query topics")
     parser.add_argument("--out", type=Path, default=Path("bench/out/service.json"))
     args = parser.parse_args()
     if args.saturate_s <= 12:
@@ -115,10 +116,10 @@ def main() -> None:
     dataset = load_dataset(data)
     stream = queries_of(dataset, None, "bench")  # reference ids index the dataset the replay backends serve
     traffic = cycled(stream, "bench", args.queries)
-    stack = replay_stack(Path("bench/out/service-stack"))
+    stack = replay_stack(Path("bench/out/service-stack"), args.partitions)
     topics = Topics.from_settings(stack.settings)
     bootstrap = stack.settings.kafka_bootstrap
-    results: dict = {"queries": args.queries, "workers": args.workers, "worker_batch": stack.settings.worker_batch}
+    results: dict = {"queries": args.queries, "workers": args.workers, "partitions": args.partitions, "worker_batch": stack.settings.worker_batch}
     try:
         payloads = [q.model_dump_json().encode() for q, _ in traffic]
         reply_size = 700  # an Answer of the bundled stream is about this many bytes
@@ -170,7 +171,7 @@ def main() -> None:
 
     finally:
         stack.stop()
-    stack = replay_stack(Path("bench/out/service-latency-stack"))
+    stack = replay_stack(Path("bench/out/service-latency-stack"), args.partitions)
     try:
         stack.start_learner()
         for _ in range(args.workers):

@@ -12,15 +12,16 @@ from rlens.service.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
 
-def replay_stack(workdir: Path) -> LocalStack:
+def replay_stack(workdir: Path, partitions: int = 4) -> LocalStack:
     """A local stack (its own tansu broker and redis-server) in an emptied ``workdir`` (a cold start: no checkpoint
-    of an earlier run), its pool the bundled stream's models as `replay` backends, with short group timeouts."""
+    of an earlier run), its pool the bundled stream's models as `replay` backends, with short group timeouts;
+    ``partitions`` for the per-query topics."""
     shutil.rmtree(workdir, ignore_errors=True)
     pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
     config = settings().model_copy(
         update={"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
     )
-    return LocalStack(config, workdir)
+    return LocalStack(config, workdir, partitions)
 
 
 def cycled(stream: list[tuple[Query, Outcome]], prefix: str, n: int) -> list[tuple[Query, Outcome]]:
