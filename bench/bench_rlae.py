@@ -1,14 +1,16 @@
 """RLAE-PPO and RLAE-MAPPO against every baseline on the zoo's generation stream (exact match).
 
     python bench/bench_rlae.py [--zoo DIR] [--models arith-char count-bpe ...] [--seeds 0 1 2] [--span 4] [--episodes 6144]
-                               [--variants ppo mappo] [--shots 2] [--grid-tasks 256] [--out out/bench_rlae]
+                               [--variants ppo mappo | --variants] [--shots 2] [--grid-tasks 256] [--out out/bench_rlae]
 
 Training split: 1000 open-ended tasks of uniformly drawn families (seed 100). Test stream: 8 blocks of 50 tasks,
 the family switching at every block (seed 7). Families: arithmetic, counting, ordering, pattern (no zoo model
 answers the antonyms family). Methods, all decoded greedily with the same stop ("\\n") and token budget:
 each single model; the uniform token ensemble (GaC); the best static weights of a simplex grid (step 0.25) searched
-on 256 training tasks; RL-Focal (warm start on the training split's greedy answers, then online on the stream);
-RLAE-PPO and RLAE-MAPPO trained offline on the training split, then frozen (greedy weights) on the stream.
+on 256 training tasks; the ranker ensemble (every model answers in full, a MiniLM scorer trained on the training
+split's answers picks one, ``rlens.rlae.ranker``); RL-Focal (warm start on the training split's greedy answers,
+then online on the stream); RLAE-PPO and RLAE-MAPPO trained offline on the training split, then frozen (greedy
+weights) on the stream. ``--variants`` with no value runs the baselines only.
 Writes results.json, a table (stdout) and accuracy.png (per method, seeds as points; rolling accuracy on the stream).
 
 A pool may mix the specialists with the zoo's general LLMs (pool (c) of issue 16: ``--models smollm2-135m
@@ -35,6 +37,7 @@ from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.evaluate import correct, decode, grid_search, rl_focal_correct
 from rlens.rlae.observe import SentenceEncoder
+from rlens.rlae.ranker import AnswerRanker
 from rlens.rlae.train import RLAETrainer
 from rlens.settings import settings
 from rlens.zoo.build import load_backend, load_zoo
@@ -60,7 +63,7 @@ def plot(results: dict, test_families: list[str], path: Path) -> None:
     left.set_ylabel("exact match on the test stream")
     left.set_ylim(0, 1)
     width = 10
-    for name in ["rlae_ppo", "rlae_mappo", "rl_focal", "uniform (GaC)", results["best_single"]]:
+    for name in ["rlae_ppo", "rlae_mappo", "rl_focal", "ranker ensemble", "uniform (GaC)", results["best_single"]]:
         if name not in results["per_task"]:
             continue
         per_task = np.mean(results["per_task"][name], 0)
@@ -86,7 +89,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--span", type=int, default=4)
     parser.add_argument("--episodes", type=int, default=6144)
-    parser.add_argument("--variants", nargs="+", default=["ppo", "mappo"], choices=["ppo", "mappo"])
+    parser.add_argument(
+        "--variants", nargs="*", default=["ppo", "mappo"], choices=["ppo", "mappo"], help="none: the baselines only"
+    )
     parser.add_argument("--shots", type=int, default=2, help="solved examples per family a general LLM reads first")
     parser.add_argument(
         "--grid-tasks", type=int, default=256, help="training tasks the static-weight grid is searched on (0: no grid)"
@@ -126,6 +131,9 @@ def main() -> None:
             train_outputs.append(decode(alone, train, np.ones(1), cfg, progress=lambda n: bar.advance(task, n)))
             test_outputs.append(decode(alone, test, np.ones(1), cfg, progress=lambda n: bar.advance(task, n)))
             record(names[m], correct(test_outputs[-1], test), started)
+        started = time.perf_counter()
+        chosen = AnswerRanker(encoder, len(zoo)).fit(train, train_outputs).choose(test, test_outputs)
+        record("ranker ensemble", correct([test_outputs[m][n] for n, m in enumerate(chosen)], test), started)
         task = bar.add_task("uniform + grid search", total=len(test) * (1 + bool(args.grid_tasks)))
         started = time.perf_counter()
         record(
