@@ -103,6 +103,8 @@ def test_the_dashboard_shows_the_played_streams_live_and_marks_the_task_switch(t
         markers = cards["support"].find_elements(By.CSS_SELECTOR, ".drift-marker")
         accuracy = cards["support"].find_element(By.CSS_SELECTOR, ".accuracy").text
         version = driver.find_element(By.ID, "version").text
+        policy_line = driver.find_element(By.CSS_SELECTOR, "#policies path").get_attribute("d")
+        policy_axis = [t.text for t in driver.find_elements(By.CSS_SELECTOR, "#policies text") if t.text]
         driver.save_screenshot(str(tmp_path / "dashboard.png"))
         snapshot = httpx.get(f"{learner}/api/dashboard", timeout=10).json()
     finally:
@@ -113,6 +115,11 @@ def test_the_dashboard_shows_the_played_streams_live_and_marks_the_task_switch(t
     assert set(cards) == {"support", "pattern"}  # 240 on "support", then 60 pattern questions under their task's key
     assert markers, "the task switch on 'support' is not marked"
     assert accuracy.endswith("%") and version.startswith("v") and int(version[1:]) >= 4
+    # the version in use is drawn as steps held up to the last join, its axis labelled once per whole version
+    assert policy_line.count("L") >= 2 * len(snapshot["policies"]) - 1
+    versions = [label for label in policy_axis if label.startswith("v")]
+    assert versions[0] == "v0" and versions[-1] == version and len(set(versions)) == len(versions)
+    assert policy_axis[-1] == "300 joined"
     support = next(s for s in snapshot["streams"] if s["stream"] == "support")
     assert support["joins"] == 240 and len(support["points"]) == 240 // 5 and support["drift"]
     assert all(len(p["composition"]) == 5 and all(0 <= x <= 1 for x in p["composition"]) for p in support["points"])

@@ -70,11 +70,19 @@ function streamCard(s, data) {
   </section>`;
 }
 
+// The version in use against the transitions joined: a step at each new policy, held up to the latest join.
 function policyCard(data) {
   const ps = data.policies;
   if (!ps.length) return "";
-  const xs = ps.map((p) => p.joined), top = Math.max(...ps.map((p) => p.version));
-  const svg = chart(xs, [{ name: "policy version", color: "#2563eb", values: ps.map((p) => p.version), width: 2 }], 0, Math.max(top, 1), [], (y) => "v" + y.toFixed(0), 1120, 110);
+  const steps = [];
+  ps.forEach((p, i) => {
+    if (i) steps.push([p.joined, ps[i - 1].version]);
+    steps.push([p.joined, p.version]);
+  });
+  steps.push([Math.max(data.joined, ps[ps.length - 1].joined), ps[ps.length - 1].version]);
+  const top = Math.max(...ps.map((p) => p.version));
+  const label = (y) => (Number.isInteger(y) ? "v" + y : "");
+  const svg = chart(steps.map(([x]) => x), [{ name: "policy version", color: "#2563eb", values: steps.map(([, v]) => v), width: 2 }], 0, Math.max(top, 1), [], label, 1120, 110);
   return `<section class="card wide" id="policies"><h2><span>Policy versions</span><small>by transitions joined; newest v${top}</small></h2>${svg}</section>`;
 }
 
