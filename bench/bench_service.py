@@ -119,7 +119,12 @@ def main() -> None:
     stack = replay_stack(Path("bench/out/service-stack"), args.partitions)
     topics = Topics.from_settings(stack.settings)
     bootstrap = stack.settings.kafka_bootstrap
-    results: dict = {"queries": args.queries, "workers": args.workers, "partitions": args.partitions, "worker_batch": stack.settings.worker_batch}
+    results: dict = {
+        "queries": args.queries,
+        "workers": args.workers,
+        "partitions": args.partitions,
+        "worker_batch": stack.settings.worker_batch,
+    }
     try:
         payloads = [q.model_dump_json().encode() for q, _ in traffic]
         reply_size = 700  # an Answer of the bundled stream is about this many bytes
