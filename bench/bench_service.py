@@ -14,7 +14,7 @@
    queries unanswered (the learner, the broker and the load generator share the machine with the workers, so this
    is below (2)). Then ``--load-s`` seconds of traffic at ``--load-share`` (default 0.8) of that rate, feedback
    sent as each answer arrives: p50 / p99 from sending a query to receiving its answer, over the answers after the
-   phase's first 5 s and per 10 s, and the accuracy served.
+   phase's first 5 s and per 10 s, and the accuracy served. ``--load-s 0`` skips this phase.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=3000)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--saturate-s", type=float, default=30.0, help="seconds of the stack at its maximum rate")
-    parser.add_argument("--load-s", type=float, default=60.0, help="seconds of the latency phase")
+    parser.add_argument("--load-s", type=float, default=60.0, help="seconds of the latency phase (0: no latency phase)")
     parser.add_argument(
         "--load-share", type=float, default=0.8, help="the latency phase's rate, as a share of the stack's maximum"
     )
@@ -176,6 +176,14 @@ def main() -> None:
 
     finally:
         stack.stop()
+    if args.load_s > 0:
+        latency_phase(args, stream, results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+
+
+def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None:
+    """The whole stack on a fresh broker and Redis: its maximum rate, then latency at ``--load-share`` of it."""
     stack = replay_stack(Path("bench/out/service-latency-stack"), args.partitions)
     try:
         stack.start_learner()
@@ -217,8 +225,6 @@ def main() -> None:
         )
     finally:
         stack.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
