@@ -1,0 +1,136 @@
+"""The Fusion agent's supervised ceiling against per-task stacking, paper protocol (issue 15, item 3).
+
+    python bench/bench_fusion_ceiling.py [--tasks tune|holdout|all] [--seeds 0 1 2] [--epochs 4 12]
+
+No Decider, no RL, no sliding window: every model is called, each task's reliabilities and label prior come from
+its whole warm-start split (what a full window would hold), and the Fusion network is trained by cross-entropy on
+the warm-start labels alone (``rlens.focal.supervised.fit_fusion``, RL-Focal's optimiser settings), once shared by
+the tasks as RL-Focal does and once per task. What it scores on the test split bounds what the Fusion's features and
+network can reach there with these labels; stacking is the per-task logistic regression of the baselines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from machine import machine_facts
+from rlens.evaluation.baselines import stacking
+from rlens.evaluation.dataset import RecordedDataset, load_dataset, shared_data_dir
+from rlens.evaluation.protocols import Protocol, split, task_half
+from rlens.focal.agents import Fusion
+from rlens.focal.config import FocalConfig
+from rlens.focal.features import (
+    fusion_feature_dim,
+    fusion_observations,
+    padded_choices,
+    reliability_weighted_log_probs,
+)
+from rlens.focal.supervised import fit_fusion
+
+
+def task_features(warm: RecordedDataset, data: RecordedDataset, task: int, rows: np.ndarray) -> list[np.ndarray]:
+    """Fusion observations of ``rows`` of ``data`` with every model in the pool and ``task``'s warm-split statistics
+    (Laplace-smoothed reliability as ``OutcomeWindow.reliability``, label frequencies as ``label_prior``)."""
+    warm_rows = np.flatnonzero(warm.task == task)
+    n_choices = int(warm.choice_mask[warm_rows[0]].sum())
+    right = (warm.probs[warm_rows].argmax(2) == warm.labels[warm_rows][:, None]).sum(0)
+    reliability = ((right + 1.0) / (len(warm_rows) + 2.0)).astype(np.float32)
+    prior = (np.bincount(warm.labels[warm_rows], minlength=n_choices) / len(warm_rows)).astype(np.float32)
+    everyone = np.ones((1, data.n_models), dtype=bool)
+    out = []
+    for i in rows:
+        valid = np.flatnonzero(data.choice_mask[i])
+        out.append(
+            fusion_observations(data.probs[i][:, valid][None], everyone, reliability[None], prior[None, : len(valid)])[
+                0
+            ]
+        )
+    return out
+
+
+def trained_fusion(features: list[np.ndarray], labels: np.ndarray, n_models: int, epochs: int, seed: int) -> Fusion:
+    cfg = FocalConfig()
+    torch.manual_seed(seed)
+    fusion = Fusion(fusion_feature_dim(n_models), cfg.hidden, reliability_weighted_log_probs(n_models))
+    if epochs:
+        optimizer = torch.optim.Adam(fusion.parameters(), lr=cfg.lr, eps=1e-5)
+        generator = torch.Generator().manual_seed(seed)
+        fit_fusion(
+            fusion, optimizer, features, labels.tolist(), epochs, cfg.minibatch_size, cfg.max_grad_norm, generator
+        )
+    return fusion
+
+
+def answers(fusion: Fusion, features: list[np.ndarray]) -> np.ndarray:
+    padded, mask = padded_choices(features)
+    with torch.no_grad():
+        return fusion.scores(torch.from_numpy(padded), torch.from_numpy(mask)).argmax(-1).numpy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=None, help="default: bbh_dev under the shared datasets")
+    parser.add_argument("--tasks", choices=("tune", "holdout", "all"), default="tune")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--epochs", type=int, nargs="+", default=[0, 4, 12])
+    parser.add_argument("--out", type=Path, default=Path("bench/out/fusion_ceiling.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"machine: {machine_facts()}", flush=True)
+    data = load_dataset(args.data or shared_data_dir() / "bbh_dev")
+    if args.tasks != "all":
+        data = task_half(data, args.tasks)
+    warm_index, test_index = split(data, Protocol.paper)
+    warm, test = data.subset(warm_index), data.subset(test_index)
+    tasks = np.unique(test.task)
+    per_task = {
+        int(t): (
+            task_features(warm, warm, t, np.flatnonzero(warm.task == t)),
+            warm.labels[warm.task == t],
+            task_features(warm, test, t, np.flatnonzero(test.task == t)),
+            test.labels[test.task == t],
+        )
+        for t in tasks
+    }
+    train_x = [f for t in tasks for f in per_task[t][0]]
+    train_y = np.concatenate([per_task[t][1] for t in tasks])
+    test_x = [f for t in tasks for f in per_task[t][2]]
+    test_y = np.concatenate([per_task[t][3] for t in tasks])
+    results: dict = {"tasks": args.tasks, "seeds": args.seeds, "test_questions": len(test_y)}
+    run = stacking(warm, test)
+    assert run is not None  # the paper protocol always has a warm split
+    results["stacking"] = float((run.answers == test.labels).mean())
+    print(f"stacking (per task): {100 * results['stacking']:.1f} %")
+    for epochs in args.epochs:
+        shared = [
+            float((answers(trained_fusion(train_x, train_y, data.n_models, epochs, s), test_x) == test_y).mean())
+            for s in args.seeds
+        ]
+        results[f"fusion_shared_{epochs}"] = shared
+        print(
+            f"Fusion shared by the tasks, {epochs} epochs: {100 * np.mean(shared):.1f} ± {100 * np.std(shared, ddof=1) if len(shared) > 1 else 0:.1f} %"
+        )
+        if not epochs:
+            continue  # an untrained Fusion is the same per task
+        own = []
+        for s in args.seeds:
+            right = sum(
+                int((answers(trained_fusion(x, y, data.n_models, epochs, s), tx) == ty).sum())
+                for x, y, tx, ty in per_task.values()
+            )
+            own.append(right / len(test_y))
+        results[f"fusion_per_task_{epochs}"] = own
+        print(
+            f"Fusion per task, {epochs} epochs: {100 * np.mean(own):.1f} ± {100 * np.std(own, ddof=1) if len(own) > 1 else 0:.1f} %"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
