@@ -1,6 +1,6 @@
 """The Fusion agent's supervised ceiling against per-task stacking, paper protocol (issue 15, item 3).
 
-    python bench/bench_fusion_ceiling.py [--tasks tune|holdout|all] [--seeds 0 1 2] [--epochs 4 12]
+    python bench/bench_fusion_ceiling.py [--tasks tune|holdout|all] [--seeds 0 1 2] [--epochs 0 4 12] [--precision]
 
 No Decider, no RL, no sliding window: every model is called, each task's reliabilities and label prior come from
 its whole warm-start split (what a full window would hold), and the Fusion network is trained by cross-entropy on
@@ -25,7 +25,6 @@ from rlens.evaluation.protocols import Protocol, split, task_half
 from rlens.focal.agents import Fusion
 from rlens.focal.config import FocalConfig
 from rlens.focal.features import (
-    fusion_feature_dim,
     fusion_observations,
     padded_choices,
     reliability_weighted_log_probs,
@@ -33,30 +32,49 @@ from rlens.focal.features import (
 from rlens.focal.supervised import fit_fusion
 
 
-def task_features(warm: RecordedDataset, data: RecordedDataset, task: int, rows: np.ndarray) -> list[np.ndarray]:
+def task_features(
+    warm: RecordedDataset, data: RecordedDataset, task: int, rows: np.ndarray, precision: bool = False
+) -> list[np.ndarray]:
     """Fusion observations of ``rows`` of ``data`` with every model in the pool and ``task``'s warm-split statistics
-    (Laplace-smoothed reliability as ``OutcomeWindow.reliability``, label frequencies as ``label_prior``)."""
+    (Laplace-smoothed reliability as ``OutcomeWindow.reliability``, label frequencies as ``label_prior``); with
+    ``precision``, 2M more per choice (:func:`precision_features`)."""
     warm_rows = np.flatnonzero(warm.task == task)
     n_choices = int(warm.choice_mask[warm_rows[0]].sum())
-    right = (warm.probs[warm_rows].argmax(2) == warm.labels[warm_rows][:, None]).sum(0)
-    reliability = ((right + 1.0) / (len(warm_rows) + 2.0)).astype(np.float32)
-    prior = (np.bincount(warm.labels[warm_rows], minlength=n_choices) / len(warm_rows)).astype(np.float32)
+    votes, labels = warm.probs[warm_rows].argmax(2), warm.labels[warm_rows]
+    reliability = (((votes == labels[:, None]).sum(0) + 1.0) / (len(warm_rows) + 2.0)).astype(np.float32)
+    prior = np.bincount(labels, minlength=n_choices) / len(warm_rows)
+    # each model's precision per choice: P(label = c | it votes c), shrunk toward the prior with weight 2
+    voted = votes[:, :, None] == np.arange(n_choices)  # [n, M, C]
+    hits = (voted & (labels[:, None, None] == np.arange(n_choices))).sum(0)
+    model_precision = (hits + 2 * prior) / (voted.sum(0) + 2)  # [M, C]
     everyone = np.ones((1, data.n_models), dtype=bool)
     out = []
     for i in rows:
         valid = np.flatnonzero(data.choice_mask[i])
-        out.append(
-            fusion_observations(data.probs[i][:, valid][None], everyone, reliability[None], prior[None, : len(valid)])[
-                0
-            ]
-        )
+        probs = data.probs[i][:, valid]
+        row = fusion_observations(
+            probs[None], everyone, reliability[None], prior[None, : len(valid)].astype(np.float32)
+        )[0]
+        out.append(np.concatenate([row, precision_features(probs, model_precision)], 1) if precision else row)
     return out
+
+
+def precision_features(probs: np.ndarray, model_precision: np.ndarray) -> np.ndarray:
+    """[C, 2M] for one question (probs [M, C]): for the choice model m votes for, log P(label = c | m votes c); for
+    every other choice, log of the rest of that probability shared evenly by them (a stacking-like, per-choice view
+    of each model's bias)."""
+    m, c = probs.shape
+    vote = probs.argmax(1)
+    own = np.log(model_precision[np.arange(m), vote] + 1e-3)  # [M]
+    rest = np.log((1 - model_precision[np.arange(m), vote]) / max(c - 1, 1) + 1e-3)
+    is_vote = np.arange(c)[:, None] == vote[None, :]  # [C, M]
+    return np.concatenate([np.where(is_vote, own, 0.0), np.where(is_vote, 0.0, rest)], 1).astype(np.float32)
 
 
 def trained_fusion(features: list[np.ndarray], labels: np.ndarray, n_models: int, epochs: int, seed: int) -> Fusion:
     cfg = FocalConfig()
     torch.manual_seed(seed)
-    fusion = Fusion(fusion_feature_dim(n_models), cfg.hidden, reliability_weighted_log_probs(n_models))
+    fusion = Fusion(features[0].shape[1], cfg.hidden, reliability_weighted_log_probs(n_models))
     if epochs:
         optimizer = torch.optim.Adam(fusion.parameters(), lr=cfg.lr, eps=1e-5)
         generator = torch.Generator().manual_seed(seed)
@@ -78,6 +96,9 @@ def main() -> None:
     parser.add_argument("--tasks", choices=("tune", "holdout", "all"), default="tune")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, nargs="+", default=[0, 4, 12])
+    parser.add_argument(
+        "--precision", action="store_true", help="add each model's per-choice precision to the features (2M more)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/fusion_ceiling.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -90,9 +111,9 @@ def main() -> None:
     tasks = np.unique(test.task)
     per_task = {
         int(t): (
-            task_features(warm, warm, t, np.flatnonzero(warm.task == t)),
+            task_features(warm, warm, t, np.flatnonzero(warm.task == t), args.precision),
             warm.labels[warm.task == t],
-            task_features(warm, test, t, np.flatnonzero(test.task == t)),
+            task_features(warm, test, t, np.flatnonzero(test.task == t), args.precision),
             test.labels[test.task == t],
         )
         for t in tasks
@@ -101,7 +122,12 @@ def main() -> None:
     train_y = np.concatenate([per_task[t][1] for t in tasks])
     test_x = [f for t in tasks for f in per_task[t][2]]
     test_y = np.concatenate([per_task[t][3] for t in tasks])
-    results: dict = {"tasks": args.tasks, "seeds": args.seeds, "test_questions": len(test_y)}
+    results: dict = {
+        "tasks": args.tasks,
+        "precision": args.precision,
+        "seeds": args.seeds,
+        "test_questions": len(test_y),
+    }
     run = stacking(warm, test)
     assert run is not None  # the paper protocol always has a warm split
     results["stacking"] = float((run.answers == test.labels).mean())
