@@ -90,6 +90,11 @@ def answers(fusion: Fusion, features: list[np.ndarray]) -> np.ndarray:
         return fusion.scores(torch.from_numpy(padded), torch.from_numpy(mask)).argmax(-1).numpy()
 
 
+def mean_std(accuracies: list[float]) -> str:
+    spread = np.std(accuracies, ddof=1) if len(accuracies) > 1 else 0.0
+    return f"{100 * np.mean(accuracies):.1f} ± {100 * spread:.1f} %"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=None, help="default: bbh_dev under the shared datasets")
@@ -129,7 +134,8 @@ def main() -> None:
         "test_questions": len(test_y),
     }
     run = stacking(warm, test)
-    assert run is not None  # the paper protocol always has a warm split
+    if run is None:
+        raise SystemExit("the warm-start split is empty: stacking needs one")
     results["stacking"] = float((run.answers == test.labels).mean())
     print(f"stacking (per task): {100 * results['stacking']:.1f} %")
     for epochs in args.epochs:
@@ -138,9 +144,7 @@ def main() -> None:
             for s in args.seeds
         ]
         results[f"fusion_shared_{epochs}"] = shared
-        print(
-            f"Fusion shared by the tasks, {epochs} epochs: {100 * np.mean(shared):.1f} ± {100 * np.std(shared, ddof=1) if len(shared) > 1 else 0:.1f} %"
-        )
+        print(f"Fusion shared by the tasks, {epochs} epochs: {mean_std(shared)}")
         if not epochs:
             continue  # an untrained Fusion is the same per task
         own = []
@@ -151,9 +155,7 @@ def main() -> None:
             )
             own.append(right / len(test_y))
         results[f"fusion_per_task_{epochs}"] = own
-        print(
-            f"Fusion per task, {epochs} epochs: {100 * np.mean(own):.1f} ± {100 * np.std(own, ddof=1) if len(own) > 1 else 0:.1f} %"
-        )
+        print(f"Fusion per task, {epochs} epochs: {mean_std(own)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 
