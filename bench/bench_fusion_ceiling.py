@@ -30,31 +30,36 @@ from rlens.focal.features import (
     reliability_weighted_log_probs,
 )
 from rlens.focal.supervised import fit_fusion
+from rlens.focal.window import OutcomeWindow
+
+
+def task_statistics(warm: RecordedDataset, task: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``task``'s reliabilities [M] and label prior [C] from a window holding its whole warm split (what a full
+    window would hold), and each model's precision per choice [M, C]: P(label = c | it votes c), shrunk toward the
+    prior with weight 2."""
+    rows = np.flatnonzero(warm.task == task)
+    n_choices = int(warm.choice_mask[rows[0]].sum())
+    votes, labels = warm.probs[rows].argmax(2), warm.labels[rows]
+    window = OutcomeWindow(warm.n_models, len(rows))
+    window.extend(votes, labels, np.zeros(len(rows)))
+    prior = window.label_prior(n_choices)
+    voted = votes[:, :, None] == np.arange(n_choices)  # [n, M, C]
+    hits = (voted & (labels[:, None, None] == np.arange(n_choices))).sum(0)
+    return window.reliability(), prior, (hits + 2 * prior) / (voted.sum(0) + 2)
 
 
 def task_features(
-    warm: RecordedDataset, data: RecordedDataset, task: int, rows: np.ndarray, precision: bool = False
+    data: RecordedDataset, rows: np.ndarray, statistics: tuple[np.ndarray, np.ndarray, np.ndarray], precision: bool
 ) -> list[np.ndarray]:
-    """Fusion observations of ``rows`` of ``data`` with every model in the pool and ``task``'s warm-split statistics
-    (Laplace-smoothed reliability as ``OutcomeWindow.reliability``, label frequencies as ``label_prior``); with
-    ``precision``, 2M more per choice (:func:`precision_features`)."""
-    warm_rows = np.flatnonzero(warm.task == task)
-    n_choices = int(warm.choice_mask[warm_rows[0]].sum())
-    votes, labels = warm.probs[warm_rows].argmax(2), warm.labels[warm_rows]
-    reliability = (((votes == labels[:, None]).sum(0) + 1.0) / (len(warm_rows) + 2.0)).astype(np.float32)
-    prior = np.bincount(labels, minlength=n_choices) / len(warm_rows)
-    # each model's precision per choice: P(label = c | it votes c), shrunk toward the prior with weight 2
-    voted = votes[:, :, None] == np.arange(n_choices)  # [n, M, C]
-    hits = (voted & (labels[:, None, None] == np.arange(n_choices))).sum(0)
-    model_precision = (hits + 2 * prior) / (voted.sum(0) + 2)  # [M, C]
+    """Fusion observations of ``rows`` of ``data`` with every model in the pool and a task's
+    :func:`task_statistics`; with ``precision``, 2M more per choice (:func:`precision_features`)."""
+    reliability, prior, model_precision = statistics
     everyone = np.ones((1, data.n_models), dtype=bool)
     out = []
     for i in rows:
         valid = np.flatnonzero(data.choice_mask[i])
         probs = data.probs[i][:, valid]
-        row = fusion_observations(
-            probs[None], everyone, reliability[None], prior[None, : len(valid)].astype(np.float32)
-        )[0]
+        row = fusion_observations(probs[None], everyone, reliability[None], prior[None, : len(valid)])[0]
         out.append(np.concatenate([row, precision_features(probs, model_precision)], 1) if precision else row)
     return out
 
@@ -114,15 +119,15 @@ def main() -> None:
     warm_index, test_index = split(data, Protocol.paper)
     warm, test = data.subset(warm_index), data.subset(test_index)
     tasks = np.unique(test.task)
-    per_task = {
-        int(t): (
-            task_features(warm, warm, t, np.flatnonzero(warm.task == t), args.precision),
+    per_task = {}
+    for t in tasks:
+        statistics = task_statistics(warm, t)
+        per_task[int(t)] = (
+            task_features(warm, np.flatnonzero(warm.task == t), statistics, args.precision),
             warm.labels[warm.task == t],
-            task_features(warm, test, t, np.flatnonzero(test.task == t), args.precision),
+            task_features(test, np.flatnonzero(test.task == t), statistics, args.precision),
             test.labels[test.task == t],
         )
-        for t in tasks
-    }
     train_x = [f for t in tasks for f in per_task[t][0]]
     train_y = np.concatenate([per_task[t][1] for t in tasks])
     test_x = [f for t in tasks for f in per_task[t][2]]
