@@ -54,6 +54,12 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+def interrupted(what: str) -> NoReturn:
+    """Ctrl-C: one line and the shell's exit code for SIGINT (130), no traceback."""
+    errors.print(f"interrupted: {what}", highlight=False)
+    raise typer.Exit(130)
+
+
 def quiet_transformers() -> None:
     """No transformers progress bars or advisory warnings on the terminal; rlens shows its own progress."""
     try:
@@ -105,6 +111,8 @@ def run_replay(
             )
     except ValueError as exc:
         fail(str(exc))
+    except KeyboardInterrupt:
+        interrupted(f"stopped the replay; nothing written to {out}")
     paths = write_outputs(result, out)
 
     table = Table(title=f"{dataset.name} — {protocol.value} protocol, {result.results.n_test} test questions")
@@ -266,7 +274,7 @@ def pool_check(config: Path = typer.Argument(..., help="pool configuration (JSON
     """Build every backend of a pool and ask each a probe question; exit 1 if any fails."""
     import time
 
-    from rlens.backends.base import BackendError, ChoiceQuery
+    from rlens.backends.base import BackendError
     from rlens.models.pool import PoolConfigError, build_backend, load_pool_config
 
     quiet_transformers()
@@ -274,7 +282,6 @@ def pool_check(config: Path = typer.Argument(..., help="pool configuration (JSON
         pool = load_pool_config(config)
     except PoolConfigError as exc:
         fail(str(exc))
-    probe = ChoiceQuery(id="0", prompt="Q: add: 2+2=\nA:", choices=[" 4", " 5"])
     table = Table(title=f"{config}: {len(pool.models)} models")
     for column in ("model", "backend", "cost", "probe", "latency ms"):
         table.add_column(column)
@@ -282,10 +289,11 @@ def pool_check(config: Path = typer.Argument(..., help="pool configuration (JSON
     for model in pool.models:
         try:
             backend = build_backend(model)
+            probe = backend.probe_query()
             loaded = time.perf_counter()
             scores = backend.score_choices(probe)
             status, latency = (
-                f"ok: P(' 4') = {scores.probabilities()[0]:.2f}",
+                f"ok: P({probe.choices[0]!r}) = {scores.probabilities()[0]:.2f}",
                 f"{1000 * (time.perf_counter() - loaded):.1f}",
             )
         except (BackendError, OSError, ValueError, KeyError) as exc:

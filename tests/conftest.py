@@ -10,12 +10,26 @@ import pytest
 from rlens.evaluation.dataset import RecordedDataset, load_dataset, save_dataset, shared_data_dir
 
 
+NO_BBH = "real dataset not found at"
+
+
 @pytest.fixture(scope="session")
 def bbh() -> RecordedDataset:
     path = shared_data_dir() / "bbh_dev"
     if not path.is_dir():
-        pytest.skip(f"real dataset not found at {path} (set RLENS_SHARED_DATA)")
+        pytest.skip(f"{NO_BBH} {path} (set RLENS_SHARED_DATA)")
     return load_dataset(path)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Say once, beside the count, what the tests skipped for want of the shared dataset need."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if NO_BBH in str(r.longrepr)]
+    if skipped:
+        terminalreporter.write_line(
+            f"{len(skipped)} test{'s' * (len(skipped) > 1)} skipped: they need the recorded dataset bbh_dev at {shared_data_dir() / 'bbh_dev'} "
+            "(set RLENS_SHARED_DATA to the folder that holds bbh_dev; README.md, 'Dataset format')",
+            yellow=True,
+        )
 
 
 def bbh_slice(bbh: RecordedDataset, tasks: int, per_task: int) -> RecordedDataset:

@@ -54,7 +54,12 @@ def test_bad_dataset_files_give_one_line_errors(bbh_slice_dir, tmp_path, breakag
 
 
 def test_missing_directory_and_bad_options(tmp_path):
-    assert "not a directory" in replay_error(tmp_path / "nowhere", tmp_path)
+    missing = replay_error(tmp_path / "nowhere", tmp_path)
+    assert (
+        "no such dataset directory" in missing and "RLENS_SHARED_DATA" in missing and "rlens import lm-eval" in missing
+    )
+    (tmp_path / "a_file").write_text("")
+    assert "not a directory" in replay_error(tmp_path / "a_file", tmp_path)
     result = runner.invoke(app, ["replay", "--data", str(tmp_path), "--protocol", "weekly"])
     assert result.exit_code == 2 and "weekly" in result.output
 

@@ -8,19 +8,23 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# the ruff of this environment (its version is pinned in constraints.txt), else one on the PATH
+RUFF = (
+    str(Path(sys.executable).parent / "ruff")
+    if (Path(sys.executable).parent / "ruff").is_file()
+    else shutil.which("ruff")
+)
 
 
 def test_ruff_finds_nothing():
-    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     result = subprocess.run(
-        [ruff, "check", "rlens", "tests", "bench", "services"], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [RUFF, "check", "rlens", "tests", "bench", "services"], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_the_code_is_laid_out_by_ruff_format():
-    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
-    result = subprocess.run([ruff, "format", "--check", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([RUFF, "format", "--check", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, "run `ruff format .`:\n" + result.stdout + result.stderr
 
 

@@ -82,3 +82,16 @@ def test_up_refuses_a_pool_with_a_typo_before_starting_anything(tmp_path):
     )
     assert result.exit_code == 2 and "unknown option(s) modle for backend openai; its options: api_key" in result.output
     assert not (tmp_path / "up").exists()  # nothing was started or written
+
+
+def test_pool_check_passes_the_pool_rlens_up_serves(tmp_path):
+    """`rlens up` serves the bundled stream's models as replay backends; each is probed with a question it has
+    recorded (its first one has 4 choices, so a fixed two-choice probe failed every model)."""
+    from rlens.service.stack import write_replay_pool
+    from rlens.settings import settings
+
+    path = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
+    result = CliRunner().invoke(app, ["pool", "check", str(path)], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if line.count("│") > 3 and "replay" in line]
+    assert len(rows) == 5 and all("ok: P('choice 0')" in row for row in rows), result.output

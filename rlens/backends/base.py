@@ -74,6 +74,10 @@ class Backend(ABC):
         """``request.n`` continuations of the prompt, each cut before its first stop string."""
         raise BackendError(f"backend {self.name!r} cannot generate text")
 
+    def probe_query(self) -> ChoiceQuery:
+        """A question this backend can answer, for ``rlens pool check``: a two-choice sum by default."""
+        return ChoiceQuery(id="0", prompt="Q: add: 2+2=\nA:", choices=[" 4", " 5"])
+
 
 B = TypeVar("B", bound=type[Backend])
 BACKENDS: dict[str, type[Backend]] = {}

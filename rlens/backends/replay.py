@@ -50,6 +50,11 @@ class ReplayBackend(Backend):
         texts = self.dataset.sampled[self._row(request.id)].samples.get(self.dataset.model_names[self.model], [])
         return Generations(texts=texts[: request.n])
 
+    def probe_query(self) -> ChoiceQuery:
+        """The dataset's first question, with as many (placeholder) choices as it has recorded."""
+        n = int(self.dataset.choice_mask[0].sum())
+        return ChoiceQuery(id="0", prompt="(recorded question 0)", choices=[f"choice {i}" for i in range(n)])
+
     def score_choices(self, query: ChoiceQuery) -> ChoiceScores:
         row = self._row(query.id)
         answer = self._answers.get(row)

@@ -148,6 +148,13 @@ def _tasks(path: Path, task_ids: np.ndarray) -> dict[int, str]:
 def load_dataset(directory: str | Path) -> RecordedDataset:
     """Load and validate a dataset directory; raise :class:`DatasetError` on any problem."""
     directory = Path(directory)
+    if not directory.exists():
+        raise DatasetError(
+            directory,
+            "no such dataset directory. Datasets come from `rlens import lm-eval` (lm-evaluation-harness outputs), "
+            "`rlens zoo record`, or a shared datasets folder (RLENS_SHARED_DATA, default ../shared/datasets, holds "
+            "bbh_dev where the project provides it); the bundled stream needs none: `rlens demo`",
+        )
     if not directory.is_dir():
         raise DatasetError(directory, "not a directory (expected a dataset directory with probs.npy, ...)")
     from rlens.evaluation.open_ended import is_samples_dir, load_samples

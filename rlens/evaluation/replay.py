@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import queue
+import signal
+import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Literal
@@ -125,12 +125,33 @@ class _Batched:
             self.pending = 0
 
 
-def _variant_in_worker(
-    variant, data, warm_index, test_index, config, seed, drift, progress_queue
-) -> tuple[str, OnlineTrace]:
-    report = _Batched(progress_queue.put)
+_progress_queue = None  # a worker process's queue of progress counts, set by _init_worker
+
+
+def _init_worker(progress_queue) -> None:
+    global _progress_queue
+    _progress_queue = progress_queue
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Processes started inside ignore SIGINT from their first instruction (an ignored signal stays ignored across
+    exec, and Python then installs no handler): Ctrl-C reaches the parent alone, which stops them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _variant_in_worker(variant, data, warm_index, test_index, config, seed, drift) -> tuple[str, OnlineTrace]:
+    report = _Batched(_progress_queue.put) if _progress_queue is not None else None
     trace = run_variant(variant, data, warm_index, test_index, config, seed, report, drift)
-    report.flush()
+    if report:
+        report.flush()
     return variant, trace
 
 
@@ -151,7 +172,9 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 def _run_variants(
     variants, data, warm_index, test_index, config, seed, workers, progress, drift, numerics: Numerics
 ) -> dict[str, OnlineTrace]:
-    """Each variant's trace; in this process only for native numerics with one worker (or one variant)."""
+    """Each variant's trace; in this process only for native numerics with one worker (or one variant).
+
+    On KeyboardInterrupt (Ctrl-C) the variant processes are terminated at once and the interrupt goes on up."""
     if numerics == "native" and (workers <= 1 or len(variants) == 1):
         traces = {}
         for variant in variants:
@@ -161,28 +184,31 @@ def _run_variants(
                 report.flush()
         return traces
     context = multiprocessing.get_context("spawn")
-    with (
-        _environment(PORTABLE_NUMERICS if numerics == "portable" else {}),
-        context.Manager() as manager,
-        ProcessPoolExecutor(max_workers=max(1, min(workers, len(variants))), mp_context=context) as pool,
-    ):
-        progress_queue = manager.Queue()
-        futures = [
-            pool.submit(_variant_in_worker, v, data, warm_index, test_index, config, seed, drift, progress_queue)
-            for v in variants
-        ]
-        while not all(f.done() for f in futures):
-            try:
-                n = progress_queue.get(timeout=0.1)
-                if progress:
-                    progress(n)
-            except queue.Empty:
-                pass
+    progress_queue = context.SimpleQueue()
+
+    def drain() -> None:
         while not progress_queue.empty():
             n = progress_queue.get()
             if progress:
                 progress(n)
-        return dict(f.result() for f in futures)
+
+    with _environment(PORTABLE_NUMERICS if numerics == "portable" else {}), _sigint_ignored():
+        pool = context.Pool(max(1, min(workers, len(variants))), _init_worker, (progress_queue,))
+    try:
+        pending = [
+            pool.apply_async(_variant_in_worker, (v, data, warm_index, test_index, config, seed, drift))
+            for v in variants
+        ]
+        while not all(r.ready() for r in pending):
+            drain()
+            time.sleep(0.1)
+        drain()
+        traces = dict(r.get() for r in pending)
+        pool.close()
+        return traces
+    finally:
+        pool.terminate()  # at once on an error or Ctrl-C; a no-op for a pool already closed and done
+        pool.join()
 
 
 def total_steps(data: RecordedDataset, protocol: Protocol, config: FocalConfig, variants: list[str]) -> int:
