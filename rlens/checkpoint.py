@@ -13,7 +13,6 @@ second process, or a second store in one process, on the same directory is refus
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -24,10 +23,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlens.locks import LockedError, acquire, release
+
 log = logging.getLogger("rlens.checkpoint")
 
 
-class CheckpointLockError(RuntimeError):
+class CheckpointLockError(LockedError):
     """Another store (another learner) holds the checkpoint directory."""
 
 
@@ -67,27 +68,14 @@ class CheckpointStore:
         self.count = max((_write_count(p) for p in self._candidates()), default=0)
 
     def _acquire(self):
-        handle = (self.directory / ".lock").open("a+")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            raise CheckpointLockError(
-                f"checkpoint directory {self.directory} is in use by {holder}: one learner per directory"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()}")
-        handle.flush()
-        return handle
+            return acquire(self.directory / ".lock", f"checkpoint directory {self.directory}")
+        except LockedError as exc:
+            raise CheckpointLockError(f"{exc}: one learner per directory") from None
 
     def close(self) -> None:
         """Release the directory lock (also released when the process exits)."""
-        if self._lock is not None and not self._lock.closed:
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
-            self._lock.close()
+        release(self._lock)
 
     def save(self, version: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict) -> Path:
         """Write ``{name}.safetensors`` for each entry of ``tensors``, ``state.json`` and the manifest; returns the directory."""

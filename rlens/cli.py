@@ -13,7 +13,7 @@ from rich.table import Table
 
 from rlens.evaluation.dataset import DatasetError, load_dataset
 from rlens.focal.config import FocalConfig
-from rlens.progress import progress_bar
+from rlens.progress import LineProgress, progress_bar
 from rlens.evaluation.protocols import Protocol
 from rlens.settings import settings
 
@@ -46,6 +46,7 @@ console = Console(soft_wrap=True, width=None if os.isatty(1) else PIPED_WIDTH)
 errors = Console(stderr=True, soft_wrap=True)
 
 
+DEFAULT_WORKDIR = Path("out/up")  # `rlens up`'s work folder, where `rlens load` looks for the stack by default
 DEFAULT_RLAE_MODELS = "arith-char,count-bpe,order-char,pattern-bpe"  # the zoo's specialists of the RLAE families
 
 
@@ -477,7 +478,7 @@ def up(
     partitions: int = typer.Option(
         4, min=1, help="partitions of the per-query topics (queries, answers, feedback, experience, dead letters)"
     ),
-    workdir: Path = typer.Option(Path("out/up"), help="logs, the pool file and the learner's checkpoints"),
+    workdir: Path = typer.Option(DEFAULT_WORKDIR, help="logs, the pool file and the learner's checkpoints"),
     warm_start: Path | None = typer.Option(
         None,
         help="warm-start the learner (first start only): a recorded dataset (rl_focal), an `rlens rlae train` run (rlae)",
@@ -496,6 +497,7 @@ def up(
     RLENS_KAFKA_BOOTSTRAP and RLENS_REDIS_URL point it at real ones instead of starting them. Without RLENS_REDIS_URL
     it uses the Redis at 127.0.0.1:6379 if one answers, else starts its own.
     """
+    import asyncio
     import signal
     import time
 
@@ -503,6 +505,7 @@ def up(
     from redis.exceptions import RedisError
 
     from rlens.models.pool import PoolConfigError, load_pool_config
+    from rlens.service.load import BrokerUnreachable, probe_broker
     from rlens.service.local import port_taken
     from rlens.service.security import redact_url
     from rlens.service.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool
@@ -522,6 +525,22 @@ def up(
             redis_url = s.redis_url.get_secret_value()
         except RedisError:
             pass
+    else:
+        try:
+            Redis.from_url(redis_url, socket_connect_timeout=2).ping()
+        except RedisError as exc:
+            fail(
+                f"Redis does not answer at {redact_url(redis_url)} (RLENS_REDIS_URL): {exc} Start it, fix the URL, "
+                "or unset RLENS_REDIS_URL and `rlens up` starts its own."
+            )
+    if kafka is not None:
+        try:
+            asyncio.run(probe_broker(s.model_copy(update={"kafka_bootstrap": kafka})))
+        except BrokerUnreachable:
+            fail(
+                f"no Kafka broker answers at {kafka} (RLENS_KAFKA_BOOTSTRAP): start it, fix the address, "
+                "or unset RLENS_KAFKA_BOOTSTRAP and `rlens up` starts its own."
+            )
     try:
         if pool is not None:
             load_pool_config(pool)  # before anything starts: a typo is one line, not a crashed worker
@@ -535,14 +554,19 @@ def up(
         )
     except (DatasetError, PoolConfigError, RuntimeError, FileNotFoundError) as exc:
         fail(str(exc))
-    if fresh:
-        clear_state(stack.settings, workdir)
-        console.print(
-            f"fresh start: no learner checkpoint in {workdir}, no Redis keys under {stack.settings.redis_prefix!r}"
-        )
-    for line in carried_state(stack.settings, workdir):
-        console.print(f"[yellow]carried over:[/] {line} (--fresh starts clean)")
+    try:
+        if fresh:
+            clear_state(stack.settings, workdir)
+            console.print(
+                f"fresh start: no learner checkpoint in {workdir}, no Redis keys under {stack.settings.redis_prefix!r}"
+            )
+        for line in carried_state(stack.settings, workdir):
+            console.print(f"[yellow]carried over:[/] {line} (--fresh starts clean)")
+    except RedisError as exc:
+        stack.stop()
+        fail(f"Redis at {redact_url(stack.settings.redis_url.get_secret_value())} failed: {exc}")
     stop = []
+    ready = False
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
         stack.start_learner(*(["--warm-start", str(warm_start)] if warm_start else []))
@@ -552,13 +576,18 @@ def up(
             stack.start_gateway()
         with console.status("starting the learner and the workers"):
             stack.wait_ready(180)
+        ready = True
         redis_shown = redact_url(stack.settings.redis_url.get_secret_value())
         console.print(
             f"[bold green]rlens is up[/] ({strategy}): Kafka {stack.settings.kafka_bootstrap}, Redis {redis_shown}, pool {pool_file}, {workers} workers; logs and secrets.env in {workdir}"
         )
         console.print(
-            f"send traffic with: RLENS_KAFKA_BOOTSTRAP={stack.settings.kafka_bootstrap} rlens load --rate 50"
+            "send traffic with: rlens load"
+            + ("" if workdir == DEFAULT_WORKDIR else f" --stack {workdir}")
+            + " --rate 50"
             + (" --tasks zoo" if strategy == "rlae" else "")
+            + f"  (it reads {stack.client_env}: the address, topics and prefixes)",
+            highlight=False,
         )
         for name, url in sorted(stack.http_urls().items()):
             console.print(f"  {name.split(':')[0]:8s} {url}/metrics  /healthz  /readyz", highlight=False)
@@ -577,7 +606,9 @@ def up(
             for what in stack.restart_crashed():
                 console.print(f"[yellow]restarted[/] {what}")
     except KeyboardInterrupt:
-        pass
+        if not ready:  # nothing to drain yet: stop at once
+            stack.stop(timeout_s=2)
+            interrupted("the stack was stopped before it was up")
     except (RuntimeError, TimeoutError) as exc:
         stack.stop()
         fail(str(exc))
@@ -598,11 +629,20 @@ def load(
     feedback_delay: float = typer.Option(0.0, min=0.0, help="seconds from a query's answer to its feedback"),
     limit: int | None = typer.Option(None, min=1, help="only the first N questions"),
     idle_timeout: float = typer.Option(60.0, min=1.0, help="give up after this many seconds without an answer"),
+    stack: Path = typer.Option(
+        DEFAULT_WORKDIR,
+        help="the work folder of the `rlens up` to load: its client.env gives the address, topics and prefixes "
+        "(RLENS_* variables override it)",
+    ),
+    bootstrap: str | None = typer.Option(None, help="Kafka bootstrap servers (overrides the stack's and the env's)"),
 ) -> None:
     """Play a dataset (or open-ended tasks) as live traffic through a running service and print live accuracy."""
     import asyncio
 
     from rich.live import Live
+
+    from rlens.service.stack import CLIENT_ENV
+    from rlens.settings import Settings
 
     from rlens.rlae.tasks import TaskFileError, read_tasks
     from rlens.service.load import (
@@ -639,7 +679,12 @@ def load(
             else None
         )
         name, traffic = dataset.name, queries_of(dataset, prompts, new_run_id())[:limit]
-    s = settings()
+    client_env = stack / CLIENT_ENV
+    s = Settings(_env_file=client_env) if client_env.is_file() else settings()  # type: ignore[call-arg]
+    if bootstrap:
+        s = s.model_copy(update={"kafka_bootstrap": bootstrap})
+    if client_env.is_file():
+        errors.print(f"reaching the stack of {client_env}", highlight=False)
 
     def status(report) -> Table:
         table = Table(title=f"{name} → {s.kafka_bootstrap}: {rate:g} queries/s, feedback after {feedback_delay:g} s")
@@ -672,11 +717,37 @@ def load(
         asyncio.run(probe_broker(s))
     except BrokerUnreachable as exc:
         fail(str(exc))
-    with Live(status(LoadReport()), console=console, refresh_per_second=4) as live:
-        report = asyncio.run(
-            play(s, traffic, rate, feedback_delay, idle_timeout, on_answer=lambda r: live.update(status(r)))
+    latest = [LoadReport()]  # play's report, as it fills (what a Ctrl-C sums up)
+    # on a terminal a live table; elsewhere (a pipe, a log) a line per 10 % of the traffic, or every 10 s
+    live = Live(status(LoadReport()), console=console, refresh_per_second=4) if console.is_terminal else None
+    lines = LineProgress(console, every_s=10.0)
+    line = lines.add_task("answered", total=len(traffic))
+
+    def seen(report: LoadReport) -> None:
+        latest[0] = report
+        if live is not None:
+            live.update(status(report))
+        else:
+            lines.update(line, advance=report.answered - lines.tasks[line].done)
+
+    try:
+        if live is not None:
+            live.start()
+        report = asyncio.run(play(s, traffic, rate, feedback_delay, idle_timeout, on_answer=seen))
+        if live is not None:
+            live.update(status(report))
+        else:
+            console.print(status(report))
+    except KeyboardInterrupt:
+        report = latest[0]
+        console.print(
+            f"interrupted: answered {report.answered} of {report.sent} sent; accuracy {100 * report.accuracy:.1f} %"
         )
-        live.update(status(report))
+        raise typer.Exit(130)
+    finally:
+        if live is not None:
+            live.stop()
+    console.print()
     for task, (correct, answered) in sorted(report.per_task.items()):
         console.print(f"  {task:40s} {100 * correct / max(answered, 1):5.1f} % of {answered}")
     console.print(

@@ -30,6 +30,7 @@ class _Task:
     started: float = field(default_factory=time.monotonic)
     last_line: float = field(default_factory=time.monotonic)
     last_tenth: int = 0
+    first: tuple[float, float] | None = None  # (time, done) of the first advance: the pace is measured from it
 
 
 class LineProgress:
@@ -54,6 +55,8 @@ class LineProgress:
 
     def update(self, task_id: TaskID, advance: float = 0.0, description: str | None = None) -> None:
         task = self.tasks[task_id]
+        if task.first is None and advance:
+            task.first = (time.monotonic(), task.done)
         task.done += advance
         if description is not None:
             task.description = description
@@ -65,9 +68,14 @@ class LineProgress:
 
     @staticmethod
     def line(task: _Task, now: float) -> str:
+        """The time left comes from the pace since the first advance: what came before it (starting processes,
+        loading data) is not paid again."""
         elapsed = now - task.started
         share = task.done / task.total if task.total else 1.0
-        left = f", about {elapsed * (1 - share) / share:.0f} s left" if 0 < share < 1 else ""
+        left = ""
+        if 0 < share < 1 and task.first is not None and now > task.first[0]:
+            pace = (task.done - task.first[1]) / (now - task.first[0])  # work per second since the first advance
+            left = f", about {(task.total - task.done) / pace:.0f} s left" if pace > 0 else ""
         return f"{task.description}: {task.done:.0f}/{task.total:.0f} ({100 * share:.0f} %), {elapsed:.0f} s{left}"
 
 

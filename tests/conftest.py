@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,9 @@ import pytest
 from rlens.evaluation.dataset import RecordedDataset, load_dataset, save_dataset, shared_data_dir
 
 
+# every gateway a test starts takes a free port (the default, 8000, may be a running `rlens up`'s); the brokers,
+# Redis servers and metrics ports of the tests are free ones already
+os.environ["RLENS_GATEWAY_PORT"] = "0"
 NO_BBH = "real dataset not found at"
 
 

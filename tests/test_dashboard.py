@@ -102,6 +102,7 @@ def test_the_dashboard_shows_the_played_streams_live_and_marks_the_task_switch(t
         }
         markers = cards["support"].find_elements(By.CSS_SELECTOR, ".drift-marker")
         accuracy = cards["support"].find_element(By.CSS_SELECTOR, ".accuracy").text
+        headings = {name: card.find_element(By.CSS_SELECTOR, "h2 small").text for name, card in cards.items()}
         version = driver.find_element(By.ID, "version").text
         policy_line = driver.find_element(By.CSS_SELECTOR, "#policies path").get_attribute("d")
         policy_axis = [t.text for t in driver.find_elements(By.CSS_SELECTOR, "#policies text") if t.text]
@@ -114,6 +115,8 @@ def test_the_dashboard_shows_the_played_streams_live_and_marks_the_task_switch(t
     assert seen[0] < seen[1] <= 300  # the numbers moved while traffic flowed
     assert set(cards) == {"support", "pattern"}  # 240 on "support", then 60 pattern questions under their task's key
     assert markers, "the task switch on 'support' is not marked"
+    drift_words = [h.split(" · ")[-1] for h in headings.values()]
+    assert all(w == "1 drift event" or (w.endswith(" drift events") and not w.startswith("1 ")) for w in drift_words)
     assert accuracy.endswith("%") and version.startswith("v") and int(version[1:]) >= 4
     # the version in use is drawn as steps held up to the last join, its axis labelled once per whole version
     assert policy_line.count("L") >= 2 * len(snapshot["policies"]) - 1

@@ -177,6 +177,14 @@ def test_progress_without_a_terminal_prints_a_line_per_tenth():
     assert "s left" in lines[0] and "s left" not in lines[-1]
 
 
+def test_the_time_left_comes_from_the_pace_after_the_start():
+    """10 s of starting processes, then 10 % in 10 s: 90 s left (counting the start, it said 180)."""
+    from rlens.progress import LineProgress, _Task
+
+    task = _Task("replay", total=100, done=10, started=0.0, first=(10.0, 0.0))
+    assert LineProgress.line(task, now=20.0) == "replay: 10/100 (10 %), 20 s, about 90 s left"
+
+
 def test_piped_output_is_wide_enough_for_the_widest_table():
     """Piped or logged, rich would print 80 columns and cut `rlens load`'s 9-column header; the CLI prints 160."""
     import subprocess

@@ -68,3 +68,126 @@ def test_tests_skipped_without_the_shared_dataset_say_what_they_need(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:]
     assert f"skipped: they need the recorded dataset bbh_dev at {tmp_path / 'bbh_dev'}" in result.stdout, result.stdout
+
+
+def test_the_suite_leaves_the_readme_default_ports_to_a_running_stack():
+    """While a README-default `rlens up` holds port 8000, the suite's gateways take free ones (conftest.py)."""
+    from rlens.settings import settings
+
+    assert settings().gateway_port == 0 and settings().metrics_port == 0
+
+
+def test_no_help_page_shows_a_flag_as_taking_a_value():
+    """typer 0.29 wrote every flag as `--flag <bool>` (pyproject.toml bounds it below that)."""
+    from typer.main import get_command
+    from typer.testing import CliRunner
+
+    from rlens.cli import app
+
+    def commands(group, path):
+        for name, command in getattr(group, "commands", {}).items():
+            yield [*path, name]
+            yield from commands(command, [*path, name])
+
+    runner = CliRunner()
+    for path in [[], *commands(get_command(app), [])]:
+        result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0 and "<bool>" not in result.output, (path, result.output)
+
+
+def start(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    """A CLI command in a process group of its own, as a terminal runs it (SIGINT not ignored)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlens.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def read_until(process: subprocess.Popen, words: str, timeout_s: float = 240.0) -> list[str]:
+    assert process.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and (not lines or words not in lines[-1]):
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    assert lines and words in lines[-1], "".join(lines)
+    return lines
+
+
+def test_a_stack_refuses_a_second_one_on_its_work_folder_feeds_load_and_stops_on_ctrl_c(tmp_path):
+    from rlens.service.local import free_port, port_taken
+
+    workdir = tmp_path / "up"
+    up = start(["up", "--workdir", str(workdir), "--gateway-port", "0", "--broker-port", str(free_port())])
+    try:
+        read_until(up, "send traffic with: rlens load --stack")
+        # a second stack on the same work folder: one line, before it starts anything
+        port = free_port()
+        second = subprocess.run(
+            [sys.executable, "-m", "rlens.cli", "up", "--workdir", str(workdir), "--broker-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        lines = (second.stdout + second.stderr).strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, lines
+        assert f"work folder {workdir} is in use by pid {up.pid}" in lines[0]
+        assert not port_taken(port)
+        # `rlens load` finds the stack from its work folder; through a pipe it shows progress as it goes
+        load = subprocess.run(
+            [sys.executable, "-m", "rlens.cli", "load", "--stack", str(workdir), "--limit", "60", "--rate", "60"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert load.returncode == 0, load.stdout + load.stderr
+        out = load.stdout.splitlines()
+        assert out[0].startswith("answered: 6/60 (10 %)") and "answered 60 of 60" in out[-1], load.stdout
+        border = max(i for i, line in enumerate(out) if line.startswith("└"))
+        assert out[border + 1] == "" and out[border + 2].startswith("  "), load.stdout  # not glued to the table
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        rest, _ = up.communicate(timeout=90)
+    assert up.returncode == 0, rest
+    assert "stopping (workers drain and commit" in rest
+    logs = "".join(p.read_text() for p in workdir.glob("*.log"))
+    # the broker and Redis outlive the processes that drain through them; no rebalancing noise at the start
+    assert "Unable connect" not in logs and "Redis unreachable" not in logs, logs[-3000:]
+    assert "because it is rebalancing" not in logs
+
+
+def test_ctrl_c_while_the_stack_starts_stops_it_at_once_with_one_line(tmp_path):
+    from rlens.service.local import free_port, port_taken
+
+    port = free_port()
+    up = start(["up", "--workdir", str(tmp_path / "up"), "--gateway-port", "0", "--broker-port", str(port)])
+    time.sleep(4.0)  # the broker is up, the service processes are starting
+    assert up.poll() is None
+    os.killpg(up.pid, signal.SIGINT)
+    output, _ = up.communicate(timeout=60)
+    assert up.returncode == 130, output
+    assert output.strip().splitlines()[-1] == "interrupted: the stack was stopped before it was up"
+    assert "Traceback" not in output and not port_taken(port)
+
+
+def test_an_unreachable_redis_or_broker_is_one_line(tmp_path):
+    from rlens.service.local import free_port
+
+    for variable, words in (("RLENS_REDIS_URL", "Redis does not answer at"), ("RLENS_KAFKA_BOOTSTRAP", "no Kafka")):
+        value = f"redis://127.0.0.1:{free_port()}/0" if variable == "RLENS_REDIS_URL" else f"127.0.0.1:{free_port()}"
+        result = subprocess.run(
+            [sys.executable, "-m", "rlens.cli", "up", "--workdir", str(tmp_path / "up"), "--no-gateway"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, variable: value},
+        )
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and words in lines[0] and variable in lines[0], lines

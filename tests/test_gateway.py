@@ -277,6 +277,14 @@ def test_keys_streams_tenants_sizes_and_rates_are_enforced(gw, tmp_path):
         headers={**auth(gw), "Content-Type": "application/json"},
     )
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    malformed = httpx.post(
+        f"{gw['url']}/v1/chat/completions",
+        content=b'{"model": "rlens-focal",, }',
+        headers={**auth(gw), "Content-Type": "application/json"},
+    )
+    error = malformed.json()["error"]
+    assert malformed.status_code == 400 and error["code"] == "invalid_json" and error["param"] is None
+    assert error["message"].startswith("the body is not valid JSON (at character 24"), error
     long_prompt = httpx.post(
         f"{gw['url']}/v1/completions",
         json={"model": "rlens-focal", "prompt": "x" * 1001, "rlens": {"choices": CHOICES}},

@@ -125,3 +125,11 @@ def test_synthetic_datasets_are_seeded_valid_and_any_shape(tmp_path):
     save_dataset(a, tmp_path / "synthetic")
     # passes the format's validation
     np.testing.assert_allclose(load_dataset(tmp_path / "synthetic").probs, a.probs, atol=1e-6)
+
+
+def test_task_labels_on_the_plot_are_short_and_still_tell_the_tasks_apart():
+    from rlens.evaluation.report import short_labels
+
+    names = ["hyperbaton", "tracking_shuffled_objects_five_objects", "tracking_shuffled_objects_three_objects"]
+    assert short_labels(names) == ["hyperbaton", "trackin…five_objects", "tracki…three_objects"]
+    assert short_labels(["a" * 30 + "b", "a" * 30 + "c"], width=10) == ["aaaaaaaa…b", "aaaaaaaa…c"]

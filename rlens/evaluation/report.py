@@ -31,6 +31,23 @@ def _task_blocks(task: np.ndarray) -> list[tuple[int, int, int]]:
     return [(start, end, int(task[start])) for start, end in task_blocks(task)]
 
 
+def short_labels(names: list[str], width: int = 20) -> list[str]:
+    """Each name cut to ``width`` characters, still telling the names apart: a long one keeps its start, then "…",
+    then as much of its end as tells it from every other name with that start (an end that starts a word first)."""
+
+    def label(name: str) -> str:
+        if len(name) <= width:
+            return name
+        words = [t for t in range(width - 1) if t == 0 or name[len(name) - t - 1] in "_-. "]
+        for tail in words + list(range(width - 1)):
+            head, end = name[: width - 1 - tail], name[len(name) - tail :]
+            if not any(o != name and o.startswith(head) and o.endswith(end) for o in names):
+                return f"{head}…{end}"
+        return name[: width - 1] + "…"
+
+    return [label(name) for name in names]
+
+
 def write_plot(run: ReplayRun, path: Path) -> None:
     test, results = run.test, run.results
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]})
@@ -48,11 +65,13 @@ def write_plot(run: ReplayRun, path: Path) -> None:
     for axis in (top, bottom):
         for start, _, _ in _task_blocks(test.task)[1:]:
             axis.axvline(start, color="grey", linestyle=":", linewidth=0.8)
-    for start, end, task_id in _task_blocks(test.task):
+    blocks = _task_blocks(test.task)
+    labels = dict(zip((b[2] for b in blocks), short_labels([test.task_name(b[2]) for b in blocks])))
+    for start, end, task_id in blocks:
         top.text(
             (start + end) / 2,
             1.5,
-            test.task_name(task_id)[:18],
+            labels[task_id],
             rotation=90,
             fontsize=7,
             ha="center",

@@ -58,6 +58,7 @@ from rlens.service.kafka import (
     publish_dead_letters,
     typed_publisher,
 )
+from rlens.service.logs import setup_logging
 from rlens.service.metrics import GatewayMetrics
 from rlens.service.openai_api import (
     MODEL_OF,
@@ -578,6 +579,10 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
+        if first["type"] == "json_invalid":  # its loc is the character where parsing failed, not a field
+            reason = first.get("ctx", {}).get("error", "")
+            message = f"the body is not valid JSON (at character {first['loc'][-1]}{': ' + reason if reason else ''})"
+            return error_response(ApiError(400, message, "invalid_request_error", "invalid_json"))
         where = ".".join(str(p) for p in first["loc"] if p != "body")
         return error_response(
             ApiError(
@@ -723,8 +728,7 @@ def run_gateway(settings: Settings) -> None:
 
     if not settings.gateway_port:
         settings = settings.model_copy(update={"gateway_port": free_port()})
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    setup_logging()
     uvicorn.run(
         create_gateway_app(settings), host=settings.gateway_host, port=settings.gateway_port, log_level="warning"
     )

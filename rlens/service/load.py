@@ -142,7 +142,12 @@ async def play(
     report = LoadReport()
     outcomes = {q.query_id: (outcome, q.stream) for q, outcome in traffic}
     sent_at: dict[str, float] = {}
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, linger_ms=5)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=settings.kafka_bootstrap,
+        linger_ms=5,
+        acks=-1 if settings.kafka_acks == "all" else 1,  # as the service's own producers
+        enable_idempotence=settings.kafka_idempotence,
+    )
     consumer = AIOKafkaConsumer(
         topics.answers,
         bootstrap_servers=settings.kafka_bootstrap,

@@ -10,7 +10,9 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
+from typing import IO
 
 
 def free_port() -> int:
@@ -26,12 +28,13 @@ def port_taken(port: int, host: str = "127.0.0.1") -> bool:
         return probe.connect_ex((host, port)) == 0
 
 
-def _wait_for_port(port: int, process: subprocess.Popen, what: str, timeout_s: float = 20.0) -> None:
+def _wait_for_port(port: int, process: subprocess.Popen, output: IO[bytes], what: str, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
+            output.seek(0)
             raise RuntimeError(
-                f"{what} exited with code {process.returncode}: {process.stdout.read().decode(errors='replace')[-2000:] if process.stdout else ''}"
+                f"{what} exited with code {process.returncode}: {output.read().decode(errors='replace')[-2000:]}"
             )
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
@@ -43,9 +46,12 @@ def _wait_for_port(port: int, process: subprocess.Popen, what: str, timeout_s: f
 class LocalProcess:
     def __init__(self, command: list[str], port: int, what: str):
         self.port, self.what = port, what
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.output = tempfile.TemporaryFile()  # a file, not a pipe: a pipe nobody reads would block the server
+        # a session of its own: Ctrl-C in a terminal reaches the service processes, which drain through this
+        # broker and Redis before :meth:`stop` ends them
+        self.process = subprocess.Popen(command, stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            _wait_for_port(port, self.process, what)
+            _wait_for_port(port, self.process, self.output, what)
         except RuntimeError:
             self.stop()
             raise
@@ -58,6 +64,7 @@ class LocalProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self.output.close()
 
 
 class LocalBroker(LocalProcess):

@@ -18,6 +18,7 @@ from rlens.models.pool import PoolConfig, build_backend, build_rlae_decoder, loa
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.service.learner import LearnerCore, claim_group, create_learner_app
 from rlens.service.local import free_port
+from rlens.service.logs import setup_logging
 from rlens.service.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
 from rlens.service.security import FeedbackTokens, PolicySigner, PolicyVerifier, SecretsError
 from rlens.service.windows import RedisWindows
@@ -179,8 +180,7 @@ def with_metrics_port(settings: Settings) -> Settings:
 
 def run_app(app, settings: Settings) -> None:
     """Run a worker's or learner's app: its subscribers and, on ``settings.metrics_host:metrics_port``, its HTTP side."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)  # its group-join chatter; warnings and errors still show
+    setup_logging()
     asyncio.run(
         app.run(
             log_level=logging.WARNING, run_extra_options={"host": settings.metrics_host, "port": settings.metrics_port}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
+from rlens import locks
 from rlens.evaluation.dataset import load_dataset
 from rlens.service.kafka import ensure_topics
 from rlens.service.local import LocalBroker, LocalRedis
@@ -39,6 +40,28 @@ def workdir_secrets(workdir: Path) -> dict[str, str]:
             f.writelines(f"{k}={v}\n" for k, v in generate_secrets().items())
     pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
     return {k.removeprefix("RLENS_").lower(): v for k, v in pairs}
+
+
+CLIENT_ENV = "client.env"
+CLIENT_SETTINGS = (  # what a client of the stack (`rlens load`) needs to reach it; no secret
+    "kafka_bootstrap",
+    "kafka_security_protocol",
+    "kafka_sasl_mechanism",
+    "kafka_sasl_username",
+    "kafka_ssl_cafile",
+    "kafka_acks",
+    "kafka_idempotence",
+    "topic_prefix",
+    "redis_prefix",
+)
+
+
+def write_client_env(settings: Settings, workdir: Path) -> Path:
+    """``<workdir>/client.env``: the RLENS_* lines a second terminal needs to reach this stack (`rlens load --stack`)."""
+    values = settings.model_dump(mode="json", include=set(CLIENT_SETTINGS), exclude_none=True)
+    path = Path(workdir) / CLIENT_ENV
+    path.write_text("".join(f"RLENS_{k.upper()}={v}\n" for k, v in values.items()))
+    return path
 
 
 def workdir_gateway_key(workdir: Path) -> Path:
@@ -141,8 +164,31 @@ class LocalStack:
         redis_url: str | None = None,
         broker_port: int | None = None,
     ):
+        self.workers: list[subprocess.Popen] = []
+        self.learner: subprocess.Popen | None = None
+        self.gateway: subprocess.Popen | None = None
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # before anything starts: one stack per work folder, and no learner of another on its checkpoints
+        try:
+            self._workdir_lock = locks.acquire(self.workdir / ".stack.lock", f"work folder {self.workdir}")
+        except locks.LockedError as exc:
+            raise locks.LockedError(f"{exc} (another `rlens up`): stop it, or pass another --workdir") from None
+        learner = locks.holder(self.workdir / "learner" / ".lock", f"the checkpoints in {self.workdir / 'learner'}")
+        if learner:
+            locks.release(self._workdir_lock)
+            raise locks.LockedError(f"{learner} (a learner): stop it, or pass another --workdir")
+        self.broker: LocalBroker | None = None
+        self.redis: LocalRedis | None = None
+        try:
+            self._start_infra(settings, partitions, kafka_bootstrap, redis_url, broker_port)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_infra(
+        self, settings: Settings, partitions: int, kafka_bootstrap: str | None, redis_url: str | None, broker_port
+    ) -> None:
         self.broker = None if kafka_bootstrap else LocalBroker(broker_port)
         self.redis = None if redis_url else LocalRedis()
         kafka_bootstrap = kafka_bootstrap or cast(LocalBroker, self.broker).bootstrap
@@ -163,10 +209,8 @@ class LocalStack:
             }
         )
         asyncio.run(ensure_topics(self.settings, partitions))
-        self.workers: list[subprocess.Popen] = []
-        self.learner: subprocess.Popen | None = None
-        self.gateway: subprocess.Popen | None = None
         self.gateway_key = workdir_gateway_key(self.workdir)
+        self.client_env = write_client_env(self.settings, self.workdir)
 
     def env(self) -> dict[str, str]:
         """The environment of the child processes: the stack's settings as RLENS_* variables."""
@@ -296,3 +340,4 @@ class LocalStack:
         for infra in (self.broker, self.redis):
             if infra is not None:
                 infra.stop()
+        locks.release(self._workdir_lock)

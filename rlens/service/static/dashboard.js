@@ -61,7 +61,7 @@ function streamCard(s, data) {
     `<td>${now.composition.length ? now.composition[i].toFixed(2) : "–"}</td><td>${pct(now.model_accuracy[i])}</td></tr>`).join("");
   const delay = now.delay_s === null ? "–" : now.delay_s < 1 ? (1000 * now.delay_s).toFixed(0) + " ms" : now.delay_s.toFixed(1) + " s";
   return `<section class="card" data-stream="${esc(s.stream)}">
-    <h2><span>${esc(s.stream)}</span><small>${s.joins} joined · accuracy <b class="accuracy">${pct(now.accuracy)}</b> · feedback delay ${delay} · ${s.drift.length} drift events</small></h2>
+    <h2><span>${esc(s.stream)}</span><small>${s.joins} joined · accuracy <b class="accuracy">${pct(now.accuracy)}</b> · feedback delay ${delay} · ${s.drift.length} drift event${s.drift.length === 1 ? "" : "s"}</small></h2>
     ${legend([["accuracy (last 50)", "#2563eb"], ["confidence", "#16a34a"], ["drift: outcome", DRIFT_COLORS.outcome], ["drift: a model", DRIFT_COLORS.model], ["drift: confidence", DRIFT_COLORS.confidence]])}
     ${outcome}
     <div class="legend">each model's part (${share}), last 50 answers</div>
