@@ -283,7 +283,7 @@ def test_keys_streams_tenants_sizes_and_rates_are_enforced(gw, tmp_path):
         headers={**auth(gw), "Content-Type": "application/json"},
     )
     error = malformed.json()["error"]
-    assert malformed.status_code == 400 and error["code"] == "invalid_json" and error["param"] is None
+    assert malformed.status_code == 400 and error["code"] == "invalid_json" and error.get("param") is None
     assert error["message"].startswith("the body is not valid JSON (at character 24"), error
     long_prompt = httpx.post(
         f"{gw['url']}/v1/completions",
@@ -494,6 +494,17 @@ def test_prompts_never_reach_the_logs(gw):
     marker = f"confidential-{time.time_ns()}"
     assert ask(gw, question=2, stream="private", messages=[{"role": "user", "content": marker}]).status_code == 200
     assert ask(gw, "acme", stream="not-allowed", messages=[{"role": "user", "content": marker}]).status_code == 403
+    # a lone surrogate (valid JSON, invalid Unicode) is refused with a 400 that names the field, never a 500
+    for body in (
+        b'{"model": "rlens-focal", "messages": [{"role": "user", "content": "%s \\ud800 x"}]}' % marker.encode(),
+        b'{"model": "rlens-focal", "prompt": "%s \\udfff", "rlens": {"choices": ["a", "b"]}}' % marker.encode(),
+        b'{"model": "rlens-focal", "prompt": "%s", "rlens": {"choices": ["\\ud800", "b"]}}' % marker.encode(),
+    ):
+        route = "chat/completions" if b"messages" in body else "completions"
+        refused = httpx.post(
+            f"{gw['url']}/v1/{route}", content=body, headers={**auth(gw), "Content-Type": "application/json"}
+        )
+        assert refused.status_code == 400 and "lone surrogate" in refused.json()["error"]["message"], refused.text
     time.sleep(1.0)
     logs = {path.name: path.read_text(errors="replace") for path in gw["stack"].workdir.glob("*.log")}
     assert "gateway.log" in logs and not [name for name, text in logs.items() if marker in text]

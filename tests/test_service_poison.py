@@ -255,11 +255,17 @@ def test_window_rows_that_do_not_fit_are_refused_on_write_and_skipped_on_read(re
             b"[[1,1],[1,1],[1,1],[1,1],[1,1],[1,1],[1,1]]",
             b"[1," + b"9" * 400 + b",1,1,1,1,1]",
             b"[1,1.0,1,1,1,1," + b"9" * 400 + b"]",
+            b"[" * 1000 + b"]" * 1000,  # json.loads raises RecursionError
+            b"[1,1.0,1,1,1,1,[" + b"[" * 5000 + b"]" * 5001,
+            b"[1,1e999,1,1,1,1,1]",
+            b"[true,1.0,1,1,1,1,1]",
+            b'[1,"1.0",1,1,1,1,1]',
+            b'{"label": 1}',
         ):
             await redis.rpush(windows.window_key("s"), row)
         assert await windows.apply("s", "ok2", [0, 0, 0, 0, 0], 0, -1.0)
         window = (await windows.load(["s"]))["s"]
-        assert window.n_rows == 2 and list(window.labels[:2]) == [1, 0] and windows.skipped_rows == 9
+        assert window.n_rows == 2 and list(window.labels[:2]) == [1, 0] and windows.skipped_rows == 15
 
     asyncio.run(scenario())
 

@@ -430,6 +430,34 @@ class BodyLimit:
         await error_response(error)(scope, receive, send)
 
 
+class Contain:
+    """ASGI middleware: an unexpected error is a 500 logged by its type and route alone. A traceback would log the
+    exception's text, which may hold the request's input (a pydantic error quotes it), and prompts are never logged."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = [False]
+
+        async def sending(message) -> None:
+            started[0] = started[0] or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            route = scope.get("route")
+            log.error(
+                "internal error on %s: %s", route.path if route is not None else scope["path"], type(exc).__name__
+            )
+            if not started[0]:
+                error = ApiError(500, "internal error (logged by the gateway)", "server_error", "internal_error")
+                await error_response(error)(scope, receive, send)
+
+
 class Measure:
     """ASGI middleware: each request's count by route and status, and its duration by route."""
 
@@ -613,6 +641,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
             )
         )
 
+    app.add_middleware(Contain)
     app.add_middleware(BodyLimit, limit=settings.gateway_max_body_bytes)
     app.add_middleware(Measure, metrics=metrics)
 

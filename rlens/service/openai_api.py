@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlens.messages import MAX_CHOICES, Answer, ModelFailureRecord
 
@@ -22,8 +22,30 @@ MODEL_OF = {strategy: name for name, strategy in MODELS.items()}
 DEFAULT_STREAM = "default"
 
 
+def _no_surrogate(value: Any) -> Any:
+    """JSON's ``\\ud800`` escapes decode to lone surrogates, which no UTF-8 message can carry: refused here (400)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("holds a lone surrogate (an unpaired \\ud800-\\udfff escape): not valid Unicode") from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _no_surrogate(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _no_surrogate(key)
+            _no_surrogate(item)
+    return value
+
+
 class Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        return _no_surrogate(value)
 
 
 class RlensRequest(Request):

@@ -137,7 +137,7 @@ class RedisWindows:
             return window
         try:
             values = np.array(json.loads(b"[" + b",".join(rows) + b"]"), dtype=np.float64)
-        except (ValueError, TypeError, OverflowError):  # some row is not a list of (float-sized) numbers: row by row
+        except Exception:  # some row is not a list of (float-sized) numbers, or nested too deep: row by row
             values = None
         if values is None or values.shape != (len(rows), self.n_models + 2):
             parsed = [self._parse_row(row) for row in rows]
@@ -152,17 +152,19 @@ class RedisWindows:
         return window
 
     def _parse_row(self, row: bytes) -> list | None:
+        """The row's values, or None for a row that does not fit, whatever parsing it raises (a row of 1,000 "["
+        raises RecursionError): one bad row must never cost the stream its window."""
         try:
             values = json.loads(row)
             if (
                 isinstance(values, list)
                 and len(values) == self.n_models + 2
-                and all(isinstance(v, int) for v in values[2:])
-                and isinstance(values[0], int)
+                and all(type(v) is int for v in (values[0], *values[2:]))  # not bool, an int to isinstance
+                and type(values[1]) in (int, float)
             ):
                 if self.row_error(values[2:], values[0], float(values[1])) is None:
                     return [values[0], float(values[1]), *values[2:]]
-        except (ValueError, TypeError, OverflowError):
+        except Exception:
             pass
         return None
 
