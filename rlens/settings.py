@@ -84,8 +84,12 @@ class Settings(BaseSettings):
     pool_file: Path | None = Field(
         None, description="the pool file of the worker and the learner (see rlens.models.pool)"
     )
-    worker_group: str = Field("rlens-workers", description="the workers' consumer group on the queries topic")
-    learner_group: str = Field("rlens-learner", description="the learner's consumer group")
+    # consumer groups: derived from the topic prefix unless set, so that two deployments on one cluster (other
+    # prefixes) never share a group; the default prefix gives the names of earlier releases
+    worker_group: str = Field(
+        "", description="the workers' consumer group on the queries topic (default: <topic prefix>-workers)"
+    )
+    learner_group: str = Field("", description="the learner's consumer group (default: <topic prefix>-learner)")
     seed: int = Field(0, description="seed of the engines' initial weights and of their sampling")
     metrics_host: str = Field(
         "127.0.0.1",
@@ -248,6 +252,12 @@ class Settings(BaseSettings):
         "prompt",
         description="what the agent's MiniLM embeds: the prompt once per query, or prompt + text at every span",
     )
+
+    def group(self, role: Literal["workers", "learner", "gateway"], name: str = "") -> str:
+        """The consumer group of a role: ``worker_group`` / ``learner_group`` when set, else the topic prefix's
+        (``rlens.`` gives ``rlens-workers``, ``rlens-learner``, ``rlens-gateway-<name>``)."""
+        explicit = {"workers": self.worker_group, "learner": self.learner_group}.get(role)
+        return explicit or f"{self.topic_prefix.rstrip('.-_') or 'rlens'}-{role}" + (f"-{name}" if name else "")
 
     def focal_sampling(self) -> GenerationRequest:
         """How the rl_focal worker asks each chosen model about an open-ended query (id and prompt filled per query)."""

@@ -606,3 +606,25 @@ def test_the_learner_measures_each_feedbacks_delay_after_its_experience(tmp_path
         assert registry.get_sample_value("rlens_learner_joined_total", {"stream": "s"}) == 2
 
     asyncio.run(scenario())
+
+
+# --- two deployments on one cluster ------------------------------------------------------------------------------------
+def test_consumer_groups_follow_the_topic_prefix_unless_set():
+    """Two deployments (or test runs) with other topic prefixes on one cluster never share a consumer group; the
+    default prefix keeps the group names of earlier releases (their committed offsets)."""
+    from rlens.settings import Settings
+
+    default = Settings()
+    assert [default.group("workers"), default.group("learner"), default.group("gateway", "g0")] == [
+        "rlens-workers",
+        "rlens-learner",
+        "rlens-gateway-g0",
+    ]
+    team = Settings(topic_prefix="team-a.")
+    assert [team.group("workers"), team.group("learner"), team.group("gateway", "g0")] == [
+        "team-a-workers",
+        "team-a-learner",
+        "team-a-gateway-g0",
+    ]
+    assert default.model_copy(update={"topic_prefix": "b."}).group("workers") == "b-workers"
+    assert Settings(topic_prefix="b.", worker_group="mine").group("workers") == "mine"

@@ -540,7 +540,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
 
     @broker.subscriber(
         reply_topic,
-        group_id=f"rlens-gateway-{name}",
+        group_id=settings.group("gateway", name),
         batch=True,
         max_records=256,
         batch_timeout_ms=5,

@@ -529,19 +529,21 @@ async def claim_group(settings: Settings, core: LearnerCore) -> None:
     )
     me = lease_holder(core)
     try:
-        holder = await windows.lease(settings.learner_group, me)
+        holder = await windows.lease(settings.group("learner"), me)
         if holder is not None and holder.split("|", 1)[-1] == me.split("|", 1)[-1]:
-            holder = await windows.lease(settings.learner_group, me, take_over=True)
+            holder = await windows.lease(settings.group("learner"), me, take_over=True)
     except (RedisError, OSError) as exc:
         log.warning(
-            "Redis unreachable (%s): cannot check that no other learner runs in group %s", exc, settings.learner_group
+            "Redis unreachable (%s): cannot check that no other learner runs in group %s",
+            exc,
+            settings.group("learner"),
         )
         holder = None
     finally:
         await windows.redis.aclose()
     if holder is not None:
         raise RuntimeError(
-            f"learner {holder.split('|')[0]} holds consumer group {settings.learner_group!r}: one learner per group (stop it, or wait {LEASE_TTL_S} s after it died)"
+            f"learner {holder.split('|')[0]} holds consumer group {settings.group('learner')!r}: one learner per group (stop it, or wait {LEASE_TTL_S} s after it died)"
         )
 
 
@@ -573,7 +575,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         broker, topics.drift, DriftEvent, "learner", "a change found in one signal of one stream (rlens.drift)"
     )
     options: dict[str, Any] = {
-        "group_id": settings.learner_group,
+        "group_id": settings.group("learner"),
         "batch": True,
         "max_records": 256,
         "batch_timeout_ms": 20,
@@ -687,10 +689,10 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         while True:
             await asyncio.sleep(LEASE_TTL_S / 3)
             try:
-                if holder := await live.windows.lease(settings.learner_group, lease_name):
-                    log.error("learner %s took consumer group %s", holder, settings.learner_group)
+                if holder := await live.windows.lease(settings.group("learner"), lease_name):
+                    log.error("learner %s took consumer group %s", holder, settings.group("learner"))
             except (RedisError, OSError) as exc:
-                log.warning("Redis unreachable (%s): lease of group %s not renewed", exc, settings.learner_group)
+                log.warning("Redis unreachable (%s): lease of group %s not renewed", exc, settings.group("learner"))
 
     @app.after_startup
     async def announce() -> None:  # workers that start after a learner restart get the current policy at once
@@ -712,6 +714,6 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         async with lock:
             live.checkpoint()
         await live.windows.mark_ready("learner", live.name, ready=False)
-        await live.windows.release(settings.learner_group, lease_name)
+        await live.windows.release(settings.group("learner"), lease_name)
 
     return app

@@ -407,7 +407,7 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
 
     @broker.subscriber(
         topics.queries,
-        group_id=settings.worker_group,
+        group_id=settings.group("workers"),
         batch=True,
         max_records=settings.worker_batch,
         batch_timeout_ms=20,
@@ -526,7 +526,7 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
             "worker %s ready (%s): consumer group %s joined; metrics and health on %s",
             live.name,
             settings.strategy,
-            settings.worker_group,
+            settings.group("workers"),
             settings_url(settings),
         )
         background.append(asyncio.create_task(live.windows.keep_ready("worker", live.name, settings_url(settings))))
