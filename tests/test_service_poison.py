@@ -628,3 +628,24 @@ def test_consumer_groups_follow_the_topic_prefix_unless_set():
     ]
     assert default.model_copy(update={"topic_prefix": "b."}).group("workers") == "b-workers"
     assert Settings(topic_prefix="b.", worker_group="mine").group("workers") == "mine"
+
+
+def test_a_readiness_mark_comes_back_after_redis_restarts_empty(redis_server):
+    """The marks were set once: a process that outlived a Redis restart vanished from `rlens up`'s listing."""
+
+    async def scenario():
+        redis = Redis.from_url(redis_server.url)
+        windows = RedisWindows(redis, 5, 128, "readiness")
+        keeper = asyncio.create_task(windows.keep_ready("worker", "w1", "http://x", every_s=0.2))
+        try:
+            await asyncio.sleep(0.5)
+            assert await redis.get(windows.ready_key("worker", "w1")) == b"http://x"
+            assert 0 < await redis.ttl(windows.ready_key("worker", "w1")) <= 30  # a crashed process's mark expires
+            await redis.flushdb()  # Redis restarted empty
+            await asyncio.sleep(0.6)
+            assert await redis.get(windows.ready_key("worker", "w1")) == b"http://x"
+        finally:
+            keeper.cancel()
+            await redis.aclose()
+
+    asyncio.run(scenario())

@@ -589,6 +589,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     lease_name = lease_holder(core) if core else ""
     committed: dict[str, int] = {}  # topic -> version last committed for it
     background: list[asyncio.Task] = []
+    marking: list[asyncio.Task] = []  # the readiness mark's renewal
     lock = asyncio.Lock()  # the two subscribers run as separate tasks; the core is not re-entrant
 
     async def detect_new_logs(message: KafkaMessage) -> None:
@@ -699,7 +700,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         if live.version > 0:
             await publish(policies_out, [live.current_policy()])
         joined.append(True)
-        background.append(asyncio.create_task(live.windows.keep_ready("learner", live.name, settings_url(settings))))
+        marking.append(asyncio.create_task(live.windows.keep_ready("learner", live.name, settings_url(settings))))
         log.info(
             "learner %s ready (%s): policy v%d, epoch %d; metrics, health and the dashboard on %s",
             live.name,
@@ -713,6 +714,8 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     async def final_checkpoint() -> None:
         async with lock:
             live.checkpoint()
+        for task in marking:  # the mark's renewal first, or it would set the mark again
+            task.cancel()
         await live.windows.mark_ready("learner", live.name, ready=False)
         await live.windows.release(settings.group("learner"), lease_name)
 

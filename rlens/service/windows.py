@@ -8,7 +8,7 @@ so both keys of one stream live in one slot and the update script may touch both
 | ``{prefix}:win:{<stream>}`` | list | the last W outcomes, oldest first, each ``[label, reward, p_0, ..., p_{M-1}]`` (JSON; ``p_m`` is model m's predicted choice, -1 where not called) | LTRIM to W | ``window_ttl_s``, renewed on every update |
 | ``{prefix}:applied:{<stream>}:<query id>`` | string | marks a query whose outcome is in the window | one per query | ``dedup_ttl_s`` |
 | ``{prefix}:pool:{<stream>}`` | string | the Decider's last pool for the stream, one ``0``/``1`` per model (every worker reads and writes it, so the Decider sees the same previous pool whichever worker serves the stream) | M bytes | ``window_ttl_s`` |
-| ``{prefix}:ready:<role>:<host>-<pid>`` | string | a worker or learner process whose subscribers have joined: the URL of its ``/metrics``, ``/healthz``, ``/readyz`` | one per process | a day; deleted on clean shutdown |
+| ``{prefix}:ready:<role>:<host>-<pid>`` | string | a worker or learner process whose subscribers have joined: the URL of its ``/metrics``, ``/healthz``, ``/readyz`` | one per process | 30 s, renewed every 2 s while the process runs; deleted on clean shutdown |
 | ``{prefix}:lease:<consumer group>`` | string | the learner that holds its consumer group (fencing: one learner per group) | one per group | ``LEASE_TTL_S``, renewed by its holder |
 
 An update is one Lua script: if the query's marker is new, push the row, trim to W, renew the TTL; else do
@@ -40,6 +40,7 @@ from rlens.messages import MAX_CHOICES
 
 log = logging.getLogger("rlens.windows")
 LEASE_TTL_S = 30
+READY_TTL_S = 30  # a readiness mark outlives its process by this much at most
 
 RENEW_LEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -197,18 +198,23 @@ class RedisWindows:
     def ready_key(self, role: str, name: str) -> str:
         return f"{self.prefix}:ready:{role}:{name}"
 
-    async def mark_ready(self, role: str, name: str, ready: bool = True, url: str = "") -> bool:
+    async def mark_ready(self, role: str, name: str, ready: bool = True, url: str = "", warn: bool = True) -> bool:
         """Announce (with the URL of its HTTP side) or withdraw a service process; ``rlens up`` and the tests wait
         for these marks. Best-effort: False when Redis is unreachable (the process works without it)."""
         try:
             if ready:
-                await self.redis.set(self.ready_key(role, name), url or "1", ex=86400)
+                await self.redis.set(self.ready_key(role, name), url or "1", ex=READY_TTL_S)
             else:
                 await self.redis.delete(self.ready_key(role, name))
         except (RedisError, OSError) as exc:
-            log.warning(
-                "Redis unreachable (%s): readiness mark of %s %s not %s", exc, role, name, "set" if ready else "removed"
-            )
+            if warn:
+                log.warning(
+                    "Redis unreachable (%s): readiness mark of %s %s not %s",
+                    exc,
+                    role,
+                    name,
+                    "set" if ready else "removed",
+                )
             return False
         return True
 
@@ -233,6 +239,9 @@ class RedisWindows:
             pass
 
     async def keep_ready(self, role: str, name: str, url: str = "", every_s: float = 2.0) -> None:
-        """Set the readiness mark, retrying until Redis answers (run as a task)."""
-        while not await self.mark_ready(role, name, url=url):
+        """Keep the readiness mark set for as long as the task runs: renewed every ``every_s`` (its TTL is
+        :data:`READY_TTL_S`), so it is back within ``every_s`` of Redis restarting empty."""
+        marked = True
+        while True:
+            marked = await self.mark_ready(role, name, url=url, warn=marked)  # one warning per outage
             await asyncio.sleep(every_s)

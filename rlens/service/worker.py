@@ -533,6 +533,8 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
 
     @app.on_shutdown
     async def leaving() -> None:
+        for task in background:  # the mark's renewal first, or it would set the mark again
+            task.cancel()
         await live.windows.mark_ready("worker", live.name, ready=False)
 
     return app
