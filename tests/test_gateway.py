@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -531,3 +532,18 @@ def test_fuzzed_requests_get_documented_answers_and_never_an_internal_error(case
         timeout=60,
     )
     assert response.status_code != 500
+
+
+def test_each_process_of_the_stack_gets_only_its_own_secrets(gw):
+    """The policy signing key is the learner's alone: a worker or the gateway that leaks its environment cannot
+    sign a policy."""
+    stack = gw["stack"]
+    environments = {}
+    for process in stack.processes():
+        raw = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
+        role = process.args[3]
+        environments[role] = {k.decode() for k, _, _ in (item.partition(b"=") for item in raw) if k}
+    assert set(environments) == {"learner", "worker", "gateway"}
+    assert "RLENS_POLICY_SIGNING_KEY" in environments["learner"]
+    assert "RLENS_POLICY_SIGNING_KEY" not in environments["worker"] | environments["gateway"]
+    assert all("RLENS_FEEDBACK_SECRET" in env for env in environments.values())

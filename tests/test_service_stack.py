@@ -302,7 +302,7 @@ def test_a_second_learner_on_the_same_group_or_directory_refuses_to_start(tmp_pa
     stack = make_stack(tmp_path, workers=0)
     try:
         for directory in (stack.settings.checkpoint_dir, tmp_path / "other"):
-            env = {**stack.env(), "RLENS_CHECKPOINT_DIR": str(directory)}
+            env = {**stack.env("learner"), "RLENS_CHECKPOINT_DIR": str(directory)}
             second = subprocess.run(
                 [sys.executable, "-m", "rlens.cli", "learner"], env=env, capture_output=True, text=True, timeout=120
             )

@@ -212,22 +212,29 @@ class LocalStack:
         self.gateway_key = workdir_gateway_key(self.workdir)
         self.client_env = write_client_env(self.settings, self.workdir)
 
-    def env(self) -> dict[str, str]:
-        """The environment of the child processes: the stack's settings as RLENS_* variables."""
+    def env(self, command: str) -> dict[str, str]:
+        """The environment of the child process running ``rlens <command>``: the stack's settings as RLENS_*
+        variables, with only its own secrets (the policy signing key goes to the learner alone)."""
         values = self.settings.model_dump(mode="json", exclude_none=True)
         values.update({k: v.get_secret_value() for k, v in self.settings if isinstance(v, SecretStr)})
-        return {
+        env = {
             **os.environ,
             **{
                 f"RLENS_{k.upper()}": json.dumps(v) if isinstance(v, (list, dict)) else str(v)
                 for k, v in values.items()
             },
         }
+        if command != "learner":
+            env.pop("RLENS_POLICY_SIGNING_KEY", None)
+        return env
 
     def _spawn(self, command: str, log_name: str, *args: str) -> subprocess.Popen:
         log = open(self.workdir / log_name, "ab")
         return subprocess.Popen(
-            [sys.executable, "-m", "rlens.cli", command, *args], env=self.env(), stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "rlens.cli", command, *args],
+            env=self.env(command),
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
 
     def start_worker(self) -> subprocess.Popen:
