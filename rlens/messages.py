@@ -97,7 +97,12 @@ class Answer(Message):
     finish_reason: str | None = Field(None, description="rlae: 'stop' (end of text or a stop string) or 'length'")
     feedback_token: str = Field(
         "",
-        description="what this query's Feedback must carry as its token (binds feedback to the answer); empty when no model answered",
+        description="what this query's Feedback must carry as its token (binds feedback to the answer); empty when no model answered, and on the shared answers topic for a gateway's query (its feedback comes through the gateway)",
+    )
+    signature: str = Field(
+        "",
+        max_length=128,
+        description="on a reply topic: the worker's HMAC over every other field, which the gateway checks (an answer without a valid one is refused)",
     )
 
 

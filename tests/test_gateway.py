@@ -430,27 +430,66 @@ def test_a_forged_reply_never_answers_a_client(gw):
             worker="attacker",
             feedback_token="0" * 32,
         )
+        # an empty answer (no model answered, no token) with the attacker's text: it used to fail the request (502)
+        empty = forged.model_copy(
+            update={"answer": "", "answer_index": -1, "distribution": [], "answered_models": [], "feedback_token": ""}
+        )
+        empty = empty.model_copy(
+            update={"failures": [{"model": "x", "reason": "attacker's text"}], "signature": "0" * 64}
+        )
 
         async def send() -> None:
             producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap)
             await producer.start()
             try:
-                await producer.send_and_wait(
-                    query.reply_to, forged.model_dump_json().encode(), key=query.query_id.encode()
-                )
+                for fake in (empty, forged):
+                    await producer.send_and_wait(
+                        query.reply_to, fake.model_dump_json().encode(), key=query.query_id.encode()
+                    )
             finally:
                 await producer.stop()
 
         asyncio.run(send())
         deadline = time.monotonic() + 30
-        while metric(gw["url"], "rlens_gateway_replies_total", outcome="forged") < 1 and time.monotonic() < deadline:
+        while metric(gw["url"], "rlens_gateway_replies_total", outcome="forged") < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
         worker.send_signal(signal.SIGCONT)
     thread.join(60)
     assert query.reply_to == "rlens.replies.test-gw"
     assert result[0].status_code == 200 and result[0].json()["rlens"]["worker"] != "attacker"
-    assert metric(gw["url"], "rlens_gateway_replies_total", outcome="forged") == 1.0
+    assert metric(gw["url"], "rlens_gateway_replies_total", outcome="forged") == 2.0
+    served = httpx.get(f"{gw['url']}/v1/answers/{query.query_id}", headers=auth(gw)).json()
+    assert served["rlens"]["worker"] != "attacker" and not served["rlens"]["failures"]
+    # the shared answers topic carries the gateway query's answer without its feedback token (it went to the
+    # gateway alone): no application reading `answers` can rate a gateway tenant's answer
+    shared = read_answers(stack.settings, query.query_id)
+    assert shared.answered_models and shared.feedback_token == ""
+
+
+def read_answers(settings_, query_id: str, timeout_s: float = 30) -> Answer:
+    """The answer of ``query_id`` on the shared answers topic."""
+
+    async def run() -> Answer:
+        consumer = AIOKafkaConsumer(
+            Topics.from_settings(settings_).answers,
+            bootstrap_servers=settings_.kafka_bootstrap,
+            group_id=None,
+            auto_offset_reset="earliest",
+        )
+        await consumer.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                for records in (await consumer.getmany(timeout_ms=500)).values():
+                    for record in records:
+                        if (answer := Answer.model_validate_json(record.value)).query_id == query_id:
+                            return answer
+        finally:
+            await consumer.stop()
+        raise AssertionError(f"no answer of {query_id} on the answers topic")
+
+    return asyncio.run(run())
 
 
 def test_a_query_replying_outside_the_reply_topics_is_dead_lettered(gw):

@@ -308,11 +308,8 @@ class Gateway:
 
     async def on_replies(self, answers: list[Answer]) -> list[str]:
         """Take answers from the reply topic; what became of each (stored, duplicate, unknown, forged)."""
-        outcomes = ["" for _ in answers]
-        for i, answer in enumerate(answers):
-            signed = answer.feedback_token and self.tokens.valid(answer.query_id, answer.feedback_token)
-            if not signed and (answer.feedback_token or answer.answered_models):
-                outcomes[i] = "forged"  # only a worker (holding the feedback secret) can sign an answer
+        # only a worker (holding the feedback secret) can sign an answer, an empty one included
+        outcomes = ["" if self.tokens.signed(answer) else "forged" for answer in answers]
         candidates = [i for i, outcome in enumerate(outcomes) if not outcome]
         known = await self.state.known([answers[i].query_id for i in candidates])
         for i, is_known in zip(candidates, known):

@@ -5,7 +5,12 @@
   ``policy`` topic, a worker included, cannot make a policy that workers load.
 - **Feedback** carries the answer's ``feedback_token``: an HMAC of the query id under ``RLENS_FEEDBACK_SECRET``
   (workers, learner and gateway share it). The learner checks it before anything else, so feedback for a query
-  comes only from whoever received its answer; a forged one is dead-lettered and never blocks the true one.
+  comes only from whoever received its answer; a forged one is dead-lettered and never blocks the true one. A
+  gateway's query has its token only on the gateway's reply topic (the shared ``answers`` topic carries its answer
+  without it), so no application can rate a gateway tenant's answers.
+- **Answers on reply topics** are signed by the worker (an HMAC over the whole answer under a key derived from the
+  same secret); a gateway takes none without a valid signature, so whoever can write a reply topic cannot answer
+  a client.
 - :func:`generate_secrets` makes the three values (``rlens secrets``); :func:`redact_url` hides passwords in URLs.
 """
 
@@ -15,10 +20,14 @@ import base64
 import hashlib
 import hmac
 import secrets
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+if TYPE_CHECKING:
+    from rlens.messages import Answer
 
 TOKEN_BYTES = 16
 
@@ -66,7 +75,10 @@ class PolicyVerifier:
 
 
 class FeedbackTokens:
-    """``token(query_id)``: what an answer carries and its feedback must present; ``valid`` checks one in constant time."""
+    """What the shared feedback secret makes. ``token(query_id)``: what an answer carries and its feedback must
+    present (``valid`` checks one in constant time). ``sign(answer)``: an HMAC over the whole answer (query id and
+    content, every field but the signature), under a key of its own derived from the secret, so that only a worker
+    can make an answer a gateway accepts, an empty one included (``signed`` checks it)."""
 
     def __init__(self, secret: str):
         if len(secret) < 16:
@@ -74,12 +86,23 @@ class FeedbackTokens:
                 "RLENS_FEEDBACK_SECRET must be at least 16 characters (generate one with `rlens secrets`)"
             )
         self._secret = secret.encode()
+        self._answer_key = hmac.new(self._secret, b"rlens answer signature", hashlib.sha256).digest()
 
     def token(self, query_id: str) -> str:
         return hmac.new(self._secret, query_id.encode(), hashlib.sha256).hexdigest()[: 2 * TOKEN_BYTES]
 
     def valid(self, query_id: str, token: str) -> bool:
         return hmac.compare_digest(self.token(query_id), token)
+
+    def _answer_mac(self, answer: Answer) -> str:
+        content = answer.model_copy(update={"signature": ""}).model_dump_json().encode()
+        return hmac.new(self._answer_key, content, hashlib.sha256).hexdigest()
+
+    def sign(self, answer: Answer) -> Answer:
+        return answer.model_copy(update={"signature": self._answer_mac(answer)})
+
+    def signed(self, answer: Answer) -> bool:
+        return bool(answer.signature) and hmac.compare_digest(self._answer_mac(answer), answer.signature)
 
 
 def generate_secrets() -> dict[str, str]:

@@ -14,7 +14,8 @@ called concurrently (:class:`rlens.models.ensemble.PoolCaller`: failures become 
 Outputs are published before the batch's offsets are committed (at-least-once; answers are keyed and idempotent
 by query id), so a worker killed mid-batch leaves its batch to be answered again by the group. A query that names
 a gateway replica's reply topic (``reply_to``, under ``<prefix>replies.``; any other is dead-lettered) has its
-answer published there too. A batch that
+answer published there too, signed (:meth:`FeedbackTokens.sign`), and on the shared ``answers`` topic without its
+feedback token. A batch that
 raises is split in halves until the query that raises is alone; that one is dead-lettered with the reason and the
 others are answered, so no message can make the worker retry a batch forever. Each answer carries the query's
 feedback token (:class:`rlens.service.security.FeedbackTokens`).
@@ -442,8 +443,11 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
         dead += [dead_letter(records[qid], reason, consumer) for qid, reason in out.failed.items()]
         live.stats.dead_lettered += len(dead)
         started = time.perf_counter()
-        await publish_batch(broker, answers.topic, out.answers)
-        await reply(out.answers, {q.query_id: q.reply_to for q in queries if q.reply_to})
+        reply_to = {q.query_id: q.reply_to for q in queries if q.reply_to}
+        # a gateway's query: its feedback token goes to the gateway's reply topic alone, not to the shared topic
+        shared = [a.model_copy(update={"feedback_token": ""}) if a.query_id in reply_to else a for a in out.answers]
+        await publish_batch(broker, answers.topic, shared)
+        await reply(out.answers, reply_to)
         await publish_batch(broker, experience.topic, out.experience)
         await publish_dead_letters(dead_letters, dead)
         out.stages["publish"] = time.perf_counter() - started
@@ -454,7 +458,7 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
     async def reply(answers: list[Answer], reply_to: dict[str, str]) -> None:
         """Each answer also to its gateway's reply topic; one that fails within REPLY_TIMEOUT_S is logged and counted
         (the answer is on ``answers`` anyway), so no reply topic can hold the batch."""
-        sent = [(a, reply_to[a.query_id]) for a in answers if a.query_id in reply_to]
+        sent = [(live.tokens.sign(a), reply_to[a.query_id]) for a in answers if a.query_id in reply_to]
         results = await asyncio.gather(
             *(
                 asyncio.wait_for(
