@@ -493,16 +493,23 @@ def read_answers(settings_, query_id: str, timeout_s: float = 30) -> Answer:
 
 
 def test_a_query_replying_outside_the_reply_topics_is_dead_lettered(gw):
+    """A reply topic must be a live gateway's: neither another topic nor a made-up name under the reply prefix
+    (thirty of those used to make thirty topics)."""
     settings_ = gw["stack"].settings
     topics = Topics.from_settings(settings_)
     hijack = Query(
         query_id="hijack-1", stream="s", prompt="p", choices=CHOICES, reference_id="1", reply_to=topics.policy
     )
+    spam = [
+        hijack.model_copy(update={"query_id": f"spam-{i}", "reply_to": topics.replies(f"spam-{i}")}) for i in range(5)
+    ]
+    keys = {base64.b64encode(q.query_id.encode()).decode(): q.query_id for q in [hijack, *spam]}
 
-    async def run() -> tuple[list, list]:
+    async def run() -> tuple[dict, list, set]:
         producer = AIOKafkaProducer(bootstrap_servers=settings_.kafka_bootstrap)
         await producer.start()
-        await producer.send_and_wait(topics.queries, hijack.model_dump_json().encode(), key=b"hijack-1")
+        for query in [hijack, *spam]:
+            await producer.send_and_wait(topics.queries, query.model_dump_json().encode(), key=query.query_id.encode())
         await producer.stop()
         consumer = AIOKafkaConsumer(
             topics.dead_letter,
@@ -512,22 +519,27 @@ def test_a_query_replying_outside_the_reply_topics_is_dead_lettered(gw):
             auto_offset_reset="earliest",
         )
         await consumer.start()
-        letters, policies = [], []
+        letters, policies = {}, []
         deadline = time.monotonic() + 60
         try:
-            while not letters and time.monotonic() < deadline:
+            while len(letters) < len(keys) and time.monotonic() < deadline:
                 for tp, records in (await consumer.getmany(timeout_ms=500)).items():
                     values = [json.loads(r.value) for r in records]
                     if tp.topic == topics.dead_letter:
-                        letters += [v for v in values if v["key_b64"] == base64.b64encode(b"hijack-1").decode()]
+                        letters.update({keys[v["key_b64"]]: v["reason"] for v in values if v["key_b64"] in keys})
                     else:
                         policies += [v for v in values if v.get("query_id") == "hijack-1"]
+            existing = await consumer.topics()
         finally:
             await consumer.stop()
-        return letters, policies
+        return letters, policies, existing
 
-    letters, policies = asyncio.run(run())
-    assert letters and letters[0]["reason"].startswith("reply_to 'rlens.policy' is not a reply topic") and not policies
+    letters, policies, existing = asyncio.run(run())
+    assert letters["hijack-1"].startswith("reply_to 'rlens.policy' is not a reply topic") and not policies
+    for query in spam:
+        assert "is no live gateway's reply topic" in letters[query.query_id], letters
+        assert query.reply_to not in existing
+    assert topics.replies("test-gw") in existing
 
 
 def test_prompts_never_reach_the_logs(gw):

@@ -558,7 +558,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
             metrics.replies.labels(outcome).inc()
             if outcome == "forged":
                 dead.append(
-                    dead_letter(record, f"answer for {answer.query_id} without a valid feedback token", consumer)
+                    dead_letter(record, f"answer for {answer.query_id} without a valid worker signature", consumer)
                 )
         for _ in range(len(parsed) - len(answers)):
             metrics.replies.labels("unreadable").inc()
@@ -574,6 +574,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
         url = f"http://{settings.gateway_host}:{settings.gateway_port}"
         process = f"{socket.gethostname()}-{os.getpid()}"
         mark = asyncio.create_task(marks.keep_ready("gateway", process, url))
+        registration = asyncio.create_task(marks.keep_reply_topic(reply_topic))  # workers reply to no other
         log.info(
             "gateway %s ready on %s (reply topic %s; serves %s)",
             name,
@@ -585,6 +586,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
             yield
         finally:
             mark.cancel()
+            registration.cancel()
             await marks.mark_ready("gateway", process, ready=False)
             await broker.stop()
             await redis.aclose()

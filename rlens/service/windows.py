@@ -9,6 +9,7 @@ so both keys of one stream live in one slot and the update script may touch both
 | ``{prefix}:applied:{<stream>}:<query id>`` | string | marks a query whose outcome is in the window | one per query | ``dedup_ttl_s`` |
 | ``{prefix}:pool:{<stream>}`` | string | the Decider's last pool for the stream, one ``0``/``1`` per model (every worker reads and writes it, so the Decider sees the same previous pool whichever worker serves the stream) | M bytes | ``window_ttl_s`` |
 | ``{prefix}:ready:<role>:<host>-<pid>`` | string | a worker or learner process whose subscribers have joined: the URL of its ``/metrics``, ``/healthz``, ``/readyz`` | one per process | 30 s, renewed every 2 s while the process runs; deleted on clean shutdown |
+| ``{prefix}:replies:<reply topic>`` | string | a live gateway's reply topic: workers reply to no other (a query naming another is dead-lettered, so ``reply_to`` cannot make topics) | one per gateway replica | 30 s, renewed every 2 s while the gateway runs |
 | ``{prefix}:lease:<consumer group>`` | string | the learner that holds its consumer group (fencing: one learner per group) | one per group | ``LEASE_TTL_S``, renewed by its holder |
 
 An update is one Lua script: if the query's marker is new, push the row, trim to W, renew the TTL; else do
@@ -245,3 +246,24 @@ class RedisWindows:
         while True:
             marked = await self.mark_ready(role, name, url=url, warn=marked)  # one warning per outage
             await asyncio.sleep(every_s)
+
+    def reply_key(self, topic: str) -> str:
+        return f"{self.prefix}:replies:{topic}"
+
+    async def keep_reply_topic(self, topic: str, every_s: float = 2.0) -> None:
+        """A gateway's task: register its reply topic for as long as it runs (renewed like the readiness mark)."""
+        while True:
+            try:
+                await self.redis.set(self.reply_key(topic), "1", ex=READY_TTL_S)
+            except (RedisError, OSError):
+                pass  # the gateway's own readiness says Redis is down
+            await asyncio.sleep(every_s)
+
+    async def registered_reply_topics(self, topics: set[str]) -> set[str]:
+        """Which of ``topics`` a live gateway registered, in one round trip (raises RedisError when Redis is down)."""
+        ordered = sorted(topics)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for topic in ordered:
+                pipe.exists(self.reply_key(topic))
+            found = await pipe.execute()
+        return {topic for topic, exists in zip(ordered, found) if exists}

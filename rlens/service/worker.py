@@ -87,6 +87,7 @@ from rlens.settings import Settings
 
 log = logging.getLogger("rlens.worker")
 REPLY_TIMEOUT_S = 5.0  # a gateway's reply topic must take an answer within this
+REPLY_TOPIC_KNOWN_S = 60.0  # a reply topic found registered is trusted this long without asking Redis again
 
 
 @dataclass
@@ -439,6 +440,11 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
             else:
                 queries.append(parsed)
                 records[parsed.query_id] = record
+        if unknown := await unregistered({q.reply_to for q in queries if q.reply_to}):
+            for q in [q for q in queries if q.reply_to in unknown]:
+                reason = f"reply_to {q.reply_to!r} is no live gateway's reply topic (none registered it in Redis)"
+                dead.append(dead_letter(records.pop(q.query_id), reason, consumer))
+            queries = [q for q in queries if q.query_id in records]
         out = await live.answer(queries) if queries else BatchOutput()
         dead += [dead_letter(records[qid], reason, consumer) for qid, reason in out.failed.items()]
         live.stats.dead_lettered += len(dead)
@@ -454,6 +460,23 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
         if settings.metrics_enabled:
             count(queries, out, dead)
         # returning acks the batch: its offsets are committed only now, after every output was confirmed
+
+    known_reply_topics: dict[str, float] = {}  # topic -> when it was last found registered
+
+    async def unregistered(topics: set[str]) -> set[str]:
+        """The reply topics no live gateway registered: replying there would make a topic per forged name. Topics
+        found registered in the last REPLY_TOPIC_KNOWN_S are not asked again (nor lost while Redis is down)."""
+        now = time.monotonic()
+        ask = {t for t in topics if now - known_reply_topics.get(t, -REPLY_TOPIC_KNOWN_S) >= REPLY_TOPIC_KNOWN_S}
+        if not ask:
+            return set()
+        try:
+            found = await live.windows.registered_reply_topics(ask)
+        except (RedisError, OSError) as exc:
+            log.warning("Redis unreachable (%s): reply topics %s not confirmed", exc, ", ".join(sorted(ask)))
+            found = set()
+        known_reply_topics.update({t: now for t in found})
+        return ask - found
 
     async def reply(answers: list[Answer], reply_to: dict[str, str]) -> None:
         """Each answer also to its gateway's reply topic; one that fails within REPLY_TIMEOUT_S is logged and counted
