@@ -130,6 +130,7 @@ def gw(tmp_path_factory):
     keys["acme"], _ = add_key(workdir / "keys.json", "acme", ["acme-*"])
     keys["other"], _ = add_key(workdir / "keys.json", "other", ["*"])
     keys["slow"], _ = add_key(workdir / "keys.json", "slow", ["*"], rate_per_s=0.2, burst=2)
+    keys["acme-eu"], _ = add_key(workdir / "keys.json", "acme", ["acme-eu"])  # acme's, on one stream only
     stack.start_learner()
     stack.start_worker()
     stack.start_gateway()
@@ -319,6 +320,31 @@ def test_an_idempotent_retry_gets_the_same_answer_without_asking_twice(gw):
     assert metric(worker, "rlens_worker_queries_total", stream="idem") == 1.0  # the models were asked once
     reused = ask(gw, question=21, stream="idem", headers=key)
     assert reused.status_code == 409 and reused.json()["error"]["query_id"] == first.json()["id"]
+
+
+def test_a_key_sees_only_its_streams_a_retry_names_its_stream_and_a_broken_keys_file_keeps_the_keys(gw):
+    # a key limited to acme-eu cannot read or rate its tenant's answers on another stream
+    theirs = ask(gw, "acme", question=12, stream="acme-us").json()["id"]
+    assert httpx.get(f"{gw['url']}/v1/answers/{theirs}", headers=auth(gw, "acme-eu")).status_code == 404
+    refused = httpx.post(f"{gw['url']}/v1/feedback", json={"id": theirs, "label": 0}, headers=auth(gw, "acme-eu"))
+    assert refused.status_code == 404
+    assert httpx.get(f"{gw['url']}/v1/answers/{theirs}", headers=auth(gw, "acme")).status_code == 200
+    # the same Idempotency-Key and body naming another stream in the header is another request
+    key = {"Idempotency-Key": f"stream-{time.time()}"}
+    assert ask(gw, question=13, stream="idem-a", headers=key).status_code == 200
+    moved = ask(gw, question=13, stream="idem-a", headers={**key, "X-Rlens-Stream": "idem-b"})
+    assert moved.status_code == 409 and moved.json()["error"]["code"] == "idempotency_key_reused"
+    # a half-written keys file: the gateway keeps the keys it had, and says so in its log
+    path = gw["stack"].workdir / "keys.json"
+    good = path.read_bytes()
+    try:
+        path.write_bytes(good[: len(good) // 2])
+        assert ask(gw, question=14, stream="keys").status_code == 200
+        assert ask(gw, "acme", question=15, stream="acme-x").status_code == 200
+    finally:
+        path.write_bytes(good)
+    log = (gw["stack"].workdir / "gateway.log").read_text()
+    assert "is not a valid keys file" in log and "keeping the 5 keys read before" in log
 
 
 def read_queries(settings_, after: set[str], timeout_s: float = 30) -> list[Query]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field, TypeAdapter
 
 PREFIX = "rlk_"
+log = logging.getLogger("rlens.gateway")
 
 
 class KeyRecord(BaseModel):
@@ -110,7 +112,8 @@ class KeyStore:
                 "the gateway has no API keys: set RLENS_GATEWAY_KEYS_FILE (make keys with `rlens keys add`) or RLENS_GATEWAY_KEYS"
             )
         self.path = path
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int] | None = None  # the file's (mtime, size) when last read
+        self._stamp_good: tuple[int, int] | None = None  # ... when last read whole
         self._by_id: dict[str, KeyRecord] = {}
         if inline is not None:
             try:
@@ -137,8 +140,15 @@ class KeyStore:
         except FileNotFoundError:
             stamp = None
         if stamp != self._stamp:
-            self._index(read_records(self.path))
-            self._stamp = stamp
+            self._stamp = stamp  # a bad file is reported once, not on every request
+            try:
+                self._index(read_records(self.path))
+            except KeysError as exc:
+                if self._stamp_good is None:  # the first read: nothing good to keep (the constructor raises)
+                    raise
+                log.error("%s; keeping the %d keys read before", exc, len(self._by_id))
+                return
+            self._stamp_good = stamp
 
     def lookup(self, key: str | None) -> KeyRecord | None:
         """The record of a presented key, or None (missing, malformed, unknown, revoked or wrong secret)."""

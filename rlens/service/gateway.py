@@ -223,7 +223,7 @@ class Gateway:
                     "invalid_request_error",
                     "invalid_idempotency_key",
                 )
-            request_digest = digest(body)
+            request_digest = digest(stream.encode() + b"\0" + body)  # the stream too: it may come from the header
             earlier = await self.state.idempotent(key.tenant, idempotency_key, request_digest, query_id)
             if earlier is not None:
                 query_id, earlier_digest = earlier
@@ -326,9 +326,10 @@ class Gateway:
     # after the answer
 
     async def owned_query(self, key: KeyRecord, query_id: str) -> QueryRecord:
-        """The record of a query this key's tenant asked; 404 otherwise (another tenant's looks the same as none)."""
+        """The record of a query this key's tenant asked on a stream this key may use; 404 otherwise (another
+        tenant's, or another stream's, looks the same as none)."""
         record = await self.state.query(query_id)
-        if record is None or record.tenant != key.tenant:
+        if record is None or record.tenant != key.tenant or not key.allows(record.stream):
             raise ApiError(
                 404,
                 f"no query {query_id!r} for this API key's tenant (unknown, or older than {self.settings.gateway_retention_s} s)",
