@@ -178,6 +178,16 @@ class Settings(BaseSettings):
     )
     gateway_max_body_bytes: int = Field(1_048_576, ge=1024, description="largest request body (413 above)")
     gateway_max_prompt_chars: int = Field(100_000, ge=1, le=100_000, description="longest prompt (413 above)")
+    gateway_body_timeout_s: float = Field(
+        10.0, gt=0, description="a request body must arrive whole within this (408 after; a slow sender holds no slot)"
+    )
+    gateway_max_connections: int = Field(
+        2048, ge=16, description="connections and requests at once per replica; more get 503 at once"
+    )
+    gateway_idle_timeout_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is closed after this")
+    gateway_auth_failures_per_s: float = Field(
+        5.0, gt=0, description="failed authentications per second per client address (bursts of 20); more get 429"
+    )
     # drift detection (the learner; rlens.drift)
     drift_detector: Literal["adwin", "page_hinkley", "off"] = Field(
         "adwin", description="river's change detector per (stream, signal) on the joined outcomes; off: none"

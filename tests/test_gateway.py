@@ -10,6 +10,7 @@ import base64
 import json
 import re
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -123,6 +124,7 @@ def gw(tmp_path_factory):
             "gateway_timeout_s": TIMEOUT_S,
             "gateway_max_waiting": MAX_WAITING,
             "gateway_max_prompt_chars": 1000,
+            "gateway_body_timeout_s": 2.0,
         }
     )
     stack = LocalStack(config, workdir)
@@ -624,3 +626,26 @@ def test_each_process_of_the_stack_gets_only_its_own_secrets(gw):
     assert "RLENS_POLICY_SIGNING_KEY" in environments["learner"]
     assert "RLENS_POLICY_SIGNING_KEY" not in environments["worker"] | environments["gateway"]
     assert all("RLENS_FEEDBACK_SECRET" in env for env in environments.values())
+
+
+def test_a_slow_body_guessed_keys_and_rapid_reads_are_limited(gw):
+    host, port = gw["url"].removeprefix("http://").split(":")
+    # headers and one byte of a 100-byte body: 408 once the body timeout has passed, not a connection held open
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )
+        started = time.monotonic()
+        status_line = conn.recv(4096).split(b"\r\n")[0]
+        assert b" 408 " in status_line and time.monotonic() - started < 30, status_line
+    # an address that keeps guessing keys gets 429 after its burst; a valid key from it is still served
+    codes = [
+        httpx.get(f"{gw['url']}/v1/models", headers={"Authorization": f"Bearer rlk_guess{i:03d}_x"}).status_code
+        for i in range(40)
+    ]
+    assert codes[0] == 401 and codes[-1] == 429 and set(codes) == {401, 429}
+    assert httpx.get(f"{gw['url']}/v1/models", headers=auth(gw)).status_code == 200
+    # reading answers takes from the key's rate like asking does
+    reads = [httpx.get(f"{gw['url']}/v1/answers/rl-none", headers=auth(gw, "slow")).status_code for _ in range(4)]
+    assert set(reads) <= {404, 429} and 429 in reads, reads  # a burst of 2 (less if earlier tests used it)

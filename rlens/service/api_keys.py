@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 from pydantic import BaseModel, Field, TypeAdapter
@@ -159,3 +160,27 @@ class KeyStore:
         if record is None or not hmac.compare_digest(record.sha256, _hash(secret)):
             return None
         return record
+
+
+class FailedAuth:
+    """Failed authentications per client address, as token buckets in this process (``rate`` per second, bursts
+    of ``burst``): an address that keeps guessing keys gets 429. At most ``max_addresses`` are tracked; the least
+    recently seen go first."""
+
+    def __init__(self, rate: float, burst: int = 20, max_addresses: int = 10_000):
+        self.rate, self.burst, self.max_addresses = rate, burst, max_addresses
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # address -> (tokens, when)
+
+    def _tokens(self, address: str, now: float) -> float:
+        tokens, then = self._buckets.get(address, (float(self.burst), now))
+        return min(float(self.burst), tokens + (now - then) * self.rate)
+
+    def take(self, address: str) -> bool:
+        """Count one failure of ``address``; False when its bucket was already empty (answer 429)."""
+        now = time.monotonic()
+        tokens = self._tokens(address, now)
+        self._buckets[address] = (max(tokens - 1.0, 0.0), now)
+        self._buckets.move_to_end(address)
+        while len(self._buckets) > self.max_addresses:
+            self._buckets.popitem(last=False)
+        return tokens >= 1.0

@@ -46,7 +46,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from rlens.messages import MAX_TEXT, Answer, DeadLetter, Feedback, Query
-from rlens.service.api_keys import KeyRecord, KeyStore
+from rlens.service.api_keys import FailedAuth, KeyRecord, KeyStore
 from rlens.service.gateway_state import GatewayState, QueryRecord, digest
 from rlens.service.kafka import (
     Topics,
@@ -112,13 +112,25 @@ class Gateway:
         self.publish_query, self.publish_feedback, self.reply_topic = publish_query, publish_feedback, reply_topic
         self.strategies = settings.gateway_strategies or [settings.strategy]
         self.waiting = 0
+        self.auth_failures = FailedAuth(settings.gateway_auth_failures_per_s)
         self._answers: dict[str, asyncio.Future] = {}  # query id -> its answer, for requests waiting on this replica
         self._waiters: Counter[str] = Counter()  # query id -> requests waiting for it here
 
-    def authorize(self, authorization: str | None) -> KeyRecord:
+    def authorize(self, authorization: str | None, client: str) -> KeyRecord:
+        """The key's record; 401 for a missing or wrong key, 429 instead once ``client`` (an address) has failed
+        too often (a valid key is never held back by its address's failures)."""
         self.keys.refresh()
         scheme, _, key = (authorization or "").partition(" ")
         record = self.keys.lookup(key.strip()) if scheme.lower() == "bearer" else None
+        if record is None and not self.auth_failures.take(client):
+            self.metrics.rate_limited.inc()
+            raise ApiError(
+                429,
+                "too many failed authentications from this address; retry later",
+                "rate_limit_error",
+                "too_many_auth_failures",
+                headers={"Retry-After": "1"},
+            )
         if record is None:
             raise ApiError(
                 401,
@@ -180,7 +192,8 @@ class Gateway:
             )
         return stream
 
-    async def _take_token(self, key: KeyRecord) -> None:
+    async def take_token(self, key: KeyRecord) -> None:
+        """One request of this key's rate (every route that reads or writes a query takes one): 429 past it."""
         wait = await self.state.take_token(key.id, key.rate_per_s, key.burst)
         if wait > 0:
             self.metrics.rate_limited.inc()
@@ -205,7 +218,7 @@ class Gateway:
         chat = isinstance(request, ChatCompletionRequest)
         prompt = request.prompt() if isinstance(request, ChatCompletionRequest) else request.text()
         stream = self._check(key, request, prompt, stream_header)
-        await self._take_token(key)
+        await self.take_token(key)
         if self.waiting >= self.settings.gateway_max_waiting:  # before any wait, an idempotent retry's included
             raise ApiError(
                 503,
@@ -390,10 +403,11 @@ class Gateway:
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes gets 413 before the app reads any of it."""
+    """ASGI middleware: a request body over ``limit`` bytes gets 413, and one that has not arrived whole within
+    ``timeout_s`` gets 408, before the app reads any of it (a client that sends headers and a byte holds nothing)."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, timeout_s: float):
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -402,14 +416,25 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await self._refuse(scope, receive, send)
         body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.limit:
-                return await self._refuse(scope, receive, send)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    body += message.get("body", b"")
+                    more = message.get("more_body", False)
+                    if len(body) > self.limit:
+                        return await self._refuse(scope, receive, send)
+        except TimeoutError:
+            late = ApiError(
+                408,
+                f"the request body did not arrive within {self.timeout_s:g} s",
+                "invalid_request_error",
+                "request_timeout",
+                headers={"Connection": "close"},
+            )
+            return await error_response(late)(scope, receive, send)
         replayed = False
 
         async def replay():
@@ -642,11 +667,11 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
         )
 
     app.add_middleware(Contain)
-    app.add_middleware(BodyLimit, limit=settings.gateway_max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.gateway_max_body_bytes, timeout_s=settings.gateway_body_timeout_s)
     app.add_middleware(Measure, metrics=metrics)
 
-    async def key_of(authorization: str | None = Header(None)) -> KeyRecord:  # async: no thread hop per request
-        return gateway.authorize(authorization)
+    async def key_of(request: Request, authorization: str | None = Header(None)) -> KeyRecord:  # async: no thread hop
+        return gateway.authorize(authorization, request.client.host if request.client else "")
 
     def answer_response(answer: Answer, model: str, chat: bool, stream: bool) -> Any:
         if not answer.answered_models:
@@ -712,6 +737,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     )
     async def answers(query_id: str, key: KeyRecord = Depends(key_of)):
         """A query's answer (e.g. after a 504), for as long as the gateway retains it; 202 while it is pending."""
+        await gateway.take_token(key)
         record = await gateway.owned_query(key, query_id)
         answer = await gateway.state.answer(query_id)
         if answer is None:
@@ -726,6 +752,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     )
     async def feedback_route(body: FeedbackRequest, key: KeyRecord = Depends(key_of)):
         """Rate an answer of this key's tenant once: 202 accepted; 200 duplicate (it had feedback; nothing changed)."""
+        await gateway.take_token(key)
         receipt = await gateway.feedback(key, body)
         return receipt if receipt.status == "accepted" else JSONResponse(receipt.model_dump(), 200)
 
@@ -759,7 +786,12 @@ def run_gateway(settings: Settings) -> None:
         settings = settings.model_copy(update={"gateway_port": free_port()})
     setup_logging()
     uvicorn.run(
-        create_gateway_app(settings), host=settings.gateway_host, port=settings.gateway_port, log_level="warning"
+        create_gateway_app(settings),
+        host=settings.gateway_host,
+        port=settings.gateway_port,
+        log_level="warning",
+        limit_concurrency=settings.gateway_max_connections,
+        timeout_keep_alive=max(1, round(settings.gateway_idle_timeout_s)),
     )
 
 
