@@ -91,6 +91,10 @@ class Settings(BaseSettings):
     )
     learner_group: str = Field("", description="the learner's consumer group (default: <topic prefix>-learner)")
     seed: int = Field(0, description="seed of the engines' initial weights and of their sampling")
+    admin_token: SecretStr | None = Field(
+        None,
+        description="guards /metrics and the learner's dashboard in every process (Bearer, or Basic with it as the password); needed to bind them beyond loopback",
+    )
     metrics_host: str = Field(
         "127.0.0.1",
         description="where a worker or learner serves /metrics, /healthz and /readyz (0.0.0.0 in a container)",

@@ -8,9 +8,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +23,7 @@ import openai
 import pytest
 import schemathesis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from pydantic import SecretStr
 from hypothesis import HealthCheck, settings as hsettings
 from redis.asyncio import Redis
 from schemathesis.specs.openapi.checks import (
@@ -107,6 +111,8 @@ def test_the_rate_bucket_allows_the_burst_then_says_how_long_to_wait(redis_serve
 # on the wire
 
 TIMEOUT_S = 8.0
+ADMIN_TOKEN = "admin-token-of-the-tests"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 MAX_WAITING = 3
 
 
@@ -125,6 +131,7 @@ def gw(tmp_path_factory):
             "gateway_max_waiting": MAX_WAITING,
             "gateway_max_prompt_chars": 1000,
             "gateway_body_timeout_s": 2.0,
+            "admin_token": SecretStr(ADMIN_TOKEN),
         }
     )
     stack = LocalStack(config, workdir)
@@ -174,7 +181,7 @@ def ask(
 
 def metric(url: str, name: str, **labels) -> float:
     """One sample of a process's /metrics (0 when absent)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(f"{url}/metrics", headers=ADMIN, timeout=10).text
     wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
     pattern = rf"^{re.escape(name)}{re.escape('{' + wanted + '}') if labels else ''} (\S+)$"
     found = re.search(pattern, text, re.MULTILINE)
@@ -649,3 +656,31 @@ def test_a_slow_body_guessed_keys_and_rapid_reads_are_limited(gw):
     # reading answers takes from the key's rate like asking does
     reads = [httpx.get(f"{gw['url']}/v1/answers/rl-none", headers=auth(gw, "slow")).status_code for _ in range(4)]
     assert set(reads) <= {404, 429} and 429 in reads, reads  # a burst of 2 (less if earlier tests used it)
+
+
+def test_metrics_and_the_dashboard_need_the_admin_token_and_probes_do_not(gw):
+    """They list every tenant's stream names; the probes tell nothing."""
+    learner = role_url(gw, "learner")
+    guarded = [f"{u}/metrics" for u in gw["urls"].values()] + [f"{learner}/dashboard", f"{learner}/api/dashboard"]
+    for url in guarded:
+        refused = httpx.get(url, headers=auth(gw), timeout=10)  # a tenant's API key is no admin token
+        assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Basic"), url
+        assert httpx.get(url, headers=ADMIN, timeout=10).status_code == 200, url
+        assert httpx.get(url, auth=("anyone", ADMIN_TOKEN), timeout=10).status_code == 200, url  # a browser's way
+    for url in gw["urls"].values():
+        assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("command, variable", [("worker", "RLENS_METRICS_HOST"), ("gateway", "RLENS_GATEWAY_HOST")])
+def test_monitoring_beyond_loopback_needs_the_admin_token(tmp_path, command, variable):
+    env = {k: v for k, v in os.environ.items() if k != "RLENS_ADMIN_TOKEN"}
+    result = subprocess.run(
+        [sys.executable, "-m", "rlens.cli", command],
+        env={**env, variable: "0.0.0.0", "RLENS_GATEWAY_KEYS": "[]", "RLENS_FEEDBACK_SECRET": "x" * 32},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "set RLENS_ADMIN_TOKEN" in lines[0], lines

@@ -59,7 +59,7 @@ from rlens.service.kafka import (
     typed_publisher,
 )
 from rlens.service.logs import setup_logging
-from rlens.service.metrics import GatewayMetrics
+from rlens.service.metrics import GatewayMetrics, admin_token
 from rlens.service.openai_api import (
     MODEL_OF,
     MODELS,
@@ -79,7 +79,7 @@ from rlens.service.openai_api import (
     completion,
     stream_chunks,
 )
-from rlens.service.security import FeedbackTokens
+from rlens.service.security import FeedbackTokens, admin_allowed, check_exposure
 from rlens.service.windows import RedisWindows
 from rlens.settings import Settings
 
@@ -771,7 +771,11 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
         return Response("ready\n")
 
     @app.get("/metrics", include_in_schema=False)
-    async def metrics_route() -> Response:
+    async def metrics_route(authorization: str | None = Header(None)) -> Response:
+        if not admin_allowed(authorization, admin_token(settings)):
+            return Response(
+                "the admin token is needed here\n", 401, {"WWW-Authenticate": 'Basic realm="rlens monitoring"'}
+            )
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -782,6 +786,7 @@ def run_gateway(settings: Settings) -> None:
 
     from rlens.service.local import free_port
 
+    check_exposure(settings.gateway_host, admin_token(settings), "RLENS_GATEWAY_HOST")
     if not settings.gateway_port:
         settings = settings.model_copy(update={"gateway_port": free_port()})
     setup_logging()

@@ -93,7 +93,15 @@ from rlens.service.kafka import (
     typed_publisher,
 )
 from rlens.service.online import FeedbackError, OnlineTrainer
-from rlens.service.metrics import LearnerMetrics, StreamLabels, dead_letter_kind, http_routes, not_ready, settings_url
+from rlens.service.metrics import (
+    LearnerMetrics,
+    StreamLabels,
+    admin_token,
+    dead_letter_kind,
+    http_routes,
+    not_ready,
+    settings_url,
+)
 from rlens.service.pending import Pending, PendingHalves
 from rlens.service.policy import encode_policy, non_finite
 from rlens.service.security import FeedbackTokens, PolicySigner
@@ -668,8 +676,11 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         await handle(message, Feedback, topics.feedback)
 
     joined: list[bool] = []
-    routes = http_routes(registry, lambda: not_ready(core, joined)) + (
-        dashboard_routes(core.dashboard.snapshot) if core else []
+    routes = http_routes(
+        registry,
+        lambda: not_ready(core, joined),
+        admin_token(settings),
+        dashboard_routes(core.dashboard.snapshot) if core else [],
     )
     app = AsgiFastStream(broker, asgi_routes=routes, logger=app_logger())
 

@@ -16,6 +16,8 @@ from faststream.asgi.types import ASGIApp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
 from redis.exceptions import RedisError
 
+from rlens.service.security import admin_allowed
+
 if TYPE_CHECKING:
     from rlens.settings import Settings
 
@@ -278,10 +280,34 @@ class GatewayMetrics:
         )
 
 
+def admin_token(settings: Settings) -> str | None:
+    return settings.admin_token.get_secret_value() if settings.admin_token else None
+
+
+def admin_only(app: ASGIApp, token: str | None) -> ASGIApp:
+    """``app`` behind the admin token (:func:`rlens.service.security.admin_allowed`): 401 with a Basic challenge
+    without it, so that a browser asks for it once and sends it with the dashboard's own requests."""
+    if token is None:
+        return app
+
+    async def guarded(scope, receive, send) -> None:
+        authorization = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
+        if scope["type"] == "http" and not admin_allowed(authorization, token):
+            challenge = {"www-authenticate": 'Basic realm="rlens monitoring"'}
+            return await AsgiResponse(b"the admin token is needed here\n", 401, challenge)(scope, receive, send)
+        await app(scope, receive, send)
+
+    return guarded
+
+
 def http_routes(
-    registry: CollectorRegistry, not_ready: Callable[[], Awaitable[str | None]]
+    registry: CollectorRegistry,
+    not_ready: Callable[[], Awaitable[str | None]],
+    token: str | None = None,
+    monitoring: list[tuple[str, ASGIApp]] | None = None,
 ) -> list[tuple[str, ASGIApp]]:
-    """``/metrics``, ``/healthz`` and ``/readyz`` (``not_ready()``: why the process is not ready, or None)."""
+    """``/healthz`` and ``/readyz`` (``not_ready()``: why the process is not ready, or None), open to probes;
+    ``/metrics`` and the ``monitoring`` routes (the learner's dashboard) behind the admin ``token`` when set."""
 
     @get
     async def healthz(scope) -> AsgiResponse:
@@ -292,4 +318,7 @@ def http_routes(
         reason = await not_ready()
         return AsgiResponse(b"ready\n", 200) if reason is None else AsgiResponse(f"not ready: {reason}\n".encode(), 503)
 
-    return [("/metrics", make_asgi_app(registry)), ("/healthz", healthz), ("/readyz", readyz)]
+    guarded = [
+        (path, admin_only(app, token)) for path, app in [("/metrics", make_asgi_app(registry)), *(monitoring or [])]
+    ]
+    return [*guarded, ("/healthz", healthz), ("/readyz", readyz)]

@@ -20,7 +20,8 @@ from rlens.service.learner import LearnerCore, claim_group, create_learner_app
 from rlens.service.local import free_port
 from rlens.service.logs import setup_logging
 from rlens.service.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
-from rlens.service.security import FeedbackTokens, PolicySigner, PolicyVerifier, SecretsError
+from rlens.service.metrics import admin_token
+from rlens.service.security import FeedbackTokens, PolicySigner, PolicyVerifier, SecretsError, check_exposure
 from rlens.service.windows import RedisWindows
 from rlens.service.worker import FocalWorker, Worker, create_worker_app
 from rlens.settings import Settings
@@ -189,12 +190,14 @@ def run_app(app, settings: Settings) -> None:
 
 
 def run_worker(settings: Settings) -> None:
+    check_exposure(settings.metrics_host, admin_token(settings), "RLENS_METRICS_HOST")
     torch.set_num_threads(settings.torch_threads)
     settings = with_metrics_port(settings)
     run_app(create_worker_app(settings, build_worker(settings)), settings)
 
 
 def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
+    check_exposure(settings.metrics_host, admin_token(settings), "RLENS_METRICS_HOST")
     # the learner's MAPPO update: 2.4x faster on one thread on a busy machine (BENCHMARKS.md)
     torch.set_num_threads(settings.torch_threads)
     settings = with_metrics_port(settings)

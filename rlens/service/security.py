@@ -105,6 +105,35 @@ class FeedbackTokens:
         return bool(answer.signature) and hmac.compare_digest(self._answer_mac(answer), answer.signature)
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def admin_allowed(authorization: str | None, token: str | None) -> bool:
+    """Whether an ``Authorization`` header carries the admin token: ``Bearer <token>`` (Prometheus, curl) or HTTP
+    Basic with the token as password (a browser's login prompt, for the dashboard). No token set: everyone."""
+    if token is None:
+        return True
+    scheme, _, value = (authorization or "").partition(" ")
+    if scheme.lower() == "basic":
+        try:
+            value = base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
+        except ValueError:
+            return False
+    elif scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(value.strip().encode(), token.encode())
+
+
+def check_exposure(host: str, token: str | None, setting: str) -> None:
+    """Refuse to serve the monitoring routes (metrics and the dashboard list every tenant's stream names) beyond
+    loopback without the admin token."""
+    if token is None and host not in LOOPBACK:
+        raise SecretsError(
+            f"{setting}={host} would show /metrics and /dashboard (every tenant's stream names) to anyone who reaches "
+            "it: set RLENS_ADMIN_TOKEN (scrapers send it as a bearer token), or bind to 127.0.0.1"
+        )
+
+
 def generate_secrets() -> dict[str, str]:
     """Fresh values of the three secrets, as RLENS_* variable names → values."""
     private = Ed25519PrivateKey.generate()

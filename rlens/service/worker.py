@@ -72,6 +72,7 @@ from rlens.service.kafka import (
     typed_publisher,
 )
 from rlens.service.metrics import (
+    admin_token,
     StreamLabels,
     WorkerMetrics,
     dead_letter_kind,
@@ -542,7 +543,9 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
 
     joined: list[bool] = []
     app = AsgiFastStream(
-        broker, asgi_routes=http_routes(registry, lambda: not_ready(core, joined)), logger=app_logger()
+        broker,
+        asgi_routes=http_routes(registry, lambda: not_ready(core, joined), admin_token(settings)),
+        logger=app_logger(),
     )
     background: list[asyncio.Task] = []
 
