@@ -51,6 +51,11 @@ class Settings(BaseSettings):
         "rlens.",
         description="topic names are this prefix + queries, answers, feedback, experience, policy, dead-letter",
     )
+    kafka_partitions: int = Field(
+        4,
+        ge=1,
+        description="partitions of the per-query topics the service creates (queries, answers, feedback, experience, dead letters)",
+    )
     kafka_session_timeout_ms: int = Field(10_000, ge=1000, description="consumer-group session timeout")
     kafka_heartbeat_ms: int = Field(3_000, ge=100, description="consumer-group heartbeat interval")
     kafka_fetch_max_wait_ms: int = Field(

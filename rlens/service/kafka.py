@@ -227,3 +227,22 @@ async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[st
                 pass
     finally:
         await admin.close()
+
+
+class TopicRestorer:
+    """After a publish or commit failed: ensure the service's topics again, since a broker restarted empty (memory
+    storage, a lost cluster) has none and would refuse every record on them. At most once every ``every_s``."""
+
+    def __init__(self, settings: Settings, every_s: float = 5.0):
+        self.settings, self.every_s = settings, every_s
+        self._last = -every_s
+
+    async def restore(self) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return
+        self._last = now
+        try:
+            await ensure_topics(self.settings, self.settings.kafka_partitions)
+        except Exception as exc:  # the broker is down: the next failure tries again
+            log.warning("could not ensure the topics: %s", exc)

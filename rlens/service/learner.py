@@ -90,6 +90,7 @@ from rlens.service.kafka import (
     parse_or_dead_letter,
     publish,
     publish_dead_letters,
+    TopicRestorer,
     typed_publisher,
 )
 from rlens.service.online import FeedbackError, OnlineTrainer
@@ -599,6 +600,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     background: list[asyncio.Task] = []
     marking: list[asyncio.Task] = []  # the readiness mark's renewal
     lock = asyncio.Lock()  # the two subscribers run as separate tasks; the core is not re-entrant
+    restorer = TopicRestorer(settings)
 
     async def detect_new_logs(message: KafkaMessage) -> None:
         below = live.below_offsets(message.raw_message)
@@ -615,6 +617,13 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         await publish_dead_letters(dead_letters, letters)
 
     async def handle(message: KafkaMessage, model: type, topic: str) -> None:
+        try:
+            await handle_batch(message, model, topic)
+        except Exception:  # a publish or a commit the broker refused: it may have lost the topics (restarted empty)
+            await restorer.restore()
+            raise
+
+    async def handle_batch(message: KafkaMessage, model: type, topic: str) -> None:
         kind = "feedback" if model is Feedback else "experience"
         async with lock:
             await detect_new_logs(message)

@@ -202,6 +202,7 @@ class LocalStack:
         self.settings = settings.model_copy(
             update={
                 "kafka_bootstrap": kafka_bootstrap,
+                "kafka_partitions": partitions,
                 "redis_url": SecretStr(redis_url),
                 "checkpoint_dir": self.workdir / "learner",
                 "gateway_keys_file": self.workdir / "keys.json",

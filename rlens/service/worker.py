@@ -69,6 +69,7 @@ from rlens.service.kafka import (
     parse_or_dead_letter,
     publish_batch,
     publish_dead_letters,
+    TopicRestorer,
     typed_publisher,
 )
 from rlens.service.metrics import (
@@ -89,6 +90,31 @@ from rlens.settings import Settings
 log = logging.getLogger("rlens.worker")
 REPLY_TIMEOUT_S = 5.0  # a gateway's reply topic must take an answer within this
 REPLY_TOPIC_KNOWN_S = 60.0  # a reply topic found registered is trusted this long without asking Redis again
+PUBLISH_TRIES = 5  # a batch whose outputs the broker refuses this many times is dead-lettered
+RETRY_PAUSE_S = 0.5  # between two tries of a batch whose outputs the broker refused
+
+
+class Retries:
+    """How often each record was read again after its batch's outputs failed to publish (bounded by the records
+    in flight: a record is forgotten once its batch went through or was given up)."""
+
+    def __init__(self, tries: int):
+        self.tries = tries
+        self._counts: Counter[tuple[str, int, int]] = Counter()
+
+    @staticmethod
+    def _keys(records) -> list[tuple[str, int, int]]:
+        return [(r.topic, r.partition, r.offset) for r in records]
+
+    def spent(self, records) -> bool:
+        """Count one more failed try of these records; True once some record has had ``tries``."""
+        keys = self._keys(records)
+        self._counts.update(keys)
+        return max((self._counts[k] for k in keys), default=0) >= self.tries
+
+    def forget(self, records) -> None:
+        for key in self._keys(records):
+            self._counts.pop(key, None)
 
 
 @dataclass
@@ -448,20 +474,38 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
             queries = [q for q in queries if q.query_id in records]
         out = await live.answer(queries) if queries else BatchOutput()
         dead += [dead_letter(records[qid], reason, consumer) for qid, reason in out.failed.items()]
-        live.stats.dead_lettered += len(dead)
         started = time.perf_counter()
-        reply_to = {q.query_id: q.reply_to for q in queries if q.reply_to}
-        # a gateway's query: its feedback token goes to the gateway's reply topic alone, not to the shared topic
-        shared = [a.model_copy(update={"feedback_token": ""}) if a.query_id in reply_to else a for a in out.answers]
-        await publish_batch(broker, answers.topic, shared)
-        await reply(out.answers, reply_to)
-        await publish_batch(broker, experience.topic, out.experience)
+        try:
+            await deliver(queries, out)
+        except Exception as exc:  # the broker refused: try again (the batch is read again), within a budget
+            await restorer.restore()
+            if not retries.spent(message.raw_message):
+                await asyncio.sleep(RETRY_PAUSE_S)  # no hot loop against a broker that refuses
+                raise
+            log.error("gave up publishing a batch of %d queries after %d tries: %r", len(queries), PUBLISH_TRIES, exc)
+            reason = f"its outputs could not be published in {PUBLISH_TRIES} tries: {type(exc).__name__}: {exc}"
+            dead += [dead_letter(records[q.query_id], reason, consumer) for q in queries]
+            queries, out = [], BatchOutput()
+        retries.forget(message.raw_message)
+        live.stats.dead_lettered += len(dead)
         await publish_dead_letters(dead_letters, dead)
         out.stages["publish"] = time.perf_counter() - started
         if settings.metrics_enabled:
             count(queries, out, dead)
         # returning acks the batch: its offsets are committed only now, after every output was confirmed
 
+    async def deliver(queries: list[Query], out: BatchOutput) -> None:
+        """The experience first, then the answers: a retry after a failure in between repeats only experience
+        (which the learner joins once), never an answer a client already got."""
+        reply_to = {q.query_id: q.reply_to for q in queries if q.reply_to}
+        await publish_batch(broker, experience.topic, out.experience)
+        # a gateway's query: its feedback token goes to the gateway's reply topic alone, not to the shared topic
+        shared = [a.model_copy(update={"feedback_token": ""}) if a.query_id in reply_to else a for a in out.answers]
+        await publish_batch(broker, answers.topic, shared)
+        await reply(out.answers, reply_to)
+
+    restorer = TopicRestorer(settings)
+    retries = Retries(PUBLISH_TRIES)
     known_reply_topics: dict[str, float] = {}  # topic -> when it was last found registered
 
     async def unregistered(topics: set[str]) -> set[str]:
