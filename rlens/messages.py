@@ -32,6 +32,19 @@ Key = Annotated[str, Field(min_length=1, max_length=256)]
 Choice = Annotated[int, Field(ge=-1, lt=MAX_CHOICES)]  # a choice position, -1 for none
 
 
+TENANT_MARK = "@"  # a stream key "@<tenant>/<stream>" is a gateway tenant's: only a query a gateway signed uses one
+
+
+def tenant_stream(tenant: str, stream: str) -> str:
+    """The stream key of a gateway tenant's stream: its windows, metrics and dashboard are the tenant's alone."""
+    return f"{TENANT_MARK}{tenant}/{stream}"
+
+
+def tenant_free(stream: str) -> str:
+    """The stream as its tenant named it (``@acme/support`` → ``support``); other keys as they are."""
+    return stream.split("/", 1)[1] if stream.startswith(TENANT_MARK) and "/" in stream else stream
+
+
 class Message(BaseModel):
     """Every wire message: JSON, frozen, unknown fields ignored, no NaN or infinity anywhere."""
 
@@ -44,7 +57,9 @@ class Query(Message):
     """A question to answer. Multiple choice when ``choices`` is given; open-ended otherwise."""
 
     query_id: Key
-    stream: Key = Field(description="stream / task key: the sliding window it belongs to")
+    stream: Key = Field(
+        description="stream / task key: the sliding window it belongs to (one starting with @ is a gateway tenant's: `@<tenant>/<stream>`, refused without the gateway's signature)"
+    )
     prompt: str = Field(max_length=MAX_TEXT)
     choices: list[Annotated[str, Field(max_length=10_000)]] | None = Field(None, min_length=2, max_length=MAX_CHOICES)
     reference_id: str | None = Field(
@@ -56,6 +71,11 @@ class Query(Message):
         max_length=249,
         pattern=r"^[A-Za-z0-9._-]+$",
         description="a gateway replica's reply topic (under <topic_prefix>replies.): the worker publishes the answer there too",
+    )
+    signature: str = Field(
+        "",
+        max_length=128,
+        description="a gateway's HMAC over the query id and the stream: needed on a tenant's stream (one starting with @)",
     )
 
 

@@ -264,10 +264,10 @@ def test_feedback_is_checked_against_its_query_applied_once_and_joined_by_the_le
     ) == (200, "duplicate")
     learner = role_url(gw, "learner")
     deadline = time.monotonic() + 60
-    while metric(learner, "rlens_learner_joined_total", stream="fb") < 1 and time.monotonic() < deadline:
+    while metric(learner, "rlens_learner_joined_total", stream="@local/fb") < 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1.0)  # a second application would show by now
-    assert metric(learner, "rlens_learner_joined_total", stream="fb") == 1.0
+    assert metric(learner, "rlens_learner_joined_total", stream="@local/fb") == 1.0
     assert metric(gw["url"], "rlens_gateway_feedback_total", outcome="accepted") >= 1
 
 
@@ -282,6 +282,9 @@ def test_keys_streams_tenants_sizes_and_rates_are_enforced(gw, tmp_path):
     assert ask(gw, "acme", stream="acme-eu").status_code == 200
     # the header wins
     assert ask(gw, headers={"X-Rlens-Stream": "acme-eu"}, stream="x").json()["rlens"]["stream"] == "acme-eu"
+    # the workers saw the tenant's key: the window is local's "acme-eu", not acme's (nor an application's)
+    answer = read_answers(gw["stack"].settings, ask(gw, question=7, stream="acme-eu").json()["id"])
+    assert answer.stream == "@local/acme-eu"
     big = httpx.post(
         f"{gw['url']}/v1/chat/completions",
         content=b"{" + b" " * 1_100_000 + b"}",
@@ -326,7 +329,7 @@ def test_an_idempotent_retry_gets_the_same_answer_without_asking_twice(gw):
     first, retry = ask(gw, question=20, stream="idem", headers=key), ask(gw, question=20, stream="idem", headers=key)
     assert first.status_code == retry.status_code == 200 and first.json()["id"] == retry.json()["id"]
     assert first.json()["choices"] == retry.json()["choices"]
-    assert metric(worker, "rlens_worker_queries_total", stream="idem") == 1.0  # the models were asked once
+    assert metric(worker, "rlens_worker_queries_total", stream="@local/idem") == 1.0  # the models were asked once
     reused = ask(gw, question=21, stream="idem", headers=key)
     assert reused.status_code == 409 and reused.json()["error"]["query_id"] == first.json()["id"]
 
@@ -538,6 +541,12 @@ def test_a_query_replying_outside_the_reply_topics_is_dead_lettered(gw):
     spam = [
         hijack.model_copy(update={"query_id": f"spam-{i}", "reply_to": topics.replies(f"spam-{i}")}) for i in range(5)
     ]
+    # an application on Kafka asking on a gateway tenant's stream key (it used to move that tenant's windows)
+    intruders = [
+        hijack.model_copy(update={"query_id": f"intruder-{i}", "stream": "@acme/acme-eu", "reply_to": None, **extra})
+        for i, extra in enumerate([{}, {"signature": "0" * 64}])
+    ]
+    spam += intruders
     keys = {base64.b64encode(q.query_id.encode()).decode(): q.query_id for q in [hijack, *spam]}
 
     async def run() -> tuple[dict, list, set]:
@@ -572,6 +581,9 @@ def test_a_query_replying_outside_the_reply_topics_is_dead_lettered(gw):
     letters, policies, existing = asyncio.run(run())
     assert letters["hijack-1"].startswith("reply_to 'rlens.policy' is not a reply topic") and not policies
     for query in spam:
+        if query in intruders:
+            assert "is a gateway tenant's, and no gateway signed this query" in letters[query.query_id], letters
+            continue
         assert "is no live gateway's reply topic" in letters[query.query_id], letters
         assert query.reply_to not in existing
     assert topics.replies("test-gw") in existing

@@ -30,7 +30,7 @@ class KeyRecord(BaseModel):
 
     id: str = Field(pattern=r"^[a-z0-9]{8}$")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    tenant: str = Field(min_length=1, max_length=64)
+    tenant: str = Field(min_length=1, max_length=64, pattern=r"^[^/]+$")  # its streams are @<tenant>/<stream>
     streams: list[str] = Field(min_length=1, description="stream keys this key may use (fnmatch patterns)")
     rate_per_s: float = Field(20.0, gt=0, description="sustained requests per second")
     burst: int = Field(40, ge=1, description="requests allowed at once above the sustained rate")

@@ -45,7 +45,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
-from rlens.messages import MAX_TEXT, Answer, DeadLetter, Feedback, Query
+from rlens.messages import MAX_TEXT, Answer, DeadLetter, Feedback, Query, tenant_stream
 from rlens.service.api_keys import FailedAuth, KeyRecord, KeyStore
 from rlens.service.gateway_state import GatewayState, QueryRecord, digest
 from rlens.service.kafka import (
@@ -166,10 +166,10 @@ class Gateway:
                 "rlens.choices",
             )
         stream = stream_header or (request.metadata or {}).get("stream") or DEFAULT_STREAM
-        if len(stream) > 256:
+        if len(tenant_stream(key.tenant, stream)) > 256:  # the key the workers see: the tenant's @<tenant>/<stream>
             raise ApiError(
                 400,
-                "the stream key is longer than 256 characters",
+                f"the stream key is longer than {256 - len(tenant_stream(key.tenant, ''))} characters",
                 "invalid_request_error",
                 "invalid_stream",
                 "metadata.stream",
@@ -259,14 +259,16 @@ class Gateway:
             tenant=key.tenant, stream=stream, model=request.model, chat=chat, n_choices=len(request.rlens.choices or [])
         )
         await self.state.remember_query(query_id, record)
+        scoped = tenant_stream(key.tenant, stream)  # its windows are this tenant's alone
         query = Query(
             query_id=query_id,
-            stream=stream,
+            stream=scoped,
             prompt=prompt,
             choices=request.rlens.choices,
             reference_id=request.rlens.reference_id,
             sent_at=time.time(),
             reply_to=self.reply_topic,
+            signature=self.tokens.query_signature(query_id, scoped),
         )
         try:
             await self.publish_query(query)
@@ -388,7 +390,7 @@ class Gateway:
         message = Feedback(
             query_id=request.id,
             token=self.tokens.token(request.id),
-            stream=record.stream,
+            stream=tenant_stream(record.tenant, record.stream),
             label=request.label,
             reference=request.reference,
             reward=request.reward,

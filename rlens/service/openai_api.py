@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rlens.messages import MAX_CHOICES, Answer, ModelFailureRecord
+from rlens.messages import MAX_CHOICES, Answer, ModelFailureRecord, tenant_free
 
 MODELS = {"rlens-focal": "rl_focal", "rlens-rlae": "rlae"}  # API model name -> strategy
 MODEL_OF = {strategy: name for name, strategy in MODELS.items()}
@@ -148,7 +148,8 @@ class RlensAnswer(BaseModel):
 
     @classmethod
     def of(cls, answer: Answer) -> "RlensAnswer":
-        return cls(**answer.model_dump(include=set(cls.model_fields)))
+        """The account of an answer, its stream as the tenant named it (the workers saw ``@<tenant>/<stream>``)."""
+        return cls(**{**answer.model_dump(include=set(cls.model_fields)), "stream": tenant_free(answer.stream)})
 
 
 class AssistantMessage(BaseModel):

@@ -8,6 +8,9 @@
   comes only from whoever received its answer; a forged one is dead-lettered and never blocks the true one. A
   gateway's query has its token only on the gateway's reply topic (the shared ``answers`` topic carries its answer
   without it), so no application can rate a gateway tenant's answers.
+- **Tenants' streams**: the gateway asks on ``@<tenant>/<stream>`` and signs the query (an HMAC over its id and
+  stream); workers dead-letter a query on such a stream without a valid signature, so no application on Kafka,
+  nor another tenant, can move a tenant's windows.
 - **Answers on reply topics** are signed by the worker (an HMAC over the whole answer under a key derived from the
   same secret); a gateway takes none without a valid signature, so whoever can write a reply topic cannot answer
   a client.
@@ -27,7 +30,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 if TYPE_CHECKING:
-    from rlens.messages import Answer
+    from rlens.messages import Answer, Query
 
 TOKEN_BYTES = 16
 
@@ -87,6 +90,7 @@ class FeedbackTokens:
             )
         self._secret = secret.encode()
         self._answer_key = hmac.new(self._secret, b"rlens answer signature", hashlib.sha256).digest()
+        self._query_key = hmac.new(self._secret, b"rlens query signature", hashlib.sha256).digest()
 
     def token(self, query_id: str) -> str:
         return hmac.new(self._secret, query_id.encode(), hashlib.sha256).hexdigest()[: 2 * TOKEN_BYTES]
@@ -103,6 +107,13 @@ class FeedbackTokens:
 
     def signed(self, answer: Answer) -> bool:
         return bool(answer.signature) and hmac.compare_digest(self._answer_mac(answer), answer.signature)
+
+    def query_signature(self, query_id: str, stream: str) -> str:
+        """What a gateway's query carries: only a holder of the secret may use a tenant's stream key."""
+        return hmac.new(self._query_key, f"{query_id}\0{stream}".encode(), hashlib.sha256).hexdigest()
+
+    def query_signed(self, query: Query) -> bool:
+        return hmac.compare_digest(self.query_signature(query.query_id, query.stream), query.signature)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -52,6 +52,7 @@ from rlens.focal.engine import FocalEngine
 from rlens.messages import (
     EXPERIENCE,
     MAX_CHOICES,
+    TENANT_MARK,
     Answer,
     DeadLetter,
     Experience,
@@ -462,6 +463,9 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
                         consumer,
                     )
                 )
+            elif parsed.stream.startswith(TENANT_MARK) and not live.tokens.query_signed(parsed):
+                reason = f"stream {parsed.stream!r} is a gateway tenant's, and no gateway signed this query"
+                dead.append(dead_letter(record, reason, consumer))
             elif parsed.query_id in records:
                 dead.append(dead_letter(record, f"query id {parsed.query_id} appears twice in one batch", consumer))
             else:
