@@ -16,8 +16,9 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 from rlens.service.load import play, queries_of
-from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.service.stack import write_replay_pool
 from rlens.settings import settings
+from brokers import stack_for_tests
 
 
 def browser(tmp_path) -> webdriver.Chrome:
@@ -51,7 +52,7 @@ def wait_for(condition, timeout_s: float = 60.0, what: str = "condition"):
 def test_the_dashboard_shows_the_played_streams_live_and_marks_the_task_switch(tmp_path, zoo):
     pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
     # every query explored: an update every 64 joins
-    stack = LocalStack(
+    stack = stack_for_tests(
         settings().model_copy(
             update={
                 "pool_file": pool,

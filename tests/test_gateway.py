@@ -37,8 +37,9 @@ from rlens.service.api_keys import KeysError, KeyStore, add_key, read_records, r
 from rlens.service.gateway import OPENAPI_FILE, openapi_document
 from rlens.service.gateway_state import GatewayState
 from rlens.service.kafka import Topics
-from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.service.stack import write_replay_pool
 from rlens.settings import settings
+from brokers import stack_for_tests
 
 CHOICES = ["A", "B", "C", "D"]  # the bundled stream's questions have four options
 
@@ -134,7 +135,7 @@ def gw(tmp_path_factory):
             "admin_token": SecretStr(ADMIN_TOKEN),
         }
     )
-    stack = LocalStack(config, workdir)
+    stack = stack_for_tests(config, workdir)
     keys = {"local": stack.gateway_key.read_text().strip()}
     keys["acme"], _ = add_key(workdir / "keys.json", "acme", ["acme-*"])
     keys["other"], _ = add_key(workdir / "keys.json", "other", ["*"])
@@ -494,7 +495,7 @@ def test_a_forged_reply_never_answers_a_client(gw):
     finally:
         worker.send_signal(signal.SIGCONT)
     thread.join(60)
-    assert query.reply_to == "rlens.replies.test-gw"
+    assert query.reply_to == Topics.from_settings(stack.settings).replies("test-gw")
     assert result[0].status_code == 200 and result[0].json()["rlens"]["worker"] != "attacker"
     assert metric(gw["url"], "rlens_gateway_replies_total", outcome="forged") == 2.0
     served = httpx.get(f"{gw['url']}/v1/answers/{query.query_id}", headers=auth(gw)).json()
@@ -579,7 +580,7 @@ def test_a_query_replying_outside_the_reply_topics_is_dead_lettered(gw):
         return letters, policies, existing
 
     letters, policies, existing = asyncio.run(run())
-    assert letters["hijack-1"].startswith("reply_to 'rlens.policy' is not a reply topic") and not policies
+    assert letters["hijack-1"].startswith(f"reply_to {topics.policy!r} is not a reply topic") and not policies
     for query in spam:
         if query in intruders:
             assert "is a gateway tenant's, and no gateway signed this query" in letters[query.query_id], letters

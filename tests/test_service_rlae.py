@@ -31,6 +31,7 @@ from rlens.service.rlae_worker import RLAEWorker
 from rlens.service.stack import LocalStack, write_zoo_pool
 from rlens.settings import settings
 from rlens.zoo.tasks import exact_match, generation_split
+from brokers import stack_for_tests
 from trust import SIGNER, TOKENS, VERIFIER, token
 
 MODELS = ["arith-char", "count-bpe", "order-char"]
@@ -216,7 +217,7 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
             "kafka_heartbeat_ms": 500,
         }
     )
-    stack = LocalStack(config, tmp_path)
+    stack = stack_for_tests(config, tmp_path)
     stack.start_learner()
     stack.start_worker()
     stack.start_gateway()

@@ -14,7 +14,9 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import MessageSizeTooLargeError
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 from rlens.evaluation.dataset import load_dataset
@@ -29,6 +31,7 @@ from rlens.service.load import play, queries_of
 from rlens.service.local import LocalBroker, LocalRedis
 from rlens.service.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
+from brokers import EXTERNAL, broker_for_tests, own_broker_only, stack_for_tests
 
 N = 600  # the first 5 task blocks of the bundled stream
 
@@ -49,7 +52,7 @@ def make_stack(
             "focal_update_period": explore[1],
         }
     )
-    stack = LocalStack(config, tmp_path, **options)
+    stack = stack_for_tests(config, tmp_path, **options)
     stack.start_learner()
     for _ in range(workers):
         stack.start_worker()
@@ -260,6 +263,7 @@ def test_redis_restarted_empty_keeps_the_service_answering(tmp_path, zoo):
     assert stats["joined"] == N and stats["windows_applied"] == N  # every outcome reached the new Redis
 
 
+@own_broker_only
 def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path, zoo):
     """tansu's memory storage: a restarted broker has empty logs. Its topics are made before the traffic resumes
     (the service makes them too once a publish fails, but the learner must fetch the new logs before they grow past
@@ -286,20 +290,22 @@ def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path
 
 async def topic_partitions(config) -> dict[str, int]:
     """The partitions of each topic under ``config``'s prefix."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=config.kafka_bootstrap)
-    await consumer.start()
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=config.kafka_bootstrap)
+    await admin.start()
     try:
-        names = await consumer.topics()
-        return {t: len(consumer.partitions_for_topic(t) or ()) for t in names if t.startswith(config.topic_prefix)}
+        names = [t for t in await admin.list_topics() if t.startswith(config.topic_prefix)]
+        return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(names)}
     finally:
-        await consumer.stop()
+        await admin.close()
 
 
 def test_the_topics_are_made_again_and_a_refused_batch_is_retried_within_a_budget():
     from rlens.service.kafka import TopicRestorer
     from rlens.service.worker import Retries
 
-    broker = LocalBroker()
+    broker = broker_for_tests()
     try:
         config = settings().model_copy(
             update={"kafka_bootstrap": broker.bootstrap, "topic_prefix": "again.", "kafka_partitions": 3}
@@ -320,7 +326,7 @@ def test_the_topics_are_made_again_and_a_refused_batch_is_retried_within_a_budge
 def test_per_query_topics_get_the_partitions_and_ordered_topics_keep_one():
     """Answers, feedback, experience and dead letters are spread like the queries (the local broker reads a partition
     more slowly the more small batches it holds); policies and drift events stay in order on one partition."""
-    broker = LocalBroker()
+    broker = broker_for_tests()
     try:
         config = settings().model_copy(update={"kafka_bootstrap": broker.bootstrap, "topic_prefix": "parts."})
         asyncio.run(ensure_topics(config, partitions=3, extra=("parts.replies.g1",)))
@@ -351,7 +357,7 @@ def test_a_second_learner_on_the_same_group_or_directory_refuses_to_start(tmp_pa
             expected = (
                 "is in use by pid"
                 if directory == stack.settings.checkpoint_dir
-                else "holds consumer group 'rlens-learner': one learner per group"
+                else f"holds consumer group {stack.settings.group('learner')!r}: one learner per group"
             )
             assert expected in second.stderr + second.stdout
         assert stack.learner.poll() is None  # the first learner runs on
@@ -366,7 +372,7 @@ def test_redis_down_at_start_delays_readiness_but_stops_nothing(tmp_path, zoo):
     config = settings().model_copy(
         update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "worker_batch": 16}
     )
-    stack = LocalStack(config, tmp_path, redis_url=redis.url)
+    stack = stack_for_tests(config, tmp_path, redis_url=redis.url)
     restarted = None
     try:
         stack.start_learner()
@@ -591,11 +597,9 @@ def test_fuzzed_and_poisoned_messages_on_every_topic_are_dead_lettered_and_the_s
     stack = make_stack(tmp_path, explore=(FocalConfig.explore_rate, FocalConfig.update_period))
     topics = Topics.from_settings(stack.settings)
     poison = schema_valid_poison(zoo)
+    oversize = b"x" * (12 * 2**20 + 600 * 2**10)  # tansu takes it (the worker dead-letters it), Kafka refuses it
     sent = {  # topic -> (payloads, the consumer that must dead-letter them)
-        topics.queries: (
-            [p for p in payloads[0::4] if not is_valid(Query, p)] + [b"x" * (12 * 2**20 + 600 * 2**10)],
-            "worker",
-        ),
+        topics.queries: ([p for p in payloads[0::4] if not is_valid(Query, p)] + [oversize], "worker"),
         topics.feedback: ([p for p in payloads[1::4] if not is_valid(Feedback, p)] + poison["feedback"], "learner"),
         topics.experience: (
             [p for p in payloads[2::4] if not is_valid(Experience, p)] + poison["experience"],
@@ -609,6 +613,10 @@ def test_fuzzed_and_poisoned_messages_on_every_topic_are_dead_lettered_and_the_s
             bootstrap_servers=stack.settings.kafka_bootstrap, linger_ms=20, max_request_size=16 * 2**20
         )
         await producer.start()
+        if EXTERNAL:  # a real Kafka topic takes MAX_RECORD_BYTES at most: the record never reaches a worker
+            sent[topics.queries][0].remove(oversize)
+            with pytest.raises(MessageSizeTooLargeError):
+                await producer.send_and_wait(topics.queries, oversize)
         for topic, (messages, _) in sent.items():
             for payload in messages:
                 await producer.send(topic, payload)
@@ -659,8 +667,9 @@ def test_publish_batch_splits_into_bounded_producer_batches_and_keeps_every_key(
     from rlens.messages import Answer
     from rlens.service.kafka import BATCH_BYTES, make_broker, publish_batch
 
-    broker_process = LocalBroker()
+    broker_process = broker_for_tests()
     config = settings().model_copy(update={"kafka_bootstrap": broker_process.bootstrap})
+    topic = f"batched-{time.time_ns()}"  # its own, on a shared broker
 
     async def scenario() -> list:
         broker = make_broker(config)
@@ -689,11 +698,11 @@ def test_publish_batch_splits_into_bounded_producer_batches_and_keeps_every_key(
             return await real(*messages, **options)
 
         broker.publish_batch = counted
-        await publish_batch(broker, "batched", answers)
+        await publish_batch(broker, topic, answers)
         assert len(sent) >= 4 and max(sent) <= BATCH_BYTES
         await broker.stop()
         consumer = AIOKafkaConsumer(
-            "batched", bootstrap_servers=broker_process.bootstrap, group_id=None, auto_offset_reset="earliest"
+            topic, bootstrap_servers=broker_process.bootstrap, group_id=None, auto_offset_reset="earliest"
         )
         await consumer.start()
         records, deadline = [], time.monotonic() + 60

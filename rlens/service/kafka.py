@@ -31,8 +31,10 @@ from rlens.messages import DeadLetter, Message
 from rlens.settings import Settings
 
 M = TypeVar("M", bound=Message)
-# policies are large (RLAE-MAPPO over 4 models: 1.8 MB); the broker's topic limit must allow them
+# policies are large (RLAE-MAPPO over 4 models: 1.8 to 3.3 MB): the policy topic is made to take this much
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# what the per-query topics are made to take: a query, answer or experience at the bounds of its fields
+MAX_RECORD_BYTES = 4 * 1024 * 1024
 # a producer batch of :func:`publish_batch` stays under a broker's default message limit (1 MB)
 BATCH_BYTES = 512 * 1024
 DEAD_LETTER_VALUE_BYTES = 4096  # a dead letter keeps this much of the value (its size and hash say the rest)
@@ -95,7 +97,9 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
         security=security,
         logger=logger,
         log_level=logging.DEBUG,
-        max_batch_size=MAX_MESSAGE_BYTES,
+        # what it gathers per partition: room for a publish_batch chunk and its records' overhead, under Kafka's
+        # default topic limit (1 MB); a larger record goes alone
+        max_batch_size=2 * BATCH_BYTES,
         max_request_size=MAX_MESSAGE_BYTES,
         acks=-1 if settings.kafka_acks == "all" else 1,
         enable_idempotence=settings.kafka_idempotence,
@@ -200,6 +204,15 @@ def _key(message: Message) -> bytes | None:
     return query_id.encode() if query_id else None
 
 
+def topic_configs(policy: bool, replication: int) -> dict[str, str]:
+    """A topic's settings on a real cluster: the records it must take (a policy, or a message at its bounds; Kafka's
+    default is 1 MB), and with replication, acknowledged writes on at least two replicas."""
+    configs = {"max.message.bytes": str(MAX_MESSAGE_BYTES if policy else MAX_RECORD_BYTES)}
+    if replication > 1:
+        configs["min.insync.replicas"] = str(min(2, replication))
+    return configs
+
+
 async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[str, ...] = ()) -> None:
     """Create the service's topics and the ``extra`` ones (one partition each: a gateway's reply topic).
 
@@ -216,7 +229,12 @@ async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[st
         existing = set(await admin.list_topics())
         replication = settings.kafka_replication
         wanted = [
-            NewTopic(t, 1 if t in (topics.policy, topics.drift, *extra) else partitions, replication)
+            NewTopic(
+                t,
+                1 if t in (topics.policy, topics.drift, *extra) else partitions,
+                replication,
+                topic_configs=topic_configs(t == topics.policy, replication),
+            )
             for t in (*vars(topics).values(), *extra)
             if t not in existing
         ]
