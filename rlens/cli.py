@@ -360,6 +360,7 @@ def gateway(
     /v1/answers/{id} in front of the Kafka service (stops cleanly on SIGTERM)."""
     from rlens.service.api_keys import KeysError
     from rlens.service.gateway import run_gateway
+    from rlens.service.kafka import BrokerRefused
     from rlens.service.security import SecretsError
 
     s = settings()
@@ -368,7 +369,7 @@ def gateway(
     )
     try:
         run_gateway(s)
-    except (KeysError, SecretsError) as exc:
+    except (KeysError, SecretsError, BrokerRefused) as exc:
         fail(str(exc))
 
 
@@ -505,6 +506,7 @@ def up(
     from redis.exceptions import RedisError
 
     from rlens.models.pool import PoolConfigError, load_pool_config
+    from rlens.service.kafka import BrokerRefused, check_idempotence
     from rlens.service.load import BrokerUnreachable, probe_broker
     from rlens.service.local import port_taken
     from rlens.service.security import redact_url
@@ -553,6 +555,11 @@ def up(
             s.model_copy(update={"pool_file": pool_file.resolve()}), workdir, partitions, kafka, redis_url, broker_port
         )
     except (DatasetError, PoolConfigError, RuntimeError, FileNotFoundError) as exc:
+        fail(str(exc))
+    try:
+        asyncio.run(check_idempotence(stack.settings))
+    except BrokerRefused as exc:
+        stack.stop()
         fail(str(exc))
     try:
         if fresh:

@@ -177,11 +177,19 @@ def test_ctrl_c_while_the_stack_starts_stops_it_at_once_with_one_line(tmp_path):
     assert "Traceback" not in output and not port_taken(port)
 
 
-def test_an_unreachable_redis_or_broker_is_one_line(tmp_path):
+def test_an_unreachable_redis_or_broker_or_a_missing_feature_is_one_line(tmp_path):
     from rlens.service.local import free_port
 
-    for variable, words in (("RLENS_REDIS_URL", "Redis does not answer at"), ("RLENS_KAFKA_BOOTSTRAP", "no Kafka")):
-        value = f"redis://127.0.0.1:{free_port()}/0" if variable == "RLENS_REDIS_URL" else f"127.0.0.1:{free_port()}"
+    for variable, words in (
+        ("RLENS_REDIS_URL", "Redis does not answer at"),
+        ("RLENS_KAFKA_BOOTSTRAP", "no Kafka"),
+        ("RLENS_KAFKA_IDEMPOTENCE", "refused an idempotent producer"),  # tansu has none
+    ):
+        value = {
+            "RLENS_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+            "RLENS_KAFKA_BOOTSTRAP": f"127.0.0.1:{free_port()}",
+            "RLENS_KAFKA_IDEMPOTENCE": "true",
+        }[variable]
         result = subprocess.run(
             [sys.executable, "-m", "rlens.cli", "up", "--workdir", str(tmp_path / "up"), "--no-gateway"],
             capture_output=True,

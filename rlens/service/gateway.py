@@ -50,6 +50,7 @@ from rlens.service.api_keys import FailedAuth, KeyRecord, KeyStore
 from rlens.service.gateway_state import GatewayState, QueryRecord, digest
 from rlens.service.kafka import (
     Topics,
+    check_idempotence,
     dead_letter,
     ensure_topics,
     keep_bytes,
@@ -789,6 +790,7 @@ def run_gateway(settings: Settings) -> None:
     from rlens.service.local import free_port
 
     check_exposure(settings.gateway_host, admin_token(settings), "RLENS_GATEWAY_HOST")
+    asyncio.run(check_idempotence(settings))
     if not settings.gateway_port:
         settings = settings.model_copy(update={"gateway_port": free_port()})
     setup_logging()

@@ -264,3 +264,30 @@ class TopicRestorer:
             await ensure_topics(self.settings, self.settings.kafka_partitions)
         except Exception as exc:  # the broker is down: the next failure tries again
             log.warning("could not ensure the topics: %s", exc)
+
+
+class BrokerRefused(ValueError):
+    """The broker does not offer what the settings ask for (one line saying which, and what to set)."""
+
+
+async def check_idempotence(settings: Settings) -> None:
+    """With ``kafka_idempotence``, start one idempotent producer: a broker without them (tansu) refuses its
+    InitProducerId, and every process would fail at its first publish instead of saying why at its start."""
+    if not settings.kafka_idempotence:
+        return
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.errors import KafkaError
+
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, enable_idempotence=True, acks="all")
+    quiet = logging.getLogger("aiokafka")
+    level, quiet.level = quiet.level, logging.CRITICAL  # its own line would precede ours
+    try:
+        await producer.start()
+    except KafkaError as exc:
+        raise BrokerRefused(
+            f"the broker at {settings.kafka_bootstrap} refused an idempotent producer ({type(exc).__name__}): it does "
+            "not support them (tansu does not); set RLENS_KAFKA_IDEMPOTENCE=false"
+        ) from None
+    finally:
+        quiet.setLevel(level)
+        await producer.stop()

@@ -17,6 +17,7 @@ from rlens.drift import DriftConfig, DriftMonitor
 from rlens.models.pool import PoolConfig, build_backend, build_rlae_decoder, load_pool_config
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.service.learner import LearnerCore, claim_group, create_learner_app
+from rlens.service.kafka import check_idempotence
 from rlens.service.local import free_port
 from rlens.service.logs import setup_logging
 from rlens.service.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
@@ -191,6 +192,7 @@ def run_app(app, settings: Settings) -> None:
 
 def run_worker(settings: Settings) -> None:
     check_exposure(settings.metrics_host, admin_token(settings), "RLENS_METRICS_HOST")
+    asyncio.run(check_idempotence(settings))
     torch.set_num_threads(settings.torch_threads)
     settings = with_metrics_port(settings)
     run_app(create_worker_app(settings, build_worker(settings)), settings)
@@ -198,6 +200,7 @@ def run_worker(settings: Settings) -> None:
 
 def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
     check_exposure(settings.metrics_host, admin_token(settings), "RLENS_METRICS_HOST")
+    asyncio.run(check_idempotence(settings))
     # the learner's MAPPO update: 2.4x faster on one thread on a busy machine (BENCHMARKS.md)
     torch.set_num_threads(settings.torch_threads)
     settings = with_metrics_port(settings)
