@@ -24,7 +24,7 @@ import pytest
 import schemathesis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from pydantic import SecretStr
-from hypothesis import HealthCheck, settings as hsettings
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 from redis.asyncio import Redis
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -697,3 +697,34 @@ def test_monitoring_beyond_loopback_needs_the_admin_token(tmp_path, command, var
     )
     lines = (result.stdout + result.stderr).strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and "set RLENS_ADMIN_TOKEN" in lines[0], lines
+
+
+@hsettings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    field=st.sampled_from(["content", "stream", "choice", "model", "metadata_key"]),
+    text=st.text(st.characters(codec=None, categories=["Cs", "Lo", "So", "Zs"]), min_size=1, max_size=20),
+)
+def test_malformed_unicode_in_any_field_is_a_4xx_never_a_500(gw, field, text):
+    body = {
+        "model": "rlens-focal",
+        "messages": [{"role": "user", "content": "question 1"}],
+        "rlens": {"choices": CHOICES, "reference_id": "1"},
+        "metadata": {"stream": "unicode"},
+    }
+    if field == "content":
+        body["messages"][0]["content"] = text
+    elif field == "stream":
+        body["metadata"]["stream"] = text
+    elif field == "choice":
+        body["rlens"]["choices"] = [text, *CHOICES[1:]]
+    elif field == "model":
+        body["model"] = text
+    else:
+        body["metadata"] = {text: "x", "stream": "unicode"}
+    response = httpx.post(
+        f"{gw['url']}/v1/chat/completions",
+        content=json.dumps(body, ensure_ascii=True).encode(),  # lone surrogates as \\udXXX escapes: valid JSON
+        headers={**auth(gw), "Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code < 500, response.text
