@@ -8,7 +8,10 @@ values: a valid message of the topic with one field replaced by NaN, infinity, 1
 (signed by an attacker's key), ... Every feedback and policy message here is bad; a query is valid when it parses and
 has choices; an experience that parses and fits the pool (a mutation can leave one well formed) is held for its
 feedback and dead-lettered only when it expires (``RLENS_PENDING_TTL_S``), so it is counted apart. The stack (tansu, redis-server, 1 learner, 1 worker, replay backends) gets them all,
-then 200 legitimate queries with feedback. Reported: whether every process is alive, every valid query answered
+then 200 legitimate queries with feedback, after their streams' Redis windows got rows that do not parse (deep nesting,
+huge numbers, wrong types) and the broker was restarted empty (memory storage; nobody makes the topics again by
+hand). Among the queries: 30 that reply to topics no gateway registered and 30 on a gateway tenant's stream key
+without a gateway's signature, all to be dead-lettered (and no topic made). Reported: whether every process is alive, every valid query answered
 exactly once, every bad message dead-lettered (per topic), the reasons' kinds, the seconds from the first message
 sent to the last dead letter read, and whether the learner learned from the legitimate traffic afterwards.
 """
@@ -29,9 +32,11 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from machine import machine_facts
 from stacks import replay_stack
 from rlens.evaluation.dataset import load_dataset
+from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Answer, DeadLetter, Experience, Feedback, Query
 from rlens.service.kafka import Topics
+from rlens.service.local import LocalBroker
 from rlens.service.load import play, queries_of
 from rlens.service.online import FocalOnlineTrainer
 from rlens.service.policy import encode_policy
@@ -39,6 +44,7 @@ from rlens.service.security import PolicySigner, generate_secrets
 from rlens.service.stack import LocalStack
 from rlens.settings import settings
 
+REPLY_PREFIX = Topics.from_settings(settings()).reply_prefix
 EXTREMES = [
     float("nan"),
     float("inf"),
@@ -127,7 +133,31 @@ def payloads(n: int, seed: int, zoo) -> dict[str, list[bytes]]:
     out["policy"][: len(policies)] = [p.model_dump_json().encode() for p in policies]
     # schema-valid, forged
     out["feedback"][0] = Feedback(query_id="fuzz-0", token="f" * 32, reward=-1).model_dump_json().encode()
+    # schema-valid queries that must not be answered: replies to topics no gateway registered (each would have made
+    # a topic), and a gateway tenant's stream key without a gateway's signature (it would move the tenant's window)
+    spam = Query.model_validate(query)
+    out["queries"] += [
+        spam.model_copy(update={"query_id": f"spam-{i}", "reply_to": f"{REPLY_PREFIX}spam-{i}"})
+        .model_dump_json()
+        .encode()
+        for i in range(30)
+    ] + [
+        spam.model_copy(update={"query_id": f"tenant-{i}", "stream": "@acme/support"}).model_dump_json().encode()
+        for i in range(30)
+    ]
     return out
+
+
+def poisoned_rows(window_size: int) -> list[bytes]:
+    """Window rows written into Redis by hand: deep nesting (json.loads raises RecursionError), huge numbers, wrong
+    types; each stream's window must skip them and keep serving (a nested row used to block its stream for a week)."""
+    return [
+        b"[" * 1000 + b"]" * 1000,
+        b"[1," + b"9" * 400 + b",1,1,1,1,1]",
+        b"[true,1.0,1,1,1,1,1]",
+        b'{"label": 1}',
+        b"[1,1e999,1,1,1,1,1]",
+    ] * max(1, window_size // 50)
 
 
 def fits_the_pool(payload: bytes, trainer) -> bool:
@@ -138,11 +168,14 @@ def fits_the_pool(payload: bytes, trainer) -> bool:
 
 
 def valid_query(payload: bytes) -> str | None:
+    """The id of a query the service must answer: it parses, has choices, replies to no unregistered topic and is
+    on no gateway tenant's stream."""
     try:
         query = Query.model_validate_json(payload)
     except ValueError:
         return None
-    return query.query_id if query.choices is not None else None
+    answerable = query.choices is not None and query.reply_to is None and not query.stream.startswith("@")
+    return query.query_id if answerable else None
 
 
 async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str], held: int, timeout_s: float) -> dict:
@@ -215,6 +248,28 @@ async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str]
     }
 
 
+async def poison_windows(stack: LocalStack, streams: set[str]) -> None:
+    from redis.asyncio import Redis
+
+    from rlens.service.windows import RedisWindows
+
+    redis = Redis.from_url(stack.settings.redis_url.get_secret_value())
+    windows = RedisWindows(redis, 5, FocalConfig.window, stack.settings.redis_prefix)
+    for stream in streams:
+        await redis.rpush(windows.window_key(stream), *poisoned_rows(FocalConfig.window))
+    await redis.aclose()
+
+
+async def spam_topics(stack: LocalStack) -> int:
+    """Topics named by the spam queries' reply_to (none may exist)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=stack.settings.kafka_bootstrap)
+    await consumer.start()
+    try:
+        return sum(t.startswith(f"{REPLY_PREFIX}spam-") for t in await consumer.topics())
+    finally:
+        await consumer.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--per-topic", type=int, default=10_000)
@@ -233,10 +288,16 @@ def main() -> None:
         stack.start_worker()
         stack.wait_ready(120)
         result = asyncio.run(flood(stack, sent, valid, held, timeout_s=120))
-        after = asyncio.run(
-            play(stack.settings, queries_of(zoo.subset(list(range(200))), None, "after"), rate=50, idle_timeout_s=60)
-        )
+        after_traffic = queries_of(zoo.subset(list(range(200))), None, "after")
+        asyncio.run(poison_windows(stack, {q.stream for q, _ in after_traffic}))
+        # a broker restarted empty (memory storage) between the flood and the legitimate traffic: nobody makes the
+        # topics again by hand
+        port = stack.broker.port
+        stack.broker.stop()
+        stack.broker = LocalBroker(port)
+        after = asyncio.run(play(stack.settings, after_traffic, rate=50, idle_timeout_s=90))
         time.sleep(3.0)
+        result["topics_made_by_reply_to"] = asyncio.run(spam_topics(stack))
         result["alive"] = all(p.poll() is None for p in stack.processes())
         result["after"] = {
             "answered": after.answered,
@@ -254,7 +315,15 @@ def main() -> None:
     )
     result["learner"] = {
         k: state["stats"][k]
-        for k in ("joined", "updates", "forged_feedback", "invalid_experience", "failed_records", "rejected_updates")
+        for k in (
+            "joined",
+            "updates",
+            "forged_feedback",
+            "invalid_experience",
+            "failed_records",
+            "rejected_updates",
+            "new_logs",
+        )
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
