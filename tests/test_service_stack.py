@@ -31,7 +31,7 @@ from rlens.service.load import play, queries_of
 from rlens.service.local import LocalBroker, LocalRedis
 from rlens.service.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
-from brokers import EXTERNAL, broker_for_tests, own_broker_only, stack_for_tests
+from brokers import EXTERNAL, broker_for_tests, own_broker_only, own_prefixes, stack_for_tests
 
 N = 600  # the first 5 task blocks of the bundled stream
 
@@ -718,3 +718,36 @@ def test_publish_batch_splits_into_bounded_producer_batches_and_keeps_every_key(
         broker_process.stop()
     assert sorted(r.key for r in records) == sorted(f"b{i}".encode() for i in range(700))
     assert all(json.loads(r.value)["query_id"] == r.key.decode() for r in records)
+
+
+@pytest.mark.skipif(EXTERNAL is None, reason="tansu keeps no topic settings: a real Kafka test")
+def test_topics_take_the_records_rlens_sends_and_a_smaller_existing_one_is_named(caplog):
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    from rlens.service.kafka import MAX_MESSAGE_BYTES, MAX_RECORD_BYTES
+
+    config = own_prefixes(settings().model_copy(update={"kafka_bootstrap": EXTERNAL}))
+    topics = Topics.from_settings(config)
+
+    async def scenario() -> dict[str, int]:
+        admin = AIOKafkaAdminClient(bootstrap_servers=EXTERNAL)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(topics.drift, 1, 1)])  # made by hand: Kafka's default limit
+            await ensure_topics(config)
+            described = await admin.describe_configs(
+                [
+                    ConfigResource(ConfigResourceType.TOPIC, t, configs={"max.message.bytes": None})
+                    for t in (topics.policy, topics.answers, topics.drift)
+                ]
+            )
+            return {name: int(entries[0][1]) for r in described for _, _, _, name, entries in r.resources}
+        finally:
+            await admin.close()
+
+    with caplog.at_level("WARNING", logger="rlens.kafka"):
+        limits = asyncio.run(scenario())
+    assert limits[topics.policy] == MAX_MESSAGE_BYTES and limits[topics.answers] == MAX_RECORD_BYTES
+    assert limits[topics.drift] < MAX_RECORD_BYTES
+    assert f"topic {topics.drift} takes records of at most {limits[topics.drift]} bytes" in caplog.text

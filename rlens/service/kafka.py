@@ -243,8 +243,36 @@ async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[st
                 await admin.create_topics(wanted)
             except TopicAlreadyExistsError:
                 pass
+        await _check_limits(admin, [t for t in (*vars(topics).values(), *extra) if t in existing], topics.policy)
     finally:
         await admin.close()
+
+
+async def _check_limits(admin: Any, names: list[str], policy: str) -> None:
+    """Warn about topics that existed already and take smaller records than rlens sends (a real cluster's default
+    is 1 MB; RLAE-MAPPO policies are up to 3.3 MB). Brokers that do not describe topic settings are not checked."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    if not names:
+        return
+    try:
+        described = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, n, configs={"max.message.bytes": None}) for n in names]
+        )
+    except Exception as exc:  # tansu, or an ACL without DescribeConfigs
+        log.debug("topic settings not checked: %s", exc)
+        return
+    for response in described:
+        for _, _, _, name, entries in response.resources:
+            limit = next((int(value) for key, value, *_ in entries if key == "max.message.bytes"), None)
+            needed = MAX_MESSAGE_BYTES if name == policy else MAX_RECORD_BYTES
+            if limit is not None and limit < needed:
+                log.warning(
+                    "topic %s takes records of at most %d bytes; rlens sends up to %d there: raise its max.message.bytes",
+                    name,
+                    limit,
+                    needed,
+                )
 
 
 class TopicRestorer:
