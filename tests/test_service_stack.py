@@ -751,3 +751,18 @@ def test_topics_take_the_records_rlens_sends_and_a_smaller_existing_one_is_named
     assert limits[topics.policy] == MAX_MESSAGE_BYTES and limits[topics.answers] == MAX_RECORD_BYTES
     assert limits[topics.drift] < MAX_RECORD_BYTES
     assert f"topic {topics.drift} takes records of at most {limits[topics.drift]} bytes" in caplog.text
+
+
+@own_broker_only
+def test_rlens_load_produces_with_the_service_producer_settings():
+    """`rlens load` used aiokafka's defaults (acks=1, no idempotence) whatever the settings said: asked for
+    idempotent producers, it now asks tansu for one, which tansu refuses."""
+    from aiokafka.errors import KafkaError
+
+    broker = LocalBroker()
+    try:
+        config = settings().model_copy(update={"kafka_bootstrap": broker.bootstrap, "kafka_idempotence": True})
+        with pytest.raises(KafkaError):
+            asyncio.run(play(config, [], rate=1, idle_timeout_s=5))
+    finally:
+        broker.stop()
