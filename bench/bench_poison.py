@@ -5,8 +5,8 @@
 Half of each topic's messages are random bytes (0-2,000 of them), half are schema-shaped messages with extreme
 values: a valid message of the topic with one field replaced by NaN, infinity, 1e300, 50,000, an empty or
 100,001-character string, a list of the wrong length, a forged token, a forged signature, a signed policy of NaNs
-(signed by an attacker's key), ... Every feedback and policy message here is bad; a query is valid when it parses and
-has choices; an experience that parses and fits the pool (a mutation can leave one well formed) is held for its
+(signed by an attacker's key), ... Every feedback and policy message here is bad; a query is valid when it parses
+(and neither replies to an unregistered topic nor names a tenant's stream); an experience that parses and fits the pool (a mutation can leave one well formed) is held for its
 feedback and dead-lettered only when it expires (``RLENS_PENDING_TTL_S``), so it is counted apart. The stack (tansu, redis-server, 1 learner, 1 worker, replay backends) gets them all,
 then 200 legitimate queries with feedback, after their streams' Redis windows got rows that do not parse (deep nesting,
 huge numbers, wrong types) and the broker was restarted empty (memory storage; nobody makes the topics again by
@@ -168,13 +168,14 @@ def fits_the_pool(payload: bytes, trainer) -> bool:
 
 
 def valid_query(payload: bytes) -> str | None:
-    """The id of a query the service must answer: it parses, has choices, replies to no unregistered topic and is
-    on no gateway tenant's stream."""
+    """The id of a query the service must answer: it parses, replies to no unregistered topic and is on no gateway
+    tenant's stream (an open-ended one is answered too: over the models' samples, here with every model failing,
+    since the replay pool has recorded choices, not texts)."""
     try:
         query = Query.model_validate_json(payload)
     except ValueError:
         return None
-    answerable = query.choices is not None and query.reply_to is None and not query.stream.startswith("@")
+    answerable = query.reply_to is None and not query.stream.startswith("@")
     return query.query_id if answerable else None
 
 

@@ -111,6 +111,8 @@ from rlens.settings import Settings
 
 APPLY_BATCH = 256  # outcomes sent to Redis in one round trip
 log = logging.getLogger("rlens.learner")
+COMMIT_TIMEOUT_S = 5.0  # a commit not confirmed by then is given up (and tried again with a later batch)
+COMMIT_PAUSE_S = 30.0  # ... COMMIT_PAUSE_S later
 
 
 def event_time(record) -> float:
@@ -662,9 +664,26 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
                 offsets = {
                     tp: o for tp, o in live.commit_offsets(topic).items() if tp in consumer_of(message).assignment()
                 }
-                if offsets:
-                    await consumer_of(message).commit(offsets)
+                if offsets and not await commit(consumer_of(message), offsets):
+                    return  # committed with a later batch: the checkpoint is what a restart resumes from
                 committed[topic] = live.checkpoints.count
+
+    commits_paused_until = [0.0]
+
+    async def commit(consumer, offsets) -> bool:
+        """Commit, or give up after COMMIT_TIMEOUT_S (and try no other for COMMIT_PAUSE_S): aiokafka retries a
+        commit the broker refuses (a broker that lost the topic, say) for as long as it is let, and a learner
+        waiting on it would join nothing. The checkpoint holds the offsets a restart resumes from either way."""
+        if time.monotonic() < commits_paused_until[0]:
+            return False
+        try:
+            await asyncio.wait_for(consumer.commit(offsets), COMMIT_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("offsets not committed within %g s; none is tried for %g s", COMMIT_TIMEOUT_S, COMMIT_PAUSE_S)
+            commits_paused_until[0] = time.monotonic() + COMMIT_PAUSE_S
+            await restorer.restore()
+            return False
+        return True
 
     experience_model = core.trainer.experience if core else EXPERIENCE[settings.strategy]
 
