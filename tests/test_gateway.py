@@ -360,28 +360,23 @@ def test_a_key_sees_only_its_streams_a_retry_names_its_stream_and_a_broken_keys_
     assert "is not a valid keys file" in log and "keeping the 5 keys read before" in log
 
 
-def read_queries(settings_, after: set[str], timeout_s: float = 30) -> list[Query]:
-    """Queries on the queries topic whose ids are not in ``after``, once some arrive."""
+def read_topic(settings_, topic: str, model, done, timeout_s: float = 30) -> list:
+    """The messages of ``topic`` from its start, parsed as ``model``, read until ``done(found, last_read)`` (or
+    ``timeout_s``)."""
 
-    async def run() -> list[Query]:
+    async def run() -> list:
         consumer = AIOKafkaConsumer(
-            Topics.from_settings(settings_).queries,
-            bootstrap_servers=settings_.kafka_bootstrap,
-            group_id=None,
-            auto_offset_reset="earliest",
+            topic, bootstrap_servers=settings_.kafka_bootstrap, group_id=None, auto_offset_reset="earliest"
         )
         await consumer.start()
-        found: list[Query] = []
+        found: list = []
         deadline = time.monotonic() + timeout_s
         try:
-            while not found and time.monotonic() < deadline:
-                batches = await consumer.getmany(timeout_ms=500)
-                found += [
-                    q
-                    for records in batches.values()
-                    for r in records
-                    if (q := Query.model_validate_json(r.value)).query_id not in after
-                ]
+            while time.monotonic() < deadline:
+                batches = await consumer.getmany(timeout_ms=1000)
+                found += [model.model_validate_json(r.value) for records in batches.values() for r in records]
+                if done(found, batches):
+                    break
         finally:
             await consumer.stop()
         return found
@@ -389,24 +384,24 @@ def read_queries(settings_, after: set[str], timeout_s: float = 30) -> list[Quer
     return asyncio.run(run())
 
 
-def all_query_ids(settings_) -> set[str]:
-    async def run() -> set[str]:
-        consumer = AIOKafkaConsumer(
-            Topics.from_settings(settings_).queries,
-            bootstrap_servers=settings_.kafka_bootstrap,
-            group_id=None,
-            auto_offset_reset="earliest",
-        )
-        await consumer.start()
-        ids: set[str] = set()
-        try:
-            while batches := await consumer.getmany(timeout_ms=1000):
-                ids |= {Query.model_validate_json(r.value).query_id for records in batches.values() for r in records}
-        finally:
-            await consumer.stop()
-        return ids
+def read_queries(settings_, after: set[str]) -> list[Query]:
+    """Queries on the queries topic whose ids are not in ``after``, once some arrive."""
+    fresh = lambda found: [q for q in found if q.query_id not in after]  # noqa: E731
+    return fresh(read_topic(settings_, Topics.from_settings(settings_).queries, Query, lambda f, _: fresh(f)))
 
-    return asyncio.run(run())
+
+def all_query_ids(settings_) -> set[str]:
+    """The ids on the queries topic now (read until a read finds nothing more)."""
+    queries = read_topic(settings_, Topics.from_settings(settings_).queries, Query, lambda _, last: not last)
+    return {q.query_id for q in queries}
+
+
+def read_answers(settings_, query_id: str) -> Answer:
+    """The answer of ``query_id`` on the shared answers topic."""
+    mine = lambda found: [a for a in found if a.query_id == query_id]  # noqa: E731
+    answers = mine(read_topic(settings_, Topics.from_settings(settings_).answers, Answer, lambda f, _: mine(f)))
+    assert answers, f"no answer of {query_id} on the answers topic"
+    return answers[0]
 
 
 def test_a_stalled_worker_gives_504_with_the_query_id_503_when_full_and_the_late_answer_is_kept(gw):
@@ -504,31 +499,6 @@ def test_a_forged_reply_never_answers_a_client(gw):
     # gateway alone): no application reading `answers` can rate a gateway tenant's answer
     shared = read_answers(stack.settings, query.query_id)
     assert shared.answered_models and shared.feedback_token == ""
-
-
-def read_answers(settings_, query_id: str, timeout_s: float = 30) -> Answer:
-    """The answer of ``query_id`` on the shared answers topic."""
-
-    async def run() -> Answer:
-        consumer = AIOKafkaConsumer(
-            Topics.from_settings(settings_).answers,
-            bootstrap_servers=settings_.kafka_bootstrap,
-            group_id=None,
-            auto_offset_reset="earliest",
-        )
-        await consumer.start()
-        deadline = time.monotonic() + timeout_s
-        try:
-            while time.monotonic() < deadline:
-                for records in (await consumer.getmany(timeout_ms=500)).values():
-                    for record in records:
-                        if (answer := Answer.model_validate_json(record.value)).query_id == query_id:
-                            return answer
-        finally:
-            await consumer.stop()
-        raise AssertionError(f"no answer of {query_id} on the answers topic")
-
-    return asyncio.run(run())
 
 
 def test_a_query_replying_outside_the_reply_topics_is_dead_lettered(gw):
