@@ -1,6 +1,9 @@
 """Service throughput and latency on the local stack (tansu broker, redis-server, replay backends).
 
-    python bench/bench_service.py [--queries N] [--workers W] [--out bench/out/service.json]
+    python bench/bench_service.py [--queries N] [--workers W] [--kafka BOOTSTRAP] [--out bench/out/service.json]
+
+``--kafka``: on that Apache Kafka broker instead of tansu (e.g. `infra/kafka/kafka.sh start`), every phase on
+topics and consumer groups of its own, the yardstick (1) included.
 
 1. Raw aiokafka consume → produce: N query-sized messages pre-filled in a topic; one consumer-group member reads
    them in batches and produces one answer-sized message per input (commit after the batch's sends are confirmed,
@@ -107,6 +110,7 @@ def main() -> None:
         "--metrics-reps", type=int, default=2, help="alternations of the worker with its metrics off and on"
     )
     parser.add_argument("--partitions", type=int, default=4, help="partitions of the per-query topics")
+    parser.add_argument("--kafka", default=None, help="bootstrap of an Apache Kafka broker to run on (default: tansu)")
     parser.add_argument("--out", type=Path, default=Path("bench/out/service.json"))
     args = parser.parse_args()
     if args.saturate_s <= 12:
@@ -116,10 +120,11 @@ def main() -> None:
     dataset = load_dataset(data)
     stream = queries_of(dataset, None, "bench")  # reference ids index the dataset the replay backends serve
     traffic = cycled(stream, "bench", args.queries)
-    stack = replay_stack(Path("bench/out/service-stack"), args.partitions)
+    stack = replay_stack(Path("bench/out/service-stack"), args.partitions, args.kafka)
     topics = Topics.from_settings(stack.settings)
     bootstrap = stack.settings.kafka_bootstrap
     results: dict = {
+        "broker": f"Apache Kafka at {args.kafka}" if args.kafka else "tansu (memory storage)",
         "queries": args.queries,
         "workers": args.workers,
         "partitions": args.partitions,
@@ -128,9 +133,10 @@ def main() -> None:
     try:
         payloads = [q.model_dump_json().encode() for q, _ in traffic]
         reply_size = 700  # an Answer of the bundled stream is about this many bytes
-        asyncio.run(prefill(bootstrap, "raw.in", payloads))
+        raw_in, raw_out = f"{stack.settings.topic_prefix}raw.in", f"{stack.settings.topic_prefix}raw.out"
+        asyncio.run(prefill(bootstrap, raw_in, payloads))
         results["raw_aiokafka_msgs_per_s"] = asyncio.run(
-            raw_pipe(bootstrap, "raw.in", "raw.out", len(payloads), b"x" * reply_size, stack.settings.worker_batch)
+            raw_pipe(bootstrap, raw_in, raw_out, len(payloads), b"x" * reply_size, stack.settings.worker_batch)
         )
         print(f"raw aiokafka consume->produce: {results['raw_aiokafka_msgs_per_s']:.0f} msgs/s")
 
@@ -184,7 +190,7 @@ def main() -> None:
 
 def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None:
     """The whole stack on a fresh broker and Redis: its maximum rate, then latency at ``--load-share`` of it."""
-    stack = replay_stack(Path("bench/out/service-latency-stack"), args.partitions)
+    stack = replay_stack(Path("bench/out/service-latency-stack"), args.partitions, args.kafka)
     try:
         stack.start_learner()
         for _ in range(args.workers):

@@ -4,6 +4,7 @@ traffic that cycles through a stream with fresh query ids."""
 from __future__ import annotations
 
 import shutil
+import uuid
 from pathlib import Path
 
 from rlens.messages import Query
@@ -12,16 +13,16 @@ from rlens.service.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
 
-def replay_stack(workdir: Path, partitions: int = 4) -> LocalStack:
-    """A local stack (its own tansu broker and redis-server) in an emptied ``workdir`` (a cold start: no checkpoint
-    of an earlier run), its pool the bundled stream's models as `replay` backends, with short group timeouts;
-    ``partitions`` for the per-query topics."""
+def replay_stack(workdir: Path, partitions: int = 4, kafka: str | None = None) -> LocalStack:
+    """A local stack (its own tansu broker, or the Kafka at ``kafka`` on topics and groups of its own, and its own
+    redis-server) in an emptied ``workdir`` (a cold start: no checkpoint of an earlier run), its pool the bundled
+    stream's models as `replay` backends, with short group timeouts; ``partitions`` for the per-query topics."""
     shutil.rmtree(workdir, ignore_errors=True)
     pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
-    config = settings().model_copy(
-        update={"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
-    )
-    return LocalStack(config, workdir, partitions)
+    update = {"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
+    if kafka:
+        update["topic_prefix"] = f"b{uuid.uuid4().hex[:8]}."
+    return LocalStack(settings().model_copy(update=update), workdir, partitions, kafka_bootstrap=kafka)
 
 
 def cycled(stream: list[tuple[Query, Outcome]], prefix: str, n: int) -> list[tuple[Query, Outcome]]:
