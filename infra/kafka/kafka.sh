@@ -52,7 +52,6 @@ share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
 # the tests' fast rebalances use 2 s sessions; Kafka's default minimum is 6 s
 group.min.session.timeout.ms=1000
-log.flush.interval.ms=1000
 CONF
     java_ kafka.tools.StorageTool format -t "$(java_ kafka.tools.StorageTool random-uuid)" \
         -c "$run/server.properties" >"$run/format.log" 2>&1
