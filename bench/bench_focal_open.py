@@ -33,8 +33,8 @@ from rlens.evaluation.dataset import load_dataset
 from rlens.evaluation.open_ended import sampled_dataset
 from rlens.evaluation.replay import run_variant
 from rlens.focal.config import FocalConfig
-from rlens.service.load import open_ended_queries, play
-from rlens.service.stack import LocalStack, write_zoo_pool
+from rlens.local.load import open_ended_queries, play
+from rlens.local.stack import LocalStack, write_zoo_pool
 from rlens.settings import settings
 from rlens.zoo.build import SPECIALISTS, load_zoo
 from rlens.zoo.record import record_samples

@@ -35,8 +35,8 @@ import numpy as np
 from machine import machine_facts
 from rlens.evaluation.dataset import load_dataset
 from rlens.messages import Query
-from rlens.service.load import play, queries_of
-from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.local.load import play, queries_of
+from rlens.local.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
 RETRIED = {429, 503, 504}

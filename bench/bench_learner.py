@@ -24,11 +24,11 @@ from machine import cpu_name
 from rlens.checkpoint import CheckpointStore
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Experience, Feedback
-from rlens.service.learner import LearnerCore
-from rlens.service.local import LocalRedis
-from rlens.service.online import FocalOnlineTrainer
-from rlens.service.security import FeedbackTokens, PolicySigner, generate_secrets
-from rlens.service.windows import RedisWindows
+from rlens.service.learner.core import LearnerCore
+from rlens.local.servers import LocalRedis
+from rlens.service.learner.online import FocalOnlineTrainer
+from rlens.service.common.security import FeedbackTokens, PolicySigner, generate_secrets
+from rlens.service.common.windows import RedisWindows
 
 
 class Record:

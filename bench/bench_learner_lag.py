@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from machine import machine_facts
 from stacks import cycled, replay_stack
 from rlens.evaluation.dataset import load_dataset
-from rlens.service.load import LoadReport, play, queries_of
+from rlens.local.load import LoadReport, play, queries_of
 from rlens.settings import settings
 
 

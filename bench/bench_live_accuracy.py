@@ -20,8 +20,8 @@ from rlens.evaluation.dataset import load_dataset, shared_data_dir
 from rlens.focal.config import FocalConfig
 from rlens.evaluation.protocols import Protocol
 from rlens.evaluation.replay import replay
-from rlens.service.load import play, queries_of
-from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.local.load import play, queries_of
+from rlens.local.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
 

@@ -35,13 +35,13 @@ from rlens.evaluation.dataset import load_dataset
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Answer, DeadLetter, Experience, Feedback, Query
-from rlens.service.kafka import Topics
-from rlens.service.local import LocalBroker
-from rlens.service.load import play, queries_of
-from rlens.service.online import FocalOnlineTrainer
-from rlens.service.policy import encode_policy
-from rlens.service.security import PolicySigner, generate_secrets
-from rlens.service.stack import LocalStack
+from rlens.service.common.kafka import Topics
+from rlens.local.servers import LocalBroker
+from rlens.local.load import play, queries_of
+from rlens.service.learner.online import FocalOnlineTrainer
+from rlens.service.common.policy import encode_policy
+from rlens.service.common.security import PolicySigner, generate_secrets
+from rlens.local.stack import LocalStack
 from rlens.settings import settings
 
 REPLY_PREFIX = Topics.from_settings(settings()).reply_prefix
@@ -252,7 +252,7 @@ async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str]
 async def poison_windows(stack: LocalStack, streams: set[str]) -> None:
     from redis.asyncio import Redis
 
-    from rlens.service.windows import RedisWindows
+    from rlens.service.common.windows import RedisWindows
 
     redis = Redis.from_url(stack.settings.redis_url.get_secret_value())
     windows = RedisWindows(redis, 5, FocalConfig.window, stack.settings.redis_prefix)

@@ -37,9 +37,9 @@ from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.observe import SentenceEncoder
 from rlens.rlae.train import RLAETrainer
-from rlens.service.kafka import Topics
-from rlens.service.load import LoadReport, open_ended_queries, play
-from rlens.service.stack import LocalStack, write_zoo_pool
+from rlens.service.common.kafka import Topics
+from rlens.local.load import LoadReport, open_ended_queries, play
+from rlens.local.stack import LocalStack, write_zoo_pool
 from rlens.settings import settings
 from rlens.zoo.build import load_backend, load_zoo
 from rlens.zoo.tasks import generation_split, generation_stream

@@ -35,8 +35,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from machine import machine_facts
 from stacks import cycled, replay_stack
 from rlens.evaluation.dataset import load_dataset
-from rlens.service.kafka import Topics
-from rlens.service.load import play, queries_of
+from rlens.service.common.kafka import Topics
+from rlens.local.load import play, queries_of
 from rlens.settings import settings
 
 

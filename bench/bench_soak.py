@@ -20,7 +20,7 @@ from pathlib import Path
 from machine import machine_facts
 from stacks import replay_stack
 from rlens.evaluation.dataset import load_dataset
-from rlens.service.load import play, queries_of
+from rlens.local.load import play, queries_of
 from rlens.settings import settings
 
 

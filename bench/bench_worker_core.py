@@ -27,11 +27,11 @@ from machine import machine_facts
 from rlens.backends.replay import ReplayBackend
 from rlens.evaluation.dataset import load_dataset
 from rlens.focal.engine import FocalEngine
-from rlens.service.load import queries_of
-from rlens.service.local import LocalRedis
-from rlens.service.security import FeedbackTokens, PolicyVerifier, generate_secrets
-from rlens.service.windows import RedisWindows
-from rlens.service.worker import FocalWorker
+from rlens.local.load import queries_of
+from rlens.local.servers import LocalRedis
+from rlens.service.common.security import FeedbackTokens, PolicyVerifier, generate_secrets
+from rlens.service.common.windows import RedisWindows
+from rlens.service.worker.core import FocalWorker
 from rlens.settings import settings
 
 

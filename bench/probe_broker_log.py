@@ -18,7 +18,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from machine import machine_facts
-from rlens.service.local import LocalBroker
+from rlens.local.servers import LocalBroker
 
 PROBE, VALUE = 2_000, b"x" * 600
 

@@ -42,9 +42,9 @@ from bench_service import count_answers, prefill
 from machine import machine_facts
 from rlens.evaluation.dataset import load_dataset
 from rlens.messages import Answer, Query
-from rlens.service.kafka import Topics
-from rlens.service.load import feedback_for, queries_of
-from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.service.common.kafka import Topics
+from rlens.local.load import feedback_for, queries_of
+from rlens.local.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
 IDLE_STAGE, IDLE = (

@@ -8,8 +8,8 @@ import uuid
 from pathlib import Path
 
 from rlens.messages import Query
-from rlens.service.load import Outcome
-from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.local.load import Outcome
+from rlens.local.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
 

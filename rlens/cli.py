@@ -358,10 +358,10 @@ def gateway(
 ) -> None:
     """Run the OpenAI-compatible gateway: /v1/chat/completions, /v1/completions, /v1/models, /v1/feedback,
     /v1/answers/{id} in front of the Kafka service (stops cleanly on SIGTERM)."""
-    from rlens.service.api_keys import KeysError
-    from rlens.service.gateway import run_gateway
-    from rlens.service.kafka import BrokerRefused
-    from rlens.service.security import SecretsError
+    from rlens.service.gateway.api_keys import KeysError
+    from rlens.service.gateway.app import run_gateway
+    from rlens.service.common.kafka import BrokerRefused
+    from rlens.service.common.security import SecretsError
 
     s = settings()
     s = s.model_copy(
@@ -394,7 +394,7 @@ def keys_add(
     file: Path | None = KEYS_FILE,
 ) -> None:
     """Make an API key: prints it once (only its hash is stored)."""
-    from rlens.service.api_keys import KeysError, add_key
+    from rlens.service.gateway.api_keys import KeysError, add_key
 
     path = keys_file(file)
     try:
@@ -412,7 +412,7 @@ def keys_list(file: Path | None = KEYS_FILE) -> None:
     """The keys in the file (ids, tenants, streams, rates; never the keys)."""
     import datetime
 
-    from rlens.service.api_keys import KeysError, read_records
+    from rlens.service.gateway.api_keys import KeysError, read_records
 
     path = keys_file(file)
     try:
@@ -441,7 +441,7 @@ def keys_revoke(
     key_id: str = typer.Argument(..., help="the key's id (`rlens keys list`)"), file: Path | None = KEYS_FILE
 ) -> None:
     """Revoke a key: running gateways refuse it within a second (they re-read the file when it changes)."""
-    from rlens.service.api_keys import KeysError, revoke_key
+    from rlens.service.gateway.api_keys import KeysError, revoke_key
 
     path = keys_file(file)
     try:
@@ -455,7 +455,7 @@ def keys_revoke(
 def secrets() -> None:
     """Print fresh values of the service's secrets as RLENS_* lines (an env file): the feedback secret for the
     workers, the learner and the gateway; the policy signing key for the learner only; the verify key for the workers."""
-    from rlens.service.security import generate_secrets
+    from rlens.service.common.security import generate_secrets
 
     print("# rlens service secrets: RLENS_POLICY_SIGNING_KEY belongs to the learner alone")
     for name, value in generate_secrets().items():
@@ -506,11 +506,11 @@ def up(
     from redis.exceptions import RedisError
 
     from rlens.models.pool import PoolConfigError, load_pool_config
-    from rlens.service.kafka import BrokerRefused, check_idempotence
-    from rlens.service.load import BrokerUnreachable, probe_broker
-    from rlens.service.local import port_taken
-    from rlens.service.security import redact_url
-    from rlens.service.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool
+    from rlens.service.common.kafka import BrokerRefused, check_idempotence
+    from rlens.local.load import BrokerUnreachable, probe_broker
+    from rlens.ports import port_taken
+    from rlens.service.common.security import redact_url
+    from rlens.local.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool
 
     if strategy not in ("rl_focal", "rlae"):
         fail(f"--strategy must be rl_focal or rlae, got {strategy!r}")
@@ -648,11 +648,11 @@ def load(
 
     from rich.live import Live
 
-    from rlens.service.stack import CLIENT_ENV
+    from rlens.local.stack import CLIENT_ENV
     from rlens.settings import Settings
 
     from rlens.rlae.tasks import TaskFileError, read_tasks
-    from rlens.service.load import (
+    from rlens.local.load import (
         BrokerUnreachable,
         LoadReport,
         new_run_id,

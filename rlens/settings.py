@@ -71,7 +71,7 @@ class Settings(BaseSettings):
     dedup_ttl_s: int = Field(
         86400, ge=1, description="how long a query's applied outcome is remembered (duplicate feedback)"
     )
-    # streaming service: trust (see rlens.service.security; `rlens secrets` generates all three)
+    # streaming service: trust (see rlens.service.common.security; `rlens secrets` generates all three)
     feedback_secret: SecretStr | None = Field(
         None, description="workers, learner, gateway: the HMAC key of the answers' feedback tokens"
     )

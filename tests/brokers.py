@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlens.service.local import LocalBroker
-from rlens.service.stack import LocalStack
+from rlens.local.servers import LocalBroker
+from rlens.local.stack import LocalStack
 from rlens.settings import Settings
 
 EXTERNAL = os.environ.get("RLENS_TEST_KAFKA_BOOTSTRAP") or None

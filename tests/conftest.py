@@ -50,7 +50,7 @@ def bbh_slice_dir(bbh: RecordedDataset, tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def redis_server():
     """A redis-server of the tests' own (free port, no persistence)."""
-    from rlens.service.local import LocalRedis
+    from rlens.local.servers import LocalRedis
 
     server = LocalRedis()
     yield server

@@ -15,8 +15,8 @@ from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
-from rlens.service.load import play, queries_of
-from rlens.service.stack import write_replay_pool
+from rlens.local.load import play, queries_of
+from rlens.local.stack import write_replay_pool
 from rlens.settings import settings
 from brokers import stack_for_tests
 

@@ -57,7 +57,7 @@ def test_the_marginal_diversity_observation_reaches_the_decider_and_the_learner(
     agents, the critic and the learner's shape check all take the longer vector."""
     from rlens.focal.config import FocalConfig
     from rlens.focal.features import decider_obs_dim
-    from rlens.service.online import FocalOnlineTrainer
+    from rlens.service.learner.online import FocalOnlineTrainer
 
     engine = FocalEngine(3, config=FocalConfig(marginal_diversity=True), seed=0)
     for predictions in ([0, 1, 0], [1, 0, 1], [1, 1, 0]):

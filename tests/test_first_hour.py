@@ -122,7 +122,7 @@ def read_until(process: subprocess.Popen, words: str, timeout_s: float = 240.0) 
 
 
 def test_a_stack_refuses_a_second_one_on_its_work_folder_feeds_load_and_stops_on_ctrl_c(tmp_path):
-    from rlens.service.local import free_port, port_taken
+    from rlens.ports import free_port, port_taken
 
     workdir = tmp_path / "up"
     up = start(["up", "--workdir", str(workdir), "--gateway-port", "0", "--broker-port", str(free_port())])
@@ -164,7 +164,7 @@ def test_a_stack_refuses_a_second_one_on_its_work_folder_feeds_load_and_stops_on
 
 
 def test_ctrl_c_while_the_stack_starts_stops_it_at_once_with_one_line(tmp_path):
-    from rlens.service.local import free_port, port_taken
+    from rlens.ports import free_port, port_taken
 
     port = free_port()
     up = start(["up", "--workdir", str(tmp_path / "up"), "--gateway-port", "0", "--broker-port", str(port)])
@@ -178,7 +178,7 @@ def test_ctrl_c_while_the_stack_starts_stops_it_at_once_with_one_line(tmp_path):
 
 
 def test_an_unreachable_redis_or_broker_or_a_missing_feature_is_one_line(tmp_path):
-    from rlens.service.local import free_port
+    from rlens.ports import free_port
 
     for variable, words in (
         ("RLENS_REDIS_URL", "Redis does not answer at"),

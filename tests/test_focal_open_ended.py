@@ -23,10 +23,10 @@ from rlens.focal.schedule import questions
 from rlens.focal.voting import plurality_vote
 from rlens.messages import Feedback, Query
 from rlens.models.ensemble import PoolCaller
-from rlens.service.learner import LearnerCore
-from rlens.service.online import FocalOnlineTrainer
-from rlens.service.windows import RedisWindows
-from rlens.service.worker import FocalWorker
+from rlens.service.learner.core import LearnerCore
+from rlens.service.learner.online import FocalOnlineTrainer
+from rlens.service.common.windows import RedisWindows
+from rlens.service.worker.core import FocalWorker
 from trust import SIGNER, TOKENS, VERIFIER, token
 
 MODELS = ["a", "b", "c"]

@@ -33,11 +33,11 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from rlens.messages import Answer, Query
-from rlens.service.api_keys import KeysError, KeyStore, add_key, read_records, revoke_key
-from rlens.service.gateway import OPENAPI_FILE, openapi_document
-from rlens.service.gateway_state import GatewayState
-from rlens.service.kafka import Topics
-from rlens.service.stack import write_replay_pool
+from rlens.service.gateway.api_keys import KeysError, KeyStore, add_key, read_records, revoke_key
+from rlens.service.gateway.app import OPENAPI_FILE, openapi_document
+from rlens.service.gateway.state import GatewayState
+from rlens.service.common.kafka import Topics
+from rlens.local.stack import write_replay_pool
 from rlens.settings import settings
 from brokers import stack_for_tests
 
@@ -581,7 +581,9 @@ def test_prompts_never_reach_the_logs(gw):
 
 
 def test_the_published_openapi_document_is_current():
-    assert json.loads(OPENAPI_FILE.read_text()) == openapi_document(), "regenerate it: python -m rlens.service.gateway"
+    assert json.loads(OPENAPI_FILE.read_text()) == openapi_document(), (
+        "regenerate it: python -m rlens.service.gateway.app"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
-from rlens.service.metrics import GatewayMetrics, LearnerMetrics, StreamLabels, WorkerMetrics
+from rlens.service.common.metrics import GatewayMetrics, LearnerMetrics, StreamLabels, WorkerMetrics
 
 INFRA = Path(__file__).parent.parent / "infra"
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"), "gauge": ("",)}

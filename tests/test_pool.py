@@ -87,7 +87,7 @@ def test_up_refuses_a_pool_with_a_typo_before_starting_anything(tmp_path):
 def test_pool_check_passes_the_pool_rlens_up_serves(tmp_path):
     """`rlens up` serves the bundled stream's models as replay backends; each is probed with a question it has
     recorded (its first one has 4 choices, so a fixed two-choice probe failed every model)."""
-    from rlens.service.stack import write_replay_pool
+    from rlens.local.stack import write_replay_pool
     from rlens.settings import settings
 
     path = write_replay_pool(settings().demo_data, tmp_path / "pool.json")

@@ -8,8 +8,8 @@ import pytest
 from redis.asyncio import Redis
 
 from rlens.focal.window import OutcomeWindow
-from rlens.service.local import LocalRedis
-from rlens.service.windows import RedisWindows
+from rlens.local.servers import LocalRedis
+from rlens.service.common.windows import RedisWindows
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ from rlens.backends import Backend, BackendError, create_backend
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Experience, Feedback, Query
 from rlens.checkpoint import CheckpointStore
-from rlens.service.learner import LearnerCore
-from rlens.service.policy import PolicyError, decode_policy, encode_policy
-from rlens.service.windows import RedisWindows
-from rlens.service.online import FocalOnlineTrainer
-from rlens.service.worker import FocalWorker
-from rlens.service.load import queries_of
+from rlens.service.learner.core import LearnerCore
+from rlens.service.common.policy import PolicyError, decode_policy, encode_policy
+from rlens.service.common.windows import RedisWindows
+from rlens.service.learner.online import FocalOnlineTrainer
+from rlens.service.worker.core import FocalWorker
+from rlens.local.load import queries_of
 from trust import SIGNER, TOKENS, VERIFIER, token
 
 

@@ -29,14 +29,14 @@ from rlens.models.ensemble import CircuitBreaker, PoolCaller
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Experience, Feedback, Query
-from rlens.service.kafka import DEAD_LETTER_VALUE_BYTES, dead_letter
-from rlens.service.learner import LearnerCore
-from rlens.service.load import queries_of
-from rlens.service.online import FocalOnlineTrainer
-from rlens.service.policy import encode_policy
-from rlens.service.security import PolicySigner, generate_secrets, redact_url
-from rlens.service.windows import RedisWindows
-from rlens.service.worker import FocalWorker
+from rlens.service.common.kafka import DEAD_LETTER_VALUE_BYTES, dead_letter
+from rlens.service.learner.core import LearnerCore
+from rlens.local.load import queries_of
+from rlens.service.learner.online import FocalOnlineTrainer
+from rlens.service.common.policy import encode_policy
+from rlens.service.common.security import PolicySigner, generate_secrets, redact_url
+from rlens.service.common.windows import RedisWindows
+from rlens.service.worker.core import FocalWorker
 from rlens.settings import Settings
 from trust import SIGNER, TOKENS, VERIFIER, token
 
@@ -512,7 +512,7 @@ def test_the_service_runs_without_the_model_extras():
     blocked = "import sys\nfor m in ('transformers', 'fastapi', 'uvicorn', 'gguf', 'tiktoken', 'accelerate'): sys.modules[m] = None\n"
     check = (
         blocked
-        + "import rlens.cli, rlens.service.run, rlens.service.stack, rlens.service.load\nrlens.cli.quiet_transformers()\nprint('ok')"
+        + "import rlens.cli, rlens.service.run, rlens.local.stack, rlens.local.load\nrlens.cli.quiet_transformers()\nprint('ok')"
     )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
@@ -546,7 +546,7 @@ def test_cli_generates_secrets_and_a_process_without_its_secrets_says_which(monk
 
 
 def test_up_says_what_earlier_runs_left_and_fresh_clears_it(tmp_path, redis_server):
-    from rlens.service.stack import carried_state, clear_state
+    from rlens.local.stack import carried_state, clear_state
 
     config = Settings(redis_url=SecretStr(redis_server.url), redis_prefix="uptest")
     assert carried_state(config, tmp_path) == []
@@ -565,7 +565,7 @@ def test_up_says_what_earlier_runs_left_and_fresh_clears_it(tmp_path, redis_serv
 def test_metric_labels_stay_bounded_under_a_flood_of_stream_keys():
     from prometheus_client import CollectorRegistry
 
-    from rlens.service.metrics import OTHER, LearnerMetrics, StreamLabels, dead_letter_kind, failure_kind
+    from rlens.service.common.metrics import OTHER, LearnerMetrics, StreamLabels, dead_letter_kind, failure_kind
 
     labels = StreamLabels(limit=3)
     assert [labels(f"s{i % 5}") for i in range(10)] == ["s0", "s1", "s2", OTHER, OTHER, "s0", "s1", "s2", OTHER, OTHER]
@@ -590,7 +590,7 @@ def test_metric_labels_stay_bounded_under_a_flood_of_stream_keys():
 def test_the_learner_measures_each_feedbacks_delay_after_its_experience(tmp_path, redis_server):
     from prometheus_client import CollectorRegistry
 
-    from rlens.service.metrics import LearnerMetrics, StreamLabels
+    from rlens.service.common.metrics import LearnerMetrics, StreamLabels
 
     async def scenario():
         core = learner(tmp_path, redis_server.url)

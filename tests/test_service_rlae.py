@@ -23,12 +23,12 @@ from rlens.rlae.agent import RLAEConfig, Span, make_policy
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.observe import obs_dim
 from rlens.rlae.train import RLAEAgent, RLAETrainer
-from rlens.service.kafka import Topics
-from rlens.service.learner import LearnerCore
-from rlens.service.load import open_ended_queries, play
-from rlens.service.online import RLAEOnlineTrainer
-from rlens.service.rlae_worker import RLAEWorker
-from rlens.service.stack import LocalStack, write_zoo_pool
+from rlens.service.common.kafka import Topics
+from rlens.service.learner.core import LearnerCore
+from rlens.local.load import open_ended_queries, play
+from rlens.service.learner.online import RLAEOnlineTrainer
+from rlens.service.worker.rlae import RLAEWorker
+from rlens.local.stack import LocalStack, write_zoo_pool
 from rlens.settings import settings
 from rlens.zoo.tasks import exact_match, generation_split
 from brokers import stack_for_tests

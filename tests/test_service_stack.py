@@ -26,10 +26,10 @@ from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import run_online
 from rlens.messages import DeadLetter, Experience, Feedback, Policy, Query
-from rlens.service.kafka import DEAD_LETTER_VALUE_BYTES, Topics, ensure_topics
-from rlens.service.load import play, queries_of
-from rlens.service.local import LocalBroker, LocalRedis
-from rlens.service.stack import LocalStack, write_replay_pool
+from rlens.service.common.kafka import DEAD_LETTER_VALUE_BYTES, Topics, ensure_topics
+from rlens.local.load import play, queries_of
+from rlens.local.servers import LocalBroker, LocalRedis
+from rlens.local.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 from brokers import EXTERNAL, broker_for_tests, own_broker_only, own_prefixes, stack_for_tests
 
@@ -86,7 +86,7 @@ def feedback_applied(stack: LocalStack, queries: list[Query], timeout_s: float =
     stream's Redis window (its once-per-query marker exists), as the offline loop does before the next decision."""
     from redis.asyncio import Redis
 
-    from rlens.service.windows import RedisWindows
+    from rlens.service.common.windows import RedisWindows
 
     windows = RedisWindows(
         Redis.from_url(stack.settings.redis_url.get_secret_value()), 1, 1, prefix=stack.settings.redis_prefix
@@ -302,8 +302,8 @@ async def topic_partitions(config) -> dict[str, int]:
 
 
 def test_the_topics_are_made_again_and_a_refused_batch_is_retried_within_a_budget():
-    from rlens.service.kafka import TopicRestorer
-    from rlens.service.worker import Retries
+    from rlens.service.common.kafka import TopicRestorer
+    from rlens.service.worker.app import Retries
 
     broker = broker_for_tests()
     try:
@@ -562,8 +562,8 @@ def is_valid(model, payload: bytes) -> bool:
 def schema_valid_poison(zoo) -> dict[str, list[bytes]]:
     """Messages that parse but must not be used: a policy signed by another key with a huge version, an experience
     of the wrong shape, feedback with a forged token, an experience whose query was never asked."""
-    from rlens.service.policy import encode_policy
-    from rlens.service.security import PolicySigner, generate_secrets
+    from rlens.service.common.policy import encode_policy
+    from rlens.service.common.security import PolicySigner, generate_secrets
 
     attacker = PolicySigner(generate_secrets()["RLENS_POLICY_SIGNING_KEY"])
     forged = encode_policy(FocalEngine(5, seed=9).policy_state(), 2**62, 2**40, zoo.model_names, "rl_focal", attacker)
@@ -665,7 +665,7 @@ def test_publish_batch_splits_into_bounded_producer_batches_and_keeps_every_key(
     """700 answers of about 2.7 KB each (about 1.9 MB) go out in several batches under BATCH_BYTES; every one
     arrives once, keyed by its query id."""
     from rlens.messages import Answer
-    from rlens.service.kafka import BATCH_BYTES, make_broker, publish_batch
+    from rlens.service.common.kafka import BATCH_BYTES, make_broker, publish_batch
 
     broker_process = broker_for_tests()
     config = settings().model_copy(update={"kafka_bootstrap": broker_process.bootstrap})
@@ -725,7 +725,7 @@ def test_topics_take_the_records_rlens_sends_and_a_smaller_existing_one_is_named
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-    from rlens.service.kafka import MAX_MESSAGE_BYTES, MAX_RECORD_BYTES
+    from rlens.service.common.kafka import MAX_MESSAGE_BYTES, MAX_RECORD_BYTES
 
     config = own_prefixes(settings().model_copy(update={"kafka_bootstrap": EXTERNAL}))
     topics = Topics.from_settings(config)

@@ -1,6 +1,6 @@
 """One set of service secrets for the tests that build workers and learners directly (fresh each session)."""
 
-from rlens.service.security import FeedbackTokens, PolicySigner, generate_secrets
+from rlens.service.common.security import FeedbackTokens, PolicySigner, generate_secrets
 
 SECRETS = generate_secrets()
 SIGNER = PolicySigner(SECRETS["RLENS_POLICY_SIGNING_KEY"])

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 
 from rlens.backends.base import BackendError, GenerationRequest
 from rlens.backends.hf import NextToken, PromptLogprobs, TransformersBackend
-from rlens.service.local import free_port
+from rlens.ports import free_port
 from rlens.backends.openai_protocol import (
     CompletionChoice,
     CompletionRequest,

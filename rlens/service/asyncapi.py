@@ -14,9 +14,9 @@ from faststream.specification import AsyncAPI
 from pydantic import SecretStr
 
 from rlens.messages import write_schemas
-from rlens.service.gateway import create_gateway_app
-from rlens.service.learner import create_learner_app
-from rlens.service.worker import create_worker_app
+from rlens.service.gateway.app import create_gateway_app
+from rlens.service.learner.app import create_learner_app
+from rlens.service.worker.app import create_worker_app
 from rlens.settings import Settings
 
 ASYNCAPI_PATH = Path(__file__).resolve().parents[2] / "schemas" / "asyncapi.json"

@@ -16,15 +16,17 @@ from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftConfig, DriftMonitor
 from rlens.models.pool import PoolConfig, build_backend, build_rlae_decoder, load_pool_config
 from rlens.rlae.agent import RLAEConfig, make_policy
-from rlens.service.learner import LearnerCore, claim_group, create_learner_app
-from rlens.service.kafka import check_idempotence
-from rlens.service.local import free_port
-from rlens.service.logs import setup_logging
-from rlens.service.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
-from rlens.service.metrics import admin_token
-from rlens.service.security import FeedbackTokens, PolicySigner, PolicyVerifier, SecretsError, check_exposure
-from rlens.service.windows import RedisWindows
-from rlens.service.worker import FocalWorker, Worker, create_worker_app
+from rlens.service.learner.core import LearnerCore
+from rlens.service.learner.app import claim_group, create_learner_app
+from rlens.service.common.kafka import check_idempotence
+from rlens.ports import free_port
+from rlens.service.common.logs import setup_logging
+from rlens.service.learner.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
+from rlens.service.common.metrics import admin_token
+from rlens.service.common.security import FeedbackTokens, PolicySigner, PolicyVerifier, SecretsError, check_exposure
+from rlens.service.common.windows import RedisWindows
+from rlens.service.worker.core import FocalWorker, Worker
+from rlens.service.worker.app import create_worker_app
 from rlens.settings import Settings
 
 
@@ -97,7 +99,7 @@ def build_worker(settings: Settings) -> Worker:
     if settings.strategy == "rlae":
         from rlens.rlae.observe import SentenceEncoder
         from rlens.rlae.train import RLAEAgent
-        from rlens.service.rlae_worker import RLAEWorker
+        from rlens.service.worker.rlae import RLAEWorker
 
         agent = RLAEAgent(
             rlae_policy(settings, len(names)).eval(), SentenceEncoder(), rlae_config(settings), len(names)

@@ -14,18 +14,7 @@ import tempfile
 import time
 from typing import IO
 
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_taken(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether something listens on ``host:port`` now."""
-    with socket.socket() as probe:
-        return probe.connect_ex((host, port)) == 0
+from rlens.ports import free_port, port_taken
 
 
 def _wait_for_port(port: int, process: subprocess.Popen, output: IO[bytes], what: str, timeout_s: float = 20.0) -> None:

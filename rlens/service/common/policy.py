@@ -17,7 +17,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from rlens.messages import Policy
-from rlens.service.security import PolicySigner, PolicyVerifier
+from rlens.service.common.security import PolicySigner, PolicyVerifier
 
 
 class PolicyError(ValueError):

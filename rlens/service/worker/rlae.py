@@ -20,9 +20,9 @@ from rlens.messages import Answer, ModelFailureRecord, Query, RLAEExperience, Sp
 from rlens.rlae.agent import Span
 from rlens.rlae.decode import EnsembleOutput, SpanWeightedDecoder
 from rlens.rlae.train import RLAEAgent
-from rlens.service.security import FeedbackTokens, PolicyVerifier
-from rlens.service.windows import RedisWindows
-from rlens.service.worker import BatchOutput, Worker
+from rlens.service.common.security import FeedbackTokens, PolicyVerifier
+from rlens.service.common.windows import RedisWindows
+from rlens.service.worker.core import BatchOutput, Worker
 
 log = logging.getLogger("rlens.worker")
 

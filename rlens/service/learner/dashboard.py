@@ -1,6 +1,6 @@
 """The live dashboard: what the learner sees, kept as bounded time series per stream, and the page that draws them.
 
-The learner serves ``/dashboard`` (a static page shipped in the package: ``rlens/service/static/``; no CDN, no
+The learner serves ``/dashboard`` (a static page shipped in the package: ``rlens/service/learner/static/``; no CDN, no
 internet) and ``/api/dashboard`` (:meth:`Dashboard.snapshot`, JSON), which the page polls every two seconds. Per
 stream, every :data:`POINT_EVERY` joined outcomes, a point holds the rolling (last :data:`ROLLING`) accuracy,
 reward and label-free confidence, each model's share of the answers (in the Decider's pool, or its mean RLAE

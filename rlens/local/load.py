@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from rlens.evaluation.dataset import RecordedDataset
 from rlens.messages import Answer, Feedback, Query
-from rlens.service.kafka import Topics
+from rlens.service.common.kafka import Topics
 from rlens.settings import Settings
 from rlens.zoo.tasks import GenerationTask, exact_match
 

@@ -1,6 +1,6 @@
 """What the learner trains, per strategy: one small interface, :class:`OnlineTrainer`, and its two implementations.
 
-The learner (:mod:`rlens.service.learner`) joins an experience with its feedback and hands the pair over:
+The learner (:mod:`rlens.service.learner.core`) joins an experience with its feedback and hands the pair over:
 :meth:`~OnlineTrainer.check` says whether an experience fits the pool (its shapes and ranges; one that does not
 is dead-lettered before it is held), :meth:`~OnlineTrainer.reward` turns the feedback into a reward (or says why it
 cannot), :meth:`~OnlineTrainer.window_row`
@@ -37,7 +37,7 @@ from rlens.messages import MAX_CHOICES, Experience, Feedback, RLAEExperience
 from rlens.models.answers import Extractor, label_of
 from rlens.rlae.agent import Policy, RLAEConfig, Span, update
 from rlens.rlae.observe import obs_dim
-from rlens.service.checkpoint import load_engine, save_engine
+from rlens.service.learner.checkpoint import load_engine, save_engine
 from rlens.zoo.tasks import exact_match
 
 

@@ -22,9 +22,9 @@ from pydantic import SecretStr
 
 from rlens import locks
 from rlens.evaluation.dataset import load_dataset
-from rlens.service.kafka import ensure_topics
-from rlens.service.local import LocalBroker, LocalRedis
-from rlens.service.security import generate_secrets
+from rlens.service.common.kafka import ensure_topics
+from rlens.local.servers import LocalBroker, LocalRedis
+from rlens.service.common.security import generate_secrets
 from rlens.settings import Settings
 
 SECRETS = ("feedback_secret", "policy_signing_key", "policy_verify_key")
@@ -67,7 +67,7 @@ def write_client_env(settings: Settings, workdir: Path) -> Path:
 def workdir_gateway_key(workdir: Path) -> Path:
     """The stack's gateway key file (``keys.json``, hashed) and the key itself (``gateway.key``, mode 0600): made on
     first use, for tenant ``local`` on every stream; the path of the key."""
-    from rlens.service.api_keys import add_key
+    from rlens.service.gateway.api_keys import add_key
 
     key_path = workdir / "gateway.key"
     if not key_path.is_file():

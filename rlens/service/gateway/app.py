@@ -4,7 +4,7 @@ Request → reply over Kafka: a request becomes a :class:`~rlens.messages.Query`
 ``reply_to`` = this replica's reply topic (``<prefix>replies.<gateway id>``), so each replica reads only the
 answers of its own queries. The replica waits for the answer up to ``RLENS_GATEWAY_TIMEOUT_S``; a timeout is a 504
 carrying the query id, and the answer, when it comes, is kept (``GET /v1/answers/{id}``) for
-``RLENS_GATEWAY_RETENTION_S``. Everything replicas share is in Redis (:mod:`rlens.service.gateway_state`): the
+``RLENS_GATEWAY_RETENTION_S``. Everything replicas share is in Redis (:mod:`rlens.service.gateway.state`): the
 first answer of each query (at-least-once duplicates never reach the client), ``Idempotency-Key`` → query id (a
 retry, on any replica, gets the same answer instead of asking the models twice), feedback given, rate buckets.
 
@@ -12,7 +12,7 @@ Answers are accepted only with a valid feedback token (an HMAC only workers can 
 a reply topic cannot answer a client. ``POST /v1/feedback`` checks the feedback against its query (tenant, label
 range, kind), gives each query's feedback once, and publishes it with the token the learner checks.
 
-Security: :mod:`rlens.service.api_keys` (hashed keys, tenant, allowed streams, rate); 401 without a valid key,
+Security: :mod:`rlens.service.gateway.api_keys` (hashed keys, tenant, allowed streams, rate); 401 without a valid key,
 403 for a stream the key may not use, 404 for another tenant's queries, 413 above the body or prompt limits, 429
 with ``Retry-After`` past the key's rate, 503 when ``RLENS_GATEWAY_MAX_WAITING`` requests already wait. Prompts
 are never logged.
@@ -46,9 +46,9 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from rlens.messages import MAX_TEXT, Answer, DeadLetter, Feedback, Query, tenant_stream
-from rlens.service.api_keys import FailedAuth, KeyRecord, KeyStore
-from rlens.service.gateway_state import GatewayState, QueryRecord, digest
-from rlens.service.kafka import (
+from rlens.service.gateway.api_keys import FailedAuth, KeyRecord, KeyStore
+from rlens.service.gateway.state import GatewayState, QueryRecord, digest
+from rlens.service.common.kafka import (
     Topics,
     check_idempotence,
     dead_letter,
@@ -59,9 +59,9 @@ from rlens.service.kafka import (
     publish_dead_letters,
     typed_publisher,
 )
-from rlens.service.logs import setup_logging
-from rlens.service.metrics import GatewayMetrics, admin_token
-from rlens.service.openai_api import (
+from rlens.service.common.logs import setup_logging
+from rlens.service.common.metrics import GatewayMetrics, admin_token
+from rlens.service.gateway.openai_api import (
     MODEL_OF,
     MODELS,
     DEFAULT_STREAM,
@@ -80,8 +80,8 @@ from rlens.service.openai_api import (
     completion,
     stream_chunks,
 )
-from rlens.service.security import FeedbackTokens, admin_allowed, check_exposure
-from rlens.service.windows import RedisWindows
+from rlens.service.common.security import FeedbackTokens, admin_allowed, check_exposure
+from rlens.service.common.windows import RedisWindows
 from rlens.settings import Settings
 
 log = logging.getLogger("rlens.gateway")
@@ -787,7 +787,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
 def run_gateway(settings: Settings) -> None:
     import uvicorn
 
-    from rlens.service.local import free_port
+    from rlens.ports import free_port
 
     check_exposure(settings.gateway_host, admin_token(settings), "RLENS_GATEWAY_HOST")
     asyncio.run(check_idempotence(settings))
@@ -815,6 +815,6 @@ def openapi_document() -> dict:
     return create_gateway_app(settings).openapi()
 
 
-if __name__ == "__main__":  # python -m rlens.service.gateway: rewrite schemas/gateway.openapi.json
+if __name__ == "__main__":  # python -m rlens.service.gateway.app: rewrite schemas/gateway.openapi.json
     OPENAPI_FILE.write_text(json.dumps(openapi_document(), indent=1) + "\n")
     print(OPENAPI_FILE)

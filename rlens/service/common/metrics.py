@@ -16,7 +16,7 @@ from faststream.asgi.types import ASGIApp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
 from redis.exceptions import RedisError
 
-from rlens.service.security import admin_allowed
+from rlens.service.common.security import admin_allowed
 
 if TYPE_CHECKING:
     from rlens.settings import Settings
@@ -285,7 +285,7 @@ def admin_token(settings: Settings) -> str | None:
 
 
 def admin_only(app: ASGIApp, token: str | None) -> ASGIApp:
-    """``app`` behind the admin token (:func:`rlens.service.security.admin_allowed`): 401 with a Basic challenge
+    """``app`` behind the admin token (:func:`rlens.service.common.security.admin_allowed`): 401 with a Basic challenge
     without it, so that a browser asks for it once and sends it with the dashboard's own requests."""
     if token is None:
         return app

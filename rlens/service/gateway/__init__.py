@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway in front of the Kafka service."""
