@@ -191,7 +191,7 @@ def test_piped_output_is_wide_enough_for_the_widest_table():
     import sys
 
     code = (
-        "from rich.table import Table\nfrom rlens.cli import console\nt = Table()\n"
+        "from rich.table import Table\nfrom rlens.cli.common import console\nt = Table()\n"
         "[t.add_column(c) for c in ('sent', 'answered', 'accuracy %', 'last 200 %', 'calls / query', 'p50 ms', 'p99 ms', 'duplicates', 'policy')]\n"
         "console.print(t)"
     )

@@ -512,7 +512,7 @@ def test_the_service_runs_without_the_model_extras():
     blocked = "import sys\nfor m in ('transformers', 'fastapi', 'uvicorn', 'gguf', 'tiktoken', 'accelerate'): sys.modules[m] = None\n"
     check = (
         blocked
-        + "import rlens.cli, rlens.service.run, rlens.local.stack, rlens.local.load\nrlens.cli.quiet_transformers()\nprint('ok')"
+        + "import rlens.cli, rlens.cli.common, rlens.service.run, rlens.local.stack, rlens.local.load\nrlens.cli.common.quiet_transformers()\nprint('ok')"
     )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

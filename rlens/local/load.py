@@ -19,6 +19,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Awaitable, Callable
 
 import numpy as np
@@ -266,3 +267,33 @@ async def probe_broker(settings: Settings) -> None:
 
 def new_run_id() -> str:
     return uuid.uuid4().hex[:8]
+
+
+class TrafficError(ValueError):
+    """The traffic to play cannot be read (a dataset or a task file), in one line."""
+
+
+def traffic_of(data: Path, tasks: str | None, limit: int | None) -> tuple[str, list[tuple[Query, Outcome]]]:
+    """(name, traffic): open-ended ``tasks`` (a JSON-lines task file, or ``zoo``: the zoo's generation stream, 8
+    blocks of 50 with task switches), else the multiple-choice questions of the dataset ``data``; the first ``limit``."""
+    from rlens.evaluation.dataset import DatasetError, load_dataset
+    from rlens.rlae.tasks import TaskFileError, read_tasks
+    from rlens.zoo.record import QUESTIONS_FILE, read_questions
+    from rlens.zoo.tasks import GENERATION_FAMILIES, generation_stream
+
+    if tasks is not None:
+        try:
+            open_ended = (
+                generation_stream(GENERATION_FAMILIES, 8, 50, seed=7) if tasks == "zoo" else read_tasks(Path(tasks))
+            )
+        except TaskFileError as exc:
+            raise TrafficError(str(exc)) from None
+        name = "zoo generation stream" if tasks == "zoo" else tasks
+        return name, open_ended_queries(open_ended, new_run_id())[:limit]
+    try:
+        dataset = load_dataset(data)
+    except DatasetError as exc:
+        raise TrafficError(str(exc)) from None
+    questions = data / QUESTIONS_FILE
+    prompts = [(q.prompt, q.choices) for q in read_questions(questions)] if questions.is_file() else None
+    return dataset.name, queries_of(dataset, prompts, new_run_id())[:limit]

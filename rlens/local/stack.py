@@ -64,6 +64,13 @@ def write_client_env(settings: Settings, workdir: Path) -> Path:
     return path
 
 
+def client_settings(workdir: Path) -> Settings | None:
+    """The settings of a client of the stack in ``workdir`` (its ``client.env``; RLENS_* variables override it),
+    or None when there is no stack there."""
+    path = Path(workdir) / CLIENT_ENV
+    return Settings(_env_file=path) if path.is_file() else None  # type: ignore[call-arg]
+
+
 def workdir_gateway_key(workdir: Path) -> Path:
     """The stack's gateway key file (``keys.json``, hashed) and the key itself (``gateway.key``, mode 0600): made on
     first use, for tenant ``local`` on every stream; the path of the key."""

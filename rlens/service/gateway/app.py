@@ -804,7 +804,7 @@ def run_gateway(settings: Settings) -> None:
     )
 
 
-OPENAPI_FILE = Path(__file__).resolve().parents[2] / "schemas" / "gateway.openapi.json"
+OPENAPI_FILE = Path(__file__).resolve().parents[3] / "schemas" / "gateway.openapi.json"
 
 
 def openapi_document() -> dict:

@@ -1,0 +1,50 @@
+"""What every command shares: the consoles, one-line errors and interruptions, common options."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+
+from rlens.settings import settings
+
+PIPED_WIDTH = 160  # rich's 80 columns for a pipe or a log file cut the wider tables' headers (rlens load's 9 columns)
+console = Console(soft_wrap=True, width=None if os.isatty(1) else PIPED_WIDTH)
+errors = Console(stderr=True, soft_wrap=True)
+
+
+DEFAULT_WORKDIR = Path("out/up")  # `rlens up`'s work folder, where `rlens load` looks for the stack by default
+
+
+def fail(message: str) -> NoReturn:
+    errors.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def interrupted(what: str) -> NoReturn:
+    """Ctrl-C: one line and the shell's exit code for SIGINT (130), no traceback."""
+    errors.print(f"interrupted: {what}", highlight=False)
+    raise typer.Exit(130)
+
+
+def quiet_transformers() -> None:
+    """No transformers progress bars or advisory warnings on the terminal; rlens shows its own progress."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # the service runs without the model extras (the `hf` extra)
+        return
+
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's own tqdm bar
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def service_settings(pool: Path | None):
+    """The settings, with ``--pool`` (if given) as the pool file."""
+    return settings().model_copy(update={"pool_file": pool}) if pool else settings()
+
+
+POOL = typer.Option(None, "--pool", help="pool file (default: $RLENS_POOL_FILE)")

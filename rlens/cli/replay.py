@@ -1,0 +1,191 @@
+"""``rlens replay`` and ``rlens demo``: a recorded dataset through RL-Focal and every baseline, with a report."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import typer
+from rich.table import Table
+
+from rlens.cli.common import console, fail, interrupted
+from rlens.evaluation.dataset import DatasetError, load_dataset
+from rlens.evaluation.protocols import Protocol
+from rlens.focal.config import FocalConfig
+from rlens.progress import progress_bar
+from rlens.settings import settings
+
+if TYPE_CHECKING:
+    from rlens.evaluation.replay import Numerics
+    from rlens.focal.schedule import Reaction
+
+
+def run_replay(
+    data: Path,
+    protocol: Protocol,
+    seed: int,
+    out: Path,
+    variants: list[str],
+    workers: int,
+    config: FocalConfig,
+    drift=None,
+    numerics: Numerics = "portable",
+) -> None:
+    """Replay a dataset through RL-Focal and the baselines with a progress bar; print the table, write the report."""
+    from rlens.evaluation.replay import DriftOptions, replay as run, total_steps
+    from rlens.evaluation.report import write_outputs
+
+    try:
+        dataset = load_dataset(data)
+    except DatasetError as exc:
+        fail(str(exc))
+    console.print(
+        f"[bold]{dataset.name}[/]: {dataset.n_questions} questions, {dataset.n_models} models, {len(dataset.task_names)} tasks; protocol {protocol.value}, seed {seed}"
+    )
+    try:
+        with progress_bar(console) as bar:
+            stages = "warm start + online" if protocol == Protocol.paper else "online from a cold start"
+            task = bar.add_task(f"RL-Focal {stages}", total=total_steps(dataset, protocol, config, variants))
+            result = run(
+                dataset,
+                protocol,
+                seed,
+                config,
+                variants,
+                workers=workers,
+                progress=lambda n: bar.advance(task, n),
+                drift=drift or DriftOptions(),
+                numerics=numerics,
+            )
+    except ValueError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        interrupted(f"stopped the replay; nothing written to {out}")
+    paths = write_outputs(result, out)
+
+    table = Table(title=f"{dataset.name} — {protocol.value} protocol, {result.results.n_test} test questions")
+    table.add_column("method")
+    table.add_column("accuracy %", justify="right")
+    table.add_column("calls / query", justify="right")
+    for name, method in sorted(result.results.methods.items(), key=lambda item: -item[1].accuracy):
+        style = "bold green" if name == "rl_focal" else None
+        table.add_row(name, f"{100 * method.accuracy:.1f}", f"{method.mean_models_called:.2f}", style=style)
+    console.print(table)
+    if (found := result.results.drift) is not None and found.switches:
+        console.print(
+            f"drift: {len(found.detections)} detections, {found.switches - found.missed_switches} of {found.switches} task switches detected, "
+            f"{found.false_alarms_per_1000:.1f} false alarms per 1,000 questions (report.md)"
+        )
+        if not (drift and drift.one_stream):
+            console.print(
+                "  (each task had its own window, so a switch was known, not drift to detect; --one-stream plays the "
+                "stream under one key, as the service does when it is not told the task)"
+            )
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+
+
+WORKERS = typer.Option(min(2, os.cpu_count() or 1), min=1, help="processes for the RL-Focal variants")
+ONE_STREAM = typer.Option(
+    False,
+    "--one-stream",
+    help="one window key for the whole stream (the task unknown, as in the service): task switches become drift",
+)
+
+
+def replay(
+    data: Path = typer.Option(..., "--data", help="dataset directory in the recorded-outputs format"),
+    protocol: Protocol = typer.Option(
+        Protocol.paper,
+        help="paper: per task 80% warm start / 20% online test; stream: cold start over the whole stream",
+    ),
+    seed: int = typer.Option(0, help="random seed (runs are deterministic under a seed)"),
+    out: Path = typer.Option(
+        Path("out/replay"), help="directory for results.json, report.md, report.png, per_query.csv"
+    ),
+    variants: str = typer.Option(
+        "default",
+        help="RL-Focal variants to run, comma-separated (rl_focal, rl_focal_all_models, rl_focal_no_diversity, "
+        "rl_focal_kappa, rl_focal_paper_decider, rl_focal_marginal); default: all but rl_focal_marginal; all",
+    ),
+    workers: int = WORKERS,
+    numerics: str = typer.Option(
+        "portable", help="portable: the same figures for a seed on any x86-64 CPU; native: this CPU's fastest kernels"
+    ),
+    alpha: float = typer.Option(FocalConfig.alpha, min=0.0, help="cost weight in the reward"),
+    window: int = typer.Option(FocalConfig.window, min=1, help="sliding-window length W per stream"),
+    update_period: int = typer.Option(
+        FocalConfig.update_period, min=1, help="online MAPPO update every T explored queries"
+    ),
+    explore_rate: float = typer.Option(
+        FocalConfig.explore_rate,
+        min=0.0,
+        max=1.0,
+        help="online: share of queries on which both agents sample (and learn)",
+    ),
+    feedback_delay: int = typer.Option(
+        FocalConfig.feedback_delay, min=0, help="feedback of a query arrives this many queries later"
+    ),
+    one_stream: bool = ONE_STREAM,
+    drift_reaction: str = typer.Option(
+        "none", help="on a drift detection: none, trim (the window keeps its last 5 outcomes) or reset"
+    ),
+) -> None:
+    """Replay a recorded dataset through RL-Focal and every baseline; write the report (with drift detections)."""
+    from rlens.evaluation.replay import DriftOptions
+
+    if drift_reaction not in ("none", "trim", "reset"):
+        fail(f"--drift-reaction must be none, trim or reset, got {drift_reaction!r}")
+    if numerics not in ("portable", "native"):
+        fail(f"--numerics must be portable or native, got {numerics!r}")
+    config = replace(
+        FocalConfig(),
+        alpha=alpha,
+        window=window,
+        update_period=update_period,
+        explore_rate=explore_rate,
+        feedback_delay=feedback_delay,
+    )
+    drift = DriftOptions(one_stream, cast("Reaction", drift_reaction))
+    run_replay(data, protocol, seed, out, variant_names(variants), workers, config, drift, cast("Numerics", numerics))
+
+
+def variant_names(option: str) -> list[str]:
+    """``--variants``: "default", "all" or a comma-separated list of known RL-Focal variants."""
+    from rlens.evaluation.replay import DEFAULT_VARIANTS, RL_VARIANTS
+
+    if option.strip() == "all":
+        return list(RL_VARIANTS)
+    if option.strip() == "default":
+        return list(DEFAULT_VARIANTS)
+    names = [name.strip() for name in option.split(",") if name.strip()]
+    unknown = [name for name in names if name not in RL_VARIANTS]
+    if unknown or not names:
+        fail(f"--variants: unknown {unknown or 'empty list'}; known: {', '.join(RL_VARIANTS)} (or default, or all)")
+    return names
+
+
+def demo(
+    out: Path = typer.Option(Path("out/demo"), help="directory for results.json, report.md, report.png, per_query.csv"),
+    protocol: Protocol = typer.Option(
+        Protocol.stream,
+        help="stream: cold start, learning online over the whole stream; paper: per task 80% warm start / 20% test",
+    ),
+    seed: int = typer.Option(0, help="random seed"),
+    workers: int = WORKERS,
+    one_stream: bool = ONE_STREAM,
+) -> None:
+    """Replay the bundled zoo stream (5 real small models, 5 task families in blocks) through RL-Focal; no network."""
+    from rlens.evaluation.replay import DEFAULT_VARIANTS, DriftOptions
+
+    run_replay(
+        settings().demo_data,
+        protocol,
+        seed,
+        out,
+        list(DEFAULT_VARIANTS),
+        workers,
+        FocalConfig(),
+        DriftOptions(one_stream),
+    )

@@ -1,0 +1,157 @@
+"""``rlens up`` step by step: check what it is pointed at, write the pool, open the stack, start its processes, keep
+them running. Each step raises :class:`UpError` with one line for the user; nothing is left running after one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from redis import Redis
+from redis.exceptions import RedisError
+
+from rlens.evaluation.dataset import DatasetError
+from rlens.local.load import BrokerUnreachable, probe_broker
+from rlens.local.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool
+from rlens.models.pool import PoolConfigError, load_pool_config
+from rlens.ports import port_taken
+from rlens.service.common.kafka import BrokerRefused, check_idempotence
+from rlens.service.common.security import redact_url
+from rlens.settings import Settings
+
+READY_TIMEOUT_S = 180.0
+
+
+class UpError(Exception):
+    """What stops ``rlens up``, in one line."""
+
+
+@dataclass
+class UpOptions:
+    """What ``rlens up`` was asked for (its command-line options)."""
+
+    workdir: Path
+    strategy: str
+    pool: Path | None  # a pool file; None: the recorded dataset (rl_focal) or the zoo models (rlae)
+    replay: Path
+    zoo_models: list[str]
+    workers: int
+    partitions: int
+    broker_port: int
+    gateway: bool
+    warm_start: Path | None
+    fresh: bool
+
+
+def redis_to_use(settings: Settings, env_url: str | None) -> str | None:
+    """The Redis the stack uses: ``RLENS_REDIS_URL`` if set (it must answer), else the default one if it answers,
+    else None (the stack starts its own)."""
+    if env_url is None:
+        try:
+            Redis.from_url(settings.redis_url.get_secret_value(), socket_connect_timeout=0.5).ping()
+            return settings.redis_url.get_secret_value()
+        except RedisError:
+            return None
+    try:
+        Redis.from_url(env_url, socket_connect_timeout=2).ping()
+    except RedisError as exc:
+        raise UpError(
+            f"Redis does not answer at {redact_url(env_url)} (RLENS_REDIS_URL): {exc} Start it, fix the URL, "
+            "or unset RLENS_REDIS_URL and `rlens up` starts its own."
+        ) from None
+    return env_url
+
+
+def check_broker(settings: Settings, bootstrap: str) -> None:
+    try:
+        asyncio.run(probe_broker(settings.model_copy(update={"kafka_bootstrap": bootstrap})))
+    except BrokerUnreachable:
+        raise UpError(
+            f"no Kafka broker answers at {bootstrap} (RLENS_KAFKA_BOOTSTRAP): start it, fix the address, "
+            "or unset RLENS_KAFKA_BOOTSTRAP and `rlens up` starts its own."
+        ) from None
+
+
+def pool_file(options: UpOptions, settings: Settings) -> Path:
+    """The pool the workers serve: the given file (checked before anything starts: a typo is one line, not a crashed
+    worker), or one written into the work folder."""
+    if options.pool is not None:
+        load_pool_config(options.pool)
+        return options.pool
+    if options.strategy == "rlae":
+        return write_zoo_pool(settings.zoo_dir, options.zoo_models, options.workdir / "pool.json")
+    return write_replay_pool(options.replay, options.workdir / "pool.json")
+
+
+def open_stack(options: UpOptions, settings: Settings, kafka: str | None, redis_env: str | None) -> LocalStack:
+    """Checks, the pool file, the stack's broker and Redis (started or reached), its idempotence check."""
+    if options.strategy not in ("rl_focal", "rlae"):
+        raise UpError(f"--strategy must be rl_focal or rlae, got {options.strategy!r}")
+    if options.gateway and settings.gateway_port and port_taken(settings.gateway_port):
+        raise UpError(
+            f"port {settings.gateway_port} is taken (another `rlens up`, or another program): pass --gateway-port, "
+            "or --no-gateway"
+        )
+    redis_url = redis_to_use(settings, redis_env)
+    if kafka is not None:
+        check_broker(settings, kafka)
+    try:
+        pool = pool_file(options, settings)
+        stack = LocalStack(
+            settings.model_copy(update={"pool_file": pool.resolve()}),
+            options.workdir,
+            options.partitions,
+            kafka,
+            redis_url,
+            options.broker_port,
+        )
+    except (DatasetError, PoolConfigError, RuntimeError, FileNotFoundError) as exc:
+        raise UpError(str(exc)) from None
+    try:
+        asyncio.run(check_idempotence(stack.settings))
+    except BrokerRefused as exc:
+        stack.stop()
+        raise UpError(str(exc)) from None
+    return stack
+
+
+def prepare_state(stack: LocalStack, options: UpOptions) -> list[str]:
+    """``--fresh``: clear the learner's checkpoints and the Redis keys. The lines to show: what was cleared, or what
+    is carried over from a previous run."""
+    try:
+        lines = []
+        if options.fresh:
+            clear_state(stack.settings, options.workdir)
+            lines.append(
+                f"fresh start: no learner checkpoint in {options.workdir}, no Redis keys under "
+                f"{stack.settings.redis_prefix!r}"
+            )
+        return lines + [
+            f"carried over: {line} (--fresh starts clean)" for line in carried_state(stack.settings, options.workdir)
+        ]
+    except RedisError as exc:
+        stack.stop()
+        raise UpError(f"Redis at {redact_url(stack.settings.redis_url.get_secret_value())} failed: {exc}") from None
+
+
+def start_processes(stack: LocalStack, options: UpOptions) -> None:
+    """The learner, the workers and the gateway, until every one is ready (TimeoutError or RuntimeError if not)."""
+    stack.start_learner(*(["--warm-start", str(options.warm_start)] if options.warm_start else []))
+    for _ in range(options.workers):
+        stack.start_worker()
+    if options.gateway:
+        stack.start_gateway()
+    stack.wait_ready(READY_TIMEOUT_S)
+
+
+def supervise(stack: LocalStack, stopping: Callable[[], bool], restarted: Callable[[str], None]) -> None:
+    """Restart what crashed, once a second, until ``stopping()`` (a SIGTERM to the group reaches the children too:
+    they are not restarted then)."""
+    while not stopping():
+        time.sleep(1)
+        if stopping():
+            break
+        for what in stack.restart_crashed():
+            restarted(what)
