@@ -191,7 +191,7 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path, redis_server):
         core.checkpoint()
         core.checkpoints.close()  # one learner per checkpoint directory: the first one leaves
         resumed = learner(tmp_path, redis_server.url)
-        assert resumed.version == 1 and resumed.stats == core.stats and resumed.offsets == {"rlens.feedback:0": 70}
+        assert resumed.version == 1 and resumed.stats == core.stats and resumed.offsets.read == {"rlens.feedback:0": 70}
         assert (
             list(resumed.experience) == ["pending"] and len(resumed.trainer.engine.buffer) == 6 and "q5" in resumed.done
         )

@@ -303,7 +303,7 @@ async def topic_partitions(config) -> dict[str, int]:
 
 def test_the_topics_are_made_again_and_a_refused_batch_is_retried_within_a_budget():
     from rlens.service.common.kafka import TopicRestorer
-    from rlens.service.worker.app import Retries
+    from rlens.service.worker.batches import Retries
 
     broker = broker_for_tests()
     try:

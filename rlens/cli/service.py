@@ -54,7 +54,7 @@ def gateway(
     """Run the OpenAI-compatible gateway: /v1/chat/completions, /v1/completions, /v1/models, /v1/feedback,
     /v1/answers/{id} in front of the Kafka service (stops cleanly on SIGTERM)."""
     from rlens.service.gateway.api_keys import KeysError
-    from rlens.service.gateway.app import run_gateway
+    from rlens.service.run import run_gateway
     from rlens.service.common.kafka import BrokerRefused
     from rlens.service.common.security import SecretsError
 

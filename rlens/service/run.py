@@ -1,4 +1,4 @@
-"""Building the service's parts from the settings, and running the worker and the learner as processes."""
+"""Building the service's parts from the settings, and running each process: the worker, the learner, the gateway."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from rlens.drift import DriftConfig, DriftMonitor
 from rlens.models.pool import PoolConfig, build_backend, build_rlae_decoder, load_pool_config
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.service.learner.core import LearnerCore
-from rlens.service.learner.app import claim_group, create_learner_app
+from rlens.service.learner.app import create_learner_app
+from rlens.service.learner.lease import claim_group
 from rlens.service.common.kafka import check_idempotence
 from rlens.ports import free_port
 from rlens.service.common.logs import setup_logging
 from rlens.service.learner.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
-from rlens.service.common.metrics import admin_token
-from rlens.service.common.security import FeedbackTokens, PolicySigner, PolicyVerifier, SecretsError, check_exposure
+from rlens.service.common.health import admin_token
+from rlens.service.common.security import check_exposure, feedback_tokens, policy_signer, policy_verifier
 from rlens.service.common.windows import RedisWindows
 from rlens.service.worker.core import FocalWorker, Worker
 from rlens.service.worker.app import create_worker_app
@@ -43,27 +44,6 @@ def build_engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
         FocalConfig(explore_rate=settings.focal_explore_rate, update_period=settings.focal_update_period),
         seed=settings.seed,
     )
-
-
-def _secret(settings: Settings, name: str) -> str:
-    value = getattr(settings, name)
-    if value is None:
-        raise SecretsError(
-            f"RLENS_{name.upper()} is not set: generate the service's secrets with `rlens secrets` (`rlens up` makes its own)"
-        )
-    return value if isinstance(value, str) else value.get_secret_value()
-
-
-def feedback_tokens(settings: Settings) -> FeedbackTokens:
-    return FeedbackTokens(_secret(settings, "feedback_secret"))
-
-
-def policy_verifier(settings: Settings) -> PolicyVerifier:
-    return PolicyVerifier(_secret(settings, "policy_verify_key"))
-
-
-def policy_signer(settings: Settings) -> PolicySigner:
-    return PolicySigner(_secret(settings, "policy_signing_key"))
 
 
 def build_windows(settings: Settings, n_models: int, size: int) -> RedisWindows:
@@ -209,3 +189,23 @@ def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
     core = build_learner(settings, warm_start)
     asyncio.run(claim_group(settings, core))  # before the app starts: a refused learner never joins the group
     run_app(create_learner_app(settings, core), settings)
+
+
+def run_gateway(settings: Settings) -> None:
+    import uvicorn
+
+    from rlens.service.gateway.app import create_gateway_app
+
+    check_exposure(settings.gateway_host, admin_token(settings), "RLENS_GATEWAY_HOST")
+    asyncio.run(check_idempotence(settings))
+    if not settings.gateway_port:
+        settings = settings.model_copy(update={"gateway_port": free_port()})
+    setup_logging()
+    uvicorn.run(
+        create_gateway_app(settings),
+        host=settings.gateway_host,
+        port=settings.gateway_port,
+        log_level="warning",
+        limit_concurrency=settings.gateway_max_connections,
+        timeout_keep_alive=max(1, round(settings.gateway_idle_timeout_s)),
+    )

@@ -1,25 +1,14 @@
-"""What a worker or learner process shows from the outside: Prometheus metrics, liveness and readiness.
-
-Each process serves, on ``RLENS_METRICS_HOST:RLENS_METRICS_PORT`` (port 0: a free one, announced in the process's
-readiness mark in Redis), ``/metrics`` (Prometheus text format, its own registry), ``/healthz`` (200 while the
-process runs) and ``/readyz`` (200 once its subscribers have joined and Redis answers; else 503 with the reason).
-Stream keys become label values through :class:`StreamLabels`: the first ``RLENS_METRICS_STREAMS`` distinct keys
+"""The Prometheus metrics of each process (worker, learner, gateway), each in its own registry; served at
+``/metrics`` by :mod:`rlens.service.common.health`. Stream keys become label values through :class:`StreamLabels`: the first ``RLENS_METRICS_STREAMS`` distinct keys
 keep their names, later ones share the label ``other``, so a flood of stream keys cannot grow the registry.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Awaitable, Callable
+from collections import Counter as Tally
 
-from faststream.asgi import AsgiResponse, get
-from faststream.asgi.types import ASGIApp
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
-from redis.exceptions import RedisError
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rlens.service.common.security import admin_allowed
-
-if TYPE_CHECKING:
-    from rlens.settings import Settings
 
 OTHER = "other"
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -58,22 +47,6 @@ def failure_kind(reason: str) -> str:
     if reason.startswith("none of its"):
         return "no_answer"
     return "refused" if reason.startswith("ModelUnavailable") else "error"
-
-
-def settings_url(settings: "Settings") -> str:
-    """Where a process's HTTP side answers (announced in its readiness mark)."""
-    return f"http://{settings.metrics_host}:{settings.metrics_port}"
-
-
-async def not_ready(core, joined: list[bool]) -> str | None:
-    """Why a worker or learner (``core``, with its ``windows``) is not ready: subscribers not joined, Redis down."""
-    if not joined:
-        return "subscribers have not joined their groups yet"
-    try:
-        await core.windows.redis.ping()
-    except (RedisError, OSError) as exc:
-        return f"Redis unreachable ({exc})"
-    return None
 
 
 class StreamLabels:
@@ -147,6 +120,34 @@ class WorkerMetrics:
             "policies refused (forged, non-finite, not for this pool)",
             registry=registry,
         )
+
+    def count_batch(self, queries, out, dead, worker) -> None:
+        """A batch's metrics, summed per label first (one update per label value, not per query): its queries,
+        stage times, answers, chosen models, failures, dead letters, the policy and the windows' reliabilities."""
+        self.batch_size.observe(len(queries) + len(dead))
+        for stream, n in Tally(self.stream(q.stream) for q in queries).items():
+            self.queries.labels(stream).inc(n)
+        for stage, seconds in out.stages.items():
+            self.stage_seconds.labels(stage).observe(seconds)
+        for stream, n in Tally(self.stream(a.stream) for a in out.answers).items():
+            self.answers.labels(stream).inc(n)
+        for model, n in Tally(model for a in out.answers for model in a.chosen_models).items():
+            self.model_selected.labels(model).inc(n)
+        failures = Tally((f.model, failure_kind(f.reason)) for a in out.answers for f in a.failures)
+        for (model, kind), n in failures.items():
+            self.model_failures.labels(model, kind).inc(n)
+        for a in out.answers:
+            self.models_called.observe(len(a.called_models))
+        if unanswered := sum(not a.answered_models for a in out.answers):
+            self.no_model_answered.inc(unanswered)
+        for kind, n in Tally(dead_letter_kind(letter.reason) for letter in dead).items():
+            self.dead_letters.labels(kind).inc(n)
+        self.policy_version.set(worker.policy_version)
+        self.policy_epoch.set(worker.policy_epoch)
+        for stream, window in worker.windows_read().items():
+            label = self.stream(stream)
+            for model, reliability in zip(worker.models, window.reliability().tolist()):
+                self.window_reliability.labels(label, model).set(reliability)
 
 
 class LearnerMetrics:
@@ -278,47 +279,3 @@ class GatewayMetrics:
             ["outcome"],
             registry=registry,
         )
-
-
-def admin_token(settings: Settings) -> str | None:
-    return settings.admin_token.get_secret_value() if settings.admin_token else None
-
-
-def admin_only(app: ASGIApp, token: str | None) -> ASGIApp:
-    """``app`` behind the admin token (:func:`rlens.service.common.security.admin_allowed`): 401 with a Basic challenge
-    without it, so that a browser asks for it once and sends it with the dashboard's own requests."""
-    if token is None:
-        return app
-
-    async def guarded(scope, receive, send) -> None:
-        authorization = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
-        if scope["type"] == "http" and not admin_allowed(authorization, token):
-            challenge = {"www-authenticate": 'Basic realm="rlens monitoring"'}
-            return await AsgiResponse(b"the admin token is needed here\n", 401, challenge)(scope, receive, send)
-        await app(scope, receive, send)
-
-    return guarded
-
-
-def http_routes(
-    registry: CollectorRegistry,
-    not_ready: Callable[[], Awaitable[str | None]],
-    token: str | None = None,
-    monitoring: list[tuple[str, ASGIApp]] | None = None,
-) -> list[tuple[str, ASGIApp]]:
-    """``/healthz`` and ``/readyz`` (``not_ready()``: why the process is not ready, or None), open to probes;
-    ``/metrics`` and the ``monitoring`` routes (the learner's dashboard) behind the admin ``token`` when set."""
-
-    @get
-    async def healthz(scope) -> AsgiResponse:
-        return AsgiResponse(b"ok\n", 200)
-
-    @get
-    async def readyz(scope) -> AsgiResponse:
-        reason = await not_ready()
-        return AsgiResponse(b"ready\n", 200) if reason is None else AsgiResponse(f"not ready: {reason}\n".encode(), 503)
-
-    guarded = [
-        (path, admin_only(app, token)) for path, app in [("/metrics", make_asgi_app(registry)), *(monitoring or [])]
-    ]
-    return [*guarded, ("/healthz", healthz), ("/readyz", readyz)]

@@ -30,6 +30,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 if TYPE_CHECKING:
+    from rlens.settings import Settings
     from rlens.messages import Answer, Query
 
 TOKEN_BYTES = 16
@@ -165,3 +166,24 @@ def redact_url(url: str) -> str:
     host = f"[{host}]" if ":" in host else host  # IPv6
     netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _secret(settings: Settings, name: str) -> str:
+    value = getattr(settings, name)
+    if value is None:
+        raise SecretsError(
+            f"RLENS_{name.upper()} is not set: generate the service's secrets with `rlens secrets` (`rlens up` makes its own)"
+        )
+    return value if isinstance(value, str) else value.get_secret_value()
+
+
+def feedback_tokens(settings: Settings) -> FeedbackTokens:
+    return FeedbackTokens(_secret(settings, "feedback_secret"))
+
+
+def policy_verifier(settings: Settings) -> PolicyVerifier:
+    return PolicyVerifier(_secret(settings, "policy_verify_key"))
+
+
+def policy_signer(settings: Settings) -> PolicySigner:
+    return PolicySigner(_secret(settings, "policy_signing_key"))

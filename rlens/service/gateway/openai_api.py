@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlens.messages import MAX_CHOICES, Answer, ModelFailureRecord, tenant_free
@@ -306,3 +307,8 @@ def stream_chunks(answer: Answer, model: str, chat: bool) -> list[dict[str, Any]
             "rlens": account,
         },
     ]
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    """An :class:`ApiError` as the response OpenAI's clients expect."""
+    return JSONResponse(error.body.model_dump(exclude_none=True), error.status, headers=error.headers)

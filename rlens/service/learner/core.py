@@ -2,7 +2,9 @@
 update every so many joined transitions, checkpoints, and publishes each new ``policy`` version.
 
 :class:`LearnerCore` is the logic without a transport; what is trained (RL-Focal's engine or the RLAE agent) is its
-:class:`rlens.service.learner.online.OnlineTrainer`. :func:`create_learner_app` wires it to Kafka.
+:class:`rlens.service.learner.online.OnlineTrainer`. Its parts: :mod:`.offsets` (what the state reflects),
+:mod:`.window_writer` (the Redis windows and their backlog), :mod:`.drift_watch` (detections and the reaction),
+:mod:`.pending` (unmatched halves). :mod:`.batches` hands it record batches; :mod:`.app` wires it to Kafka.
 
 - **Trust.** Feedback whose token is not its query's (:class:`rlens.service.common.security.FeedbackTokens`) is
   dead-lettered on arrival, before it is held or counted, so a forged feedback can neither train nor block the true
@@ -21,7 +23,7 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   ``label`` (open-ended: the candidate that the ``reference``'s answer is, none when no model gave it), RLAE's exact
   match of the generated text with ``reference``.
 - **Windows.** (rl_focal) Each join queues the query's outcome for its stream's Redis window; the queue is applied
-  after each batch of records (or every :data:`APPLY_BATCH` outcomes), in one pipelined round trip, once per query
+  after each batch of records (or every 256 outcomes), in one pipelined round trip, once per query
   id. While Redis is unreachable the learner retries with backoff for at most ``redis_wait_s``, then keeps the outcome
   in a backlog (checkpointed, bounded) that is applied, in order, once Redis answers again; learning goes on.
 - **Updates.** An update whose weights are not finite (or that raises) is undone: the weights and the optimizer
@@ -57,18 +59,13 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
-import math
 import os
 import socket
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
-from aiokafka.structs import TopicPartition
-from redis.exceptions import RedisError
 
 from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftMonitor, signals_of_outcome
@@ -81,12 +78,14 @@ from rlens.service.learner.online import FeedbackError, OnlineTrainer
 from rlens.service.common.metrics import (
     LearnerMetrics,
 )
+from rlens.service.learner.drift_watch import DriftWatch
+from rlens.service.learner.offsets import Offsets
 from rlens.service.learner.pending import Pending, PendingHalves
+from rlens.service.learner.window_writer import WindowWriter
 from rlens.service.common.policy import encode_policy, non_finite
 from rlens.service.common.security import FeedbackTokens, PolicySigner
 from rlens.service.common.windows import RedisWindows
 
-APPLY_BATCH = 256  # outcomes sent to Redis in one round trip
 log = logging.getLogger("rlens.learner")
 
 
@@ -94,12 +93,6 @@ def event_time(record) -> float:
     """A consumer record's timestamp in seconds (now, for a record without one)."""
     timestamp = getattr(record, "timestamp", None)
     return timestamp / 1000 if isinstance(timestamp, (int, float)) and timestamp > 0 else time.time()
-
-
-def partition_of(key: str) -> TopicPartition:
-    """``"topic:partition"`` → its TopicPartition."""
-    topic, partition = key.rsplit(":", 1)
-    return TopicPartition(topic, int(partition))
 
 
 @dataclass
@@ -145,14 +138,9 @@ class LearnerCore:
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.signer, self.tokens = signer, tokens
         self.pending_limit, self.pending_ttl_s, self.done_limit = pending_limit, pending_ttl_s, done_limit
-        self.redis_wait_s, self.backlog_limit = redis_wait_s, backlog_limit
-        # [stream, query id, predictions, label, reward] not yet in Redis, oldest first
-        self.window_backlog: deque[list] = deque()
-        self._redis_retry_at = 0.0  # after a bounded wait gave up: no new try before this (monotonic clock)
         self.epoch = time.time_ns() // 1_000_000
         self.version = 0
-        self.offsets: dict[str, int] = {}  # "topic:partition" -> offset after the last record reflected in the state
-        self.checkpointed_offsets: dict[str, int] = {}  # the same, as of the newest checkpoint (what Kafka may commit)
+        self.offsets = Offsets()
         self.experience: PendingHalves[AnyExperience] = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
         self.feedback: PendingHalves[Feedback] = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
         self.clock = 0.0  # the newest event time (record timestamp, seconds) read
@@ -160,17 +148,14 @@ class LearnerCore:
         self.metrics: LearnerMetrics | None = None  # set by the app
         self.done: OrderedDict[str, float] = OrderedDict()
         self.stats = LearnerStats()
+        self.writer = WindowWriter(windows, redis_wait_s, backlog_limit)
         self.name = f"{socket.gethostname()}-{os.getpid()}"
         self.checkpoint_every_s = checkpoint_every_s
         self.last_checkpoint = float("-inf")  # monotonic time of the newest checkpoint
         self.checkpointed_version = 0
-        # drift_keep: trim a drifted stream's window to this many outcomes (None: no reaction)
-        self.drift, self.drift_keep = (
-            drift,
-            drift_keep,
-        )
-        self.drift_events: list[DriftEvent] = []  # detections since the app last took them
         self.dashboard = Dashboard(trainer.strategy, models)
+        # drift_keep: trim a drifted stream's window to this many outcomes (None: no reaction)
+        self.drift = DriftWatch(drift, drift_keep, self.dashboard)
         restored = trainer.load(checkpoints)
         if restored is not None:
             self._restore(restored)
@@ -178,69 +163,48 @@ class LearnerCore:
     # --- state ------------------------------------------------------------------------------------------------
     def _restore(self, state: dict) -> None:
         self.version = state["version"]
-        self.offsets = dict(state["offsets"])
-        self.checkpointed_offsets = dict(state["offsets"])
+        self.offsets = Offsets(state["offsets"])
         self.experience.load_json(state["experience"], self.trainer.experience)
         self.feedback.load_json(state["feedback"], Feedback)
         self.clock = state["clock"]
         self.done = OrderedDict(state["done"])
-        self.window_backlog = deque(state["window_backlog"])
         self.stats = LearnerStats(**state["stats"])
-        if self.drift is not None:
-            self.drift.load_json(state.get("drift", []))
+        self.writer.backlog.extend(state["window_backlog"])
+        self.drift.load_json(state.get("drift", []))
         log.info("resumed from checkpoint v%d (%d joined)", self.version, self.stats.joined)
 
     def checkpoint(self) -> None:
         state = {
-            "offsets": self.offsets,
+            "offsets": self.offsets.read,
             "experience": self.experience.to_json(),
             "feedback": self.feedback.to_json(),
             "clock": self.clock,
             "done": list(self.done.items()),
-            "window_backlog": list(self.window_backlog),
+            "window_backlog": list(self.writer.backlog),
             "stats": asdict(self.stats),
-            "drift": self.drift.to_json() if self.drift is not None else [],
+            "drift": self.drift.to_json(),
         }
         self.trainer.save(self.checkpoints, self.version, state)
-        self.checkpointed_offsets = dict(self.offsets)
+        self.offsets.checkpointed_now()
         self.checkpointed_version = self.version
         self.last_checkpoint = time.monotonic()
 
     def checkpoint_due(self) -> bool:
         """Whether the state moved on since the newest checkpoint and that one is ``checkpoint_every_s`` old."""
-        moved = self.offsets != self.checkpointed_offsets or self.version != self.checkpointed_version
+        moved = self.offsets.moved() or self.version != self.checkpointed_version
         return moved and time.monotonic() - self.last_checkpoint >= self.checkpoint_every_s
 
-    def already_seen(self, record) -> bool:
-        """True for a record the state already reflects (re-delivered after a restart); else mark it seen."""
-        key = f"{record.topic}:{record.partition}"
-        if record.offset < self.offsets.get(key, 0):
-            return True
-        self.offsets[key] = record.offset + 1
-        return False
+    @property
+    def window_backlog(self):
+        """The outcomes not yet in Redis, oldest first."""
+        return self.writer.backlog
 
-    def below_offsets(self, records) -> set[str]:
-        """The "topic:partition" keys of records below the offsets the state reflects (redeliveries, or a new log)."""
-        return {
-            f"{r.topic}:{r.partition}" for r in records if r.offset < self.offsets.get(f"{r.topic}:{r.partition}", 0)
-        }
+    def already_seen(self, record) -> bool:
+        return self.offsets.already_seen(record)
 
     def new_log(self, key: str, log_end: int) -> None:
-        """Partition ``key`` restarted from offset 0 (its log ends at ``log_end``, below our offset): read it anew."""
-        log.warning(
-            "%s ends at offset %d, below the %d this learner reached: a new log (broker data lost?); reading it from the start",
-            key,
-            log_end,
-            self.offsets[key],
-        )
-        self.offsets[key] = 0
-        self.checkpointed_offsets[key] = 0
+        self.offsets.new_log(key, log_end)
         self.stats.new_logs += 1
-
-    def commit_offsets(self, topic: str) -> dict[TopicPartition, int]:
-        """How far Kafka may commit ``topic``: the newest checkpoint's offsets, never past them."""
-        partitions = {partition_of(key): offset for key, offset in self.checkpointed_offsets.items()}
-        return {tp: offset for tp, offset in partitions.items() if tp.topic == topic}
 
     def _hold(self, pending: PendingHalves, query_id: str, message: Message, record, coordinates: dict) -> None:
         """Hold an unmatched half; dead-letter what expires or no longer fits."""
@@ -265,58 +229,7 @@ class LearnerCore:
         self.dropped.append(DeadLetter.model_validate({**dropped.record, "reason": reason, "at": time.time()}))
 
     def take_drift_events(self) -> list[DriftEvent]:
-        """The drift detections since the last call."""
-        taken, self.drift_events = self.drift_events, []
-        return taken
-
-    def _observe_drift(self, stream: str, signals: dict[str, float], query_id: str) -> bool:
-        """Feed each signal's value to its detector; a detection becomes a :class:`DriftEvent` (and is counted).
-        Whether any was detected."""
-        if self.metrics is not None:
-            self.metrics.observe_signals(stream, signals)
-        if self.drift is None:
-            return False
-        detected = False
-        for signal, value in signals.items():
-            found = self.drift.observe(stream, signal, value)
-            if found is None:
-                continue
-            detected = True
-            before = None if math.isnan(found.mean_before) else found.mean_before
-            event = DriftEvent(
-                stream=stream,
-                signal=signal,
-                detector=self.drift.config.detector,
-                position=found.position,
-                query_id=query_id,
-                mean_before=before,
-                mean_after=found.mean_after,
-                window=found.window,
-                at=time.time(),
-            )
-            self.drift_events.append(event)
-            self.dashboard.observe_drift(event)
-            log.info(
-                "drift on stream %s, %s: %s -> %.2f (value %d)",
-                stream,
-                signal,
-                "?" if before is None else f"{before:.2f}",
-                found.mean_after,
-                found.position,
-            )
-            if self.metrics is not None:
-                self.metrics.drift_events.labels(self.metrics.stream(stream), signal).inc()
-        return detected
-
-    async def _react_to_drift(self, stream: str, keep: int) -> None:
-        """Trim the drifted stream's window to its last ``keep`` outcomes, queued ones applied first
-        (best-effort: Redis may be down)."""
-        await self.apply_windows()
-        try:
-            await self.windows.keep_last(stream, keep)
-            self.stats.drift_reactions += 1
-        except (RedisError, OSError) as exc:
-            log.warning("Redis unreachable (%s): the window of drifted stream %s was not trimmed", exc, stream)
+        return self.drift.take_events()
 
     def take_dead_letters(self) -> list[DeadLetter]:
         """The dead letters of the halves dropped since the last call."""
@@ -341,7 +254,7 @@ class LearnerCore:
             return None, dead_letter(record, f"experience does not fit the pool: {reason}", "learner")
         confidence = self.trainer.confidence(experience)
         self.dashboard.observe_answer(experience.stream, confidence, self.trainer.composition(experience))
-        self._observe_drift(experience.stream, {"confidence": confidence}, qid)
+        self.drift.observe(experience.stream, {"confidence": confidence}, qid, self.metrics)
         if qid in self.feedback:
             held = self.feedback.pop(qid)
             return await self._join(experience, held.message, held.record, held.at - event_time(record))
@@ -385,10 +298,8 @@ class LearnerCore:
             self.stats.invalid_feedback += 1
             return None, DeadLetter.model_validate({**record, "reason": str(exc), "at": time.time()})
         row = self.trainer.window_row(experience, feedback)
-        if row is not None:
-            self.window_backlog.append([experience.stream, experience.query_id, *row, reward])
-            if len(self.window_backlog) >= APPLY_BATCH:
-                await self.apply_windows()
+        if row is not None and self.writer.queue(experience.stream, experience.query_id, row, reward):
+            await self.apply_windows()
         self.trainer.remember(experience, feedback, reward)
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
@@ -403,11 +314,12 @@ class LearnerCore:
         )
         self.dashboard.observe_join(experience.stream, signals, reward, delay_s)
         if (
-            self._observe_drift(experience.stream, signals, experience.query_id)
-            and self.drift_keep is not None
+            self.drift.observe(experience.stream, signals, experience.query_id, self.metrics)
+            and self.drift.keep is not None
             and row is not None
         ):
-            await self._react_to_drift(experience.stream, self.drift_keep)
+            await self.apply_windows()  # the queued outcomes first, then the trim
+            self.stats.drift_reactions += await self.drift.react(experience.stream, self.windows)
         self.stats.joined += 1
         if self.trainer.update_due():
             return self.update(), None
@@ -419,37 +331,11 @@ class LearnerCore:
             self.done.popitem(last=False)
 
     async def apply_windows(self) -> None:
-        """Apply the window backlog to Redis in order, retrying for at most ``redis_wait_s``; what Redis did not
-        take stays in the backlog (bounded: the oldest outcomes go first) for the next call."""
-        delay, waited = 0.05, 0.0
-        while self.window_backlog and time.monotonic() >= self._redis_retry_at:
-            batch = list(itertools.islice(self.window_backlog, APPLY_BATCH))
-            # a row no window can hold is dropped, never blocks the others
-            errors = [self.windows.row_error(*outcome[2:]) for outcome in batch]
-            try:
-                applied = await self.windows.apply_many([outcome for outcome, error in zip(batch, errors) if not error])
-                for outcome, error in zip(batch, errors):
-                    self.window_backlog.popleft()
-                    if error:
-                        log.error("outcome of query %s dropped: %s", outcome[1], error)
-                self.stats.windows_applied += sum(applied)
-            except (RedisError, OSError) as exc:
-                self.stats.redis_retries += 1
-                if waited >= self.redis_wait_s:
-                    log.warning(
-                        "Redis unreachable (%s): %d outcomes wait in the backlog; next try in 2 s",
-                        exc,
-                        len(self.window_backlog),
-                    )
-                    self._redis_retry_at = time.monotonic() + 2.0
-                    break
-                log.warning("Redis unreachable (%s); retrying in %.2f s", exc, delay)
-                await asyncio.sleep(delay)
-                waited += delay
-                delay = min(2 * delay, 2.0)
-        while len(self.window_backlog) > self.backlog_limit:
-            self.window_backlog.popleft()
-            self.stats.window_backlog_dropped += 1
+        """The queued outcomes to Redis (:meth:`WindowWriter.apply`)."""
+        done = await self.writer.apply()
+        self.stats.windows_applied += done.windows_applied
+        self.stats.redis_retries += done.redis_retries
+        self.stats.window_backlog_dropped += done.window_backlog_dropped
 
     def update(self) -> Policy | None:
         """One update on the buffered transitions, a checkpoint, and the new policy version to publish; None

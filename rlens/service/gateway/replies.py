@@ -1,0 +1,55 @@
+"""The subscriber on a gateway replica's reply topic: answers handed to the waiting requests, the rest dead-lettered."""
+
+from __future__ import annotations
+
+from faststream import AckPolicy
+from faststream.kafka import KafkaBroker, KafkaMessage
+
+from rlens.messages import Answer, DeadLetter
+from rlens.service.common.kafka import dead_letter, keep_bytes, parse_or_dead_letter, publish_dead_letters
+from rlens.service.common.metrics import GatewayMetrics
+from rlens.service.gateway.core import Gateway
+from rlens.settings import Settings
+
+
+def subscribe_replies(
+    broker: KafkaBroker,
+    settings: Settings,
+    gateway: Gateway,
+    metrics: GatewayMetrics,
+    dead_letters,
+    reply_topic: str,
+    name: str,
+) -> None:
+    """Read ``reply_topic`` in batches (a group of this replica's own): unreadable records and answers without a
+    valid worker signature go to the dead-letter topic; a batch whose Redis writes fail is read again."""
+    consumer = f"gateway {name}"
+
+    @broker.subscriber(
+        reply_topic,
+        group_id=settings.group("gateway", name),
+        batch=True,
+        max_records=256,
+        batch_timeout_ms=5,
+        auto_offset_reset="earliest",
+        ack_policy=AckPolicy.NACK_ON_ERROR,
+        decoder=keep_bytes,
+        session_timeout_ms=settings.kafka_session_timeout_ms,
+        heartbeat_interval_ms=settings.kafka_heartbeat_ms,
+        fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+        description="answers to this replica's queries (workers publish each answer here too)",
+    )
+    async def on_replies(bodies: list[bytes], message: KafkaMessage) -> None:
+        parsed = [(record, parse_or_dead_letter(Answer, record, consumer)) for record in message.raw_message]
+        answers = [(record, p) for record, p in parsed if not isinstance(p, DeadLetter)]
+        dead = [p for _, p in parsed if isinstance(p, DeadLetter)]
+        outcomes = await gateway.on_replies([a for _, a in answers])  # Redis down: raises, the batch is read again
+        for (record, answer), outcome in zip(answers, outcomes):
+            metrics.replies.labels(outcome).inc()
+            if outcome == "forged":
+                dead.append(
+                    dead_letter(record, f"answer for {answer.query_id} without a valid worker signature", consumer)
+                )
+        for _ in range(len(parsed) - len(answers)):
+            metrics.replies.labels("unreadable").inc()
+        await publish_dead_letters(dead_letters, dead)

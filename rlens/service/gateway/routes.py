@@ -1,0 +1,162 @@
+"""The gateway's HTTP routes (the OpenAI API, answers, feedback) and how errors become OpenAI-shaped responses."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException
+
+from rlens.messages import Answer
+from rlens.service.gateway.api_keys import KeyRecord
+from rlens.service.gateway.core import Gateway
+from rlens.service.gateway.openai_api import (
+    MODEL_OF,
+    AnswerStatus,
+    ApiError,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    FeedbackReceipt,
+    FeedbackRequest,
+    ModelCard,
+    ModelList,
+    chat_completion,
+    completion,
+    error_response,
+    stream_chunks,
+)
+
+log = logging.getLogger("rlens.gateway")
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 429, 502, 503, 504)
+}
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's shape (``{"error": {...}}``): ours, invalid bodies, HTTP errors, Redis down (503)."""
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        if first["type"] == "json_invalid":  # its loc is the character where parsing failed, not a field
+            reason = first.get("ctx", {}).get("error", "")
+            message = f"the body is not valid JSON (at character {first['loc'][-1]}{': ' + reason if reason else ''})"
+            return error_response(ApiError(400, message, "invalid_request_error", "invalid_json"))
+        where = ".".join(str(p) for p in first["loc"] if p != "body")
+        message = f"{where}: {first['msg']}" if where else first["msg"]
+        return error_response(ApiError(400, message, "invalid_request_error", "invalid_request", where or None))
+
+    @app.exception_handler(HTTPException)
+    async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(
+            ApiError(exc.status_code, str(exc.detail), "invalid_request_error", headers=dict(exc.headers or {}))
+        )
+
+    @app.exception_handler(RedisError)
+    async def on_redis(request: Request, exc: RedisError) -> JSONResponse:
+        log.error("Redis unreachable: %s", exc)
+        message = "the gateway's state store (Redis) is unreachable; retry shortly"
+        return error_response(ApiError(503, message, "server_error", "unavailable", headers={"Retry-After": "1"}))
+
+
+def answer_response(answer: Answer, model: str, chat: bool, stream: bool) -> Any:
+    """An answer as a completion (or its event stream); 502 when no model of the pool answered."""
+    if not answer.answered_models:
+        failures = "; ".join(f"{f.model}: {f.reason}" for f in answer.failures) or "no model was called"
+        raise ApiError(
+            502,
+            f"no model of the pool answered ({failures})",
+            "server_error",
+            "no_model_answered",
+            query_id=answer.query_id,
+        )
+    if stream:
+        events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(answer, model, chat))
+        return StreamingResponse(iter([events + "data: [DONE]\n\n"]), media_type="text/event-stream")
+    body = chat_completion(answer, model) if chat else completion(answer, model)
+    return Response(body.model_dump_json(), media_type="application/json")  # validated: skip FastAPI's second pass
+
+
+def openai_router(gateway: Gateway) -> APIRouter:
+    """``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``, ``/v1/answers/{id}``, ``/v1/feedback``."""
+    router = APIRouter()
+
+    async def key_of(request: Request, authorization: str | None = Header(None)) -> KeyRecord:  # async: no thread hop
+        return gateway.authorize(authorization, request.client.host if request.client else "")
+
+    async def ask(
+        request: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        key: KeyRecord,
+        idempotency_key: str | None,
+        stream_key: str | None,
+    ):
+        answer = await gateway.ask(key, body, await request.body(), idempotency_key, stream_key)
+        return answer_response(answer, body.model, isinstance(body, ChatCompletionRequest), body.stream)
+
+    @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def models(key: KeyRecord = Depends(key_of)) -> ModelList:
+        """The strategies this deployment runs, as models."""
+        return ModelList(data=[ModelCard(id=MODEL_OF[s]) for s in gateway.strategies])
+
+    @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+    async def chat_completions(
+        request: Request,
+        body: ChatCompletionRequest,
+        key: KeyRecord = Depends(key_of),
+        idempotency_key: str | None = Header(None),
+        x_rlens_stream: str | None = Header(None),
+    ):
+        """Answer a conversation (multiple choice with rlens.choices, model rlens-focal; open-ended: rlens-rlae, or rlens-focal over sampled answers)."""
+        return await ask(request, body, key, idempotency_key, x_rlens_stream)
+
+    @router.post("/v1/completions", response_model=Completion, responses=ERRORS)
+    async def completions(
+        request: Request,
+        body: CompletionRequest,
+        key: KeyRecord = Depends(key_of),
+        idempotency_key: str | None = Header(None),
+        x_rlens_stream: str | None = Header(None),
+    ):
+        """Answer a prompt (multiple choice with rlens.choices, model rlens-focal; open-ended: rlens-rlae, or rlens-focal over sampled answers)."""
+        return await ask(request, body, key, idempotency_key, x_rlens_stream)
+
+    @router.get(
+        "/v1/answers/{query_id}",
+        response_model=ChatCompletion | Completion,
+        responses={**ERRORS, 202: {"model": AnswerStatus}},
+    )
+    async def answers(query_id: str, key: KeyRecord = Depends(key_of)):
+        """A query's answer (e.g. after a 504), for as long as the gateway retains it; 202 while it is pending."""
+        await gateway.take_token(key)
+        record = await gateway.owned_query(key, query_id)
+        answer = await gateway.state.answer(query_id)
+        if answer is None:
+            return JSONResponse(AnswerStatus(id=query_id).model_dump(), 202)
+        return answer_response(answer, record.model, record.chat, stream=False)
+
+    @router.post(
+        "/v1/feedback",
+        response_model=FeedbackReceipt,
+        status_code=202,
+        responses={**ERRORS, 200: {"model": FeedbackReceipt}},
+    )
+    async def feedback_route(body: FeedbackRequest, key: KeyRecord = Depends(key_of)):
+        """Rate an answer of this key's tenant once: 202 accepted; 200 duplicate (it had feedback; nothing changed)."""
+        await gateway.take_token(key)
+        receipt = await gateway.feedback(key, body)
+        return receipt if receipt.status == "accepted" else JSONResponse(receipt.model_dump(), 200)
+
+    return router

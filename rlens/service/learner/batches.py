@@ -1,0 +1,153 @@
+"""One batch of ``experience`` or ``feedback`` records, start to end: a new log detected, each record parsed and
+handed to the :class:`LearnerCore` (one record's failure dead-letters that record only), what it produced published
+(dead letters, drift events, policies), the windows written, a checkpoint when due, and the offsets committed up to
+the newest checkpoint's (:class:`Commits`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import cast
+
+from aiokafka import AIOKafkaConsumer
+from faststream.kafka import KafkaMessage
+
+from rlens.messages import DeadLetter, Feedback
+from rlens.service.common.kafka import (
+    TopicRestorer,
+    dead_letter,
+    parse_or_dead_letter,
+    publish,
+    publish_dead_letters,
+)
+from rlens.service.common.metrics import LearnerMetrics, dead_letter_kind
+from rlens.service.learner.core import LearnerCore
+from rlens.service.learner.offsets import partition_of
+
+log = logging.getLogger("rlens.learner")
+COMMIT_TIMEOUT_S = 5.0  # a commit not confirmed by then is given up (and tried again with a later batch)
+COMMIT_PAUSE_S = 30.0  # ... COMMIT_PAUSE_S later
+
+
+def consumer_of(message: KafkaMessage) -> AIOKafkaConsumer:
+    """The aiokafka consumer a FastStream Kafka message came from (FastStream types it as a narrower protocol)."""
+    return cast(AIOKafkaConsumer, message.consumer)
+
+
+class Commits:
+    """Offset commits up to the newest checkpoint's offsets, once per checkpoint and topic. A commit not confirmed
+    within COMMIT_TIMEOUT_S is given up, and none is tried for COMMIT_PAUSE_S: aiokafka retries a commit the broker
+    refuses (a broker that lost the topic, say) for as long as it is let, and a learner waiting on it would join
+    nothing. The checkpoint holds the offsets a restart resumes from either way."""
+
+    def __init__(self, core: LearnerCore, restorer: TopicRestorer):
+        self.core, self.restorer = core, restorer
+        self.committed: dict[str, int] = {}  # topic -> checkpoint count last committed for it
+        self.paused_until = 0.0  # monotonic clock
+
+    async def after_batch(self, consumer: AIOKafkaConsumer, topic: str) -> None:
+        if self.committed.get(topic) == self.core.checkpoints.count:
+            return
+        assigned = consumer.assignment()
+        offsets = {tp: o for tp, o in self.core.offsets.to_commit(topic).items() if tp in assigned}
+        if offsets and not await self.commit(consumer, offsets):
+            return  # committed with a later batch: the checkpoint is what a restart resumes from
+        self.committed[topic] = self.core.checkpoints.count
+
+    async def commit(self, consumer: AIOKafkaConsumer, offsets) -> bool:
+        if time.monotonic() < self.paused_until:
+            return False
+        try:
+            await asyncio.wait_for(consumer.commit(offsets), COMMIT_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("offsets not committed within %g s; none is tried for %g s", COMMIT_TIMEOUT_S, COMMIT_PAUSE_S)
+            self.paused_until = time.monotonic() + COMMIT_PAUSE_S
+            await self.restorer.restore()
+            return False
+        return True
+
+
+class RecordBatches:
+    """The learner's handling of record batches from both topics (the two subscribers run as separate tasks; the
+    core is not re-entrant: ``lock``)."""
+
+    def __init__(self, core: LearnerCore, metrics: LearnerMetrics, publishers, restorer: TopicRestorer):
+        """``publishers``: (policies, dead letters, drift events)."""
+        self.core, self.metrics, self.restorer = core, metrics, restorer
+        self.policies, self.dead_letters, self.drift_events = publishers
+        self.commits = Commits(core, restorer)
+        self.lock = asyncio.Lock()
+
+    async def handle(self, message: KafkaMessage, model: type, topic: str) -> None:
+        try:
+            await self._handle(message, model, topic)
+        except Exception:  # a publish or a commit the broker refused: it may have lost the topics (restarted empty)
+            await self.restorer.restore()
+            raise
+
+    async def _handle(self, message: KafkaMessage, model: type, topic: str) -> None:
+        core, kind = self.core, "feedback" if model is Feedback else "experience"
+        async with self.lock:
+            await self.detect_new_logs(message)
+            await core.apply_windows()  # what a Redis outage left in the backlog
+            for record in message.raw_message:
+                if not core.already_seen(record):
+                    self.metrics.records.labels(kind).inc()
+                    await self.record(record, model)
+            await core.apply_windows()  # the batch's outcomes, in one round trip
+            self.show_state()
+            if core.checkpoint_due():
+                await asyncio.to_thread(core.checkpoint)  # off the event loop (the lock keeps the state still)
+            await self.commits.after_batch(consumer_of(message), topic)
+
+    async def record(self, record, model: type) -> None:
+        """One record to the core, and what it produced out."""
+        parsed = parse_or_dead_letter(model, record, "learner")
+        if isinstance(parsed, DeadLetter):
+            await self.dead_letter([parsed])  # before any checkpoint can mark this record as done
+            return
+        core = self.core
+        try:
+            policy, rejected = await (
+                core.on_feedback(parsed, record) if model is Feedback else core.on_experience(parsed, record)
+            )
+        except Exception as exc:  # one record's failure must not stop the others
+            log.exception("record %s:%d@%d failed", record.topic, record.partition, record.offset)
+            core.stats.failed_records += 1
+            policy = None
+            rejected = dead_letter(record, f"learner failed on it: {type(exc).__name__}: {exc}", "learner")
+        await self.dead_letter(([rejected] if rejected else []) + core.take_dead_letters())
+        await publish(self.drift_events, core.take_drift_events())
+        await publish(self.policies, [policy] if policy else [])
+
+    async def dead_letter(self, letters: list[DeadLetter]) -> None:
+        for letter in letters:
+            self.metrics.dead_letters.labels(dead_letter_kind(letter.reason)).inc()
+        await publish_dead_letters(self.dead_letters, letters)
+
+    async def detect_new_logs(self, message: KafkaMessage) -> None:
+        """Records below the offsets the state reflects: redeliveries, or a new log when the partition ends below."""
+        offsets = self.core.offsets
+        below = offsets.below(message.raw_message)
+        if below:
+            partitions = {key: partition_of(key) for key in below}
+            ends = await consumer_of(message).end_offsets(list(partitions.values()))
+            for key, tp in partitions.items():
+                if ends.get(tp, offsets.read[key]) < offsets.read[key]:
+                    self.core.new_log(key, ends[tp])
+
+    def show_state(self) -> None:
+        core, metrics = self.core, self.metrics
+        metrics.pending.labels("experience").set(len(core.experience))
+        metrics.pending.labels("feedback").set(len(core.feedback))
+        metrics.window_backlog.set(len(core.window_backlog))
+        metrics.policy_version.set(core.version)
+
+    async def checkpoint_when_idle(self) -> None:
+        """What the last batches did reaches a checkpoint even when no further record comes."""
+        while True:
+            await asyncio.sleep(self.core.checkpoint_every_s)
+            async with self.lock:
+                if self.core.checkpoint_due():
+                    await asyncio.to_thread(self.core.checkpoint)
