@@ -20,7 +20,8 @@ import torch
 
 from machine import machine_facts
 from rlens.evaluation.baselines import stacking
-from rlens.evaluation.dataset import RecordedDataset, load_dataset, shared_data_dir
+from rlens.evaluation.dataset import load_dataset
+from rlens.evaluation.recorded import RecordedDataset, shared_data_dir
 from rlens.evaluation.protocols import Protocol, split, task_half
 from rlens.focal.agents import Fusion
 from rlens.focal.config import FocalConfig

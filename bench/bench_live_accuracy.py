@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from machine import machine_facts
-from rlens.evaluation.dataset import load_dataset, shared_data_dir
+from rlens.evaluation.dataset import load_dataset
+from rlens.evaluation.recorded import shared_data_dir
 from rlens.focal.config import FocalConfig
 from rlens.evaluation.protocols import Protocol
 from rlens.evaluation.replay import replay

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from machine import machine_facts, small_op_us
-from rlens.evaluation.dataset import load_dataset, shared_data_dir
+from rlens.evaluation.dataset import load_dataset
+from rlens.evaluation.recorded import shared_data_dir
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import questions
 from rlens.evaluation.protocols import Protocol, split

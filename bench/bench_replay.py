@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from machine import machine_facts
-from rlens.evaluation.dataset import load_dataset, shared_data_dir
+from rlens.evaluation.dataset import load_dataset
+from rlens.evaluation.recorded import shared_data_dir
 from rlens.focal.config import FocalConfig
 from rlens.evaluation.protocols import Protocol, task_half
 from rlens.evaluation.replay import DEFAULT_VARIANTS, RL_VARIANTS, replay

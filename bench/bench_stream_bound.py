@@ -21,7 +21,8 @@ import argparse
 
 import numpy as np
 
-from rlens.evaluation.dataset import RecordedDataset, load_dataset, shared_data_dir
+from rlens.evaluation.dataset import load_dataset
+from rlens.evaluation.recorded import RecordedDataset, shared_data_dir
 from rlens.evaluation.protocols import task_half
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlens.evaluation.dataset import RecordedDataset, load_dataset, save_dataset, shared_data_dir
+from rlens.evaluation.dataset import load_dataset, save_dataset
+from rlens.evaluation.recorded import RecordedDataset, shared_data_dir
 
 
 # every gateway a test starts takes a free port (the default, 8000, may be a running `rlens up`'s); the brokers,

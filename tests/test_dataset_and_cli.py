@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rlens.cli import app
-from rlens.evaluation.dataset import DatasetError, load_dataset
+from rlens.evaluation.dataset import load_dataset
+from rlens.evaluation.recorded import DatasetError
 
 runner = CliRunner()
 

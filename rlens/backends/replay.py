@@ -19,7 +19,7 @@ from rlens.backends.base import (
     Generations,
     register_backend,
 )
-from rlens.evaluation.dataset import RecordedDataset
+from rlens.evaluation.recorded import RecordedDataset
 
 
 @register_backend("replay")

@@ -11,7 +11,8 @@ import typer
 from rich.table import Table
 
 from rlens.cli.common import console, fail, interrupted
-from rlens.evaluation.dataset import DatasetError, load_dataset
+from rlens.evaluation.dataset import load_dataset
+from rlens.evaluation.recorded import DatasetError
 from rlens.evaluation.protocols import Protocol
 from rlens.focal.config import FocalConfig
 from rlens.progress import progress_bar

@@ -17,24 +17,13 @@ import json
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from rlens.evaluation.dataset import DatasetError, RecordedDataset, read_models, write_models
+from rlens.evaluation.recorded import DatasetError, RecordedDataset, SampledTask, read_models, write_models
 from rlens.models.answers import Extractor, label_of, pool_choices
 
 SAMPLES_FILE = "samples.jsonl"
 OPTIONS_FILE = "open_ended.json"
-
-
-class SampledTask(BaseModel):
-    """One open-ended task and every model's sampled texts for it."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    prompt: str
-    reference: str
-    family: str = "default"
-    samples: dict[str, list[str]] = Field(description="model name -> its sampled texts (an empty list: it gave none)")
 
 
 def is_samples_dir(directory: Path) -> bool:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from rlens.evaluation import baselines
-from rlens.evaluation.dataset import RecordedDataset
+from rlens.evaluation.recorded import RecordedDataset
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.drift import DriftMonitor, drift_figures

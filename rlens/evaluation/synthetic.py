@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlens.evaluation.dataset import RecordedDataset
+from rlens.evaluation.recorded import RecordedDataset
 
 
 def synthetic_dataset(
@@ -49,7 +49,8 @@ def synthetic_samples(
     references, families in blocks of ``block`` tasks, and specialists: model j samples the reference with
     probability 0.85 on family ``j % n_families`` and 0.25 on the others, a near miss otherwise, and now and then
     an empty sample."""
-    from rlens.evaluation.open_ended import SampledTask, sampled_dataset
+    from rlens.evaluation.open_ended import sampled_dataset
+    from rlens.evaluation.recorded import SampledTask
 
     if n_tasks < 1 or n_models < 1 or n_families < 1 or n_samples < 1 or block < 1:
         raise ValueError("synthetic samples need at least 1 task, model, family, sample and a block of 1")

@@ -12,7 +12,7 @@ from pathlib import Path
 from redis import Redis
 from redis.exceptions import RedisError
 
-from rlens.evaluation.dataset import DatasetError
+from rlens.evaluation.recorded import DatasetError
 from rlens.local.load import BrokerUnreachable, probe_broker
 from rlens.local.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool
 from rlens.models.pool import PoolConfigError, load_pool_config

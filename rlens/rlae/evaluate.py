@@ -16,8 +16,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rlens.evaluation.dataset import RecordedDataset
-from rlens.evaluation.open_ended import SampledTask, sampled_dataset
+from rlens.evaluation.recorded import RecordedDataset
+from rlens.evaluation.open_ended import sampled_dataset
+from rlens.evaluation.recorded import SampledTask
 from rlens.focal.config import FocalConfig
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import SpanWeightedDecoder, Weights

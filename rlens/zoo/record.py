@@ -19,8 +19,10 @@ from typing import Callable
 import numpy as np
 
 from rlens.backends.base import ChoiceQuery, GenerationRequest
-from rlens.evaluation.dataset import RecordedDataset, save_dataset
-from rlens.evaluation.open_ended import SampledTask, load_samples, save_samples
+from rlens.evaluation.dataset import save_dataset
+from rlens.evaluation.recorded import RecordedDataset
+from rlens.evaluation.open_ended import load_samples, save_samples
+from rlens.evaluation.recorded import SampledTask
 from rlens.zoo.build import ZooModel, load_backend
 from rlens.zoo.tasks import FAMILIES, N_CHOICES, GenerationTask, Question, block_stream
 

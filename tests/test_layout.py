@@ -1,0 +1,84 @@
+"""The layout's rules (ARCHITECTURE.md): no import cycle among rlens's modules, and the dependency arrows one way:
+what a production image runs (rlens.service and below) imports neither the command line nor the local stack."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import rlens
+
+ROOT = Path(rlens.__file__).parent
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the rlens modules it imports (at the top, in functions or for type checking alike)."""
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for target in targets:
+                if target.startswith("rlens") and (found := resolve(target)) not in (None, name):
+                    graph[name].add(found)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_production_code_imports_neither_the_command_line_nor_the_local_stack():
+    graph = import_graph()
+    production = [
+        m for m in graph if m.startswith(("rlens.service", "rlens.focal", "rlens.messages", "rlens.settings"))
+    ]
+    wrong = {m: sorted(t for t in graph[m] if t.startswith(("rlens.cli", "rlens.local"))) for m in production}
+    assert not {m: t for m, t in wrong.items() if t}
