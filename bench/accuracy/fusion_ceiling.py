@@ -1,6 +1,6 @@
 """The Fusion agent's supervised ceiling against per-task stacking, paper protocol (issue 15, item 3).
 
-    python bench/bench_fusion_ceiling.py [--tasks tune|holdout|all] [--seeds 0 1 2] [--epochs 0 4 12] [--precision]
+    python -m bench.accuracy.fusion_ceiling [--tasks tune|holdout|all] [--seeds 0 1 2] [--epochs 0 4 12] [--precision]
 
 No Decider, no RL, no sliding window: every model is called, each task's reliabilities and label prior come from
 its whole warm-start split (what a full window would hold), and the Fusion network is trained by cross-entropy on
@@ -11,14 +11,13 @@ network can reach there with these labels; stacking is the per-task logistic reg
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from machine import machine_facts
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, add_seeds, arguments, write_json
 from rlens.evaluation.baselines import stacking
 from rlens.evaluation.dataset import load_dataset
 from rlens.evaluation.recorded import RecordedDataset, shared_data_dir
@@ -102,15 +101,15 @@ def mean_std(accuracies: list[float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--data", type=Path, default=None, help="default: bbh_dev under the shared datasets")
     parser.add_argument("--tasks", choices=("tune", "holdout", "all"), default="tune")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    add_seeds(parser)
     parser.add_argument("--epochs", type=int, nargs="+", default=[0, 4, 12])
     parser.add_argument(
         "--precision", action="store_true", help="add each model's per-choice precision to the features (2M more)"
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/out/fusion_ceiling.json"))
+    add_out(parser, "bench/out/fusion_ceiling.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {machine_facts()}", flush=True)
@@ -163,7 +162,10 @@ def main() -> None:
         results[f"fusion_per_task_{epochs}"] = own
         print(f"Fusion per task, {epochs} epochs: {mean_std(own)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    write_json(
+        args.out,
+        results,
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Does the live service learn as well as the offline loop? The local stack against `rlens replay --protocol stream`.
 
-    python bench/bench_live_accuracy.py [--data DIR] [--seeds 0 1 2] [--workers 1] [--rate 50]
+    python -m bench.accuracy.live_accuracy [--data DIR] [--seeds 0 1 2] [--workers 1] [--rate 50]
 
 For each seed: the local stack (tansu, redis-server, learner, W workers) serves the dataset's models as `replay`
 backends with engines seeded S; the dataset is played as traffic at R queries/s, each feedback sent as soon as
@@ -9,13 +9,12 @@ its answer arrives. The offline figure is the replay harness's RL-Focal under th
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import time
 from pathlib import Path
 
-from machine import machine_facts
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, add_seeds, arguments, write_json
 from rlens.evaluation.dataset import load_dataset
 from rlens.evaluation.recorded import shared_data_dir
 from rlens.focal.config import FocalConfig
@@ -54,12 +53,12 @@ def live_run(data: Path, seed: int, workers: int, rate: float, workdir: Path) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--data", type=Path, default=shared_data_dir() / "bbh_dev")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    add_seeds(parser)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--rate", type=float, default=50.0)
-    parser.add_argument("--out", type=Path, default=Path("bench/out/live_accuracy.json"))
+    add_out(parser, "bench/out/live_accuracy.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     dataset = load_dataset(args.data)
@@ -78,7 +77,10 @@ def main() -> None:
             flush=True,
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1))
+    write_json(
+        args.out,
+        rows,
+    )
 
 
 if __name__ == "__main__":

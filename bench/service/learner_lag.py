@@ -2,7 +2,7 @@
 bundled stream's tasks as stream keys) for ``--minutes`` with the worker saturated and every answer's feedback sent
 at once.
 
-    python bench/bench_learner_lag.py [--minutes 5] [--in-flight 2000] [--out bench/out/learner_lag.json]
+    python -m bench.service.learner_lag [--minutes 5] [--in-flight 2000] [--out bench/out/learner_lag.json]
 
 The load generator keeps ``--in-flight`` queries sent but not yet answered, so the worker always has a backlog and
 answers at its maximum rate on this machine (with the learner, the broker and the load generator beside it). Every
@@ -20,7 +20,6 @@ it misses), and ``keeps_up`` when the slope of the total lag is under 1 % of the
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -32,8 +31,9 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from machine import machine_facts
-from stacks import cycled, replay_stack
+from bench.common.machine import machine_facts
+from bench.common.stacks import cycled, replay_stack
+from bench.common.args import add_out, arguments, write_json
 from rlens.evaluation.dataset import load_dataset
 from rlens.local.load import LoadReport, play, queries_of
 from rlens.settings import settings
@@ -64,11 +64,11 @@ def slope(times: list[float], values: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--in-flight", type=int, default=2000, help="queries sent but not yet answered")
     parser.add_argument("--max-rate", type=float, default=4000.0, help="queries prepared per second of the run")
-    parser.add_argument("--out", type=Path, default=Path("bench/out/learner_lag.json"))
+    add_out(parser, "bench/out/learner_lag.json")
     args = parser.parse_args()
     machine = machine_facts()
     print(f"machine: {machine}", flush=True)
@@ -168,7 +168,10 @@ def main() -> None:
         "samples": samples,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(
+        args.out,
+        result,
+    )
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
 
 

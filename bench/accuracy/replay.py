@@ -1,6 +1,6 @@
 """Accuracy of RL-Focal and the baselines over several seeds, both protocols (figures for BENCHMARKS.md).
 
-    python bench/bench_replay.py [--data DIR] [--seeds 0 1 2 3 4] [--protocols paper stream] [--out bench/out]
+    python -m bench.accuracy.replay [--data DIR] [--seeds 0 1 2 3 4] [--protocols paper stream] [--out bench/out]
                                  [--tasks all|tune|holdout] [--variants rl_focal ...] [--set explore_rate=0.25 ...]
 
 Runs the same code path as ``rlens replay`` (portable numerics) per seed, writes every run's results.json under
@@ -11,15 +11,13 @@ OUT/<protocol>/seed<k>/ and a summary (mean and sample std over seeds) to OUT/su
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from dataclasses import fields, replace
-from pathlib import Path
 
 import numpy as np
 
-from machine import machine_facts
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, add_seeds, arguments, write_json
 from rlens.evaluation.dataset import load_dataset
 from rlens.evaluation.recorded import shared_data_dir
 from rlens.focal.config import FocalConfig
@@ -45,12 +43,12 @@ SHOWN = (
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--data", default=str(shared_data_dir() / "bbh_dev"))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    add_seeds(parser, [0, 1, 2, 3, 4])
     parser.add_argument("--protocols", nargs="+", default=["paper", "stream"], choices=[p.value for p in Protocol])
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("bench/out"))
+    add_out(parser, "bench/out")
     parser.add_argument("--tasks", default="all", choices=["all", "tune", "holdout"])
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(RL_VARIANTS))
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="FocalConfig overrides")
@@ -111,7 +109,7 @@ def main() -> None:
             "methods": methods,
         }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(args.out / "summary.json", summary, indent=2)
     lines = []
     for protocol, block in summary.items():
         if protocol not in ("paper", "stream"):

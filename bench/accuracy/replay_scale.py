@@ -1,6 +1,6 @@
 """Replay runtime against dataset size: seconds for the paper protocol on seeded synthetic datasets.
 
-    python bench/bench_replay_scale.py [--questions 1000 3000 10000] [--models 5 11 20] [--variants all|rl_focal] [--workers 2]
+    python -m bench.accuracy.replay_scale [--questions 1000 3000 10000] [--models 5 11 20] [--variants all|rl_focal] [--workers 2]
 
 Each cell is one ``rlens.evaluation.replay.replay`` call (portable numerics, seed 0) on ``rlens.evaluation.synthetic.synthetic_dataset``
 (one task, 4 choices); the machine (CPU, cores, load) is printed first. Writes bench/out/replay_scale.json.
@@ -8,29 +8,28 @@ Each cell is one ``rlens.evaluation.replay.replay`` call (portable numerics, see
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import resource
 import time
-from pathlib import Path
 
-from machine import machine_facts
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, arguments
 from rlens.evaluation.protocols import Protocol
 from rlens.evaluation.replay import DEFAULT_VARIANTS, replay
 from rlens.evaluation.synthetic import synthetic_dataset
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--questions", type=int, nargs="+", default=[1000, 3000, 10000])
     parser.add_argument("--models", type=int, nargs="+", default=[5, 11, 20])
     parser.add_argument(
         "--variants", default="all", help="all (the replay's default variants), or one RL-Focal variant"
     )
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("bench/out/replay_scale.json"))
+    add_out(parser, "bench/out/replay_scale.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     variants = list(DEFAULT_VARIANTS) if args.variants == "all" else [args.variants]

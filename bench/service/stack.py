@@ -1,6 +1,6 @@
 """Service throughput and latency on the local stack (tansu broker, redis-server, replay backends).
 
-    python bench/bench_service.py [--queries N] [--workers W] [--kafka BOOTSTRAP] [--out bench/out/service.json]
+    python -m bench.service.stack [--queries N] [--workers W] [--kafka BOOTSTRAP] [--out bench/out/service.json]
 
 ``--kafka``: on that Apache Kafka broker instead of tansu (e.g. `infra/kafka/kafka.sh start`), every phase on
 topics and consumer groups of its own, the yardstick (1) included.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import signal
 import time
 from pathlib import Path
@@ -32,8 +31,9 @@ from pathlib import Path
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from machine import machine_facts
-from stacks import cycled, replay_stack
+from bench.common.machine import machine_facts
+from bench.common.stacks import cycled, replay_stack
+from bench.common.args import add_out, arguments, write_json
 from rlens.evaluation.dataset import load_dataset
 from rlens.service.common.kafka import Topics
 from rlens.local.load import play, queries_of
@@ -98,7 +98,7 @@ async def count_answers(bootstrap: str, topic: str, n: int, prefix: bytes = b"",
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--queries", type=int, default=3000)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--saturate-s", type=float, default=30.0, help="seconds of the stack at its maximum rate")
@@ -111,7 +111,7 @@ def main() -> None:
     )
     parser.add_argument("--partitions", type=int, default=4, help="partitions of the per-query topics")
     parser.add_argument("--kafka", default=None, help="bootstrap of an Apache Kafka broker to run on (default: tansu)")
-    parser.add_argument("--out", type=Path, default=Path("bench/out/service.json"))
+    add_out(parser, "bench/out/service.json")
     args = parser.parse_args()
     if args.saturate_s <= 12:
         parser.error("--saturate-s must be above 12: the maximum is measured after the phase's first 10 s")
@@ -185,7 +185,10 @@ def main() -> None:
     if args.load_s > 0:
         latency_phase(args, stream, results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    write_json(
+        args.out,
+        results,
+    )
 
 
 def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None:

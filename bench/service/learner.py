@@ -3,14 +3,12 @@
 batches of 256, MAPPO every 64 explored answers,
 the signed policy of each update encoded as JSON), with a given number of torch threads.
 
-    python bench/bench_learner.py [--pairs 3200] [--threads 1 2] [--out bench/out/learner.json]
+    python -m bench.service.learner [--pairs 3200] [--threads 1 2] [--out bench/out/learner.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import tempfile
 import time
@@ -20,7 +18,8 @@ import numpy as np
 import torch
 from redis.asyncio import Redis
 
-from machine import cpu_name
+from bench.common.machine import cpu_name
+from bench.common.args import add_out, arguments, write_json
 from rlens.checkpoint import CheckpointStore
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Experience, Feedback
@@ -98,10 +97,10 @@ async def joins_per_second(redis_url: str, n: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--pairs", type=int, default=3200)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--out", type=Path, default=Path("bench/out/learner.json"))
+    add_out(parser, "bench/out/learner.json")
     args = parser.parse_args()
     server = LocalRedis()
     results = {
@@ -119,7 +118,10 @@ def main() -> None:
     finally:
         server.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    write_json(
+        args.out,
+        results,
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Decision overhead per query: diversity metrics + Decider + critic + Fusion forward, on one CPU core.
 
-    python bench/bench_overhead.py [--data DIR] [--queries N]
+    python -m bench.service.overhead [--data DIR] [--queries N]
 
 Windows are filled with the warm-start split first (full windows, as in operation). Times ``decide`` and
 ``fuse`` for each test question of the paper protocol and prints median / p90 / p99 in milliseconds, and the median
@@ -9,14 +9,14 @@ in units of one small NumPy operation timed in the same run (``small_op_us``), w
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
 import numpy as np
 import torch
 
-from machine import machine_facts, small_op_us
+from bench.common.machine import machine_facts, small_op_us
+from bench.common.args import arguments
 from rlens.evaluation.dataset import load_dataset
 from rlens.evaluation.recorded import shared_data_dir
 from rlens.focal.engine import FocalEngine
@@ -25,7 +25,7 @@ from rlens.evaluation.protocols import Protocol, split
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--data", default=str(shared_data_dir() / "bbh_dev"))
     parser.add_argument("--repeats", type=int, default=3, help="passes over the test questions")
     args = parser.parse_args()
@@ -51,7 +51,7 @@ def main() -> None:
         "p90_ms": round(float(np.percentile(ms, 90)), 4),
         "p99_ms": round(float(np.percentile(ms, 99)), 4),
         "torch_threads": torch.get_num_threads(),
-        # the yardstick of this run (bench/machine.py): the median decision in small NumPy operations
+        # the yardstick of this run (bench/common/machine.py): the median decision in small NumPy operations
         "small_op_us": round(small_op_us(), 3),
     }
     result["median_in_small_ops"] = round(1000 * result["median_ms"] / result["small_op_us"], 1)

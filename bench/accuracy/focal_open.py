@@ -1,7 +1,7 @@
 """Open-ended RL-Focal on the zoo's generation stream: offline on recorded samples, and live in the service with the
 models sampling.
 
-    python bench/bench_focal_open.py [--zoo DIR] [--seeds 0 1 2] [--samples 5] [--rate 20] [--skip-live]
+    python -m bench.accuracy.focal_open [--zoo DIR] [--seeds 0 1 2] [--samples 5] [--rate 20] [--skip-live]
 
 Pool: the zoo's four specialists. Warm split: ``generation_split`` (the four families, 400 tasks, seed 100); test
 stream: ``generation_stream`` (16 blocks of 50, seed 7: 15 task switches), so nothing is chosen on the test stream.
@@ -19,7 +19,6 @@ queries/s, the feedback (the reference) sent as each answer arrives.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import time
@@ -27,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from machine import machine_facts
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, add_seeds, arguments, write_json
 from rlens.evaluation import baselines
 from rlens.evaluation.dataset import load_dataset
 from rlens.evaluation.open_ended import sampled_dataset
@@ -145,13 +145,13 @@ def live(zoo: Path, paths: dict, tasks: list, seed: int, samples: int, rate: flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--zoo", type=Path, default=settings().zoo_dir)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    add_seeds(parser)
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--skip-live", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("bench/out/focal_open"))
+    add_out(parser, "bench/out/focal_open")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     recorded = record(args.zoo, args.out, args.samples)
@@ -191,7 +191,10 @@ def main() -> None:
         summary["live_mean"] = float(np.mean([r["live"]["accuracy"] for r in rows]))
         summary["live_std"] = float(np.std([r["live"]["accuracy"] for r in rows]))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(summary, indent=1))
+    write_json(
+        args.out / "results.json",
+        summary,
+    )
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}, indent=1))
 
 

@@ -1,7 +1,7 @@
 """The gateway's cost and its guarantees under failure, on one stack (tansu, Redis, a learner, 2 workers with
 replay backends, the gateway), measured from this process (a second process on loopback).
 
-    python bench/bench_gateway.py [--rate 50] [--duration 60] [--out bench/out/gateway.json]
+    python -m bench.gateway.gateway [--rate 50] [--duration 60] [--out bench/out/gateway.json]
 
 1. Overhead, same run: the same ``--rate`` open-loop traffic (--overhead-n queries) published straight to Kafka
    (``rlens load``'s player) and sent through the gateway; p50 / p99 latency of each and the difference.
@@ -17,7 +17,6 @@ replay backends, the gateway), measured from this process (a second process on l
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -26,13 +25,13 @@ import shutil
 import time
 import uuid
 from collections import Counter
-from pathlib import Path
 
 import aiohttp
 import httpx
 import numpy as np
 
-from machine import machine_facts
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, arguments, write_json
 from rlens.evaluation.dataset import load_dataset
 from rlens.messages import Query
 from rlens.local.load import play, queries_of
@@ -226,7 +225,7 @@ def gateway_counters(url: str) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--rate", type=float, default=50.0, help="requests/s of the overhead and failure runs")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of the failure run")
     parser.add_argument("--overhead-n", type=int, default=1000)
@@ -236,7 +235,7 @@ def main() -> None:
         default=5.0,
         help="RLENS_GATEWAY_TIMEOUT_S: shorter than the group's rebalance after the kill, so requests time out and are retried",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/out/gateway.json"))
+    add_out(parser, "bench/out/gateway.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     zoo = load_dataset(settings().demo_data)
@@ -323,7 +322,10 @@ def main() -> None:
     state = json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
     result["learner_stats"] = state["stats"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(
+        args.out,
+        result,
+    )
     print(json.dumps(result, indent=1))
 
 

@@ -1,6 +1,6 @@
 """Fuzz the running service: 10,000 messages on each of ``queries``, ``feedback``, ``experience`` and ``policy``.
 
-    python bench/bench_poison.py [--per-topic 10000] [--seed 0] [--out bench/out/poison.json]
+    python -m bench.robustness.poison [--per-topic 10000] [--seed 0] [--out bench/out/poison.json]
 
 Half of each topic's messages are random bytes (0-2,000 of them), half are schema-shaped messages with extreme
 values: a valid message of the topic with one field replaced by NaN, infinity, 1e300, 50,000, an empty or
@@ -18,19 +18,18 @@ sent to the last dead letter read, and whether the learner learned from the legi
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
 import time
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from machine import machine_facts
-from stacks import replay_stack
+from bench.common.machine import machine_facts
+from bench.common.stacks import replay_stack
+from bench.common.args import add_out, arguments, write_json
 from rlens.evaluation.dataset import load_dataset
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
@@ -272,10 +271,10 @@ async def spam_topics(stack: LocalStack) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--per-topic", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench/out/poison.json"))
+    add_out(parser, "bench/out/poison.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     zoo = load_dataset(settings().demo_data)
@@ -327,7 +326,10 @@ def main() -> None:
         )
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(
+        args.out,
+        result,
+    )
     print(json.dumps(result, indent=1))
 
 

@@ -1,6 +1,6 @@
 """Where the worker's and the learner's time goes at full speed: py-spy samples, grouped by stage.
 
-    python bench/profile_service.py [--queries N] [--rate HZ] [--out bench/out/profile]
+    python -m bench.service.profile [--queries N] [--rate HZ] [--out bench/out/profile]
 
 On the local stack (tansu, redis-server, the bundled stream on ``replay`` backends, as ``bench_service.py``):
 1. Worker: N queries are pre-filled in ``queries``; one worker starts (cold windows, a fresh policy) and answers
@@ -23,9 +23,7 @@ collapsed stacks: open them in speedscope or flamegraph.pl), ``profile.json`` (s
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import re
 import shutil
@@ -38,8 +36,9 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer
 
-from bench_service import count_answers, prefill
-from machine import machine_facts
+from bench.service.stack import count_answers, prefill
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, arguments, write_json
 from rlens.evaluation.dataset import load_dataset
 from rlens.messages import Answer, Query
 from rlens.service.common.kafka import Topics
@@ -234,10 +233,10 @@ def profile_worker(stack: LocalStack, queries: list[Query], out: Path, rate: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--queries", type=int, default=20000)
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
-    parser.add_argument("--out", type=Path, default=Path("bench/out/profile"))
+    add_out(parser, "bench/out/profile")
     args = parser.parse_args()
     if shutil.which("py-spy") is None:
         parser.error('py-spy not found: pip install -e ".[bench]" (or pip install py-spy)')
@@ -300,7 +299,10 @@ def main() -> None:
         print(f"\n{role}, share of samples:")
         for name, share in results[role]["shares"].items():
             print(f"  {100 * share:5.1f} %  {name}")
-    (args.out / "profile.json").write_text(json.dumps(results, indent=1))
+    write_json(
+        args.out / "profile.json",
+        results,
+    )
     plot(results, args.out / "profile.png")
 
 

@@ -1,7 +1,7 @@
 """RLAE on two real LLMs with different tokenizers (SmolLM2-135M-Instruct + Gemma 3 270M) against the paper's
 baselines, on few-shot tasks, with a test on task families the agent never saw, and latency per answer.
 
-    python bench/bench_rlae_llm.py [--zoo DIR] [--seeds 0 1 2] [--span 4] [--episodes 384] [--out out/bench_rlae_llm]
+    python -m bench.rlae.llm [--zoo DIR] [--seeds 0 1 2] [--span 4] [--episodes 384] [--out out/bench_rlae_llm]
                                    [--validation-only | --latency-only]
 
 Tasks (``rlens/zoo/fewshot.py``, three solved examples then the question, exact match, stop at the newline, at
@@ -20,8 +20,6 @@ Writes results.json, accuracy.png and a table (stdout).
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,9 +28,10 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from machine import machine_facts
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, add_seeds, arguments, write_json
 
-from rlens.cli import quiet_transformers
+from rlens.cli.common import quiet_transformers
 from rlens.progress import progress_bar
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.rlae.decode import TokenEnsemble
@@ -102,13 +101,13 @@ def latency_per_answer(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--zoo", type=Path, default=None)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    add_seeds(parser)
     parser.add_argument("--span", type=int, default=4)
     parser.add_argument("--episodes", type=int, default=384)
     parser.add_argument("--variants", nargs="+", default=["ppo", "mappo"], choices=["ppo", "mappo"])
-    parser.add_argument("--out", type=Path, default=Path("out/bench_rlae_llm"))
+    add_out(parser, "out/bench_rlae_llm")
     parser.add_argument("--quick", action="store_true", help="a smoke run: an eighth of every split, 64 episodes")
     parser.add_argument(
         "--latency-only",
@@ -147,7 +146,10 @@ def main() -> None:
             for v in args.variants
         }
         latency = latency_per_answer(tests["seen"][::14][:12], alone, ensemble, ranker, agents, cfg)
-        (args.out / "latency.json").write_text(json.dumps({"machine": machine_facts(), "latency_s": latency}, indent=1))
+        write_json(
+            args.out / "latency.json",
+            {"machine": machine_facts(), "latency_s": latency},
+        )
         print("latency, s per answer at batch 1: " + ", ".join(f"{k} {v:.2f}" for k, v in latency.items()))
         return
 
@@ -179,7 +181,10 @@ def main() -> None:
                     f"rlae {variant} seed {seed}, span {args.span}: validation {100 * scores[f'{variant}-{seed}']:.1f} %"
                 )
         summary = {"machine": machine_facts(), "span": args.span, "episodes": args.episodes, "validation": scores}
-        (args.out / "validation.json").write_text(json.dumps(summary, indent=1))
+        write_json(
+            args.out / "validation.json",
+            summary,
+        )
         return
     hits: dict[str, dict[str, list[list[bool]]]] = {split: {} for split in tests}
     focal_calls: dict[str, list[float]] = {split: [] for split in tests}
@@ -290,7 +295,10 @@ def main() -> None:
         },
         "per_task": hits,
     }
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    write_json(
+        args.out / "results.json",
+        results,
+    )
     plot(results, args.out / "accuracy.png")
     for split in tests:
         families = list(dict.fromkeys(t.family for t in tests[split]))

@@ -1,7 +1,7 @@
 """What simple online rules reach under the stream protocol when they see every model's outcome (full information),
 against the best single model per task chosen in hindsight.
 
-    python bench/bench_stream_bound.py [--data DIR] [--tasks all|tune|holdout] [--windows 32 64 128 0]
+    python -m bench.accuracy.stream_bound [--data DIR] [--tasks all|tune|holdout] [--windows 32 64 128 0]
 
 Per task (one stream key per task, as in ``rlens replay --protocol stream``), from a cold start, each question is
 answered from the outcomes of the task's earlier questions (the last W; 0: all of them), every model's outcome
@@ -17,13 +17,13 @@ of the future. Deterministic: no seed.
 
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 
 from rlens.evaluation.dataset import load_dataset
 from rlens.evaluation.recorded import RecordedDataset, shared_data_dir
 from rlens.evaluation.protocols import task_half
+from bench.common.args import arguments
 
 
 def online_accuracy(data: RecordedDataset, window: int, rule: str) -> float:
@@ -48,7 +48,7 @@ def online_accuracy(data: RecordedDataset, window: int, rule: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--data", default=str(shared_data_dir() / "bbh_dev"))
     parser.add_argument("--tasks", default="all", choices=["all", "tune", "holdout"])
     parser.add_argument("--windows", type=int, nargs="+", default=[32, 64, 128, 0])

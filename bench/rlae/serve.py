@@ -1,6 +1,6 @@
 """The same real-LLM pool served by model servers (the ``openai`` top-k path) against in process.
 
-    python bench/bench_rlae_serve.py [--zoo DIR] [--run out/bench_rlae_llm/runs/ppo-0] [--k 5 20] [--out out/bench_rlae_serve]
+    python -m bench.rlae.serve [--zoo DIR] [--run out/bench_rlae_llm/runs/ppo-0] [--k 5 20] [--out out/bench_rlae_serve]
 
 SmolLM2-135M and Gemma 3 270M each behind ``rlens serve-model`` (a child process on this machine, no prefix
 cache: every step re-reads prompt + text), decoded by :class:`rlens.rlae.topk.TopKEnsemble` over the top k tokens
@@ -11,7 +11,6 @@ Weights: uniform (GaC), and a trained RLAE agent when ``--run`` names one. Write
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -19,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench_rlae_llm import POOL, SEEN
-from machine import machine_facts
+from bench.rlae.llm import POOL, SEEN
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, arguments
 from rlens.backends import create_backend
-from rlens.cli import quiet_transformers
+from rlens.cli.common import quiet_transformers
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.evaluate import correct
@@ -52,11 +52,11 @@ def agent_cfg(source, cfg: RLAEConfig) -> RLAEConfig:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--zoo", type=Path, default=None)
     parser.add_argument("--run", type=Path, default=None, help="a trained RLAE run over the same two models")
     parser.add_argument("--k", type=int, nargs="+", default=[5, 20])
-    parser.add_argument("--out", type=Path, default=Path("out/bench_rlae_serve"))
+    add_out(parser, "out/bench_rlae_serve")
     args = parser.parse_args()
     torch.set_num_threads(2)
     quiet_transformers()

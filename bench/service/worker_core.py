@@ -1,7 +1,7 @@
 """The ``rl_focal`` worker's own cost per query, without Kafka: ``FocalWorker.handle`` on batches of 32 queries plus
 the JSON encoding of its answers and experience, with the windows in a real redis-server.
 
-    python bench/bench_worker_core.py [--passes 3] [--batch 32] [--out bench/out/worker_core.json]
+    python -m bench.service.worker_core [--passes 3] [--batch 32] [--out bench/out/worker_core.json]
 
 The bundled stream (replay backends, 5 models) in stream order, on one torch thread. Two states: *cold* (empty
 windows, a fresh policy: every model is called) and *warm* (each stream's window full, ``window`` rows from the
@@ -13,17 +13,16 @@ worker's time that is the service's own code; the broker client's part is in ``b
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from redis.asyncio import Redis
 
-from machine import machine_facts
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, arguments
 from rlens.backends.replay import ReplayBackend
 from rlens.evaluation.dataset import load_dataset
 from rlens.focal.engine import FocalEngine
@@ -104,10 +103,10 @@ async def measure(state: str, redis_url: str, passes: int, batch: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--passes", type=int, default=3, help="passes over the bundled stream per state")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=Path("bench/out/worker_core.json"))
+    add_out(parser, "bench/out/worker_core.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """RLAE learning online in the live service: the rlae strategy on the local stack, fed the zoo's generation stream.
 
-    python bench/bench_rlae_online.py [--zoo DIR] [--blocks 24] [--block-size 100] [--rate 40] [--offline-episodes 1024] [--lr 1e-3] [--out out/bench_rlae_online]
+    python -m bench.rlae.online [--zoo DIR] [--blocks 24] [--block-size 100] [--rate 40] [--offline-episodes 1024] [--lr 1e-3] [--out out/bench_rlae_online]
 
 The local stack (tansu broker, redis-server, one learner, one worker) runs the rlae strategy over the zoo's 4
 specialists, in process: span 4, at most 16 tokens, stop at a newline, weights sampled from the policy (the
@@ -19,7 +19,6 @@ missed switches, false alarms, recovery (rlens.drift.drift_figures), for the ``o
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import shutil
@@ -30,7 +29,8 @@ import numpy as np
 import torch
 from aiokafka import AIOKafkaConsumer
 
-from machine import machine_facts
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, arguments, write_json
 from rlens.drift import drift_figures
 from rlens.messages import DriftEvent
 from rlens.rlae.agent import RLAEConfig
@@ -221,7 +221,7 @@ def plot(results: dict, block_size: int, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--zoo", type=Path, default=None)
     parser.add_argument("--blocks", type=int, default=24)
     parser.add_argument("--block-size", type=int, default=100)
@@ -230,7 +230,7 @@ def main() -> None:
         "--offline-episodes", type=int, default=1024, help="the warm start's offline training (0: no warm run)"
     )
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of the online updates (RLENS_RLAE_LR)")
-    parser.add_argument("--out", type=Path, default=Path("out/bench_rlae_online"))
+    add_out(parser, "out/bench_rlae_online")
     parser.add_argument("--seed", type=int, default=7, help="the stream's seed (task order and tasks)")
     parser.add_argument(
         "--one-stream",
@@ -285,7 +285,7 @@ def main() -> None:
                 f"{np.median(d['delays']) if d['delays'] else float('nan'):.0f} queries, {d['false_alarms_per_1000']:.1f} false alarms / 1,000; "
                 f"median recovery {np.median(d['recovery']):.0f} queries"
             )
-    (args.out / "results.json").write_text(json.dumps(results))
+    write_json(args.out / "results.json", results, indent=None)
     plot(results, args.block_size, args.out / "online.png")
     print(f"wrote {args.out}/results.json and online.png")
 

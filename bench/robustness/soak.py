@@ -1,7 +1,7 @@
 """Memory under a flood of stream keys: the stack (1 learner, 1 worker, replay backends) for ``--minutes`` under
 traffic whose every query has its own stream key, cycling through ``--streams`` keys, with immediate feedback.
 
-    python bench/bench_soak.py [--minutes 10] [--streams 100000] [--rate 200] [--out bench/out/soak.json]
+    python -m bench.robustness.soak [--minutes 10] [--streams 100000] [--rate 200] [--out bench/out/soak.json]
 
 The resident memory (RSS, from /proc) of the worker and the learner is sampled every 10 s. Reported: RSS after the
 first minute (warm) and at the end, their ratio, the peak, and what the service did (answered, joined, updates).
@@ -10,15 +10,15 @@ Target: flat within ±10 % from the first minute to the end.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import threading
 import time
 from pathlib import Path
 
-from machine import machine_facts
-from stacks import replay_stack
+from bench.common.machine import machine_facts
+from bench.common.stacks import replay_stack
+from bench.common.args import add_out, arguments, write_json
 from rlens.evaluation.dataset import load_dataset
 from rlens.local.load import play, queries_of
 from rlens.settings import settings
@@ -32,11 +32,11 @@ def rss_mb(pid: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--streams", type=int, default=100_000)
     parser.add_argument("--rate", type=float, default=200.0)
-    parser.add_argument("--out", type=Path, default=Path("bench/out/soak.json"))
+    add_out(parser, "bench/out/soak.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     zoo = load_dataset(settings().demo_data)
@@ -107,7 +107,10 @@ def main() -> None:
         "samples": samples,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(
+        args.out,
+        result,
+    )
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
 
 

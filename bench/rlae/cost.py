@@ -1,6 +1,6 @@
 """What the token ensemble and the RLAE agent cost on top of the models' own compute.
 
-    python bench/bench_rlae_cost.py [--zoo DIR] [--pools ...] [--batch 32 1] [--spans 4 8] [--observe text prompt] [--tokens 32]
+    python -m bench.rlae.cost [--zoo DIR] [--pools ...] [--batch 32 1] [--spans 4 8] [--observe text prompt] [--tokens 32]
 
 Pools: the 4 zoo specialists (zoo prompts), and the two real LLMs SmolLM2-135M + Gemma 3 270M (few-shot prompts).
 64 prompts in batches of 32, or 16 prompts one at a time, decoded with an RLAE-PPO agent (untrained: its latency
@@ -16,13 +16,13 @@ Also each model decoding alone (its own greedy tokens, same batch) for reference
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 import torch
 
-from machine import machine_facts
+from bench.common.machine import machine_facts
+from bench.common.args import arguments
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.observe import SentenceEncoder, obs_dim
@@ -96,7 +96,7 @@ POOLS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--zoo", default=None)
     parser.add_argument("--pools", nargs="+", default=list(POOLS), choices=list(POOLS))
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 1])

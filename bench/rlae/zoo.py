@@ -1,6 +1,6 @@
 """RLAE-PPO and RLAE-MAPPO against every baseline on the zoo's generation stream (exact match).
 
-    python bench/bench_rlae.py [--zoo DIR] [--models arith-char count-bpe ...] [--seeds 0 1 2] [--span 4] [--episodes 6144]
+    python -m bench.rlae.zoo [--zoo DIR] [--models arith-char count-bpe ...] [--seeds 0 1 2] [--span 4] [--episodes 6144]
                                [--variants ppo mappo | --variants] [--shots 2] [--grid-tasks 256] [--out out/bench_rlae]
 
 Training split: 1000 open-ended tasks of uniformly drawn families (seed 100). Test stream: 8 blocks of 50 tasks,
@@ -21,8 +21,6 @@ split), the same for every task, since the task's family is not given to the ens
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,8 +29,9 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
-from machine import machine_facts
-from rlens.cli import quiet_transformers
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, add_seeds, arguments, write_json
+from rlens.cli.common import quiet_transformers
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.evaluate import correct, decode, grid_search, rl_focal_correct
@@ -81,12 +80,12 @@ def plot(results: dict, test_families: list[str], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--zoo", type=Path, default=None)
     parser.add_argument(
         "--models", nargs="+", default=SPECIALISTS, help="the pool: zoo models (default: the 4 specialists)"
     )
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    add_seeds(parser)
     parser.add_argument("--span", type=int, default=4)
     parser.add_argument("--episodes", type=int, default=6144)
     parser.add_argument(
@@ -96,7 +95,7 @@ def main() -> None:
     parser.add_argument(
         "--grid-tasks", type=int, default=256, help="training tasks the static-weight grid is searched on (0: no grid)"
     )
-    parser.add_argument("--out", type=Path, default=Path("out/bench_rlae"))
+    add_out(parser, "out/bench_rlae")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     torch.set_num_threads(2)
@@ -199,7 +198,10 @@ def main() -> None:
         "rl_focal_mean_calls": float(np.mean(focal_calls)),
         "per_task": per_task,
     }
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    write_json(
+        args.out / "results.json",
+        results,
+    )
     plot(results, [t.family for t in test], args.out / "accuracy.png")
     print(f"| method | exact match (mean over {len(args.seeds)} seeds) | min–max | " + " | ".join(FAMILIES) + " |")
     print("|---|---|---|" + "---|" * len(FAMILIES))

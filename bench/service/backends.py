@@ -1,7 +1,7 @@
 """Backend throughput: choice scoring in-process vs through `rlens serve-model` (HTTP), and model calls saved
 by the Decider.
 
-    python bench/bench_backends.py [--questions N] [--concurrency C] [--out bench/out/backends.json]
+    python -m bench.service.backends [--questions N] [--concurrency C] [--out bench/out/backends.json]
 
 1. SmolLM2-135M (GGUF, CPU) scores the first N questions of the bundled stream (4 choices each): in-process
    (`transformers` backend, prefix-shared batch) and through a `rlens serve-model` process with the `openai`
@@ -12,15 +12,13 @@ by the Decider.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
-from machine import machine_facts
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, arguments, write_json
 from rlens.backends import ChoiceQuery, create_backend
 from rlens.backends.hf import TransformersBackend
 from rlens.evaluation.dataset import load_dataset
@@ -47,10 +45,10 @@ def rate(score, queries: list[ChoiceQuery], concurrency: int = 1) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--questions", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=Path("bench/out/backends.json"))
+    add_out(parser, "bench/out/backends.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     data = settings().demo_data
@@ -89,7 +87,10 @@ def main() -> None:
             f"(accuracy {100 * methods['rl_focal'].accuracy:.1f} vs {100 * methods['rl_focal_all_models'].accuracy:.1f} %)"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    write_json(
+        args.out,
+        results,
+    )
 
 
 if __name__ == "__main__":

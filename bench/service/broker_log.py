@@ -1,6 +1,6 @@
 """Does the local broker (tansu, memory storage) slow down as one topic's log grows?
 
-    python bench/probe_broker_log.py [--records 600000] [--every 50000] [--partitions 1 4] [--max-batch-bytes 1048576]
+    python -m bench.service.broker_log [--records 600000] [--every 50000] [--partitions 1 4] [--max-batch-bytes 1048576]
 
 For each partition count: a fresh broker and one topic; records of 600 bytes are written round robin over the
 partitions (the producer packs them into batches of at most ``--max-batch-bytes``). After every ``--every``
@@ -10,14 +10,14 @@ A rate that falls as the log grows is what the service's long runs suggest (BENC
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from machine import machine_facts
+from bench.common.machine import machine_facts
+from bench.common.args import arguments
 from rlens.local.servers import LocalBroker
 
 PROBE, VALUE = 2_000, b"x" * 600
@@ -69,7 +69,7 @@ async def probe(records: int, every: int, partitions: int, max_batch_bytes: int)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--records", type=int, default=600_000)
     parser.add_argument("--every", type=int, default=50_000)
     parser.add_argument("--partitions", type=int, nargs="+", default=[1, 4])

@@ -1,7 +1,7 @@
 """Drift detection and reaction on streams with real task switches, one stream key for the whole stream (the task
 is not known to the service: that key is what drifts).
 
-    python bench/bench_drift.py [--seeds 0 1 2] [--out bench/out/drift.json]
+    python -m bench.accuracy.drift [--seeds 0 1 2] [--out bench/out/drift.json]
 
 RL-Focal runs online (Algorithm 2, cold start, feedback at once) over the bundled zoo_mc stream (10 blocks of 120;
 the validation stream, on which the reaction was chosen) and bbh_dev in task order (12 blocks of 250; held out),
@@ -22,17 +22,15 @@ none followed): a reaction to that detection comes too late for them.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
-from machine import machine_facts
+from bench.common.machine import machine_facts
+from bench.common.args import add_out, add_seeds, arguments, write_json
 from rlens.evaluation.dataset import load_dataset
 from rlens.drift import DriftConfig, DriftMonitor, drift_figures, recovery_time, task_blocks
 from rlens.focal.config import FocalConfig
@@ -69,8 +67,8 @@ def judge(correct: np.ndarray, detections: list[int], label_free: list[int], tas
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser = arguments(__doc__)
+    add_seeds(parser)
     parser.add_argument("--keep", type=int, default=10, help="trim: outcomes the window keeps after a detection")
     parser.add_argument("--reactions", nargs="+", default=["none", "trim", "reset"])
     parser.add_argument("--delta", type=float, default=0.002, help="ADWIN's delta")
@@ -82,7 +80,7 @@ def main() -> None:
         help="which detections count as a detection (the reaction follows all)",
     )
     parser.add_argument("--datasets", nargs="+", default=["zoo_mc", "bbh_dev"])
-    parser.add_argument("--out", type=Path, default=Path("bench/out/drift.json"))
+    add_out(parser, "bench/out/drift.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     datasets = {"zoo_mc (validation)": settings().demo_data, "bbh_dev (held out)": settings().shared_data / "bbh_dev"}
@@ -137,7 +135,10 @@ def main() -> None:
             result["runs"][f"{name} / {reaction}"] = {"summary": summary, "per_seed": runs}
             print(f"{name:22s} {reaction:6s} {summary}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(
+        args.out,
+        result,
+    )
 
 
 if __name__ == "__main__":
