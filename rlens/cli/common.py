@@ -8,6 +8,7 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from rlens.settings import settings
 
@@ -20,14 +21,28 @@ DEFAULT_WORKDIR = Path("out/up")  # `rlens up`'s work folder, where `rlens load`
 
 
 def fail(message: str) -> NoReturn:
-    errors.print(f"[bold red]error:[/] {message}", highlight=False)
+    errors.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     raise typer.Exit(2)
 
 
 def interrupted(what: str) -> NoReturn:
     """Ctrl-C: one line and the shell's exit code for SIGINT (130), no traceback."""
-    errors.print(f"interrupted: {what}", highlight=False)
+    errors.print(f"interrupted: {escape(what)}", highlight=False)
     raise typer.Exit(130)
+
+
+def needs_extra(extra: str, *modules: str) -> None:
+    """One line naming the extra to install when a command's optional dependency is missing."""
+    import importlib
+
+    missing = []
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        fail(f"this needs the `{extra}` extra ({', '.join(missing)} missing): pip install 'rlens[{extra}]'")
 
 
 def quiet_transformers() -> None:

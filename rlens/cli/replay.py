@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, cast
 import typer
 from rich.table import Table
 
-from rlens.cli.common import console, fail, interrupted
+from rlens.cli.common import console, fail, interrupted, needs_extra
 from rlens.evaluation.dataset import load_dataset
 from rlens.evaluation.recorded import DatasetError
 from rlens.evaluation.protocols import Protocol
@@ -134,6 +134,7 @@ def replay(
     ),
 ) -> None:
     """Replay a recorded dataset through RL-Focal and every baseline; write the report (with drift detections)."""
+    needs_extra("eval", "matplotlib", "sklearn")
     from rlens.evaluation.replay import DriftOptions
 
     if drift_reaction not in ("none", "trim", "reset"):
@@ -178,6 +179,7 @@ def demo(
     one_stream: bool = ONE_STREAM,
 ) -> None:
     """Replay the bundled zoo stream (5 real small models, 5 task families in blocks) through RL-Focal; no network."""
+    needs_extra("eval", "matplotlib", "sklearn")
     from rlens.evaluation.replay import DEFAULT_VARIANTS, DriftOptions
 
     run_replay(

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, cast
 
 import typer
 
-from rlens.cli.common import console, fail, quiet_transformers
+from rlens.cli.common import console, fail, needs_extra, quiet_transformers
 from rlens.progress import progress_bar
 from rlens.settings import settings
 
@@ -100,6 +100,7 @@ def rlae_train(
     from rlens.zoo.tasks import GENERATION_FAMILIES, generation_split
 
     quiet_transformers()
+    needs_extra("eval", "matplotlib")  # the training curve's plot
     if variant not in ("ppo", "mappo"):
         fail(f"--variant must be ppo or mappo, got {variant!r}")
     if observe not in ("prompt", "text"):

