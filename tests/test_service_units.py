@@ -1,0 +1,190 @@
+"""The units the worker's and the learner's apps are made of, each alone: which queries a batch admits, the learner's
+offset bookkeeping, its window writer (a real redis-server), its drift watch and its offset commits."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+from aiokafka.structs import TopicPartition
+from redis.asyncio import Redis
+
+from rlens.backends import create_backend
+from rlens.drift import DriftConfig, DriftMonitor
+from rlens.focal.engine import FocalEngine
+from rlens.messages import Query
+from rlens.service.common.kafka import Topics
+from rlens.service.common.windows import RedisWindows
+from rlens.service.learner import batches
+from rlens.service.learner.batches import Commits
+from rlens.service.learner.dashboard import Dashboard
+from rlens.service.learner.drift_watch import DriftWatch
+from rlens.service.learner.offsets import Offsets
+from rlens.service.learner.window_writer import APPLY_BATCH, WindowWriter
+from rlens.service.worker.batches import admit
+from rlens.service.worker.core import FocalWorker
+from rlens.settings import Settings
+from trust import TOKENS, VERIFIER
+
+
+def record(offset: int, value: bytes, topic: str = "rlens.queries", partition: int = 0):
+    return SimpleNamespace(topic=topic, partition=partition, offset=offset, key=b"k", value=value, timestamp=None)
+
+
+def query(qid: str, **fields) -> bytes:
+    return (
+        Query(query_id=qid, stream=fields.pop("stream", "s"), prompt="p", choices=["a", "b"], **fields)
+        .model_dump_json()
+        .encode()
+    )
+
+
+def test_admit_sorts_a_batch_into_queries_and_dead_letters_with_reasons(zoo):
+    backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
+    worker = FocalWorker(FocalEngine(5, seed=0), zoo.model_names, backends, None, VERIFIER, TOKENS)
+    topics = Topics.from_settings(Settings(_env_file=None))
+    tenant = "@acme/support"
+    signed = TOKENS.query_signature("q6", tenant)
+    records = [
+        record(0, query("q1")),
+        record(1, b"not json"),
+        record(2, query("q3", reply_to="elsewhere")),
+        record(3, query("q4", reply_to=topics.replies("gw-0"))),
+        record(4, query("q1")),  # the id again
+        record(5, query("q5", stream=tenant)),  # a tenant's stream, unsigned
+        record(6, query("q6", stream=tenant, signature=signed)),
+    ]
+    batch = admit(records, worker, topics, "worker w")
+    assert [q.query_id for q in batch.queries] == ["q1", "q4", "q6"]
+    assert sorted(batch.records) == ["q1", "q4", "q6"] and batch.records["q1"] is records[0]
+    reasons = {letter.offset: letter.reason for letter in batch.dead}
+    assert sorted(reasons) == [1, 2, 4, 5]
+    assert reasons[1].startswith("invalid JSON")
+    assert "is not a reply topic" in reasons[2]
+    assert reasons[4] == "query id q1 appears twice in one batch"
+    assert "no gateway signed this query" in reasons[5]
+    assert all(letter.consumer == "worker w" for letter in batch.dead)
+
+
+def test_offsets_tell_redeliveries_new_logs_and_what_may_be_committed():
+    offsets = Offsets()
+    feedback = [record(o, b"", topic="rlens.feedback") for o in range(3)]
+    assert [offsets.already_seen(r) for r in feedback] == [False, False, False]
+    assert offsets.read == {"rlens.feedback:0": 3} and offsets.moved()
+    assert offsets.to_commit("rlens.feedback") == {}  # nothing is committed past a checkpoint
+    offsets.checkpointed_now()
+    assert not offsets.moved()
+    assert offsets.to_commit("rlens.feedback") == {TopicPartition("rlens.feedback", 0): 3}
+    assert offsets.to_commit("rlens.experience") == {}
+    assert offsets.already_seen(feedback[1])  # a redelivery after a restart
+    assert offsets.below([feedback[2], record(7, b"", topic="rlens.feedback", partition=1)]) == {"rlens.feedback:0"}
+    offsets.new_log("rlens.feedback:0", 1)  # the partition now ends at 1, below the 3 reached: read it anew
+    assert offsets.read["rlens.feedback:0"] == 0 and offsets.checkpointed["rlens.feedback:0"] == 0
+    assert not offsets.already_seen(feedback[0])
+    resumed = Offsets({"rlens.feedback:0": 5})
+    assert resumed.checkpointed == {"rlens.feedback:0": 5} and not resumed.moved()
+
+
+def test_the_window_writer_applies_in_order_once_per_query_and_keeps_a_backlog_while_redis_is_down(redis_server):
+    async def scenario():
+        redis = Redis.from_url(redis_server.url)
+        await redis.flushdb()
+        writer = WindowWriter(RedisWindows(redis, 2, 8), redis_wait_s=0.0, backlog_limit=3)
+        assert not writer.queue("s", "q1", ([0, 1], 0), 1.0)
+        writer.queue("s", "q2", ([1, -1], 1), 0.5)
+        writer.queue("s", "q2", ([1, -1], 1), 0.5)  # a redelivered join: applied once
+        writer.queue("s", "q3", ([0, 0, 0], 1), 1.0)  # a row no window of 2 models can hold: dropped, not blocking
+        done = await writer.apply()
+        assert done.windows_applied == 2 and not writer.backlog
+        window = (await writer.windows.load(["s"]))["s"]
+        assert window.n_rows == 2
+
+        down = WindowWriter(
+            RedisWindows(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2), 2, 8),
+            redis_wait_s=0.0,
+            backlog_limit=3,
+        )
+        for i in range(5):
+            down.queue("s", f"d{i}", ([0, 0], 0), 1.0)
+        done = await down.apply()
+        assert done.redis_retries == 1 and done.window_backlog_dropped == 2
+        assert [row[1] for row in down.backlog] == ["d2", "d3", "d4"]  # the oldest went first
+        assert (await down.apply()).redis_retries == 0  # no new try before the pause is over
+        await redis.aclose()
+
+    asyncio.run(scenario())
+    assert APPLY_BATCH == 256
+
+
+def test_the_drift_watch_reports_a_step_change_once_and_trims_the_window(redis_server):
+    async def scenario():
+        redis = Redis.from_url(redis_server.url)
+        await redis.flushdb()
+        windows = RedisWindows(redis, 2, 64)
+        await windows.apply_many([["s", f"q{i}", [0, 0], 0, 1.0] for i in range(30)])
+        watch = DriftWatch(DriftMonitor(DriftConfig(delta=0.05, min_gap=20)), 5, Dashboard("rl_focal", ["a", "b"]))
+        detected = [watch.observe("s", {"outcome": 1.0 if i < 200 else 0.0}, f"q{i}") for i in range(400)]
+        first = detected.index(True)
+        assert 200 < first < 260  # found after the change, not before it
+        events = watch.take_events()
+        assert events and events[0].stream == "s" and events[0].signal == "outcome" and events[0].mean_after < 0.5
+        assert watch.take_events() == []
+        assert await watch.react("s", windows)
+        assert (await windows.load(["s"]))["s"].n_rows == 5
+        assert watch.to_json() and DriftWatch(None, None, watch.dashboard).to_json() == []
+        await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+class SlowConsumer:
+    """An aiokafka consumer's commit surface: commits that never finish (a broker that refuses them)."""
+
+    def __init__(self, hang: bool):
+        self.hang, self.commits = hang, []
+
+    def assignment(self):
+        return {TopicPartition("rlens.feedback", 0)}
+
+    async def commit(self, offsets):
+        if self.hang:
+            await asyncio.sleep(3600)
+        self.commits.append(offsets)
+
+
+class Restorer:
+    def __init__(self):
+        self.restored = 0
+
+    async def restore(self):
+        self.restored += 1
+
+
+def test_commits_follow_checkpoints_and_give_up_on_a_broker_that_hangs(monkeypatch):
+    monkeypatch.setattr(batches, "COMMIT_TIMEOUT_S", 0.2)
+    core = SimpleNamespace(offsets=Offsets({"rlens.feedback:0": 7}), checkpoints=SimpleNamespace(count=1))
+
+    async def scenario():
+        restorer = Restorer()
+        commits = Commits(core, restorer)
+        good = SlowConsumer(hang=False)
+        await commits.after_batch(good, "rlens.feedback")
+        await commits.after_batch(good, "rlens.feedback")  # no new checkpoint: nothing to commit again
+        assert good.commits == [{TopicPartition("rlens.feedback", 0): 7}]
+        core.checkpoints.count = 2
+        stuck = SlowConsumer(hang=True)
+        started = time.monotonic()
+        await commits.after_batch(stuck, "rlens.feedback")
+        assert time.monotonic() - started < 5 and restorer.restored == 1
+        assert commits.paused_until > time.monotonic()
+        await commits.after_batch(good, "rlens.feedback")  # paused: not tried
+        assert len(good.commits) == 1
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("keep", [None])
+def test_a_watch_without_a_monitor_detects_nothing(keep):
+    watch = DriftWatch(None, keep, Dashboard("rl_focal", ["a"]))
+    assert not watch.observe("s", {"outcome": 1.0}, "q")
+    assert asyncio.run(watch.react("s", None)) is False
