@@ -68,6 +68,22 @@ class LoadReport:
     def latency_percentile(self, q: float) -> float:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
 
+    def count(self, answer: Answer, correct: bool, stream: str, latency_ms: float, at_s: float) -> None:
+        """One query's first answer."""
+        self.answered += 1
+        self.correct += correct
+        self.no_answer += not answer.answered_models
+        self.outcomes.append(correct)
+        self.query_ids.append(answer.query_id)
+        self.streams.append(stream)
+        self.versions.append(answer.policy_version)
+        self.models_called.append(len(answer.called_models))
+        task = self.per_task.setdefault(stream, [0, 0])
+        task[0] += correct
+        task[1] += 1
+        self.latencies_ms.append(latency_ms)
+        self.answered_at.append(at_s)
+
 
 def queries_of(
     dataset: RecordedDataset, prompts: list[tuple[str, list[str]]] | None, run_id: str
@@ -212,21 +228,9 @@ async def play(
                     answered.add(answer.query_id)
                     last_progress = time.perf_counter()
                     outcome, stream = outcomes[answer.query_id]
-                    correct = is_correct(answer, outcome)
-                    report.answered += 1
-                    report.correct += correct
-                    report.no_answer += not answer.answered_models
-                    report.outcomes.append(correct)
-                    report.query_ids.append(answer.query_id)
-                    report.streams.append(stream)
-                    report.versions.append(answer.policy_version)
-                    report.models_called.append(len(answer.called_models))
-                    report.per_task.setdefault(stream, [0, 0])
-                    report.per_task[stream][0] += correct
-                    report.per_task[stream][1] += 1
                     now = time.perf_counter()
-                    report.latencies_ms.append(1000 * (now - sent_at.get(answer.query_id, now)))
-                    report.answered_at.append(now - start)
+                    latency_ms = 1000 * (now - sent_at.get(answer.query_id, now))
+                    report.count(answer, is_correct(answer, outcome), stream, latency_ms, now - start)
                     if answer.feedback_token:  # an answer with no model behind it has nothing to rate
                         feedback_tasks.append(asyncio.create_task(send_feedback(answer, outcome)))
                     on_answer(report)

@@ -4,6 +4,7 @@ set), in one place for the worker, the learner (ASGI routes of FastStream's app)
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 from faststream.asgi import AsgiResponse, get
@@ -16,6 +17,7 @@ from rlens.service.common.security import admin_allowed
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from rlens.service.common.windows import RedisWindows
     from rlens.settings import Settings
 
 
@@ -24,15 +26,37 @@ def settings_url(settings: "Settings") -> str:
     return f"http://{settings.metrics_host}:{settings.metrics_port}"
 
 
-async def not_ready(core, joined: list[bool]) -> str | None:
-    """Why a worker or learner (``core``, with its ``windows``) is not ready: subscribers not joined, Redis down."""
-    if not joined:
-        return "subscribers have not joined their groups yet"
-    try:
-        await core.windows.redis.ping()
-    except (RedisError, OSError) as exc:
-        return f"Redis unreachable ({exc})"
-    return None
+class Readiness:
+    """A process's readiness: ready once it runs (its subscribers joined, its broker connected) and while Redis
+    answers; its mark in Redis (role, name, HTTP address: what ``rlens up`` and operators read) renewed until it
+    stops, and extra keep-alive tasks (a gateway's reply topic) stopped with it."""
+
+    def __init__(self, role: str, name: str, url: str, waiting: str = "subscribers have not joined their groups yet"):
+        self.role, self.name, self.url, self.waiting = role, name, url, waiting
+        self.windows: RedisWindows | None = None  # set by start
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self, windows: RedisWindows, *keep: Awaitable) -> None:
+        self.windows = windows
+        self.tasks = [asyncio.create_task(windows.keep_ready(self.role, self.name, self.url))]
+        self.tasks += [asyncio.create_task(k) for k in keep]  # type: ignore[arg-type]
+
+    async def stop(self) -> None:
+        """Stop renewing (first: the renewal would set the mark again) and take the mark down."""
+        for task in self.tasks:
+            task.cancel()
+        if self.windows is not None:
+            await self.windows.mark_ready(self.role, self.name, ready=False)
+
+    async def not_ready(self) -> str | None:
+        """Why the process is not ready, or None."""
+        if self.windows is None:
+            return self.waiting
+        try:
+            await self.windows.redis.ping()
+        except (RedisError, OSError) as exc:
+            return f"Redis unreachable ({exc})"
+        return None
 
 
 def admin_token(settings: Settings) -> str | None:

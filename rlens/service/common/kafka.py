@@ -156,6 +156,15 @@ def dead_letter(record: Any, reason: str, consumer: str) -> DeadLetter:
     )
 
 
+def group_options(settings: Settings) -> dict[str, Any]:
+    """A consumer group member's timings from the settings (every subscriber in a group)."""
+    return {
+        "session_timeout_ms": settings.kafka_session_timeout_ms,
+        "heartbeat_interval_ms": settings.kafka_heartbeat_ms,
+        "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
+    }
+
+
 def typed_publisher(broker: KafkaBroker, topic: str, model: type[Message], role: str, description: str) -> Any:
     """A publisher whose payload schema (the pydantic model) appears in the AsyncAPI document as ``topic:role``."""
     return broker.publisher(topic, schema=model, title=f"{topic}:{role}", description=description)

@@ -5,7 +5,6 @@ document it serves (``python -m rlens.service.gateway.app`` rewrites ``schemas/g
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -16,10 +15,9 @@ from pathlib import Path
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.exceptions import RedisError
 
 from rlens.messages import DeadLetter, Feedback, Query
-from rlens.service.common.health import add_http_routes, admin_token, http_routes
+from rlens.service.common.health import Readiness, add_http_routes, admin_token, http_routes
 from rlens.service.common.kafka import Topics, ensure_topics, make_broker, typed_publisher
 from rlens.service.common.metrics import GatewayMetrics
 from rlens.service.common.security import feedback_tokens
@@ -35,6 +33,19 @@ from rlens.settings import Settings
 
 log = logging.getLogger("rlens.gateway")
 REDIS_CONNECTIONS = 64
+
+
+def redis_pool(settings: Settings) -> Redis:
+    """The gateway's Redis client: requests wait for a free connection of a bounded pool instead of failing."""
+    pool = BlockingConnectionPool.from_url(
+        settings.redis_url.get_secret_value(),
+        max_connections=REDIS_CONNECTIONS,
+        timeout=5,
+        socket_timeout=5,
+        socket_connect_timeout=2,
+        health_check_interval=10,
+    )
+    return Redis(connection_pool=pool)
 
 
 def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> FastAPI:
@@ -55,15 +66,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     dead_letters = typed_publisher(
         broker, topics.dead_letter, DeadLetter, "gateway", "replies that could not be used, with the reason"
     )
-    pool = BlockingConnectionPool.from_url(
-        settings.redis_url.get_secret_value(),
-        max_connections=REDIS_CONNECTIONS,
-        timeout=5,
-        socket_timeout=5,
-        socket_connect_timeout=2,
-        health_check_interval=10,
-    )
-    redis = Redis(connection_pool=pool)  # requests wait for a free connection instead of failing
+    redis = redis_pool(settings)
     marks = RedisWindows(redis, 1, 1, settings.redis_prefix)  # only its readiness mark
 
     async def publish_one(publisher, message) -> None:
@@ -81,30 +84,20 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     )
     subscribe_replies(broker, settings, gateway, metrics, dead_letters, reply_topic, name)
 
-    started: list[bool] = []
+    url = f"http://{settings.gateway_host}:{settings.gateway_port}"
+    readiness = Readiness("gateway", f"{socket.gethostname()}-{os.getpid()}", url, "Kafka not connected yet")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await ensure_topics(settings, extra=(reply_topic,))
         await broker.start()
-        started.append(True)
-        url = f"http://{settings.gateway_host}:{settings.gateway_port}"
-        process = f"{socket.gethostname()}-{os.getpid()}"
-        mark = asyncio.create_task(marks.keep_ready("gateway", process, url))
-        registration = asyncio.create_task(marks.keep_reply_topic(reply_topic))  # workers reply to no other
-        log.info(
-            "gateway %s ready on %s (reply topic %s; serves %s)",
-            name,
-            url,
-            reply_topic,
-            ", ".join(MODEL_OF[s] for s in gateway.strategies),
-        )
+        readiness.start(marks, marks.keep_reply_topic(reply_topic))  # workers reply to no other topic
+        served = ", ".join(MODEL_OF[s] for s in gateway.strategies)
+        log.info("gateway %s ready on %s (reply topic %s; serves %s)", name, url, reply_topic, served)
         try:
             yield
         finally:
-            mark.cancel()
-            registration.cancel()
-            await marks.mark_ready("gateway", process, ready=False)
+            await readiness.stop()
             await broker.stop()
             await redis.aclose()
 
@@ -122,16 +115,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     app.add_middleware(Measure, metrics=metrics)
     app.include_router(openai_router(gateway))
 
-    async def not_ready() -> str | None:
-        if not started:
-            return "Kafka not connected yet"
-        try:
-            await redis.ping()
-        except (RedisError, OSError) as exc:
-            return f"Redis unreachable ({exc})"
-        return None
-
-    add_http_routes(app, http_routes(registry, not_ready, admin_token(settings)))
+    add_http_routes(app, http_routes(registry, readiness.not_ready, admin_token(settings)))
     return app
 
 

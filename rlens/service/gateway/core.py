@@ -193,46 +193,62 @@ class Gateway:
             )
         query_id = f"rl-{uuid.uuid4().hex}"
         if idempotency_key:
-            if len(idempotency_key) > 256:
-                raise ApiError(
-                    400,
-                    "Idempotency-Key is longer than 256 characters",
-                    "invalid_request_error",
-                    "invalid_idempotency_key",
-                )
             request_digest = digest(stream.encode() + b"\0" + body)  # the stream too: it may come from the header
-            earlier = await self.state.idempotent(key.tenant, idempotency_key, request_digest, query_id)
-            if earlier is not None:
-                query_id, earlier_digest = earlier
-                if earlier_digest != request_digest:
-                    raise ApiError(
-                        409,
-                        "this Idempotency-Key was used with a different request",
-                        "invalid_request_error",
-                        "idempotency_key_reused",
-                        query_id=query_id,
-                    )
-                self.metrics.idempotent_replays.inc()
-                if (answer := await self.state.answer(query_id)) is not None:
-                    return answer
-                record = await self.state.query(query_id)
-                if record is not None and record.published:
-                    return await self._wait(query_id, poll=True)
-                # the first request never published it (that replica crashed in between): publish it now
+            query_id, answer, published = await self._earlier(key, idempotency_key, request_digest, query_id)
+            if answer is not None:
+                return answer
+            if published:
+                return await self._wait(query_id, poll=True)
         record = QueryRecord(
             tenant=key.tenant, stream=stream, model=request.model, chat=chat, n_choices=len(request.rlens.choices or [])
         )
         await self.state.remember_query(query_id, record)
-        scoped = tenant_stream(key.tenant, stream)  # its windows are this tenant's alone
+        await self._publish(query_id, tenant_stream(key.tenant, stream), prompt, request)  # the tenant's windows
+        await self.state.mark_published(query_id, record)
+        return await self._wait(query_id)
+
+    async def _earlier(
+        self, key: KeyRecord, idempotency_key: str, request_digest: str, query_id: str
+    ) -> tuple[str, Answer | None, bool]:
+        """The query an ``Idempotency-Key`` stands for (``query_id`` when it is new), its answer if one is kept, and
+        whether an earlier request published it (then its answer is waited for); 409 when the key came with another
+        request."""
+        if len(idempotency_key) > 256:
+            raise ApiError(
+                400, "Idempotency-Key is longer than 256 characters", "invalid_request_error", "invalid_idempotency_key"
+            )
+        earlier = await self.state.idempotent(key.tenant, idempotency_key, request_digest, query_id)
+        if earlier is None:
+            return query_id, None, False
+        query_id, earlier_digest = earlier
+        if earlier_digest != request_digest:
+            raise ApiError(
+                409,
+                "this Idempotency-Key was used with a different request",
+                "invalid_request_error",
+                "idempotency_key_reused",
+                query_id=query_id,
+            )
+        self.metrics.idempotent_replays.inc()
+        if (answer := await self.state.answer(query_id)) is not None:
+            return query_id, answer, True
+        record = await self.state.query(query_id)
+        # not published: the first request's replica crashed before it published; this one publishes it now
+        return query_id, None, record is not None and record.published
+
+    async def _publish(
+        self, query_id: str, stream: str, prompt: str, request: ChatCompletionRequest | CompletionRequest
+    ) -> None:
+        """The request on ``queries``, signed for its tenant's stream, replies to this replica; 503 if Kafka fails."""
         query = Query(
             query_id=query_id,
-            stream=scoped,
+            stream=stream,
             prompt=prompt,
             choices=request.rlens.choices,
             reference_id=request.rlens.reference_id,
             sent_at=time.time(),
             reply_to=self.reply_topic,
-            signature=self.tokens.query_signature(query_id, scoped),
+            signature=self.tokens.query_signature(query_id, stream),
         )
         try:
             await self.publish_query(query)
@@ -245,8 +261,6 @@ class Gateway:
                 query_id=query_id,
                 headers={"Retry-After": "1"},
             ) from exc
-        await self.state.mark_published(query_id, record)
-        return await self._wait(query_id)
 
     async def _wait(self, query_id: str, poll: bool = False) -> Answer:
         """The query's answer: from this replica's replies (:meth:`on_replies` keeps each answer in Redis before it

@@ -6,7 +6,13 @@ from faststream import AckPolicy
 from faststream.kafka import KafkaBroker, KafkaMessage
 
 from rlens.messages import Answer, DeadLetter
-from rlens.service.common.kafka import dead_letter, keep_bytes, parse_or_dead_letter, publish_dead_letters
+from rlens.service.common.kafka import (
+    group_options,
+    dead_letter,
+    keep_bytes,
+    parse_or_dead_letter,
+    publish_dead_letters,
+)
 from rlens.service.common.metrics import GatewayMetrics
 from rlens.service.gateway.core import Gateway
 from rlens.settings import Settings
@@ -34,9 +40,7 @@ def subscribe_replies(
         auto_offset_reset="earliest",
         ack_policy=AckPolicy.NACK_ON_ERROR,
         decoder=keep_bytes,
-        session_timeout_ms=settings.kafka_session_timeout_ms,
-        heartbeat_interval_ms=settings.kafka_heartbeat_ms,
-        fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+        **group_options(settings),
         description="answers to this replica's queries (workers publish each answer here too)",
     )
     async def on_replies(bodies: list[bytes], message: KafkaMessage) -> None:

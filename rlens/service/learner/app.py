@@ -15,8 +15,9 @@ from faststream.kafka import KafkaMessage
 from prometheus_client import CollectorRegistry
 
 from rlens.messages import EXPERIENCE, DeadLetter, DriftEvent, Feedback, Policy
-from rlens.service.common.health import admin_token, http_routes, not_ready, settings_url
+from rlens.service.common.health import Readiness, admin_token, http_routes, settings_url
 from rlens.service.common.kafka import (
+    group_options,
     Topics,
     TopicRestorer,
     app_logger,
@@ -71,11 +72,10 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         "auto_offset_reset": "earliest",
         "ack_policy": AckPolicy.MANUAL,
         "decoder": keep_bytes,
-        "session_timeout_ms": settings.kafka_session_timeout_ms,
-        "heartbeat_interval_ms": settings.kafka_heartbeat_ms,
-        "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
+        **group_options(settings),
     }
     experience_model = core.trainer.experience if core else EXPERIENCE[settings.strategy]
+    background: list[asyncio.Task] = []  # the lease's renewal, idle checkpoints
 
     @broker.subscriber(
         topics.experience,
@@ -93,45 +93,40 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
         await batches.handle(message, Feedback, topics.feedback)
 
-    joined: list[bool] = []
+    readiness = Readiness("learner", core.name if core else "", settings_url(settings))
     routes = http_routes(
         registry,
-        lambda: not_ready(core, joined),
+        readiness.not_ready,
         admin_token(settings),
         dashboard_routes(core.dashboard.snapshot) if core else [],
     )
     app = AsgiFastStream(broker, asgi_routes=routes, logger=app_logger())
-    background: list[asyncio.Task] = []
-    marking: list[asyncio.Task] = []  # the readiness mark's renewal
 
     @app.on_startup
     async def leased() -> None:  # run_learner took the group's lease (claim_group) before the app started
-        background.append(asyncio.create_task(keep_lease(settings, live)))
-        background.append(asyncio.create_task(batches.checkpoint_when_idle()))
+        background.extend(
+            [asyncio.create_task(keep_lease(settings, live)), asyncio.create_task(batches.checkpoint_when_idle())]
+        )
 
     @app.after_startup
     async def announce() -> None:  # workers that start after a learner restart get the current policy at once
         if live.version > 0:
             await publish(policies, [live.current_policy()])
-        joined.append(True)
-        url = settings_url(settings)
-        marking.append(asyncio.create_task(live.windows.keep_ready("learner", live.name, url)))
+        readiness.start(live.windows)
         log.info(
             "learner %s ready (%s): policy v%d, epoch %d; metrics, health and the dashboard on %s",
             live.name,
             settings.strategy,
             live.version,
             live.epoch,
-            url,
+            readiness.url,
         )
 
     @app.on_shutdown
     async def final_checkpoint() -> None:
         async with batches.lock:
             live.checkpoint()
-        for task in marking:  # the mark's renewal first, or it would set the mark again
-            task.cancel()
-        await live.windows.mark_ready("learner", live.name, ready=False)
+        await readiness.stop()
         await live.windows.release(settings.group("learner"), lease_holder(live))
 
     return app

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import cast
 
@@ -13,8 +12,9 @@ from faststream.kafka import KafkaMessage
 from prometheus_client import CollectorRegistry
 
 from rlens.messages import EXPERIENCE, Answer, DeadLetter, Policy
-from rlens.service.common.health import admin_token, http_routes, not_ready, settings_url
+from rlens.service.common.health import Readiness, admin_token, http_routes, settings_url
 from rlens.service.common.kafka import (
+    group_options,
     Topics,
     app_logger,
     dead_letter,
@@ -73,9 +73,7 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
         ack_policy=AckPolicy.NACK_ON_ERROR,
         decoder=keep_bytes,
         description="JSON Query messages (schemas/messages/query.schema.json); anything else is dead-lettered",
-        session_timeout_ms=settings.kafka_session_timeout_ms,
-        heartbeat_interval_ms=settings.kafka_heartbeat_ms,
-        fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+        **group_options(settings),
     )
     async def on_queries(bodies: list[bytes], message: KafkaMessage) -> None:
         await batches.handle(message.raw_message)  # returning acks the batch: its offsets are committed only now
@@ -96,31 +94,21 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
             metrics.dead_letters.labels(dead_letter_kind(parsed.reason)).inc()
             await publish_dead_letters(dead_letters, [parsed])
 
-    joined: list[bool] = []
+    readiness = Readiness("worker", core.name if core else "", settings_url(settings))
     app = AsgiFastStream(
-        broker,
-        asgi_routes=http_routes(registry, lambda: not_ready(core, joined), admin_token(settings)),
-        logger=app_logger(),
+        broker, asgi_routes=http_routes(registry, readiness.not_ready, admin_token(settings)), logger=app_logger()
     )
-    background: list[asyncio.Task] = []
 
     @app.after_startup
     async def ready() -> None:
-        joined.append(True)
-        url = settings_url(settings)
+        readiness.start(live.windows)
         log.info(
             "worker %s ready (%s): consumer group %s joined; metrics and health on %s",
             live.name,
             settings.strategy,
             settings.group("workers"),
-            url,
+            readiness.url,
         )
-        background.append(asyncio.create_task(live.windows.keep_ready("worker", live.name, url)))
 
-    @app.on_shutdown
-    async def leaving() -> None:
-        for task in background:  # the mark's renewal first, or it would set the mark again
-            task.cancel()
-        await live.windows.mark_ready("worker", live.name, ready=False)
-
+    app.on_shutdown(readiness.stop)
     return app
