@@ -134,7 +134,6 @@ def main() -> None:
             }
             result["runs"][f"{name} / {reaction}"] = {"summary": summary, "per_seed": runs}
             print(f"{name:22s} {reaction:6s} {summary}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json(
         args.out,
         result,

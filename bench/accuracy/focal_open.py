@@ -20,7 +20,6 @@ queries/s, the feedback (the reference) sent as each answer arrives.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
@@ -190,12 +189,7 @@ def main() -> None:
     if not args.skip_live:
         summary["live_mean"] = float(np.mean([r["live"]["accuracy"] for r in rows]))
         summary["live_std"] = float(np.std([r["live"]["accuracy"] for r in rows]))
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(
-        args.out / "results.json",
-        summary,
-    )
-    print(json.dumps({k: v for k, v in summary.items() if k != "rows"}, indent=1))
+    write_json(args.out / "results.json", summary, show={k: v for k, v in summary.items() if k != "rows"})
 
 
 if __name__ == "__main__":

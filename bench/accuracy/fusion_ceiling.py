@@ -161,7 +161,6 @@ def main() -> None:
             own.append(right / len(test_y))
         results[f"fusion_per_task_{epochs}"] = own
         print(f"Fusion per task, {epochs} epochs: {mean_std(own)}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json(
         args.out,
         results,

@@ -76,7 +76,6 @@ def main() -> None:
             f"{live['answered']} answered, {live['duplicates']} duplicates, p50 {live['p50_ms']:.0f} ms, p99 {live['p99_ms']:.0f} ms, policy v{live['policy_version']}",
             flush=True,
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json(
         args.out,
         rows,

@@ -108,7 +108,6 @@ def main() -> None:
             "seconds_per_replay": round(float(np.mean(seconds)), 1),
             "methods": methods,
         }
-    args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "summary.json", summary, indent=2)
     lines = []
     for protocol, block in summary.items():

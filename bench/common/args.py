@@ -20,9 +20,12 @@ def add_out(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--out", type=Path, default=Path(default), help=f"where the results go (default {default})")
 
 
-def write_json(path: Path, payload, indent: int | None = 1) -> Path:
-    """Write ``payload`` as JSON to ``path`` (its folder made if missing) and say where."""
+def write_json(path: Path, payload, indent: int | None = 1, show=None) -> Path:
+    """Write ``payload`` as JSON to ``path`` (its folder made if missing), print ``show`` (True: the payload) as
+    JSON, and say where it went."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=indent))
+    if show is not None:
+        print(json.dumps(payload if show is True else show, indent=1))
     print(f"wrote {path}")
     return path

@@ -7,7 +7,10 @@ import shutil
 import uuid
 from pathlib import Path
 
-from rlens.messages import Query
+import numpy as np
+
+from rlens.focal.engine import FocalEngine
+from rlens.messages import Experience, Query
 from rlens.local.load import Outcome
 from rlens.local.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
@@ -31,3 +34,26 @@ def cycled(stream: list[tuple[Query, Outcome]], prefix: str, n: int) -> list[tup
         (stream[i % len(stream)][0].model_copy(update={"query_id": f"{prefix}-{i}"}), stream[i % len(stream)][1])
         for i in range(n)
     ]
+
+
+def uniform_experience(query_id: str = "q", stream: str = "s", explored: bool = False) -> Experience:
+    """A valid 5-model, 4-choice experience record: a fresh engine's decision over uniform answers, the models all
+    voting choice 1 (the learner benchmarks' and the fuzzer's template)."""
+    engine = FocalEngine(5, seed=0)
+    decision = engine.decide(stream, 4, greedy=not explored)[0]
+    fused = engine.fuse(decision, np.full((5, 4), 0.25))
+    return Experience(
+        query_id=query_id,
+        stream=stream,
+        policy_version=0,
+        n_choices=4,
+        decider_state=decision.state.tolist(),
+        critic_state=fused.critic_state.tolist(),
+        pool=decision.pool.tolist(),
+        pool_logp=decision.pool_logp,
+        predictions=[1] * 5,
+        fusion_features=fused.features.tolist(),
+        answer_index=1,
+        answer_logp=fused.answer_logp,
+        explored=explored,
+    )

@@ -321,12 +321,7 @@ def main() -> None:
     directory = stack.settings.checkpoint_dir
     state = json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
     result["learner_stats"] = state["stats"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(
-        args.out,
-        result,
-    )
-    print(json.dumps(result, indent=1))
+    write_json(args.out, result, show=True)
 
 
 if __name__ == "__main__":

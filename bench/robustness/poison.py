@@ -30,6 +30,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from bench.common.machine import machine_facts
 from bench.common.stacks import replay_stack
 from bench.common.args import add_out, arguments, write_json
+from bench.common.stacks import uniform_experience
 from rlens.evaluation.dataset import load_dataset
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
@@ -77,28 +78,13 @@ def random_bytes(rng: np.random.Generator) -> bytes:
 
 def payloads(n: int, seed: int, zoo) -> dict[str, list[bytes]]:
     rng = np.random.default_rng(seed)
-    engine = FocalEngine(5, seed=0)
-    decision = engine.decide("s", 4, greedy=True)[0]
-    fused = engine.fuse(decision, np.full((5, 4), 0.25))
-    experience = Experience(
-        query_id="q",
-        stream="s",
-        policy_version=0,
-        n_choices=4,
-        decider_state=decision.state.tolist(),
-        critic_state=fused.critic_state.tolist(),
-        pool=decision.pool.tolist(),
-        pool_logp=decision.pool_logp,
-        predictions=[1] * 5,
-        fusion_features=fused.features.tolist(),
-        answer_index=1,
-        answer_logp=fused.answer_logp,
-    ).model_dump(mode="json")
+    experience = uniform_experience().model_dump(mode="json")
     query = Query(query_id="q", stream="s", prompt="p", choices=["a", "b", "c", "d"], reference_id="0").model_dump(
         mode="json"
     )
     feedback = Feedback(query_id="q", token="0" * 32, label=1).model_dump(mode="json")
     attacker = PolicySigner(generate_secrets()["RLENS_POLICY_SIGNING_KEY"])
+    engine = FocalEngine(5, seed=0)  # the pool's shapes, weights from no checkpoint
     state = engine.policy_state()
     policies = [
         encode_policy(state, 2**62, 2**40, zoo.model_names, "rl_focal", attacker),
@@ -325,12 +311,7 @@ def main() -> None:
             "new_logs",
         )
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(
-        args.out,
-        result,
-    )
-    print(json.dumps(result, indent=1))
+    write_json(args.out, result, show=True)
 
 
 if __name__ == "__main__":

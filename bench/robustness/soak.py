@@ -106,12 +106,7 @@ def main() -> None:
         },
         "samples": samples,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(
-        args.out,
-        result,
-    )
-    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+    write_json(args.out, result, show={k: v for k, v in result.items() if k != "samples"})
 
 
 if __name__ == "__main__":

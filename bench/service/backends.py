@@ -86,7 +86,6 @@ def main() -> None:
             f"  {protocol.value}: calls per query {calls['rl_focal']:.2f} with the Decider vs {calls['rl_focal_all_models']:.2f} without "
             f"(accuracy {100 * methods['rl_focal'].accuracy:.1f} vs {100 * methods['rl_focal_all_models'].accuracy:.1f} %)"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json(
         args.out,
         results,

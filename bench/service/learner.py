@@ -14,12 +14,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from redis.asyncio import Redis
 
 from bench.common.machine import cpu_name
 from bench.common.args import add_out, arguments, write_json
+from bench.common.stacks import uniform_experience
 from rlens.checkpoint import CheckpointStore
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Experience, Feedback
@@ -43,24 +43,10 @@ class Record:
 
 
 def pairs(n: int, tokens: FeedbackTokens) -> tuple[list[bytes], list[bytes]]:
-    engine = FocalEngine(5, seed=0)
-    decision = engine.decide("s", 4, greedy=False)[0]
-    fused = engine.fuse(decision, np.full((5, 4), 0.25))
-    common = dict(
-        policy_version=0,
-        n_choices=4,
-        decider_state=decision.state.tolist(),
-        critic_state=fused.critic_state.tolist(),
-        pool=decision.pool.tolist(),
-        pool_logp=decision.pool_logp,
-        predictions=[1] * 5,
-        fusion_features=fused.features.tolist(),
-        answer_index=1,
-        answer_logp=fused.answer_logp,
-        explored=True,
-    )
+    template = uniform_experience(explored=True)
     experience = [
-        Experience(query_id=f"q{i}", stream=f"s{i % 1000}", **common).model_dump_json().encode() for i in range(n)
+        template.model_copy(update={"query_id": f"q{i}", "stream": f"s{i % 1000}"}).model_dump_json().encode()
+        for i in range(n)
     ]
     feedback = [
         Feedback(query_id=f"q{i}", token=tokens.token(f"q{i}"), label=i % 4).model_dump_json().encode()
@@ -117,7 +103,6 @@ def main() -> None:
             print(f"{threads} torch thread(s): {results['joins_per_s'][threads]} joins/s", flush=True)
     finally:
         server.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json(
         args.out,
         results,

@@ -21,7 +21,6 @@ it misses), and ``keeps_up`` when the slope of the total lag is under 1 % of the
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import threading
 import time
@@ -167,12 +166,7 @@ def main() -> None:
         "keeps_up": total_slope < 0.01 * worker_rate,
         "samples": samples,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(
-        args.out,
-        result,
-    )
-    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+    write_json(args.out, result, show={k: v for k, v in result.items() if k != "samples"})
 
 
 if __name__ == "__main__":

@@ -184,7 +184,6 @@ def main() -> None:
         stack.stop()
     if args.load_s > 0:
         latency_phase(args, stream, results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json(
         args.out,
         results,
