@@ -147,6 +147,30 @@ class Feedback(Message):
         return self
 
 
+class Behaviour(BaseModel):
+    """What off-policy evaluation needs of one served rl_focal query (:mod:`rlens.focal.propensity`): the serving
+    mixture in force, its greedy actions, the probability of what it served, and every called model's answer."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
+    explore_rate: float = Field(ge=0, le=1, description="the share of queries explored when this one was answered")
+    probe: bool = Field(description="the whole pool was called to refresh the windows (every model's answer known)")
+    greedy_pool: list[bool] = Field(max_length=MAX_MODELS, description="the pool the greedy Decider takes here")
+    greedy_answer: Choice = Field(
+        description="the greedy policy's answer here (greedy pool, greedy Fusion); -1 where the greedy pool was not called"
+    )
+    propensity: float = Field(
+        ge=0,
+        le=1,
+        description="the mixture's probability of the served pool and answer: explore_rate · P(pool) · P(answer | pool) "
+        "+ (1 − explore_rate) · [both greedy]",
+    )
+    model_probs: list[Annotated[list[Annotated[float, Field(ge=0, le=1)]], Field(max_length=MAX_CHOICES)]] = Field(
+        max_length=MAX_MODELS,
+        description="per model: its distribution over the choices, 4 decimals; [] where not called or failed",
+    )
+
+
 class Experience(Message):
     """What the learner needs from one answered rl_focal query to train both agents once its feedback arrives."""
 
@@ -180,6 +204,7 @@ class Experience(Message):
         description="open-ended queries: the extracted answers the choices stand for "
         "(a feedback reference is matched against them); None: multiple choice",
     )
+    behaviour: Behaviour | None = Field(None, description="for off-policy evaluation; None from workers before it")
 
 
 class SpanDecision(BaseModel):
@@ -203,6 +228,11 @@ class RLAEExperience(Message):
     policy_version: int = Field(ge=0)
     text: str = Field(max_length=MAX_TEXT)
     spans: list[SpanDecision] = Field(min_length=1, max_length=MAX_SPANS)
+    sampled: bool | None = Field(
+        None,
+        description="the span weights were sampled from the policy (each span's logp is then the density of its "
+        "action); false: the policy's mean served; None from workers before it",
+    )
 
 
 class Policy(Message):

@@ -256,14 +256,29 @@ class FocalEngine:
         (answer,) = self.fuse_batch([decision], [probs])
         return answer
 
-    def greedy_answer(self, decision: Decision, probs: np.ndarray) -> int:
+    def greedy_pool(self, decision: Decision) -> np.ndarray:
+        """The pool the greedy Decider takes in the decision's state (the decision's own pool when it was greedy)."""
+        if not decision.explored:
+            return decision.pool
+        return self.greedy.pools(decision.state[None])[0][0] if self.cfg.use_decider else self.everyone
+
+    def greedy_answer(
+        self,
+        decision: Decision,
+        probs: np.ndarray,
+        called: np.ndarray | None = None,
+        answered: np.ndarray | None = None,
+    ) -> int:
         """The answer the greedy policy would have given from the same state (what exploring an explored query
-        cost); changes no state."""
-        pool = (
-            self.greedy.pools(decision.state[None])[0][0]
-            if self.cfg.use_decider
-            else np.ones(self.n_models, dtype=bool)
-        )
+        cost); changes no state. ``called`` / ``answered``: the models that were asked and those that answered
+        (default: all); -1 when the greedy pool holds a model that was not asked, or none of it answered."""
+        pool = self.greedy_pool(replace(decision, explored=True))
+        if called is not None and (pool & ~called).any():
+            return -1
+        if answered is not None:
+            pool = pool & answered
+            if not pool.any():
+                return -1
         features = self.fusion_features(replace(decision, pool=pool), probs)
         return int(self.greedy.answers(features[None], np.ones((1, len(features)), dtype=bool))[0][0])
 

@@ -43,7 +43,9 @@ from rlens.backends.base import Backend, ChoiceQuery, GenerationRequest
 from rlens.models.answers import Extractor
 from rlens.models.ensemble import PoolCaller, PoolQuery
 from rlens.focal.engine import FocalEngine
+from rlens.focal.propensity import serving_propensity
 from rlens.messages import (
+    Behaviour,
     MAX_CHOICES,
     Answer,
     Experience,
@@ -276,7 +278,7 @@ class FocalWorker(Worker):
         answers = dict(zip(answerable, fused))
         latency = 1000 * (time.perf_counter() - started)
         for i, q in enumerate(queries):
-            self._outputs(q, decisions[i], calls[i], fused_pools[i], answers.get(i), latency, out)
+            self._outputs(q, decisions[i], calls[i], fused_pools[i], answers.get(i), latency, out, probes[i])
         return out
 
     def _pool_query(self, q: Query) -> PoolQuery:
@@ -291,7 +293,15 @@ class FocalWorker(Worker):
         return pool if pool.any() else answers.answered.copy()
 
     def _outputs(
-        self, q: Query, decision, answers, fused_pool: np.ndarray, answer, latency: float, out: BatchOutput
+        self,
+        q: Query,
+        decision,
+        answers,
+        fused_pool: np.ndarray,
+        answer,
+        latency: float,
+        out: BatchOutput,
+        probe: bool = False,
     ) -> None:
         names = self.names
         common = {
@@ -336,6 +346,32 @@ class FocalWorker(Worker):
                 answer_index=answer.answer,
                 answer_logp=answer.answer_logp,
                 explored=decision.explored,
+                behaviour=self._behaviour(decision, answers, answer, probe),
             )
         )
         self.stats.answered += 1
+
+    def _behaviour(self, decision, answers, answer, probe: bool) -> Behaviour:
+        """What off-policy evaluation needs of this query (:mod:`rlens.focal.propensity`)."""
+        engine, explore_rate = self.engine, self.engine.cfg.explore_rate
+        greedy_pool = engine.greedy_pool(decision)
+        if decision.explored:
+            greedy = engine.greedy_answer(decision, answers.probs, decision.called, answers.answered)
+        else:
+            greedy = answer.answer
+        propensity = serving_propensity(
+            explore_rate,
+            decision.pool_logp,
+            answer.answer_logp,
+            bool((greedy_pool == decision.pool).all()),
+            answer.answer == int(np.argmax(answer.distribution)),
+        )
+        probs = np.round(answers.probs, 4)
+        return Behaviour(
+            explore_rate=explore_rate,
+            probe=probe,
+            greedy_pool=greedy_pool.tolist(),
+            greedy_answer=greedy,
+            propensity=min(propensity, 1.0),
+            model_probs=[row.tolist() if ok else [] for row, ok in zip(probs, answers.answered)],
+        )

@@ -140,6 +140,7 @@ class RLAEWorker(Worker):
                         SpanDecision(obs=s.obs.tolist(), action=s.action.tolist(), logp=s.logp, value=s.value)
                         for s in spans
                     ],
+                    sampled=self.explore,
                 )
             )
             self.stats.answered += 1
