@@ -167,7 +167,13 @@ class Behaviour(BaseModel):
     )
     model_probs: list[Annotated[list[Annotated[float, Field(ge=0, le=1)]], Field(max_length=MAX_CHOICES)]] = Field(
         max_length=MAX_MODELS,
-        description="per model: its distribution over the choices, 4 decimals; [] where not called or failed",
+        description="per model: its distribution over the choices, 6 significant digits; [] where not called or failed",
+    )
+    reliability: list[Annotated[float, Field(ge=0, le=1)]] = Field(
+        max_length=MAX_MODELS, description="the stream window's per-model reliability the Fusion agent read"
+    )
+    label_prior: list[Annotated[float, Field(ge=0, le=1)]] = Field(
+        max_length=MAX_CHOICES, description="the stream window's label frequencies the Fusion agent read"
     )
 
 

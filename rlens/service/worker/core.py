@@ -366,12 +366,15 @@ class FocalWorker(Worker):
             bool((greedy_pool == decision.pool).all()),
             answer.answer == int(np.argmax(answer.distribution)),
         )
-        probs = np.round(answers.probs, 4)
+        probs = [[float(f"{x:.6g}") for x in row] for row in answers.probs.tolist()]  # 6 significant digits
+        window = engine.window(decision.key)
         return Behaviour(
             explore_rate=explore_rate,
             probe=probe,
             greedy_pool=greedy_pool.tolist(),
             greedy_answer=greedy,
             propensity=min(propensity, 1.0),
-            model_probs=[row.tolist() if ok else [] for row, ok in zip(probs, answers.answered)],
+            model_probs=[row if ok else [] for row, ok in zip(probs, answers.answered)],
+            reliability=np.round(window.reliability(), 6).tolist(),
+            label_prior=np.round(window.label_prior(answers.probs.shape[1]), 6).tolist(),
         )

@@ -1,0 +1,168 @@
+"""Logged rl_focal traffic and candidate policies acting on it: what :mod:`rlens.evaluation.ope` estimates from.
+
+A :class:`LoggedQuery` is one served query as the worker logged it (its :class:`rlens.messages.Behaviour`) with its
+label from the feedback: the Decider's observation, every called model's distribution, the window statistics the
+Fusion agent read, the served pool and answer and their propensity. A candidate policy (:class:`FocalPolicy`: the
+greedy actions of an RL-Focal engine; :class:`FixedPool`: a fixed set of models fused by their summed distributions)
+acts on the same context: its pool from the logged observation, its answer from the pool's logged answers, or
+None where it needs a model the query did not call. :func:`evaluate` gives every estimator's value of a candidate's
+reward and accuracy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from rlens.evaluation.ope import Estimate, direct, doubly_robust, ips, snips
+from rlens.focal.engine import FocalEngine
+from rlens.focal.features import fusion_observation
+from rlens.messages import Experience
+
+RIDGE = 1.0  # the reward model's L2 penalty
+
+
+@dataclass
+class LoggedQuery:
+    state: np.ndarray  # the Decider's observation
+    probs: np.ndarray  # [M, C]: each model's distribution; rows of models not called are 0
+    known: np.ndarray  # bool [M]: models whose answer the log holds
+    reliability: np.ndarray  # [M]: the window's per-model reliability
+    label_prior: np.ndarray  # [C]
+    pool: np.ndarray  # bool [M]: the pool served
+    answer: int  # the answer served
+    propensity: float  # the logging mixture's probability of (pool, answer)
+    label: int  # the correct choice (-1: unknown)
+    probe: bool  # every model was called
+
+    @classmethod
+    def from_experience(cls, experience: Experience, label: int) -> "LoggedQuery":
+        """A joined experience (with its ``behaviour``) and its feedback's label."""
+        b = experience.behaviour
+        if b is None:
+            raise ValueError(f"experience {experience.query_id} has no behaviour (a worker before off-policy logging)")
+        n_choices = experience.n_choices
+        known = np.array([len(row) > 0 for row in b.model_probs])
+        probs = np.array([row if row else [0.0] * n_choices for row in b.model_probs], dtype=np.float64)
+        return cls(
+            state=np.asarray(experience.decider_state, dtype=np.float32),
+            probs=probs,
+            known=known,
+            reliability=np.asarray(b.reliability, dtype=np.float32),
+            label_prior=np.asarray(b.label_prior, dtype=np.float32),
+            pool=np.asarray(experience.pool, dtype=bool),
+            answer=experience.answer_index,
+            propensity=b.propensity,
+            label=label,
+            probe=b.probe,
+        )
+
+
+class Policy(Protocol):
+    name: str
+
+    def act(self, query: LoggedQuery) -> tuple[np.ndarray, int | None]:
+        """(pool, answer) on this context; answer None where the pool holds a model the log has no answer of."""
+
+
+def fuse_greedy(engine: FocalEngine, query: LoggedQuery, pool: np.ndarray) -> int:
+    """The engine's greedy Fusion answer on the pool's logged answers and the logged window statistics."""
+    features = fusion_observation(query.probs * pool[:, None], pool, query.reliability, query.label_prior)
+    return int(engine.greedy.answers(features[None], np.ones((1, len(features)), dtype=bool))[0][0])
+
+
+@dataclass
+class FocalPolicy:
+    """The greedy actions of an RL-Focal engine (its Decider and Fusion agent)."""
+
+    name: str
+    engine: FocalEngine
+
+    def act(self, query: LoggedQuery) -> tuple[np.ndarray, int | None]:
+        if self.engine.cfg.use_decider:
+            pool = self.engine.greedy.pools(query.state[None])[0][0]
+        else:
+            pool = np.ones(len(query.known), dtype=bool)
+        if (pool & ~query.known).any():
+            return pool, None
+        return pool, fuse_greedy(self.engine, query, pool)
+
+
+@dataclass
+class FixedPool:
+    """Always the same models, answering the choice with the largest summed probability (one model: its answer)."""
+
+    name: str
+    pool: np.ndarray
+
+    def act(self, query: LoggedQuery) -> tuple[np.ndarray, int | None]:
+        if (self.pool & ~query.known).any():
+            return self.pool, None
+        return self.pool, int(query.probs[self.pool].sum(0).argmax())
+
+
+def reward(pool: np.ndarray, answer: int, label: int, cost_share: np.ndarray, alpha: float) -> float:
+    """The Decider's reward: +1 / -1 for the answer, minus alpha times the pool's share of the pool's cost."""
+    return (1.0 if answer == label else -1.0) - alpha * float(cost_share[pool].sum())
+
+
+def pool_features(query: LoggedQuery, pool: np.ndarray, cost_share: np.ndarray) -> np.ndarray:
+    """The reward model's view of a pool in a context: which models, how reliable, how costly."""
+    rel = query.reliability.astype(np.float64)
+    chosen = pool.astype(np.float64)
+    best = float(rel[pool].max()) if pool.any() else 0.0
+    return np.concatenate([[1.0, best, float(cost_share[pool].sum())], chosen, chosen * rel])
+
+
+def fit_ridge(x: np.ndarray, y: np.ndarray, penalty: float = RIDGE) -> np.ndarray:
+    eye = np.eye(x.shape[1])
+    eye[0, 0] = 0.0  # no penalty on the intercept
+    return np.linalg.solve(x.T @ x + penalty * eye, x.T @ y)
+
+
+def evaluate(
+    queries: list[LoggedQuery], policy: Policy, cost_share: np.ndarray, alpha: float
+) -> dict[str, dict[str, Estimate]]:
+    """Every estimator's value of ``policy``'s reward and accuracy on the labelled logged queries: ``exact`` (the
+    probe rows, where the log holds every model's answer), ``ips``, ``snips`` and ``dr`` (a ridge reward model of
+    the policy's value, fitted on the probe rows)."""
+    labelled = [q for q in queries if q.label >= 0]
+    actions = [policy.act(q) for q in labelled]
+    matched = np.array(
+        [bool((pool == q.pool).all()) and answer == q.answer for q, (pool, answer) in zip(labelled, actions)]
+    )
+    logging = np.array([q.propensity for q in labelled])
+    # probe rows: a random sample of the queries on which every model was called (a failed model aside)
+    complete = [i for i, q in enumerate(labelled) if q.probe and actions[i][1] is not None]
+    out: dict[str, dict[str, Estimate]] = {}
+    for metric in ("reward", "accuracy"):
+
+        def value(pool, answer, label):
+            return reward(pool, answer, label, cost_share, alpha) if metric == "reward" else float(answer == label)
+
+        logged = np.array([value(q.pool, q.answer, q.label) for q in labelled])
+        exact = np.array([value(*actions[i], labelled[i].label) for i in complete])
+        x_target = np.array([pool_features(q, pool, cost_share) for q, (pool, _) in zip(labelled, actions)])
+        x_logged = np.array([pool_features(q, q.pool, cost_share) for q in labelled])
+        model = fit_ridge(x_target[complete], exact) if len(complete) >= 2 else np.zeros(x_target.shape[1])
+        out[metric] = {
+            "exact": direct(exact),
+            "ips": ips(logged, matched.astype(float), logging),
+            "snips": snips(logged, matched.astype(float), logging),
+            "dr": doubly_robust(logged, matched.astype(float), logging, x_logged @ model, x_target @ model),
+        }
+    return out
+
+
+def true_value(queries: list[LoggedQuery], policy: Policy, cost_share: np.ndarray, alpha: float) -> dict[str, float]:
+    """The policy's mean reward and accuracy on queries whose every model's answer is known (a replay's truth)."""
+    rewards, correct = [], []
+    for q in queries:
+        pool, answer = policy.act(q)
+        if answer is None:
+            raise ValueError("true_value needs complete queries (every model's answer)")
+        rewards.append(reward(pool, answer, q.label, cost_share, alpha))
+        correct.append(answer == q.label)
+    return {"reward": float(np.mean(rewards)), "accuracy": float(np.mean(correct))}
