@@ -139,6 +139,12 @@ class Settings(BaseSettings):
         gt=0,
         description="the learner checkpoints at most this often (and on shutdown); Kafka offsets are committed up to the newest checkpoint",
     )
+    ope_log_bytes: int = Field(
+        64 * 2**20,
+        ge=0,
+        description="rl_focal: the learner's log of joined queries for `rlens ope` (<checkpoint dir>/ope-log.jsonl), "
+        "rotated past this many bytes (one older file kept); 0: no log",
+    )
     pending_limit: int = Field(100_000, ge=1, description="experience / feedback held while waiting for the other half")
     pending_ttl_s: float = Field(
         3600.0,

@@ -9,10 +9,11 @@ import pytest
 from redis.asyncio import Redis
 
 from rlens.backends import create_backend
-from rlens.evaluation.logged import FixedPool, FocalPolicy, LoggedQuery, evaluate
-from rlens.evaluation.ope import Z95, direct, doubly_robust, effective_sample_size, ips, snips
+from rlens.evaluation.logged import FixedPool, FocalPolicy, LoggedQuery, evaluate, read_log
+from rlens.evaluation.ope import Z95, corrected_replay, direct, doubly_robust, effective_sample_size, ips, snips
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
+from rlens.messages import Experience
 from rlens.local.load import queries_of
 from rlens.service.common.windows import RedisWindows
 from rlens.service.worker.core import FocalWorker
@@ -67,8 +68,8 @@ def test_the_estimators_cover_a_simulated_bandits_truth():
         assert 0.9 <= coverage <= 0.99, (name, coverage)
 
 
-def logged_queries(zoo, n: int = 600) -> tuple[list[LoggedQuery], FocalEngine]:
-    """What a real worker logs for ``n`` queries of the bundled stream (explore 0.3, probe 0.3), labelled."""
+def served_experience(zoo, n: int = 600) -> tuple[list[tuple[Experience, int]], FocalEngine]:
+    """What a real worker logs for ``n`` queries of the bundled stream (explore 0.3, probe 0.3), with the labels."""
 
     async def scenario():
         backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
@@ -80,10 +81,15 @@ def logged_queries(zoo, n: int = 600) -> tuple[list[LoggedQuery], FocalEngine]:
         for start in range(0, n, 100):
             batch = traffic[start : start + 100]
             experience = (await worker.handle([q for q, _ in batch])).experience
-            out += [LoggedQuery.from_experience(e, label) for e, (_, label) in zip(experience, batch)]
+            out += [(e, label) for e, (_, label) in zip(experience, batch)]
         return out, engine
 
     return asyncio.run(scenario())
+
+
+def logged_queries(zoo, n: int = 600) -> tuple[list[LoggedQuery], FocalEngine]:
+    served, engine = served_experience(zoo, n)
+    return [LoggedQuery.from_experience(e, label) for e, label in served], engine
 
 
 def test_candidates_act_on_what_a_worker_logged(zoo):
@@ -107,3 +113,72 @@ def test_candidates_act_on_what_a_worker_logged(zoo):
         assert 0 <= e.value <= 1.05 and e.low <= e.value <= e.high, name
     # the logging policy's own greedy part is matched on most queries: its estimates agree
     assert abs(estimates["accuracy"]["ips"].value - estimates["accuracy"]["exact"].value) < 0.15
+
+
+def test_corrected_replay_by_hand():
+    values = np.array([1.0, 0.0, 0.5, 0.5])  # the last two from the model
+    modelled = np.array([False, False, True, True])
+    residuals = np.array([0.2, -0.1, 0.5])  # the model is 0.2 low on average where it stands in
+    e = corrected_replay(values, modelled, residuals)
+    assert e.value == pytest.approx(0.5 + 0.5 * 0.2)
+    variance = values.var(ddof=1) / 4 + 0.25 * residuals.var(ddof=1) / 3
+    assert e.high - e.value == pytest.approx(Z95 * math.sqrt(variance))
+    exact = corrected_replay(values, np.zeros(4, dtype=bool), np.array([]))  # nothing modelled: a plain mean
+    assert exact.value == pytest.approx(0.5) and exact.high - exact.value == pytest.approx(Z95 * values.std(ddof=1) / 2)
+
+
+def test_the_learners_log_round_trips_rotates_and_feeds_rlens_ope(zoo, tmp_path):
+    from typer.testing import CliRunner
+
+    from rlens.checkpoint import CheckpointStore
+    from rlens.cli import app
+    from rlens.local.stack import write_replay_pool
+    from rlens.service.learner.checkpoint import save_engine
+    from rlens.service.learner.ope_log import OpeLog
+    from rlens.settings import settings
+
+    served, engine = served_experience(zoo, 300)
+    path = tmp_path / "ope-log.jsonl"
+    log = OpeLog(path, max_bytes=60_000)
+    for e, label in served:
+        log.append(e, label)
+    log.append(served[0][0], served[0][1])  # a join after a crash, before its checkpoint: logged twice
+    rotated = path.with_name(path.name + ".1")
+    assert rotated.is_file() and path.is_file() and path.stat().st_size < 60_000 + 2_000
+    queries = read_log([rotated, path])
+    ids = [e.query_id for e, _ in served]
+    assert 60 < len(queries) < 300  # bounded: the newest file and the one before it
+    assert [q.query_id for q in queries] == ids[-(len(queries) - 1) :] + [ids[0]]  # the newest, each once (its last line)
+    first = next(q for q in queries if q.answer == served[-1][0].answer_index)
+    assert first.probs.shape[0] == 5
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(path.read_text().splitlines()[0] + "\n{not json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        read_log([bad])
+
+    save_engine(CheckpointStore(tmp_path / "candidate"), engine, 1, {})
+    pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
+    result = CliRunner().invoke(
+        app,
+        [
+            "ope",
+            "--candidate",
+            str(tmp_path / "candidate"),
+            "--log",
+            str(rotated),
+            "--log",
+            str(path),
+            "--pool",
+            str(pool),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "replay" in result.output and (tmp_path / "out" / "ope.png").stat().st_size > 1000
+    report = (tmp_path / "out" / "ope.md").read_text()
+    assert "| served | on-policy |" in report and str(tmp_path / "candidate") in report
+    missing = CliRunner().invoke(
+        app, ["ope", "--candidate", str(tmp_path / "nothing"), "--log", str(path), "--pool", str(pool)]
+    )
+    assert missing.exit_code == 2 and "no checkpoint" in missing.output

@@ -268,7 +268,8 @@ def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path
     """tansu's memory storage: a restarted broker has empty logs. Its topics are made before the traffic resumes
     (the service makes them too once a publish fails, but the learner must fetch the new logs before they grow past
     the offsets it had reached, or it takes their first records for ones it has seen: a limit of a broker that
-    loses its data, which a replicated Kafka cluster does not)."""
+    loses its data, which a replicated Kafka cluster does not). So half as much traffic follows the restart as came
+    before it: however late the learner reconnects on a loaded machine, no new log outgrows an old one."""
     stack = make_stack(tmp_path)
     try:
         before = asyncio.run(play(stack.settings, traffic(zoo, "before", 200), rate=60, idle_timeout_s=60))
@@ -277,15 +278,15 @@ def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path
         stack.broker.stop()
         stack.broker = LocalBroker(port)  # memory storage: every topic starts again at offset 0
         asyncio.run(ensure_topics(stack.settings))
-        after = asyncio.run(play(stack.settings, traffic(zoo, "after", 200), rate=60, idle_timeout_s=120))
+        after = asyncio.run(play(stack.settings, traffic(zoo, "after", 100), rate=60, idle_timeout_s=120))
         deadline = time.monotonic() + 60
-        while learner_stat(stack, "rlens_learner_joined_total") < 400 and time.monotonic() < deadline:
+        while learner_stat(stack, "rlens_learner_joined_total") < 300 and time.monotonic() < deadline:
             time.sleep(0.5)
     finally:
         stack.stop()
-    assert before.answered == 200 and after.answered == 200 and after.duplicates == 0
+    assert before.answered == 200 and after.answered == 100 and after.duplicates == 0
     stats = final_learner_state(stack)["stats"]
-    assert stats["joined"] == 400 and stats["new_logs"] >= 2  # experience and feedback: both new logs were read
+    assert stats["joined"] == 300 and stats["new_logs"] >= 2  # experience and feedback: both new logs were read
 
 
 async def topic_partitions(config) -> dict[str, int]:

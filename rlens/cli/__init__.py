@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import typer
 
-from rlens.cli import importers, keys, local, models, replay, rlae, service, zoo
+from rlens.cli import importers, keys, local, models, ope, replay, rlae, service, zoo
 
 app = typer.Typer(help="rlens: LLM ensembles that learn from feedback.", no_args_is_help=True, add_completion=False)
 app.command()(replay.replay)
 app.command()(replay.demo)
+app.command()(ope.ope)
 app.command()(local.up)
 app.command()(local.load)
 app.command()(service.worker)

@@ -12,14 +12,17 @@ reward and accuracy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from rlens.evaluation.ope import Estimate, direct, doubly_robust, ips, snips
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rlens.evaluation.ope import Estimate, corrected_replay, direct, doubly_robust, ips, snips
 from rlens.focal.engine import FocalEngine
 from rlens.focal.features import fusion_observation
-from rlens.messages import Experience
+from rlens.messages import MAX_CHOICES, Behaviour, Experience
 
 RIDGE = 1.0  # the reward model's L2 penalty
 
@@ -36,28 +39,92 @@ class LoggedQuery:
     propensity: float  # the logging mixture's probability of (pool, answer)
     label: int  # the correct choice (-1: unknown)
     probe: bool  # every model was called
+    query_id: str = ""
 
     @classmethod
     def from_experience(cls, experience: Experience, label: int) -> "LoggedQuery":
         """A joined experience (with its ``behaviour``) and its feedback's label."""
-        b = experience.behaviour
-        if b is None:
+        if experience.behaviour is None:
             raise ValueError(f"experience {experience.query_id} has no behaviour (a worker before off-policy logging)")
-        n_choices = experience.n_choices
+        return cls.from_parts(
+            experience.behaviour,
+            experience.decider_state,
+            experience.n_choices,
+            experience.pool,
+            experience.answer_index,
+            label,
+        )
+
+    @classmethod
+    def from_parts(
+        cls,
+        b: Behaviour,
+        decider_state: list[float],
+        n_choices: int,
+        pool: list[bool],
+        answer: int,
+        label: int,
+        query_id: str = "",
+    ) -> "LoggedQuery":
         known = np.array([len(row) > 0 for row in b.model_probs])
         probs = np.array([row if row else [0.0] * n_choices for row in b.model_probs], dtype=np.float64)
         return cls(
-            state=np.asarray(experience.decider_state, dtype=np.float32),
+            state=np.asarray(decider_state, dtype=np.float32),
             probs=probs,
             known=known,
             reliability=np.asarray(b.reliability, dtype=np.float32),
             label_prior=np.asarray(b.label_prior, dtype=np.float32),
-            pool=np.asarray(experience.pool, dtype=bool),
-            answer=experience.answer_index,
+            pool=np.asarray(pool, dtype=bool),
+            answer=answer,
             propensity=b.propensity,
             label=label,
             probe=b.probe,
+            query_id=query_id,
         )
+
+
+class LogLine(BaseModel):
+    """One line of the learner's off-policy log (:mod:`rlens.service.learner.ope_log`)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    query_id: str
+    stream: str
+    policy_version: int
+    n_choices: int = Field(ge=1, le=MAX_CHOICES)
+    decider_state: list[float]
+    pool: list[bool]
+    answer_index: int
+    behaviour: Behaviour
+    label: int = Field(ge=0)
+
+
+def read_log(paths: list[Path]) -> list[LoggedQuery]:
+    """The learner's off-policy log (oldest file first), each query once (its last line); ValueError naming the file
+    and line of a line that does not parse."""
+    lines: dict[str, LoggedQuery] = {}
+    for path in paths:
+        with Path(path).open() as f:
+            for number, text in enumerate(f, 1):
+                if not text.strip():
+                    continue
+                try:
+                    line = LogLine.model_validate_json(text)
+                except ValidationError as exc:
+                    raise ValueError(
+                        f"{path}:{number}: not an off-policy log line ({exc.errors()[0]['msg']})"
+                    ) from None
+                lines.pop(line.query_id, None)
+                lines[line.query_id] = LoggedQuery.from_parts(
+                    line.behaviour,
+                    line.decider_state,
+                    line.n_choices,
+                    line.pool,
+                    line.answer_index,
+                    line.label,
+                    line.query_id,
+                )
+    return list(lines.values())
 
 
 class Policy(Protocol):
@@ -126,8 +193,10 @@ def evaluate(
     queries: list[LoggedQuery], policy: Policy, cost_share: np.ndarray, alpha: float
 ) -> dict[str, dict[str, Estimate]]:
     """Every estimator's value of ``policy``'s reward and accuracy on the labelled logged queries: ``exact`` (the
-    probe rows, where the log holds every model's answer), ``ips``, ``snips`` and ``dr`` (a ridge reward model of
-    the policy's value, fitted on the probe rows)."""
+    probe rows, where the log holds every model's answer: a random sample), ``replay`` (every query whose log holds
+    the answers the policy needs, exactly; the reward model elsewhere, its mean error there corrected on the probe
+    rows), ``ips``, ``snips`` and ``dr`` (the reward model, a ridge regression of the policy's value on the probe
+    rows, corrected by IPS)."""
     labelled = [q for q in queries if q.label >= 0]
     actions = [policy.act(q) for q in labelled]
     matched = np.array(
@@ -147,8 +216,20 @@ def evaluate(
         x_target = np.array([pool_features(q, pool, cost_share) for q, (pool, _) in zip(labelled, actions)])
         x_logged = np.array([pool_features(q, q.pool, cost_share) for q in labelled])
         model = fit_ridge(x_target[complete], exact) if len(complete) >= 2 else np.zeros(x_target.shape[1])
+        predicted = x_target @ model
+        modelled = np.array([answer is None for _, answer in actions])
+        values = np.array(
+            [
+                predicted[i] if modelled[i] else value(pool, answer, q.label)
+                for i, (q, (pool, answer)) in enumerate(zip(labelled, actions))
+            ]
+        )
+        # the model's errors where it would stand in: probe rows whose candidate pool the logged pool did not hold
+        stand_in = [i for i in complete if (actions[i][0] & ~labelled[i].pool).any()]
+        residuals = np.array([value(*actions[i], labelled[i].label) - predicted[i] for i in stand_in])
         out[metric] = {
             "exact": direct(exact),
+            "replay": corrected_replay(values, modelled, residuals),
             "ips": ips(logged, matched.astype(float), logging),
             "snips": snips(logged, matched.astype(float), logging),
             "dr": doubly_robust(logged, matched.astype(float), logging, x_logged @ model, x_target @ model),

@@ -2,8 +2,10 @@
 
 The estimators are small pure functions over per-query arrays, each returning an :class:`Estimate` with a normal 95 %
 confidence interval and the effective sample size of its importance weights:
-- :func:`direct` — the mean of values known exactly: the candidate's reward on the queries where the log holds every
-  answer it needs (probe rows call the whole pool), an unbiased estimate when those rows are a random sample;
+- :func:`direct` — the mean of per-query values: the candidate's reward where the log holds every answer it needs
+  (on probe rows, which call the whole pool, an unbiased estimate: they are a random sample), or a reward model's;
+- :func:`corrected_replay` — every query's value, exact where the log holds what the candidate needs and a reward
+  model's elsewhere, with the model's mean error measured on the random sample where both are known;
 - :func:`ips` — inverse propensity scoring, mean of w · r with w = π_candidate(a | x) / π_logging(a | x);
 - :func:`snips` — its self-normalised form, Σ w r / Σ w (delta-method interval);
 - :func:`doubly_robust` — a reward model's prediction for the candidate's action, corrected by w · (r − the model's
@@ -58,6 +60,25 @@ def _mean(values: np.ndarray, ess: float | None = None) -> Estimate:
 def direct(values: np.ndarray) -> Estimate:
     """The mean of exactly known values (e.g. the candidate's reward on the complete rows)."""
     return _mean(values)
+
+
+def corrected_replay(values: np.ndarray, modelled: np.ndarray, residuals: np.ndarray) -> Estimate:
+    """The mean of per-query values, each exact or (``modelled``) a reward model's prediction, corrected by the
+    model's mean error measured where the truth is known on a random sample (``residuals``: exact − predicted there).
+    The interval adds that correction's uncertainty to the mean's: fraction modelled² · var(residuals) / k."""
+    v = np.asarray(values, dtype=np.float64)
+    n = len(v)
+    if n == 0:
+        return Estimate(math.nan, math.nan, math.nan, 0, 0.0)
+    share = float(np.asarray(modelled, dtype=bool).mean())
+    res = np.asarray(residuals, dtype=np.float64)
+    bias = float(res.mean()) if share > 0 and len(res) else 0.0
+    variance = float(v.var(ddof=1)) / n if n > 1 else math.inf
+    if share > 0:
+        variance += share**2 * (float(res.var(ddof=1)) / len(res) if len(res) > 1 else math.inf)
+    value = float(v.mean()) + share * bias
+    half = Z95 * math.sqrt(variance)
+    return Estimate(value, value - half, value + half, n, float(n))
 
 
 def weights(target_probs: np.ndarray, logging_probs: np.ndarray) -> np.ndarray:

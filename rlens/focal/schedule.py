@@ -21,7 +21,7 @@ import numpy as np
 from rlens.evaluation.recorded import RecordedDataset
 from rlens.drift import DriftMonitor, signals_of_outcome
 from rlens.focal.config import FocalConfig
-from rlens.focal.engine import Answer, FocalEngine
+from rlens.focal.engine import Answer, Decision, FocalEngine
 from rlens.focal.features import critic_states
 from rlens.focal.voting import plurality_vote
 
@@ -177,12 +177,14 @@ def run_online(
     drift: DriftMonitor | None = None,
     reaction: Reaction = "none",
     keep: int = 10,
+    served: Callable[[int, Decision, Answer], None] | None = None,
 ) -> OnlineTrace:
     """Algorithm 2 over ``data``. The window key is each question's task, or ``stream`` for all of them (the task
     unknown, as in the service). ``drift`` is fed each outcome when its feedback arrives (the learner's signals:
     ``outcome`` and each called model's ``model:<index>``) and each answer's confidence as it is given (label-free);
     its detections are in the trace, and ``reaction`` applies on each question whose outcome completed one: ``trim`` the stream's window to its last ``keep``
-    outcomes, ``reset`` it, or ``none``."""
+    outcomes, ``reset`` it, or ``none``. ``served(i, decision, answer)`` sees each answer as it is given, before its
+    feedback (what a worker would log)."""
     qs = questions(data)
     cfg = engine.cfg
     n = len(qs)
@@ -222,6 +224,8 @@ def run_online(
             q.key if stream is None else stream, q.decider_choices, greedy=not explore, probe=probe
         )
         answer = engine.fuse(decision, q.probs)
+        if served is not None:
+            served(i, decision, answer)
         trace.answers[i], trace.correct[i], trace.explored[i] = answer.answer, answer.answer == q.label, explore
         trace.greedy_correct[i] = (engine.greedy_answer(decision, q.probs) if explore else answer.answer) == q.label
         if (

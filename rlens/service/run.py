@@ -22,6 +22,7 @@ from rlens.service.learner.lease import claim_group
 from rlens.service.common.kafka import check_idempotence
 from rlens.ports import free_port
 from rlens.service.common.logs import setup_logging
+from rlens.service.learner.ope_log import OPE_LOG, OpeLog
 from rlens.service.learner.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
 from rlens.service.common.health import admin_token
 from rlens.service.common.security import check_exposure, feedback_tokens, policy_signer, policy_verifier
@@ -151,6 +152,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
         checkpoint_every_s=settings.checkpoint_every_s,
         drift=drift_monitor(settings),
         drift_keep=settings.drift_keep if settings.drift_reaction == "trim" else None,
+        ope_log=OpeLog(settings.checkpoint_dir / OPE_LOG, settings.ope_log_bytes) if settings.ope_log_bytes else None,
     )
     if warm_start is not None:
         core.warm_start(warm_start)

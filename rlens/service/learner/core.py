@@ -69,7 +69,7 @@ from dataclasses import asdict, dataclass
 
 from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftMonitor, signals_of_outcome
-from rlens.messages import AnyExperience, DeadLetter, DriftEvent, Feedback, Message, Policy
+from rlens.messages import AnyExperience, DeadLetter, DriftEvent, Experience, Feedback, Message, Policy
 from rlens.service.learner.dashboard import Dashboard
 from rlens.service.common.kafka import (
     dead_letter,
@@ -80,6 +80,7 @@ from rlens.service.common.metrics import (
 )
 from rlens.service.learner.drift_watch import DriftWatch
 from rlens.service.learner.offsets import Offsets
+from rlens.service.learner.ope_log import OpeLog
 from rlens.service.learner.pending import Pending, PendingHalves
 from rlens.service.learner.window_writer import WindowWriter
 from rlens.service.common.policy import encode_policy, non_finite
@@ -134,6 +135,7 @@ class LearnerCore:
         checkpoint_every_s: float = 5.0,
         drift: DriftMonitor | None = None,
         drift_keep: int | None = None,
+        ope_log: OpeLog | None = None,
     ):
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.signer, self.tokens = signer, tokens
@@ -156,6 +158,7 @@ class LearnerCore:
         self.dashboard = Dashboard(trainer.strategy, models)
         # drift_keep: trim a drifted stream's window to this many outcomes (None: no reaction)
         self.drift = DriftWatch(drift, drift_keep, self.dashboard)
+        self.ope_log = ope_log
         restored = trainer.load(checkpoints)
         if restored is not None:
             self._restore(restored)
@@ -301,6 +304,8 @@ class LearnerCore:
         if row is not None and self.writer.queue(experience.stream, experience.query_id, row, reward):
             await self.apply_windows()
         self.trainer.remember(experience, feedback, reward)
+        if self.ope_log is not None and isinstance(experience, Experience) and row is not None:
+            self.ope_log.append(experience, int(row[1]))
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
         # open-ended rl_focal: the reference's candidate

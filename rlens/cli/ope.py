@@ -1,0 +1,69 @@
+"""``rlens ope``: candidate policies estimated on the traffic another policy served (the learner's off-policy log)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from rlens.cli.common import POOL, console, fail, needs_extra, service_settings
+
+
+def ope(
+    candidate: list[Path] = typer.Option(
+        ..., "--candidate", help="a learner checkpoint directory whose newest policy to estimate (repeat for several)"
+    ),
+    log: list[Path] = typer.Option(
+        [], "--log", help="the learner's off-policy log (default: ope-log.jsonl and .1 in $RLENS_CHECKPOINT_DIR)"
+    ),
+    pool: Path | None = POOL,
+    alpha: float | None = typer.Option(None, min=0.0, help="the reward's cost weight (default: the service's, 0.24)"),
+    out: Path = typer.Option(Path("out/ope"), help="where ope.json, ope.md and ope.png go"),
+) -> None:
+    """Estimate each candidate's reward and accuracy on logged traffic (replay, exact on probes, IPS, SNIPS, DR)."""
+    needs_extra("eval", "matplotlib")
+    from rlens.evaluation.logged import read_log
+    from rlens.evaluation.ope_report import checkpoint_policy, estimate_all, write_report
+    from rlens.focal.config import FocalConfig
+    from rlens.models.pool import PoolConfigError, load_pool_config
+    from rlens.service.learner.ope_log import OPE_LOG
+
+    import numpy as np
+
+    s = service_settings(pool)
+    if s.pool_file is None:
+        fail("no pool file: pass --pool (the pool the logging service ran) or set RLENS_POOL_FILE")
+    try:
+        costs = np.array([m.cost for m in load_pool_config(s.pool_file).models])
+    except PoolConfigError as exc:
+        fail(str(exc))
+    paths = log or [p for p in (s.checkpoint_dir / (OPE_LOG + ".1"), s.checkpoint_dir / OPE_LOG) if p.is_file()]
+    if not paths:
+        fail(f"no off-policy log in {s.checkpoint_dir} (the learner writes {OPE_LOG} there); pass --log")
+    try:
+        queries = read_log(paths)
+        policies = [checkpoint_policy(c, costs) for c in candidate]
+    except (OSError, ValueError) as exc:
+        fail(str(exc))
+    if any(len(q.pool) != len(costs) for q in queries):
+        fail(f"the log's queries do not have the pool's {len(costs)} models: pass the pool the service ran")
+    if not queries:
+        fail(f"{', '.join(map(str, paths))}: no labelled query logged yet")
+    results = estimate_all(queries, policies, costs / costs.sum(), FocalConfig.alpha if alpha is None else alpha)
+    table = Table(title=f"{len(queries)} logged queries, {sum(q.probe for q in queries)} probes")
+    for column in ("policy", "estimator", "reward [95 % CI]", "accuracy [95 % CI]", "ESS"):
+        table.add_column(column)
+    for name, metrics in results.items():
+        for estimator in ("on-policy", "replay", "exact", "dr", "ips"):
+            if estimator in metrics["reward"]:
+                r, a = metrics["reward"][estimator], metrics["accuracy"][estimator]
+                table.add_row(
+                    name,
+                    estimator,
+                    f"{r.value:+.3f} [{r.low:+.3f}, {r.high:+.3f}]",
+                    f"{100 * a.value:.1f} [{100 * a.low:.1f}, {100 * a.high:.1f}]",
+                    f"{r.ess:.0f}",
+                )
+    console.print(table)
+    console.print("wrote " + ", ".join(str(p) for p in write_report(results, queries, out)))
