@@ -106,12 +106,14 @@ def logged_run(engine: FocalEngine, data: RecordedDataset) -> tuple[list[LoggedQ
 
 
 def spearman(x: list[float], y: list[float]) -> float:
-    """Rank correlation over the pairs with an estimate (ties broken by order)."""
+    """Rank correlation (ties share their mean rank) over the pairs with an estimate."""
+    from scipy.stats import spearmanr
+
     pairs = [(a, b) for a, b in zip(x, y) if not np.isnan(a)]
     if len(pairs) < 3:
         return float("nan")
     xs, ys = zip(*pairs)
-    return float(np.corrcoef(np.argsort(np.argsort(xs)), np.argsort(np.argsort(ys)))[0, 1])
+    return float(spearmanr(xs, ys).statistic)
 
 
 def main() -> None:

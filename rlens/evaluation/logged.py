@@ -25,6 +25,7 @@ from rlens.focal.features import fusion_observation
 from rlens.messages import MAX_CHOICES, Behaviour, Experience
 
 RIDGE = 1.0  # the reward model's L2 penalty
+MIN_RESIDUALS = 5  # probe rows that measure the reward model's error where it stands in
 
 
 @dataclass
@@ -225,7 +226,10 @@ def evaluate(
             ]
         )
         # the model's errors where it would stand in: probe rows whose candidate pool the logged pool did not hold
+        # (all probe rows when fewer than MIN_RESIDUALS are: the model's error anywhere)
         stand_in = [i for i in complete if (actions[i][0] & ~labelled[i].pool).any()]
+        if len(stand_in) < MIN_RESIDUALS:
+            stand_in = complete
         residuals = np.array([value(*actions[i], labelled[i].label) - predicted[i] for i in stand_in])
         out[metric] = {
             "exact": direct(exact),
