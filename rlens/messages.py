@@ -177,6 +177,18 @@ class Behaviour(BaseModel):
     )
 
 
+class Shadow(BaseModel):
+    """A candidate policy's greedy action on a query the champion served: its pool, and its answer where the models
+    it needs were called (no model is called for it)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
+    epoch: int = Field(ge=0)
+    version: int = Field(ge=1)
+    pool: list[bool] = Field(max_length=MAX_MODELS)
+    answer: Choice = Field(description="-1 where its pool holds a model the query did not call, or none answered")
+
+
 class Experience(Message):
     """What the learner needs from one answered rl_focal query to train both agents once its feedback arrives."""
 
@@ -211,6 +223,9 @@ class Experience(Message):
         "(a feedback reference is matched against them); None: multiple choice",
     )
     behaviour: Behaviour | None = Field(None, description="for off-policy evaluation; None from workers before it")
+    shadow: Shadow | None = Field(
+        None, description="the candidate policy's greedy action on this query, scored in shadow (guarded promotion)"
+    )
 
 
 class SpanDecision(BaseModel):
@@ -257,12 +272,17 @@ class Policy(Message):
         max_length=128, description="base64 Ed25519 signature of signed_bytes() by the learner's key"
     )
     weights_b64: str
+    stage: Literal["live", "candidate"] = Field(
+        "live",
+        description="live: workers serve it; candidate: workers score it in shadow beside the live one until the "
+        "learner promotes it (the same weights again, live) or drops it",
+    )
 
     def signed_bytes(self) -> bytes:
-        """What the learner signs: everything that says what the weights are, never the weights' encoding."""
-        return json.dumps(
-            [self.strategy, self.epoch, self.version, self.models, self.sha256], separators=(",", ":")
-        ).encode()
+        """What the learner signs: everything that says what the weights are and how they may be used, never the
+        weights' encoding (a candidate's stage is signed, so that it cannot be replayed as live)."""
+        fields: list = [self.strategy, self.epoch, self.version, self.models, self.sha256]
+        return json.dumps(fields + ([self.stage] if self.stage != "live" else []), separators=(",", ":")).encode()
 
 
 class DriftEvent(Message):

@@ -139,6 +139,19 @@ class Settings(BaseSettings):
         gt=0,
         description="the learner checkpoints at most this often (and on shutdown); Kafka offsets are committed up to the newest checkpoint",
     )
+    promotion: Literal["direct", "gated"] = Field(
+        "direct",
+        description="rl_focal: direct, every update goes live; gated, an update is a candidate the workers score in "
+        "shadow, and goes live only when its lower 95 % bound of reward against the champion is at least "
+        "-RLENS_GATE_DELTA (after RLENS_GATE_MIN_EVENTS labelled queries; dropped after RLENS_GATE_MAX_EVENTS)",
+    )
+    gate_min_events: int = Field(400, ge=10, description="gated promotion: queries scored in shadow before a verdict")
+    gate_max_events: int = Field(
+        4000, ge=10, description="gated promotion: a candidate not promoted by then is dropped"
+    )
+    gate_delta: float = Field(
+        0.02, ge=0, description="gated promotion: the reward a candidate may lose, at the lower bound"
+    )
     ope_log_bytes: int = Field(
         64 * 2**20,
         ge=0,

@@ -148,7 +148,9 @@ def test_the_learners_log_round_trips_rotates_and_feeds_rlens_ope(zoo, tmp_path)
     queries = read_log([rotated, path])
     ids = [e.query_id for e, _ in served]
     assert 60 < len(queries) < 300  # bounded: the newest file and the one before it
-    assert [q.query_id for q in queries] == ids[-(len(queries) - 1) :] + [ids[0]]  # the newest, each once (its last line)
+    assert [q.query_id for q in queries] == ids[-(len(queries) - 1) :] + [
+        ids[0]
+    ]  # the newest, each once (its last line)
     first = next(q for q in queries if q.answer == served[-1][0].answer_index)
     assert first.probs.shape[0] == 5
     bad = tmp_path / "bad.jsonl"

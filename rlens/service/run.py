@@ -22,6 +22,7 @@ from rlens.service.learner.lease import claim_group
 from rlens.service.common.kafka import check_idempotence
 from rlens.ports import free_port
 from rlens.service.common.logs import setup_logging
+from rlens.service.learner.gate import Gate, GateConfig
 from rlens.service.learner.ope_log import OPE_LOG, OpeLog
 from rlens.service.learner.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
 from rlens.service.common.health import admin_token
@@ -130,6 +131,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
     names = [m.name for m in pool.models]
     signer, tokens = policy_signer(settings), feedback_tokens(settings)
     trainer: OnlineTrainer
+    gate = None
     if settings.strategy == "rlae":
         trainer = RLAEOnlineTrainer(
             rlae_policy(settings, len(names)), rlae_config(settings), names, settings.seed, settings.rlae_rehearsal
@@ -138,6 +140,9 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
     else:
         engine = build_engine(settings, pool)
         trainer, window = FocalOnlineTrainer(engine, names, settings.focal_extractor), engine.cfg.window
+        if settings.promotion == "gated":
+            config = GateConfig(settings.gate_min_events, settings.gate_max_events, delta=settings.gate_delta)
+            gate = Gate(config, engine.cost_share, engine.cfg.alpha)
     core = LearnerCore(
         trainer,
         names,
@@ -153,6 +158,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
         drift=drift_monitor(settings),
         drift_keep=settings.drift_keep if settings.drift_reaction == "trim" else None,
         ope_log=OpeLog(settings.checkpoint_dir / OPE_LOG, settings.ope_log_bytes) if settings.ope_log_bytes else None,
+        gate=gate,
     )
     if warm_start is not None:
         core.warm_start(warm_start)

@@ -170,7 +170,7 @@ def typed_publisher(broker: KafkaBroker, topic: str, model: type[Message], role:
     return broker.publisher(topic, schema=model, title=f"{topic}:{role}", description=description)
 
 
-async def publish(publisher: Any, messages: list[Message]) -> None:
+async def publish(publisher: Any, messages: Sequence[Message]) -> None:
     """Publish every message, keyed by its query id where it has one, and wait until the broker confirmed them all."""
     await asyncio.gather(*(publisher.publish(m.model_dump_json().encode(), key=_key(m)) for m in messages))
 

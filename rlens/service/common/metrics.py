@@ -209,6 +209,12 @@ class LearnerMetrics:
             ["stream"],
             registry=registry,
         )
+        self.candidates = Counter(
+            "rlens_learner_candidates",
+            "candidate policies the gate decided on (gated promotion), by verdict: promote, drop, roll_back (an alert), passed",
+            ["outcome"],
+            registry=registry,
+        )
         self.drift_events = Counter(
             "rlens_learner_drift_events",
             "drift detections, by stream and signal (outcome, confidence, model:<name>)",

@@ -30,7 +30,13 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
 
 
 def encode_policy(
-    tensors: dict[str, torch.Tensor], version: int, epoch: int, models: list[str], strategy: str, signer: PolicySigner
+    tensors: dict[str, torch.Tensor],
+    version: int,
+    epoch: int,
+    models: list[str],
+    strategy: str,
+    signer: PolicySigner,
+    stage: str = "live",
 ) -> Policy:
     blob = save_safetensors({k: v.contiguous() for k, v in tensors.items()})
     unsigned = Policy(
@@ -43,6 +49,7 @@ def encode_policy(
         sha256=hashlib.sha256(blob).hexdigest(),
         signature="",
         weights_b64=base64.b64encode(blob).decode(),
+        stage=stage,
     )
     return unsigned.model_copy(update={"signature": signer.sign(unsigned.signed_bytes())})
 

@@ -110,8 +110,8 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
 
     @app.after_startup
     async def announce() -> None:  # workers that start after a learner restart get the current policy at once
-        if live.version > 0:
-            await publish(policies, [live.current_policy()])
+        announced = live.announcement()
+        await publish(policies, ([announced] if announced is not None else []) + live.take_policies())
         readiness.start(live.windows)
         log.info(
             "learner %s ready (%s): policy v%d, epoch %d; metrics, health and the dashboard on %s",

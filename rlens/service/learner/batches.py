@@ -119,7 +119,7 @@ class RecordBatches:
             rejected = dead_letter(record, f"learner failed on it: {type(exc).__name__}: {exc}", "learner")
         await self.dead_letter(([rejected] if rejected else []) + core.take_dead_letters())
         await publish(self.drift_events, core.take_drift_events())
-        await publish(self.policies, [policy] if policy else [])
+        await publish(self.policies, ([policy] if policy else []) + core.take_policies())
 
     async def dead_letter(self, letters: list[DeadLetter]) -> None:
         for letter in letters:

@@ -79,6 +79,7 @@ from rlens.service.common.metrics import (
     LearnerMetrics,
 )
 from rlens.service.learner.drift_watch import DriftWatch
+from rlens.service.learner.gate import Gate
 from rlens.service.learner.offsets import Offsets
 from rlens.service.learner.ope_log import OpeLog
 from rlens.service.learner.pending import Pending, PendingHalves
@@ -113,6 +114,9 @@ class LearnerStats:
     window_backlog_dropped: int = 0  # outcomes dropped because the backlog was full during a long Redis outage
     new_logs: int = 0  # partitions found restarted from offset 0 (a broker that lost its data)
     drift_reactions: int = 0  # drifted streams whose window was trimmed
+    promotions: int = 0  # candidates promoted by the gate (gated promotion)
+    dropped_candidates: int = 0  # candidates the gate dropped
+    rollbacks: int = 0  # promoted champions rolled back to the one they replaced
     last_update: dict | None = None
 
 
@@ -136,6 +140,7 @@ class LearnerCore:
         drift: DriftMonitor | None = None,
         drift_keep: int | None = None,
         ope_log: OpeLog | None = None,
+        gate: Gate | None = None,
     ):
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.signer, self.tokens = signer, tokens
@@ -159,6 +164,10 @@ class LearnerCore:
         # drift_keep: trim a drifted stream's window to this many outcomes (None: no reaction)
         self.drift = DriftWatch(drift, drift_keep, self.dashboard)
         self.ope_log = ope_log
+        self.gate = gate  # None: every update goes live (RLENS_PROMOTION=direct)
+        if gate is not None:  # the workers start from the same seeded weights: the first champion, unless restored
+            gate.champion_tensors = trainer.policy_tensors()
+        self.outbox: list[Policy] = []  # candidates and promotions, until the app publishes them
         restored = trainer.load(checkpoints)
         if restored is not None:
             self._restore(restored)
@@ -174,6 +183,8 @@ class LearnerCore:
         self.stats = LearnerStats(**state["stats"])
         self.writer.backlog.extend(state["window_backlog"])
         self.drift.load_json(state.get("drift", []))
+        if self.gate is not None:  # what the workers serve after a restart is not known here (its topic's history)
+            self.gate.champion_tensors = None
         log.info("resumed from checkpoint v%d (%d joined)", self.version, self.stats.joined)
 
     def checkpoint(self) -> None:
@@ -241,11 +252,13 @@ class LearnerCore:
 
     # --- records ----------------------------------------------------------------------------------------------
     def warm_start(self, source) -> None:
-        """Start the trainer from offline training when there is no checkpoint yet (a later start resumes instead)."""
+        """Start the trainer from offline training when there is no checkpoint yet (a later start resumes instead);
+        gated, the warm-started policy is the first candidate."""
         if self.version == 0:
             self.trainer.warm_start(source)
             self.version = 1
             self.checkpoint()
+            self._propose()
 
     async def on_experience(self, experience: AnyExperience, record) -> tuple[Policy | None, DeadLetter | None]:
         qid = experience.query_id
@@ -304,8 +317,12 @@ class LearnerCore:
         if row is not None and self.writer.queue(experience.stream, experience.query_id, row, reward):
             await self.apply_windows()
         self.trainer.remember(experience, feedback, reward)
-        if self.ope_log is not None and isinstance(experience, Experience) and row is not None:
-            self.ope_log.append(experience, int(row[1]))
+        if isinstance(experience, Experience) and row is not None:
+            if self.ope_log is not None:
+                self.ope_log.append(experience, int(row[1]))
+            if self.gate is not None:
+                self.gate.observe(experience, int(row[1]))
+                self._judge_candidate()
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
         # open-ended rl_focal: the reference's candidate
@@ -368,6 +385,8 @@ class LearnerCore:
                 self.metrics.last_update.labels(name).set(value)
         self.version += 1
         self.dashboard.observe_policy(self.version)
+        if self.gate is not None:
+            self._propose()
         if self.checkpoint_due():
             self.checkpoint()
         log.info(
@@ -377,7 +396,79 @@ class LearnerCore:
             self.epoch,
             self.stats.joined,
         )
-        return self.current_policy()
+        return None if self.gate is not None else self.current_policy()
+
+    def _propose(self) -> None:
+        """Gated: the champion a promotion replaced, on probation; else the newest weights, as the next challenger.
+        One candidate at a time: the learner trains on while one is judged."""
+        gate = self.gate
+        if gate is None or gate.candidate is not None:
+            return
+        if gate.previous is not None:
+            self.version += 1  # a new number: workers score only candidates newer than the champion
+            gate.propose((self.epoch, self.version), gate.previous, "probation")
+            self.outbox.append(self._encode(gate.previous, self.version, "candidate"))
+            log.info("the replaced champion, as v%d, is scored in shadow against the promoted one", self.version)
+            return
+        if self.version <= 0 or (gate.champion is not None and (self.epoch, self.version) <= gate.champion):
+            return
+        tensors = self.trainer.policy_tensors()
+        gate.propose((self.epoch, self.version), tensors)
+        self.outbox.append(self._encode(tensors, self.version, "candidate"))
+        log.info("policy v%d (epoch %d) published as a candidate, scored in shadow", self.version, self.epoch)
+
+    def _judge_candidate(self) -> None:
+        gate = self.gate
+        assert gate is not None
+        verdict = gate.verdict()
+        if verdict is None:
+            return
+        epoch, version = gate.candidate or (0, 0)
+        e, tensors = gate.last, gate.candidate_tensors
+        assert e is not None and tensors is not None
+        shown = f"candidate − champion reward {e.value:+.3f} [{e.low:+.3f}, {e.high:+.3f}] over {e.n} queries"
+        if verdict in ("promote", "roll back"):
+            self.outbox.append(self._encode(tensors, version, "live", epoch))
+            gate.promoted()
+        else:
+            gate.dropped()
+        counter = {"promote": "promotions", "roll back": "rollbacks", "drop": "dropped_candidates"}.get(verdict)
+        if counter:
+            setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        if verdict == "roll back":
+            log.error("rolled back to the replaced champion, as v%d (epoch %d): %s", version, epoch, shown)
+        else:
+            (log.warning if verdict == "drop" else log.info)(
+                "policy v%d (epoch %d): %s; %s", version, epoch, verdict, shown
+            )
+        if self.metrics is not None:
+            self.metrics.candidates.labels(verdict.replace(" ", "_")).inc()
+        self._propose()
+
+    def take_policies(self) -> list[Policy]:
+        """The candidates and promotions since the last call."""
+        taken, self.outbox = self.outbox, []
+        return taken
+
+    def _encode(self, tensors, version: int, stage: str, epoch: int | None = None) -> Policy:
+        return encode_policy(
+            tensors,
+            version,
+            self.epoch if epoch is None else epoch,
+            self.models,
+            self.trainer.strategy,
+            self.signer,
+            stage,
+        )
+
+    def announcement(self) -> Policy | None:
+        """What a (re)started learner announces: its policy (direct), or the champion it promoted (gated; none
+        before its first promotion: the workers read the policy topic's history)."""
+        if self.gate is None:
+            return self.current_policy() if self.version > 0 else None
+        if self.gate.champion is None or self.gate.champion_tensors is None:
+            return None
+        return self._encode(self.gate.champion_tensors, self.gate.champion[1], "live", self.gate.champion[0])
 
     def current_policy(self) -> Policy:
         return encode_policy(

@@ -46,6 +46,7 @@ from rlens.focal.engine import FocalEngine
 from rlens.focal.propensity import serving_propensity
 from rlens.messages import (
     Behaviour,
+    Shadow,
     MAX_CHOICES,
     Answer,
     Experience,
@@ -105,6 +106,8 @@ class Worker(ABC):
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.policy_epoch, self.policy_version = 0, 0
         self._next_policy: tuple[tuple[int, int], dict] | None = None
+        self.candidate: tuple[int, int] | None = None  # (epoch, version) of the candidate scored in shadow
+        self._next_candidate: tuple[tuple[int, int], dict] | None = None
         self.stats = WorkerStats()
 
     @abstractmethod
@@ -142,19 +145,28 @@ class Worker(ABC):
     def load_policy(self, tensors: dict[str, torch.Tensor]) -> None: ...
 
     # --- policy -----------------------------------------------------------------------------------------------
+    def load_candidate(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        """Score these weights in shadow from the next batch on (None: score none). Strategies that score no
+        candidate ignore candidates."""
+
     def receive_policy(self, policy: Policy) -> str | None:
-        """Verify a policy now; it is loaded before the next batch. A genuine one not newer by (epoch, version)
-        than the newest verified one is ignored (a replay of the topic); a forged one is rejected whatever its order.
-        Why it was rejected, or None."""
+        """Verify a policy now; it is loaded before the next batch (a live one served, a candidate scored in
+        shadow). A genuine one not newer by (epoch, version) than the newest verified one of its stage is ignored (a
+        replay of the topic); a forged one is rejected whatever its order. Why it was rejected, or None."""
         order = (policy.epoch, policy.version)
+        live = max((self.policy_epoch, self.policy_version), self._next_policy[0] if self._next_policy else (0, 0))
+        newest = (
+            max(live, self.candidate or (0, 0), self._next_candidate[0] if self._next_candidate else (0, 0))
+            if policy.stage == "candidate"
+            else live
+        )
         try:
-            if order > max(
-                (self.policy_epoch, self.policy_version), self._next_policy[0] if self._next_policy else (0, 0)
-            ):
-                self._next_policy = (
-                    order,
-                    decode_policy(policy, self.policy_tensors(), self.models, self.strategy, self.verifier),
-                )
+            if order > newest:
+                tensors = decode_policy(policy, self.policy_tensors(), self.models, self.strategy, self.verifier)
+                if policy.stage == "candidate":
+                    self._next_candidate = (order, tensors)
+                else:
+                    self._next_policy = (order, tensors)
             elif not self.verifier.verify(policy.signed_bytes(), policy.signature):
                 raise PolicyError(
                     f"policy v{policy.version} (epoch {policy.epoch}): bad signature (not signed by this deployment's learner)"
@@ -166,12 +178,20 @@ class Worker(ABC):
         return None
 
     def swap_policy(self) -> None:
-        """Load the newest verified policy, if one arrived since the last batch."""
+        """Load the newest verified policy and candidate, if any arrived since the last batch; a candidate that the
+        live policy caught up with (promoted, or superseded) is no longer scored."""
         if self._next_policy is not None:
             (epoch, version), tensors = self._next_policy
             self.load_policy(tensors)
             self.policy_epoch, self.policy_version, self._next_policy = epoch, version, None
             self.stats.policies_loaded += 1
+        if self._next_candidate is not None:
+            self.candidate, tensors = self._next_candidate
+            self._next_candidate = None
+            self.load_candidate(tensors)
+        if self.candidate is not None and self.candidate <= (self.policy_epoch, self.policy_version):
+            self.candidate = None
+            self.load_candidate(None)
 
 
 class FocalWorker(Worker):
@@ -201,6 +221,7 @@ class FocalWorker(Worker):
             raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
         super().__init__(models, windows, verifier, tokens, name)
         self.engine = engine
+        self.shadow: FocalEngine | None = None  # the candidate's agents (greedy only), scored beside the engine's
         self.names = np.array(models)
         self.sampling = sampling or Settings.model_construct().focal_sampling()  # None: the settings' defaults
         # at most MAX_CHOICES - 1 candidates: "none of them" (n_choices) must stay a valid window label
@@ -219,6 +240,24 @@ class FocalWorker(Worker):
 
     def load_policy(self, tensors: dict[str, torch.Tensor]) -> None:
         self.engine.load_policy_state(tensors)
+
+    def load_candidate(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        if tensors is None:
+            self.shadow = None
+            return
+        if self.shadow is None:
+            self.shadow = FocalEngine(self.engine.n_models, None, self.engine.cfg)
+            self.shadow.cost_share = self.engine.cost_share
+        self.shadow.load_policy_state(tensors)
+
+    def _shadow(self, decision, answers) -> Shadow | None:
+        """The candidate's greedy action on this query, from the same state and the answers the query's calls got."""
+        if self.shadow is None or self.candidate is None:
+            return None
+        self.shadow.windows = self.engine.windows  # the same windows the champion read
+        pool = self.shadow.greedy_pool(replace(decision, explored=True))
+        answer = self.shadow.greedy_answer(decision, answers.probs, decision.called, answers.answered)
+        return Shadow(epoch=self.candidate[0], version=self.candidate[1], pool=pool.tolist(), answer=answer)
 
     # --- queries ----------------------------------------------------------------------------------------------
     async def handle(self, queries: list[Query]) -> BatchOutput:
@@ -347,6 +386,7 @@ class FocalWorker(Worker):
                 answer_logp=answer.answer_logp,
                 explored=decision.explored,
                 behaviour=self._behaviour(decision, answers, answer, probe),
+                shadow=self._shadow(decision, answers),
             )
         )
         self.stats.answered += 1
