@@ -1,0 +1,173 @@
+"""Guarded promotion against a learner whose training goes wrong (issue 35): served accuracy with every update live
+(direct) and through the gate, for a clean learner and a sabotaged one (it trains on another choice's label with the
+reward's sign flipped; the feedback stays honest).
+
+    python -m bench.robustness.gate [--queries 2400] [--seeds 0 1 2] [--out bench/out/gate.json]
+
+No Kafka: a real worker (the bundled stream's models as replay backends, 20 % explored, 20 % probes, an update every
+32 explored joins) and a real learner core share a redis-server; the learner's policies reach the worker as the
+policy topic would bring them. The bundled stream, cycled with fresh query ids, feedback at once. Prints served
+accuracy overall and over the last third, and the gate's verdicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+from redis.asyncio import Redis
+
+from bench.common.args import add_out, add_seeds, arguments, write_json
+from bench.common.machine import machine_facts
+from rlens.backends import create_backend
+from rlens.checkpoint import CheckpointStore
+from rlens.evaluation.dataset import load_dataset, save_dataset
+from rlens.evaluation.protocols import Protocol, split
+from rlens.focal.config import FocalConfig
+from rlens.focal.engine import FocalEngine
+from rlens.local.load import queries_of
+from rlens.local.servers import LocalRedis
+from rlens.messages import Feedback
+from rlens.service.common.security import FeedbackTokens, PolicySigner, generate_secrets
+from rlens.service.common.windows import RedisWindows
+from rlens.service.learner.core import LearnerCore
+from rlens.service.learner.gate import Gate, GateConfig
+from rlens.service.learner.online import FocalOnlineTrainer
+from rlens.service.worker.core import FocalWorker
+from rlens.settings import settings
+
+SECRETS = generate_secrets()
+SIGNER = PolicySigner(SECRETS["RLENS_POLICY_SIGNING_KEY"])
+VERIFIER = SIGNER.verifier()
+TOKENS = FeedbackTokens(SECRETS["RLENS_FEEDBACK_SECRET"])
+GATE = GateConfig(min_events=200, max_events=600, every=25, delta=0.02)  # scaled to a 2,400-query stream
+
+
+CONFIG = FocalConfig(explore_rate=0.2, probe_rate=0.2, update_period=32)
+
+
+def record(topic: str, offset: int):
+    return SimpleNamespace(
+        topic=topic, partition=0, offset=offset, key=b"k", value=b"{}", timestamp=int(time.time() * 1000)
+    )
+
+
+def simulate(zoo, url: str, workdir: Path, gate: GateConfig | None, warm: bool, sabotage: bool, n: int, seed: int = 0):
+    """``n`` queries of the bundled stream through a worker; the learner joins each with its label's feedback.
+    ``gate`` None: every update goes live (direct promotion)."""
+
+    async def scenario():
+        redis = Redis.from_url(url)
+        await redis.flushdb()
+        names = zoo.model_names
+        backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(names)}
+        worker = FocalWorker(
+            FocalEngine(5, zoo.model_costs, CONFIG, seed=seed),
+            names,
+            backends,
+            RedisWindows(redis, 5, 128),
+            VERIFIER,
+            TOKENS,
+        )
+        engine = FocalEngine(5, zoo.model_costs, CONFIG, seed=seed)
+        trainer = FocalOnlineTrainer(engine, names)
+        if sabotage:  # training goes wrong: another choice's label, the reward's sign flipped (the feedback honest)
+            honest = trainer.remember
+
+            def remember(experience, feedback, reward):
+                wrong = feedback.model_copy(update={"label": (feedback.label + 1) % experience.n_choices})
+                honest(experience, wrong, -reward)
+
+            trainer.remember = remember
+        core = LearnerCore(
+            trainer,
+            names,
+            RedisWindows(Redis.from_url(url), 5, 128),
+            CheckpointStore(workdir / "learner"),
+            SIGNER,
+            TOKENS,
+            gate=None if gate is None else Gate(gate, engine.cost_share, CONFIG.alpha),
+        )
+        if warm:
+            warm_index, _ = split(zoo, Protocol.paper)
+            core.warm_start(save_dataset(zoo.subset(warm_index), workdir / "warm"))
+        served, shadowed = [], set()
+        traffic = queries_of(zoo, None, "t")
+        for start in range(0, n, 32):
+            for policy in core.take_policies():
+                assert worker.receive_policy(policy) is None
+            batch = [traffic[i % len(traffic)] for i in range(start, min(start + 32, n))]
+            batch = [
+                (q.model_copy(update={"query_id": f"{q.query_id}-{i}"}), label)
+                for i, (q, label) in enumerate(batch, start)
+            ]
+            out = await worker.handle([q for q, _ in batch])
+            for i, (experience, answer, (q, label)) in enumerate(zip(out.experience, out.answers, batch)):
+                served.append((worker.policy_version, answer.answer_index == label))
+                if experience.shadow is not None:
+                    shadowed.add(experience.shadow.version)
+                joined = [
+                    await core.on_experience(experience, record("rlens.experience", start + i)),
+                    await core.on_feedback(
+                        Feedback(query_id=q.query_id, token=answer.feedback_token, label=label),
+                        record("rlens.feedback", start + i),
+                    ),
+                ]
+                for policy, _ in joined:
+                    if policy is not None:  # direct promotion: an update goes live at once
+                        assert worker.receive_policy(policy) is None
+            await core.apply_windows()
+        await redis.aclose()
+        return worker, core, served, shadowed
+
+    return asyncio.run(scenario())
+
+
+def main() -> None:
+    parser = arguments(__doc__)
+    parser.add_argument("--queries", type=int, default=2400)
+    add_seeds(parser)
+    add_out(parser, "bench/out/gate.json")
+    args = parser.parse_args()
+    print(machine_facts())
+    zoo = load_dataset(settings().demo_data)
+    redis = LocalRedis()
+    rows = []
+    try:
+        for seed in args.seeds:
+            for promotion, gate in (("direct", None), ("gated", GATE)):
+                for sabotage in (False, True):
+                    with tempfile.TemporaryDirectory() as workdir:
+                        _, core, served, _ = simulate(
+                            zoo, redis.url, Path(workdir), gate, False, sabotage, args.queries, seed
+                        )
+                    ok = [right for _, right in served]
+                    row = {
+                        "seed": seed,
+                        "promotion": promotion,
+                        "sabotage": sabotage,
+                        "served": float(np.mean(ok)),
+                        "last_third": float(np.mean(ok[-len(ok) // 3 :])),
+                        "promotions": core.stats.promotions,
+                        "rollbacks": core.stats.rollbacks,
+                        "dropped": core.stats.dropped_candidates,
+                        "updates": core.stats.updates,
+                    }
+                    rows.append(row)
+                    print(
+                        f"seed {seed} {promotion:6s} {'sabotaged' if sabotage else 'clean':9s} served {100 * row['served']:.1f} % "
+                        f"(last third {100 * row['last_third']:.1f} %); promoted {row['promotions']}, rolled back "
+                        f"{row['rollbacks']}, dropped {row['dropped']} of {row['updates']} updates",
+                        flush=True,
+                    )
+    finally:
+        redis.stop()
+    write_json(args.out, {"machine": machine_facts(), "queries": args.queries, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
