@@ -36,7 +36,6 @@ from rlens.evaluation.protocols import task_half  # noqa: E402
 from rlens.evaluation.recorded import RecordedDataset, shared_data_dir  # noqa: E402
 from rlens.focal.config import FocalConfig  # noqa: E402
 from rlens.focal.engine import FocalEngine  # noqa: E402
-from rlens.focal.propensity import serving_propensity  # noqa: E402
 from rlens.focal.schedule import questions, run_online, warm_start  # noqa: E402
 from rlens.settings import settings  # noqa: E402
 
@@ -73,19 +72,11 @@ def logged_run(engine: FocalEngine, data: RecordedDataset) -> tuple[list[LoggedQ
     qs = questions(data)
     logged: list[LoggedQuery] = []
     full: list[LoggedQuery] = []
-    explore_rate = engine.cfg.explore_rate
 
     def served(i, decision, answer) -> None:
         q = qs[i]
         window = engine.window(decision.key)
-        greedy_pool = engine.greedy_pool(decision)
-        propensity = serving_propensity(
-            explore_rate,
-            decision.pool_logp,
-            answer.answer_logp,
-            bool((greedy_pool == decision.pool).all()),
-            answer.answer == int(np.argmax(answer.distribution)),
-        )
+        propensity = engine.propensity(decision, answer)
         view = LoggedQuery(
             state=decision.state.copy(),
             probs=q.probs * decision.called[:, None],

@@ -37,6 +37,7 @@ from rlens.focal.features import (
 )
 from rlens.focal.greedy import GreedyActor
 from rlens.focal.mappo import Transition, mappo_update
+from rlens.focal.propensity import serving_propensity
 from rlens.focal.supervised import fit_fusion
 from rlens.focal.window import OutcomeWindow
 
@@ -261,6 +262,16 @@ class FocalEngine:
         if not decision.explored:
             return decision.pool
         return self.greedy.pools(decision.state[None])[0][0] if self.cfg.use_decider else self.everyone
+
+    def propensity(self, decision: Decision, answer: Answer) -> float:
+        """The serving mixture's probability of this decision's pool and answer (:mod:`rlens.focal.propensity`)."""
+        return serving_propensity(
+            self.cfg.explore_rate,
+            decision.pool_logp,
+            answer.answer_logp,
+            bool((self.greedy_pool(decision) == decision.pool).all()),
+            answer.answer == int(np.argmax(answer.distribution)),
+        )
 
     def greedy_answer(
         self,

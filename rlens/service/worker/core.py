@@ -43,7 +43,6 @@ from rlens.backends.base import Backend, ChoiceQuery, GenerationRequest
 from rlens.models.answers import Extractor
 from rlens.models.ensemble import PoolCaller, PoolQuery
 from rlens.focal.engine import FocalEngine
-from rlens.focal.propensity import serving_propensity
 from rlens.messages import (
     Behaviour,
     Shadow,
@@ -399,13 +398,7 @@ class FocalWorker(Worker):
             greedy = engine.greedy_answer(decision, answers.probs, decision.called, answers.answered)
         else:
             greedy = answer.answer
-        propensity = serving_propensity(
-            explore_rate,
-            decision.pool_logp,
-            answer.answer_logp,
-            bool((greedy_pool == decision.pool).all()),
-            answer.answer == int(np.argmax(answer.distribution)),
-        )
+        propensity = engine.propensity(decision, answer)
         probs = [[float(f"{x:.6g}") for x in row] for row in answers.probs.tolist()]  # 6 significant digits
         window = engine.window(decision.key)
         return Behaviour(
