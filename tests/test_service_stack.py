@@ -37,10 +37,16 @@ N = 600  # the first 5 task blocks of the bundled stream
 
 
 def make_stack(
-    tmp_path: Path, workers: int = 1, explore: tuple[float, int] = (1.0, 64), data: Path | None = None, **options
+    tmp_path: Path,
+    workers: int = 1,
+    explore: tuple[float, int] = (1.0, 64),
+    data: Path | None = None,
+    service: dict | None = None,
+    **options,
 ) -> LocalStack:
     """``explore``: (exploration share, explored joins per update); by default every query is explored, so the
-    learner updates every 64 joins, deterministically. ``data``: the dataset the replay pool serves (default: the demo's)."""
+    learner updates every 64 joins, deterministically. ``data``: the dataset the replay pool serves (default: the
+    demo's). ``service``: more settings of the service's processes."""
     pool = write_replay_pool(data or settings().demo_data, tmp_path / "pool.json")
     config = settings().model_copy(
         update={
@@ -50,6 +56,7 @@ def make_stack(
             "worker_batch": 16,
             "focal_explore_rate": explore[0],
             "focal_update_period": explore[1],
+            **(service or {}),
         }
     )
     stack = stack_for_tests(config, tmp_path, **options)
@@ -104,6 +111,24 @@ def feedback_applied(stack: LocalStack, queries: list[Query], timeout_s: float =
             await asyncio.sleep(0.005)
 
     return wait
+
+
+def test_gated_promotion_through_the_policy_topic(tmp_path, zoo):
+    """RLENS_PROMOTION=gated: candidates travel the policy topic, the worker scores each in shadow, the learner
+    promotes or drops it on that evidence, and the worker serves nothing but promoted policies."""
+    gated = {"promotion": "gated", "gate_min_events": 100, "gate_max_events": 200}
+    stack = make_stack(tmp_path, service=gated)
+    try:
+        report = asyncio.run(play(stack.settings, traffic(zoo, "gated"), rate=60, idle_timeout_s=60))
+        deadline = time.monotonic() + 60
+        while learner_stat(stack, "rlens_learner_joined_total") < N and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        stack.stop()
+    stats = final_learner_state(stack)["stats"]
+    assert report.answered == N and report.duplicates == 0 and stats["joined"] == N
+    assert stats["updates"] >= 4 and stats["promotions"] + stats["dropped_candidates"] >= 1
+    assert len(report.policy_versions - {0}) <= stats["promotions"] + stats["rollbacks"]
 
 
 def test_end_to_end_learns_as_well_as_the_offline_loop(tmp_path, zoo):
