@@ -128,3 +128,44 @@ def test_the_dashboard_shows_the_played_streams_live_and_marks_the_task_switch(t
     assert support["joins"] == 240 and len(support["points"]) == 240 // 5 and support["drift"]
     assert all(len(p["composition"]) == 5 and all(0 <= x <= 1 for x in p["composition"]) for p in support["points"])
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+
+def test_the_dashboard_shows_the_promotion_gate(tmp_path):
+    """Gated promotion on the page: the champion, the candidate scored in shadow with its estimate, each verdict."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from rlens.evaluation.ope import Estimate
+    from rlens.ports import free_port
+    from rlens.service.common.health import add_http_routes
+    from rlens.service.learner.dashboard import Dashboard, dashboard_routes
+
+    dashboard = Dashboard("rl_focal", ["a", "b"])
+    for i in range(100):
+        dashboard.observe_join("s", {"outcome": float(i % 2)}, 0.0, 0.1)
+    dashboard.observe_verdict("promote", 2, Estimate(0.05, -0.01, 0.11, 250, 250.0))
+    dashboard.observe_verdict("roll back", 4, Estimate(0.09, 0.03, 0.15, 225, 225.0))
+    dashboard.observe_gate(4, 5, "challenger", Estimate(-0.02, -0.08, 0.04, 120, 120.0), 120)
+    app = FastAPI()
+    add_http_routes(app, dashboard_routes(dashboard.snapshot))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    driver = browser(tmp_path)
+    try:
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/api/dashboard").status_code == 200, 30, "the server")
+        driver.get(f"http://127.0.0.1:{port}/dashboard")
+        card = wait_for(lambda: driver.find_elements(By.ID, "gate"), 30, "the gate card")[0]
+        assert (
+            "champion v4" in card.text
+            and "candidate v5: 120 queries" in card.text
+            and "-0.020 [-0.080, +0.040]" in card.text
+        )
+        rows = card.find_elements(By.CSS_SELECTOR, "tr.verdict")
+        assert [r.find_elements(By.TAG_NAME, "td")[2].text for r in rows] == ["roll back", "promote"]
+        assert driver.find_element(By.ID, "version").text == "v4"  # the header shows what is served
+    finally:
+        driver.quit()
+        server.should_exit = True
+        thread.join(10)

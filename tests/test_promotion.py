@@ -16,6 +16,8 @@ def test_a_good_candidate_is_scored_in_shadow_then_promoted(zoo, redis_server, t
     worker, core, served, shadowed = simulate(zoo, redis_server.url, tmp_path, gate, warm=True, sabotage=False, n=1200)
     assert 1 in shadowed  # the warm-started policy was first a candidate, scored beside the untrained champion
     assert core.stats.promotions >= 1 and worker.policy_version >= 1
+    snapshot = core.dashboard.snapshot()  # what the dashboard shows of it
+    assert any(v["verdict"] == "promote" for v in snapshot["verdicts"]) and snapshot["gate"]["champion"] >= 1
     first_live = next(i for i, (version, _) in enumerate(served) if version >= 1)
     assert first_live >= gate.min_events  # not before the evidence
     before = np.mean([ok for version, ok in served[:first_live]])

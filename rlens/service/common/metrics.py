@@ -215,6 +215,17 @@ class LearnerMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.candidate_events = Gauge(
+            "rlens_learner_candidate_events",
+            "queries scored in shadow for the candidate being judged",
+            registry=registry,
+        )
+        self.candidate_estimate = Gauge(
+            "rlens_learner_candidate_estimate",
+            "the candidate's reward minus the champion's, per query, and its 95 % bounds (bound: value, low, high)",
+            ["bound"],
+            registry=registry,
+        )
         self.drift_events = Counter(
             "rlens_learner_drift_events",
             "drift detections, by stream and signal (outcome, confidence, model:<name>)",

@@ -420,7 +420,10 @@ class LearnerCore:
     def _judge_candidate(self) -> None:
         gate = self.gate
         assert gate is not None
+        looked = gate.last
         verdict = gate.verdict()
+        if gate.last is not looked:  # a new look at the evidence
+            self._show_gate()
         if verdict is None:
             return
         epoch, version = gate.candidate or (0, 0)
@@ -441,9 +444,26 @@ class LearnerCore:
             (log.warning if verdict == "drop" else log.info)(
                 "policy v%d (epoch %d): %s; %s", version, epoch, verdict, shown
             )
+        self.dashboard.observe_verdict(verdict, version, e)
         if self.metrics is not None:
             self.metrics.candidates.labels(verdict.replace(" ", "_")).inc()
         self._propose()
+        self._show_gate()
+
+    def _show_gate(self) -> None:
+        """The gate's state on the dashboard and in the metrics."""
+        gate = self.gate
+        assert gate is not None
+        champion = gate.champion[1] if gate.champion else None
+        candidate = gate.candidate[1] if gate.candidate else None
+        estimate = gate.last if gate.candidate else None
+        self.dashboard.observe_gate(champion, candidate, gate.kind, estimate, len(gate.evidence))
+        if self.metrics is not None:
+            self.metrics.candidate_events.set(len(gate.evidence) if gate.candidate else 0)
+            for bound in ("value", "low", "high"):
+                self.metrics.candidate_estimate.labels(bound).set(
+                    getattr(estimate, bound) if estimate else float("nan")
+                )
 
     def take_policies(self) -> list[Policy]:
         """The candidates and promotions since the last call."""

@@ -5,7 +5,8 @@ internet) and ``/api/dashboard`` (:meth:`Dashboard.snapshot`, JSON), which the p
 stream, every :data:`POINT_EVERY` joined outcomes, a point holds the rolling (last :data:`ROLLING`) accuracy,
 reward and label-free confidence, each model's share of the answers (in the Decider's pool, or its mean RLAE
 weight) and each called model's accuracy, and the mean feedback delay. Drift events are marked where they happened
-(the stream's join count), and the policy versions form a timeline. The :data:`STREAMS` most recently active
+(the stream's join count), and the policy versions form a timeline; with gated promotion, the champion, the
+candidate with its estimate and interval, and each verdict (promote, drop, roll back, passed). The :data:`STREAMS` most recently active
 streams are kept; everything is bounded.
 """
 
@@ -67,6 +68,8 @@ class Dashboard:
         self.streams: OrderedDict[str, StreamSeries] = OrderedDict()
         self.policies: deque[dict] = deque(maxlen=EVENTS)
         self.joined = 0
+        self.gate: dict | None = None  # gated promotion: champion, candidate and its latest estimate
+        self.verdicts: deque[dict] = deque(maxlen=EVENTS)
 
     def _stream(self, stream: str) -> StreamSeries:
         series = self.streams.get(stream)
@@ -111,6 +114,21 @@ class Dashboard:
     def observe_policy(self, version: int) -> None:
         self.policies.append({"version": version, "t": time.time(), "joined": self.joined})
 
+    def observe_gate(self, champion: int | None, candidate: int | None, kind: str, estimate, events: int) -> None:
+        """The gate's state: what is served, what is scored in shadow, and candidate − champion so far."""
+        self.gate = {
+            "champion": champion,
+            "candidate": candidate,
+            "kind": kind,
+            "events": events,
+            "estimate": None if estimate is None else estimate.to_dict(),
+        }
+
+    def observe_verdict(self, verdict: str, version: int, estimate) -> None:
+        self.verdicts.append(
+            {"verdict": verdict, "version": version, "joined": self.joined, "t": time.time(), **estimate.to_dict()}
+        )
+
     def snapshot(self) -> dict:
         streams = [
             {"stream": name, "joins": s.joins, "points": list(s.points), "drift": list(s.drift), "now": s.point()}
@@ -121,6 +139,8 @@ class Dashboard:
             "models": self.models,
             "joined": self.joined,
             "policies": list(self.policies),
+            "gate": self.gate,
+            "verdicts": list(self.verdicts),
             "streams": streams,
             "t": time.time(),
         }

@@ -86,17 +86,34 @@ function policyCard(data) {
   return `<section class="card wide" id="policies"><h2><span>Policy versions</span><small>by transitions joined; newest v${top}</small></h2>${svg}</section>`;
 }
 
+// Gated promotion: what is served, what is scored in shadow with candidate − champion so far, and the verdicts.
+function gateCard(data) {
+  const g = data.gate;
+  if (!g && !data.verdicts.length) return "";
+  const num = (x) => (x >= 0 ? "+" : "") + x.toFixed(3);
+  const shown = (e) => `${num(e.value)} [${num(e.low)}, ${num(e.high)}]`;
+  const now = g && g.candidate !== null
+    ? `candidate <b>v${g.candidate}</b>${g.kind === "probation" ? " (the replaced champion, on probation)" : ""}: ${g.events} queries scored in shadow` +
+      (g.estimate ? `, reward − champion's ${shown(g.estimate)}` : "")
+    : "no candidate being judged";
+  const rows = data.verdicts.slice(-10).reverse().map((v) =>
+    `<tr class="verdict ${v.verdict.replace(" ", "-")}"><td>${new Date(v.t * 1000).toLocaleTimeString()}</td><td>v${v.version}</td><td>${esc(v.verdict)}</td><td>${shown(v)} over ${v.n}</td></tr>`).join("");
+  return `<section class="card wide" id="gate"><h2><span>Promotion gate</span><small>champion v${g && g.champion !== null ? g.champion : "0"} · ${now}</small></h2>
+    <table><tr><th>when</th><th>policy</th><th>verdict</th><th>reward − champion's [95 % interval]</th></tr>${rows}</table></section>`;
+}
+
 async function refresh() {
   try {
     const response = await fetch("/api/dashboard", { cache: "no-store" });
     const data = await response.json();
     document.getElementById("strategy").textContent = data.strategy;
     document.getElementById("joined").textContent = data.joined;
-    document.getElementById("version").textContent = "v" + (data.policies.length ? data.policies[data.policies.length - 1].version : 0);
+    const served = data.gate && data.gate.champion !== null ? data.gate.champion : null;  // gated: the champion
+    document.getElementById("version").textContent = "v" + (served !== null ? served : data.policies.length ? data.policies[data.policies.length - 1].version : 0);
     document.getElementById("stream-count").textContent = data.streams.length;
     document.getElementById("updated").textContent = new Date(data.t * 1000).toLocaleTimeString();
     document.getElementById("empty").style.display = data.streams.length ? "none" : "block";
-    document.getElementById("streams").innerHTML = policyCard(data) + data.streams.map((s) => streamCard(s, data)).join("");
+    document.getElementById("streams").innerHTML = gateCard(data) + policyCard(data) + data.streams.map((s) => streamCard(s, data)).join("");
   } catch (error) {
     document.getElementById("updated").textContent = "learner unreachable (" + error + ")";
   }
