@@ -80,6 +80,7 @@ from rlens.service.common.metrics import (
 )
 from rlens.service.learner.drift_watch import DriftWatch
 from rlens.service.learner.gate import Gate
+from rlens.service.learner.promotion import Promotion
 from rlens.service.learner.offsets import Offsets
 from rlens.service.learner.ope_log import OpeLog
 from rlens.service.learner.pending import Pending, PendingHalves
@@ -164,10 +165,8 @@ class LearnerCore:
         # drift_keep: trim a drifted stream's window to this many outcomes (None: no reaction)
         self.drift = DriftWatch(drift, drift_keep, self.dashboard)
         self.ope_log = ope_log
-        self.gate = gate  # None: every update goes live (RLENS_PROMOTION=direct)
-        if gate is not None:  # the workers start from the same seeded weights: the first champion, unless restored
-            gate.champion_tensors = trainer.policy_tensors()
-        self.outbox: list[Policy] = []  # candidates and promotions, until the app publishes them
+        # None: every update goes live (RLENS_PROMOTION=direct)
+        self.promotion = Promotion(gate, self) if gate is not None else None
         restored = trainer.load(checkpoints)
         if restored is not None:
             self._restore(restored)
@@ -183,8 +182,8 @@ class LearnerCore:
         self.stats = LearnerStats(**state["stats"])
         self.writer.backlog.extend(state["window_backlog"])
         self.drift.load_json(state.get("drift", []))
-        if self.gate is not None:  # what the workers serve after a restart is not known here (its topic's history)
-            self.gate.champion_tensors = None
+        if self.promotion is not None:
+            self.promotion.restored()
         log.info("resumed from checkpoint v%d (%d joined)", self.version, self.stats.joined)
 
     def checkpoint(self) -> None:
@@ -258,7 +257,8 @@ class LearnerCore:
             self.trainer.warm_start(source)
             self.version = 1
             self.checkpoint()
-            self._propose()
+            if self.promotion is not None:
+                self.promotion.propose()
 
     async def on_experience(self, experience: AnyExperience, record) -> tuple[Policy | None, DeadLetter | None]:
         qid = experience.query_id
@@ -320,9 +320,8 @@ class LearnerCore:
         if isinstance(experience, Experience) and row is not None:
             if self.ope_log is not None:
                 self.ope_log.append(experience, int(row[1]))
-            if self.gate is not None:
-                self.gate.observe(experience, int(row[1]))
-                self._judge_candidate()
+            if self.promotion is not None:
+                self.promotion.observe(experience, int(row[1]))
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
         # open-ended rl_focal: the reference's candidate
@@ -385,8 +384,8 @@ class LearnerCore:
                 self.metrics.last_update.labels(name).set(value)
         self.version += 1
         self.dashboard.observe_policy(self.version)
-        if self.gate is not None:
-            self._propose()
+        if self.promotion is not None:
+            self.promotion.propose()
         if self.checkpoint_due():
             self.checkpoint()
         log.info(
@@ -396,99 +395,18 @@ class LearnerCore:
             self.epoch,
             self.stats.joined,
         )
-        return None if self.gate is not None else self.current_policy()
-
-    def _propose(self) -> None:
-        """Gated: the champion a promotion replaced, on probation; else the newest weights, as the next challenger.
-        One candidate at a time: the learner trains on while one is judged."""
-        gate = self.gate
-        if gate is None or gate.candidate is not None:
-            return
-        if gate.previous is not None:
-            self.version += 1  # a new number: workers score only candidates newer than the champion
-            gate.propose((self.epoch, self.version), gate.previous, "probation")
-            self.outbox.append(self._encode(gate.previous, self.version, "candidate"))
-            log.info("the replaced champion, as v%d, is scored in shadow against the promoted one", self.version)
-            return
-        if self.version <= 0 or (gate.champion is not None and (self.epoch, self.version) <= gate.champion):
-            return
-        tensors = self.trainer.policy_tensors()
-        gate.propose((self.epoch, self.version), tensors)
-        self.outbox.append(self._encode(tensors, self.version, "candidate"))
-        log.info("policy v%d (epoch %d) published as a candidate, scored in shadow", self.version, self.epoch)
-
-    def _judge_candidate(self) -> None:
-        gate = self.gate
-        assert gate is not None
-        looked = gate.last
-        verdict = gate.verdict()
-        if gate.last is not looked:  # a new look at the evidence
-            self._show_gate()
-        if verdict is None:
-            return
-        epoch, version = gate.candidate or (0, 0)
-        e, tensors = gate.last, gate.candidate_tensors
-        assert e is not None and tensors is not None
-        shown = f"candidate − champion reward {e.value:+.3f} [{e.low:+.3f}, {e.high:+.3f}] over {e.n} queries"
-        if verdict in ("promote", "roll back"):
-            self.outbox.append(self._encode(tensors, version, "live", epoch))
-            gate.promoted()
-        else:
-            gate.dropped()
-        counter = {"promote": "promotions", "roll back": "rollbacks", "drop": "dropped_candidates"}.get(verdict)
-        if counter:
-            setattr(self.stats, counter, getattr(self.stats, counter) + 1)
-        if verdict == "roll back":
-            log.error("rolled back to the replaced champion, as v%d (epoch %d): %s", version, epoch, shown)
-        else:
-            (log.warning if verdict == "drop" else log.info)(
-                "policy v%d (epoch %d): %s; %s", version, epoch, verdict, shown
-            )
-        self.dashboard.observe_verdict(verdict, version, e)
-        if self.metrics is not None:
-            self.metrics.candidates.labels(verdict.replace(" ", "_")).inc()
-        self._propose()
-        self._show_gate()
-
-    def _show_gate(self) -> None:
-        """The gate's state on the dashboard and in the metrics."""
-        gate = self.gate
-        assert gate is not None
-        champion = gate.champion[1] if gate.champion else None
-        candidate = gate.candidate[1] if gate.candidate else None
-        estimate = gate.last if gate.candidate else None
-        self.dashboard.observe_gate(champion, candidate, gate.kind, estimate, len(gate.evidence))
-        if self.metrics is not None:
-            self.metrics.candidate_events.set(len(gate.evidence) if gate.candidate else 0)
-            for bound in ("value", "low", "high"):
-                self.metrics.candidate_estimate.labels(bound).set(
-                    getattr(estimate, bound) if estimate else float("nan")
-                )
+        return None if self.promotion is not None else self.current_policy()
 
     def take_policies(self) -> list[Policy]:
-        """The candidates and promotions since the last call."""
-        taken, self.outbox = self.outbox, []
-        return taken
-
-    def _encode(self, tensors, version: int, stage: str, epoch: int | None = None) -> Policy:
-        return encode_policy(
-            tensors,
-            version,
-            self.epoch if epoch is None else epoch,
-            self.models,
-            self.trainer.strategy,
-            self.signer,
-            stage,
-        )
+        """The candidates, promotions and roll-backs since the last call (gated promotion)."""
+        return self.promotion.take() if self.promotion is not None else []
 
     def announcement(self) -> Policy | None:
         """What a (re)started learner announces: its policy (direct), or the champion it promoted (gated; none
         before its first promotion: the workers read the policy topic's history)."""
-        if self.gate is None:
-            return self.current_policy() if self.version > 0 else None
-        if self.gate.champion is None or self.gate.champion_tensors is None:
-            return None
-        return self._encode(self.gate.champion_tensors, self.gate.champion[1], "live", self.gate.champion[0])
+        if self.promotion is not None:
+            return self.promotion.announcement()
+        return self.current_policy() if self.version > 0 else None
 
     def current_policy(self) -> Policy:
         return encode_policy(

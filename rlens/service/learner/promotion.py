@@ -1,0 +1,126 @@
+"""The learner's side of guarded promotion (:mod:`rlens.service.learner.gate` judges): the candidates it proposes,
+the promotions and roll-backs it publishes, signed, and what it shows of them (log, dashboard, metrics)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from rlens.messages import Experience, Policy
+from rlens.service.common.metrics import LearnerMetrics
+from rlens.service.common.policy import encode_policy
+from rlens.service.common.security import PolicySigner
+from rlens.service.learner.dashboard import Dashboard
+from rlens.service.learner.gate import Gate
+
+log = logging.getLogger("rlens.learner")
+
+
+class Learner(Protocol):
+    """What promotion reads and moves of the learner (:class:`rlens.service.learner.core.LearnerCore`)."""
+
+    trainer: Any
+    version: int
+    epoch: int
+    models: list[str]
+    signer: PolicySigner
+    stats: Any
+    dashboard: Dashboard
+    metrics: LearnerMetrics | None
+
+
+class Promotion:
+    def __init__(self, gate: Gate, core: Learner):
+        self.gate, self.core = gate, core
+        self.outbox: list[Policy] = []  # candidates, promotions and roll-backs, until the app publishes them
+        gate.champion_tensors = core.trainer.policy_tensors()  # the workers start from the same seeded weights
+
+    def restored(self) -> None:
+        """After a restart what the workers serve is not known here (it is in the policy topic's history)."""
+        self.gate.champion_tensors = None
+
+    def take(self) -> list[Policy]:
+        taken, self.outbox = self.outbox, []
+        return taken
+
+    def observe(self, experience: Experience, label: int) -> None:
+        """A joined, labelled query: the current candidate's evidence, and a verdict when one is due."""
+        self.gate.observe(experience, label)
+        self.judge()
+
+    def propose(self) -> None:
+        """The champion a promotion replaced, on probation; else the newest weights, as the next challenger. One
+        candidate at a time: the learner trains on while one is judged."""
+        gate, core = self.gate, self.core
+        if gate.candidate is not None:
+            return
+        if gate.previous is not None:
+            core.version += 1  # a new number: workers score only candidates newer than the champion
+            gate.propose((core.epoch, core.version), gate.previous, "probation")
+            self.outbox.append(self.encode(gate.previous, core.version, "candidate"))
+            log.info("the replaced champion, as v%d, is scored in shadow against the promoted one", core.version)
+            return
+        if core.version <= 0 or (gate.champion is not None and (core.epoch, core.version) <= gate.champion):
+            return
+        tensors = core.trainer.policy_tensors()
+        gate.propose((core.epoch, core.version), tensors)
+        self.outbox.append(self.encode(tensors, core.version, "candidate"))
+        log.info("policy v%d (epoch %d) published as a candidate, scored in shadow", core.version, core.epoch)
+
+    def judge(self) -> None:
+        gate, core = self.gate, self.core
+        looked = gate.last
+        verdict = gate.verdict()
+        if gate.last is not looked:  # a new look at the evidence
+            self.show()
+        if verdict is None:
+            return
+        epoch, version = gate.candidate or (0, 0)
+        e, tensors = gate.last, gate.candidate_tensors
+        assert e is not None and tensors is not None
+        shown = f"candidate − champion reward {e.value:+.3f} [{e.low:+.3f}, {e.high:+.3f}] over {e.n} queries"
+        if verdict in ("promote", "roll back"):
+            self.outbox.append(self.encode(tensors, version, "live", epoch))
+            gate.promoted()
+        else:
+            gate.dropped()
+        counter = {"promote": "promotions", "roll back": "rollbacks", "drop": "dropped_candidates"}.get(verdict)
+        if counter:
+            setattr(core.stats, counter, getattr(core.stats, counter) + 1)
+        if verdict == "roll back":
+            log.error("rolled back to the replaced champion, as v%d (epoch %d): %s", version, epoch, shown)
+        else:
+            (log.warning if verdict == "drop" else log.info)(
+                "policy v%d (epoch %d): %s; %s", version, epoch, verdict, shown
+            )
+        core.dashboard.observe_verdict(verdict, version, e)
+        if core.metrics is not None:
+            core.metrics.candidates.labels(verdict.replace(" ", "_")).inc()
+        self.propose()
+        self.show()
+
+    def show(self) -> None:
+        """The gate's state on the dashboard and in the metrics."""
+        gate, core = self.gate, self.core
+        champion = gate.champion[1] if gate.champion else None
+        candidate = gate.candidate[1] if gate.candidate else None
+        estimate = gate.last if gate.candidate else None
+        core.dashboard.observe_gate(champion, candidate, gate.kind, estimate, len(gate.evidence))
+        if core.metrics is not None:
+            core.metrics.candidate_events.set(len(gate.evidence) if gate.candidate else 0)
+            for bound in ("value", "low", "high"):
+                core.metrics.candidate_estimate.labels(bound).set(
+                    getattr(estimate, bound) if estimate else float("nan")
+                )
+
+    def encode(self, tensors, version: int, stage: str, epoch: int | None = None) -> Policy:
+        core = self.core
+        epoch = core.epoch if epoch is None else epoch
+        return encode_policy(tensors, version, epoch, core.models, core.trainer.strategy, core.signer, stage)
+
+    def announcement(self) -> Policy | None:
+        """The champion this learner promoted, if it knows its weights."""
+        gate = self.gate
+        if gate.champion is None or gate.champion_tensors is None:
+            return None
+        return self.encode(gate.champion_tensors, gate.champion[1], "live", gate.champion[0])
