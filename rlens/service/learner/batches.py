@@ -23,11 +23,12 @@ from rlens.service.common.kafka import (
 )
 from rlens.service.common.metrics import LearnerMetrics, dead_letter_kind
 from rlens.service.learner.core import LearnerCore
-from rlens.service.learner.offsets import partition_of
+from rlens.service.learner.offsets import partition_key, partition_of
 
 log = logging.getLogger("rlens.learner")
 COMMIT_TIMEOUT_S = 5.0  # a commit not confirmed by then is given up (and tried again with a later batch)
 COMMIT_PAUSE_S = 30.0  # ... COMMIT_PAUSE_S later
+LOG_CHECK_S = 2.0  # how often every assigned partition's log end is compared with the offsets the state reflects
 
 
 def consumer_of(message: KafkaMessage) -> AIOKafkaConsumer:
@@ -78,6 +79,7 @@ class RecordBatches:
         self.policies, self.dead_letters, self.drift_events = publishers
         self.commits = Commits(core, restorer)
         self.lock = asyncio.Lock()
+        self.logs_checked: dict[str, float] = {}  # topic -> when its partitions' log ends were last compared
 
     async def handle(self, message: KafkaMessage, model: type, topic: str) -> None:
         try:
@@ -89,7 +91,7 @@ class RecordBatches:
     async def _handle(self, message: KafkaMessage, model: type, topic: str) -> None:
         core, kind = self.core, "feedback" if model is Feedback else "experience"
         async with self.lock:
-            await self.detect_new_logs(message)
+            await self.detect_new_logs(message, topic)
             await core.apply_windows()  # what a Redis outage left in the backlog
             for record in message.raw_message:
                 if not core.already_seen(record):
@@ -126,16 +128,28 @@ class RecordBatches:
             self.metrics.dead_letters.labels(dead_letter_kind(letter.reason)).inc()
         await publish_dead_letters(self.dead_letters, letters)
 
-    async def detect_new_logs(self, message: KafkaMessage) -> None:
-        """Records below the offsets the state reflects: redeliveries, or a new log when the partition ends below."""
-        offsets = self.core.offsets
-        below = offsets.below(message.raw_message)
-        if below:
-            partitions = {key: partition_of(key) for key in below}
-            ends = await consumer_of(message).end_offsets(list(partitions.values()))
-            for key, tp in partitions.items():
-                if ends.get(tp, offsets.read[key]) < offsets.read[key]:
-                    self.core.new_log(key, ends[tp])
+    async def detect_new_logs(self, message: KafkaMessage, topic: str) -> None:
+        """A partition whose log now ends below the offset the state reflects is a new log (a broker that lost its
+        data): read it from its start. Looked for where a batch holds records below those offsets, and, at most every
+        LOG_CHECK_S, on every partition of the topic assigned here (a consumer whose position is past a new log's
+        records, or that resumes from offsets committed before it, would never bring one below)."""
+        offsets, consumer = self.core.offsets, consumer_of(message)
+        keys = offsets.below(message.raw_message)
+        in_batch = {partition_key(r) for r in message.raw_message}
+        now = time.monotonic()
+        if now - self.logs_checked.get(topic, 0.0) >= LOG_CHECK_S:
+            self.logs_checked[topic] = now
+            keys |= {f"{tp.topic}:{tp.partition}" for tp in consumer.assignment() if tp.topic == topic}
+        keys = {key for key in keys if offsets.read.get(key, 0) > 0}
+        if not keys:
+            return
+        partitions = {key: partition_of(key) for key in keys}
+        ends = await consumer.end_offsets(list(partitions.values()))
+        for key, tp in partitions.items():
+            if ends.get(tp, offsets.read[key]) < offsets.read[key]:
+                self.core.new_log(key, ends[tp])
+                if key not in in_batch:  # the consumer may be past the new log's records: read them from its start
+                    consumer.seek(tp, 0)
 
     def show_state(self) -> None:
         core, metrics = self.core, self.metrics

@@ -51,7 +51,9 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
 - **A new log.** A broker that lost its data (tansu's memory storage restarted, a topic recreated, ``rlens up``
   reusing a checkpoint with a fresh broker) serves offsets below the checkpoint's. A record below the stored offset
   is a redelivery while the partition's log end is at or above that offset, and a new log when the log end is below
-  it: then the learner warns, forgets that partition's offset and reads the new log from its start (the join's
+  it: then the learner warns, forgets that partition's offset and reads the new log from its start (it also compares
+  every assigned partition's log end with its offset every 2 s, and seeks a new log's start, since a consumer
+  whose position is past a new log's records would never bring one below; the join's
   duplicate check and the windows' once-per-query markers keep a misjudged redelivery harmless). A new log that has
   already grown past the old offset when it is first read cannot be told apart: recreate topics only with the
   learner stopped, or give the learner a fresh checkpoint directory.
