@@ -190,6 +190,30 @@ def fit_ridge(x: np.ndarray, y: np.ndarray, penalty: float = RIDGE) -> np.ndarra
     return np.linalg.solve(x.T @ x + penalty * eye, x.T @ y)
 
 
+def replay_estimate(
+    known: list[float | None],
+    features: np.ndarray,
+    probe: np.ndarray,
+    held: np.ndarray,
+    offset: np.ndarray | None = None,
+) -> tuple[Estimate, np.ndarray]:
+    """The replay estimator (:func:`rlens.evaluation.ope.corrected_replay`) of a policy's per-query values: ``known``
+    where the log holds what the policy needs (None elsewhere), a ridge reward model of ``features`` fitted on the
+    ``probe`` rows where it is known elsewhere, and the model's mean error corrected on the probe rows whose values
+    the logged pool did not ``held`` (all probe rows when fewer than MIN_RESIDUALS are). ``offset`` is subtracted per
+    query (another policy's known values: an estimate of the difference). The estimate and the model's weights."""
+    known_mask = np.array([v is not None for v in known], dtype=bool)
+    exact = np.array([0.0 if v is None else v for v in known])
+    complete = np.flatnonzero(probe & known_mask)
+    model = fit_ridge(features[complete], exact[complete]) if len(complete) >= 2 else np.zeros(features.shape[1])
+    predicted = features @ model
+    stand_in = complete[~held[complete]]
+    if len(stand_in) < MIN_RESIDUALS:
+        stand_in = complete
+    values = np.where(known_mask, exact, predicted) - (0.0 if offset is None else offset)
+    return corrected_replay(values, ~known_mask, exact[stand_in] - predicted[stand_in]), model
+
+
 def evaluate(
     queries: list[LoggedQuery], policy: Policy, cost_share: np.ndarray, alpha: float
 ) -> dict[str, dict[str, Estimate]]:
@@ -216,24 +240,15 @@ def evaluate(
         exact = np.array([value(*actions[i], labelled[i].label) for i in complete])
         x_target = np.array([pool_features(q, pool, cost_share) for q, (pool, _) in zip(labelled, actions)])
         x_logged = np.array([pool_features(q, q.pool, cost_share) for q in labelled])
-        model = fit_ridge(x_target[complete], exact) if len(complete) >= 2 else np.zeros(x_target.shape[1])
-        predicted = x_target @ model
-        modelled = np.array([answer is None for _, answer in actions])
-        values = np.array(
-            [
-                predicted[i] if modelled[i] else value(pool, answer, q.label)
-                for i, (q, (pool, answer)) in enumerate(zip(labelled, actions))
-            ]
-        )
-        # the model's errors where it would stand in: probe rows whose candidate pool the logged pool did not hold
-        # (all probe rows when fewer than MIN_RESIDUALS are: the model's error anywhere)
-        stand_in = [i for i in complete if (actions[i][0] & ~labelled[i].pool).any()]
-        if len(stand_in) < MIN_RESIDUALS:
-            stand_in = complete
-        residuals = np.array([value(*actions[i], labelled[i].label) - predicted[i] for i in stand_in])
+        known = [
+            None if answer is None else value(pool, answer, q.label) for q, (pool, answer) in zip(labelled, actions)
+        ]
+        probe = np.array([q.probe for q in labelled], dtype=bool)
+        held = np.array([not (pool & ~q.pool).any() for q, (pool, _) in zip(labelled, actions)])
+        replayed, model = replay_estimate(known, x_target, probe, held)
         out[metric] = {
             "exact": direct(exact),
-            "replay": corrected_replay(values, modelled, residuals),
+            "replay": replayed,
             "ips": ips(logged, matched.astype(float), logging),
             "snips": snips(logged, matched.astype(float), logging),
             "dr": doubly_robust(logged, matched.astype(float), logging, x_logged @ model, x_target @ model),

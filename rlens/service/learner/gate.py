@@ -24,8 +24,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from rlens.evaluation.logged import MIN_RESIDUALS, LoggedQuery, fit_ridge, pool_features, reward
-from rlens.evaluation.ope import Estimate, corrected_replay
+from rlens.evaluation.logged import LoggedQuery, pool_features, replay_estimate, reward
+from rlens.evaluation.ope import Estimate
 from rlens.messages import Experience
 
 log = logging.getLogger("rlens.learner")
@@ -87,22 +87,12 @@ class Gate:
         e.held.append(not (pool & ~query.pool).any())
 
     def estimate(self) -> Estimate:
-        """Candidate − champion reward per query (:func:`rlens.evaluation.ope.corrected_replay`)."""
+        """Candidate − champion reward per query (:func:`rlens.evaluation.logged.replay_estimate`)."""
         e = self.evidence
-        champion = np.array(e.champion)
-        known = np.array([c is not None for c in e.candidate])
-        exact = np.array([c if c is not None else 0.0 for c in e.candidate])
-        x = np.array(e.features)
-        complete = np.flatnonzero(np.array(e.probe) & known)
-        model = fit_ridge(x[complete], exact[complete]) if len(complete) >= 2 else np.zeros(x.shape[1])
-        predicted = x @ model
-        candidate = np.where(known, exact, predicted)
-        stand_in = [i for i in complete if not e.held[i]]
-        residuals = (
-            exact[stand_in if len(stand_in) >= MIN_RESIDUALS else complete]
-            - predicted[stand_in if len(stand_in) >= MIN_RESIDUALS else complete]
+        estimate, _ = replay_estimate(
+            e.candidate, np.array(e.features), np.array(e.probe), np.array(e.held), np.array(e.champion)
         )
-        return corrected_replay(candidate - champion, ~known, residuals)
+        return estimate
 
     def verdict(self) -> Verdict | None:
         """A challenger: promote, drop, or None (keep collecting); on probation: roll back, passed, or None."""
