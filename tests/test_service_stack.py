@@ -356,7 +356,9 @@ def test_per_query_topics_get_the_partitions_and_ordered_topics_keep_one():
     try:
         config = settings().model_copy(update={"kafka_bootstrap": broker.bootstrap, "topic_prefix": "parts."})
         asyncio.run(ensure_topics(config, partitions=3, extra=("parts.replies.g1",)))
-        found = asyncio.run(topic_partitions(config))
+        deadline = time.monotonic() + 30  # a Kafka cluster's metadata may show new topics a moment later
+        while len(found := asyncio.run(topic_partitions(config))) < 8 and time.monotonic() < deadline:
+            time.sleep(0.5)
     finally:
         broker.stop()
     topics = Topics.from_settings(config)
