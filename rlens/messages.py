@@ -277,12 +277,21 @@ class Policy(Message):
         description="live: workers serve it; candidate: workers score it in shadow beside the live one until the "
         "learner promotes it (the same weights again, live) or drops it",
     )
+    origin: Literal["learner", "operator"] = Field(
+        "learner", description="who published it: the learner, or an operator (rlens policy promote / rollback)"
+    )
+    note: str = Field("", max_length=300, description="why it was published (an operator's promotion or rollback)")
 
     def signed_bytes(self) -> bytes:
         """What the learner signs: everything that says what the weights are and how they may be used, never the
-        weights' encoding (a candidate's stage is signed, so that it cannot be replayed as live)."""
+        weights' encoding (a candidate's stage is signed, so that it cannot be replayed as live; an operator's
+        origin and note too)."""
         fields: list = [self.strategy, self.epoch, self.version, self.models, self.sha256]
-        return json.dumps(fields + ([self.stage] if self.stage != "live" else []), separators=(",", ":")).encode()
+        if self.origin != "learner" or self.note:
+            fields += [self.stage, self.origin, self.note]
+        elif self.stage != "live":
+            fields.append(self.stage)
+        return json.dumps(fields, separators=(",", ":")).encode()
 
 
 class DriftEvent(Message):

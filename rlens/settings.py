@@ -152,6 +152,13 @@ class Settings(BaseSettings):
     gate_delta: float = Field(
         0.02, ge=0, description="gated promotion: the reward a candidate may lose, at the lower bound"
     )
+    policy_keep_bytes: int = Field(
+        2**30,
+        ge=64 * 2**20,
+        description="the policy topic keeps its newest policies up to this many bytes, made so on a real Kafka cluster "
+        "(retention.bytes, no time limit): the versions `rlens policy` can set live again (an rl_focal policy takes "
+        "about 0.2 MB, an RLAE-MAPPO one up to 3.3 MB)",
+    )
     ope_log_bytes: int = Field(
         64 * 2**20,
         ge=0,

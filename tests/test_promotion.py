@@ -13,7 +13,8 @@ from bench.robustness.gate import simulate
 
 def test_a_good_candidate_is_scored_in_shadow_then_promoted(zoo, redis_server, tmp_path):
     gate = GateConfig(min_events=200, max_events=2000, every=25, delta=0.02)
-    worker, core, served, shadowed = simulate(zoo, redis_server.url, tmp_path, gate, warm=True, sabotage=False, n=1200)
+    run = simulate(zoo, redis_server.url, tmp_path, gate, warm=True, sabotage=False, n=1200)
+    worker, core, served, shadowed = run.worker, run.core, run.served, run.shadowed
     assert 1 in shadowed  # the warm-started policy was first a candidate, scored beside the untrained champion
     assert core.stats.promotions >= 1 and worker.policy_version >= 1
     snapshot = core.dashboard.snapshot()  # what the dashboard shows of it
@@ -29,11 +30,12 @@ def test_a_learner_whose_training_goes_wrong_is_kept_from_serving(zoo, redis_ser
     """Its candidates are dropped, or rolled back once live; served accuracy stays near the clean learner's (served
     directly, the same sabotage takes accuracy from 84 % to 27 % on this stream: BENCHMARKS.md)."""
     gate = GateConfig(min_events=200, max_events=600, every=25, delta=0.02)
-    worker, core, served, shadowed = simulate(zoo, redis_server.url, tmp_path, gate, warm=False, sabotage=True, n=2400)
+    run = simulate(zoo, redis_server.url, tmp_path, gate, warm=False, sabotage=True, n=2400)
+    core, served, shadowed = run.core, run.served, run.shadowed
     assert shadowed  # its candidates were scored
     assert core.stats.dropped_candidates + core.stats.rollbacks >= 2
     assert core.stats.promotions - core.stats.rollbacks <= 1  # at most one of its policies left live, on evidence
-    clean = simulate(zoo, redis_server.url, tmp_path / "clean", gate, warm=False, sabotage=False, n=2400)[2]
+    clean = simulate(zoo, redis_server.url, tmp_path / "clean", gate, warm=False, sabotage=False, n=2400).served
     assert np.mean([ok for _, ok in served]) > np.mean([ok for _, ok in clean]) - 0.03
 
 

@@ -123,12 +123,44 @@ def test_gated_promotion_through_the_policy_topic(tmp_path, zoo):
         deadline = time.monotonic() + 60
         while learner_stat(stack, "rlens_learner_joined_total") < N and time.monotonic() < deadline:
             time.sleep(0.5)
+        listed, promoted = operator_promotes_the_newest_candidate(stack, tmp_path)
+        time.sleep(2.0)  # the promotion reaches the worker
+        after = asyncio.run(play(stack.settings, traffic(zoo, "promoted", n=100), rate=60, idle_timeout_s=60))
     finally:
         stack.stop()
-    stats = final_learner_state(stack)["stats"]
-    assert report.answered == N and report.duplicates == 0 and stats["joined"] == N
+    state = final_learner_state(stack)
+    stats = state["stats"]
+    assert report.answered == N and report.duplicates == 0 and stats["joined"] == N + 100
     assert stats["updates"] >= 4 and stats["promotions"] + stats["dropped_candidates"] >= 1
     assert len(report.policy_versions - {0}) <= stats["promotions"] + stats["rollbacks"]
+    # the operator's promotion: listed with the learner's figures, served at once, adopted by the learner
+    assert any(row["stage"] == "candidate" for row in listed)
+    assert any(row["stats"] and row["stats"]["events"] > 0 for row in listed) or stats["promotions"] == 0
+    assert promoted in after.policy_versions and state["operator_seen"] > 0
+
+
+def operator_promotes_the_newest_candidate(stack: LocalStack, workdir: Path) -> tuple[list[dict], int]:
+    """``rlens policy list --json`` and ``rlens policy promote`` on the stack's work folder, as an operator would:
+    what was listed, and the version the promotion published."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from rlens.cli import app
+
+    runner = CliRunner()
+    learner = next(u for n, u in stack.http_urls().items() if n.startswith("learner:"))
+    listed = runner.invoke(app, ["policy", "list", "--json", "--stack", str(workdir), "--learner", learner])
+    assert listed.exit_code == 0, listed.output
+    rows = [json.loads(line) for line in listed.stdout.splitlines() if line.startswith("{")]
+    newest = max((r for r in rows if r["stage"] == "candidate"), key=lambda r: (r["epoch"], r["version"]))
+    shown = runner.invoke(app, ["policy", "show", str(newest["version"]), "--stack", str(workdir)])
+    assert shown.exit_code == 0 and "signature verified" in shown.stdout, shown.output
+    done = runner.invoke(app, ["policy", "promote", str(newest["version"]), "--stack", str(workdir), "--reason", "t"])
+    assert done.exit_code == 0, done.output
+    published = re.search(r"published v(\d+)", done.stdout)
+    assert published, done.stdout
+    return rows, int(published.group(1))
 
 
 def test_end_to_end_learns_as_well_as_the_offline_loop(tmp_path, zoo):

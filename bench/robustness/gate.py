@@ -32,6 +32,7 @@ from rlens.focal.engine import FocalEngine
 from rlens.local.load import queries_of
 from rlens.local.servers import LocalRedis
 from rlens.messages import Feedback
+from rlens.service.common.policy import PolicyHistory, encode_policy
 from rlens.service.common.security import FeedbackTokens, PolicySigner, generate_secrets
 from rlens.service.common.windows import RedisWindows
 from rlens.service.learner.core import LearnerCore
@@ -45,6 +46,14 @@ SIGNER = PolicySigner(SECRETS["RLENS_POLICY_SIGNING_KEY"])
 VERIFIER = SIGNER.verifier()
 TOKENS = FeedbackTokens(SECRETS["RLENS_FEEDBACK_SECRET"])
 GATE = GateConfig(min_events=200, max_events=600, every=25, delta=0.02)  # scaled to a 2,400-query stream
+SCENARIOS = [
+    ("direct", None, "clean"),
+    ("direct", None, "sabotaged"),
+    ("direct", None, "forced"),
+    ("gated", GATE, "clean"),
+    ("gated", GATE, "sabotaged"),
+    ("gated", GATE, "forced"),
+]
 
 
 CONFIG = FocalConfig(explore_rate=0.2, probe_rate=0.2, update_period=32)
@@ -56,9 +65,22 @@ def record(topic: str, offset: int):
     )
 
 
-def simulate(zoo, url: str, workdir: Path, gate: GateConfig | None, warm: bool, sabotage: bool, n: int, seed: int = 0):
+def simulate(
+    zoo,
+    url: str,
+    workdir: Path,
+    gate: GateConfig | None,
+    warm: bool,
+    sabotage: bool,
+    n: int,
+    seed: int = 0,
+    forced_at: int | None = None,
+) -> SimpleNamespace:
     """``n`` queries of the bundled stream through a worker; the learner joins each with its label's feedback.
-    ``gate`` None: every update goes live (direct promotion)."""
+    ``gate`` None: every update goes live (direct promotion). ``forced_at``: from that query on, an operator forces
+    a bad policy live (the served one with its Fusion's scores turned upside down), as ``rlens policy promote``
+    would. Returns the worker, the learner core, (served version, right) per query, the versions scored in shadow
+    and the forced version."""
 
     async def scenario():
         redis = Redis.from_url(url)
@@ -95,11 +117,19 @@ def simulate(zoo, url: str, workdir: Path, gate: GateConfig | None, warm: bool, 
         if warm:
             warm_index, _ = split(zoo, Protocol.paper)
             core.warm_start(save_dataset(zoo.subset(warm_index), workdir / "warm"))
-        served, shadowed = [], set()
+        served, shadowed, published, forced = [], set(), [], None
         traffic = queries_of(zoo, None, "t")
         for start in range(0, n, 32):
             for policy in core.take_policies():
                 assert worker.receive_policy(policy) is None
+                published.append(policy)
+            if forced_at is not None and forced is None and start >= forced_at:
+                upside_down = {k: -v if k.startswith("fusion.") else v for k, v in worker.policy_tensors().items()}
+                bad = encode_policy(upside_down, 1, core.epoch, names, "rl_focal", SIGNER)
+                forced = PolicyHistory(published, []).republish(bad, SIGNER, "forced live by the simulation")
+                for policy in [forced, *core.on_policy(forced)]:
+                    assert worker.receive_policy(policy) is None
+                    published.append(policy)
             batch = [traffic[i % len(traffic)] for i in range(start, min(start + 32, n))]
             batch = [
                 (q.model_copy(update={"query_id": f"{q.query_id}-{i}"}), label)
@@ -120,9 +150,12 @@ def simulate(zoo, url: str, workdir: Path, gate: GateConfig | None, warm: bool, 
                 for policy, _ in joined:
                     if policy is not None:  # direct promotion: an update goes live at once
                         assert worker.receive_policy(policy) is None
+                        published.append(policy)
             await core.apply_windows()
         await redis.aclose()
-        return worker, core, served, shadowed
+        return SimpleNamespace(
+            worker=worker, core=core, served=served, shadowed=shadowed, forced=forced.version if forced else None
+        )
 
     return asyncio.run(scenario())
 
@@ -139,31 +172,38 @@ def main() -> None:
     rows = []
     try:
         for seed in args.seeds:
-            for promotion, gate in (("direct", None), ("gated", GATE)):
-                for sabotage in (False, True):
-                    with tempfile.TemporaryDirectory() as workdir:
-                        _, core, served, _ = simulate(
-                            zoo, redis.url, Path(workdir), gate, False, sabotage, args.queries, seed
-                        )
-                    ok = [right for _, right in served]
-                    row = {
-                        "seed": seed,
-                        "promotion": promotion,
-                        "sabotage": sabotage,
-                        "served": float(np.mean(ok)),
-                        "last_third": float(np.mean(ok[-len(ok) // 3 :])),
-                        "promotions": core.stats.promotions,
-                        "rollbacks": core.stats.rollbacks,
-                        "dropped": core.stats.dropped_candidates,
-                        "updates": core.stats.updates,
-                    }
-                    rows.append(row)
-                    print(
-                        f"seed {seed} {promotion:6s} {'sabotaged' if sabotage else 'clean':9s} served {100 * row['served']:.1f} % "
-                        f"(last third {100 * row['last_third']:.1f} %); promoted {row['promotions']}, rolled back "
-                        f"{row['rollbacks']}, dropped {row['dropped']} of {row['updates']} updates",
-                        flush=True,
+            for promotion, gate, case in SCENARIOS:
+                forced_at = args.queries // 2 if case == "forced" else None
+                with tempfile.TemporaryDirectory() as workdir:
+                    run = simulate(
+                        zoo, redis.url, Path(workdir), gate, False, case == "sabotaged", args.queries, seed, forced_at
                     )
+                ok = [right for _, right in run.served]
+                core = run.core
+                row = {
+                    "seed": seed,
+                    "promotion": promotion,
+                    "case": case,
+                    "served": float(np.mean(ok)),
+                    "last_third": float(np.mean(ok[-len(ok) // 3 :])),
+                    "promotions": core.stats.promotions,
+                    "rollbacks": core.stats.rollbacks,
+                    "dropped": core.stats.dropped_candidates,
+                    "updates": core.stats.updates,
+                }
+                if run.forced is not None:
+                    versions = [version for version, _ in run.served]
+                    start = versions.index(run.forced)
+                    row["forced_served"] = sum(v == run.forced for v in versions)  # queries until it was replaced
+                    row["after_forced"] = float(np.mean(ok[start + row["forced_served"] :] or [float("nan")]))
+                rows.append(row)
+                print(
+                    f"seed {seed} {promotion:6s} {case:9s} served {100 * row['served']:.1f} % "
+                    f"(last third {100 * row['last_third']:.1f} %); promoted {row['promotions']}, rolled back "
+                    f"{row['rollbacks']}, dropped {row['dropped']} of {row['updates']} updates"
+                    + (f"; the forced policy served {row['forced_served']} queries" if run.forced else ""),
+                    flush=True,
+                )
     finally:
         redis.stop()
     write_json(args.out, {"machine": machine_facts(), "queries": args.queries, "rows": rows})

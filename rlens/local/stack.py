@@ -31,9 +31,12 @@ SECRETS = ("feedback_secret", "policy_signing_key", "policy_verify_key")
 ASKED_TO_STOP = (-signal.SIGTERM, -signal.SIGINT)  # exit codes of a process stopped on purpose (not restarted)
 
 
+SECRETS_ENV = "secrets.env"
+
+
 def workdir_secrets(workdir: Path) -> dict[str, str]:
     """The stack's secrets as settings field → value, from ``secrets.env`` (written on first use, mode 0600)."""
-    path = workdir / "secrets.env"
+    path = workdir / SECRETS_ENV
     if not path.is_file():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:

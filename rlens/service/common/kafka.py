@@ -106,6 +106,48 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
     )
 
 
+def client_options(settings: Settings) -> dict[str, Any]:
+    """aiokafka's connection arguments for ``settings`` (bootstrap, SASL / TLS), for a plain client beside the
+    processes' FastStream brokers (:func:`make_broker`)."""
+    protocol = settings.kafka_security_protocol.upper()
+    options: dict[str, Any] = {"bootstrap_servers": settings.kafka_bootstrap, "security_protocol": protocol}
+    if "SSL" in protocol:
+        cafile = str(settings.kafka_ssl_cafile) if settings.kafka_ssl_cafile else None
+        options["ssl_context"] = ssl.create_default_context(cafile=cafile)
+    if protocol.startswith("SASL"):
+        options["sasl_mechanism"] = (settings.kafka_sasl_mechanism or "PLAIN").upper()
+        options["sasl_plain_username"] = settings.kafka_sasl_username or ""
+        password = settings.kafka_sasl_password
+        options["sasl_plain_password"] = password.get_secret_value() if password else ""
+    return options
+
+
+async def read_topic(settings: Settings, topic: str, timeout_s: float = 30.0) -> list[Any]:
+    """Every record of a one-partition ``topic``, from its start to its end when called (no consumer group)."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.structs import TopicPartition
+
+    consumer = AIOKafkaConsumer(
+        **client_options(settings), enable_auto_commit=False, fetch_max_bytes=2 * MAX_MESSAGE_BYTES
+    )
+    await consumer.start()
+    try:
+        partition = TopicPartition(topic, 0)
+        consumer.assign([partition])
+        await consumer.seek_to_beginning(partition)
+        end = (await consumer.end_offsets([partition]))[partition]
+        records: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        while await consumer.position(partition) < end:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"read {len(records)} records of {topic} in {timeout_s:.0f} s, not its {end}")
+            batch = await consumer.getmany(partition, timeout_ms=1000)
+            records.extend(batch.get(partition, []))
+        return records
+    finally:
+        await consumer.stop()
+
+
 def app_logger() -> logging.Logger:
     """The logger of a worker's or learner's FastStream app: FastStream's own start and stop banners (coloured, with
     "press CTRL+C") stay out of service logs; the processes log their own "ready" lines."""
@@ -213,10 +255,13 @@ def _key(message: Message) -> bytes | None:
     return query_id.encode() if query_id else None
 
 
-def topic_configs(policy: bool, replication: int) -> dict[str, str]:
+def topic_configs(policy: bool, replication: int, policy_keep_bytes: int = 2**30) -> dict[str, str]:
     """A topic's settings on a real cluster: the records it must take (a policy, or a message at its bounds; Kafka's
-    default is 1 MB), and with replication, acknowledged writes on at least two replicas."""
+    default is 1 MB), the policy topic's history (by size, never by age), and with replication, acknowledged writes
+    on at least two replicas."""
     configs = {"max.message.bytes": str(MAX_MESSAGE_BYTES if policy else MAX_RECORD_BYTES)}
+    if policy:
+        configs |= {"retention.bytes": str(policy_keep_bytes), "retention.ms": "-1", "segment.bytes": str(32 * 2**20)}
     if replication > 1:
         configs["min.insync.replicas"] = str(min(2, replication))
     return configs
@@ -232,7 +277,7 @@ async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[st
     from aiokafka.errors import TopicAlreadyExistsError
 
     topics = Topics.from_settings(settings)
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**client_options(settings))
     await admin.start()
     try:
         existing = set(await admin.list_topics())
@@ -242,7 +287,7 @@ async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[st
                 t,
                 1 if t in (topics.policy, topics.drift, *extra) else partitions,
                 replication,
-                topic_configs=topic_configs(t == topics.policy, replication),
+                topic_configs=topic_configs(t == topics.policy, replication, settings.policy_keep_bytes),
             )
             for t in (*vars(topics).values(), *extra)
             if t not in existing
@@ -315,7 +360,7 @@ async def check_idempotence(settings: Settings) -> None:
     from aiokafka import AIOKafkaProducer
     from aiokafka.errors import KafkaError
 
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, enable_idempotence=True, acks="all")
+    producer = AIOKafkaProducer(**client_options(settings), enable_idempotence=True, acks="all")
     quiet = logging.getLogger("aiokafka")
     level, quiet.level = quiet.level, logging.CRITICAL  # its own line would precede ours
     try:

@@ -226,6 +226,24 @@ class LearnerMetrics:
             ["bound"],
             registry=registry,
         )
+        self.version_reward = Gauge(
+            "rlens_learner_version_reward",
+            "mean reward of the joined queries each served policy version answered (the newest 20 versions)",
+            ["version"],
+            registry=registry,
+        )
+        self.version_accuracy = Gauge(
+            "rlens_learner_version_accuracy",
+            "share of right answers of each served policy version (the newest 20 versions)",
+            ["version"],
+            registry=registry,
+        )
+        self.version_events = Gauge(
+            "rlens_learner_version_events",
+            "joined queries each served policy version answered (the newest 20 versions)",
+            ["version"],
+            registry=registry,
+        )
         self.drift_events = Counter(
             "rlens_learner_drift_events",
             "drift detections, by stream and signal (outcome, confidence, model:<name>)",
@@ -248,6 +266,20 @@ class LearnerMetrics:
         mean = self._reward.get(label)
         self._reward[label] = reward if mean is None else mean + 0.05 * (reward - mean)
         self.reward.labels(label).set(self._reward[label])
+
+    def observe_version(self, row: dict, let_go: int | None) -> None:
+        """One version's tally (:class:`rlens.service.learner.versions.VersionStats`); the version let go leaves."""
+        version = str(row["version"])
+        self.version_events.labels(version).set(row["events"])
+        self.version_reward.labels(version).set(row["reward"])
+        if row["accuracy"] is not None:
+            self.version_accuracy.labels(version).set(row["accuracy"])
+        if let_go is not None:
+            for gauge in (self.version_events, self.version_reward, self.version_accuracy):
+                try:
+                    gauge.remove(str(let_go))
+                except KeyError:
+                    pass
 
     def observe_signals(self, stream: str, signals: dict[str, float]) -> None:
         """Rolling means of the drift signals: accuracy, each model's accuracy, confidence."""

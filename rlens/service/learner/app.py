@@ -13,6 +13,7 @@ from faststream import AckPolicy
 from faststream.asgi import AsgiFastStream
 from faststream.kafka import KafkaMessage
 from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
 
 from rlens.messages import EXPERIENCE, DeadLetter, DriftEvent, Feedback, Policy
 from rlens.service.common.health import Readiness, admin_token, http_routes, settings_url
@@ -92,6 +93,22 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     )
     async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
         await batches.handle(message, Feedback, topics.feedback)
+
+    @broker.subscriber(
+        topics.policy,
+        auto_offset_reset="earliest",
+        decoder=keep_bytes,
+        description="JSON Policy messages: an operator's (rlens policy promote / rollback) are adopted, and a "
+        "restarted gated learner learns from the topic's history what the workers serve",
+    )
+    async def on_policy(body: bytes) -> None:
+        try:
+            policy = Policy.model_validate_json(body)
+        except ValidationError:
+            return  # the workers dead-letter it
+        async with batches.lock:
+            replies = live.on_policy(policy) + live.take_policies()
+        await publish(policies, replies)
 
     readiness = Readiness("learner", core.name if core else "", settings_url(settings))
     routes = http_routes(

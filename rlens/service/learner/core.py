@@ -34,7 +34,11 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   stream's Redis window to its last ``drift_keep`` outcomes. The detectors' state is in the checkpoint, and
   :class:`rlens.service.learner.dashboard.Dashboard` keeps what ``/dashboard`` shows.
 - **Policies** are signed (:class:`rlens.service.common.security.PolicySigner`) and ordered by (epoch, version); the epoch
-  is the learner's start time in milliseconds, so a restarted learner's policies supersede its predecessor's.
+  is the learner's start time in milliseconds, so a restarted learner's policies supersede its predecessor's. The
+  learner reads the policy topic too (:meth:`LearnerCore.on_policy`): a policy an operator set live (``rlens
+  policy promote`` / ``rollback``) is trained on from then on (gated: the champion it replaced goes on probation,
+  and comes back if the operator's is worse), and a restarted gated learner learns there what is served. Reward
+  and accuracy are kept per served version (:class:`rlens.service.learner.versions.VersionStats`).
 - **Exactly-once effect across crashes.** A checkpoint holds the trainer (weights, optimizer, RNGs, buffer), the
   pending joins, the recent query ids and, per partition, the offset after the last record it reflects. Kafka
   offsets are committed only up to a checkpoint's offsets. After a crash the learner restores the newest
@@ -86,8 +90,9 @@ from rlens.service.learner.promotion import Promotion
 from rlens.service.learner.offsets import Offsets
 from rlens.service.learner.ope_log import OpeLog
 from rlens.service.learner.pending import Pending, PendingHalves
+from rlens.service.learner.versions import VersionStats
 from rlens.service.learner.window_writer import WindowWriter
-from rlens.service.common.policy import encode_policy, non_finite
+from rlens.service.common.policy import PolicyError, decode_policy, encode_policy, non_finite
 from rlens.service.common.security import FeedbackTokens, PolicySigner
 from rlens.service.common.windows import RedisWindows
 
@@ -146,10 +151,11 @@ class LearnerCore:
         gate: Gate | None = None,
     ):
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
-        self.signer, self.tokens = signer, tokens
+        self.signer, self.tokens, self.verifier = signer, tokens, signer.verifier()
         self.pending_limit, self.pending_ttl_s, self.done_limit = pending_limit, pending_ttl_s, done_limit
         self.epoch = time.time_ns() // 1_000_000
         self.version = 0
+        self.operator_seen = 0.0  # created_at of the newest operator's policy adopted
         self.offsets = Offsets()
         self.experience: PendingHalves[AnyExperience] = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
         self.feedback: PendingHalves[Feedback] = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
@@ -163,7 +169,8 @@ class LearnerCore:
         self.checkpoint_every_s = checkpoint_every_s
         self.last_checkpoint = float("-inf")  # monotonic time of the newest checkpoint
         self.checkpointed_version = 0
-        self.dashboard = Dashboard(trainer.strategy, models)
+        self.versions = VersionStats()
+        self.dashboard = Dashboard(trainer.strategy, models, self.versions)
         # drift_keep: trim a drifted stream's window to this many outcomes (None: no reaction)
         self.drift = DriftWatch(drift, drift_keep, self.dashboard)
         self.ope_log = ope_log
@@ -184,6 +191,8 @@ class LearnerCore:
         self.stats = LearnerStats(**state["stats"])
         self.writer.backlog.extend(state["window_backlog"])
         self.drift.load_json(state.get("drift", []))
+        self.versions.load_json(state.get("versions", []))
+        self.operator_seen = state.get("operator_seen", 0.0)
         if self.promotion is not None:
             self.promotion.restored()
         log.info("resumed from checkpoint v%d (%d joined)", self.version, self.stats.joined)
@@ -198,6 +207,8 @@ class LearnerCore:
             "window_backlog": list(self.writer.backlog),
             "stats": asdict(self.stats),
             "drift": self.drift.to_json(),
+            "versions": self.versions.to_json(),
+            "operator_seen": self.operator_seen,
         }
         self.trainer.save(self.checkpoints, self.version, state)
         self.offsets.checkpointed_now()
@@ -336,6 +347,10 @@ class LearnerCore:
             self.models,
         )
         self.dashboard.observe_join(experience.stream, signals, reward, delay_s)
+        version = experience.policy_version
+        let_go = self.versions.observe(version, reward, bool(signals["outcome"]) if label is not None else None)
+        if self.metrics is not None and version in self.versions.tallies:
+            self.metrics.observe_version(self.versions.tallies[version].row(version), let_go)
         if (
             self.drift.observe(experience.stream, signals, experience.query_id, self.metrics)
             and self.drift.keep is not None
@@ -399,6 +414,44 @@ class LearnerCore:
         )
         return None if self.promotion is not None else self.current_policy()
 
+    def on_policy(self, policy: Policy) -> list[Policy]:
+        """A record of the policy topic (its history first). A live policy an operator published after the last one
+        this learner adopted is trained on from here (gated: the champion it replaced goes on probation; direct:
+        republished under this learner's newest version if the workers would not take it); any other live policy
+        tells a gated learner what the workers serve. Returns what to publish."""
+        if policy.stage != "live" or policy.strategy != self.trainer.strategy or policy.models != self.models:
+            return []
+        if policy.origin == "learner" and policy.epoch == self.epoch:
+            return []  # its own
+        try:
+            tensors = decode_policy(policy, self.trainer.policy_tensors(), self.models, policy.strategy, self.verifier)
+        except PolicyError as exc:
+            log.warning("policy topic: %s (ignored)", exc)
+            return []
+        operator = policy.origin == "operator" and policy.created_at > self.operator_seen
+        if operator:
+            self.operator_seen = policy.created_at
+            self.trainer.load_policy(tensors)
+            if policy.epoch == self.epoch:
+                self.version = max(self.version, policy.version)
+        if self.promotion is not None:
+            self.promotion.served((policy.epoch, policy.version), tensors, operator)
+        if not operator:
+            return []
+        log.warning(
+            "an operator set policy v%d (epoch %d) live (%s); training goes on from it",
+            policy.version,
+            policy.epoch,
+            policy.note or "no note",
+        )
+        self.dashboard.observe_policy(policy.version, policy.note or "set live by an operator")
+        published = []
+        if self.promotion is None and (self.epoch, self.version) > (policy.epoch, policy.version):
+            self.version += 1  # the workers serve this learner's newer versions: the operator's, renumbered
+            published.append(self.current_policy(f"v{policy.version} of epoch {policy.epoch}, set live by an operator"))
+        self.checkpoint()
+        return published
+
     def take_policies(self) -> list[Policy]:
         """The candidates, promotions and roll-backs since the last call (gated promotion)."""
         return self.promotion.take() if self.promotion is not None else []
@@ -410,7 +463,13 @@ class LearnerCore:
             return self.promotion.announcement()
         return self.current_policy() if self.version > 0 else None
 
-    def current_policy(self) -> Policy:
+    def current_policy(self, note: str = "") -> Policy:
         return encode_policy(
-            self.trainer.policy_tensors(), self.version, self.epoch, self.models, self.trainer.strategy, self.signer
+            self.trainer.policy_tensors(),
+            self.version,
+            self.epoch,
+            self.models,
+            self.trainer.strategy,
+            self.signer,
+            note=note,
         )

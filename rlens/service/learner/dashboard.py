@@ -23,6 +23,7 @@ from faststream.asgi import AsgiResponse, get
 from faststream.asgi.types import ASGIApp
 
 from rlens.messages import DriftEvent
+from rlens.service.learner.versions import VersionStats
 
 POINT_EVERY = 5
 POINTS = 400
@@ -63,8 +64,9 @@ class StreamSeries:
 
 
 class Dashboard:
-    def __init__(self, strategy: str, models: list[str]):
+    def __init__(self, strategy: str, models: list[str], versions: VersionStats | None = None):
         self.strategy, self.models = strategy, models
+        self.versions = versions or VersionStats()  # reward and accuracy per served policy version
         self.streams: OrderedDict[str, StreamSeries] = OrderedDict()
         self.policies: deque[dict] = deque(maxlen=EVENTS)
         self.joined = 0
@@ -111,8 +113,8 @@ class Dashboard:
             }
         )
 
-    def observe_policy(self, version: int) -> None:
-        self.policies.append({"version": version, "t": time.time(), "joined": self.joined})
+    def observe_policy(self, version: int, note: str = "") -> None:
+        self.policies.append({"version": version, "t": time.time(), "joined": self.joined, "note": note})
 
     def observe_gate(self, champion: int | None, candidate: int | None, kind: str, estimate, events: int) -> None:
         """The gate's state: what is served, what is scored in shadow, and candidate − champion so far."""
@@ -141,6 +143,7 @@ class Dashboard:
             "policies": list(self.policies),
             "gate": self.gate,
             "verdicts": list(self.verdicts),
+            "versions": self.versions.rows(),
             "streams": streams,
             "t": time.time(),
         }

@@ -39,6 +39,21 @@ class Promotion:
         """After a restart what the workers serve is not known here (it is in the policy topic's history)."""
         self.gate.champion_tensors = None
 
+    def served(self, order: tuple[int, int], tensors, operator: bool) -> None:
+        """A live policy read on the policy topic that this learner did not publish: what the workers serve, from
+        the topic's history; an operator's choice, whose predecessor goes on probation (the candidate is dropped)."""
+        gate = self.gate
+        if gate.champion is not None and order <= gate.champion:
+            return
+        if operator:
+            replaced = gate.champion_tensors
+            gate.candidate = gate.candidate_tensors = None
+            gate.champion, gate.champion_tensors, gate.previous = order, tensors, replaced
+            self.propose()
+        else:
+            gate.champion, gate.champion_tensors = order, tensors
+        self.show()
+
     def take(self) -> list[Policy]:
         taken, self.outbox = self.outbox, []
         return taken
@@ -80,7 +95,8 @@ class Promotion:
         assert e is not None and tensors is not None
         shown = f"candidate − champion reward {e.value:+.3f} [{e.low:+.3f}, {e.high:+.3f}] over {e.n} queries"
         if verdict in ("promote", "roll back"):
-            self.outbox.append(self.encode(tensors, version, "live", epoch))
+            note = f"rolled back: {shown}" if verdict == "roll back" else f"promoted: {shown}"
+            self.outbox.append(self.encode(tensors, version, "live", epoch, note))
             gate.promoted()
         else:
             gate.dropped()
@@ -113,10 +129,10 @@ class Promotion:
                     getattr(estimate, bound) if estimate else float("nan")
                 )
 
-    def encode(self, tensors, version: int, stage: str, epoch: int | None = None) -> Policy:
+    def encode(self, tensors, version: int, stage: str, epoch: int | None = None, note: str = "") -> Policy:
         core = self.core
         epoch = core.epoch if epoch is None else epoch
-        return encode_policy(tensors, version, epoch, core.models, core.trainer.strategy, core.signer, stage)
+        return encode_policy(tensors, version, epoch, core.models, core.trainer.strategy, core.signer, stage, note)
 
     def announcement(self) -> Policy | None:
         """The champion this learner promoted, if it knows its weights."""
