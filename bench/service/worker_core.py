@@ -8,12 +8,19 @@ windows, a fresh policy: every model is called) and *warm* (each stream's window
 dataset's own outcomes, in Redis). Prints queries/s and microseconds per query for each stage of the batch
 (window read, Decider, pool call, Fusion, building the messages, JSON encoding), and, as a yardstick timed in the
 same run, a raw Redis round trip (PING) with the window read of a batch in those units. This is the part of the
-worker's time that is the service's own code; the broker client's part is in ``bench_service.py``.
+worker's time that is the service's own code; the broker client's part is in ``bench.service.stack``.
+
+What off-policy evaluation costs (issue 35), in the same run: *warm* logs each query's behaviour (propensity, greedy
+pool and answer, every called model's distribution) as the service does; *warm, no logging* leaves it out (the
+worker's ``_evidence`` replaced by nothing, for this comparison only); *warm, shadow* also scores a candidate policy
+in shadow (gated promotion). Each state's passes are interleaved with the others', so load drifts hit all alike,
+after a garbage collection each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 
@@ -28,7 +35,8 @@ from rlens.evaluation.dataset import load_dataset
 from rlens.focal.engine import FocalEngine
 from rlens.local.load import queries_of
 from rlens.local.servers import LocalRedis
-from rlens.service.common.security import FeedbackTokens, PolicyVerifier, generate_secrets
+from rlens.service.common.policy import encode_policy
+from rlens.service.common.security import FeedbackTokens, PolicySigner, PolicyVerifier, generate_secrets
 from rlens.service.common.windows import RedisWindows
 from rlens.service.worker.core import FocalWorker
 from rlens.settings import settings
@@ -62,14 +70,14 @@ async def redis_round_trip_us(redis_url: str, calls: int = 2000) -> float:
     return 1e6 * best
 
 
-async def measure(state: str, redis_url: str, passes: int, batch: int) -> dict:
-    data = load_dataset(settings().demo_data)
-    redis = Redis.from_url(redis_url)
-    await redis.flushdb()
+STATES = ("cold", "warm", "warm, no logging", "warm, shadow")
+
+
+async def make_worker(state: str, redis: Redis, data) -> FocalWorker:
     names = data.model_names
     engine = FocalEngine(data.n_models, data.model_costs, seed=0)
-    windows = RedisWindows(redis, len(names), engine.cfg.window)
-    if state == "warm":
+    windows = RedisWindows(redis, len(names), engine.cfg.window, prefix=f"rlens-{STATES.index(state)}")
+    if state != "cold":
         await fill_windows(windows, data, engine.cfg.window)
     secrets = generate_secrets()
     worker = FocalWorker(
@@ -80,25 +88,46 @@ async def measure(state: str, redis_url: str, passes: int, batch: int) -> dict:
         PolicyVerifier(secrets["RLENS_POLICY_VERIFY_KEY"]),
         FeedbackTokens(secrets["RLENS_FEEDBACK_SECRET"]),
     )
+    if state == "warm, no logging":
+        worker._evidence = lambda *args: {}  # type: ignore[method-assign]
+    if state == "warm, shadow":
+        signer = PolicySigner(secrets["RLENS_POLICY_SIGNING_KEY"])
+        other = FocalEngine(data.n_models, data.model_costs, seed=1).policy_state()
+        candidate = encode_policy(other, 1, 1, names, "rl_focal", signer, "candidate")
+        assert worker.receive_policy(candidate) is None
+    return worker
+
+
+async def measure(redis_url: str, passes: int, batch: int) -> dict[str, dict]:
+    data = load_dataset(settings().demo_data)
+    redis = Redis.from_url(redis_url)
+    await redis.flushdb()
+    workers = {state: await make_worker(state, redis, data) for state in STATES}
     stream = [q for q, _ in queries_of(data, None, "core")]
-    stages: dict[str, float] = {}
-    answered, encoded_bytes, started = 0, 0, time.perf_counter()
-    for _ in range(passes):
-        for at in range(0, len(stream), batch):
-            out = await worker.handle(stream[at : at + batch])
-            lap = time.perf_counter()
-            encoded_bytes += sum(len(m.model_dump_json().encode()) for m in [*out.answers, *out.experience])
-            out.stages["encode"] = time.perf_counter() - lap
-            for name, seconds in out.stages.items():
-                stages[name] = stages.get(name, 0.0) + seconds
-            answered += len(out.answers)
-    elapsed = time.perf_counter() - started
+    totals = {state: {"stages": {}, "answered": 0, "bytes": 0, "seconds": 0.0} for state in STATES}
+    for done in range(passes + 1):  # the first pass warms every worker up and is not counted
+        for state, worker in workers.items():
+            t: dict = totals[state] if done else {"stages": {}, "answered": 0, "bytes": 0, "seconds": 0.0}
+            gc.collect()  # the garbage of one state is not collected on another's time
+            started = time.perf_counter()
+            for at in range(0, len(stream), batch):
+                out = await worker.handle(stream[at : at + batch])
+                lap = time.perf_counter()
+                t["bytes"] += sum(len(m.model_dump_json().encode()) for m in [*out.answers, *out.experience])
+                out.stages["encode"] = time.perf_counter() - lap
+                for name, seconds in out.stages.items():
+                    t["stages"][name] = t["stages"].get(name, 0.0) + seconds
+                t["answered"] += len(out.answers)
+            t["seconds"] += time.perf_counter() - started
     await redis.aclose()
     return {
-        "queries_per_s": answered / elapsed,
-        "us_per_query": {name: 1e6 * s / answered for name, s in stages.items()},
-        "us_per_query_total": 1e6 * elapsed / answered,
-        "bytes_per_query": encoded_bytes / answered,
+        state: {
+            "queries_per_s": t["answered"] / t["seconds"],
+            "us_per_query": {name: 1e6 * s / t["answered"] for name, s in t["stages"].items()},
+            "us_per_query_total": 1e6 * t["seconds"] / t["answered"],
+            "bytes_per_query": t["bytes"] / t["answered"],
+        }
+        for state, t in totals.items()
     }
 
 
@@ -112,9 +141,7 @@ def main() -> None:
     torch.set_num_threads(1)
     server = LocalRedis()
     try:
-        results = {
-            state: asyncio.run(measure(state, server.url, args.passes, args.batch)) for state in ("cold", "warm")
-        }
+        results = asyncio.run(measure(server.url, args.passes, args.batch))
         round_trip = asyncio.run(redis_round_trip_us(server.url))
     finally:
         server.stop()
@@ -124,8 +151,16 @@ def main() -> None:
         r["window_read_round_trips_per_batch"] = r["us_per_query"]["window_read"] * args.batch / round_trip
         print(
             f"{state}: {r['queries_per_s']:.0f} queries/s; µs per query: {r['us_per_query_total']:.0f} in all ({parts}); "
-            f"a batch's window read costs {r['window_read_round_trips_per_batch']:.1f} raw round trips"
+            f"a batch's window read costs {r['window_read_round_trips_per_batch']:.1f} raw round trips; "
+            f"{r['bytes_per_query']:.0f} bytes of messages per query"
         )
+    plain, logged, shadow = (results[s]["queries_per_s"] for s in ("warm, no logging", "warm", "warm, shadow"))
+    print(
+        f"off-policy logging costs {100 * (1 - logged / plain):.1f} % of the warm worker's throughput, logging and "
+        f"shadow scoring {100 * (1 - shadow / plain):.1f} %; messages grow by "
+        f"{results['warm']['bytes_per_query'] - results['warm, no logging']['bytes_per_query']:.0f} bytes per query "
+        f"(+{results['warm, shadow']['bytes_per_query'] - results['warm']['bytes_per_query']:.0f} with the shadow)"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps({"machine": machine_facts(), "redis_round_trip_us": round_trip, **results}, indent=1)

@@ -225,10 +225,10 @@ class FocalEngine:
         return [Answer(int(answers[i]), dists[i], f, float(logps[i]), critic[i]) for i, f in enumerate(features)]
 
     def _fusion_inputs(
-        self, decisions: list[Decision], probs: list[np.ndarray]
+        self, decisions: list[Decision], probs: list[np.ndarray], critic_too: bool = True
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Each query's Fusion observation and critic state (:meth:`fusion_features`, :func:`critic_state`),
-        computed together for the queries with the same number of choices."""
+        """Each query's Fusion observation and critic state (:meth:`fusion_features`, :func:`critic_state`; no
+        critic state without ``critic_too``), computed together for the queries with the same number of choices."""
         features: list[np.ndarray] = [np.empty(0)] * len(decisions)
         critic: list[np.ndarray] = [np.empty(0)] * len(decisions)
         by_width: dict[int, list[int]] = defaultdict(list)
@@ -243,9 +243,12 @@ class FocalEngine:
                 stack_rows([w.reliability() for w in windows]),
                 stack_rows([w.label_prior(width) for w in windows]),
             )
-            group_critic = critic_states(stack_rows([decisions[i].state for i in index]), stacked, pools)
             for j, i in enumerate(index):
-                features[i], critic[i] = group_features[j], group_critic[j]
+                features[i] = group_features[j]
+            if critic_too:
+                group_critic = critic_states(stack_rows([decisions[i].state for i in index]), stacked, pools)
+                for j, i in enumerate(index):
+                    critic[i] = group_critic[j]
         return features, critic
 
     def fuse(self, decision: Decision, probs: np.ndarray) -> Answer:
@@ -259,17 +262,30 @@ class FocalEngine:
 
     def greedy_pool(self, decision: Decision) -> np.ndarray:
         """The pool the greedy Decider takes in the decision's state (the decision's own pool when it was greedy)."""
-        if not decision.explored:
-            return decision.pool
-        return self.greedy.pools(decision.state[None])[0][0] if self.cfg.use_decider else self.everyone
+        return self.greedy_pools([decision])[0]
 
-    def propensity(self, decision: Decision, answer: Answer) -> float:
-        """The serving mixture's probability of this decision's pool and answer (:mod:`rlens.focal.propensity`)."""
+    def greedy_pools(self, decisions: list[Decision]) -> list[np.ndarray]:
+        """:meth:`greedy_pool` for a batch, with one Decider forward over the explored decisions' states."""
+        pools = [d.pool for d in decisions]
+        explored = [i for i, d in enumerate(decisions) if d.explored]
+        if explored and not self.cfg.use_decider:
+            for i in explored:
+                pools[i] = self.everyone
+        elif explored:
+            greedy = self.greedy.pools(np.stack([decisions[i].state for i in explored]))[0]
+            for j, i in enumerate(explored):
+                pools[i] = greedy[j]
+        return pools
+
+    def propensity(self, decision: Decision, answer: Answer, greedy_pool: np.ndarray | None = None) -> float:
+        """The serving mixture's probability of this decision's pool and answer (:mod:`rlens.focal.propensity`);
+        ``greedy_pool``: :meth:`greedy_pool` of the decision, if known."""
+        greedy_pool = self.greedy_pool(decision) if greedy_pool is None else greedy_pool
         return serving_propensity(
             self.cfg.explore_rate,
             decision.pool_logp,
             answer.answer_logp,
-            bool((self.greedy_pool(decision) == decision.pool).all()),
+            bool((greedy_pool == decision.pool).all()),
             answer.answer == int(np.argmax(answer.distribution)),
         )
 
@@ -283,15 +299,38 @@ class FocalEngine:
         """The answer the greedy policy would have given from the same state (what exploring an explored query
         cost); changes no state. ``called`` / ``answered``: the models that were asked and those that answered
         (default: all); -1 when the greedy pool holds a model that was not asked, or none of it answered."""
-        pool = self.greedy_pool(replace(decision, explored=True))
-        if called is not None and (pool & ~called).any():
-            return -1
-        if answered is not None:
-            pool = pool & answered
-            if not pool.any():
-                return -1
-        features = self.fusion_features(replace(decision, pool=pool), probs)
-        return int(self.greedy.answers(features[None], np.ones((1, len(features)), dtype=bool))[0][0])
+        everyone = np.ones(self.n_models, dtype=bool)
+        return self.greedy_answers([decision], [probs], [everyone if called is None else called], [answered])[0]
+
+    def greedy_answers(
+        self,
+        decisions: list[Decision],
+        probs: list[np.ndarray],
+        called: list[np.ndarray],
+        answered: list[np.ndarray | None],
+        pools: list[np.ndarray] | None = None,
+    ) -> list[int]:
+        """:meth:`greedy_answer` for a batch, with one Fusion forward; ``pools``: the decisions' greedy pools, if
+        known (:meth:`greedy_pools` of them as explored)."""
+        if pools is None:
+            pools = self.greedy_pools([replace(d, explored=True) for d in decisions])
+        result = [-1] * len(decisions)
+        rows, masked = [], []
+        for i, (decision, pool) in enumerate(zip(decisions, pools)):
+            if (pool & ~called[i]).any():
+                continue
+            if answered[i] is not None:
+                pool = pool & answered[i]
+                if not pool.any():
+                    continue
+            rows.append(i)
+            masked.append(replace(decision, pool=pool))
+        if rows:
+            features, _ = self._fusion_inputs(masked, [probs[i] for i in rows], critic_too=False)
+            chosen = self.greedy.answers(*padded_choices(features))[0]
+            for j, i in enumerate(rows):
+                result[i] = int(chosen[j])
+        return result
 
     def reward(self, pool: np.ndarray, correct: bool) -> float:
         """The Decider's reward: +1 / -1 for the final answer minus alpha times the pool's share of the whole pool's cost."""

@@ -249,14 +249,18 @@ class FocalWorker(Worker):
             self.shadow.cost_share = self.engine.cost_share
         self.shadow.load_policy_state(tensors)
 
-    def _shadow(self, decision, answers) -> Shadow | None:
-        """The candidate's greedy action on this query, from the same state and the answers the query's calls got."""
+    def _shadows(self, decisions: list, calls: list) -> list[Shadow | None]:
+        """The candidate's greedy action on each query, from the same state and the answers the query's calls got
+        (one Decider and one Fusion forward for the batch)."""
         if self.shadow is None or self.candidate is None:
-            return None
+            return [None] * len(decisions)
         self.shadow.windows = self.engine.windows  # the same windows the champion read
-        pool = self.shadow.greedy_pool(replace(decision, explored=True))
-        answer = self.shadow.greedy_answer(decision, answers.probs, decision.called, answers.answered)
-        return Shadow(epoch=self.candidate[0], version=self.candidate[1], pool=pool.tolist(), answer=answer)
+        pools = self.shadow.greedy_pools([replace(d, explored=True) for d in decisions])
+        answers = self.shadow.greedy_answers(
+            decisions, [c.probs for c in calls], [d.called for d in decisions], [c.answered for c in calls], pools
+        )
+        epoch, version = self.candidate
+        return [Shadow(epoch=epoch, version=version, pool=p.tolist(), answer=a) for p, a in zip(pools, answers)]
 
     # --- queries ----------------------------------------------------------------------------------------------
     async def handle(self, queries: list[Query]) -> BatchOutput:
@@ -314,10 +318,44 @@ class FocalWorker(Worker):
         )
         stage("fuse")
         answers = dict(zip(answerable, fused))
+        evidence = self._evidence(answerable, decisions, calls, fused, probes)
+        stage("evidence")
         latency = 1000 * (time.perf_counter() - started)
         for i, q in enumerate(queries):
-            self._outputs(q, decisions[i], calls[i], fused_pools[i], answers.get(i), latency, out, probes[i])
+            behaviour, shadow = evidence.get(i, (None, None))
+            self._outputs(q, decisions[i], calls[i], fused_pools[i], answers.get(i), latency, out, behaviour, shadow)
+        stage("messages")
         return out
+
+    def _evidence(self, answerable: list[int], decisions: list, calls: list, fused: list, probes: list[bool]) -> dict:
+        """Per answered query (by its index in the batch): what off-policy evaluation needs of it
+        (:class:`Behaviour`), and the candidate's greedy action in shadow; one forward per agent for the batch."""
+        if not answerable:
+            return {}
+        engine = self.engine
+        chosen, called = [decisions[i] for i in answerable], [calls[i] for i in answerable]
+        greedy_pools = engine.greedy_pools(chosen)
+        greedy_answers = [answer.answer for answer in fused]  # a greedy query's answer is the greedy one
+        explored = [j for j, d in enumerate(chosen) if d.explored]
+        if explored:
+            found = engine.greedy_answers(
+                [chosen[j] for j in explored],
+                [called[j].probs for j in explored],
+                [chosen[j].called for j in explored],
+                [called[j].answered for j in explored],
+                [greedy_pools[j] for j in explored],
+            )
+            for j, answer in zip(explored, found):
+                greedy_answers[j] = answer
+        shadows = self._shadows(chosen, called)
+        windows: dict = {}  # each stream's window statistics, once per batch
+        return {
+            i: (
+                self._behaviour(chosen[j], called[j], fused[j], probes[i], greedy_pools[j], greedy_answers[j], windows),
+                shadows[j],
+            )
+            for j, i in enumerate(answerable)
+        }
 
     def _pool_query(self, q: Query) -> PoolQuery:
         if q.choices is None:
@@ -339,7 +377,8 @@ class FocalWorker(Worker):
         answer,
         latency: float,
         out: BatchOutput,
-        probe: bool = False,
+        behaviour: Behaviour | None = None,
+        shadow: Shadow | None = None,
     ) -> None:
         names = self.names
         common = {
@@ -384,30 +423,43 @@ class FocalWorker(Worker):
                 answer_index=answer.answer,
                 answer_logp=answer.answer_logp,
                 explored=decision.explored,
-                behaviour=self._behaviour(decision, answers, answer, probe),
-                shadow=self._shadow(decision, answers),
+                behaviour=behaviour,
+                shadow=shadow,
             )
         )
         self.stats.answered += 1
 
-    def _behaviour(self, decision, answers, answer, probe: bool) -> Behaviour:
-        """What off-policy evaluation needs of this query (:mod:`rlens.focal.propensity`)."""
-        engine, explore_rate = self.engine, self.engine.cfg.explore_rate
-        greedy_pool = engine.greedy_pool(decision)
-        if decision.explored:
-            greedy = engine.greedy_answer(decision, answers.probs, decision.called, answers.answered)
-        else:
-            greedy = answer.answer
-        propensity = engine.propensity(decision, answer)
-        probs = [[float(f"{x:.6g}") for x in row] for row in answers.probs.tolist()]  # 6 significant digits
-        window = engine.window(decision.key)
+    def _behaviour(
+        self, decision, answers, answer, probe: bool, greedy_pool: np.ndarray, greedy: int, windows: dict
+    ) -> Behaviour:
+        """What off-policy evaluation needs of this query (:mod:`rlens.focal.propensity`), given its greedy pool and
+        answer; ``windows`` caches each stream's window statistics for the batch."""
+        engine, n_choices = self.engine, answers.probs.shape[1]
+        propensity = engine.propensity(decision, answer, greedy_pool)
+        if (decision.key, n_choices) not in windows:
+            window = engine.window(decision.key)
+            windows[decision.key, n_choices] = (
+                np.round(window.reliability(), 6).tolist(),
+                np.round(window.label_prior(n_choices), 6).tolist(),
+            )
+        reliability, label_prior = windows[decision.key, n_choices]
+        probs = significant(answers.probs).tolist()
         return Behaviour(
-            explore_rate=explore_rate,
+            explore_rate=engine.cfg.explore_rate,
             probe=probe,
             greedy_pool=greedy_pool.tolist(),
             greedy_answer=greedy,
             propensity=min(propensity, 1.0),
             model_probs=[row if ok else [] for row, ok in zip(probs, answers.answered)],
-            reliability=np.round(window.reliability(), 6).tolist(),
-            label_prior=np.round(window.label_prior(answers.probs.shape[1]), 6).tolist(),
+            reliability=reliability,
+            label_prior=label_prior,
         )
+
+
+def significant(values: np.ndarray, digits: int = 6) -> np.ndarray:
+    """``values`` rounded to ``digits`` significant digits (what a logged distribution keeps)."""
+    values = np.asarray(values, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        magnitude = np.floor(np.log10(np.abs(values)))
+    scale = 10.0 ** (digits - 1 - np.where(np.isfinite(magnitude), magnitude, 0.0))
+    return np.round(values * scale) / scale
