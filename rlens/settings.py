@@ -1,4 +1,5 @@
-"""All of rlens's configuration from the environment, in one pydantic-settings object (``RLENS_*`` variables)."""
+"""All of rlens's configuration in one pydantic-settings object: ``RLENS_*`` variables, over the configuration file
+that ``RLENS_CONFIG`` names (:mod:`rlens.config_file`), over the defaults."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from rlens.focal.config import FocalConfig
 
@@ -88,6 +89,11 @@ class Settings(BaseSettings):
     )
     pool_file: Path | None = Field(
         None, description="the pool file of the worker and the learner (see rlens.models.pool)"
+    )
+    pool: dict | None = Field(
+        None,
+        description='the pool itself, {"models": [...]} as in a pool file (the configuration file\'s '
+        "[[pool.models]]); used before pool_file",
     )
     # consumer groups: derived from the topic prefix unless set, so that two deployments on one cluster (other
     # prefixes) never share a group; the default prefix gives the names of earlier releases
@@ -251,6 +257,20 @@ class Settings(BaseSettings):
         ge=1,
         description="rl_focal: the learner updates once this many explored transitions are joined",
     )
+    focal_probe_rate: float = Field(
+        FocalConfig.probe_rate,
+        ge=0,
+        le=1,
+        description="rl_focal: share of queries that also call the rest of the pool (fresh windows, exact evidence)",
+    )
+    focal_alpha: float = Field(
+        FocalConfig.alpha,
+        ge=0,
+        description="rl_focal: the reward's cost weight, reward = ±1 − alpha × the pool's share of the whole pool's cost",
+    )
+    focal_window: int = Field(
+        FocalConfig.window, ge=8, le=4096, description="rl_focal: outcomes kept per stream in its Redis window"
+    )
     focal_samples: int = Field(
         5,
         ge=1,
@@ -298,6 +318,18 @@ class Settings(BaseSettings):
         description="what the agent's MiniLM embeds: the prompt once per query, or prompt + text at every span",
     )
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Arguments, then ``RLENS_*`` variables (and an env file), then the configuration file, then defaults."""
+        return init_settings, env_settings, dotenv_settings, ConfigFileSource(settings_cls), file_secret_settings
+
     def group(self, role: Literal["workers", "learner", "gateway"], name: str = "") -> str:
         """The consumer group of a role: ``worker_group`` / ``learner_group`` when set, else the topic prefix's
         (``rlens.`` gives ``rlens-workers``, ``rlens-learner``, ``rlens-gateway-<name>``)."""
@@ -316,6 +348,19 @@ class Settings(BaseSettings):
             max_tokens=self.focal_max_tokens,
             stop=self.focal_stop,
         )
+
+
+class ConfigFileSource(PydanticBaseSettingsSource):
+    """The file ``RLENS_CONFIG`` names (:func:`rlens.config_file.read_config`); nothing when it is not set."""
+
+    def get_field_value(self, field, field_name: str):  # every value comes from __call__
+        return None, field_name, False
+
+    def __call__(self) -> dict:
+        from rlens.config_file import config_path, read_config
+
+        path = config_path()
+        return read_config(path, list(self.settings_cls.model_fields)) if path else {}
 
 
 def settings() -> Settings:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from rlens.cli import importers, keys, local, models, ope, policy, replay, rlae, service, zoo
+from rlens.cli import config, importers, keys, local, models, ope, policy, replay, rlae, service, zoo
 
 app = typer.Typer(help="rlens: LLM ensembles that learn from feedback.", no_args_is_help=True, add_completion=False)
 app.command()(replay.replay)
@@ -21,6 +21,7 @@ app.command("serve-model")(models.serve_model)
 app.add_typer(models.pool_app, name="pool")
 app.add_typer(keys.app, name="keys")
 app.add_typer(policy.app, name="policy")
+app.add_typer(config.app, name="config")
 app.add_typer(zoo.app, name="zoo")
 app.add_typer(rlae.app, name="rlae")
 app.add_typer(importers.app, name="import")

@@ -63,3 +63,33 @@ def service_settings(pool: Path | None):
 
 
 POOL = typer.Option(None, "--pool", help="pool file (default: $RLENS_POOL_FILE)")
+
+
+def use_config(path: Path | None) -> Path | None:
+    """``--config FILE``: the configuration file every setting is read from (``RLENS_CONFIG``, inherited by the
+    processes a command starts), checked first (a wrong key is one line naming the valid ones)."""
+    if path is None:
+        return None
+    from pydantic import ValidationError
+
+    from rlens.config_file import CONFIG_ENV, ConfigError, located
+    from rlens.settings import Settings
+
+    os.environ[CONFIG_ENV] = str(path.resolve())
+    try:
+        Settings()
+    except ConfigError as exc:
+        fail(str(exc))
+    except ValidationError as exc:
+        fields = list(Settings.model_fields)
+        problems = [f"{located(str(e['loc'][0]), fields)}: {e['msg']}" for e in exc.errors()]
+        fail(f"{path} (or an RLENS_* variable over it): " + "; ".join(problems))
+    return path
+
+
+CONFIG = typer.Option(
+    None,
+    "--config",
+    help="configuration file (rlens.toml: every setting in groups, and the pool; RLENS_* variables override it)",
+    callback=use_config,
+)

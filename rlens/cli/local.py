@@ -8,13 +8,14 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from rlens.cli.common import DEFAULT_WORKDIR, POOL, console, errors, fail, interrupted
+from rlens.cli.common import CONFIG, DEFAULT_WORKDIR, POOL, console, errors, fail, interrupted
 from rlens.cli.rlae import DEFAULT_RLAE_MODELS
 from rlens.progress import LineProgress
 from rlens.settings import settings
 
 
 def up(
+    config: Path | None = CONFIG,
     pool: Path | None = POOL,
     strategy: str | None = typer.Option(
         None,
@@ -78,7 +79,8 @@ def up(
         fresh,
     )
     try:
-        stack = open_stack(options, s, os.environ.get("RLENS_KAFKA_BOOTSTRAP"), os.environ.get("RLENS_REDIS_URL"))
+        kafka, redis = external_services()
+        stack = open_stack(options, s, kafka, redis)
         for line in prepare_state(stack, options):
             console.print(line.replace("carried over:", "[yellow]carried over:[/]", 1))
     except UpError as exc:
@@ -101,6 +103,20 @@ def up(
         fail(str(exc))
     console.print("stopping (workers drain and commit, the learner checkpoints)")
     stack.stop()
+
+
+def external_services() -> tuple[str | None, str | None]:
+    """The Kafka bootstrap and Redis URL to use instead of starting them: RLENS_KAFKA_BOOTSTRAP / RLENS_REDIS_URL, or
+    the configuration file's [kafka] bootstrap / [redis] url."""
+    from rlens.config_file import config_path, read_config
+    from rlens.settings import Settings
+
+    path = config_path()
+    configured = read_config(path, list(Settings.model_fields)) if path else {}
+    return (
+        os.environ.get("RLENS_KAFKA_BOOTSTRAP") or configured.get("kafka_bootstrap"),
+        os.environ.get("RLENS_REDIS_URL") or configured.get("redis_url"),
+    )
 
 
 def show_stack(stack, options) -> None:
@@ -128,7 +144,12 @@ def show_stack(stack, options) -> None:
     if options.gateway:
         url = next(u for n, u in urls.items() if n.startswith("gateway:"))
         console.print(
-            f"OpenAI-compatible gateway: {url}/v1 (docs {url}/docs); its key: export OPENAI_API_KEY=$(cat {stack.gateway_key})",
+            f"OpenAI-compatible gateway: {url}/v1 (docs {url}/docs); "
+            + (
+                f"its key: export OPENAI_API_KEY=$(cat {stack.gateway_key})"
+                if stack.gateway_key
+                else f"its keys: {s.gateway_keys_file} (rlens keys add --file {s.gateway_keys_file})"
+            ),
             highlight=False,
         )
 

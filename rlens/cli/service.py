@@ -6,12 +6,12 @@ from pathlib import Path
 
 import typer
 
-from rlens.cli.common import POOL, fail, quiet_transformers, service_settings
+from rlens.cli.common import CONFIG, POOL, fail, quiet_transformers, service_settings
 from rlens.evaluation.recorded import DatasetError
 from rlens.settings import settings
 
 
-def worker(pool: Path | None = POOL) -> None:
+def worker(pool: Path | None = POOL, config: Path | None = CONFIG) -> None:
     """Run an ensemble worker: queries from Kafka, answers and experience to Kafka (stops cleanly on SIGTERM)."""
     from rlens.models.pool import PoolConfigError
     from rlens.service.run import run_worker
@@ -25,6 +25,7 @@ def worker(pool: Path | None = POOL) -> None:
 
 def learner(
     pool: Path | None = POOL,
+    config: Path | None = CONFIG,
     warm_start: Path | None = typer.Option(
         None,
         help="when there is no checkpoint yet, start from: a recorded dataset (rl_focal), an `rlens rlae train` run (rlae)",
@@ -46,6 +47,7 @@ def learner(
 
 
 def gateway(
+    config: Path | None = CONFIG,
     port: int | None = typer.Option(None, help="port (default: $RLENS_GATEWAY_PORT, 8000)"),
     keys: Path | None = typer.Option(
         None, "--keys", help="API keys file (default: $RLENS_GATEWAY_KEYS_FILE, rlens-keys.json)"

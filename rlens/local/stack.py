@@ -209,18 +209,20 @@ class LocalStack:
             for k in SECRETS
             if getattr(settings, k) is None
         }
+        configured_keys = "gateway_keys_file" in settings.model_fields_set  # the operator's own keys file
         self.settings = settings.model_copy(
             update={
                 "kafka_bootstrap": kafka_bootstrap,
                 "kafka_partitions": partitions,
                 "redis_url": SecretStr(redis_url),
                 "checkpoint_dir": self.workdir / "learner",
-                "gateway_keys_file": self.workdir / "keys.json",
+                "gateway_keys_file": settings.gateway_keys_file if configured_keys else self.workdir / "keys.json",
                 **secrets,
             }
         )
         asyncio.run(ensure_topics(self.settings, partitions))
-        self.gateway_key = workdir_gateway_key(self.workdir)
+        # a key of the stack's own, unless the keys are the operator's
+        self.gateway_key = None if configured_keys else workdir_gateway_key(self.workdir)
         self.client_env = write_client_env(self.settings, self.workdir)
 
     def env(self, command: str) -> dict[str, str]:

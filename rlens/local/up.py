@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from rlens.evaluation.recorded import DatasetError
 from rlens.local.load import BrokerUnreachable, probe_broker
 from rlens.local.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool
-from rlens.models.pool import PoolConfigError, load_pool_config
+from rlens.models.pool import PoolConfigError, load_pool_config, parse_pool_config
 from rlens.ports import port_taken
 from rlens.service.common.kafka import BrokerRefused, check_idempotence
 from rlens.service.common.security import redact_url
@@ -80,6 +80,15 @@ def pool_file(options: UpOptions, settings: Settings) -> Path:
     if options.pool is not None:
         load_pool_config(options.pool)
         return options.pool
+    if settings.pool is not None:  # the configuration file's [[pool.models]]
+        path = options.workdir / "pool.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pool = parse_pool_config(settings.pool, "the configuration's [[pool.models]]")
+        path.write_text(pool.model_dump_json(indent=1))
+        return path
+    if settings.pool_file is not None:
+        load_pool_config(settings.pool_file)
+        return settings.pool_file
     if options.strategy == "rlae":
         return write_zoo_pool(settings.zoo_dir, options.zoo_models, options.workdir / "pool.json")
     return write_replay_pool(options.replay, options.workdir / "pool.json")

@@ -86,15 +86,22 @@ class PoolConfigError(ValueError):
 
 def load_pool_config(path: Path) -> PoolConfig:
     try:
-        return PoolConfig.model_validate(json.loads(path.read_text()))
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise PoolConfigError(f"{path}: file not found") from None
     except json.JSONDecodeError as exc:
         raise PoolConfigError(f"{path}: not valid JSON ({exc})") from None
+    return parse_pool_config(data, str(path))
+
+
+def parse_pool_config(data: object, where: str) -> PoolConfig:
+    """A pool from its JSON-like form (a pool file's, or the configuration file's [[pool.models]])."""
+    try:
+        return PoolConfig.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise PoolConfigError(
-            f"{path}: {'.'.join(str(p) for p in first['loc'])}: {first['msg'].removeprefix('Value error, ')}"
+            f"{where}: {'.'.join(str(p) for p in first['loc'])}: {first['msg'].removeprefix('Value error, ')}"
         ) from None
 
 

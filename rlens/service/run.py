@@ -14,7 +14,7 @@ from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftConfig, DriftMonitor
-from rlens.models.pool import PoolConfig, build_backend, build_rlae_decoder, load_pool_config
+from rlens.models.pool import PoolConfig, build_backend, build_rlae_decoder, load_pool_config, parse_pool_config
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.service.learner.core import LearnerCore
 from rlens.service.learner.app import create_learner_app
@@ -34,8 +34,11 @@ from rlens.settings import Settings
 
 
 def pool_of(settings: Settings) -> PoolConfig:
+    """The pool the settings give: inline (the configuration file's [[pool.models]]), or a pool file."""
+    if settings.pool is not None:
+        return parse_pool_config(settings.pool, "the configuration's [[pool.models]]")
     if settings.pool_file is None:
-        raise ValueError("no pool file: set RLENS_POOL_FILE (or pass --pool)")
+        raise ValueError("no pool: set RLENS_POOL_FILE (or pass --pool), or [[pool.models]] in the configuration file")
     return load_pool_config(settings.pool_file)
 
 
@@ -43,7 +46,13 @@ def build_engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
     return FocalEngine(
         len(pool.models),
         np.array([m.cost for m in pool.models]),
-        FocalConfig(explore_rate=settings.focal_explore_rate, update_period=settings.focal_update_period),
+        FocalConfig(
+            explore_rate=settings.focal_explore_rate,
+            update_period=settings.focal_update_period,
+            probe_rate=settings.focal_probe_rate,
+            alpha=settings.focal_alpha,
+            window=settings.focal_window,
+        ),
         seed=settings.seed,
     )
 

@@ -1,0 +1,159 @@
+"""The configuration file (rlens.toml): every setting in one group, nested keys read onto the settings, variables
+over the file, wrong keys named with the valid ones, `rlens config show` (redacted) read back as the same settings,
+and a newcomer's stack: a three-model `openai` pool, the cost weight and the gateway's keys in one file, `rlens up
+--config`, an answer through the gateway from those three models."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from brokers import EXTERNAL
+from rlens.cli import app
+from rlens.config_file import GROUPS, PREFIXED, ConfigError, read_config, sections
+from rlens.settings import Settings
+
+FIELDS = list(Settings.model_fields)
+
+
+@pytest.fixture(autouse=True)
+def no_config_left_behind(monkeypatch):
+    """`--config` sets RLENS_CONFIG in this process (as a CLI run does): put it back after each test."""
+    monkeypatch.setenv("RLENS_CONFIG", "")
+
+
+def test_every_setting_is_in_exactly_one_group():
+    placed = [name for keys in sections(FIELDS).values() for name in keys.values()]
+    assert sorted(placed) == sorted(f for f in FIELDS if f != "pool")  # the pool's models: [[pool.models]]
+    assert set(GROUPS) >= set(PREFIXED)
+    assert sections(FIELDS)["kafka"]["bootstrap"] == "kafka_bootstrap"
+    assert sections(FIELDS)["worker"]["batch"] == "worker_batch" and sections(FIELDS)["pool"]["file"] == "pool_file"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "rlens.toml"
+    path.write_text(text)
+    return path
+
+
+def test_nested_keys_become_settings_and_variables_override_them(tmp_path, monkeypatch):
+    path = write(
+        tmp_path,
+        '[kafka]\nbootstrap = "k:9093"\n[focal]\nalpha = 0.5\nwindow = 64\n[learner]\ngate_delta = 0.05\n'
+        '[[pool.models]]\nname = "a"\nbackend = "openai"\n',
+    )
+    values = read_config(path, FIELDS)
+    assert values["kafka_bootstrap"] == "k:9093" and values["focal_alpha"] == 0.5 and values["gate_delta"] == 0.05
+    assert values["pool"] == {"models": [{"name": "a", "backend": "openai"}]}
+    monkeypatch.setenv("RLENS_CONFIG", str(path))
+    monkeypatch.setenv("RLENS_FOCAL_ALPHA", "0.1")
+    s = Settings()
+    assert (s.kafka_bootstrap, s.focal_alpha, s.focal_window) == ("k:9093", 0.1, 64)
+
+
+def test_wrong_keys_are_named_with_the_valid_ones(tmp_path):
+    path = write(tmp_path, '[kafka]\nbootstrp = "x"\n[focall]\nalpha = 1\n')
+    with pytest.raises(ConfigError) as caught:
+        read_config(path, FIELDS)
+    message = str(caught.value)
+    assert "[kafka] bootstrp: unknown (did you mean 'bootstrap'?)" in message and "[kafka] takes acks," in message
+    assert "unknown group [focall] (did you mean 'focal'?)" in message
+    result = CliRunner().invoke(app, ["config", "check", str(path)])
+    assert result.exit_code == 2 and "did you mean 'bootstrap'" in result.output
+    bad_value = write(tmp_path, "[focal]\nalpha = -1\n")
+    result = CliRunner().invoke(app, ["config", "check", str(bad_value)])
+    assert result.exit_code == 2 and "[focal] alpha: Input should be greater than or equal to 0" in result.output
+    bad_pool = write(tmp_path, '[[pool.models]]\nname = "a"\nbackend = "nope"\n')
+    result = CliRunner().invoke(app, ["config", "check", str(bad_pool)])
+    assert result.exit_code == 2 and "unknown backend 'nope'" in result.output
+
+
+def test_config_show_reads_back_as_the_same_settings_with_secrets_redacted(tmp_path, monkeypatch):
+    path = write(
+        tmp_path,
+        '[security]\nadmin_token = "a-long-admin-token-0123456789"\n[drift]\nreaction = "trim"\n'
+        '[[pool.models]]\nname = "a"\nbackend = "openai"\noptions = { base_url = "http://a/v1", model = "a" }\n',
+    )
+    result = CliRunner().invoke(app, ["config", "show", "--config", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "a-long-admin-token" not in result.output and 'admin_token = "**********"' in result.output
+    shown = tomllib.loads(result.output)
+    assert shown["drift"]["reaction"] == "trim" and shown["pool"]["models"][0]["options"]["model"] == "a"
+    expected = Settings()  # RLENS_CONFIG was set by --config
+    for group, keys in sections(FIELDS).items():
+        for key, name in keys.items():
+            value = getattr(expected, name)
+            if key in shown[group] and not hasattr(value, "get_secret_value"):
+                assert shown[group][key] == json.loads(json.dumps(value, default=str)), (group, key)
+
+
+def test_a_newcomers_stack_from_one_file(tmp_path, quick_zoo):
+    """Three `openai` model servers, the pool, the cost weight and the gateway's keys in rlens.toml; `rlens up
+    --config` serves them; an answer through the gateway comes from those three models."""
+    from test_first_hour import read_until, start
+
+    from rlens.models.serve import ServerProcess
+    from rlens.ports import free_port
+    from rlens.service.gateway.api_keys import add_key
+    from rlens.zoo.build import load_zoo
+
+    specialists = [m for m in load_zoo(quick_zoo) if m.gguf_file is None][:3]  # small, quick to serve
+    servers = [ServerProcess(Path(m.path), m.name) for m in specialists]
+    up = None
+    try:
+        key, _ = add_key(tmp_path / "keys.json", "newcomer", ["*"], rate_per_s=100.0, burst=100)
+        pool = "".join(
+            f'[[pool.models]]\nname = "{m.name}"\nbackend = "openai"\ncost = {i + 1}.0\n'
+            f'options = {{ base_url = "{s.url}", model = "{m.name}" }}\n'
+            for i, (m, s) in enumerate(zip(specialists, servers))
+        )
+        kafka = f'[kafka]\nbootstrap = "{EXTERNAL}"\ntopic_prefix = "cfg{os.getpid()}."\n' if EXTERNAL else ""
+        config = write(
+            tmp_path,
+            f'[focal]\nalpha = 0.3\n[gateway]\nport = 0\nkeys_file = "{tmp_path / "keys.json"}"\n{kafka}{pool}',
+        )
+        assert CliRunner().invoke(app, ["config", "check", str(config)]).exit_code == 0
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RLENS_")}
+        up = start(
+            ["up", "--config", str(config), "--workdir", str(tmp_path / "up"), "--broker-port", str(free_port())],
+            env,
+        )
+        lines = read_until(up, "OpenAI-compatible gateway:")
+        url = re.search(r"gateway: (http://\S+)/v1", lines[-1])
+        assert url, "".join(lines)
+        assert any("pool " in line and "pool.json" in line for line in lines), "".join(lines)
+        response = httpx.post(
+            f"{url.group(1)}/v1/chat/completions",
+            headers={"authorization": f"Bearer {key}"},
+            json={
+                "model": "rlens-focal",
+                "messages": [{"role": "user", "content": "Q: add: 12+7=\nA:"}],
+                "rlens": {"choices": [" 19", " 18", " 29", " 20"]},
+            },
+            timeout=120.0,
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["choices"][0]["message"]["content"] in (" 19", " 18", " 29", " 20")
+        used = set(body["rlens"]["answered_models"])
+        assert used and used <= {m.name for m in specialists}, body
+    finally:
+        if up is not None:
+            os.killpg(up.pid, signal.SIGINT)
+            up.communicate(timeout=90)
+        for server in servers:
+            server.kill()
+
+
+def test_the_example_configuration_is_valid():
+    example = Path(__file__).resolve().parent.parent / "infra" / "rlens.example.toml"
+    result = CliRunner().invoke(app, ["config", "check", str(example)])
+    assert result.exit_code == 0 and "a pool of 3 models" in result.output, result.output
