@@ -101,6 +101,11 @@ class Settings(BaseSettings):
         "", description="the workers' consumer group on the queries topic (default: <topic prefix>-workers)"
     )
     learner_group: str = Field("", description="the learner's consumer group (default: <topic prefix>-learner)")
+    log_format: Literal["auto", "json", "text"] = Field(
+        "auto",
+        description="the service processes' log records: JSON lines, or text lines; auto: text on a terminal, JSON "
+        "otherwise (a container, a log file)",
+    )
     seed: int = Field(0, description="seed of the engines' initial weights and of their sampling")
     admin_token: SecretStr | None = Field(
         None,

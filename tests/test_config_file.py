@@ -157,3 +157,29 @@ def test_the_example_configuration_is_valid():
     example = Path(__file__).resolve().parent.parent / "infra" / "rlens.example.toml"
     result = CliRunner().invoke(app, ["config", "check", str(example)])
     assert result.exit_code == 0 and "a pool of 3 models" in result.output, result.output
+
+
+def test_log_records_are_json_lines_with_the_query_they_are_about(capfd):
+    """RLENS_LOG_FORMAT=json: one JSON object per line, the process's role and strategy on each, and a record about
+    a query carries its id, stream, tenant and policy version."""
+    import logging
+
+    from rlens.service.common.logs import query_fields, setup_logging
+
+    setup_logging("worker", "rl_focal", "json")
+    try:
+        log = logging.getLogger("rlens.worker")
+        log.info("ready")
+        log.error("query %s failed", "q1", extra=query_fields("q1", "@acme/support", 7))
+    finally:
+        logging.getLogger().handlers.clear()
+    lines = capfd.readouterr().err.strip().splitlines()
+    first, second = (json.loads(line) for line in lines[-2:])
+    assert first["message"] == "ready" and first["role"] == "worker" and first["strategy"] == "rl_focal"
+    assert first["level"] == "INFO" and first["logger"] == "rlens.worker" and first["time"].endswith("+00:00")
+    assert (second["query_id"], second["stream"], second["tenant"], second["policy_version"]) == (
+        "q1",
+        "@acme/support",
+        "acme",
+        7,
+    )

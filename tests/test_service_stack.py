@@ -67,6 +67,19 @@ def make_stack(
     return stack
 
 
+def log_records(workdir: Path) -> list[dict]:
+    """Every line of the stack's process logs, each a JSON record (a log file is not a terminal)."""
+    records = []
+    for path in sorted(workdir.glob("*.log")):
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise AssertionError(f"{path.name}: not a JSON line: {line[:300]}") from None
+    assert records and all({"time", "level", "logger", "message", "role"} <= set(r) for r in records)
+    return records
+
+
 def final_learner_state(stack: LocalStack) -> dict:
     """The learner's state as its last checkpoint holds it (written at its clean shutdown)."""
     directory = stack.settings.checkpoint_dir
@@ -189,6 +202,8 @@ def test_end_to_end_learns_as_well_as_the_offline_loop(tmp_path, zoo):
     assert report.answered == N and report.duplicates == 0 and report.no_answer == 0
     assert abs(report.accuracy - offline.correct.mean()) < 0.05, (report.accuracy, offline.correct.mean())
     assert max(report.policy_versions) >= 4  # policies were learned online and hot-swapped into the worker
+    records = log_records(stack.workdir)
+    assert {r["role"] for r in records} == {"learner", "worker"} and all(r["strategy"] == "rl_focal" for r in records)
     state = final_learner_state(stack)
     assert (
         state["stats"]["joined"] == N and state["stats"]["windows_applied"] == N and state["stats"]["duplicates"] == 0

@@ -179,14 +179,11 @@ def with_metrics_port(settings: Settings) -> Settings:
     return settings if settings.metrics_port else settings.model_copy(update={"metrics_port": free_port()})
 
 
-def run_app(app, settings: Settings) -> None:
+def run_app(app, settings: Settings, role: str) -> None:
     """Run a worker's or learner's app: its subscribers and, on ``settings.metrics_host:metrics_port``, its HTTP side."""
-    setup_logging()
-    asyncio.run(
-        app.run(
-            log_level=logging.WARNING, run_extra_options={"host": settings.metrics_host, "port": settings.metrics_port}
-        )
-    )
+    setup_logging(role, settings.strategy, settings.log_format)
+    http = {"host": settings.metrics_host, "port": settings.metrics_port, "log_config": None}  # uvicorn's records too
+    asyncio.run(app.run(log_level=logging.WARNING, run_extra_options=http))
 
 
 def run_worker(settings: Settings) -> None:
@@ -194,7 +191,7 @@ def run_worker(settings: Settings) -> None:
     asyncio.run(check_idempotence(settings))
     torch.set_num_threads(settings.torch_threads)
     settings = with_metrics_port(settings)
-    run_app(create_worker_app(settings, build_worker(settings)), settings)
+    run_app(create_worker_app(settings, build_worker(settings)), settings, "worker")
 
 
 def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
@@ -205,7 +202,7 @@ def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
     settings = with_metrics_port(settings)
     core = build_learner(settings, warm_start)
     asyncio.run(claim_group(settings, core))  # before the app starts: a refused learner never joins the group
-    run_app(create_learner_app(settings, core), settings)
+    run_app(create_learner_app(settings, core), settings, "learner")
 
 
 def run_gateway(settings: Settings) -> None:
@@ -217,12 +214,13 @@ def run_gateway(settings: Settings) -> None:
     asyncio.run(check_idempotence(settings))
     if not settings.gateway_port:
         settings = settings.model_copy(update={"gateway_port": free_port()})
-    setup_logging()
+    setup_logging("gateway", settings.strategy, settings.log_format)
     uvicorn.run(
         create_gateway_app(settings),
         host=settings.gateway_host,
         port=settings.gateway_port,
         log_level="warning",
+        log_config=None,  # its records go through the process's one handler
         limit_concurrency=settings.gateway_max_connections,
         timeout_keep_alive=max(1, round(settings.gateway_idle_timeout_s)),
     )

@@ -1,4 +1,7 @@
-"""The one logging setup of every service process (worker, learner, gateway): one line per record, time first.
+"""The one logging setup of every service process (worker, learner, gateway): JSON lines (python-json-logger) where
+no one reads a terminal, as in a container, and one text line per record on a terminal (``RLENS_LOG_FORMAT``: auto,
+json, text). Every record carries the process's role and strategy; a record about a query also carries its id,
+stream, tenant and the serving policy version (:func:`query_fields`). No record holds a prompt or an answer's text.
 
 aiokafka's group-join chatter is left out: its INFO lines, and the "Heartbeat failed ... because it is
 rebalancing" warning that every consumer logs while its group forms (expected at each start, no fault).
@@ -7,17 +10,58 @@ rebalancing" warning that every consumer logs while its group forms (expected at
 from __future__ import annotations
 
 import logging
+import sys
+
+from pythonjsonlogger.json import JsonFormatter
+
+from rlens.messages import TENANT_MARK
 
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+JSON_FIELDS = "%(levelname)s %(name)s %(message)s"  # the time is added, ISO 8601 in UTC
 
 
 def _not_a_rebalance(record: logging.LogRecord) -> bool:
     return "because it is rebalancing" not in record.getMessage()
 
 
-def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format=FORMAT)
+class ProcessFields(logging.Filter):
+    """The process's role and strategy on every record."""
+
+    def __init__(self, role: str, strategy: str):
+        super().__init__()
+        self.role, self.strategy = role, strategy
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.role, record.strategy = self.role, self.strategy
+        return True
+
+
+def json_lines(form: str) -> bool:
+    return form == "json" or (form == "auto" and not sys.stderr.isatty())
+
+
+def setup_logging(role: str = "", strategy: str = "", form: str = "auto") -> None:
+    handler = logging.StreamHandler()
+    if json_lines(form):
+        handler.setFormatter(
+            JsonFormatter(JSON_FIELDS, rename_fields={"levelname": "level", "name": "logger"}, timestamp="time")
+        )
+    else:
+        handler.setFormatter(logging.Formatter(FORMAT))
+    handler.addFilter(ProcessFields(role, strategy))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)  # Python's warnings as records too, not bare lines on stderr
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
     coordinator = logging.getLogger("aiokafka.consumer.group_coordinator")
     if _not_a_rebalance not in coordinator.filters:
         coordinator.addFilter(_not_a_rebalance)
+
+
+def query_fields(query_id: str, stream: str, policy_version: int | None = None) -> dict:
+    """What a record about one query carries (``extra=``): its id, stream, tenant (a gateway tenant's stream) and
+    the policy version that served it."""
+    tenant = stream[1:].split("/", 1)[0] if stream.startswith(TENANT_MARK) else None
+    fields = {"query_id": query_id, "stream": stream, "tenant": tenant}
+    return fields | ({"policy_version": policy_version} if policy_version is not None else {})

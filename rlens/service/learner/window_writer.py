@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from rlens.service.common.windows import RedisWindows
+from rlens.service.common.logs import query_fields
 
 APPLY_BATCH = 256  # outcomes sent to Redis in one round trip
 RETRY_AFTER_S = 2.0  # after a bounded wait gave up: no new try before this
@@ -54,7 +55,8 @@ class WindowWriter:
                 for outcome, error in zip(batch, errors):
                     self.backlog.popleft()
                     if error:
-                        log.error("outcome of query %s dropped: %s", outcome[1], error)
+                        fields = query_fields(outcome[1], outcome[0])
+                        log.error("outcome of query %s dropped: %s", outcome[1], error, extra=fields)
                 done.windows_applied += sum(applied)
             except (RedisError, OSError) as exc:
                 done.redis_retries += 1

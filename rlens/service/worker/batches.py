@@ -25,6 +25,7 @@ from rlens.service.common.kafka import (
 from rlens.service.common.metrics import WorkerMetrics
 from rlens.service.worker.core import BatchOutput, Worker
 from rlens.settings import Settings
+from rlens.service.common.logs import query_fields
 
 log = logging.getLogger("rlens.worker")
 REPLY_TIMEOUT_S = 5.0  # a gateway's reply topic must take an answer within this
@@ -188,4 +189,5 @@ class QueryBatches:
         for (a, topic), result in zip(sent, results):
             if isinstance(result, BaseException):
                 self.metrics.reply_failures.inc()
-                log.error("could not reply to %s for query %s: %r", topic, a.query_id, result)
+                fields = query_fields(a.query_id, a.stream, a.policy_version)
+                log.error("could not reply to %s for query %s: %r", topic, a.query_id, result, extra=fields)

@@ -58,6 +58,7 @@ from rlens.service.common.policy import PolicyError, decode_policy
 from rlens.service.common.security import FeedbackTokens, PolicyVerifier
 from rlens.service.common.windows import RedisWindows
 from rlens.settings import Settings
+from rlens.service.common.logs import query_fields
 
 log = logging.getLogger("rlens.worker")
 
@@ -124,7 +125,10 @@ class Worker(ABC):
             return await self.handle(queries)
         except Exception as exc:  # any bug or poison input: never let it stop the batch's other queries
             if len(queries) == 1:
-                log.exception("query %s failed", queries[0].query_id)
+                q = queries[0]
+                log.exception(
+                    "query %s failed", q.query_id, extra=query_fields(q.query_id, q.stream, self.policy_version)
+                )
                 return BatchOutput(failed={queries[0].query_id: f"answering failed: {type(exc).__name__}: {exc}"})
         out = BatchOutput()
         half = len(queries) // 2
