@@ -109,6 +109,13 @@ class Answer(Message):
     failures: list[ModelFailureRecord] = Field(default_factory=list)
     policy_version: int = Field(ge=0)
     latency_ms: float = Field(ge=0, description="from the worker taking the query to publishing the answer")
+    model_ms: float = Field(
+        0.0,
+        ge=0,
+        description="of which the models' own time: the pool call of its batch (rlae: the whole decoding, the models "
+        "run in the worker)",
+    )
+    cost: float = Field(0.0, ge=0, description="the pool's cost units of the models called (each model's pool cost)")
     worker: str
     strategy: Strategy = "rl_focal"
     span_weights: list[list[float]] = Field(

@@ -115,6 +115,7 @@ TIMEOUT_S = 8.0
 ADMIN_TOKEN = "admin-token-of-the-tests"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 MAX_WAITING = 3
+BUDGET = 1.0  # cost units of the "budget" key (the replay pool's models cost 0.1 to 135 each)
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +142,7 @@ def gw(tmp_path_factory):
     keys["other"], _ = add_key(workdir / "keys.json", "other", ["*"])
     keys["slow"], _ = add_key(workdir / "keys.json", "slow", ["*"], rate_per_s=0.2, burst=2)
     keys["acme-eu"], _ = add_key(workdir / "keys.json", "acme", ["acme-eu"])  # acme's, on one stream only
+    keys["budget"], _ = add_key(workdir / "keys.json", "budget", ["*"], budget=BUDGET)
     stack.start_learner()
     stack.start_worker()
     stack.start_gateway()
@@ -191,6 +193,33 @@ def metric(url: str, name: str, **labels) -> float:
 
 def role_url(gw, role: str) -> str:
     return next(u for name, u in gw["urls"].items() if name.startswith(f"{role}:"))
+
+
+def test_each_answer_says_its_cost_and_overhead_and_a_spent_budget_refuses_the_key(gw):
+    """Every answer: the pool cost units of the models it called, the models' time, the time rlens added (header,
+    as LiteLLM's overhead header). A key with a budget is charged each answer's cost once, and refused past it."""
+    pool = json.loads((gw["stack"].workdir / "pool.json").read_text())["models"]
+    costs = {m["name"]: m["cost"] for m in pool}
+    charged = []
+    for question in range(200):
+        response = ask(gw, "budget", question=question, stream="budget")
+        if response.status_code == 429:
+            break
+        assert response.status_code == 200, response.text
+        body, headers = response.json(), response.headers
+        account = body["rlens"]
+        assert account["cost"] == pytest.approx(sum(costs[m] for m in account["called_models"]))
+        assert float(headers["x-rlens-cost"]) == pytest.approx(account["cost"], rel=1e-5)
+        assert float(headers["x-rlens-model-duration-ms"]) == pytest.approx(account["model_ms"], abs=0.1)
+        assert 0 <= account["model_ms"] <= account["latency_ms"]
+        assert float(headers["x-rlens-overhead-duration-ms"]) >= 0
+        charged.append(account["cost"])
+    error = response.json()["error"]
+    assert response.status_code == 429 and error["code"] == "budget_exhausted" and "budget of" in error["message"]
+    assert sum(charged[:-1]) < BUDGET <= sum(charged)  # refused from the first request after it was spent
+    key_id = gw["keys"]["budget"].split("_")[1]
+    assert metric(gw["url"], "rlens_gateway_cost_total", key=key_id) == pytest.approx(sum(charged))
+    assert metric(gw["url"], "rlens_gateway_budget_refused_total") >= 1
 
 
 def test_the_official_openai_client_works_unchanged(gw):
@@ -357,7 +386,7 @@ def test_a_key_sees_only_its_streams_a_retry_names_its_stream_and_a_broken_keys_
     finally:
         path.write_bytes(good)
     log = (gw["stack"].workdir / "gateway.log").read_text()
-    assert "is not a valid keys file" in log and "keeping the 5 keys read before" in log
+    assert "is not a valid keys file" in log and "keeping the 6 keys read before" in log
 
 
 def read_topic(settings_, topic: str, model, done, timeout_s: float = 30) -> list:

@@ -32,6 +32,12 @@ def keys_add(
     ),
     rate: float = typer.Option(20.0, min=0.001, help="sustained requests per second"),
     burst: int = typer.Option(40, min=1, help="requests at once above the sustained rate"),
+    budget: float | None = typer.Option(
+        None,
+        min=0.000001,
+        help="cost units the key may spend in all (each answer: the pool costs of the models it called); "
+        "past it, 429 (default: no limit)",
+    ),
     file: Path | None = KEYS_FILE,
 ) -> None:
     """Make an API key: prints it once (only its hash is stored)."""
@@ -39,11 +45,13 @@ def keys_add(
 
     path = keys_file(file)
     try:
-        key, record = add_key(path, tenant, [p.strip() for p in streams.split(",") if p.strip()], rate, burst)
+        patterns = [p.strip() for p in streams.split(",") if p.strip()]
+        key, record = add_key(path, tenant, patterns, rate, burst, budget)
     except (KeysError, ValueError) as exc:
         fail(str(exc))
     errors.print(
-        f"key {record.id} for tenant {tenant!r} (streams {', '.join(record.streams)}; {rate:g}/s, bursts of {burst}) added to {path}; it is shown once:"
+        f"key {record.id} for tenant {tenant!r} (streams {', '.join(record.streams)}; {rate:g}/s, bursts of {burst}"
+        f"{f'; a budget of {budget:g} cost units' if budget else ''}) added to {path}; it is shown once:"
     )
     print(key)
 
@@ -61,7 +69,7 @@ def keys_list(file: Path | None = KEYS_FILE) -> None:
     except KeysError as exc:
         fail(str(exc))
     table = Table(title=str(path))
-    for column in ("id", "tenant", "streams", "rate/s", "burst", "created", "state"):
+    for column in ("id", "tenant", "streams", "rate/s", "burst", "budget", "created", "state"):
         table.add_column(column)
     for r in records:
         created = datetime.datetime.fromtimestamp(r.created_at, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
@@ -71,6 +79,7 @@ def keys_list(file: Path | None = KEYS_FILE) -> None:
             ",".join(r.streams),
             f"{r.rate_per_s:g}",
             str(r.burst),
+            "" if r.budget is None else f"{r.budget:g}",
             created,
             "revoked" if r.revoked else "active",
         )

@@ -68,6 +68,7 @@ class FocalEngine:
         self.cfg = config or FocalConfig()
         self.n_models = n_models
         costs = np.ones(n_models) if model_costs is None else np.asarray(model_costs, dtype=np.float64)
+        self.model_costs = costs  # each model's cost in the pool's units
         self.cost_share = costs / costs.sum()
         self.rng = np.random.default_rng(seed)
         self.torch_rng = torch.Generator().manual_seed(seed)

@@ -106,6 +106,7 @@ def build_worker(settings: Settings) -> Worker:
             seed=settings.seed,
             verifier=verifier,
             tokens=tokens,
+            costs=[m.cost for m in pool.models],
         )
     engine = build_engine(settings, pool)
     backends = {m.name: build_backend(m) for m in pool.models}

@@ -313,6 +313,27 @@ class GatewayMetrics:
             "rlens_gateway_timeouts", "requests answered 504 (no answer in time)", registry=registry
         )
         self.rate_limited = Counter("rlens_gateway_rate_limited", "requests refused with 429", registry=registry)
+        self.budget_refused = Counter(
+            "rlens_gateway_budget_refused", "requests refused with 429: the key's budget is spent", registry=registry
+        )
+        self.cost = Counter(
+            "rlens_gateway_cost",
+            "the pool's cost units of the answers each API key got (its models called), by key id",
+            ["key"],
+            registry=registry,
+        )
+        self.model_calls = Counter(
+            "rlens_gateway_model_calls",
+            "model calls behind the answers each API key got, by key id",
+            ["key"],
+            registry=registry,
+        )
+        self.overhead_seconds = Histogram(
+            "rlens_gateway_overhead_seconds",
+            "seconds rlens added to an answered request beyond the models' own time (gateway, Kafka, worker)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.idempotent_replays = Counter(
             "rlens_gateway_idempotent_replays", "requests that repeated an Idempotency-Key", registry=registry
         )

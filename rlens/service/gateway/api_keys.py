@@ -34,6 +34,12 @@ class KeyRecord(BaseModel):
     streams: list[str] = Field(min_length=1, description="stream keys this key may use (fnmatch patterns)")
     rate_per_s: float = Field(20.0, gt=0, description="sustained requests per second")
     burst: int = Field(40, ge=1, description="requests allowed at once above the sustained rate")
+    budget: float | None = Field(
+        None,
+        gt=0,
+        description="cost units this key may spend in all (each answer: the pool costs of the models it called); "
+        "None: no limit",
+    )
     created_at: float = 0.0
     revoked: bool = False
 
@@ -52,7 +58,9 @@ def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def new_key(tenant: str, streams: list[str], rate_per_s: float = 20.0, burst: int = 40) -> tuple[str, KeyRecord]:
+def new_key(
+    tenant: str, streams: list[str], rate_per_s: float = 20.0, burst: int = 40, budget: float | None = None
+) -> tuple[str, KeyRecord]:
     """A fresh key (shown once) and its record (what is stored)."""
     key_id = "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(8))
     secret = secrets.token_urlsafe(32)
@@ -63,6 +71,7 @@ def new_key(tenant: str, streams: list[str], rate_per_s: float = 20.0, burst: in
         streams=streams,
         rate_per_s=rate_per_s,
         burst=burst,
+        budget=budget,
         created_at=time.time(),
     )
     return f"{PREFIX}{key_id}_{secret}", record
@@ -88,9 +97,9 @@ def write_records(path: Path, records: list[KeyRecord]) -> None:
 
 
 def add_key(
-    path: Path, tenant: str, streams: list[str], rate_per_s: float = 20.0, burst: int = 40
+    path: Path, tenant: str, streams: list[str], rate_per_s: float = 20.0, burst: int = 40, budget: float | None = None
 ) -> tuple[str, KeyRecord]:
-    key, record = new_key(tenant, streams, rate_per_s, burst)
+    key, record = new_key(tenant, streams, rate_per_s, burst, budget)
     write_records(path, [*read_records(path), record])
     return key, record
 

@@ -27,6 +27,7 @@ import re
 import socket
 import time
 import uuid
+from typing import cast
 from collections import Counter
 
 from aiokafka.errors import KafkaError
@@ -156,6 +157,21 @@ class Gateway:
             )
         return stream
 
+    async def _within_budget(self, key: KeyRecord) -> None:
+        """429 once the key has spent its budget (the pool's cost units of the answers it got)."""
+        if key.budget is None:
+            return
+        spent = await self.state.spent(key.id)
+        if spent >= key.budget:
+            self.metrics.budget_refused.inc()
+            raise ApiError(
+                429,
+                f"this API key's budget of {key.budget:g} cost units is spent ({spent:.6g} used); a larger budget "
+                "needs a new key (rlens keys add --budget)",
+                "insufficient_quota",
+                "budget_exhausted",
+            )
+
     async def take_token(self, key: KeyRecord) -> None:
         """One request of this key's rate (every route that reads or writes a query takes one): 429 past it."""
         wait = await self.state.take_token(key.id, key.rate_per_s, key.burst)
@@ -183,6 +199,7 @@ class Gateway:
         prompt = request.prompt() if isinstance(request, ChatCompletionRequest) else request.text()
         stream = self._check(key, request, prompt, stream_header)
         await self.take_token(key)
+        await self._within_budget(key)
         if self.waiting >= self.settings.gateway_max_waiting:  # before any wait, an idempotent retry's included
             raise ApiError(
                 503,
@@ -200,7 +217,12 @@ class Gateway:
             if published:
                 return await self._wait(query_id, poll=True)
         record = QueryRecord(
-            tenant=key.tenant, stream=stream, model=request.model, chat=chat, n_choices=len(request.rlens.choices or [])
+            tenant=key.tenant,
+            stream=stream,
+            model=request.model,
+            chat=chat,
+            n_choices=len(request.rlens.choices or []),
+            key_id=key.id,
         )
         await self.state.remember_query(query_id, record)
         await self._publish(query_id, tenant_stream(key.tenant, stream), prompt, request)  # the tenant's windows
@@ -304,13 +326,22 @@ class Gateway:
         # only a worker (holding the feedback secret) can sign an answer, an empty one included
         outcomes = ["" if self.tokens.signed(answer) else "forged" for answer in answers]
         candidates = [i for i, outcome in enumerate(outcomes) if not outcome]
-        known = await self.state.known([answers[i].query_id for i in candidates])
-        for i, is_known in zip(candidates, known):
-            outcomes[i] = "" if is_known else "unknown"  # not ours, or past retention
+        records = dict(zip(candidates, await self.state.records([answers[i].query_id for i in candidates])))
+        for i, record in records.items():
+            outcomes[i] = "" if record is not None else "unknown"  # not ours, or past retention
         kept = [i for i, outcome in enumerate(outcomes) if not outcome]
+        charges, resolved = [], []
         for i, first in zip(kept, await self.state.store_answers([answers[i] for i in kept])):
             outcomes[i] = "stored" if first else "duplicate"
-            answer = answers[i] if first else await self.state.answer(answers[i].query_id) or answers[i]
+            key_id = cast(QueryRecord, records[i]).key_id
+            if first and key_id:  # each answer once, to the key that asked
+                charges.append((key_id, answers[i].cost))
+                self.metrics.cost.labels(key_id).inc(answers[i].cost)
+                self.metrics.model_calls.labels(key_id).inc(len(answers[i].called_models))
+            resolved.append(answers[i] if first else await self.state.answer(answers[i].query_id) or answers[i])
+        if charges:  # before a client hears its answer: its next request sees the spending
+            await self.state.spend(charges)
+        for answer in resolved:
             future = self._answers.get(answer.query_id)
             if future is not None and not future.done():
                 future.set_result(answer)

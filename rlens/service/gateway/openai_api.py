@@ -146,6 +146,8 @@ class RlensAnswer(BaseModel):
     span_weights: list[list[float]] = Field(description="rlae: each span's weights, one per model")
     worker: str
     latency_ms: float
+    model_ms: float = Field(description="of which the models' own time (the pool call of the worker's batch)")
+    cost: float = Field(description="the pool's cost units of the models called (what a key's budget counts)")
 
     @classmethod
     def of(cls, answer: Answer) -> "RlensAnswer":

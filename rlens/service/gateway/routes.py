@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
@@ -71,8 +72,14 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(ApiError(503, message, "server_error", "unavailable", headers={"Retry-After": "1"}))
 
 
-def answer_response(answer: Answer, model: str, chat: bool, stream: bool) -> Any:
-    """An answer as a completion (or its event stream); 502 when no model of the pool answered."""
+# what rlens added to a request beyond the models' own time, in milliseconds (as LiteLLM's
+# x-litellm-overhead-duration-ms): the gateway, Kafka both ways, the worker's own code
+OVERHEAD_HEADER = "x-rlens-overhead-duration-ms"
+
+
+def answer_response(answer: Answer, model: str, chat: bool, stream: bool, elapsed_s: float | None = None) -> Any:
+    """An answer as a completion (or its event stream); 502 when no model of the pool answered. With the request's
+    time (``elapsed_s``), headers say what rlens added beyond the models' own time and what the answer cost."""
     if not answer.answered_models:
         failures = "; ".join(f"{f.model}: {f.reason}" for f in answer.failures) or "no model was called"
         raise ApiError(
@@ -82,11 +89,15 @@ def answer_response(answer: Answer, model: str, chat: bool, stream: bool) -> Any
             "no_model_answered",
             query_id=answer.query_id,
         )
+    headers = {"x-rlens-cost": f"{answer.cost:g}", "x-rlens-model-duration-ms": f"{answer.model_ms:.1f}"}
+    if elapsed_s is not None:
+        headers[OVERHEAD_HEADER] = f"{max(1000 * elapsed_s - answer.model_ms, 0.0):.1f}"
     if stream:
         events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(answer, model, chat))
-        return StreamingResponse(iter([events + "data: [DONE]\n\n"]), media_type="text/event-stream")
+        return StreamingResponse(iter([events + "data: [DONE]\n\n"]), media_type="text/event-stream", headers=headers)
     body = chat_completion(answer, model) if chat else completion(answer, model)
-    return Response(body.model_dump_json(), media_type="application/json")  # validated: skip FastAPI's second pass
+    # validated: skip FastAPI's second pass
+    return Response(body.model_dump_json(), media_type="application/json", headers=headers)
 
 
 def openai_router(gateway: Gateway) -> APIRouter:
@@ -103,8 +114,11 @@ def openai_router(gateway: Gateway) -> APIRouter:
         idempotency_key: str | None,
         stream_key: str | None,
     ):
+        started = time.perf_counter()
         answer = await gateway.ask(key, body, await request.body(), idempotency_key, stream_key)
-        return answer_response(answer, body.model, isinstance(body, ChatCompletionRequest), body.stream)
+        elapsed_s = time.perf_counter() - started
+        gateway.metrics.overhead_seconds.observe(max(elapsed_s - answer.model_ms / 1000, 0.0))
+        return answer_response(answer, body.model, isinstance(body, ChatCompletionRequest), body.stream, elapsed_s)
 
     @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models(key: KeyRecord = Depends(key_of)) -> ModelList:

@@ -42,6 +42,7 @@ class QueryRecord(BaseModel):
     chat: bool
     n_choices: int = 0  # 0: open-ended
     published: bool = False
+    key_id: str = ""  # the API key that asked it (its answer's cost is charged to it)
 
 
 class GatewayState:
@@ -76,12 +77,22 @@ class GatewayState:
         query_id, digest = (raw.decode() if isinstance(raw, bytes) else raw).split(" ", 1)
         return query_id, digest
 
-    async def known(self, query_ids: list[str]) -> list[bool]:
-        """Whether each query was asked through a gateway (and is within retention), in one round trip."""
+    async def records(self, query_ids: list[str]) -> list[QueryRecord | None]:
+        """Each query's record if it was asked through a gateway (and is within retention), in one round trip."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for query_id in query_ids:
-                pipe.exists(self._k("q", query_id))
-            return [bool(n) for n in await pipe.execute()]
+                pipe.get(self._k("q", query_id))
+            return [QueryRecord.model_validate_json(raw) if raw else None for raw in await pipe.execute()]
+
+    async def spend(self, charges: list[tuple[str, float]]) -> None:
+        """Add each answer's cost to its key's spending (kept for as long as the key lives), in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key_id, cost in charges:
+                pipe.incrbyfloat(self._k("spent", key_id), cost)
+            await pipe.execute()
+
+    async def spent(self, key_id: str) -> float:
+        return float(await self.redis.get(self._k("spent", key_id)) or 0.0)
 
     async def store_answers(self, answers: list[Answer]) -> list[bool]:
         """Keep each query's first answer, in one round trip; False where one was kept already (an at-least-once

@@ -101,7 +101,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         description="JSON Policy messages: an operator's (rlens policy promote / rollback) are adopted, and a "
         "restarted gated learner learns from the topic's history what the workers serve",
     )
-    async def on_policy(body: bytes) -> None:
+    async def adopt_policy(body: bytes) -> None:
         try:
             policy = Policy.model_validate_json(body)
         except ValidationError:

@@ -101,8 +101,10 @@ class Worker(ABC):
         verifier: PolicyVerifier,
         tokens: FeedbackTokens,
         name: str | None = None,
+        costs: list[float] | np.ndarray | None = None,
     ):
         self.models, self.windows, self.verifier, self.tokens = models, windows, verifier, tokens
+        self.costs = np.ones(len(models)) if costs is None else np.asarray(costs, dtype=np.float64)  # pool units
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.policy_epoch, self.policy_version = 0, 0
         self._next_policy: tuple[tuple[int, int], dict] | None = None
@@ -222,7 +224,7 @@ class FocalWorker(Worker):
     ):
         if list(backends) != models:
             raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
-        super().__init__(models, windows, verifier, tokens, name)
+        super().__init__(models, windows, verifier, tokens, name, engine.model_costs)
         self.engine = engine
         self.shadow: FocalEngine | None = None  # the candidate's agents (greedy only), scored beside the engine's
         self.names = np.array(models)
@@ -325,9 +327,10 @@ class FocalWorker(Worker):
         evidence = self._evidence(answerable, decisions, calls, fused, probes)
         stage("evidence")
         latency = 1000 * (time.perf_counter() - started)
+        timing = (latency, 1000 * out.stages["pool_call"])
         for i, q in enumerate(queries):
             behaviour, shadow = evidence.get(i, (None, None))
-            self._outputs(q, decisions[i], calls[i], fused_pools[i], answers.get(i), latency, out, behaviour, shadow)
+            self._outputs(q, decisions[i], calls[i], fused_pools[i], answers.get(i), timing, out, behaviour, shadow)
         stage("messages")
         return out
 
@@ -379,7 +382,7 @@ class FocalWorker(Worker):
         answers,
         fused_pool: np.ndarray,
         answer,
-        latency: float,
+        timing: tuple[float, float],
         out: BatchOutput,
         behaviour: Behaviour | None = None,
         shadow: Shadow | None = None,
@@ -394,7 +397,9 @@ class FocalWorker(Worker):
             "failures": [ModelFailureRecord(model=f.model, reason=f.reason) for f in answers.failures],
             "policy_version": self.policy_version,
             "worker": self.name,
-            "latency_ms": latency,
+            "latency_ms": timing[0],
+            "model_ms": timing[1],
+            "cost": float(self.costs[decision.called].sum()),
         }
         if answer is None:
             self.stats.no_model_answered += 1

@@ -44,12 +44,13 @@ class RLAEWorker(Worker):
         explore: bool = True,
         seed: int = 0,
         name: str | None = None,
+        costs: list[float] | None = None,
     ):
         if decoder.n_models != len(models) or agent.n_models != len(models):
             raise ValueError(
                 f"the decoder has {decoder.n_models} models and the agent {agent.n_models}, the pool {len(models)}"
             )
-        super().__init__(models, windows, verifier, tokens, name)
+        super().__init__(models, windows, verifier, tokens, name, costs)
         self.decoder, self.agent, self.stop, self.explore = decoder, agent, stop, explore
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -95,6 +96,8 @@ class RLAEWorker(Worker):
             "policy_version": self.policy_version,
             "worker": self.name,
             "latency_ms": latency,
+            "model_ms": latency,  # the models run in this process, span by span with the agent
+            "cost": float(self.costs.sum()),
             "strategy": "rlae",
         }
         for q, result in zip(queries, results):
