@@ -29,7 +29,17 @@ CONFIG_ENV = "RLENS_CONFIG"
 
 # group → the settings it holds; a key is the setting without the group's prefix ("kafka_acks" → [kafka] acks)
 GROUPS: dict[str, tuple[str, ...]] = {
-    "service": ("strategy", "log_format", "seed", "torch_threads", "shared_data", "zoo_dir", "demo_data"),
+    "service": (
+        "strategy",
+        "log_format",
+        "otel_endpoint",
+        "trace_dir",
+        "seed",
+        "torch_threads",
+        "shared_data",
+        "zoo_dir",
+        "demo_data",
+    ),
     "pool": ("pool_file",),  # or the models themselves: [[pool.models]]
     "kafka": (
         "kafka_bootstrap",

@@ -45,6 +45,9 @@ def tenant_free(stream: str) -> str:
     return stream.split("/", 1)[1] if stream.startswith(TENANT_MARK) and "/" in stream else stream
 
 
+TRACEPARENT = r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"  # W3C trace context
+
+
 class Message(BaseModel):
     """Every wire message: JSON, frozen, unknown fields ignored, no NaN or infinity anywhere."""
 
@@ -199,6 +202,13 @@ class Shadow(BaseModel):
 class Experience(Message):
     """What the learner needs from one answered rl_focal query to train both agents once its feedback arrives."""
 
+    trace: str | None = Field(
+        None,
+        pattern=TRACEPARENT,
+        description="the W3C traceparent of the worker's span for this query, when traces are on: the learner's join "
+        "of its feedback joins that trace",
+    )
+
     strategy: Literal["rl_focal"] = "rl_focal"
     query_id: Key
     stream: Key
@@ -249,6 +259,13 @@ class SpanDecision(BaseModel):
 class RLAEExperience(Message):
     """What the learner needs from one answered rlae query: the generated text (exact match against a reference)
     and the agent's decision at every span."""
+
+    trace: str | None = Field(
+        None,
+        pattern=TRACEPARENT,
+        description="the W3C traceparent of the worker's span for this query, when traces are on: the learner's join "
+        "of its feedback joins that trace",
+    )
 
     strategy: Literal["rlae"] = "rlae"
     query_id: Key

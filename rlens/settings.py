@@ -106,6 +106,14 @@ class Settings(BaseSettings):
         description="the service processes' log records: JSON lines, or text lines; auto: text on a terminal, JSON "
         "otherwise (a container, a log file)",
     )
+    otel_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry traces to this OTLP/HTTP endpoint (e.g. http://collector:4318/v1/traces; the "
+        "`otel` extra); none: no traces",
+    )
+    trace_dir: Path | None = Field(
+        None, description="each process's spans as JSON lines in <dir>/<role>-<pid>.jsonl (tests, a quick look)"
+    )
     seed: int = Field(0, description="seed of the engines' initial weights and of their sampling")
     admin_token: SecretStr | None = Field(
         None,

@@ -134,6 +134,7 @@ def gw(tmp_path_factory):
             "gateway_max_prompt_chars": 1000,
             "gateway_body_timeout_s": 2.0,
             "admin_token": SecretStr(ADMIN_TOKEN),
+            "trace_dir": workdir / "traces",  # every process's spans, as JSON lines
         }
     )
     stack = stack_for_tests(config, workdir)
@@ -220,6 +221,45 @@ def test_each_answer_says_its_cost_and_overhead_and_a_spent_budget_refuses_the_k
     key_id = gw["keys"]["budget"].split("_")[1]
     assert metric(gw["url"], "rlens_gateway_cost_total", key=key_id) == pytest.approx(sum(charged))
     assert metric(gw["url"], "rlens_gateway_budget_refused_total") >= 1
+
+
+def spans_of(directory: Path) -> list[dict]:
+    return [json.loads(line) for path in directory.glob("*.jsonl") for line in path.read_text().splitlines() if line]
+
+
+def test_one_trace_follows_a_request_through_the_gateway_the_worker_its_models_and_the_learners_join(gw):
+    """OpenTelemetry: the gateway's span, the worker's answer (its child, through the query record's traceparent
+    header), one span per model called, and the learner's join of the feedback (through the experience's header)."""
+    response = ask(gw, question=21, stream="traced")
+    assert response.status_code == 200, response.text
+    query_id = response.json()["id"]
+    given = httpx.post(f"{gw['url']}/v1/feedback", json={"id": query_id, "label": 1}, headers=auth(gw), timeout=30)
+    assert given.status_code == 202, given.text
+    deadline, found = time.monotonic() + 60, []
+    while time.monotonic() < deadline:
+        spans = spans_of(gw["stack"].workdir / "traces")
+        served = [s for s in spans if s["attributes"].get("rlens.query_id") == query_id]
+        if any(s["name"] == "rlens.learner join" for s in served):
+            found = spans
+            break
+        time.sleep(0.5)
+    assert found, "the learner's join of the feedback was never traced"
+    (request,) = [
+        s for s in found if s["name"] == "chat rlens-focal" and s["attributes"].get("rlens.query_id") == query_id
+    ]
+    trace_id = request["context"]["trace_id"]
+    in_trace = [s for s in found if s["context"]["trace_id"] == trace_id]
+    roles = {s["resource"]["attributes"]["rlens.role"] for s in in_trace}
+    assert roles == {"gateway", "worker", "learner"}, roles
+    (answer,) = [s for s in in_trace if s["name"] == "rlens.worker answer"]
+    assert answer["parent_id"] == request["context"]["span_id"]
+    calls = [s for s in in_trace if s["name"].startswith("text_completion ")]
+    called = response.json()["rlens"]["called_models"]
+    assert sorted(s["attributes"]["gen_ai.request.model"] for s in calls) == sorted(called)
+    assert all(s["parent_id"] == answer["context"]["span_id"] for s in calls)
+    (join,) = [s for s in in_trace if s["name"] == "rlens.learner join"]
+    assert join["parent_id"] == answer["context"]["span_id"] and -2.0 <= join["attributes"]["rlens.reward"] <= 1.0
+    assert request["attributes"]["gen_ai.operation.name"] == "chat" and request["attributes"]["rlens.cost"] > 0
 
 
 def test_the_official_openai_client_works_unchanged(gw):

@@ -22,6 +22,7 @@ from rlens.service.learner.lease import claim_group
 from rlens.service.common.kafka import check_idempotence
 from rlens.ports import free_port
 from rlens.service.common.logs import setup_logging
+from rlens.service.common.tracing import setup_tracing
 from rlens.service.learner.gate import Gate, GateConfig
 from rlens.service.learner.ope_log import OPE_LOG, OpeLog
 from rlens.service.learner.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
@@ -183,6 +184,7 @@ def with_metrics_port(settings: Settings) -> Settings:
 def run_app(app, settings: Settings, role: str) -> None:
     """Run a worker's or learner's app: its subscribers and, on ``settings.metrics_host:metrics_port``, its HTTP side."""
     setup_logging(role, settings.strategy, settings.log_format)
+    setup_tracing(settings, role)
     http = {"host": settings.metrics_host, "port": settings.metrics_port, "log_config": None}  # uvicorn's records too
     asyncio.run(app.run(log_level=logging.WARNING, run_extra_options=http))
 
@@ -216,6 +218,7 @@ def run_gateway(settings: Settings) -> None:
     if not settings.gateway_port:
         settings = settings.model_copy(update={"gateway_port": free_port()})
     setup_logging("gateway", settings.strategy, settings.log_format)
+    setup_tracing(settings, "gateway")
     uvicorn.run(
         create_gateway_app(settings),
         host=settings.gateway_host,

@@ -27,6 +27,7 @@ from rlens.service.gateway.core import Gateway, gateway_id
 from rlens.service.gateway.middleware import BodyLimit, Contain, Measure
 from rlens.service.gateway.openai_api import MODEL_OF
 from rlens.service.gateway.replies import subscribe_replies
+from rlens.service.common.tracing import trace_carrier
 from rlens.service.gateway.routes import add_error_handlers, openai_router
 from rlens.service.gateway.state import GatewayState
 from rlens.settings import Settings
@@ -70,7 +71,10 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     marks = RedisWindows(redis, 1, 1, settings.redis_prefix)  # only its readiness mark
 
     async def publish_one(publisher, message) -> None:
-        await publisher.publish(message.model_dump_json().encode(), key=message.query_id.encode())
+        # the request's trace context in the record's headers (W3C traceparent): the worker's spans join its trace
+        await publisher.publish(
+            message.model_dump_json().encode(), key=message.query_id.encode(), headers=trace_carrier() or None
+        )
 
     gateway = Gateway(
         settings,

@@ -13,8 +13,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
 from rlens.messages import Answer
 from rlens.service.gateway.api_keys import KeyRecord
+from rlens.service.common.tracing import tracer
 from rlens.service.gateway.core import Gateway
 from rlens.service.gateway.openai_api import (
     MODEL_OF,
@@ -115,10 +119,27 @@ def openai_router(gateway: Gateway) -> APIRouter:
         stream_key: str | None,
     ):
         started = time.perf_counter()
-        answer = await gateway.ask(key, body, await request.body(), idempotency_key, stream_key)
+        chat = isinstance(body, ChatCompletionRequest)
+        operation = "chat" if chat else "text_completion"
+        attributes = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.request.model": body.model,
+            "rlens.tenant": key.tenant,
+        }
+        with tracer().start_as_current_span(f"{operation} {body.model}", kind=SpanKind.SERVER, attributes=attributes):
+            answer = await gateway.ask(key, body, await request.body(), idempotency_key, stream_key)
+            trace.get_current_span().set_attributes(
+                {
+                    "gen_ai.response.id": answer.query_id,
+                    "rlens.query_id": answer.query_id,
+                    "rlens.cost": answer.cost,
+                    "rlens.policy_version": answer.policy_version,
+                    "rlens.models_called": len(answer.called_models),
+                }
+            )
         elapsed_s = time.perf_counter() - started
         gateway.metrics.overhead_seconds.observe(max(elapsed_s - answer.model_ms / 1000, 0.0))
-        return answer_response(answer, body.model, isinstance(body, ChatCompletionRequest), body.stream, elapsed_s)
+        return answer_response(answer, body.model, chat, body.stream, elapsed_s)
 
     @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models(key: KeyRecord = Depends(key_of)) -> ModelList:

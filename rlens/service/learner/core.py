@@ -91,6 +91,7 @@ from rlens.service.learner.offsets import Offsets
 from rlens.service.learner.ope_log import OpeLog
 from rlens.service.learner.pending import Pending, PendingHalves
 from rlens.service.learner.versions import VersionStats
+from rlens.service.common.tracing import context_of_traceparent, tracer, tracing
 from rlens.service.learner.window_writer import WindowWriter
 from rlens.service.common.policy import PolicyError, decode_policy, encode_policy, non_finite
 from rlens.service.common.security import FeedbackTokens, PolicySigner
@@ -359,9 +360,26 @@ class LearnerCore:
             await self.apply_windows()  # the queued outcomes first, then the trim
             self.stats.drift_reactions += await self.drift.react(experience.stream, self.windows)
         self.stats.joined += 1
+        if tracing():
+            self._trace_join(experience, feedback, reward, delay_s)
         if self.trainer.update_due():
             return self.update(), None
         return None, None
+
+    @staticmethod
+    def _trace_join(experience: AnyExperience, feedback: Feedback, reward: float, delay_s: float) -> None:
+        """The join as a span of its query's trace (the worker's answer span is its parent)."""
+        attributes: dict[str, str | float | int] = {
+            "rlens.query_id": experience.query_id,
+            "rlens.stream": experience.stream,
+            "rlens.reward": reward,
+            "rlens.feedback_delay_s": delay_s,
+            "rlens.policy_version": experience.policy_version,
+        }
+        span = tracer().start_span(
+            "rlens.learner join", context=context_of_traceparent(experience.trace), attributes=attributes
+        )
+        span.end()
 
     def _remember_done(self, query_id: str) -> None:
         self.done[query_id] = time.time()
@@ -379,12 +397,15 @@ class LearnerCore:
         """One update on the buffered transitions, a checkpoint, and the new policy version to publish; None
         (and the update undone, its transitions dropped) when it raised or left non-finite weights."""
         before, started = self.trainer.snapshot(), time.perf_counter()
+        span = tracer().start_span("rlens.learner update", attributes={"rlens.joined": self.stats.joined})
         try:
             stats = self.trainer.update()
             problem = f"non-finite weights in {bad[:3]}" if (bad := non_finite(self.trainer.policy_tensors())) else None
         except Exception as exc:  # a numerical failure must not stop learning: undo it and go on
             log.exception("update failed")
             problem = f"{type(exc).__name__}: {exc}"
+        span.set_attribute("rlens.update", "undone" if problem else "applied")
+        span.end()
         if self.metrics is not None:
             self.metrics.updates.labels("undone" if problem else "applied").inc()
             self.metrics.update_seconds.observe(time.perf_counter() - started)

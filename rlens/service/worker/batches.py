@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from faststream.kafka import KafkaBroker
 from redis.exceptions import RedisError
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
 
 from rlens.messages import TENANT_MARK, Answer, DeadLetter, Query
 from rlens.service.common.kafka import (
@@ -26,6 +27,7 @@ from rlens.service.common.metrics import WorkerMetrics
 from rlens.service.worker.core import BatchOutput, Worker
 from rlens.settings import Settings
 from rlens.service.common.logs import query_fields
+from rlens.service.common.tracing import context_of, trace_carrier, tracer, tracing
 
 log = logging.getLogger("rlens.worker")
 REPLY_TIMEOUT_S = 5.0  # a gateway's reply topic must take an answer within this
@@ -117,8 +119,15 @@ class QueryBatches:
         batch = admit(records, self.worker, self.topics, self.consumer)
         await self.drop_unregistered(batch)
         queries, dead = batch.queries, batch.dead
+        began_ns = time.time_ns()
         out = await self.worker.answer(queries) if queries else BatchOutput()
         dead += [dead_letter(batch.records[qid], reason, self.consumer) for qid, reason in out.failed.items()]
+        spans = open_spans(out, batch.records, began_ns) if tracing() else {}
+        if spans:  # each experience names its query's span: the learner's join joins the trace
+            carriers = {qid: trace_carrier(set_span_in_context(s)).get("traceparent") for qid, s in spans.items()}
+            out.experience = [
+                e.model_copy(update={"trace": carriers.get(getattr(e, "query_id", ""))}) for e in out.experience
+            ]
         started = time.perf_counter()
         try:
             await self.deliver(queries, out)
@@ -131,6 +140,9 @@ class QueryBatches:
             reason = f"its outputs could not be published in {PUBLISH_TRIES} tries: {type(exc).__name__}: {exc}"
             dead += [dead_letter(batch.records[q.query_id], reason, self.consumer) for q in queries]
             queries, out = [], BatchOutput()
+        finally:
+            for span in spans.values():
+                span.end()
         self.retries.forget(records)
         self.worker.stats.dead_lettered += len(dead)
         await publish_dead_letters(self.dead_letters, dead)
@@ -191,3 +203,45 @@ class QueryBatches:
                 self.metrics.reply_failures.inc()
                 fields = query_fields(a.query_id, a.stream, a.policy_version)
                 log.error("could not reply to %s for query %s: %r", topic, a.query_id, result, extra=fields)
+
+
+def open_spans(out: BatchOutput, records: dict, began_ns: int) -> dict[str, Span]:
+    """Each answer's span, a child of the span in its query record's headers (a gateway request's), from the batch's
+    start, and under it one span per model called, over the batch's pool call (the stages' times); the caller ends
+    the answer spans once the batch is delivered."""
+    t, spans = tracer(), {}
+    stages = out.stages
+    call_start = began_ns + int(1e9 * (stages.get("window_read", 0.0) + stages.get("decide", 0.0)))
+    call_end = call_start + int(1e9 * stages.get("pool_call", stages.get("decode", 0.0)))
+    for answer in out.answers:
+        record = records.get(answer.query_id)
+        parent = context_of(getattr(record, "headers", None))
+        span = t.start_span(
+            "rlens.worker answer",
+            context=parent,
+            kind=SpanKind.CONSUMER,
+            start_time=began_ns,
+            attributes={
+                "rlens.query_id": answer.query_id,
+                "rlens.stream": answer.stream,
+                "rlens.strategy": answer.strategy,
+                "rlens.policy_version": answer.policy_version,
+                "rlens.cost": answer.cost,
+                "rlens.chosen_models": answer.chosen_models,
+            },
+        )
+        failed = {f.model: f.reason for f in answer.failures}
+        inside = set_span_in_context(span)
+        for model in answer.called_models:
+            call = t.start_span(
+                f"text_completion {model}",
+                context=inside,
+                kind=SpanKind.CLIENT,
+                start_time=call_start,
+                attributes={"gen_ai.operation.name": "text_completion", "gen_ai.request.model": model},
+            )
+            if model in failed:
+                call.set_status(Status(StatusCode.ERROR, failed[model][:200]))
+            call.end(end_time=call_end)
+        spans[answer.query_id] = span
+    return spans
