@@ -276,6 +276,13 @@ class Settings(BaseSettings):
         le=1,
         description="rl_focal: share of queries that also call the rest of the pool (fresh windows, exact evidence)",
     )
+    focal_budget: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="rl_focal: the mean share of the whole pool's cost spent per query, met online by each worker "
+        "(an offset on the Decider's logits; rlens.focal.budget); none: the cost weight alone decides",
+    )
     focal_alpha: float = Field(
         FocalConfig.alpha,
         ge=0,

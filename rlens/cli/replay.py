@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, cast
 import typer
 from rich.table import Table
 
-from rlens.cli.common import console, fail, interrupted, needs_extra
+from rlens.cli.common import console, errors, fail, interrupted, needs_extra
 from rlens.evaluation.dataset import load_dataset
 from rlens.evaluation.recorded import DatasetError
 from rlens.evaluation.protocols import Protocol
@@ -45,6 +45,15 @@ def run_replay(
     console.print(
         f"[bold]{dataset.name}[/]: {dataset.n_questions} questions, {dataset.n_models} models, {len(dataset.task_names)} tasks; protocol {protocol.value}, seed {seed}"
     )
+    if config.budget is not None:
+        from rlens.focal.budget import lowest_spending
+
+        floor = lowest_spending(dataset.model_costs / dataset.model_costs.sum(), config.probe_rate)
+        if config.budget < floor:
+            errors.print(
+                f"note: --budget {config.budget:g} is below the least this pool can spend ({floor:.3f}: its cheapest "
+                "model alone, and the probes); RL-Focal will spend about that"
+            )
     try:
         with progress_bar(console) as bar:
             stages = "warm start + online" if protocol == Protocol.paper else "online from a cold start"
@@ -115,6 +124,12 @@ def replay(
         "portable", help="portable: the same figures for a seed on any x86-64 CPU; native: this CPU's fastest kernels"
     ),
     alpha: float = typer.Option(FocalConfig.alpha, min=0.0, help="cost weight in the reward"),
+    budget: float | None = typer.Option(
+        None,
+        min=0.001,
+        max=1.0,
+        help="the mean share of the whole pool's cost to spend per query, met online (default: alpha alone decides)",
+    ),
     window: int = typer.Option(FocalConfig.window, min=1, help="sliding-window length W per stream"),
     update_period: int = typer.Option(
         FocalConfig.update_period, min=1, help="online MAPPO update every T explored queries"
@@ -144,6 +159,7 @@ def replay(
     config = replace(
         FocalConfig(),
         alpha=alpha,
+        budget=budget,
         window=window,
         update_period=update_period,
         explore_rate=explore_rate,

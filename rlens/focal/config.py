@@ -48,6 +48,10 @@ class FocalConfig:
         1  # passes over the warm-start split (Algorithm 1, Fusion phase, after the supervised start)
     )
     joint_warm_passes: int = 2  # then passes updating both agents on the Fusion agent's reward
+    # the cost the user sets: the mean share of the whole pool's cost per query (None: the cost weight alpha alone),
+    # met by an offset on the greedy Decider's logits (rlens.focal.budget)
+    budget: float | None = None
+    budget_rate: float = 0.05
     explore_rate: float = 0.05  # online: share of queries on which both agents sample (and train); the rest are greedy
     probe_rate: float = 0.05  # online: fraction of queries that also call the rest of the pool to refresh windows
     feedback_delay: int = 0  # replay: feedback of query t arrives before query t + 1 + delay

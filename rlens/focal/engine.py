@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from rlens.focal.agents import CentralCritic, Decider, Fusion
+from rlens.focal.budget import BudgetController
 from rlens.focal.config import FocalConfig
 from rlens.focal.features import (
     critic_state_dim,
@@ -50,6 +51,7 @@ class Decision:
     state: np.ndarray  # Decider observation
     pool_logp: float  # log-probability of ``pool`` under the Decider
     explored: bool  # the pool was sampled (and the Fusion agent will sample its answer); False: greedy
+    offset: float = 0.0  # the budget's offset on the greedy Decider's logits when it was taken
 
 
 @dataclass
@@ -96,6 +98,8 @@ class FocalEngine:
         self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5, foreach=True)
         self.windows: dict[Hashable, OutcomeWindow] = {}
         self.previous_pool: OrderedDict[Hashable, np.ndarray] = OrderedDict()  # at most cfg.max_streams, LRU
+        # the cost the user sets (None: the cost weight alone)
+        self.budget = BudgetController(self.cfg.budget, self.cfg.budget_rate) if self.cfg.budget is not None else None
         self.everyone = np.ones(n_models, dtype=bool)  # the whole pool (read-only: decisions share it)
         self.everyone.flags.writeable = False
         self.buffer: list[Transition] = []
@@ -139,8 +143,9 @@ class FocalEngine:
         question, used in the warm start); the first one becomes the stream's previous pool.
         """
         state = self._state(key, n_choices)
+        offset = self.budget.offset if self.budget is not None else 0.0
         if self.cfg.use_decider and greedy:
-            pool, logp = self.greedy.pools(state[None])
+            pool, logp = self.greedy.pools(state[None], offset)
             pools, pool_logps = (pool if rollouts == 1 else pool.repeat(rollouts, 0)), [float(logp[0])] * rollouts
         elif self.cfg.use_decider:
             with torch.inference_mode():
@@ -149,10 +154,19 @@ class FocalEngine:
         else:
             pools, pool_logps = np.ones((rollouts, self.n_models), dtype=bool), [0.0] * rollouts
         self.remember_pool(key, pools[0])
-        return [
-            Decision(key, pool, self.everyone if probe else pool, state, logp, not greedy)
+        decisions = [
+            Decision(key, pool, self.everyone if probe else pool, state, logp, not greedy, offset)
             for pool, logp in zip(pools, pool_logps)
         ]
+        if rollouts == 1:  # served (rollouts: the warm start's parallel environments)
+            self.spent(decisions)
+        return decisions
+
+    def spent(self, decisions: list[Decision]) -> None:
+        """What served decisions called, to the budget."""
+        if self.budget is not None:
+            for decision in decisions:
+                self.budget.observe(float(self.cost_share[decision.called].sum()))
 
     @torch.inference_mode()
     def decide_batch(self, queries: list[tuple[Hashable, int, bool, bool]]) -> list[Decision]:
@@ -161,11 +175,13 @@ class FocalEngine:
 
         A state depends only on the stream's window, its previous pool and the choice count; windows do not change
         within a batch, so queries that share those share the observation and the forward (and, greedy, the pool).
-        The decisions equal those of calling :meth:`decide` query by query.
+        The decisions equal those of calling :meth:`decide` query by query (under a budget, the batch's queries share
+        the offset: it moves after the batch).
         """
         cache: dict[tuple, dict] = {}
         decisions = []
         everyone = self.everyone
+        offset = self.budget.offset if self.budget is not None else 0.0
         for key, n_choices, probe, greedy in queries:
             previous = self.previous_pool.get(key, everyone)
             slot = (key, n_choices, previous.tobytes())
@@ -177,7 +193,7 @@ class FocalEngine:
                 pool, logp = everyone, 0.0
             elif greedy:
                 if "greedy" not in known:
-                    greedy_pools, greedy_logps = self.greedy.pools(state[None])
+                    greedy_pools, greedy_logps = self.greedy.pools(state[None], offset)
                     known["greedy"] = (greedy_pools[0], float(greedy_logps[0]))
                 pool, logp = known["greedy"]
             else:
@@ -186,7 +202,8 @@ class FocalEngine:
                 pools_t, logps = self.decider.sample(known["logits"], False, self.torch_rng)
                 pool, logp = pools_t[0].numpy().astype(bool), float(logps[0])
             self.remember_pool(key, pool)
-            decisions.append(Decision(key, pool, everyone if probe else pool, state, logp, not greedy))
+            decisions.append(Decision(key, pool, everyone if probe else pool, state, logp, not greedy, offset))
+        self.spent(decisions)
         return decisions
 
     def fusion_features(self, decision: Decision, probs: np.ndarray) -> np.ndarray:
@@ -273,7 +290,8 @@ class FocalEngine:
             for i in explored:
                 pools[i] = self.everyone
         elif explored:
-            greedy = self.greedy.pools(np.stack([decisions[i].state for i in explored]))[0]
+            states = np.stack([decisions[i].state for i in explored])
+            greedy = self.greedy.pools(states, np.array([decisions[i].offset for i in explored]))[0]
             for j, i in enumerate(explored):
                 pools[i] = greedy[j]
         return pools

@@ -68,6 +68,7 @@ class OnlineTrace:
     models_called: np.ndarray  # models actually called (pool plus window-refresh probes)
     explored: np.ndarray  # both agents sampled (the others are greedy)
     greedy_correct: np.ndarray  # whether the greedy policy's answer from the same state would have been right
+    cost_share: np.ndarray  # the called models' share of the whole pool's cost
     # (question, the signals whose drift its outcome completed)
     detections: list[tuple[int, list[str]]] = field(default_factory=list)
     # questions whose answer's confidence completed a drift detection (no reaction)
@@ -195,6 +196,7 @@ def run_online(
         np.zeros(n, np.int64),
         np.zeros(n, bool),
         np.zeros(n, bool),
+        np.zeros(n),
     )
     pending: deque = deque()
 
@@ -235,6 +237,7 @@ def run_online(
         ):
             trace.label_free.append(i)
         trace.pool_size[i], trace.models_called[i] = decision.pool.sum(), decision.called.sum()
+        trace.cost_share[i] = engine.cost_share[decision.called].sum()
         pending.append((i, decision, answer))
         while len(pending) > cfg.feedback_delay:
             deliver(*pending.popleft())

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from redis.asyncio import Redis
 
+from rlens.focal.budget import lowest_spending
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.checkpoint import CheckpointStore
@@ -33,6 +34,8 @@ from rlens.service.worker.core import FocalWorker, Worker
 from rlens.service.worker.app import create_worker_app
 from rlens.settings import Settings
 
+log = logging.getLogger("rlens.service")
+
 
 def pool_of(settings: Settings) -> PoolConfig:
     """The pool the settings give: inline (the configuration file's [[pool.models]]), or a pool file."""
@@ -44,6 +47,20 @@ def pool_of(settings: Settings) -> PoolConfig:
 
 
 def build_engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
+    engine = _engine(settings, pool)
+    floor = lowest_spending(engine.cost_share, engine.cfg.probe_rate)
+    if engine.cfg.budget is not None and engine.cfg.budget < floor:
+        log.warning(
+            "RLENS_FOCAL_BUDGET %.3f is below the least this pool can spend (%.3f: its cheapest model alone, and the "
+            "probes): the workers will spend about %.3f",
+            engine.cfg.budget,
+            floor,
+            floor,
+        )
+    return engine
+
+
+def _engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
     return FocalEngine(
         len(pool.models),
         np.array([m.cost for m in pool.models]),
@@ -53,6 +70,7 @@ def build_engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
             probe_rate=settings.focal_probe_rate,
             alpha=settings.focal_alpha,
             window=settings.focal_window,
+            budget=settings.focal_budget,
         ),
         seed=settings.seed,
     )
