@@ -29,13 +29,14 @@ pytestmark = pytest.mark.skipif(
 OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}  # the Prometheus Operator's CRDs: not in Kubernetes' schemas
 
 
+def template(*args: str) -> subprocess.CompletedProcess:
+    """``helm template`` of the chart with ``args``."""
+    command = [str(HELM), "template", "t", str(CHART), "--kube-version", KUBERNETES, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
 def render(*args: str) -> list[dict]:
-    result = subprocess.run(
-        [str(HELM), "template", "t", str(CHART), "--kube-version", KUBERNETES, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = template(*args)
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
@@ -95,19 +96,9 @@ def test_every_process_reads_its_role_secret_and_the_configuration():
 
 
 def test_the_values_schema_refuses_a_wrong_value():
-    result = subprocess.run(
-        [str(HELM), "template", "t", str(CHART), "--kube-version", KUBERNETES, "--set", "worker.replicas=0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = template("--set", "worker.replicas=0")
     assert result.returncode != 0 and "/worker/replicas" in result.stderr, result.stderr
-    result = subprocess.run(
-        [str(HELM), "template", "t", str(CHART), "--kube-version", KUBERNETES, "--set", "config.kafak.bootstrap=x"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = template("--set", "config.kafak.bootstrap=x")
     assert result.returncode != 0 and "kafak" in result.stderr, result.stderr
 
 
