@@ -93,7 +93,7 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
     logger = logging.getLogger("rlens.kafka")
     logger.setLevel(log_level)
     return KafkaBroker(
-        settings.kafka_bootstrap,
+        bootstrap_servers(settings),  # a list: FastStream takes a string for one address
         security=security,
         logger=logger,
         log_level=logging.DEBUG,
@@ -106,11 +106,16 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
     )
 
 
+def bootstrap_servers(settings: Settings) -> list[str]:
+    """``RLENS_KAFKA_BOOTSTRAP``'s comma-separated addresses."""
+    return [address.strip() for address in settings.kafka_bootstrap.split(",") if address.strip()]
+
+
 def client_options(settings: Settings) -> dict[str, Any]:
     """aiokafka's connection arguments for ``settings`` (bootstrap, SASL / TLS), for a plain client beside the
     processes' FastStream brokers (:func:`make_broker`)."""
     protocol = settings.kafka_security_protocol.upper()
-    options: dict[str, Any] = {"bootstrap_servers": settings.kafka_bootstrap, "security_protocol": protocol}
+    options: dict[str, Any] = {"bootstrap_servers": bootstrap_servers(settings), "security_protocol": protocol}
     if "SSL" in protocol:
         cafile = str(settings.kafka_ssl_cafile) if settings.kafka_ssl_cafile else None
         options["ssl_context"] = ssl.create_default_context(cafile=cafile)
