@@ -1,6 +1,6 @@
 """The configuration file (rlens.toml): every setting in one group, nested keys read onto the settings, variables
 over the file, wrong keys named with the valid ones, `rlens config show` (redacted) read back as the same settings,
-and a newcomer's stack: a three-model `openai` pool, the cost weight and the gateway's keys in one file, `rlens up
+and a newcomer's stack: a three-model `openai` pool, the budget and the gateway's keys in one file, `rlens up
 --config`, an answer through the gateway from those three models."""
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_config_show_reads_back_as_the_same_settings_with_secrets_redacted(tmp_p
 
 
 def test_a_newcomers_stack_from_one_file(tmp_path, quick_zoo):
-    """Three `openai` model servers, the pool, the cost weight and the gateway's keys in rlens.toml; `rlens up
+    """Three `openai` model servers, the pool, the budget and the gateway's keys in rlens.toml; `rlens up
     --config` serves them; an answer through the gateway comes from those three models."""
     from test_first_hour import read_until, start
 
@@ -118,7 +118,7 @@ def test_a_newcomers_stack_from_one_file(tmp_path, quick_zoo):
         kafka = f'[kafka]\nbootstrap = "{EXTERNAL}"\ntopic_prefix = "cfg{os.getpid()}."\n' if EXTERNAL else ""
         config = write(
             tmp_path,
-            f'[focal]\nalpha = 0.3\n[gateway]\nport = 0\nkeys_file = "{tmp_path / "keys.json"}"\n{kafka}{pool}',
+            f'[focal]\nbudget = 0.5\n[gateway]\nport = 0\nkeys_file = "{tmp_path / "keys.json"}"\n{kafka}{pool}',
         )
         assert CliRunner().invoke(app, ["config", "check", str(config)]).exit_code == 0
         env = {k: v for k, v in os.environ.items() if not k.startswith("RLENS_")}

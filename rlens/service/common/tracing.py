@@ -2,7 +2,7 @@
 learner's join of its feedback, in one trace. The W3C trace context travels in the query record's Kafka headers
 (``traceparent``), and in the experience message (``trace``: a batch of experience records goes out in one send,
 which has one set of headers). GenAI semantic-convention attributes where they apply
-(``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.provider.name``).
+(``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.response.id``).
 
 Nothing is recorded unless configured: ``RLENS_OTEL_ENDPOINT`` exports over OTLP/HTTP (the ``otel`` extra), and
 ``RLENS_TRACE_DIR`` writes each process's spans as JSON lines to ``<dir>/<role>-<pid>.jsonl`` (what the tests and a

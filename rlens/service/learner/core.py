@@ -361,13 +361,13 @@ class LearnerCore:
             self.stats.drift_reactions += await self.drift.react(experience.stream, self.windows)
         self.stats.joined += 1
         if tracing():
-            self._trace_join(experience, feedback, reward, delay_s)
+            self._trace_join(experience, reward, delay_s)
         if self.trainer.update_due():
             return self.update(), None
         return None, None
 
     @staticmethod
-    def _trace_join(experience: AnyExperience, feedback: Feedback, reward: float, delay_s: float) -> None:
+    def _trace_join(experience: AnyExperience, reward: float, delay_s: float) -> None:
         """The join as a span of its query's trace (the worker's answer span is its parent)."""
         attributes: dict[str, str | float | int] = {
             "rlens.query_id": experience.query_id,
