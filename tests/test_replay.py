@@ -133,3 +133,25 @@ def test_task_labels_on_the_plot_are_short_and_still_tell_the_tasks_apart():
     names = ["hyperbaton", "tracking_shuffled_objects_five_objects", "tracking_shuffled_objects_three_objects"]
     assert short_labels(names) == ["hyperbaton", "trackin…five_objects", "tracki…three_objects"]
     assert short_labels(["a" * 30 + "b", "a" * 30 + "c"], width=10) == ["aaaaaaaa…b", "aaaaaaaa…c"]
+
+
+def test_the_online_stacker_by_hand():
+    """Two models, two choices, one task: it starts as the product of the models' distributions, and one wrong
+    answer moves its weights by one SGD step on the cross-entropy."""
+    import numpy as np
+
+    from rlens.evaluation.baselines import online_stacking
+    from rlens.evaluation.recorded import RecordedDataset
+
+    probs = np.array([[[0.9, 0.1], [0.2, 0.8]], [[0.9, 0.1], [0.2, 0.8]]], dtype=np.float32)
+    data = RecordedDataset(
+        "hand", probs, np.ones((2, 2), bool), np.array([1, 1]), np.array([0, 0]), ["a", "b"], np.ones(2), {0: "t"}
+    )
+    run = online_stacking(data, lr=1.0)
+    # first: scores 0.5 (log .9 + log .2) = -0.857 for choice 0, 0.5 (log .1 + log .8) = -1.263 for choice 1
+    assert run.answers[0] == 0
+    # p = softmax(-0.857, -1.263) = (0.600, 0.400); label 1: gradient (0.600, -0.600) on the scores;
+    # w -= log_p @ g: w_a = 0.5 - (0.600 log .9 - 0.600 log .1) = -0.818, w_b = 0.5 - 0.6 (log .2 - log .8) = 1.332;
+    # b = (-0.600, 0.600); second scores: -0.818 log .9 + 1.332 log .2 - 0.6 = -2.657 and
+    # -0.818 log .1 + 1.332 log .8 + 0.6 = 2.187: choice 1
+    assert run.answers[1] == 1

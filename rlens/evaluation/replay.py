@@ -270,6 +270,11 @@ def replay(
     add("soft_vote", baselines.soft_voting(test), "argmax of the mean distribution of all models")
     add("hedge", baselines.hedge(test), "online Hedge weights over the models, weighted vote")
     add(
+        "online_stacking",
+        baselines.online_stacking(test),
+        "per-task conditional logit on every model's log-probabilities, one SGD step after each label",
+    )
+    add(
         "stacking",
         baselines.stacking(warm, test),
         "per-task logistic stacking on log-probabilities, fit on the warm-start split",
