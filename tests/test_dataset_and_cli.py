@@ -198,3 +198,43 @@ def test_piped_output_is_wide_enough_for_the_widest_table():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert "accuracy %" in out and "duplicates" in out and "…" not in out
+
+
+def test_a_replays_policy_starts_another_replay_and_the_learner_but_not_another_pool(bbh_slice_dir, tmp_path, zoo_dir):
+    """`rlens replay` writes its final policy; `--pretrained` starts a replay from it (no warm start), the learner's
+    warm start takes it too; another pool's policy is one line."""
+    import torch
+
+    from rlens.focal.engine import FocalEngine
+    from rlens.service.learner.online import FocalOnlineTrainer
+
+    first = runner.invoke(
+        app, ["replay", "--data", str(bbh_slice_dir), "--variants", "rl_focal", "--out", str(tmp_path / "a")]
+    )
+    assert first.exit_code == 0, first.output
+    policy = tmp_path / "a" / "policy.safetensors"
+    assert policy.is_file() and not list((tmp_path / "a").glob(".*partial"))
+    second = runner.invoke(
+        app,
+        ["replay", "--data", str(bbh_slice_dir), "--variants", "rl_focal", "--protocol", "stream"]
+        + ["--pretrained", str(tmp_path / "a"), "--out", str(tmp_path / "b")],
+    )
+    assert second.exit_code == 0 and "online from the policy" in second.output, second.output
+    data = load_dataset(bbh_slice_dir)
+    trainer = FocalOnlineTrainer(FocalEngine(data.n_models, data.model_costs, seed=7), data.model_names)
+    trainer.warm_start(policy)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(policy))
+    assert all(torch.equal(trainer.policy_tensors()[k], v) for k, v in saved.items())
+    other = runner.invoke(
+        app, ["replay", "--data", str(zoo_dir), "--pretrained", str(policy), "--out", str(tmp_path / "c")]
+    )
+    assert other.exit_code == 2 and "a policy for models" in other.output and "this pool is" in other.output
+
+
+@pytest.fixture()
+def zoo_dir(tmp_path, zoo):
+    from rlens.evaluation.dataset import save_dataset
+
+    return save_dataset(zoo, tmp_path / "zoo")

@@ -33,10 +33,20 @@ def run_replay(
     config: FocalConfig,
     drift=None,
     numerics: Numerics = "portable",
+    pretrained: Path | None = None,
 ) -> None:
-    """Replay a dataset through RL-Focal and the baselines with a progress bar; print the table, write the report."""
-    from rlens.evaluation.replay import DriftOptions, replay as run, total_steps
+    """Replay a dataset through RL-Focal and the baselines with a progress bar; print the table, write the report
+    and the run's final policy (``policy.safetensors``)."""
+    from rlens.evaluation.replay import DriftOptions, PolicyFiles, replay as run, total_steps
     from rlens.evaluation.report import write_outputs
+    from rlens.focal.policy_file import POLICY_FILE, policy_path
+
+    start = None
+    if pretrained is not None:
+        start = policy_path(pretrained)
+        if start is None:
+            fail(f"no policy at {pretrained}: pass a {POLICY_FILE} file, or the output folder of an `rlens replay`")
+    saving = out / f".{POLICY_FILE}.partial"  # renamed once the outputs are written
 
     try:
         dataset = load_dataset(data)
@@ -57,7 +67,10 @@ def run_replay(
     try:
         with progress_bar(console) as bar:
             stages = "warm start + online" if protocol == Protocol.paper else "online from a cold start"
-            task = bar.add_task(f"RL-Focal {stages}", total=total_steps(dataset, protocol, config, variants))
+            if start is not None:
+                stages = f"online from the policy {start}"
+            steps = total_steps(dataset, protocol, config, variants, pretrained=start is not None)
+            task = bar.add_task(f"RL-Focal {stages}", total=steps)
             result = run(
                 dataset,
                 protocol,
@@ -68,12 +81,17 @@ def run_replay(
                 progress=lambda n: bar.advance(task, n),
                 drift=drift or DriftOptions(),
                 numerics=numerics,
+                policies=PolicyFiles(start, saving),
             )
     except ValueError as exc:
+        saving.unlink(missing_ok=True)
         fail(str(exc))
     except KeyboardInterrupt:
+        saving.unlink(missing_ok=True)
         interrupted(f"stopped the replay; nothing written to {out}")
     paths = write_outputs(result, out)
+    if saving.is_file():
+        paths.append(saving.replace(out / POLICY_FILE))
 
     table = Table(title=f"{dataset.name} — {protocol.value} protocol, {result.results.n_test} test questions")
     table.add_column("method")
@@ -147,6 +165,11 @@ def replay(
     drift_reaction: str = typer.Option(
         "none", help="on a drift detection: none, trim (the window keeps its last 5 outcomes) or reset"
     ),
+    pretrained: Path | None = typer.Option(
+        None,
+        help="start from this trained policy instead of the warm start: an earlier replay's output folder (its "
+        "policy.safetensors) on other tasks of the same models",
+    ),
 ) -> None:
     """Replay a recorded dataset through RL-Focal and every baseline; write the report (with drift detections)."""
     needs_extra("eval", "matplotlib", "sklearn")
@@ -166,7 +189,18 @@ def replay(
         feedback_delay=feedback_delay,
     )
     drift = DriftOptions(one_stream, cast("Reaction", drift_reaction))
-    run_replay(data, protocol, seed, out, variant_names(variants), workers, config, drift, cast("Numerics", numerics))
+    run_replay(
+        data,
+        protocol,
+        seed,
+        out,
+        variant_names(variants),
+        workers,
+        config,
+        drift,
+        cast("Numerics", numerics),
+        pretrained,
+    )
 
 
 def variant_names(option: str) -> list[str]:

@@ -28,7 +28,8 @@ def learner(
     config: Path | None = CONFIG,
     warm_start: Path | None = typer.Option(
         None,
-        help="when there is no checkpoint yet, start from: a recorded dataset (rl_focal), an `rlens rlae train` run (rlae)",
+        help="when there is no checkpoint yet, start from: a recorded dataset or an `rlens replay` run's policy "
+        "(rl_focal), an `rlens rlae train` run (rlae)",
     ),
 ) -> None:
     """Run the learner: joins experience with feedback, updates windows and policy, checkpoints, publishes."""

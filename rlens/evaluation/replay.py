@@ -20,6 +20,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Iterator, Literal
 
 import numpy as np
@@ -29,6 +30,7 @@ from rlens.evaluation import baselines
 from rlens.evaluation.recorded import RecordedDataset
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
+from rlens.focal.policy_file import load_policy, save_policy
 from rlens.drift import DriftMonitor, drift_figures
 from rlens.focal.schedule import OnlineTrace, Reaction, run_online, warm_start, warm_start_steps
 from rlens.evaluation.protocols import Protocol, split
@@ -81,6 +83,15 @@ class DriftOptions:
     keep: int = 5
 
 
+@dataclass(frozen=True)
+class PolicyFiles:
+    """``start``: a pre-trained policy (:mod:`rlens.focal.policy_file`) every variant starts from instead of the warm
+    start; ``save``: where the main variant's final policy goes."""
+
+    start: Path | None = None
+    save: Path | None = None
+
+
 def run_variant(
     variant: str,
     data: RecordedDataset,
@@ -90,13 +101,17 @@ def run_variant(
     seed: int,
     report: Callable[[int], None] | None,
     drift: DriftOptions = DriftOptions(),
+    policies: PolicyFiles = PolicyFiles(),
 ) -> OnlineTrace:
-    """Warm start (when there is a warm split) then online operation, for one RL-Focal variant."""
+    """Warm start (when there is a warm split; a pre-trained policy instead, with ``policies.start``) then online
+    operation, for one RL-Focal variant; the main variant's final policy to ``policies.save``."""
     torch.set_num_threads(1)
     engine = FocalEngine(data.n_models, data.model_costs, replace(config, **RL_VARIANTS[variant][0]), seed=seed)
-    if len(warm_index):
+    if policies.start is not None:
+        load_policy(engine, data.model_names, policies.start)
+    elif len(warm_index):
         warm_start(engine, data.subset(warm_index), report)
-    return run_online(
+    trace = run_online(
         engine,
         data.subset(test_index),
         report,
@@ -105,6 +120,9 @@ def run_variant(
         reaction=drift.reaction,
         keep=drift.keep,
     )
+    if policies.save is not None and variant == "rl_focal":
+        save_policy(engine, data.model_names, policies.save)
+    return trace
 
 
 class _Batched:
@@ -147,9 +165,9 @@ def _sigint_ignored() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _variant_in_worker(variant, data, warm_index, test_index, config, seed, drift) -> tuple[str, OnlineTrace]:
+def _variant_in_worker(variant, data, warm_index, test_index, config, seed, drift, policies) -> tuple[str, OnlineTrace]:
     report = _Batched(_progress_queue.put) if _progress_queue is not None else None
-    trace = run_variant(variant, data, warm_index, test_index, config, seed, report, drift)
+    trace = run_variant(variant, data, warm_index, test_index, config, seed, report, drift, policies)
     if report:
         report.flush()
     return variant, trace
@@ -170,7 +188,7 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 
 def _run_variants(
-    variants, data, warm_index, test_index, config, seed, workers, progress, drift, numerics: Numerics
+    variants, data, warm_index, test_index, config, seed, workers, progress, drift, numerics: Numerics, policies
 ) -> dict[str, OnlineTrace]:
     """Each variant's trace; in this process only for native numerics with one worker (or one variant).
 
@@ -179,7 +197,7 @@ def _run_variants(
         traces = {}
         for variant in variants:
             report = _Batched(progress) if progress else None
-            traces[variant] = run_variant(variant, data, warm_index, test_index, config, seed, report, drift)
+            traces[variant] = run_variant(variant, data, warm_index, test_index, config, seed, report, drift, policies)
             if report:
                 report.flush()
         return traces
@@ -196,7 +214,7 @@ def _run_variants(
         pool = context.Pool(max(1, min(workers, len(variants))), _init_worker, (progress_queue,))
     try:
         pending = [
-            pool.apply_async(_variant_in_worker, (v, data, warm_index, test_index, config, seed, drift))
+            pool.apply_async(_variant_in_worker, (v, data, warm_index, test_index, config, seed, drift, policies))
             for v in variants
         ]
         while not all(r.ready() for r in pending):
@@ -211,9 +229,13 @@ def _run_variants(
         pool.join()
 
 
-def total_steps(data: RecordedDataset, protocol: Protocol, config: FocalConfig, variants: list[str]) -> int:
+def total_steps(
+    data: RecordedDataset, protocol: Protocol, config: FocalConfig, variants: list[str], pretrained: bool = False
+) -> int:
+    """The progress steps of a replay (no warm start from a pre-trained policy)."""
     warm_index, test_index = split(data, protocol)
-    return sum(variant_steps(config, len(warm_index), len(test_index), v) for v in variants)
+    n_warm = 0 if pretrained else len(warm_index)
+    return sum(variant_steps(config, n_warm, len(test_index), v) for v in variants)
 
 
 def replay(
@@ -226,6 +248,7 @@ def replay(
     progress: Callable[[int], None] | None = None,
     drift: DriftOptions = DriftOptions(),
     numerics: Numerics = "portable",
+    policies: PolicyFiles = PolicyFiles(),
 ) -> ReplayRun:
     """Run every method on the test stream of ``protocol`` and collect results.json's content (with RL-Focal's
     drift detections and recovery figures). ``numerics``: see the module docstring."""
@@ -239,7 +262,9 @@ def replay(
     if len(test_index) == 0:
         raise ValueError("the test stream is empty: every task has too few questions for this protocol")
     warm, test = data.subset(warm_index), data.subset(test_index)
-    traces = _run_variants(variants, data, warm_index, test_index, config, seed, workers, progress, drift, numerics)
+    traces = _run_variants(
+        variants, data, warm_index, test_index, config, seed, workers, progress, drift, numerics, policies
+    )
 
     valid_positions = [np.flatnonzero(row) for row in test.choice_mask]
     answers: dict[str, np.ndarray] = {}

@@ -236,10 +236,16 @@ class FocalOnlineTrainer(OnlineTrainer[Experience]):
         return load_engine(store, self.engine)
 
     def warm_start(self, source: Path) -> None:
-        """Algorithm 1 on a recorded dataset of the pool's models."""
+        """Algorithm 1 on a recorded dataset of the pool's models, or a trained policy of them (an `rlens replay`
+        output folder or its ``policy.safetensors``: trained on other tasks)."""
         from rlens.evaluation.dataset import load_dataset
+        from rlens.focal.policy_file import load_policy, policy_path
         from rlens.focal.schedule import warm_start
 
+        if (policy := policy_path(source)) is not None:
+            load_policy(self.engine, self.models, policy)
+            self.engine.reset_windows()
+            return
         data = load_dataset(source)
         if data.model_names != self.models:
             raise ValueError(f"warm-start dataset models {data.model_names} are not the pool's {self.models}")
