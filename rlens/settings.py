@@ -171,6 +171,11 @@ class Settings(BaseSettings):
     gate_delta: float = Field(
         0.02, ge=0, description="gated promotion: the reward a candidate may lose, at the lower bound"
     )
+    gate_drift_reset: bool = Field(
+        False,
+        description="gated promotion: a drift detection restarts the candidate's evidence (bench.robustness.gate: "
+        "it did not help on the bundled stream)",
+    )
     policy_keep_bytes: int = Field(
         2**30,
         ge=64 * 2**20,

@@ -85,3 +85,14 @@ def test_the_gate_promotes_a_better_candidate_and_drops_a_worse_one():
             found = found or gate.verdict()
         assert found == verdict, (better, gate.last)
         assert gate.last is not None and (gate.last.value > 0) == (better > 0)
+
+
+def test_with_drift_reset_a_drift_detection_restarts_the_candidates_evidence():
+    for reset in (False, True):
+        gate = Gate(GateConfig(min_events=50, max_events=400, every=10, drift_reset=reset), np.full(3, 1 / 3), 0.24)
+        gate.propose((1, 2), {})  # the candidate the shadows name
+        for i in range(30):
+            gate.observe(shadowed_experience(i, i % 2 == 0, i % 3 == 0, probe=i % 5 == 0), label=0)
+        assert len(gate.evidence) == 30
+        assert gate.drifted() is reset and len(gate.evidence) == (0 if reset else 30)
+    assert Gate(GateConfig(drift_reset=True), np.full(3, 1 / 3), 0.24).drifted() is False  # no candidate: nothing

@@ -16,6 +16,7 @@ import asyncio
 import tempfile
 import time
 from pathlib import Path
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,6 +25,7 @@ from redis.asyncio import Redis
 from bench.common.args import add_out, add_seeds, arguments, write_json
 from bench.common.machine import machine_facts
 from rlens.backends import create_backend
+from rlens.drift import DriftMonitor
 from rlens.checkpoint import CheckpointStore
 from rlens.evaluation.dataset import load_dataset, save_dataset
 from rlens.evaluation.protocols import Protocol, split
@@ -46,13 +48,16 @@ SIGNER = PolicySigner(SECRETS["RLENS_POLICY_SIGNING_KEY"])
 VERIFIER = SIGNER.verifier()
 TOKENS = FeedbackTokens(SECRETS["RLENS_FEEDBACK_SECRET"])
 GATE = GateConfig(min_events=200, max_events=600, every=25, delta=0.02)  # scaled to a 2,400-query stream
-SCENARIOS = [
+RESET = replace(GATE, drift_reset=True)  # a drift detection restarts the candidate's evidence
+SCENARIOS = [  # (promotion, gate, case); "-one": the whole stream on one key (task switches are drift in it)
     ("direct", None, "clean"),
     ("direct", None, "sabotaged"),
     ("direct", None, "forced"),
     ("gated", GATE, "clean"),
     ("gated", GATE, "sabotaged"),
     ("gated", GATE, "forced"),
+    ("gated-one", GATE, "clean"),
+    ("gated-reset-one", RESET, "clean"),
 ]
 
 
@@ -75,12 +80,15 @@ def simulate(
     n: int,
     seed: int = 0,
     forced_at: int | None = None,
+    one_stream: bool = False,
 ) -> SimpleNamespace:
     """``n`` queries of the bundled stream through a worker; the learner joins each with its label's feedback.
     ``gate`` None: every update goes live (direct promotion). ``forced_at``: from that query on, an operator forces
     a bad policy live (the served one with its Fusion's scores turned upside down), as ``rlens policy promote``
-    would. Returns the worker, the learner core, (served version, right) per query, the versions scored in shadow
-    and the forced version."""
+    would. ``one_stream``: every query on one stream key, so the task switches are drift in it (the learner's
+    detector runs in every scenario; with ``drift_reset`` its detections restart the candidate's evidence). Returns
+    the worker, the learner core, (served version, right) per query, the versions scored in shadow and the forced
+    version."""
 
     async def scenario():
         redis = Redis.from_url(url)
@@ -112,6 +120,7 @@ def simulate(
             CheckpointStore(workdir / "learner"),
             SIGNER,
             TOKENS,
+            drift=DriftMonitor(),  # detections only (no reaction), for the gate's drift_reset
             gate=None if gate is None else Gate(gate, engine.cost_share, CONFIG.alpha),
         )
         if warm:
@@ -119,6 +128,8 @@ def simulate(
             core.warm_start(save_dataset(zoo.subset(warm_index), workdir / "warm"))
         served, shadowed, published, forced = [], set(), [], None
         traffic = queries_of(zoo, None, "t")
+        if one_stream:
+            traffic = [(q.model_copy(update={"stream": "one"}), label) for q, label in traffic]
         for start in range(0, n, 32):
             for policy in core.take_policies():
                 assert worker.receive_policy(policy) is None
@@ -163,6 +174,9 @@ def simulate(
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--queries", type=int, default=2400)
+    parser.add_argument(
+        "--scenarios", nargs="+", default=None, help="only these, as promotion-case (gated-reset-clean, direct-forced)"
+    )
     add_seeds(parser)
     add_out(parser, "bench/out/gate.json")
     args = parser.parse_args()
@@ -173,10 +187,22 @@ def main() -> None:
     try:
         for seed in args.seeds:
             for promotion, gate, case in SCENARIOS:
+                if args.scenarios and f"{promotion}-{case}" not in args.scenarios:
+                    continue
                 forced_at = args.queries // 2 if case == "forced" else None
                 with tempfile.TemporaryDirectory() as workdir:
+                    one = promotion.endswith("-one")
                     run = simulate(
-                        zoo, redis.url, Path(workdir), gate, False, case == "sabotaged", args.queries, seed, forced_at
+                        zoo,
+                        redis.url,
+                        Path(workdir),
+                        gate,
+                        False,
+                        case == "sabotaged",
+                        args.queries,
+                        seed,
+                        forced_at,
+                        one,
                     )
                 ok = [right for _, right in run.served]
                 core = run.core

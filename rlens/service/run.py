@@ -170,7 +170,12 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
         engine = build_engine(settings, pool)
         trainer, window = FocalOnlineTrainer(engine, names, settings.focal_extractor), engine.cfg.window
         if settings.promotion == "gated":
-            config = GateConfig(settings.gate_min_events, settings.gate_max_events, delta=settings.gate_delta)
+            config = GateConfig(
+                settings.gate_min_events,
+                settings.gate_max_events,
+                delta=settings.gate_delta,
+                drift_reset=settings.gate_drift_reset,
+            )
             gate = Gate(config, engine.cost_share, engine.cfg.alpha)
     core = LearnerCore(
         trainer,

@@ -352,11 +352,10 @@ class LearnerCore:
         let_go = self.versions.observe(version, reward, bool(signals["outcome"]) if label is not None else None)
         if self.metrics is not None and version in self.versions.tallies:
             self.metrics.observe_version(self.versions.tallies[version].row(version), let_go)
-        if (
-            self.drift.observe(experience.stream, signals, experience.query_id, self.metrics)
-            and self.drift.keep is not None
-            and row is not None
-        ):
+        drifted = self.drift.observe(experience.stream, signals, experience.query_id, self.metrics)
+        if drifted and self.promotion is not None and self.promotion.gate.drifted():
+            log.info("drift on stream %s: the candidate's evidence starts again", experience.stream)
+        if drifted and self.drift.keep is not None and row is not None:
             await self.apply_windows()  # the queued outcomes first, then the trim
             self.stats.drift_reactions += await self.drift.react(experience.stream, self.windows)
         self.stats.joined += 1

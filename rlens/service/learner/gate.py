@@ -39,6 +39,7 @@ class GateConfig:
     max_events: int = 4000  # without a promotion by then, the candidate is dropped
     every: int = 50  # queries between two looks at the evidence
     delta: float = 0.02  # the reward a candidate may lose against the champion, at the lower 95 % bound
+    drift_reset: bool = False  # a drift detection restarts the candidate's evidence (only what came after counts)
 
 
 @dataclass
@@ -105,6 +106,13 @@ class Gate:
         if self.kind == "probation":
             return "roll back" if self.last.low > self.config.delta else "passed" if done else None
         return "promote" if self.last.low >= -self.config.delta else "drop" if done else None
+
+    def drifted(self) -> bool:
+        """A drift was detected: with ``drift_reset``, the candidate's evidence starts again. Whether it did."""
+        if not self.config.drift_reset or self.candidate is None or not len(self.evidence):
+            return False
+        self.evidence, self.last, self._looked_at = Evidence(), None, 0
+        return True
 
     def promoted(self) -> None:
         """The candidate is the champion now; a challenger's predecessor is kept for its probation."""
