@@ -155,11 +155,7 @@ def test_a_broker_killed_under_load_loses_no_query_and_no_feedback(cluster, tmp_
     )
     stack = LocalStack(config, tmp_path / "stack", 4, bootstrap)
     try:
-        stack.start_learner()
-        for _ in range(2):
-            stack.start_worker()
-        stack.start_gateway()
-        stack.wait_ready(180)
+        stack.start_service(workers=2, gateway=True)
         url = next(u for name, u in stack.http_urls().items() if name.startswith("gateway:"))
         assert stack.gateway_key is not None
         key = stack.gateway_key.read_text().strip()

@@ -259,11 +259,7 @@ def main() -> None:
         "duration_s": args.duration,
     }
     try:
-        stack.start_learner()
-        for _ in range(2):
-            stack.start_worker()
-        stack.start_gateway()
-        stack.wait_ready(180)
+        stack.start_service(workers=2, gateway=True)
         urls = stack.http_urls()
         gateway = next(u for name, u in urls.items() if name.startswith("gateway:"))
         learner = next(u for name, u in urls.items() if name.startswith("learner:"))

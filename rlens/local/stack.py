@@ -264,6 +264,15 @@ class LocalStack:
         self.gateway = self._spawn("gateway", "gateway.log")
         return self.gateway
 
+    def start_service(self, workers: int = 1, gateway: bool = False, wait_s: float = 180.0) -> None:
+        """The learner, ``workers`` workers and, with ``gateway``, the gateway; back once every one is ready."""
+        self.start_learner()
+        for _ in range(workers):
+            self.start_worker()
+        if gateway:
+            self.start_gateway()
+        self.wait_ready(wait_s)
+
     def restart_crashed(self) -> list[str]:
         """Start a new process for each one that crashed, with exit codes. One that exited on SIGTERM or SIGINT (a
         stop asked of the whole process group, e.g. Ctrl-C or a service manager) is not restarted."""
