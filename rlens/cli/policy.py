@@ -267,7 +267,7 @@ def policy_rollback(
     reason: str = typer.Option("", help="why, kept with the policy"),
     stack: Path = STACK,
 ) -> None:
-    """Serve the version served before the current one (or ``--to`` one) again."""
+    """Serve the version served before the current one (or the one --to names) again."""
     from rlens.service.common.policy import PolicyError
 
     s = operator_settings(stack)
