@@ -105,7 +105,8 @@ def test_demo_is_the_main_job_on_the_bundled_stream(tmp_path):
     assert result.exit_code == 0, result.output
     # the stream protocol's stages
     assert "RL-Focal online from a cold start" in result.output and "warm start" not in result.output
-    assert {p.name for p in tmp_path.iterdir()} == {"results.json", "report.md", "report.png", "per_query.csv"}
+    outputs = {"results.json", "report.md", "report.png", "per_query.csv", "policy.safetensors"}
+    assert {p.name for p in tmp_path.iterdir()} == outputs
     methods = json.loads((tmp_path / "results.json").read_text())["methods"]
     rl = methods["rl_focal"]
     assert rl["accuracy"] > methods["best_single"]["accuracy"] + 0.2
