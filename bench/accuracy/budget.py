@@ -1,7 +1,8 @@
 """Accuracy against the cost the user sets (issue 36, item 2): RL-Focal under a budget (the mean share of the whole
 pool's cost spent per query, met online: :mod:`rlens.focal.budget`) beside the baselines at their own cost.
 
-    python -m bench.accuracy.budget [--data DIR] [--budgets 0.1 0.2 ...] [--seeds 0 1 2] [--out bench/out/budget.json]
+    python -m bench.accuracy.budget [--data DIR] [--half all|tune|holdout] [--budgets 0.1 0.2 ...] [--seeds 0 1 2]
+                                    [--out bench/out/budget.json]
 
 Paper protocol (warm start on each task's first part, then the rest as one stream, feedback at once), the same split
 for every method. Per budget and seed: RL-Focal's accuracy and mean cost share; two pruning references at the same
@@ -30,7 +31,7 @@ from bench.common.args import add_out, add_seeds, arguments, write_json  # noqa:
 from bench.common.machine import machine_facts  # noqa: E402
 from rlens.evaluation import baselines  # noqa: E402
 from rlens.evaluation.dataset import load_dataset  # noqa: E402
-from rlens.evaluation.protocols import Protocol, split  # noqa: E402
+from rlens.evaluation.protocols import Protocol, split, task_half  # noqa: E402
 from rlens.evaluation.recorded import RecordedDataset, shared_data_dir  # noqa: E402
 from rlens.evaluation.replay import run_variant  # noqa: E402
 from rlens.focal.config import FocalConfig  # noqa: E402
@@ -101,12 +102,20 @@ def stacking_best_k(warm: RecordedDataset, test: RecordedDataset) -> tuple[float
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--data", type=Path, default=None, help="recorded dataset (default: the shared bbh_dev)")
+    parser.add_argument(
+        "--half",
+        choices=["all", "tune", "holdout"],
+        default="all",
+        help="the tasks (rlens.evaluation.protocols.task_half)",
+    )
     parser.add_argument("--budgets", type=float, nargs="+", default=BUDGETS)
     add_seeds(parser)
     add_out(parser, "bench/out/budget.json")
     args = parser.parse_args()
     data = load_dataset(args.data or shared_data_dir() / "bbh_dev")
-    print(machine_facts(), flush=True)
+    if args.half != "all":
+        data = task_half(data, args.half)
+    print(machine_facts(), f"{args.half}: {data.n_questions} questions", flush=True)
     warm_index, test_index = split(data, Protocol.paper)
     warm, test = data.subset(warm_index), data.subset(test_index)
     share = data.model_costs / data.model_costs.sum()
