@@ -207,8 +207,9 @@ def policy_show(
     console.print(table)
 
 
-def set_live(s: Settings, target, note: str) -> None:
-    """``target``'s weights live again under the next version, signed with the learner's key."""
+def set_live(s: Settings, history, target, note: str) -> None:
+    """``target``'s weights live again under the version after every one in ``history``, signed with the learner's
+    key."""
     from rlens.service.common.kafka import MAX_MESSAGE_BYTES, Topics, client_options
     from rlens.service.common.security import SecretsError, policy_signer
 
@@ -216,7 +217,6 @@ def set_live(s: Settings, target, note: str) -> None:
         signer = policy_signer(s)
     except SecretsError as exc:
         fail(f"{exc} (an operator's policy is signed with the learner's key)")
-    history = read_history(s)
     policy = history.republish(target, signer, note)
 
     async def send() -> None:
@@ -251,11 +251,12 @@ def policy_promote(
     from rlens.service.common.policy import PolicyError
 
     s = operator_settings(stack)
+    history = read_history(s)
     try:
-        target = read_history(s).find(version, epoch)
+        target = history.find(version, epoch)
     except PolicyError as exc:
         fail(str(exc))
-    set_live(s, target, f"promoted v{target.version} by an operator" + (f": {reason}" if reason else ""))
+    set_live(s, history, target, f"promoted v{target.version} by an operator" + (f": {reason}" if reason else ""))
 
 
 @app.command("rollback")
@@ -281,4 +282,4 @@ def policy_rollback(
             target = history.find(to, epoch)
         except PolicyError as exc:
             fail(str(exc))
-    set_live(s, target, f"rolled back to v{target.version} by an operator" + (f": {reason}" if reason else ""))
+    set_live(s, history, target, f"rolled back to v{target.version} by an operator" + (f": {reason}" if reason else ""))

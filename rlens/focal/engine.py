@@ -318,8 +318,8 @@ class FocalEngine:
         """The answer the greedy policy would have given from the same state (what exploring an explored query
         cost); changes no state. ``called`` / ``answered``: the models that were asked and those that answered
         (default: all); -1 when the greedy pool holds a model that was not asked, or none of it answered."""
-        everyone = np.ones(self.n_models, dtype=bool)
-        return self.greedy_answers([decision], [probs], [everyone if called is None else called], [answered])[0]
+        called = self.everyone if called is None else called
+        return self.greedy_answers([decision], [probs], [called], [answered])[0]
 
     def greedy_answers(
         self,
