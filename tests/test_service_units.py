@@ -16,7 +16,7 @@ from rlens.messages import Query
 from rlens.service.common.kafka import Topics
 from rlens.service.common.windows import RedisWindows
 from rlens.service.learner import batches
-from rlens.service.learner.batches import Commits
+from rlens.service.learner.batches import Commits, RecordBatches
 from rlens.service.learner.dashboard import Dashboard
 from rlens.service.learner.drift_watch import DriftWatch
 from rlens.service.learner.offsets import Offsets
@@ -181,6 +181,43 @@ def test_commits_follow_checkpoints_and_give_up_on_a_broker_that_hangs(monkeypat
         assert len(good.commits) == 1
 
     asyncio.run(scenario())
+
+
+class ListingConsumer:
+    """What a broker says of partition rlens.feedback:0's end: by the last fetch (high watermark) and by listing."""
+
+    def __init__(self, fetched_end, listed_end):
+        self.fetched_end, self.listed_end, self.sought = fetched_end, listed_end, []
+
+    def highwater(self, tp):
+        return self.fetched_end
+
+    async def end_offsets(self, partitions):
+        return {tp: self.listed_end for tp in partitions}
+
+    def seek(self, tp, offset):
+        self.sought.append((tp, offset))
+
+
+@pytest.mark.parametrize(
+    ("fetched_end", "listed_end", "new"),
+    [
+        (3, 2, True),  # both below the 7 read: a new log
+        (None, 2, False),  # nothing fetched yet
+        (9, 6, False),  # tansu lists its last producer batch's start + 1: the fetch's end is exact
+        (5, 8, False),  # a new Kafka leader's high watermark lags: the listing is not below
+    ],
+)
+def test_a_new_log_is_one_whose_fetched_and_listed_ends_are_both_below_the_offset_read(fetched_end, listed_end, new):
+    for in_batch in (set(), {"rlens.feedback:0"}):  # a batch in hand holding the new log's records: no seek
+        core = SimpleNamespace(offsets=Offsets({"rlens.feedback:0": 7}), found=[])
+        core.new_log = lambda key, end, core=core: (core.offsets.new_log(key, end), core.found.append(key))
+        consumer = ListingConsumer(fetched_end, listed_end)
+        records = RecordBatches(core, None, (None, None, None), Restorer())
+        asyncio.run(records.new_logs(consumer, {"rlens.feedback:0"}, in_batch))
+        assert core.found == (["rlens.feedback:0"] if new else [])
+        assert core.offsets.read["rlens.feedback:0"] == (0 if new else 7)
+        assert consumer.sought == ([(TopicPartition("rlens.feedback", 0), 0)] if new and not in_batch else [])
 
 
 @pytest.mark.parametrize("keep", [None])

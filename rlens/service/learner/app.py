@@ -76,7 +76,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         **group_options(settings),
     }
     experience_model = core.trainer.experience if core else EXPERIENCE[settings.strategy]
-    background: list[asyncio.Task] = []  # the lease's renewal, idle checkpoints
+    background: list[asyncio.Task] = []  # the lease's renewal, idle checkpoints, the log-end watch
 
     @broker.subscriber(
         topics.experience,
@@ -122,7 +122,11 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     @app.on_startup
     async def leased() -> None:  # run_learner took the group's lease (claim_group) before the app started
         background.extend(
-            [asyncio.create_task(keep_lease(settings, live)), asyncio.create_task(batches.checkpoint_when_idle())]
+            [
+                asyncio.create_task(keep_lease(settings, live)),
+                asyncio.create_task(batches.checkpoint_when_idle()),
+                asyncio.create_task(batches.watch_logs()),
+            ]
         )
 
     @app.after_startup

@@ -28,7 +28,8 @@ from rlens.service.learner.offsets import partition_key, partition_of
 log = logging.getLogger("rlens.learner")
 COMMIT_TIMEOUT_S = 5.0  # a commit not confirmed by then is given up (and tried again with a later batch)
 COMMIT_PAUSE_S = 30.0  # ... COMMIT_PAUSE_S later
-LOG_CHECK_S = 2.0  # how often every assigned partition's log end is compared with the offsets the state reflects
+LOG_CHECK_S = 0.5  # how often every assigned partition's log end is compared with the offsets the state reflects
+LOG_CHECK_TIMEOUT_S = 5.0  # a check the broker does not answer by then is given up
 
 
 def consumer_of(message: KafkaMessage) -> AIOKafkaConsumer:
@@ -79,7 +80,7 @@ class RecordBatches:
         self.policies, self.dead_letters, self.drift_events = publishers
         self.commits = Commits(core, restorer)
         self.lock = asyncio.Lock()
-        self.logs_checked: dict[str, float] = {}  # topic -> when its partitions' log ends were last compared
+        self.consumers: dict[str, AIOKafkaConsumer] = {}  # topic -> the consumer its batches came from
 
     async def handle(self, message: KafkaMessage, model: type, topic: str) -> None:
         try:
@@ -129,26 +130,47 @@ class RecordBatches:
         await publish_dead_letters(self.dead_letters, letters)
 
     async def detect_new_logs(self, message: KafkaMessage, topic: str) -> None:
-        """A partition whose log now ends below the offset the state reflects is a new log (a broker that lost its
-        data): read it from its start. Looked for where a batch holds records below those offsets, and, at most every
-        LOG_CHECK_S, on every partition of the topic assigned here (a consumer whose position is past a new log's
-        records, or that resumes from offsets committed before it, would never bring one below)."""
-        offsets, consumer = self.core.offsets, consumer_of(message)
-        keys = offsets.below(message.raw_message)
-        in_batch = {partition_key(r) for r in message.raw_message}
-        now = time.monotonic()
-        if now - self.logs_checked.get(topic, 0.0) >= LOG_CHECK_S:
-            self.logs_checked[topic] = now
-            keys |= {f"{tp.topic}:{tp.partition}" for tp in consumer.assignment() if tp.topic == topic}
-        keys = {key for key in keys if offsets.read.get(key, 0) > 0}
-        if not keys:
+        """A batch holding records below the offsets the state reflects: redeliveries, or a new log (a broker that
+        lost its data), told apart by the partition's log end."""
+        consumer = consumer_of(message)
+        self.consumers[topic] = consumer
+        keys = self.core.offsets.below(message.raw_message)
+        if keys:
+            await self.new_logs(consumer, keys, {partition_key(r) for r in message.raw_message})
+
+    async def watch_logs(self) -> None:
+        """Every LOG_CHECK_S, batches or not, every assigned partition's log end against the offset the state
+        reflects: a consumer whose position is past a new log's records never brings one below that offset (tansu
+        answers a fetch past a log's end with nothing), so the new log must be found before it grows past it."""
+        while True:
+            await asyncio.sleep(LOG_CHECK_S)
+            for topic, consumer in list(self.consumers.items()):
+                keys = {f"{tp.topic}:{tp.partition}" for tp in consumer.assignment() if tp.topic == topic}
+                try:
+                    async with self.lock:
+                        await asyncio.wait_for(self.new_logs(consumer, keys, set()), LOG_CHECK_TIMEOUT_S)
+                except Exception as exc:  # the broker is away: the next check tries again
+                    log.debug("log ends of %s not checked: %s", topic, exc)
+
+    async def new_logs(self, consumer: AIOKafkaConsumer, keys: set[str], in_batch: set[str]) -> None:
+        """Those of partitions ``keys`` whose log now ends below the offset the state reflects are new logs: read
+        from their start (sought there unless the batch in hand holds their records). A log's end as the last fetch
+        saw it (its high watermark) and as the broker lists it must both be below: tansu lists the start of a log's
+        last producer batch, plus one, and a new Kafka leader's high watermark may lag a moment."""
+        offsets = self.core.offsets
+        partitions = {}
+        for key in keys:
+            tp, read = partition_of(key), offsets.read.get(key, 0)
+            fetched_end = consumer.highwater(tp)
+            if fetched_end is not None and fetched_end < read:
+                partitions[key] = tp
+        if not partitions:
             return
-        partitions = {key: partition_of(key) for key in keys}
         ends = await consumer.end_offsets(list(partitions.values()))
         for key, tp in partitions.items():
             if ends.get(tp, offsets.read[key]) < offsets.read[key]:
                 self.core.new_log(key, ends[tp])
-                if key not in in_batch:  # the consumer may be past the new log's records: read them from its start
+                if key not in in_batch:
                     consumer.seek(tp, 0)
 
     def show_state(self) -> None:

@@ -53,14 +53,16 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   other is gone); elsewhere the lease of a dead learner lapses after ``LEASE_TTL_S``. While Redis is down at start
   the group cannot be checked (a warning says so).
 - **A new log.** A broker that lost its data (tansu's memory storage restarted, a topic recreated, ``rlens up``
-  reusing a checkpoint with a fresh broker) serves offsets below the checkpoint's. A record below the stored offset
-  is a redelivery while the partition's log end is at or above that offset, and a new log when the log end is below
-  it: then the learner warns, forgets that partition's offset and reads the new log from its start (it also compares
-  every assigned partition's log end with its offset every 2 s, and seeks a new log's start, since a consumer
-  whose position is past a new log's records would never bring one below; the join's
-  duplicate check and the windows' once-per-query markers keep a misjudged redelivery harmless). A new log that has
-  already grown past the old offset when it is first read cannot be told apart: recreate topics only with the
-  learner stopped, or give the learner a fresh checkpoint directory.
+  reusing a checkpoint with a fresh broker) serves offsets below the checkpoint's. A partition is a new log when its
+  end, both as the last fetch saw it (the high watermark) and as the broker lists it, is below the offset the state
+  reflects (each alone can mislead: tansu lists the start of a log's last producer batch, a new Kafka leader's high
+  watermark may lag). Then the learner warns, forgets that partition's offset and reads the new log from its start.
+  It looks where a batch holds records below that offset (a redelivery otherwise) and on every assigned partition
+  every 0.5 s, batches or not, since a consumer whose position is past a new log's records never brings one below
+  (tansu answers a fetch past a log's end with nothing). The join's duplicate check and the windows' once-per-query
+  markers keep a misjudged redelivery harmless. A new log that has already grown past the old offset when it is
+  first seen cannot be told apart: recreate topics only with the learner stopped, or give the learner a fresh
+  checkpoint directory.
 """
 
 from __future__ import annotations
