@@ -39,9 +39,9 @@ class Settings(BaseSettings):
     kafka_acks: Literal["all", "1"] = Field(
         "all", description="producer acknowledgements: all (every in-sync replica; the default) or 1 (the leader only)"
     )
-    kafka_idempotence: bool = Field(
-        False,
-        description="idempotent producers (no duplicates from producer retries); needs a broker that supports them (tansu does not)",
+    kafka_idempotence: bool | Literal["auto"] = Field(
+        "auto",
+        description="idempotent producers (no duplicates from producer retries): auto (wherever the broker offers them: Apache Kafka does, tansu does not; the default), true (refuse to start on a broker without them) or false",
     )
     kafka_replication: int = Field(
         1,

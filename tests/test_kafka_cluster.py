@@ -1,6 +1,8 @@
 """Faults on a real Apache Kafka cluster (3 brokers on loopback, replication 3, min.insync.replicas 2, idempotent
-producers, acks=all): one broker killed with SIGKILL in the middle of a load through the gateway, then restarted on
-its data. No query lost, none answered twice to a client, every feedback joined exactly once.
+producers, acks=all): one broker killed with SIGKILL in the middle of a load through the gateway, a worker and the
+learner killed likewise while it is down (a new worker and the learner started again on its checkpoints before it
+comes back), then the broker restarted on its data. No query lost, none answered twice to a client, every feedback
+joined exactly once.
 
 Runs in CI's Kafka phase (``RLENS_TEST_KAFKA_BOOTSTRAP`` set: Java, Maven and the broker's jars are there); it
 starts a cluster of its own with ``infra/kafka/kafka.sh cluster``."""
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.skipif(
 )
 RATE = 20.0  # requests per second through the gateway
 DURATION_S = 60.0  # the load; a broker is killed at a third of it and restarted at two thirds
+KILLS_S = (2.0, 4.0, 8.0)  # after the broker's kill: a worker killed, the learner killed, both started again
 
 
 def free_base() -> int:
@@ -136,7 +139,15 @@ def learner_state(stack: LocalStack) -> dict:
     return json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
 
 
-def test_a_broker_killed_under_load_loses_no_query_and_no_feedback(cluster, tmp_path, zoo):
+def checkpointed_joins(stack: LocalStack) -> int:
+    """The transitions joined as of the learner's newest checkpoint (0 before its first)."""
+    try:
+        return learner_state(stack)["stats"]["joined"]
+    except (OSError, ValueError, KeyError):  # none yet, or one being written
+        return 0
+
+
+def test_a_broker_a_worker_and_the_learner_killed_under_load_lose_no_query_and_no_feedback(cluster, tmp_path, zoo):
     bootstrap, kafka = cluster
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
@@ -151,6 +162,7 @@ def test_a_broker_killed_under_load_loses_no_query_and_no_feedback(cluster, tmp_
             "gateway_port": 0,
             "gateway_id": "cluster-gw",
             "gateway_timeout_s": 20.0,
+            "checkpoint_every_s": 5.0,  # the learner killed has checkpoints to resume from
         }
     )
     stack = LocalStack(config, tmp_path / "stack", 4, bootstrap)
@@ -166,29 +178,30 @@ def test_a_broker_killed_under_load_loses_no_query_and_no_feedback(cluster, tmp_
             load = asyncio.create_task(ask_and_rate(url, key, queries, stop_at))
             await asyncio.sleep(DURATION_S / 3)
             await asyncio.to_thread(kafka, "kill", "2")
-            await asyncio.sleep(DURATION_S / 3)
+            worker_killed, learner_killed, restarted = KILLS_S
+            await asyncio.sleep(worker_killed)
+            stack.kill(stack.workers[0])
+            await asyncio.sleep(learner_killed - worker_killed)
+            assert stack.learner is not None
+            stack.kill(stack.learner)
+            await asyncio.sleep(restarted - learner_killed)
+            stack.start_learner()
+            stack.start_worker()
+            await asyncio.sleep(DURATION_S / 3 - restarted)
             await asyncio.to_thread(kafka, "restart", "2")
             return await load
 
         played = asyncio.run(load_with_a_failover())
         sent, answers, feedback = played["sent"], played["answers"], played["feedback"]
         replayed = asyncio.run(ask_again(url, key, queries, sorted(answers, key=int)[::10]))
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            text = httpx.get(
-                next(u for n, u in stack.http_urls().items() if n.startswith("learner:")) + "/metrics", timeout=10
-            ).text
-            joined = sum(
-                float(line.split()[-1]) for line in text.splitlines() if line.startswith("rlens_learner_joined_total")
-            )
-            if joined >= len(feedback):
-                break
+        deadline = time.monotonic() + 180  # the learner started again, caught up and took a checkpoint
+        while time.monotonic() < deadline and checkpointed_joins(stack) < len(feedback):
             time.sleep(1.0)
     finally:
         stack.stop()
     state = learner_state(stack)["stats"]
     print(  # BENCHMARKS.md's figures (pytest -s)
-        f"{sent} requests, {len(answers)} answered, {len(played['refused'])} attempts refused and retried "
+        f"{sent} requests (a broker, a worker and the learner killed), {len(answers)} answered, {len(played['refused'])} attempts refused and retried "
         f"({sorted(set(played['refused']))}), {len(feedback)} feedback, {state['joined']} joined"
     )
     assert sent >= 0.8 * RATE * DURATION_S
@@ -196,3 +209,4 @@ def test_a_broker_killed_under_load_loses_no_query_and_no_feedback(cluster, tmp_
     assert replayed and all(answers[i] == [query_id] for i, query_id in replayed.items())  # never a second answer
     assert len(feedback) == sent and state["joined"] == sent, (len(feedback), state["joined"], sent)
     assert state["invalid_feedback"] == 0 and state["forged_feedback"] == 0
+    assert "resumed from checkpoint" in (stack.workdir / "learner.log").read_text()  # not a cold start

@@ -26,7 +26,7 @@ from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import run_online
 from rlens.messages import DeadLetter, Experience, Feedback, Policy, Query
-from rlens.service.common.kafka import DEAD_LETTER_VALUE_BYTES, Topics, ensure_topics
+from rlens.service.common.kafka import DEAD_LETTER_VALUE_BYTES, BrokerRefused, Topics, ensure_topics, settle_idempotence
 from rlens.local.load import play, queries_of
 from rlens.local.servers import LocalBroker, LocalRedis
 from rlens.local.stack import LocalStack, write_replay_pool
@@ -828,16 +828,25 @@ def test_topics_take_the_records_rlens_sends_and_a_smaller_existing_one_is_named
     assert f"topic {topics.drift} takes records of at most {limits[topics.drift]} bytes" in caplog.text
 
 
-@own_broker_only
-def test_rlens_load_produces_with_the_service_producer_settings():
-    """`rlens load` used aiokafka's defaults (acks=1, no idempotence) whatever the settings said: asked for
-    idempotent producers, it now asks tansu for one, which tansu refuses."""
-    from aiokafka.errors import KafkaError
-
-    broker = LocalBroker()
+def test_producers_are_idempotent_wherever_the_broker_offers_them():
+    """``kafka_idempotence``: "auto" (the default) settles on whether the broker accepts an idempotent producer
+    (Apache Kafka does, tansu does not), true refuses a broker without them, and `rlens load` settles it as the
+    service does (it once used aiokafka's defaults, acks=1 and no idempotence, whatever the settings said)."""
+    broker = broker_for_tests()
     try:
-        config = settings().model_copy(update={"kafka_bootstrap": broker.bootstrap, "kafka_idempotence": True})
-        with pytest.raises(KafkaError):
-            asyncio.run(play(config, [], rate=1, idle_timeout_s=5))
+        config = settings().model_copy(update={"kafka_bootstrap": broker.bootstrap})
+        assert config.kafka_idempotence == "auto"
+        settled = asyncio.run(settle_idempotence(config)).kafka_idempotence
+        assert settled is (EXTERNAL is not None)  # on the tests' own tansu: off
+        insisting = config.model_copy(update={"kafka_idempotence": True})
+        if EXTERNAL is None:
+            with pytest.raises(BrokerRefused, match="refused an idempotent producer"):
+                asyncio.run(settle_idempotence(insisting))
+            with pytest.raises(BrokerRefused):
+                asyncio.run(play(insisting, [], rate=1, idle_timeout_s=5))
+        else:
+            assert asyncio.run(settle_idempotence(insisting)).kafka_idempotence is True
+        off = config.model_copy(update={"kafka_idempotence": False})
+        assert asyncio.run(settle_idempotence(off)).kafka_idempotence is False
     finally:
         broker.stop()

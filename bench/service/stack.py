@@ -17,7 +17,8 @@ topics and consumer groups of its own, the yardstick (1) included.
    queries unanswered (the learner, the broker and the load generator share the machine with the workers, so this
    is below (2)). Then ``--load-s`` seconds of traffic at ``--load-share`` (default 0.8) of that rate, feedback
    sent as each answer arrives: p50 / p99 from sending a query to receiving its answer, over the answers after the
-   phase's first 5 s and per 10 s, and the accuracy served. ``--load-s 0`` skips this phase.
+   phase's first 5 s and per 10 s, and the accuracy served. ``--load-s 0`` skips this phase. ``--without-learner``:
+   the same with no learner (no updates taking the cores): whether the p99 is the learner's.
 """
 
 from __future__ import annotations
@@ -111,6 +112,9 @@ def main() -> None:
     )
     parser.add_argument("--partitions", type=int, default=4, help="partitions of the per-query topics")
     parser.add_argument("--kafka", default=None, help="bootstrap of an Apache Kafka broker to run on (default: tansu)")
+    parser.add_argument(
+        "--without-learner", action="store_true", help="the latency phase without a learner (no policy updates)"
+    )
     add_out(parser, "bench/out/service.json")
     args = parser.parse_args()
     if args.saturate_s <= 12:
@@ -129,6 +133,7 @@ def main() -> None:
         "workers": args.workers,
         "partitions": args.partitions,
         "worker_batch": stack.settings.worker_batch,
+        "learner": not args.without_learner,
     }
     try:
         payloads = [q.model_dump_json().encode() for q, _ in traffic]
@@ -194,7 +199,8 @@ def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None
     """The whole stack on a fresh broker and Redis: its maximum rate, then latency at ``--load-share`` of it."""
     stack = replay_stack(Path("bench/out/service-latency-stack"), args.partitions, args.kafka)
     try:
-        stack.start_learner()
+        if not args.without_learner:
+            stack.start_learner()
         for _ in range(args.workers):
             stack.start_worker()
         stack.wait_ready(120)

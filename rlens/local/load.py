@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from rlens.evaluation.recorded import RecordedDataset
 from rlens.messages import Answer, Feedback, Query
-from rlens.service.common.kafka import Topics
+from rlens.service.common.kafka import Topics, settle_idempotence
 from rlens.settings import Settings
 from rlens.zoo.tasks import GenerationTask, exact_match
 
@@ -155,6 +155,7 @@ async def play(
     ``max_in_flight``: never more than that many queries sent and not yet answered (with a high ``rate``, the
     service always has that backlog: its maximum rate). ``duration_s``: stop sending after that many seconds, and
     wait for the answers of what was sent."""
+    settings = await settle_idempotence(settings)  # as the service's own processes do
     topics = Topics.from_settings(settings)
     report = LoadReport()
     outcomes = {q.query_id: (outcome, q.stream) for q, outcome in traffic}

@@ -175,6 +175,7 @@ class LocalStack:
         broker_port: int | None = None,
     ):
         self.workers: list[subprocess.Popen] = []
+        self.workers_started = 0  # each new worker logs to worker-<n>.log
         self.learner: subprocess.Popen | None = None
         self.gateway: subprocess.Popen | None = None
         self.workdir = Path(workdir)
@@ -251,8 +252,9 @@ class LocalStack:
         )
 
     def start_worker(self) -> subprocess.Popen:
-        process = self._spawn("worker", f"worker-{len(self.workers)}.log")
+        process = self._spawn("worker", f"worker-{self.workers_started}.log")
         self.workers.append(process)
+        self.workers_started += 1
         return process
 
     def start_learner(self, *args: str) -> subprocess.Popen:

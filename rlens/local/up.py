@@ -17,7 +17,7 @@ from rlens.local.load import BrokerUnreachable, probe_broker
 from rlens.local.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool
 from rlens.models.pool import PoolConfigError, load_pool_config, parse_pool_config
 from rlens.ports import port_taken
-from rlens.service.common.kafka import BrokerRefused, check_idempotence
+from rlens.service.common.kafka import BrokerRefused, settle_idempotence
 from rlens.service.common.security import redact_url
 from rlens.settings import Settings
 
@@ -119,7 +119,7 @@ def open_stack(options: UpOptions, settings: Settings, kafka: str | None, redis_
     except (DatasetError, PoolConfigError, RuntimeError, FileNotFoundError) as exc:
         raise UpError(str(exc)) from None
     try:
-        asyncio.run(check_idempotence(stack.settings))
+        asyncio.run(settle_idempotence(stack.settings))  # the processes settle it alike
     except BrokerRefused as exc:
         stack.stop()
         raise UpError(str(exc)) from None

@@ -20,7 +20,7 @@ from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.service.learner.core import LearnerCore
 from rlens.service.learner.app import create_learner_app
 from rlens.service.learner.lease import claim_group
-from rlens.service.common.kafka import check_idempotence
+from rlens.service.common.kafka import settle_idempotence
 from rlens.ports import free_port
 from rlens.service.common.logs import setup_logging
 from rlens.service.common.tracing import setup_tracing
@@ -206,23 +206,24 @@ def with_metrics_port(settings: Settings) -> Settings:
 
 def run_app(app, settings: Settings, role: str) -> None:
     """Run a worker's or learner's app: its subscribers and, on ``settings.metrics_host:metrics_port``, its HTTP side."""
-    setup_logging(role, settings.strategy, settings.log_format)
     setup_tracing(settings, role)
     http = {"host": settings.metrics_host, "port": settings.metrics_port, "log_config": None}  # uvicorn's records too
     asyncio.run(app.run(log_level=logging.WARNING, run_extra_options=http))
 
 
 def run_worker(settings: Settings) -> None:
+    setup_logging("worker", settings.strategy, settings.log_format)  # first: what the start does is logged too
     check_exposure(settings.metrics_host, admin_token(settings), "RLENS_METRICS_HOST")
-    asyncio.run(check_idempotence(settings))
+    settings = asyncio.run(settle_idempotence(settings))
     torch.set_num_threads(settings.torch_threads)
     settings = with_metrics_port(settings)
     run_app(create_worker_app(settings, build_worker(settings)), settings, "worker")
 
 
 def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
+    setup_logging("learner", settings.strategy, settings.log_format)  # first: what the start does is logged too
     check_exposure(settings.metrics_host, admin_token(settings), "RLENS_METRICS_HOST")
-    asyncio.run(check_idempotence(settings))
+    settings = asyncio.run(settle_idempotence(settings))
     # the learner's MAPPO update: 2.4x faster on one thread on a busy machine (BENCHMARKS.md)
     torch.set_num_threads(settings.torch_threads)
     settings = with_metrics_port(settings)
@@ -236,11 +237,11 @@ def run_gateway(settings: Settings) -> None:
 
     from rlens.service.gateway.app import create_gateway_app
 
+    setup_logging("gateway", settings.strategy, settings.log_format)
     check_exposure(settings.gateway_host, admin_token(settings), "RLENS_GATEWAY_HOST")
-    asyncio.run(check_idempotence(settings))
+    settings = asyncio.run(settle_idempotence(settings))
     if not settings.gateway_port:
         settings = settings.model_copy(update={"gateway_port": free_port()})
-    setup_logging("gateway", settings.strategy, settings.log_format)
     setup_tracing(settings, "gateway")
     uvicorn.run(
         create_gateway_app(settings),

@@ -102,7 +102,7 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
         max_batch_size=2 * BATCH_BYTES,
         max_request_size=MAX_MESSAGE_BYTES,
         acks=-1 if settings.kafka_acks == "all" else 1,
-        enable_idempotence=settings.kafka_idempotence,
+        enable_idempotence=settings.kafka_idempotence is True,  # "auto" that no one settled: off
     )
 
 
@@ -357,11 +357,12 @@ class BrokerRefused(ValueError):
     """The broker does not offer what the settings ask for (one line saying which, and what to set)."""
 
 
-async def check_idempotence(settings: Settings) -> None:
-    """With ``kafka_idempotence``, start one idempotent producer: a broker without them (tansu) refuses its
-    InitProducerId, and every process would fail at its first publish instead of saying why at its start."""
-    if not settings.kafka_idempotence:
-        return
+async def settle_idempotence(settings: Settings) -> Settings:
+    """``settings`` with ``kafka_idempotence`` true or false: "auto" becomes whether the broker accepts one idempotent
+    producer (Apache Kafka does; tansu refuses its InitProducerId), and true is checked the same way, so that a
+    process fails at its start, saying why, instead of at its first publish."""
+    if settings.kafka_idempotence is False:
+        return settings
     from aiokafka import AIOKafkaProducer
     from aiokafka.errors import KafkaError
 
@@ -371,10 +372,14 @@ async def check_idempotence(settings: Settings) -> None:
     try:
         await producer.start()
     except KafkaError as exc:
+        if settings.kafka_idempotence == "auto":
+            log.info("the broker refused an idempotent producer (%s): producers are not idempotent", type(exc).__name__)
+            return settings.model_copy(update={"kafka_idempotence": False})
         raise BrokerRefused(
             f"the broker at {settings.kafka_bootstrap} refused an idempotent producer ({type(exc).__name__}): it does "
-            "not support them (tansu does not); set RLENS_KAFKA_IDEMPOTENCE=false"
+            "not support them (tansu does not); set RLENS_KAFKA_IDEMPOTENCE=auto or false"
         ) from None
     finally:
         quiet.setLevel(level)
         await producer.stop()
+    return settings.model_copy(update={"kafka_idempotence": True})
