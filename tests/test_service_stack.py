@@ -7,6 +7,7 @@ of the wrong shape, forged feedback) and a 12.6 MB record."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from types import SimpleNamespace
 import base64
 import hashlib
@@ -143,6 +144,7 @@ def test_gated_promotion_through_the_policy_topic(tmp_path, zoo):
         stack.stop()
     state = final_learner_state(stack)
     stats = state["stats"]
+    assert gc.get_freeze_count() == 0  # the load generator froze its traffic for the play only
     assert report.answered == N and report.duplicates == 0 and stats["joined"] == N + 100
     assert stats["updates"] >= 4 and stats["promotions"] + stats["dropped_candidates"] >= 1
     assert len(report.policy_versions - {0}) <= stats["promotions"] + stats["rollbacks"]

@@ -17,7 +17,8 @@ topics and consumer groups of its own, the yardstick (1) included.
    queries unanswered (the learner, the broker and the load generator share the machine with the workers, so this
    is below (2)). Then ``--load-s`` seconds of traffic at ``--load-share`` (default 0.8) of that rate, feedback
    sent as each answer arrives: p50 / p99 from sending a query to receiving its answer, over the answers after the
-   phase's first 5 s and per 10 s, and the accuracy served. ``--load-s 0`` skips this phase. ``--without-learner``:
+   phase's first 5 s and per 10 s, the accuracy served, and the load generator's own garbage-collection pauses
+   (longest and total), which count in the latencies it measures. ``--load-s 0`` skips this phase. ``--without-learner``:
    the same with no learner (no updates taking the cores): whether the p99 is the learner's.
 """
 
@@ -228,6 +229,9 @@ def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None
             latency_p99_ms=float(np.percentile(steady, 99)),
             latency_accuracy=report.accuracy,
             latency_answered=report.answered,
+            # the load generator's own pauses count in the latencies it measures
+            load_generator_gc_max_ms=max(report.gc_pauses_ms, default=0.0),
+            load_generator_gc_total_ms=sum(report.gc_pauses_ms),
             latency_by_10s=[  # [start s, answers, p50 ms, p99 ms] per 10 s of the phase: does the backlog grow?
                 [start, len(chunk), round(float(np.percentile(chunk, 50))), round(float(np.percentile(chunk, 99)))]
                 for start in range(0, int(report.answered_at[-1]) + 1, 10)

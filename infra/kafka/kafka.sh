@@ -9,7 +9,7 @@
 #   infra/kafka/kafka.sh stop             stop everything started here (SIGTERM, then SIGKILL) and delete its data
 #   infra/kafka/kafka.sh fetch            only fetch the jars
 # Settings: KAFKA_VERSION (4.1.1), RLENS_KAFKA_CACHE (~/.cache/rlens/kafka-VERSION), RLENS_KAFKA_RUN (/tmp/rlens-kafka:
-# data, configuration, log and pid). Needs Java 17 and Maven.
+# data, configuration, log, GC log (node-N/gc.log) and pid). Needs Java 17 and Maven.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 version=${KAFKA_VERSION:-4.1.1}
@@ -70,8 +70,9 @@ CONF
 launch() {  # node N on its configuration and data; waits until its port answers
     local node=$1 port
     port=$(cat "$run/node-$node/port")
-    nohup java -Xms256m -Xmx768m -XX:+UseG1GC -Dlog4j2.configurationFile="$here/log4j2.properties" \
-        -Drlens.kafka.log="$run/node-$node/kafka.log" -cp "$cache/libs/*" kafka.Kafka "$run/node-$node/server.properties" \
+    nohup java -Xms256m -Xmx768m -XX:+UseG1GC -Xlog:gc:file="$run/node-$node/gc.log":time,uptime \
+        -Dlog4j2.configurationFile="$here/log4j2.properties" -Drlens.kafka.log="$run/node-$node/kafka.log" \
+        -cp "$cache/libs/*" kafka.Kafka "$run/node-$node/server.properties" \
         >"$run/node-$node/stdout.log" 2>&1 &
     echo $! >"$run/node-$node/pid"
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from pathlib import Path
 
@@ -204,6 +205,14 @@ def with_metrics_port(settings: Settings) -> Settings:
     return settings if settings.metrics_port else settings.model_copy(update={"metrics_port": free_port()})
 
 
+def freeze_startup_objects() -> None:
+    """Move what the start made (the imported modules: torch, transformers, pydantic; the engine and the pool) out
+    of the garbage collector's sight (``gc.freeze``): otherwise every full collection scans those millions of
+    objects, a 250-300 ms pause every 10-15 s during which no query is answered (BENCHMARKS.md)."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_app(app, settings: Settings, role: str) -> None:
     """Run a worker's or learner's app: its subscribers and, on ``settings.metrics_host:metrics_port``, its HTTP side."""
     setup_tracing(settings, role)
@@ -217,7 +226,9 @@ def run_worker(settings: Settings) -> None:
     settings = asyncio.run(settle_idempotence(settings))
     torch.set_num_threads(settings.torch_threads)
     settings = with_metrics_port(settings)
-    run_app(create_worker_app(settings, build_worker(settings)), settings, "worker")
+    app = create_worker_app(settings, build_worker(settings))
+    freeze_startup_objects()
+    run_app(app, settings, "worker")
 
 
 def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
@@ -229,7 +240,9 @@ def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
     settings = with_metrics_port(settings)
     core = build_learner(settings, warm_start)
     asyncio.run(claim_group(settings, core))  # before the app starts: a refused learner never joins the group
-    run_app(create_learner_app(settings, core), settings, "learner")
+    app = create_learner_app(settings, core)
+    freeze_startup_objects()
+    run_app(app, settings, "learner")
 
 
 def run_gateway(settings: Settings) -> None:
@@ -243,8 +256,10 @@ def run_gateway(settings: Settings) -> None:
     if not settings.gateway_port:
         settings = settings.model_copy(update={"gateway_port": free_port()})
     setup_tracing(settings, "gateway")
+    app = create_gateway_app(settings)
+    freeze_startup_objects()
     uvicorn.run(
-        create_gateway_app(settings),
+        app,
         host=settings.gateway_host,
         port=settings.gateway_port,
         log_level="warning",
