@@ -14,7 +14,7 @@ buffer (:meth:`FocalEngine.remember`); :meth:`FocalEngine.update` runs MAPPO on 
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Hashable
 
 import numpy as np
@@ -243,10 +243,16 @@ class FocalEngine:
         return [Answer(int(answers[i]), dists[i], f, float(logps[i]), critic[i]) for i, f in enumerate(features)]
 
     def _fusion_inputs(
-        self, decisions: list[Decision], probs: list[np.ndarray], critic_too: bool = True
+        self,
+        decisions: list[Decision],
+        probs: list[np.ndarray],
+        critic_too: bool = True,
+        pools: list[np.ndarray] | None = None,
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Each query's Fusion observation and critic state (:meth:`fusion_features`, :func:`critic_state`; no
-        critic state without ``critic_too``), computed together for the queries with the same number of choices."""
+        critic state without ``critic_too``), computed together for the queries with the same number of choices;
+        ``pools``: the pools to fuse, if not the decisions' own."""
+        pools = [d.pool for d in decisions] if pools is None else pools
         features: list[np.ndarray] = [np.empty(0)] * len(decisions)
         critic: list[np.ndarray] = [np.empty(0)] * len(decisions)
         by_width: dict[int, list[int]] = defaultdict(list)
@@ -254,17 +260,17 @@ class FocalEngine:
             by_width[p.shape[1]].append(i)
         for width, index in by_width.items():
             windows = [self.window(decisions[i].key) for i in index]
-            stacked, pools = stack_rows([probs[i] for i in index]), stack_rows([decisions[i].pool for i in index])
+            stacked, group_pools = stack_rows([probs[i] for i in index]), stack_rows([pools[i] for i in index])
             group_features = fusion_observations(
-                stacked * pools[:, :, None],
-                pools,
+                stacked * group_pools[:, :, None],
+                group_pools,
                 stack_rows([w.reliability() for w in windows]),
                 stack_rows([w.label_prior(width) for w in windows]),
             )
             for j, i in enumerate(index):
                 features[i] = group_features[j]
             if critic_too:
-                group_critic = critic_states(stack_rows([decisions[i].state for i in index]), stacked, pools)
+                group_critic = critic_states(stack_rows([decisions[i].state for i in index]), stacked, group_pools)
                 for j, i in enumerate(index):
                     critic[i] = group_critic[j]
         return features, critic
@@ -282,10 +288,11 @@ class FocalEngine:
         """The pool the greedy Decider takes in the decision's state (the decision's own pool when it was greedy)."""
         return self.greedy_pools([decision])[0]
 
-    def greedy_pools(self, decisions: list[Decision]) -> list[np.ndarray]:
-        """:meth:`greedy_pool` for a batch, with one Decider forward over the explored decisions' states."""
+    def greedy_pools(self, decisions: list[Decision], every: bool = False) -> list[np.ndarray]:
+        """:meth:`greedy_pool` for a batch, with one Decider forward over the explored decisions' states (``every``:
+        over all of them, as another policy's greedy pools in the same states)."""
         pools = [d.pool for d in decisions]
-        explored = [i for i, d in enumerate(decisions) if d.explored]
+        explored = [i for i, d in enumerate(decisions) if every or d.explored]
         if explored and not self.cfg.use_decider:
             for i in explored:
                 pools[i] = self.everyone
@@ -332,10 +339,10 @@ class FocalEngine:
         """:meth:`greedy_answer` for a batch, with one Fusion forward; ``pools``: the decisions' greedy pools, if
         known (:meth:`greedy_pools` of them as explored)."""
         if pools is None:
-            pools = self.greedy_pools([replace(d, explored=True) for d in decisions])
+            pools = self.greedy_pools(decisions, every=True)
         result = [-1] * len(decisions)
         rows, masked = [], []
-        for i, (decision, pool) in enumerate(zip(decisions, pools)):
+        for i, pool in enumerate(pools):
             if (pool & ~called[i]).any():
                 continue
             if answered[i] is not None:
@@ -343,9 +350,11 @@ class FocalEngine:
                 if not pool.any():
                     continue
             rows.append(i)
-            masked.append(replace(decision, pool=pool))
+            masked.append(pool)
         if rows:
-            features, _ = self._fusion_inputs(masked, [probs[i] for i in rows], critic_too=False)
+            features, _ = self._fusion_inputs(
+                [decisions[i] for i in rows], [probs[i] for i in rows], critic_too=False, pools=masked
+            )
             chosen = self.greedy.answers(*padded_choices(features))[0]
             for j, i in enumerate(rows):
                 result[i] = int(chosen[j])

@@ -261,7 +261,7 @@ class FocalWorker(Worker):
         if self.shadow is None or self.candidate is None:
             return [None] * len(decisions)
         self.shadow.windows = self.engine.windows  # the same windows the champion read
-        pools = self.shadow.greedy_pools([replace(d, explored=True) for d in decisions])
+        pools = self.shadow.greedy_pools(decisions, every=True)
         answers = self.shadow.greedy_answers(
             decisions, [c.probs for c in calls], [d.called for d in decisions], [c.answered for c in calls], pools
         )
@@ -356,9 +356,12 @@ class FocalWorker(Worker):
                 greedy_answers[j] = answer
         shadows = self._shadows(chosen, called)
         windows: dict = {}  # each stream's window statistics, once per batch
+        logged = logged_distributions([c.probs for c in called])
         return {
             i: (
-                self._behaviour(chosen[j], called[j], fused[j], probes[i], greedy_pools[j], greedy_answers[j], windows),
+                self._behaviour(
+                    chosen[j], called[j], logged[j], fused[j], probes[i], greedy_pools[j], greedy_answers[j], windows
+                ),
                 shadows[j],
             )
             for j, i in enumerate(answerable)
@@ -439,10 +442,19 @@ class FocalWorker(Worker):
         self.stats.answered += 1
 
     def _behaviour(
-        self, decision, answers, answer, probe: bool, greedy_pool: np.ndarray, greedy: int, windows: dict
+        self,
+        decision,
+        answers,
+        probs: list,
+        answer,
+        probe: bool,
+        greedy_pool: np.ndarray,
+        greedy: int,
+        windows: dict,
     ) -> Behaviour:
-        """What off-policy evaluation needs of this query (:mod:`rlens.focal.propensity`), given its greedy pool and
-        answer; ``windows`` caches each stream's window statistics for the batch."""
+        """What off-policy evaluation needs of this query (:mod:`rlens.focal.propensity`), given its models'
+        distributions as logged, its greedy pool and answer; ``windows`` caches each stream's window statistics
+        for the batch."""
         engine, n_choices = self.engine, answers.probs.shape[1]
         propensity = engine.propensity(decision, answer, greedy_pool)
         if (decision.key, n_choices) not in windows:
@@ -452,7 +464,6 @@ class FocalWorker(Worker):
                 np.round(window.label_prior(n_choices), 6).tolist(),
             )
         reliability, label_prior = windows[decision.key, n_choices]
-        probs = significant(answers.probs).tolist()
         return Behaviour(
             explore_rate=engine.cfg.explore_rate,
             probe=probe,
@@ -463,6 +474,18 @@ class FocalWorker(Worker):
             reliability=reliability,
             label_prior=label_prior,
         )
+
+
+def logged_distributions(probs: list[np.ndarray]) -> list[list]:
+    """Each query's model distributions [M, C] as the log keeps them (:func:`significant`), rounded in one pass for
+    the batch."""
+    flat = significant(np.concatenate([p.ravel() for p in probs])) if probs else np.empty(0)
+    out: list[list] = []
+    start = 0
+    for p in probs:
+        out.append([row.tolist() for row in flat[start : start + p.size].reshape(p.shape)])
+        start += p.size
+    return out
 
 
 def significant(values: np.ndarray, digits: int = 6) -> np.ndarray:
