@@ -43,15 +43,33 @@ def test_the_offset_adds_to_every_logit_of_the_greedy_decider():
     assert engine.greedy.pools(state, -middle - 1e-4)[0][0].sum() == 2
 
 
+def test_the_shift_is_the_offset_times_each_models_price():
+    controller = BudgetController(budget=0.5, prices=np.array([4.0, 0.5, 0.5]))
+    assert controller.shift(-0.5) == pytest.approx([-2.0, -0.25, -0.25])
+    assert np.allclose(controller.shift(np.array([1.0, -1.0])), [[4.0, 0.5, 0.5], [-4.0, -0.5, -0.5]])
+    assert BudgetController(budget=0.5).shift(0.25) == pytest.approx([0.25])  # no prices: one shift for all
+    engine = FocalEngine(3, np.array([8.0, 1.0, 1.0]), replace(FocalConfig(), budget=0.5), seed=0)
+    assert engine.budget is not None and engine.budget.prices == pytest.approx([2.4, 0.3, 0.3])  # share times M
+    with torch.no_grad():
+        engine.decider.heads.bias += torch.tensor([3.0, 1.0, 1.0])  # the priciest model the most likely
+    state = engine._state("s", 4)[None]
+    logits = engine.greedy.decider_logits(state)[0]
+    # an offset of -2 takes 4.8 from the priciest model's logit and 0.6 from the others': it leaves first
+    pool = engine.greedy.pools(state, engine.shift(-2.0))[0][0]
+    assert (pool == (logits + np.array([-4.8, -0.6, -0.6]) > 0)).all() and not pool[0] and pool[1:].all()
+
+
 def test_an_engine_meets_its_budget_online(zoo):
-    """The bundled stream (1,200 queries, costs from 0.1 to 135 per model): each budget's mean cost share over the
-    second half of the stream within 0.05 of it, and a smaller budget spends less."""
+    """The bundled stream (1,200 queries, costs from 0.1 to 135 per model: one model is 99.6 % of the pool's cost):
+    each budget's mean cost share over the second half of the stream within 0.03 of it, and a smaller budget spends
+    less. (With one equal shift of every logit, the priciest model stayed alone in the pool whenever it was the most
+    likely, and 0.3 spent 0.38.)"""
     spent = {}
     for budget in (0.3, 0.6):
         engine = FocalEngine(zoo.n_models, zoo.model_costs, replace(FocalConfig(), budget=budget), seed=0)
         trace = run_online(engine, zoo)
         spent[budget] = float(trace.cost_share[len(trace.cost_share) // 2 :].mean())
-        assert abs(spent[budget] - budget) < 0.05, (budget, spent[budget])
+        assert abs(spent[budget] - budget) < 0.03, (budget, spent[budget])
     assert spent[0.3] < spent[0.6]
 
 
@@ -62,5 +80,5 @@ def test_a_decision_keeps_its_offset_and_its_greedy_pool_uses_it():
     before = engine.budget.offset
     explored = engine.decide_batch([("s", 4, False, False)])[0]
     assert explored.offset == before != engine.budget.offset  # taken under the offset of its batch; it moved after
-    expected = engine.greedy.pools(explored.state[None], explored.offset)[0][0]
+    expected = engine.greedy.pools(explored.state[None], engine.shift(explored.offset))[0][0]
     assert (engine.greedy_pools([explored])[0] == expected).all()

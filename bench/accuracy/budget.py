@@ -11,7 +11,7 @@ models with the best warm-split accuracy, k = budget × pool, at least one), bot
 pool. Baselines once: the best single model, the soft vote of all models, per-task logistic stacking over all
 models, and stacking over the best k models (k chosen on the warm split, by accuracy on its last third when fit on
 the first two thirds). Then the budget's tracking on the stream protocol (cold start, all questions in order): the
-mean cost share of every 1,000 consecutive queries against the budget. Writes a JSON file and a plot
+lowest and highest mean cost share over every 1,000 consecutive queries (sliding), against the budget. Writes a JSON file and a plot
 (accuracy against cost share) beside it.
 """
 
@@ -140,9 +140,9 @@ def main() -> None:
             stream = run_variant(
                 "rl_focal", data, np.array([], dtype=int), np.arange(data.n_questions), config, seed, None
             )
-            windows = [
-                float(stream.cost_share[i : i + 1000].mean()) for i in range(0, len(stream.cost_share) - 999, 1000)
-            ]
+            spent = np.concatenate([[0.0], np.cumsum(stream.cost_share)])
+            sliding = (spent[1000:] - spent[:-1000]) / 1000  # every 1,000 consecutive queries
+            windows = [float(sliding.min()), float(sliding.max())]
             row = {
                 "budget": budget,
                 "seed": seed,
@@ -160,7 +160,7 @@ def main() -> None:
             print(
                 f"budget {budget:.2f} seed {seed}: rl_focal {100 * row['accuracy']:.1f} % at {row['cost_share']:.3f}; "
                 f"random {100 * row['random_accuracy']:.1f} %, reliability {100 * row['reliability_accuracy']:.1f} %; "
-                f"stream windows {', '.join(f'{w:.3f}' for w in windows)}",
+                f"stream windows {windows[0]:.3f}-{windows[1]:.3f}",
                 flush=True,
             )
     path = write_json(

@@ -1,9 +1,14 @@
 """The cost the user sets: a budget on the mean share of the whole pool's cost spent per query, met online.
 
-:class:`BudgetController` shifts the greedy Decider's logits by one offset (a model joins the pool when its logit
-plus the offset is positive): after each query the offset falls by ``rate`` times what the query spent above the
-budget, and rises by as much below it (a dual variable on the budget constraint, as RouteLLM calibrates its
-threshold to a share of strong-model calls). Pure and deterministic; the engine applies and feeds it.
+:class:`BudgetController` keeps one offset, a dual variable on the budget constraint: model j's greedy Decider logit
+gets ``offset`` times its price (its share of the pool's cost times the pool's size; 1 for every model when all cost
+the same), and j joins the pool when the shifted logit is positive. After each query the offset falls by ``rate``
+times what the query spent above the budget, and rises by as much below it, the way RouteLLM calibrates its threshold
+to a share of strong-model calls. Pricing the shift makes an expensive model leave the pool first, where one equal
+shift would leave the most likely model alone in the pool however expensive it is. The offset is the sum of the past
+errors, so what a run of n queries spent above the budget in all is the offset's change over them divided by
+``rate``: a larger rate holds every window closer to the budget, at the price of a pool that moves more from query to
+query. Pure and deterministic; the engine applies and feeds it.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ import numpy as np
 @dataclass
 class BudgetController:
     budget: float  # target mean share of the whole pool's cost per query, in (0, 1]
-    rate: float = 0.05  # offset change per unit of cost share above or below the budget
+    rate: float = (
+        0.5  # offset change per unit of cost share above or below the budget (chosen on bbh_dev's tuning half)
+    )
     limit: float = 10.0  # the offset stays within [-limit, limit]
     offset: float = 0.0
+    prices: np.ndarray | None = None  # [M] each model's cost share times M (None: 1 each)
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= 1:
@@ -27,6 +35,11 @@ class BudgetController:
     def observe(self, cost_share: float) -> None:
         """One query's spending (the called models' share of the pool's cost)."""
         self.offset = min(self.limit, max(-self.limit, self.offset - self.rate * (cost_share - self.budget)))
+
+    def shift(self, offsets: float | np.ndarray) -> np.ndarray:
+        """What the greedy Decider's logits get under ``offsets`` (a number, or one per query [B]): [M] or [B, M]."""
+        prices = np.ones(1) if self.prices is None else self.prices
+        return np.multiply.outer(offsets, prices).astype(np.float32)
 
 
 def lowest_spending(cost_share: np.ndarray, probe_rate: float) -> float:

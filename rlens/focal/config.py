@@ -51,7 +51,7 @@ class FocalConfig:
     # the cost the user sets: the mean share of the whole pool's cost per query (None: the cost weight alpha alone),
     # met by an offset on the greedy Decider's logits (rlens.focal.budget)
     budget: float | None = None
-    budget_rate: float = 0.05
+    budget_rate: float = 0.5  # the offset's step per unit of cost share off the budget (rlens.focal.budget)
     explore_rate: float = 0.05  # online: share of queries on which both agents sample (and train); the rest are greedy
     probe_rate: float = 0.05  # online: fraction of queries that also call the rest of the pool to refresh windows
     feedback_delay: int = 0  # replay: feedback of query t arrives before query t + 1 + delay

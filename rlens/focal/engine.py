@@ -51,7 +51,7 @@ class Decision:
     state: np.ndarray  # Decider observation
     pool_logp: float  # log-probability of ``pool`` under the Decider
     explored: bool  # the pool was sampled (and the Fusion agent will sample its answer); False: greedy
-    offset: float = 0.0  # the budget's offset on the greedy Decider's logits when it was taken
+    offset: float = 0.0  # the budget's offset (its dual variable) when it was taken: FocalEngine.shift
 
 
 @dataclass
@@ -99,7 +99,11 @@ class FocalEngine:
         self.windows: dict[Hashable, OutcomeWindow] = {}
         self.previous_pool: OrderedDict[Hashable, np.ndarray] = OrderedDict()  # at most cfg.max_streams, LRU
         # the cost the user sets (None: the cost weight alone)
-        self.budget = BudgetController(self.cfg.budget, self.cfg.budget_rate) if self.cfg.budget is not None else None
+        self.budget = (
+            BudgetController(self.cfg.budget, self.cfg.budget_rate, prices=self.cost_share * n_models)
+            if self.cfg.budget is not None
+            else None
+        )
         self.everyone = np.ones(n_models, dtype=bool)  # the whole pool (read-only: decisions share it)
         self.everyone.flags.writeable = False
         self.buffer: list[Transition] = []
@@ -145,7 +149,7 @@ class FocalEngine:
         state = self._state(key, n_choices)
         offset = self.budget.offset if self.budget is not None else 0.0
         if self.cfg.use_decider and greedy:
-            pool, logp = self.greedy.pools(state[None], offset)
+            pool, logp = self.greedy.pools(state[None], self.shift(offset))
             pools, pool_logps = (pool if rollouts == 1 else pool.repeat(rollouts, 0)), [float(logp[0])] * rollouts
         elif self.cfg.use_decider:
             with torch.inference_mode():
@@ -161,6 +165,10 @@ class FocalEngine:
         if rollouts == 1:  # served (rollouts: the warm start's parallel environments)
             self.spent(decisions)
         return decisions
+
+    def shift(self, offsets: float | np.ndarray) -> float | np.ndarray:
+        """The greedy Decider's logit shift under the budget's ``offsets`` (one, or one per query); 0 without one."""
+        return 0.0 if self.budget is None else self.budget.shift(offsets)
 
     def spent(self, decisions: list[Decision]) -> None:
         """What served decisions called, to the budget."""
@@ -193,7 +201,7 @@ class FocalEngine:
                 pool, logp = everyone, 0.0
             elif greedy:
                 if "greedy" not in known:
-                    greedy_pools, greedy_logps = self.greedy.pools(state[None], offset)
+                    greedy_pools, greedy_logps = self.greedy.pools(state[None], self.shift(offset))
                     known["greedy"] = (greedy_pools[0], float(greedy_logps[0]))
                 pool, logp = known["greedy"]
             else:
@@ -298,7 +306,7 @@ class FocalEngine:
                 pools[i] = self.everyone
         elif explored:
             states = np.stack([decisions[i].state for i in explored])
-            greedy = self.greedy.pools(states, np.array([decisions[i].offset for i in explored]))[0]
+            greedy = self.greedy.pools(states, self.shift(np.array([decisions[i].offset for i in explored])))[0]
             for j, i in enumerate(explored):
                 pools[i] = greedy[j]
         return pools

@@ -54,13 +54,13 @@ class GreedyActor:
         w, b = self.heads
         return np.tanh(_mlp(obs, self.trunk)) @ w + b + self.per_model @ phi
 
-    def pools(self, obs: np.ndarray, offset: float | np.ndarray = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    def pools(self, obs: np.ndarray, shift: float | np.ndarray = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """The greedy pools (bool [B, M]: the models with a positive logit, or the single most likely one when none
-        is) and their log-probabilities [B], as :meth:`Decider.sample` with ``greedy``; ``offset`` (a number, or one
-        per row) is added to every logit first (a budget: :mod:`rlens.focal.budget`)."""
+        is) and their log-probabilities [B], as :meth:`Decider.sample` with ``greedy``; ``shift`` (a number, [M] or
+        [B, M]) is added to the logits first (a budget: :meth:`rlens.focal.budget.BudgetController.shift`)."""
         logits = self.decider_logits(obs)
-        if np.any(offset):
-            logits = logits + np.reshape(offset, (-1, 1)).astype(logits.dtype)
+        if np.any(shift):
+            logits = logits + np.asarray(shift, dtype=logits.dtype)
         pools = logits > 0
         top = logits.argmax(1)
         empty = ~pools.any(1)
