@@ -2,11 +2,12 @@
 (direct) and through the gate, for a clean learner and a sabotaged one (it trains on another choice's label with the
 reward's sign flipped; the feedback stays honest).
 
-    python -m bench.robustness.gate [--queries 2400] [--seeds 0 1 2] [--out bench/out/gate.json]
+    python -m bench.robustness.gate [--data DIR] [--queries 2400] [--seeds 0 1 2] [--out bench/out/gate.json]
 
 No Kafka: a real worker (the bundled stream's models as replay backends, 20 % explored, 20 % probes, an update every
 32 explored joins) and a real learner core share a redis-server; the learner's policies reach the worker as the
-policy topic would bring them. The bundled stream, cycled with fresh query ids, feedback at once. Prints served
+policy topic would bring them. The bundled stream (or ``--data``, a recorded dataset such as bbh_dev), cycled with
+fresh query ids, feedback at once. Prints served
 accuracy overall and over the last third, and the gate's verdicts.
 """
 
@@ -95,15 +96,16 @@ def simulate(
         await redis.flushdb()
         names = zoo.model_names
         backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(names)}
+        m = zoo.n_models
         worker = FocalWorker(
-            FocalEngine(5, zoo.model_costs, CONFIG, seed=seed),
+            FocalEngine(m, zoo.model_costs, CONFIG, seed=seed),
             names,
             backends,
-            RedisWindows(redis, 5, 128),
+            RedisWindows(redis, m, 128),
             VERIFIER,
             TOKENS,
         )
-        engine = FocalEngine(5, zoo.model_costs, CONFIG, seed=seed)
+        engine = FocalEngine(m, zoo.model_costs, CONFIG, seed=seed)
         trainer = FocalOnlineTrainer(engine, names)
         if sabotage:  # training goes wrong: another choice's label, the reward's sign flipped (the feedback honest)
             honest = trainer.remember
@@ -116,7 +118,7 @@ def simulate(
         core = LearnerCore(
             trainer,
             names,
-            RedisWindows(Redis.from_url(url), 5, 128),
+            RedisWindows(Redis.from_url(url), m, 128),
             CheckpointStore(workdir / "learner"),
             SIGNER,
             TOKENS,
@@ -173,6 +175,7 @@ def simulate(
 
 def main() -> None:
     parser = arguments(__doc__)
+    parser.add_argument("--data", type=Path, default=None, help="recorded dataset (default: the bundled stream)")
     parser.add_argument("--queries", type=int, default=2400)
     parser.add_argument(
         "--scenarios", nargs="+", default=None, help="only these, as promotion-case (gated-reset-clean, direct-forced)"
@@ -181,7 +184,7 @@ def main() -> None:
     add_out(parser, "bench/out/gate.json")
     args = parser.parse_args()
     print(machine_facts())
-    zoo = load_dataset(settings().demo_data)
+    zoo = load_dataset(args.data or settings().demo_data)
     redis = LocalRedis()
     rows = []
     try:
@@ -232,7 +235,10 @@ def main() -> None:
                 )
     finally:
         redis.stop()
-    write_json(args.out, {"machine": machine_facts(), "queries": args.queries, "rows": rows})
+    write_json(
+        args.out,
+        {"machine": machine_facts(), "data": str(args.data or "bundled"), "queries": args.queries, "rows": rows},
+    )
 
 
 if __name__ == "__main__":
