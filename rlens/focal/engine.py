@@ -313,7 +313,10 @@ class FocalEngine:
 
     def propensity(self, decision: Decision, answer: Answer, greedy_pool: np.ndarray | None = None) -> float:
         """The serving mixture's probability of this decision's pool and answer (:mod:`rlens.focal.propensity`);
-        ``greedy_pool``: :meth:`greedy_pool` of the decision, if known."""
+        ``greedy_pool``: :meth:`greedy_pool` of the decision, if known. A greedy decision took the greedy pool and
+        its answer is the Fusion's mode, so only an explored one is compared with them."""
+        if not decision.explored:
+            return serving_propensity(self.cfg.explore_rate, decision.pool_logp, answer.answer_logp, True, True)
         greedy_pool = self.greedy_pool(decision) if greedy_pool is None else greedy_pool
         return serving_propensity(
             self.cfg.explore_rate,
@@ -349,16 +352,14 @@ class FocalEngine:
         if pools is None:
             pools = self.greedy_pools(decisions, every=True)
         result = [-1] * len(decisions)
-        rows, masked = [], []
-        for i, pool in enumerate(pools):
-            if (pool & ~called[i]).any():
-                continue
-            if answered[i] is not None:
-                pool = pool & answered[i]
-                if not pool.any():
-                    continue
-            rows.append(i)
-            masked.append(pool)
+        if not decisions:
+            return result
+        greedy, asked = np.stack(pools), np.stack(called)
+        answering = np.stack([asked[i] if a is None else a for i, a in enumerate(answered)])
+        fused = greedy & answering  # a model that was not asked gave no answer either
+        usable = ~(greedy & ~asked).any(1) & fused.any(1)
+        rows = np.flatnonzero(usable).tolist()
+        masked = list(fused[rows])
         if rows:
             features, _ = self._fusion_inputs(
                 [decisions[i] for i in rows], [probs[i] for i in rows], critic_too=False, pools=masked

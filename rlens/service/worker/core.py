@@ -483,7 +483,7 @@ def logged_distributions(probs: list[np.ndarray]) -> list[list]:
     out: list[list] = []
     start = 0
     for p in probs:
-        out.append([row.tolist() for row in flat[start : start + p.size].reshape(p.shape)])
+        out.append(flat[start : start + p.size].reshape(p.shape).tolist())
         start += p.size
     return out
 
