@@ -476,16 +476,12 @@ class FocalWorker(Worker):
         )
 
 
-def logged_distributions(probs: list[np.ndarray]) -> list[list]:
+def logged_distributions(probs: list[np.ndarray]) -> list:
     """Each query's model distributions [M, C] as the log keeps them (:func:`significant`), rounded in one pass for
     the batch."""
     flat = significant(np.concatenate([p.ravel() for p in probs])) if probs else np.empty(0)
-    out: list[list] = []
-    start = 0
-    for p in probs:
-        out.append(flat[start : start + p.size].reshape(p.shape).tolist())
-        start += p.size
-    return out
+    ends = np.cumsum([p.size for p in probs])
+    return [flat[end - p.size : end].reshape(p.shape).tolist() for p, end in zip(probs, ends)]
 
 
 def significant(values: np.ndarray, digits: int = 6) -> np.ndarray:
