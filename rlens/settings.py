@@ -4,7 +4,7 @@ that ``RLENS_CONFIG`` names (:mod:`rlens.config_file`), over the defaults."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -287,6 +287,12 @@ class Settings(BaseSettings):
         le=1,
         description="rl_focal: the mean share of the whole pool's cost spent per query, met online by each worker "
         "(an offset on the Decider's logits; rlens.focal.budget); none: the cost weight alone decides",
+    )
+    focal_stream_budgets: dict[str, Annotated[float, Field(gt=0, le=1)]] = Field(
+        default_factory=dict,
+        description="rl_focal: streams with a budget of their own, {stream: share}, each met online by its own "
+        "controller in each worker ([focal] stream_budgets = {name = share}; RLENS_FOCAL_STREAM_BUDGETS as JSON sets "
+        "the streams it names over the file's); the other streams use focal_budget",
     )
     focal_alpha: float = Field(
         FocalConfig.alpha,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlens.focal.budget import BudgetController
+from rlens.focal.budget import BudgetController, logit_shift
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import run_online
@@ -44,12 +44,12 @@ def test_the_offset_adds_to_every_logit_of_the_greedy_decider():
 
 
 def test_the_shift_is_the_offset_times_each_models_price():
-    controller = BudgetController(budget=0.5, prices=np.array([4.0, 0.5, 0.5]))
-    assert controller.shift(-0.5) == pytest.approx([-2.0, -0.25, -0.25])
-    assert np.allclose(controller.shift(np.array([1.0, -1.0])), [[4.0, 0.5, 0.5], [-4.0, -0.5, -0.5]])
-    assert BudgetController(budget=0.5).shift(0.25) == pytest.approx([0.25])  # no prices: one shift for all
+    prices = np.array([4.0, 0.5, 0.5])
+    assert logit_shift(-0.5, prices) == pytest.approx([-2.0, -0.25, -0.25])
+    assert np.allclose(logit_shift(np.array([1.0, -1.0]), prices), [[4.0, 0.5, 0.5], [-4.0, -0.5, -0.5]])
     engine = FocalEngine(3, np.array([8.0, 1.0, 1.0]), replace(FocalConfig(), budget=0.5), seed=0)
-    assert engine.budget is not None and engine.budget.prices == pytest.approx([2.4, 0.3, 0.3])  # share times M
+    assert engine.prices == pytest.approx([2.4, 0.3, 0.3])  # cost share times M
+    assert FocalEngine(3, seed=0).shift(-1.0) == 0.0  # no budget: no shift
     with torch.no_grad():
         engine.decider.heads.bias += torch.tensor([3.0, 1.0, 1.0])  # the priciest model the most likely
     state = engine._state("s", 4)[None]
@@ -71,6 +71,31 @@ def test_an_engine_meets_its_budget_online(zoo):
         spent[budget] = float(trace.cost_share[len(trace.cost_share) // 2 :].mean())
         assert abs(spent[budget] - budget) < 0.03, (budget, spent[budget])
     assert spent[0.3] < spent[0.6]
+
+
+def test_streams_with_budgets_of_their_own_meet_each_online(zoo):
+    """The bundled stream's tasks as streams: two with budgets of their own (0.3 and 0.8), the rest under the
+    deployment's 0.5. Each named stream's cost share over its second half within 0.04 of its budget, the others'
+    together within 0.04 of 0.5; a stream's queries move only its own controller."""
+    names = sorted({int(t) for t in zoo.task})
+    own = {str(names[0]): 0.3, str(names[1]): 0.8}
+    config = replace(FocalConfig(), budget=0.5, stream_budgets=tuple(own.items()))
+    engine = FocalEngine(zoo.n_models, zoo.model_costs, config, seed=0)
+    assert engine.budget_of(names[0]) is engine.stream_budgets[str(names[0])]
+    assert engine.budget_of(names[2]) is engine.budget
+    trace = run_online(engine, zoo)
+    for stream, budget in [*own.items(), (None, 0.5)]:
+        rows = np.flatnonzero(
+            np.isin(zoo.task.astype(str), list(own), invert=True) if stream is None else zoo.task.astype(str) == stream
+        )
+        spent = float(trace.cost_share[rows[len(rows) // 2 :]].mean())
+        assert abs(spent - budget) < 0.04, (stream, budget, spent)
+    before = {k: b.offset for k, b in engine.stream_budgets.items()}, engine.budget.offset
+    engine.decide_batch([(names[0], 4, False, True)])
+    assert engine.stream_budgets[str(names[1])].offset == before[0][str(names[1])]
+    assert engine.budget.offset == before[1] and engine.stream_budgets[str(names[0])].offset != before[0][str(names[0])]
+    with pytest.raises(ValueError, match="in \\(0, 1\\]"):
+        FocalEngine(5, config=replace(FocalConfig(), stream_budgets=(("s", 0.0),)))
 
 
 def test_a_decision_keeps_its_offset_and_its_greedy_pool_uses_it():

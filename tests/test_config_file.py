@@ -57,6 +57,14 @@ def test_nested_keys_become_settings_and_variables_override_them(tmp_path, monke
     monkeypatch.setenv("RLENS_FOCAL_ALPHA", "0.1")
     s = Settings()
     assert (s.kafka_bootstrap, s.focal_alpha, s.focal_window) == ("k:9093", 0.1, 64)
+    with_streams = write(tmp_path, '[focal]\nbudget = 0.5\nstream_budgets = { support = 0.3, "legal-eu" = 0.8 }\n')
+    monkeypatch.setenv("RLENS_CONFIG", str(with_streams))
+    assert Settings().focal_stream_budgets == {"support": 0.3, "legal-eu": 0.8}
+    monkeypatch.setenv("RLENS_FOCAL_STREAM_BUDGETS", '{"support": 0.2}')  # the variable's streams over the file's
+    assert Settings().focal_stream_budgets == {"support": 0.2, "legal-eu": 0.8}
+    monkeypatch.setenv("RLENS_FOCAL_STREAM_BUDGETS", '{"support": 1.5}')
+    with pytest.raises(ValueError, match="less than or equal to 1"):
+        Settings()
 
 
 def test_wrong_keys_are_named_with_the_valid_ones(tmp_path):

@@ -16,6 +16,9 @@ def test_a_good_candidate_is_scored_in_shadow_then_promoted(zoo, redis_server, t
     run = simulate(zoo, redis_server.url, tmp_path, gate, warm=True, sabotage=False, n=1200)
     worker, core, served, shadowed = run.worker, run.core, run.served, run.shadowed
     assert 1 in shadowed  # the warm-started policy was first a candidate, scored beside the untrained champion
+    worker.load_candidate(worker.policy_tensors())  # a candidate's engine prices the pool as the champion's does
+    assert worker.shadow is not None and (worker.shadow.prices == worker.engine.prices).all()
+    assert len(set(worker.engine.prices)) > 1  # the bundled models' costs differ
     assert core.stats.promotions >= 1 and worker.policy_version >= 1
     snapshot = core.dashboard.snapshot()  # what the dashboard shows of it
     assert any(v["verdict"] == "promote" for v in snapshot["verdicts"]) and snapshot["gate"]["champion"] >= 1

@@ -8,7 +8,8 @@ to a share of strong-model calls. Pricing the shift makes an expensive model lea
 shift would leave the most likely model alone in the pool however expensive it is. The offset is the sum of the past
 errors, so what a run of n queries spent above the budget in all is the offset's change over them divided by
 ``rate``: a larger rate holds every window closer to the budget, at the price of a pool that moves more from query to
-query. Pure and deterministic; the engine applies and feeds it.
+query. A deployment sets one budget, and may give some streams their own: each has its own controller. Pure and
+deterministic; the engine applies and feeds it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ class BudgetController:
     )
     limit: float = 10.0  # the offset stays within [-limit, limit]
     offset: float = 0.0
-    prices: np.ndarray | None = None  # [M] each model's cost share times M (None: 1 each)
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= 1:
@@ -36,10 +36,11 @@ class BudgetController:
         """One query's spending (the called models' share of the pool's cost)."""
         self.offset = min(self.limit, max(-self.limit, self.offset - self.rate * (cost_share - self.budget)))
 
-    def shift(self, offsets: float | np.ndarray) -> np.ndarray:
-        """What the greedy Decider's logits get under ``offsets`` (a number, or one per query [B]): [M] or [B, M]."""
-        prices = np.ones(1) if self.prices is None else self.prices
-        return np.multiply.outer(offsets, prices).astype(np.float32)
+
+def logit_shift(offsets: float | np.ndarray, prices: np.ndarray) -> np.ndarray:
+    """What the greedy Decider's logits get under ``offsets`` (a number, or one per query [B]) with each model's
+    price [M] (its cost share times the pool's size): [M] or [B, M]."""
+    return np.multiply.outer(offsets, prices).astype(np.float32)
 
 
 def lowest_spending(cost_share: np.ndarray, probe_rate: float) -> float:

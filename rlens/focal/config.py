@@ -51,6 +51,7 @@ class FocalConfig:
     # the cost the user sets: the mean share of the whole pool's cost per query (None: the cost weight alpha alone),
     # met by an offset on the greedy Decider's logits (rlens.focal.budget)
     budget: float | None = None
+    stream_budgets: tuple[tuple[str, float], ...] = ()  # (stream, budget): streams met on their own; others: budget
     budget_rate: float = 0.5  # the offset's step per unit of cost share off the budget (rlens.focal.budget)
     explore_rate: float = 0.05  # online: share of queries on which both agents sample (and train); the rest are greedy
     probe_rate: float = 0.05  # online: fraction of queries that also call the rest of the pool to refresh windows

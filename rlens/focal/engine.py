@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rlens.focal.agents import CentralCritic, Decider, Fusion
-from rlens.focal.budget import BudgetController
+from rlens.focal.budget import BudgetController, logit_shift
 from rlens.focal.config import FocalConfig
 from rlens.focal.features import (
     critic_state_dim,
@@ -99,11 +99,11 @@ class FocalEngine:
         self.windows: dict[Hashable, OutcomeWindow] = {}
         self.previous_pool: OrderedDict[Hashable, np.ndarray] = OrderedDict()  # at most cfg.max_streams, LRU
         # the cost the user sets (None: the cost weight alone)
-        self.budget = (
-            BudgetController(self.cfg.budget, self.cfg.budget_rate, prices=self.cost_share * n_models)
-            if self.cfg.budget is not None
-            else None
-        )
+        self.budget = BudgetController(self.cfg.budget, self.cfg.budget_rate) if self.cfg.budget is not None else None
+        self.stream_budgets = {  # streams with a budget of their own (keys as strings)
+            str(stream): BudgetController(budget, self.cfg.budget_rate) for stream, budget in self.cfg.stream_budgets
+        }
+        self.prices = self.cost_share * n_models  # what a budget's offset is multiplied by, per model
         self.everyone = np.ones(n_models, dtype=bool)  # the whole pool (read-only: decisions share it)
         self.everyone.flags.writeable = False
         self.buffer: list[Transition] = []
@@ -138,6 +138,14 @@ class FocalEngine:
             self.cfg.marginal_diversity,
         )
 
+    def budget_of(self, key: Hashable) -> BudgetController | None:
+        """The budget stream ``key`` is met under: its own, or the deployment's (None: the cost weight alone)."""
+        return self.stream_budgets.get(str(key), self.budget) if self.stream_budgets else self.budget
+
+    def _offset(self, key: Hashable) -> float:
+        budget = self.budget_of(key)
+        return budget.offset if budget is not None else 0.0
+
     def decide(
         self, key: Hashable, n_choices: int, greedy: bool, probe: bool = False, rollouts: int = 1
     ) -> list[Decision]:
@@ -147,7 +155,7 @@ class FocalEngine:
         question, used in the warm start); the first one becomes the stream's previous pool.
         """
         state = self._state(key, n_choices)
-        offset = self.budget.offset if self.budget is not None else 0.0
+        offset = self._offset(key)
         if self.cfg.use_decider and greedy:
             pool, logp = self.greedy.pools(state[None], self.shift(offset))
             pools, pool_logps = (pool if rollouts == 1 else pool.repeat(rollouts, 0)), [float(logp[0])] * rollouts
@@ -167,14 +175,17 @@ class FocalEngine:
         return decisions
 
     def shift(self, offsets: float | np.ndarray) -> float | np.ndarray:
-        """The greedy Decider's logit shift under the budget's ``offsets`` (one, or one per query); 0 without one."""
-        return 0.0 if self.budget is None else self.budget.shift(offsets)
+        """The greedy Decider's logit shift under budget ``offsets`` (one, or one per query); 0 without a budget."""
+        return 0.0 if self.budget is None and not self.stream_budgets else logit_shift(offsets, self.prices)
 
     def spent(self, decisions: list[Decision]) -> None:
-        """What served decisions called, to the budget."""
-        if self.budget is not None:
-            for decision in decisions:
-                self.budget.observe(float(self.cost_share[decision.called].sum()))
+        """What served decisions called, to the budget each one's stream is met under."""
+        if self.budget is None and not self.stream_budgets:
+            return
+        for decision in decisions:
+            budget = self.budget_of(decision.key)
+            if budget is not None:
+                budget.observe(float(self.cost_share[decision.called].sum()))
 
     @torch.inference_mode()
     def decide_batch(self, queries: list[tuple[Hashable, int, bool, bool]]) -> list[Decision]:
@@ -183,14 +194,14 @@ class FocalEngine:
 
         A state depends only on the stream's window, its previous pool and the choice count; windows do not change
         within a batch, so queries that share those share the observation and the forward (and, greedy, the pool).
-        The decisions equal those of calling :meth:`decide` query by query (under a budget, the batch's queries share
-        the offset: it moves after the batch).
+        The decisions equal those of calling :meth:`decide` query by query (under a budget, the batch's queries of a
+        stream share its offset: it moves after the batch).
         """
         cache: dict[tuple, dict] = {}
         decisions = []
         everyone = self.everyone
-        offset = self.budget.offset if self.budget is not None else 0.0
         for key, n_choices, probe, greedy in queries:
+            offset = self._offset(key)
             previous = self.previous_pool.get(key, everyone)
             slot = (key, n_choices, previous.tobytes())
             if slot not in cache:

@@ -57,7 +57,7 @@ class GreedyActor:
     def pools(self, obs: np.ndarray, shift: float | np.ndarray = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """The greedy pools (bool [B, M]: the models with a positive logit, or the single most likely one when none
         is) and their log-probabilities [B], as :meth:`Decider.sample` with ``greedy``; ``shift`` (a number, [M] or
-        [B, M]) is added to the logits first (a budget: :meth:`rlens.focal.budget.BudgetController.shift`)."""
+        [B, M]) is added to the logits first (a budget: :func:`rlens.focal.budget.logit_shift`)."""
         logits = self.decider_logits(obs)
         if np.any(shift):
             logits = logits + np.asarray(shift, dtype=logits.dtype)

@@ -50,14 +50,19 @@ def pool_of(settings: Settings) -> PoolConfig:
 def build_engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
     engine = _engine(settings, pool)
     floor = lowest_spending(engine.cost_share, engine.cfg.probe_rate)
-    if engine.cfg.budget is not None and engine.cfg.budget < floor:
-        log.warning(
-            "RLENS_FOCAL_BUDGET %.3f is below the least this pool can spend (%.3f: its cheapest model alone, and the "
-            "probes): the workers will spend about %.3f",
-            engine.cfg.budget,
-            floor,
-            floor,
-        )
+    budgets = [("RLENS_FOCAL_BUDGET", engine.cfg.budget)] + [
+        (f"the budget of stream {stream!r}", budget) for stream, budget in engine.cfg.stream_budgets
+    ]
+    for name, budget in budgets:
+        if budget is not None and budget < floor:
+            log.warning(
+                "%s %.3f is below the least this pool can spend (%.3f: its cheapest model alone, and the probes): "
+                "the workers will spend about %.3f",
+                name,
+                budget,
+                floor,
+                floor,
+            )
     return engine
 
 
@@ -72,6 +77,7 @@ def _engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
             alpha=settings.focal_alpha,
             window=settings.focal_window,
             budget=settings.focal_budget,
+            stream_budgets=tuple(sorted(settings.focal_stream_budgets.items())),
         ),
         seed=settings.seed,
     )

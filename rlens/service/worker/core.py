@@ -251,8 +251,7 @@ class FocalWorker(Worker):
             self.shadow = None
             return
         if self.shadow is None:
-            self.shadow = FocalEngine(self.engine.n_models, None, self.engine.cfg)
-            self.shadow.cost_share = self.engine.cost_share
+            self.shadow = FocalEngine(self.engine.n_models, self.engine.model_costs, self.engine.cfg)
         self.shadow.load_policy_state(tensors)
 
     def _shadows(self, decisions: list, calls: list) -> list[Shadow | None]:
