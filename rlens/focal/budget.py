@@ -22,9 +22,7 @@ import numpy as np
 @dataclass
 class BudgetController:
     budget: float  # target mean share of the whole pool's cost per query, in (0, 1]
-    rate: float = (
-        0.5  # offset change per unit of cost share above or below the budget (chosen on bbh_dev's tuning half)
-    )
+    rate: float = 0.5  # offset change per unit of cost share off the budget (chosen on bbh_dev's tuning half)
     limit: float = 10.0  # the offset stays within [-limit, limit]
     offset: float = 0.0
 
