@@ -1,15 +1,21 @@
 """Does the live service learn as well as the offline loop? The local stack against `rlens replay --protocol stream`.
 
     python -m bench.accuracy.live_accuracy [--data DIR] [--seeds 0 1 2] [--workers 1] [--rate 50]
+                                           [--promotions direct gated] [--kafka BOOTSTRAP]
 
-For each seed: the local stack (tansu, redis-server, learner, W workers) serves the dataset's models as `replay`
-backends with engines seeded S; the dataset is played as traffic at R queries/s, each feedback sent as soon as
-its answer arrives. The offline figure is the replay harness's RL-Focal under the stream protocol, seed S.
+For each seed: the local stack (tansu, or the Apache Kafka broker ``--kafka`` names; redis-server, learner, W
+workers) serves the dataset's models as `replay` backends with engines seeded S; the dataset is played as traffic at
+R queries/s, each feedback sent as soon as its answer arrives. The offline figure is the replay harness's RL-Focal
+under the stream protocol, seed S. ``--promotions direct gated`` plays each seed once per promotion mode (gated:
+the gate at 200 / 600 events, scaled to a 3,000-query stream as in ``bench.robustness.gate``), which is the gate
+measured through the whole service; ``--explore-rate``, ``--probe-rate`` and ``--update-period`` set the learning
+of both the live and the offline run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,12 +31,34 @@ from rlens.local.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
 
-def live_run(data: Path, seed: int, workers: int, rate: float, workdir: Path) -> dict:
+GATE = {"gate_min_events": 200, "gate_max_events": 600}  # scaled to a 3,000-query stream (bench.robustness.gate)
+
+
+def live_run(
+    data: Path,
+    seed: int,
+    workers: int,
+    rate: float,
+    workdir: Path,
+    promotion: str = "direct",
+    kafka: str | None = None,
+    learning: dict | None = None,
+) -> dict:
     pool = write_replay_pool(data, workdir / "pool.json")
     config = settings().model_copy(
-        update={"pool_file": pool.resolve(), "seed": seed, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
+        update={
+            "pool_file": pool.resolve(),
+            "seed": seed,
+            "kafka_session_timeout_ms": 2000,
+            "kafka_heartbeat_ms": 500,
+            "promotion": promotion,
+            **(GATE if promotion == "gated" else {}),
+            # topics and groups of its own: a broker named by --kafka outlives each run
+            "topic_prefix": f"live-{seed}-{promotion}-{time.time_ns()}.",
+            **(learning or {}),
+        }
     )
-    stack = LocalStack(config, workdir)
+    stack = LocalStack(config, workdir, kafka_bootstrap=kafka)
     try:
         stack.start_learner()
         for _ in range(workers):
@@ -49,6 +77,7 @@ def live_run(data: Path, seed: int, workers: int, rate: float, workdir: Path) ->
         "p50_ms": report.latency_percentile(50),
         "p99_ms": report.latency_percentile(99),
         "policy_version": max(report.policy_versions),
+        "policy_versions_served": len(report.policy_versions),
     }
 
 
@@ -58,24 +87,45 @@ def main() -> None:
     add_seeds(parser)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--rate", type=float, default=50.0)
+    parser.add_argument("--promotions", nargs="+", choices=["direct", "gated"], default=["direct"])
+    parser.add_argument("--kafka", default=None, help="bootstrap of an Apache Kafka broker to run on (default: tansu)")
+    parser.add_argument("--explore-rate", type=float, default=None, help="RLENS_FOCAL_EXPLORE_RATE (default: its own)")
+    parser.add_argument("--probe-rate", type=float, default=None, help="RLENS_FOCAL_PROBE_RATE (default: its own)")
+    parser.add_argument("--update-period", type=int, default=None, help="RLENS_FOCAL_UPDATE_PERIOD (default: its own)")
     add_out(parser, "bench/out/live_accuracy.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
     dataset = load_dataset(args.data)
+    learning = {
+        name: value
+        for name, value in (
+            ("focal_explore_rate", args.explore_rate),
+            ("focal_probe_rate", args.probe_rate),
+            ("focal_update_period", args.update_period),
+        )
+        if value is not None
+    }
+    offline_config = FocalConfig(**{name.removeprefix("focal_"): value for name, value in learning.items()})
     rows = []
     for seed in args.seeds:
         offline = (
-            replay(dataset, Protocol.stream, seed, FocalConfig(), ["rl_focal"], workers=1)
+            replay(dataset, Protocol.stream, seed, offline_config, ["rl_focal"], workers=1)
             .results.methods["rl_focal"]
             .accuracy
         )
-        live = live_run(args.data, seed, args.workers, args.rate, Path(f"bench/out/live-stack-{seed}"))
-        rows.append({"seed": seed, "workers": args.workers, "offline": offline, **live})
-        print(
-            f"seed {seed}: live {100 * live['accuracy']:.1f} % vs offline {100 * offline:.1f} % ({100 * (live['accuracy'] - offline):+.1f}); "
-            f"{live['answered']} answered, {live['duplicates']} duplicates, p50 {live['p50_ms']:.0f} ms, p99 {live['p99_ms']:.0f} ms, policy v{live['policy_version']}",
-            flush=True,
-        )
+        for promotion in args.promotions:
+            with tempfile.TemporaryDirectory() as workdir:  # no checkpoint of an earlier run to resume from
+                live = live_run(
+                    args.data, seed, args.workers, args.rate, Path(workdir), promotion, args.kafka, learning
+                )
+            rows.append({"seed": seed, "workers": args.workers, "promotion": promotion, "offline": offline, **live})
+            print(
+                f"seed {seed} {promotion}: live {100 * live['accuracy']:.1f} % vs offline {100 * offline:.1f} % "
+                f"({100 * (live['accuracy'] - offline):+.1f}); {live['answered']} answered, {live['duplicates']} "
+                f"duplicates, p50 {live['p50_ms']:.0f} ms, p99 {live['p99_ms']:.0f} ms, policy v{live['policy_version']} "
+                f"({live['policy_versions_served']} versions served)",
+                flush=True,
+            )
     write_json(
         args.out,
         rows,
