@@ -12,7 +12,8 @@ and weighs each logged episode by that density over the logging one, span by spa
 with mu(x_s) the candidate's greedy weights in the logged state. kappa is the kernel's concentration: a larger one
 is less biased (the smoothed candidate is closer to the greedy one) and has fewer effective samples. The estimate
 is then :func:`rlens.evaluation.ope.ips` or :func:`rlens.evaluation.ope.snips` of the episodes' rewards with these
-weights. Pure torch/numpy, deterministic. Measured on the zoo (``bench.rlae.ope``, BENCHMARKS.md): it ranks
+weights. This is ``ppo``'s case (a Dirichlet over the weights); ``mappo`` logs Gaussian logits, whose kernel would
+be a Gaussian on the logits (not built). Pure torch/numpy, deterministic. Measured on the zoo (``bench.rlae.ope``, BENCHMARKS.md): it ranks
 candidates near the logging policy fairly, but its intervals undercover and far candidates get a few effective
 episodes, so RLAE's policies are not gated on it.
 """
