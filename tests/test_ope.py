@@ -9,7 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from rlens.backends import create_backend
-from rlens.evaluation.logged import FixedPool, FocalPolicy, LoggedQuery, evaluate, read_log
+from rlens.evaluation.logged import FixedPool, FocalPolicy, LoggedQuery, evaluate, fit_ridge, loo_residuals, read_log
 from rlens.evaluation.ope import Z95, corrected_replay, direct, doubly_robust, effective_sample_size, ips, snips
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
@@ -125,6 +125,18 @@ def test_corrected_replay_by_hand():
     assert e.high - e.value == pytest.approx(Z95 * math.sqrt(variance))
     exact = corrected_replay(values, np.zeros(4, dtype=bool), np.array([]))  # nothing modelled: a plain mean
     assert exact.value == pytest.approx(0.5) and exact.high - exact.value == pytest.approx(Z95 * values.std(ddof=1) / 2)
+
+
+def test_leave_one_out_residuals_by_hand_and_by_refitting():
+    # an intercept alone (unpenalised) is the mean of the other rows: y_i - mean(y without i)
+    ones = np.ones((3, 1))
+    assert loo_residuals(ones, np.array([1.0, 2.0, 6.0])) == pytest.approx([1 - 4, 2 - 3.5, 6 - 1.5])
+    rng = np.random.default_rng(0)
+    x = np.column_stack([np.ones(10), rng.normal(size=(10, 3))])
+    y = rng.normal(size=10)
+    refitted = [y[i] - x[i] @ fit_ridge(np.delete(x, i, 0), np.delete(y, i)) for i in range(10)]
+    assert loo_residuals(x, y) == pytest.approx(refitted)
+    assert np.abs(loo_residuals(x, y)).mean() > np.abs(y - x @ fit_ridge(x, y)).mean()  # larger than in-sample
 
 
 def test_the_learners_log_round_trips_rotates_and_feeds_rlens_ope(zoo, tmp_path):

@@ -190,6 +190,16 @@ def fit_ridge(x: np.ndarray, y: np.ndarray, penalty: float = RIDGE) -> np.ndarra
     return np.linalg.solve(x.T @ x + penalty * eye, x.T @ y)
 
 
+def loo_residuals(x: np.ndarray, y: np.ndarray, penalty: float = RIDGE) -> np.ndarray:
+    """Each row's error under the ridge model fitted without it: (y − ŷ) / (1 − h), h the hat matrix's diagonal
+    (exact for ridge at a fixed penalty). In-sample errors would understate the model's error where it stands in."""
+    eye = np.eye(x.shape[1])
+    eye[0, 0] = 0.0
+    inverse = np.linalg.inv(x.T @ x + penalty * eye)
+    hat = np.einsum("ij,jk,ik->i", x, inverse, x)
+    return (y - x @ (inverse @ (x.T @ y))) / np.maximum(1.0 - hat, 1e-9)
+
+
 def replay_estimate(
     known: list[float | None],
     features: np.ndarray,
@@ -200,18 +210,24 @@ def replay_estimate(
     """The replay estimator (:func:`rlens.evaluation.ope.corrected_replay`) of a policy's per-query values: ``known``
     where the log holds what the policy needs (None elsewhere), a ridge reward model of ``features`` fitted on the
     ``probe`` rows where it is known elsewhere, and the model's mean error corrected on the probe rows whose values
-    the logged pool did not ``held`` (all probe rows when fewer than MIN_RESIDUALS are). ``offset`` is subtracted per
-    query (another policy's known values: an estimate of the difference). The estimate and the model's weights."""
+    the logged pool did not ``held`` (all probe rows when fewer than MIN_RESIDUALS are), each row's error that of the
+    model fitted without it (:func:`loo_residuals`). ``offset`` is subtracted per query (another policy's known
+    values: an estimate of the difference). The estimate and the model's weights."""
     known_mask = np.array([v is not None for v in known], dtype=bool)
     exact = np.array([0.0 if v is None else v for v in known])
     complete = np.flatnonzero(probe & known_mask)
     model = fit_ridge(features[complete], exact[complete]) if len(complete) >= 2 else np.zeros(features.shape[1])
     predicted = features @ model
-    stand_in = complete[~held[complete]]
-    if len(stand_in) < MIN_RESIDUALS:
-        stand_in = complete
+    errors = (
+        loo_residuals(features[complete], exact[complete])
+        if len(complete) >= 2
+        else exact[complete] - predicted[complete]
+    )
+    stand_in = ~held[complete]
+    if stand_in.sum() < MIN_RESIDUALS:
+        stand_in[:] = True
     values = np.where(known_mask, exact, predicted) - (0.0 if offset is None else offset)
-    return corrected_replay(values, ~known_mask, exact[stand_in] - predicted[stand_in]), model
+    return corrected_replay(values, ~known_mask, errors[stand_in]), model
 
 
 def evaluate(
