@@ -162,7 +162,9 @@ class Settings(BaseSettings):
         "direct",
         description="rl_focal: direct, every update goes live; gated, an update is a candidate the workers score in "
         "shadow, and goes live only when its lower 95 % bound of reward against the champion is at least "
-        "-RLENS_GATE_DELTA (after RLENS_GATE_MIN_EVENTS labelled queries; dropped after RLENS_GATE_MAX_EVENTS)",
+        "-RLENS_GATE_DELTA (after RLENS_GATE_MIN_EVENTS labelled queries; dropped after RLENS_GATE_MAX_EVENTS); the "
+        "champion it replaced is then scored over RLENS_GATE_MIN_EVENTS queries and restored if it was better by more "
+        "than the delta",
     )
     gate_min_events: int = Field(400, ge=10, description="gated promotion: queries scored in shadow before a verdict")
     gate_max_events: int = Field(

@@ -99,3 +99,21 @@ def test_with_drift_reset_a_drift_detection_restarts_the_candidates_evidence():
         assert len(gate.evidence) == 30
         assert gate.drifted() is reset and len(gate.evidence) == (0 if reset else 30)
     assert Gate(GateConfig(drift_reset=True), np.full(3, 1 / 3), 0.24).drifted() is False  # no candidate: nothing
+
+
+def test_probation_is_judged_once_after_min_events():
+    """The replaced champion, scored against the one promoted: rolled back to when clearly better, otherwise the new
+    champion passes at the first look (looking again and again would roll good promotions back by chance)."""
+    rng = np.random.default_rng(1)
+    for better, verdict in ((0.3, "roll back"), (0.0, "passed")):
+        gate = Gate(GateConfig(min_events=200, max_events=4000, every=25, delta=0.02), np.full(3, 1 / 3), 0.0)
+        gate.propose((1, 2), {}, "probation")
+        verdicts = []
+        for i in range(300):
+            champion = bool(rng.random() < 0.5)
+            probe = bool(rng.random() < 0.2)
+            predecessor = bool(rng.random() < 0.5 + better)
+            gate.observe(shadowed_experience(i, champion, predecessor if probe else None, probe), label=0)
+            verdicts.append(gate.verdict())
+        assert verdicts[:199] == [None] * 199
+        assert verdicts[199] == verdict, (better, gate.last)

@@ -3,11 +3,12 @@ workers serve the champion and log the candidate's greedy action beside it (:cla
 model call); the gate promotes the candidate only when, after at least ``min_events`` labelled queries, the lower
 95 % bound of (candidate − champion) reward is at least −``delta``, and drops it after ``max_events`` without.
 
-After a promotion the champion it replaced is scored in shadow in its turn (*probation*): if the new champion's
-reward falls below it by more than ``delta`` with confidence (the lower bound of their difference above ``delta``),
-the learner rolls back to it; after ``max_events`` without, the new champion has passed. Only then does the next
-candidate come. (The two thresholds, −delta to promote and +delta to roll back, keep a candidate within delta of
-its predecessor from going back and forth.)
+After a promotion the champion it replaced is scored in shadow in its turn (*probation*), and judged once, after
+``min_events``: if the new champion's reward falls below it by more than ``delta`` with confidence (the lower bound
+of their difference above ``delta``), the learner rolls back to it; otherwise the new champion has passed. Only then
+does the next candidate come. (The two thresholds, −delta to promote and +delta to roll back, keep a candidate
+within delta of its predecessor from going back and forth. One look keeps the rollback's error rate at its bound's
+2.5 %: looking again every ``every`` queries up to ``max_events`` rolled good promotions back, BENCHMARKS.md.)
 
 The difference is estimated per query as the replay estimator does (:mod:`rlens.evaluation.logged`): exact where the
 query called every model the candidate's pool needs, a ridge reward model of the candidate elsewhere, that model's
@@ -36,7 +37,7 @@ Kind = Literal["challenger", "probation"]
 @dataclass(frozen=True)
 class GateConfig:
     min_events: int = 400  # labelled queries scored in shadow before any verdict
-    max_events: int = 4000  # without a promotion by then, the candidate is dropped
+    max_events: int = 4000  # without a promotion by then, the candidate is dropped (probation: one look, at min_events)
     every: int = 50  # queries between two looks at the evidence
     delta: float = 0.02  # the reward a candidate may lose against the champion, at the lower 95 % bound
     drift_reset: bool = False  # a drift detection restarts the candidate's evidence (only what came after counts)
@@ -96,7 +97,8 @@ class Gate:
         return estimate
 
     def verdict(self) -> Verdict | None:
-        """A challenger: promote, drop, or None (keep collecting); on probation: roll back, passed, or None."""
+        """A challenger: promote, drop, or None (keep collecting); on probation: roll back or passed (or None before
+        ``min_events``)."""
         n = len(self.evidence)
         if self.candidate is None or n < self.config.min_events or n - self._looked_at < self.config.every:
             return None
@@ -104,7 +106,7 @@ class Gate:
         self.last = self.estimate()
         done = n >= self.config.max_events
         if self.kind == "probation":
-            return "roll back" if self.last.low > self.config.delta else "passed" if done else None
+            return "roll back" if self.last.low > self.config.delta else "passed"
         return "promote" if self.last.low >= -self.config.delta else "drop" if done else None
 
     def drifted(self) -> bool:
