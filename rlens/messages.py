@@ -69,6 +69,13 @@ class Query(Message):
         None, max_length=256, description="the question's id in a recorded dataset (replay backend)"
     )
     sent_at: float | None = Field(None, description="unix time the producer sent it (latency accounting)")
+    budget: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="rl_focal: the most this query may spend, as a share of the whole pool's cost: the Decider's greedy "
+        "pool cut to fit (no exploration, no probe); at least one model is called",
+    )
     reply_to: str | None = Field(
         None,
         max_length=249,
@@ -184,6 +191,9 @@ class Behaviour(BaseModel):
     )
     label_prior: list[Annotated[float, Field(ge=0, le=1)]] = Field(
         max_length=MAX_CHOICES, description="the stream window's label frequencies the Fusion agent read"
+    )
+    budget: float | None = Field(
+        None, gt=0, le=1, description="the query's own budget, if it had one: its greedy pool was cut to fit"
     )
 
 

@@ -1,5 +1,6 @@
 """The cost the user sets: the budget controller by hand, the offset on the greedy Decider's logits, an engine that
-meets its budget online on the bundled stream, and the propensity of a decision taken under an offset."""
+meets its budget online on the bundled stream, the propensity of a decision taken under an offset, and a query's
+own budget (the pool cut to fit it, by hand and on the bundled stream)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlens.focal.budget import BudgetController, logit_shift
+from rlens.focal.budget import BudgetController, fit_pool, logit_shift
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import run_online
@@ -107,3 +108,52 @@ def test_a_decision_keeps_its_offset_and_its_greedy_pool_uses_it():
     assert explored.offset == before != engine.budget.offset  # taken under the offset of its batch; it moved after
     expected = engine.greedy.pools(explored.state[None], engine.shift(explored.offset))[0][0]
     assert (engine.greedy_pools([explored])[0] == expected).all()
+
+
+def test_a_pool_is_cut_to_a_querys_budget_most_likely_model_first():
+    cost = np.array([0.5, 0.3, 0.2])
+    likely = np.array([2.0, 1.0, 0.0])  # model 0 the most likely, then 1, then 2
+    everyone = np.ones(3, dtype=bool)
+    assert fit_pool(everyone, likely, cost, 1.0) is everyone  # within the budget: unchanged
+    assert fit_pool(everyone, likely, cost, 0.5).tolist() == [True, False, False]  # 0; 0 + 1 and 0 + 2 do not fit
+    assert fit_pool(everyone, likely, cost, 0.75).tolist() == [True, False, True]  # 0; not 1 (0.8); 2 (0.7)
+    assert fit_pool(everyone, likely, cost, 0.4).tolist() == [False, True, False]  # 0 does not fit; 1; not 2 (0.5)
+    assert fit_pool(everyone, np.zeros(3), cost, 0.5).tolist() == [False, True, True]  # a tie: the cheaper first
+    only_0 = np.array([True, False, False])
+    assert fit_pool(only_0, likely, cost, 0.4).tolist() == [False, True, False]  # none of the pool fits: 1 alone
+    assert fit_pool(only_0, likely, cost, 0.1).tolist() == [False, False, True]  # none fits alone: the cheapest
+    tenths = np.array([0.1, 0.2, 0.7])
+    assert fit_pool(everyone, np.zeros(3), tenths, 0.3).tolist() == [True, True, False]  # 0.1 + 0.2 fits 0.3
+
+
+def test_a_query_with_its_own_budget_spends_at_most_it_greedily(zoo):
+    """The bundled stream's Decider (warm-started on half of it, explore and probe rates up): every capped query's
+    called models cost at most its budget, greedy and without a probe, its propensity 1 and its log-probability the
+    cut pool's under the greedy Decider; uncapped queries in the same batch are untouched."""
+    from rlens.evaluation.logged import FocalPolicy, LoggedQuery
+    from rlens.focal.schedule import warm_start
+
+    config = replace(FocalConfig(), explore_rate=0.5, probe_rate=0.5)
+    engine = FocalEngine(zoo.n_models, zoo.model_costs, config, seed=0)
+    warm_start(engine, zoo.subset(np.arange(0, zoo.n_questions, 2)))
+    streams = sorted({int(t) for t in zoo.task})
+    queries = [(stream, 4, True, False) for stream in streams]
+    probs, rel, prior = np.full((zoo.n_models, 4), 0.25), np.full(zoo.n_models, 0.5), np.full(4, 0.25)
+    for cap in (0.005, 0.05, 0.3):
+        capped = engine.decide_batch(queries, [cap] * len(queries))
+        free = engine.decide_batch(queries)
+        for d in capped:
+            floor = float(engine.cost_share.min())
+            assert float(engine.cost_share[d.called].sum()) <= max(cap, floor) + 1e-9
+            assert not d.explored and (d.called == d.pool).all() and d.cap == cap
+            logits = engine.greedy.decider_logits(d.state[None])[0] + engine.shift(d.offset)
+            logp = np.where(d.pool, -np.logaddexp(0, -logits), -np.logaddexp(0, logits)).sum()
+            greedy = engine.greedy.pools(d.state[None], engine.shift(d.offset))
+            if (greedy[0][0] == d.pool).all():
+                logp = greedy[1][0]  # uncut: the greedy pool's own
+            assert d.pool_logp == pytest.approx(logp, abs=1e-5)
+            assert engine.propensity(d, engine.fuse_batch([d], [np.full((zoo.n_models, 4), 0.25)])[0]) == 1.0
+            logged = LoggedQuery(d.state, probs, d.called, rel, prior, d.pool, 0, 1.0, 0, False, budget=cap)
+            assert (FocalPolicy("it", engine).act(logged)[0] == d.pool).all()  # off-policy evaluation cuts it too
+        assert all(d.explored and d.called.all() and d.cap is None for d in free)  # the batch's own flags
+    assert (engine.cost_share.max() > 0.9) and zoo.model_costs.min() > 0  # one model is nearly all the pool's cost

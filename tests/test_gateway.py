@@ -223,6 +223,25 @@ def test_each_answer_says_its_cost_and_overhead_and_a_spent_budget_refuses_the_k
     assert metric(gw["url"], "rlens_gateway_budget_refused_total") >= 1
 
 
+def test_a_requests_own_budget_cuts_its_pool_and_a_bad_one_is_refused(gw):
+    """rlens.budget: the models called for the request cost at most that share of the pool's cost (the bundled pool:
+    one model is 99.6 % of it), the worker's Query carries it; out of (0, 1] it is a 400 naming the field."""
+    pool = json.loads((gw["stack"].workdir / "pool.json").read_text())["models"]
+    costs = {m["name"]: m["cost"] for m in pool}
+    total = sum(costs.values())
+    for question in range(12):
+        budget = 0.002 if question % 2 else 0.5
+        rlens = {"choices": CHOICES, "reference_id": str(question), "budget": budget}
+        response = ask(gw, question=question, stream="capped", rlens=rlens)
+        assert response.status_code == 200, response.text
+        account = response.json()["rlens"]
+        assert account["called_models"] and account["cost"] <= budget * total * (1 + 1e-6), (budget, account)
+    assert read_answers(gw["stack"].settings, response.json()["id"]).cost <= 0.002 * total * (1 + 1e-6)
+    for bad in (0, 1.5, "half"):
+        refused = ask(gw, question=1, stream="capped", rlens={"choices": CHOICES, "reference_id": "1", "budget": bad})
+        assert refused.status_code == 400 and "budget" in refused.text, refused.text
+
+
 def spans_of(directory: Path) -> list[dict]:
     return [json.loads(line) for path in directory.glob("*.jsonl") for line in path.read_text().splitlines() if line]
 

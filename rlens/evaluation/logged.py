@@ -20,6 +20,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlens.evaluation.ope import Estimate, corrected_replay, direct, doubly_robust, ips, snips
+from rlens.focal.budget import fit_pool
 from rlens.focal.engine import FocalEngine
 from rlens.focal.features import fusion_observation
 from rlens.messages import MAX_CHOICES, Behaviour, Experience
@@ -41,6 +42,7 @@ class LoggedQuery:
     label: int  # the correct choice (-1: unknown)
     probe: bool  # every model was called
     query_id: str = ""
+    budget: float | None = None  # the query's own budget (a cap on its pool's cost share), if it had one
 
     @classmethod
     def from_experience(cls, experience: Experience, label: int) -> "LoggedQuery":
@@ -81,6 +83,7 @@ class LoggedQuery:
             label=label,
             probe=b.probe,
             query_id=query_id,
+            budget=b.budget,
         )
 
 
@@ -149,10 +152,14 @@ class FocalPolicy:
     engine: FocalEngine
 
     def act(self, query: LoggedQuery) -> tuple[np.ndarray, int | None]:
-        if self.engine.cfg.use_decider:
-            pool = self.engine.greedy.pools(query.state[None])[0][0]
+        engine = self.engine
+        if engine.cfg.use_decider:
+            pool = engine.greedy.pools(query.state[None])[0][0]
         else:
             pool = np.ones(len(query.known), dtype=bool)
+        if query.budget is not None:  # cut to the query's own budget, as the worker does
+            logits = engine.greedy.decider_logits(query.state[None])[0] if engine.cfg.use_decider else engine.no_logits
+            pool = fit_pool(pool, logits, engine.cost_share, query.budget)
         if (pool & ~query.known).any():
             return pool, None
         return pool, fuse_greedy(self.engine, query, pool)
@@ -160,7 +167,8 @@ class FocalPolicy:
 
 @dataclass
 class FixedPool:
-    """Always the same models, answering the choice with the largest summed probability (one model: its answer)."""
+    """Always the same models, answering the choice with the largest summed probability (one model: its answer); a
+    reference for the benchmarks, which ignores a query's own budget."""
 
     name: str
     pool: np.ndarray

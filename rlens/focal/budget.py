@@ -10,6 +10,9 @@ errors, so what a run of n queries spent above the budget in all is the offset's
 ``rate``: a larger rate holds every window closer to the budget, at the price of a pool that moves more from query to
 query. A deployment sets one budget, and may give some streams their own: each has its own controller. Pure and
 deterministic; the engine applies and feeds it.
+
+A query may also carry its own budget, a cap on what that query alone spends: :func:`fit_pool` cuts the greedy pool
+to it (no exploration and no probe on such a query).
 """
 
 from __future__ import annotations
@@ -44,3 +47,22 @@ def logit_shift(offsets: float | np.ndarray, prices: np.ndarray) -> np.ndarray:
 def lowest_spending(cost_share: np.ndarray, probe_rate: float) -> float:
     """The least a budget can get: the cheapest model alone on every query but the probes, which call everyone."""
     return (1 - probe_rate) * float(np.min(cost_share)) + probe_rate
+
+
+def fit_pool(pool: np.ndarray, logits: np.ndarray, cost_share: np.ndarray, cap: float) -> np.ndarray:
+    """``pool`` cut to cost at most ``cap`` of the pool's cost: its models taken most likely first (by ``logits``,
+    the cheaper first on a tie), each kept if it still fits. When none fits, the most likely model of the whole pool
+    that fits alone, or the cheapest one when none does (a cap below every model's share)."""
+    cap += 1e-9  # shares that add up to the cap exactly, in floating point
+    if float(cost_share[pool].sum()) <= cap:
+        return pool
+    order = np.lexsort((cost_share, -logits))  # most likely first, then cheapest
+    fitted = np.zeros_like(pool)
+    spent = 0.0
+    for j in order:
+        if pool[j] and spent + cost_share[j] <= cap:
+            fitted[j], spent = True, spent + float(cost_share[j])
+    if not fitted.any():
+        alone = [j for j in order if cost_share[j] <= cap]
+        fitted[alone[0] if alone else int(np.argmin(cost_share))] = True
+    return fitted

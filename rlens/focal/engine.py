@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rlens.focal.agents import CentralCritic, Decider, Fusion
-from rlens.focal.budget import BudgetController, logit_shift
+from rlens.focal.budget import BudgetController, fit_pool, logit_shift
 from rlens.focal.config import FocalConfig
 from rlens.focal.features import (
     critic_state_dim,
@@ -52,6 +52,7 @@ class Decision:
     pool_logp: float  # log-probability of ``pool`` under the Decider
     explored: bool  # the pool was sampled (and the Fusion agent will sample its answer); False: greedy
     offset: float = 0.0  # the budget's offset (its dual variable) when it was taken: FocalEngine.shift
+    cap: float | None = None  # the query's own budget (a share of the pool's cost): greedy, cut to fit (fit_pool)
 
 
 @dataclass
@@ -106,6 +107,7 @@ class FocalEngine:
         self.prices = self.cost_share * n_models  # what a budget's offset is multiplied by, per model
         self.everyone = np.ones(n_models, dtype=bool)  # the whole pool (read-only: decisions share it)
         self.everyone.flags.writeable = False
+        self.no_logits = np.zeros(n_models)  # without a Decider: fit_pool takes the cheapest models first
         self.buffer: list[Transition] = []
         self.explored_buffered = 0  # explored transitions in the buffer
 
@@ -147,13 +149,22 @@ class FocalEngine:
         return budget.offset if budget is not None else 0.0
 
     def decide(
-        self, key: Hashable, n_choices: int, greedy: bool, probe: bool = False, rollouts: int = 1
+        self,
+        key: Hashable,
+        n_choices: int,
+        greedy: bool,
+        probe: bool = False,
+        rollouts: int = 1,
+        cap: float | None = None,
     ) -> list[Decision]:
         """Choose the pool for one query of stream ``key`` (before any model is called); ``n_choices`` 0: open-ended.
 
         ``rollouts`` > 1 draws that many pools from the same state (parallel environments over one recorded
-        question, used in the warm start); the first one becomes the stream's previous pool.
+        question, used in the warm start); the first one becomes the stream's previous pool. ``cap``: the query's own
+        budget (:meth:`decide_batch`).
         """
+        if cap is not None:
+            return self.decide_batch([(key, n_choices, probe, greedy)], [cap])
         state = self._state(key, n_choices)
         offset = self._offset(key)
         if self.cfg.use_decider and greedy:
@@ -188,9 +199,12 @@ class FocalEngine:
                 budget.observe(float(self.cost_share[decision.called].sum()))
 
     @torch.inference_mode()
-    def decide_batch(self, queries: list[tuple[Hashable, int, bool, bool]]) -> list[Decision]:
+    def decide_batch(
+        self, queries: list[tuple[Hashable, int, bool, bool]], caps: list[float | None] | None = None
+    ) -> list[Decision]:
         """:meth:`decide` for a batch of (key, n_choices, probe, greedy), in order, with one Decider forward per
-        distinct state.
+        distinct state. ``caps``: each query's own budget, or None; a query with one is greedy, no probe, and its
+        pool is cut to cost at most that share of the pool's cost (:func:`rlens.focal.budget.fit_pool`).
 
         A state depends only on the stream's window, its previous pool and the choice count; windows do not change
         within a batch, so queries that share those share the observation and the forward (and, greedy, the pool).
@@ -200,7 +214,10 @@ class FocalEngine:
         cache: dict[tuple, dict] = {}
         decisions = []
         everyone = self.everyone
-        for key, n_choices, probe, greedy in queries:
+        for i, (key, n_choices, probe, greedy) in enumerate(queries):
+            cap = caps[i] if caps is not None else None
+            if cap is not None:
+                probe, greedy = False, True
             offset = self._offset(key)
             previous = self.previous_pool.get(key, everyone)
             slot = (key, n_choices, previous.tobytes())
@@ -210,20 +227,33 @@ class FocalEngine:
             state = known["state"]
             if not self.cfg.use_decider:
                 pool, logp = everyone, 0.0
+                if cap is not None:
+                    pool = fit_pool(pool, self.no_logits, self.cost_share, cap)
             elif greedy:
                 if "greedy" not in known:
                     greedy_pools, greedy_logps = self.greedy.pools(state[None], self.shift(offset))
                     known["greedy"] = (greedy_pools[0], float(greedy_logps[0]))
                 pool, logp = known["greedy"]
+                if cap is not None:
+                    pool, logp = self._fit(pool, logp, state, offset, cap)
             else:
                 if "logits" not in known:
                     known["logits"] = self.decider.logits(torch.from_numpy(state)[None])
                 pools_t, logps = self.decider.sample(known["logits"], False, self.torch_rng)
                 pool, logp = pools_t[0].numpy().astype(bool), float(logps[0])
             self.remember_pool(key, pool)
-            decisions.append(Decision(key, pool, everyone if probe else pool, state, logp, not greedy, offset))
+            decisions.append(Decision(key, pool, everyone if probe else pool, state, logp, not greedy, offset, cap))
         self.spent(decisions)
         return decisions
+
+    def _fit(self, pool: np.ndarray, logp: float, state: np.ndarray, offset: float, cap: float) -> tuple:
+        """The greedy ``pool`` (log-probability ``logp``) cut to the query's cap, and the Decider's log-probability
+        of the cut pool."""
+        if float(self.cost_share[pool].sum()) <= cap + 1e-9:
+            return pool, logp
+        logits = self.greedy.decider_logits(state[None])[0] + self.shift(offset)
+        fitted = fit_pool(pool, logits, self.cost_share, cap)
+        return fitted, float(np.where(fitted, -np.logaddexp(0, -logits), -np.logaddexp(0, logits)).sum())
 
     def fusion_features(self, decision: Decision, probs: np.ndarray) -> np.ndarray:
         """The Fusion's observation [C, F] for the pool of ``decision`` and the models' distributions ``probs`` [M, C]."""
@@ -314,18 +344,24 @@ class FocalEngine:
         explored = [i for i, d in enumerate(decisions) if every or d.explored]
         if explored and not self.cfg.use_decider:
             for i in explored:
-                pools[i] = self.everyone
+                cap = decisions[i].cap
+                pools[i] = (
+                    self.everyone if cap is None else fit_pool(self.everyone, self.no_logits, self.cost_share, cap)
+                )
         elif explored:
             states = np.stack([decisions[i].state for i in explored])
             greedy = self.greedy.pools(states, self.shift(np.array([decisions[i].offset for i in explored])))[0]
             for j, i in enumerate(explored):
-                pools[i] = greedy[j]
+                d = decisions[i]
+                pools[i] = greedy[j] if d.cap is None else self._fit(greedy[j], 0.0, d.state, d.offset, d.cap)[0]
         return pools
 
     def propensity(self, decision: Decision, answer: Answer, greedy_pool: np.ndarray | None = None) -> float:
         """The serving mixture's probability of this decision's pool and answer (:mod:`rlens.focal.propensity`);
         ``greedy_pool``: :meth:`greedy_pool` of the decision, if known. A greedy decision took the greedy pool and
         its answer is the Fusion's mode, so only an explored one is compared with them."""
+        if decision.cap is not None:  # greedy always, its own budget's cut: nothing else could be served
+            return 1.0
         if not decision.explored:
             return serving_propensity(self.cfg.explore_rate, decision.pool_logp, answer.answer_logp, True, True)
         greedy_pool = self.greedy_pool(decision) if greedy_pool is None else greedy_pool

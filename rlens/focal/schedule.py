@@ -179,13 +179,14 @@ def run_online(
     reaction: Reaction = "none",
     keep: int = 10,
     served: Callable[[int, Decision, Answer], None] | None = None,
+    cap: float | None = None,
 ) -> OnlineTrace:
     """Algorithm 2 over ``data``. The window key is each question's task, or ``stream`` for all of them (the task
     unknown, as in the service). ``drift`` is fed each outcome when its feedback arrives (the learner's signals:
     ``outcome`` and each called model's ``model:<index>``) and each answer's confidence as it is given (label-free);
     its detections are in the trace, and ``reaction`` applies on each question whose outcome completed one: ``trim`` the stream's window to its last ``keep``
     outcomes, ``reset`` it, or ``none``. ``served(i, decision, answer)`` sees each answer as it is given, before its
-    feedback (what a worker would log)."""
+    feedback (what a worker would log). ``cap``: every query's own budget (greedy, no probe: :meth:`FocalEngine.decide`)."""
     qs = questions(data)
     cfg = engine.cfg
     n = len(qs)
@@ -221,9 +222,9 @@ def run_online(
 
     for i, q in enumerate(qs):
         probe = cfg.probe_rate > 0 and engine.rng.random() < cfg.probe_rate
-        explore = cfg.explore_rate > 0 and engine.rng.random() < cfg.explore_rate
+        explore = cfg.explore_rate > 0 and engine.rng.random() < cfg.explore_rate and cap is None
         (decision,) = engine.decide(
-            q.key if stream is None else stream, q.decider_choices, greedy=not explore, probe=probe
+            q.key if stream is None else stream, q.decider_choices, greedy=not explore, probe=probe, cap=cap
         )
         answer = engine.fuse(decision, q.probs)
         if served is not None:

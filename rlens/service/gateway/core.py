@@ -130,6 +130,14 @@ class Gateway:
                 "unexpected_choices",
                 "rlens.choices",
             )
+        if strategy == "rlae" and request.rlens.budget is not None:
+            raise ApiError(
+                400,
+                "rlens-rlae merges every model of the pool token by token: rlens.budget applies to rlens-focal only",
+                "invalid_request_error",
+                "unexpected_budget",
+                "rlens.budget",
+            )
         stream = stream_header or (request.metadata or {}).get("stream") or DEFAULT_STREAM
         if len(tenant_stream(key.tenant, stream)) > 256:  # the key the workers see: the tenant's @<tenant>/<stream>
             raise ApiError(
@@ -268,6 +276,7 @@ class Gateway:
             prompt=prompt,
             choices=request.rlens.choices,
             reference_id=request.rlens.reference_id,
+            budget=request.rlens.budget,
             sent_at=time.time(),
             reply_to=self.reply_topic,
             signature=self.tokens.query_signature(query_id, stream),

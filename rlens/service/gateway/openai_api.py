@@ -3,9 +3,9 @@
 Requests: ``/v1/chat/completions`` and ``/v1/completions``. The ``model`` names the strategy (:data:`MODELS`);
 OpenAI sampling parameters (temperature, top_p, max_tokens, ...) are accepted and ignored: the ensemble decides.
 rlens's own fields travel in the extension object ``rlens`` (:class:`RlensRequest`: a multiple-choice query's
-``choices``; the recorded question id for replay pools), the stream key in ``metadata.stream`` (or the
-``X-Rlens-Stream`` header). Responses are OpenAI's, with the ensemble's account in an ``rlens`` object
-(:class:`RlensAnswer`: chosen models, failures, policy version, rlae span weights).
+``choices``; the recorded question id for replay pools; the request's own ``budget``), the stream key in
+``metadata.stream`` (or the ``X-Rlens-Stream`` header). Responses are OpenAI's, with the ensemble's account in an
+``rlens`` object (:class:`RlensAnswer`: chosen models, failures, policy version, rlae span weights).
 """
 
 from __future__ import annotations
@@ -60,6 +60,13 @@ class RlensRequest(Request):
     )
     reference_id: str | None = Field(
         None, max_length=256, description="the question's id in a recorded dataset (pools of replay backends)"
+    )
+    budget: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="rlens-focal: the most this request may spend, as a share of the whole pool's cost (the models "
+        "called); the ensemble's pool is cut to fit, and at least one model is called",
     )
 
 

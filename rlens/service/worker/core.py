@@ -295,8 +295,11 @@ class FocalWorker(Worker):
         rng = self.engine.rng
         probes = [cfg.probe_rate > 0 and rng.random() < cfg.probe_rate for _ in queries]
         greedy = [not (cfg.explore_rate > 0 and rng.random() < cfg.explore_rate) for _ in queries]
+        caps = [q.budget for q in queries] if any(q.budget is not None for q in queries) else None
+        if caps is not None:  # a query with its own budget: greedy, no probe
+            probes = [p and cap is None for p, cap in zip(probes, caps)]
         decisions = self.engine.decide_batch(
-            [(q.stream, len(q.choices) if q.choices else 0, p, g) for q, p, g in zip(queries, probes, greedy)]
+            [(q.stream, len(q.choices) if q.choices else 0, p, g) for q, p, g in zip(queries, probes, greedy)], caps
         )
         try:
             await self.windows.save_pools(
@@ -464,11 +467,12 @@ class FocalWorker(Worker):
             )
         reliability, label_prior = windows[decision.key, n_choices]
         return Behaviour(
-            explore_rate=engine.cfg.explore_rate,
+            explore_rate=engine.cfg.explore_rate if decision.cap is None else 0.0,
             probe=probe,
             greedy_pool=greedy_pool.tolist(),
             greedy_answer=greedy,
             propensity=min(propensity, 1.0),
+            budget=decision.cap,
             model_probs=[row if ok else [] for row, ok in zip(probs, answers.answered)],
             reliability=reliability,
             label_prior=label_prior,

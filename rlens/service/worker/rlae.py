@@ -55,11 +55,11 @@ class RLAEWorker(Worker):
         self.generator = torch.Generator().manual_seed(seed)
 
     def rejects(self, query: Query) -> str | None:
-        return (
-            "multiple-choice query: the rlae worker answers open-ended queries (no choices) only"
-            if query.choices is not None
-            else None
-        )
+        if query.choices is not None:
+            return "multiple-choice query: the rlae worker answers open-ended queries (no choices) only"
+        if query.budget is not None:
+            return "a budget: the rlae worker merges every model of the pool (a query's budget is rl_focal's)"
+        return None
 
     def policy_tensors(self) -> dict[str, torch.Tensor]:
         return self.agent.policy.state_dict()
