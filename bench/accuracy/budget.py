@@ -2,7 +2,7 @@
 pool's cost spent per query, met online: :mod:`rlens.focal.budget`) beside the baselines at their own cost.
 
     python -m bench.accuracy.budget [--data DIR] [--half all|tune|holdout] [--budgets 0.1 0.2 ...] [--seeds 0 1 2]
-                                    [--out bench/out/budget.json]
+                                    [--per-request] [--out bench/out/budget.json]
 
 Paper protocol (warm start on each task's first part, then the rest as one stream, feedback at once), the same split
 for every method. Per budget and seed: RL-Focal's accuracy and mean cost share; two pruning references at the same
@@ -11,8 +11,10 @@ models with the best warm-split accuracy, k = budget × pool, at least one), bot
 pool. Baselines once: the best single model, the soft vote of all models, per-task logistic stacking over all
 models, and stacking over the best k models (k chosen on the warm split, by accuracy on its last third when fit on
 the first two thirds). Then the budget's tracking on the stream protocol (cold start, all questions in order): the
-lowest and highest mean cost share over every 1,000 consecutive queries (sliding), against the budget. Writes a JSON file and a plot
-(accuracy against cost share) beside it.
+lowest and highest mean cost share over every 1,000 consecutive queries (sliding), against the budget. With
+``--per-request``, also RL-Focal with no deployment budget where every query carries the budget as its own (a cap:
+the greedy pool cut to fit, no exploration or probe; paper protocol): its accuracy, mean and highest cost share.
+Writes a JSON file and a plot (accuracy against cost share) beside it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from bench.common.args import add_out, add_seeds, arguments, write_json  # noqa: E402
 from bench.common.machine import machine_facts  # noqa: E402
@@ -35,6 +38,8 @@ from rlens.evaluation.protocols import Protocol, split, task_half  # noqa: E402
 from rlens.evaluation.recorded import RecordedDataset, shared_data_dir  # noqa: E402
 from rlens.evaluation.replay import run_variant  # noqa: E402
 from rlens.focal.config import FocalConfig  # noqa: E402
+from rlens.focal.engine import FocalEngine  # noqa: E402
+from rlens.focal.schedule import run_online, warm_start  # noqa: E402
 
 BUDGETS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0]
 
@@ -99,6 +104,19 @@ def stacking_best_k(warm: RecordedDataset, test: RecordedDataset) -> tuple[float
     return accuracy, float(share[order[:k]].sum()), k
 
 
+def per_request(data: RecordedDataset, warm_index: np.ndarray, test_index: np.ndarray, cap: float, seed: int) -> dict:
+    """RL-Focal warm-started on the warm split, every test query with ``cap`` as its own budget (paper protocol)."""
+    torch.set_num_threads(1)
+    engine = FocalEngine(data.n_models, data.model_costs, FocalConfig(), seed=seed)
+    warm_start(engine, data.subset(warm_index))
+    trace = run_online(engine, data.subset(test_index), cap=cap)
+    return {
+        "per_request_accuracy": float(trace.correct.mean()),
+        "per_request_cost_share": float(trace.cost_share.mean()),
+        "per_request_max": float(trace.cost_share.max()),
+    }
+
+
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--data", type=Path, default=None, help="recorded dataset (default: the shared bbh_dev)")
@@ -109,6 +127,7 @@ def main() -> None:
         help="the tasks (rlens.evaluation.protocols.task_half)",
     )
     parser.add_argument("--budgets", type=float, nargs="+", default=BUDGETS)
+    parser.add_argument("--per-request", action="store_true", help="also each query with the budget as its own cap")
     add_seeds(parser)
     add_out(parser, "bench/out/budget.json")
     args = parser.parse_args()
@@ -156,11 +175,19 @@ def main() -> None:
                     for what, value in zip(("accuracy", "cost_share"), r)
                 },
             }
+            if args.per_request:
+                row.update(per_request(data, warm_index, test_index, budget, seed))
             rows.append(row)
             print(
                 f"budget {budget:.2f} seed {seed}: rl_focal {100 * row['accuracy']:.1f} % at {row['cost_share']:.3f}; "
                 f"random {100 * row['random_accuracy']:.1f} %, reliability {100 * row['reliability_accuracy']:.1f} %; "
-                f"stream windows {windows[0]:.3f}-{windows[1]:.3f}",
+                f"stream windows {windows[0]:.3f}-{windows[1]:.3f}"
+                + (
+                    f"; per request {100 * row['per_request_accuracy']:.1f} % at {row['per_request_cost_share']:.3f} "
+                    f"(at most {row['per_request_max']:.3f})"
+                    if args.per_request
+                    else ""
+                ),
                 flush=True,
             )
     path = write_json(
@@ -178,7 +205,10 @@ def plot(rows: list[dict], references: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     budgets = sorted({r["budget"] for r in rows})
-    for name, marker in (("", "o"), ("random_", "x"), ("reliability_", "s")):
+    kinds = [("", "o"), ("random_", "x"), ("reliability_", "s")]
+    if "per_request_accuracy" in rows[0]:
+        kinds.insert(1, ("per_request_", "^"))
+    for name, marker in kinds:
         xs = [
             np.mean([r[f"{name}cost_share" if name else "cost_share"] for r in rows if r["budget"] == b])
             for b in budgets
@@ -191,7 +221,9 @@ def plot(rows: list[dict], references: dict, path: Path) -> None:
             xs,
             ys,
             marker=marker,
-            label=(name.rstrip("_") + " pruning, soft vote") if name else "rl_focal under a budget",
+            label={"": "rl_focal under a budget", "per_request_": "rl_focal, each query's own budget"}.get(
+                name, name.rstrip("_") + " pruning, soft vote"
+            ),
         )
     for name, (accuracy, cost) in references.items():
         ax.scatter([cost], [100 * accuracy], marker="*", s=90)
