@@ -73,6 +73,7 @@ def test_worker_answers_open_ended_queries_with_span_weights_and_isolates_a_fail
     assert "answers open-ended queries" in worker.rejects(
         Query(query_id="mc", stream="s", prompt="p", choices=["a", "b"])
     )
+    assert "merges every model" in worker.rejects(Query(query_id="cap", stream="s", prompt="p", budget=0.5))
     too_long = Query(
         query_id="long",
         stream="s",
