@@ -156,4 +156,3 @@ def test_a_query_with_its_own_budget_spends_at_most_it_greedily(zoo):
             logged = LoggedQuery(d.state, probs, d.called, rel, prior, d.pool, 0, 1.0, 0, False, budget=cap)
             assert (FocalPolicy("it", engine).act(logged)[0] == d.pool).all()  # off-policy evaluation cuts it too
         assert all(d.explored and d.called.all() and d.cap is None for d in free)  # the batch's own flags
-    assert (engine.cost_share.max() > 0.9) and zoo.model_costs.min() > 0  # one model is nearly all the pool's cost
