@@ -117,3 +117,41 @@ def test_probation_is_judged_once_after_min_events():
             verdicts.append(gate.verdict())
         assert verdicts[:199] == [None] * 199
         assert verdicts[199] == verdict, (better, gate.last)
+
+
+def test_shadow_answers_reusing_the_served_observations_equal_those_computed_afresh(zoo):
+    """The worker hands the candidate the served answers' Fusion observations; where the candidate fuses the same
+    models it reuses them, and its answers are the ones it computes on its own."""
+    from dataclasses import replace
+
+    import torch
+
+    from rlens.focal.config import FocalConfig
+    from rlens.focal.engine import FocalEngine
+
+    config = replace(FocalConfig(), explore_rate=0.5)
+    champion = FocalEngine(zoo.n_models, zoo.model_costs, config, seed=0)
+    with torch.no_grad():  # pools that differ from draw to draw
+        champion.decider.heads.bias += torch.tensor([-2.0, -1.0, 0.0, 1.0, 2.0])
+    candidate = FocalEngine(zoo.n_models, zoo.model_costs, config, seed=1)
+    candidate.load_policy_state(champion.policy_state())  # the champion's Decider: its greedy pools
+    with torch.no_grad():  # another Fusion
+        for weight in candidate.fusion.parameters():
+            weight.add_(0.5 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(weight.numel())))
+    rng = np.random.default_rng(0)
+    rows = rng.choice(zoo.n_questions, 64, replace=False)
+    decisions = champion.decide_batch([(int(zoo.task[i]), 4, False, bool(j % 2)) for j, i in enumerate(rows)])
+    probs = [zoo.probs[i][:, :4] / zoo.probs[i][:, :4].sum(1, keepdims=True) for i in rows]
+    answered = [d.called & (rng.random(zoo.n_models) > 0.1) for d in decisions]  # a failed model here and there
+    fused_pools = [d.pool & a if (d.pool & a).any() else a for d, a in zip(decisions, answered)]
+    served = champion.fuse_batch([replace(d, pool=p) for d, p in zip(decisions, fused_pools)], probs)
+    candidate.windows = champion.windows
+    pools = candidate.greedy_pools(decisions, every=True)
+    args = (decisions, probs, [d.called for d in decisions], answered, pools)
+    reused = candidate.greedy_answers(*args, [(p, a.features) for p, a in zip(fused_pools, served)])
+    fresh = candidate.greedy_answers(*args)
+    assert reused == fresh
+    same = [bool(np.array_equal(p & a, f)) for p, a, f in zip(pools, answered, fused_pools)]
+    assert 16 <= sum(same) < len(same)  # both kinds of rows were exercised
+    shifted = [(p, served[(k + 1) % len(served)].features) for k, p in enumerate(fused_pools)]
+    assert candidate.greedy_answers(*args, shifted) != fresh  # the reused observations are the ones answered on

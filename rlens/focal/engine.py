@@ -393,9 +393,11 @@ class FocalEngine:
         called: list[np.ndarray],
         answered: list[np.ndarray | None],
         pools: list[np.ndarray] | None = None,
+        known: list[tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> list[int]:
         """:meth:`greedy_answer` for a batch, with one Fusion forward; ``pools``: the decisions' greedy pools, if
-        known (:meth:`greedy_pools` of them as explored)."""
+        known (:meth:`greedy_pools` of them as explored); ``known``: per decision, a pool that answered and its Fusion
+        observation, already computed (the served answer's), reused where the greedy pool's answering part is it."""
         if pools is None:
             pools = self.greedy_pools(decisions, every=True)
         result = [-1] * len(decisions)
@@ -406,11 +408,23 @@ class FocalEngine:
         fused = greedy & answering  # a model that was not asked gave no answer either
         usable = ~(greedy & ~asked).any(1) & fused.any(1)
         rows = np.flatnonzero(usable).tolist()
-        masked = list(fused[rows])
         if rows:
-            features, _ = self._fusion_inputs(
-                [decisions[i] for i in rows], [probs[i] for i in rows], critic_too=False, pools=masked
-            )
+            features: list[np.ndarray] = [np.empty(0)] * len(rows)
+            new = [
+                j for j, i in enumerate(rows) if known is None or not np.array_equal(fused[i], known[i][0])
+            ]  # the rows whose observation is not known yet
+            if known is not None:
+                for j, i in enumerate(rows):
+                    features[j] = known[i][1]
+            if new:
+                computed, _ = self._fusion_inputs(
+                    [decisions[rows[j]] for j in new],
+                    [probs[rows[j]] for j in new],
+                    critic_too=False,
+                    pools=[fused[rows[j]] for j in new],
+                )
+                for j, f in zip(new, computed):
+                    features[j] = f
             chosen = self.greedy.answers(*padded_choices(features))[0]
             for j, i in enumerate(rows):
                 result[i] = int(chosen[j])

@@ -254,15 +254,21 @@ class FocalWorker(Worker):
             self.shadow = FocalEngine(self.engine.n_models, self.engine.model_costs, self.engine.cfg)
         self.shadow.load_policy_state(tensors)
 
-    def _shadows(self, decisions: list, calls: list) -> list[Shadow | None]:
+    def _shadows(self, decisions: list, calls: list, served: list) -> list[Shadow | None]:
         """The candidate's greedy action on each query, from the same state and the answers the query's calls got
-        (one Decider and one Fusion forward for the batch)."""
+        (one Decider and one Fusion forward for the batch); ``served``: each query's fused pool and its Fusion
+        observation, reused where the candidate fuses the same models."""
         if self.shadow is None or self.candidate is None:
             return [None] * len(decisions)
         self.shadow.windows = self.engine.windows  # the same windows the champion read
         pools = self.shadow.greedy_pools(decisions, every=True)
         answers = self.shadow.greedy_answers(
-            decisions, [c.probs for c in calls], [d.called for d in decisions], [c.answered for c in calls], pools
+            decisions,
+            [c.probs for c in calls],
+            [d.called for d in decisions],
+            [c.answered for c in calls],
+            pools,
+            served,
         )
         epoch, version = self.candidate
         return [Shadow(epoch=epoch, version=version, pool=p.tolist(), answer=a) for p, a in zip(pools, answers)]
@@ -326,7 +332,7 @@ class FocalWorker(Worker):
         )
         stage("fuse")
         answers = dict(zip(answerable, fused))
-        evidence = self._evidence(answerable, decisions, calls, fused, probes)
+        evidence = self._evidence(answerable, decisions, calls, fused, probes, fused_pools)
         stage("evidence")
         latency = 1000 * (time.perf_counter() - started)
         timing = (latency, 1000 * out.stages["pool_call"])
@@ -336,13 +342,17 @@ class FocalWorker(Worker):
         stage("messages")
         return out
 
-    def _evidence(self, answerable: list[int], decisions: list, calls: list, fused: list, probes: list[bool]) -> dict:
+    def _evidence(
+        self, answerable: list[int], decisions: list, calls: list, fused: list, probes: list[bool], fused_pools: list
+    ) -> dict:
         """Per answered query (by its index in the batch): what off-policy evaluation needs of it
-        (:class:`Behaviour`), and the candidate's greedy action in shadow; one forward per agent for the batch."""
+        (:class:`Behaviour`), and the candidate's greedy action in shadow; one forward per agent for the batch (the
+        Fusion observations of the served answers reused where a greedy answer fuses the same models)."""
         if not answerable:
             return {}
         engine = self.engine
         chosen, called = [decisions[i] for i in answerable], [calls[i] for i in answerable]
+        served = [(fused_pools[i], answer.features) for i, answer in zip(answerable, fused)]
         greedy_pools = engine.greedy_pools(chosen)
         greedy_answers = [answer.answer for answer in fused]  # a greedy query's answer is the greedy one
         explored = [j for j, d in enumerate(chosen) if d.explored]
@@ -353,10 +363,11 @@ class FocalWorker(Worker):
                 [chosen[j].called for j in explored],
                 [called[j].answered for j in explored],
                 [greedy_pools[j] for j in explored],
+                [served[j] for j in explored],
             )
             for j, answer in zip(explored, found):
                 greedy_answers[j] = answer
-        shadows = self._shadows(chosen, called)
+        shadows = self._shadows(chosen, called, served)
         windows: dict = {}  # each stream's window statistics, once per batch
         logged = logged_distributions([c.probs for c in called])
         return {
