@@ -356,7 +356,8 @@ class RLAEOnlineTrainer(OnlineTrainer[RLAEExperience]):
         return stats
 
     def policy_tensors(self) -> dict[str, torch.Tensor]:
-        return self.policy.state_dict()
+        """A copy: a candidate's weights must not move while the learner trains on."""
+        return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
 
     def load_policy(self, tensors: dict[str, torch.Tensor]) -> None:
         self.policy.load_state_dict(tensors)
