@@ -77,6 +77,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "gate_min_events",
         "gate_max_events",
         "gate_delta",
+        "gate_split",
         "gate_drift_reset",
         "policy_keep_bytes",
         "ope_log_bytes",

@@ -209,6 +209,18 @@ class Shadow(BaseModel):
     answer: Choice = Field(description="-1 where its pool holds a model the query did not call, or none answered")
 
 
+class Split(BaseModel):
+    """rlae under gated promotion: a candidate was out when this query came, and a random share of the queries
+    (``RLENS_GATE_SPLIT``) was served by it instead of the champion (an A/B split: RLAE's span weights change what
+    the models generate, so a candidate cannot be scored on the champion's answer)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
+    epoch: int = Field(ge=0, description="the candidate's")
+    version: int = Field(ge=1, description="the candidate's")
+    candidate: bool = Field(description="the candidate served this query (its policy_version); false: the champion")
+
+
 class Experience(Message):
     """What the learner needs from one answered rl_focal query to train both agents once its feedback arrives."""
 
@@ -288,6 +300,7 @@ class RLAEExperience(Message):
         description="the span weights were sampled from the policy (each span's logp is then the density of its "
         "action); false: the policy's mean served; None from workers before it",
     )
+    split: Split | None = Field(None, description="gated promotion: the A/B split this query was drawn in")
 
 
 class Policy(Message):

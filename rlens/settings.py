@@ -160,11 +160,12 @@ class Settings(BaseSettings):
     )
     promotion: Literal["direct", "gated"] = Field(
         "direct",
-        description="rl_focal: direct, every update goes live; gated, an update is a candidate the workers score in "
-        "shadow, and goes live only when its lower 95 % bound of reward against the champion is at least "
-        "-RLENS_GATE_DELTA (after RLENS_GATE_MIN_EVENTS labelled queries; dropped after RLENS_GATE_MAX_EVENTS); the "
-        "champion it replaced is then scored over RLENS_GATE_MIN_EVENTS queries and restored if it was better by more "
-        "than the delta",
+        description="direct, every update goes live; gated, an update is a candidate, scored against the champion "
+        "(rl_focal: in shadow on the champion's queries; rlae: serving a random RLENS_GATE_SPLIT of the queries itself), "
+        "and goes live only when its lower 95 % bound of reward against the champion is at least -RLENS_GATE_DELTA "
+        "(after RLENS_GATE_MIN_EVENTS labelled queries of its own; dropped after RLENS_GATE_MAX_EVENTS); the champion "
+        "it replaced is then scored the same way over RLENS_GATE_MIN_EVENTS queries and restored if it was better by "
+        "more than the delta",
     )
     gate_min_events: int = Field(400, ge=10, description="gated promotion: queries scored in shadow before a verdict")
     gate_max_events: int = Field(
@@ -172,6 +173,13 @@ class Settings(BaseSettings):
     )
     gate_delta: float = Field(
         0.02, ge=0, description="gated promotion: the reward a candidate may lose, at the lower bound"
+    )
+    gate_split: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="gated promotion, rlae: the share of the queries a candidate serves itself while it is judged (an "
+        "A/B split; the champion serves the rest)",
     )
     gate_drift_reset: bool = Field(
         False,

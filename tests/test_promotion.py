@@ -5,8 +5,9 @@ honest) is kept from serving. The Gate alone: its verdicts on evidence whose tru
 ``bench.robustness.gate``'s."""
 
 import numpy as np
+import pytest
 
-from rlens.messages import Behaviour, Experience, Shadow
+from rlens.messages import Behaviour, Experience, RLAEExperience, Shadow, SpanDecision, Split
 from rlens.service.learner.gate import Gate, GateConfig
 from bench.robustness.gate import simulate
 
@@ -155,3 +156,33 @@ def test_shadow_answers_reusing_the_served_observations_equal_those_computed_afr
     assert 16 <= sum(same) < len(same)  # both kinds of rows were exercised
     shifted = [(p, served[(k + 1) % len(served)].features) for k, p in enumerate(fused_pools)]
     assert candidate.greedy_answers(*args, shifted) != fresh  # the reused observations are the ones answered on
+
+
+def split_experience(i: int, version: int, candidate: bool | None) -> RLAEExperience:
+    span = SpanDecision(obs=[0.0], action=[0.5, 0.5], logp=0.0, value=0.0)
+    split = None if candidate is None else Split(epoch=1, version=version, candidate=candidate)
+    return RLAEExperience(query_id=f"q{i}", stream="s", policy_version=0, text="t", spans=[span], split=split)
+
+
+def test_the_split_gate_compares_the_two_arms_mean_rewards_with_welchs_interval():
+    """rlae: the candidate's arm against the champion's, by hand: candidate 1, 0, 1, 1 (mean 0.75, variance 0.25),
+    champion 0, 0, 1, 0, 0 (0.2, 0.2): 0.55 ± 1.96 × √(0.25 / 4 + 0.2 / 5) = 0.55 ± 0.6275."""
+    gate = Gate(GateConfig(min_events=4, max_events=100, every=1, delta=0.02))
+    gate.propose((1, 2), {})
+    for i, (candidate, reward) in enumerate([(True, 1), (False, 0), (True, 0), (False, 0), (True, 1), (False, 1)]):
+        gate.observe_split(split_experience(i, 2, candidate), reward)
+    gate.observe_split(split_experience(10, 3, True), 0.0)  # another candidate's split: not this one's evidence
+    gate.observe_split(split_experience(11, 2, None), 0.0)  # served before the split began
+    assert len(gate.evidence) == 3 and gate.verdict() is None  # 3 of the candidate's own queries, fewer than 4
+    gate.observe_split(split_experience(12, 2, False), 0.0)
+    gate.observe_split(split_experience(13, 2, False), 0.0)
+    gate.observe_split(split_experience(14, 2, True), 1.0)
+    estimate = gate.estimate()
+    assert estimate.value == pytest.approx(0.55) and estimate.n == 4
+    assert (estimate.low, estimate.high) == pytest.approx((0.55 - 0.627494, 0.55 + 0.627494), abs=1e-6)
+    assert gate.verdict() is None  # the lower bound −0.077 is below −delta, and max_events is far
+    one_arm = Gate(GateConfig(min_events=2, every=1))
+    one_arm.propose((1, 2), {})
+    for i in range(3):
+        one_arm.observe_split(split_experience(i, 2, True), 1.0)
+    assert np.isnan(one_arm.estimate().low) and one_arm.verdict() is None  # no champion's rewards: no verdict

@@ -25,6 +25,7 @@ from rlens.rlae.observe import obs_dim
 from rlens.rlae.train import RLAEAgent, RLAETrainer
 from rlens.service.common.kafka import Topics
 from rlens.service.learner.core import LearnerCore
+from rlens.service.learner.gate import Gate, GateConfig
 from rlens.local.load import open_ended_queries, play
 from rlens.service.learner.online import RLAEOnlineTrainer
 from rlens.service.worker.rlae import RLAEWorker
@@ -51,18 +52,18 @@ def ensemble(quick_zoo):
     return TokenEnsemble([TransformersBackend.load(quick_zoo / name) for name in MODELS])
 
 
-def new_worker(ensemble, encoder, explore: bool = True, seed: int = 0) -> RLAEWorker:
+def new_worker(ensemble, encoder, explore: bool = True, seed: int = 0, split: float = 0.2) -> RLAEWorker:
     agent = RLAEAgent(make_policy(obs_dim(len(MODELS)), len(MODELS), CFG, seed=0), encoder, CFG, len(MODELS))
     return RLAEWorker(
-        ensemble, agent, MODELS, None, VERIFIER, TOKENS, stop=["\n"], explore=explore, seed=seed, name="w"
+        ensemble, agent, MODELS, None, VERIFIER, TOKENS, stop=["\n"], explore=explore, seed=seed, name="w", split=split
     )
 
 
-def new_learner(tmp_path: Path) -> LearnerCore:
+def new_learner(tmp_path: Path, gate: Gate | None = None) -> LearnerCore:
     trainer = RLAEOnlineTrainer(
         make_policy(obs_dim(len(MODELS)), len(MODELS), CFG, seed=0), CFG, MODELS, seed=0, rehearsal=2
     )
-    return LearnerCore(trainer, MODELS, None, CheckpointStore(tmp_path / "ckpt"), SIGNER, TOKENS)
+    return LearnerCore(trainer, MODELS, None, CheckpointStore(tmp_path / "ckpt"), SIGNER, TOKENS, gate=gate)
 
 
 def test_worker_answers_open_ended_queries_with_span_weights_and_isolates_a_failing_one(ensemble, encoder):
@@ -175,6 +176,67 @@ def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_loa
         assert all(
             torch.equal(resumed.trainer.policy.state_dict()[k], v) for k, v in core.trainer.policy.state_dict().items()
         )
+
+    asyncio.run(scenario())
+
+
+def test_gated_rlae_a_candidate_serves_a_random_share_and_is_promoted_then_rolled_back_on_the_split(
+    ensemble, encoder, tmp_path
+):
+    """Gated promotion for rlae: the learner's update is a candidate, not live; the worker serves it on a random
+    share of the queries (each marked with the split and the candidate's version) and the champion on the rest; the
+    gate promotes it on the two arms' rewards, then judges the champion it replaced the same way and rolls back to
+    it when that one earns more. The rewards are set by the test, so the verdicts are known."""
+
+    async def serve(worker, core, queries, rewards: dict[bool, float]):
+        """One batch answered, each answer rewarded by the arm that served it; the learner's policies, published."""
+        out = await worker.handle(queries)
+        for e in out.experience:
+            reward = rewards[e.split.candidate] if e.split is not None else 0.5
+            await core.on_experience(e, Record(0))
+            await core.on_feedback(Feedback(query_id=e.query_id, token=token(e.query_id), reward=reward), Record(0))
+        published = core.take_policies()
+        for policy in published:
+            assert worker.receive_policy(policy) is None
+        return out, published
+
+    async def scenario():
+        gate = Gate(GateConfig(min_events=12, max_events=400, every=4, delta=0.02))
+        worker, core = new_worker(ensemble, encoder, split=0.5, seed=1), new_learner(tmp_path, gate)
+        tasks = generation_split(FAMILIES, 80, seed=6)
+        queries = [q for q, _ in open_ended_queries(tasks, "g")]
+        # no candidate yet: the champion serves every query, no split; the first update is a candidate, not live
+        out, published = await serve(worker, core, queries[:8], {})
+        assert all(e.split is None and e.policy_version == 0 for e in out.experience)
+        assert [(p.stage, p.version) for p in published] == [("candidate", 1)] and core.stats.updates == 1
+        candidate = published[0]
+        # the candidate serves about half of the queries, the champion the rest, each answer with its version
+        out, published = await serve(worker, core, queries[8:40], {True: 1.0, False: 0.0})
+        served = [(e.split.candidate, e.policy_version, e.split.version) for e in out.experience]
+        assert all(version == 1 for _, _, version in served)
+        assert {(candidate, version) for candidate, version, _ in served} == {(True, 1), (False, 0)}
+        assert 8 <= sum(candidate for candidate, _, _ in served) <= 24
+        answers = {a.query_id: a.policy_version for a in out.answers}
+        assert all(answers[e.query_id] == e.policy_version for e in out.experience)
+        for e in out.experience:  # each arm's spans were drawn from its own policy: their logged densities say so
+            span = e.spans[0]
+            obs, action = torch.tensor([span.obs]), torch.tensor([span.action])
+            agents = (worker.candidate_agent, worker.agent)[:: 1 if e.split.candidate else -1]
+            with torch.no_grad():
+                own, other = (float(agent.policy.evaluate(obs, action)[0][0]) for agent in agents)
+            assert own == pytest.approx(span.logp, abs=1e-4) and other != pytest.approx(span.logp, abs=1e-4)
+        # the candidate earned more: promoted (live), and the champion it replaced is the next candidate
+        assert core.stats.promotions == 1 and [p.stage for p in published] == ["live", "candidate"]
+        assert published[0].version == 1 and "promoted" in published[0].note
+        # the weights judged, though the learner trained on meanwhile (2 more updates)
+        assert published[0].sha256 == candidate.sha256 and core.stats.updates == 5
+        probation = published[1].version
+        out, published = await serve(worker, core, queries[40:80], {True: 1.0, False: 0.0})
+        assert worker.policy_version == 1  # the promoted one, which served the rest
+        assert {e.policy_version for e in out.experience if e.split and e.split.candidate} == {probation}
+        # the replaced champion earned more on its share: rolled back to it
+        assert core.stats.rollbacks == 1 and published[0].stage == "live" and published[0].version == probation
+        assert "rolled back" in published[0].note
 
     asyncio.run(scenario())
 

@@ -133,6 +133,7 @@ def build_worker(settings: Settings) -> Worker:
             verifier=verifier,
             tokens=tokens,
             costs=[m.cost for m in pool.models],
+            split=settings.gate_split,
         )
     engine = build_engine(settings, pool)
     backends = {m.name: build_backend(m) for m in pool.models}
@@ -168,21 +169,23 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
     signer, tokens = policy_signer(settings), feedback_tokens(settings)
     trainer: OnlineTrainer
     gate = None
+    config = GateConfig(
+        settings.gate_min_events,
+        settings.gate_max_events,
+        delta=settings.gate_delta,
+        drift_reset=settings.gate_drift_reset,
+    )
     if settings.strategy == "rlae":
         trainer = RLAEOnlineTrainer(
             rlae_policy(settings, len(names)), rlae_config(settings), names, settings.seed, settings.rlae_rehearsal
         )
         window = 1
+        if settings.promotion == "gated":
+            gate = Gate(config)  # an A/B split: the workers draw RLENS_GATE_SPLIT of the queries for the candidate
     else:
         engine = build_engine(settings, pool)
         trainer, window = FocalOnlineTrainer(engine, names, settings.focal_extractor), engine.cfg.window
         if settings.promotion == "gated":
-            config = GateConfig(
-                settings.gate_min_events,
-                settings.gate_max_events,
-                delta=settings.gate_delta,
-                drift_reset=settings.gate_drift_reset,
-            )
             gate = Gate(config, engine.cost_share, engine.cfg.alpha)
     core = LearnerCore(
         trainer,

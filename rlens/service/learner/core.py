@@ -77,7 +77,7 @@ from dataclasses import asdict, dataclass
 
 from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftMonitor, signals_of_outcome
-from rlens.messages import AnyExperience, DeadLetter, DriftEvent, Experience, Feedback, Message, Policy
+from rlens.messages import AnyExperience, DeadLetter, DriftEvent, Experience, Feedback, Message, Policy, RLAEExperience
 from rlens.service.learner.dashboard import Dashboard
 from rlens.service.common.kafka import (
     dead_letter,
@@ -338,6 +338,8 @@ class LearnerCore:
                 self.ope_log.append(experience, int(row[1]))
             if self.promotion is not None:
                 self.promotion.observe(experience, int(row[1]))
+        if isinstance(experience, RLAEExperience) and self.promotion is not None:
+            self.promotion.observe_split(experience, reward)
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
         # open-ended rl_focal: the reference's candidate

@@ -10,15 +10,22 @@ does the next candidate come. (The two thresholds, −delta to promote and +delt
 within delta of its predecessor from going back and forth. One look keeps the rollback's error rate at its bound's
 2.5 %: looking again every ``every`` queries up to ``max_events`` rolled good promotions back, BENCHMARKS.md.)
 
-The difference is estimated per query as the replay estimator does (:mod:`rlens.evaluation.logged`): exact where the
-query called every model the candidate's pool needs, a ridge reward model of the candidate elsewhere, that model's
-mean error measured, and corrected, on the probe rows (a random sample with every answer known). The champion's
-reward is always exact: it served the query.
+rl_focal (:class:`ShadowEvidence`): the difference is estimated per query as the replay estimator does
+(:mod:`rlens.evaluation.logged`): exact where the query called every model the candidate's pool needs, a ridge reward
+model of the candidate elsewhere, that model's mean error measured, and corrected, on the probe rows (a random sample
+with every answer known). The champion's reward is always exact: it served the query.
+
+rlae (:class:`SplitEvidence`): RLAE's span weights change what the models generate, so the champion's answer says
+nothing of the candidate's, and an estimate from the champion's log was not good enough (BENCHMARKS.md, "RLAE's
+continuous span weights"). The candidate serves a random share of the queries itself (an A/B split, drawn by the
+workers), and the difference is that of the two arms' mean rewards over the same period, with Welch's interval;
+``min_events`` counts the candidate's own queries.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -27,11 +34,12 @@ import torch
 
 from rlens.evaluation.logged import LoggedQuery, pool_features, replay_estimate, reward
 from rlens.evaluation.ope import Estimate
-from rlens.messages import Experience
+from rlens.messages import Experience, RLAEExperience
 
 log = logging.getLogger("rlens.learner")
 Verdict = Literal["promote", "drop", "roll back", "passed"]
 Kind = Literal["challenger", "probation"]
+Z95 = 1.959963984540054  # the normal's 97.5 % quantile
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,9 @@ class GateConfig:
 
 
 @dataclass
-class Evidence:
+class ShadowEvidence:
+    """rl_focal: the candidate's greedy action beside the champion's, on the champion's queries."""
+
     champion: list[float] = field(default_factory=list)  # the served reward, per query
     candidate: list[float | None] = field(default_factory=list)  # the candidate's reward where known
     features: list[np.ndarray] = field(default_factory=list)  # the reward model's view of the candidate's pool
@@ -54,9 +64,46 @@ class Evidence:
     def __len__(self) -> int:
         return len(self.champion)
 
+    def estimate(self) -> Estimate:
+        """Candidate − champion reward per query (:func:`rlens.evaluation.logged.replay_estimate`)."""
+        estimate, _ = replay_estimate(
+            self.candidate,
+            np.array(self.features),
+            np.array(self.probe),
+            np.array(self.held),
+            np.array(self.champion),
+        )
+        return estimate
+
+
+@dataclass
+class SplitEvidence:
+    """rlae: the rewards of the queries each arm of the A/B split served, over the same period."""
+
+    champion: list[float] = field(default_factory=list)
+    candidate: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.candidate)  # the candidate's own queries: the scarcer arm
+
+    def estimate(self) -> Estimate:
+        """Candidate − champion mean reward, with Welch's normal 95 % interval (NaN with fewer than 2 in an arm)."""
+        a, b = np.asarray(self.candidate, dtype=np.float64), np.asarray(self.champion, dtype=np.float64)
+        if len(a) < 2 or len(b) < 2:
+            return Estimate(math.nan, math.nan, math.nan, len(a), float(len(a)))
+        value = float(a.mean() - b.mean())
+        half = Z95 * math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
+        return Estimate(value, value - half, value + half, len(a), float(len(a)))
+
+
+Evidence = ShadowEvidence | SplitEvidence
+
 
 class Gate:
-    def __init__(self, config: GateConfig, cost_share: np.ndarray, alpha: float):
+    """One candidate at a time against the champion. ``cost_share`` and ``alpha`` (rl_focal's reward) make a gate
+    on shadow evidence; without them the gate judges an A/B split (rlae)."""
+
+    def __init__(self, config: GateConfig, cost_share: np.ndarray | None = None, alpha: float = 0.0):
         self.config, self.cost_share, self.alpha = config, cost_share, alpha
         self.champion: tuple[int, int] | None = None  # (epoch, version) the workers serve, when known
         self.champion_tensors: dict[str, torch.Tensor] | None = None
@@ -64,22 +111,25 @@ class Gate:
         self.candidate_tensors: dict[str, torch.Tensor] | None = None
         self.kind: Kind = "challenger"  # probation: the candidate is the champion the last promotion replaced
         self.previous: dict[str, torch.Tensor] | None = None  # that champion's weights, until its probation ends
-        self.evidence = Evidence()
+        self.evidence: Evidence = self._fresh()
         self.last: Estimate | None = None  # the latest estimate of candidate − champion
         self._looked_at = 0  # evidence size at the last look
 
+    def _fresh(self) -> Evidence:
+        return ShadowEvidence() if self.cost_share is not None else SplitEvidence()
+
     def propose(self, order: tuple[int, int], tensors: dict[str, torch.Tensor], kind: Kind = "challenger") -> None:
-        self.candidate, self.candidate_tensors, self.evidence, self.last = order, tensors, Evidence(), None
+        self.candidate, self.candidate_tensors, self.evidence, self.last = order, tensors, self._fresh(), None
         self.kind, self._looked_at = kind, 0
 
     def observe(self, experience: Experience, label: int) -> None:
-        """One labelled query the champion served, if it carries the current candidate's shadow action."""
-        shadow, behaviour = experience.shadow, experience.behaviour
+        """One labelled query the champion served, if it carries the current candidate's shadow action (rl_focal)."""
+        shadow, behaviour, e = experience.shadow, experience.behaviour, self.evidence
         if shadow is None or behaviour is None or (shadow.epoch, shadow.version) != self.candidate or label < 0:
             return
+        assert isinstance(e, ShadowEvidence) and self.cost_share is not None
         query = LoggedQuery.from_experience(experience, label)
         pool = np.asarray(shadow.pool, dtype=bool)
-        e = self.evidence
         e.champion.append(reward(query.pool, query.answer, label, self.cost_share, self.alpha))
         e.candidate.append(
             reward(pool, shadow.answer, label, self.cost_share, self.alpha) if shadow.answer >= 0 else None
@@ -88,13 +138,16 @@ class Gate:
         e.probe.append(behaviour.probe)
         e.held.append(not (pool & ~query.pool).any())
 
+    def observe_split(self, experience: RLAEExperience, reward: float) -> None:
+        """One rewarded query of the current candidate's A/B split, served by either arm (rlae)."""
+        split, e = experience.split, self.evidence
+        if split is None or (split.epoch, split.version) != self.candidate or not isinstance(e, SplitEvidence):
+            return
+        (e.candidate if split.candidate else e.champion).append(reward)
+
     def estimate(self) -> Estimate:
-        """Candidate − champion reward per query (:func:`rlens.evaluation.logged.replay_estimate`)."""
-        e = self.evidence
-        estimate, _ = replay_estimate(
-            e.candidate, np.array(e.features), np.array(e.probe), np.array(e.held), np.array(e.champion)
-        )
-        return estimate
+        """Candidate − champion reward (:meth:`ShadowEvidence.estimate`, :meth:`SplitEvidence.estimate`)."""
+        return self.evidence.estimate()
 
     def verdict(self) -> Verdict | None:
         """A challenger: promote, drop, or None (keep collecting); on probation: roll back or passed (or None before
@@ -113,7 +166,7 @@ class Gate:
         """A drift was detected: with ``drift_reset``, the candidate's evidence starts again. Whether it did."""
         if not self.config.drift_reset or self.candidate is None or not len(self.evidence):
             return False
-        self.evidence, self.last, self._looked_at = Evidence(), None, 0
+        self.evidence, self.last, self._looked_at = self._fresh(), None, 0
         return True
 
     def promoted(self) -> None:

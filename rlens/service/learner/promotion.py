@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from rlens.messages import Experience, Policy
+from rlens.messages import Experience, Policy, RLAEExperience
 from rlens.service.common.metrics import LearnerMetrics
 from rlens.service.common.policy import encode_policy
 from rlens.service.common.security import PolicySigner
@@ -63,6 +63,11 @@ class Promotion:
         self.gate.observe(experience, label)
         self.judge()
 
+    def observe_split(self, experience: RLAEExperience, reward: float) -> None:
+        """A rewarded rlae query of the current A/B split: the candidate's evidence, and a verdict when one is due."""
+        self.gate.observe_split(experience, reward)
+        self.judge()
+
     def propose(self) -> None:
         """The champion a promotion replaced, on probation; else the newest weights, as the next challenger. One
         candidate at a time: the learner trains on while one is judged."""
@@ -73,14 +78,16 @@ class Promotion:
             core.version += 1  # a new number: workers score only candidates newer than the champion
             gate.propose((core.epoch, core.version), gate.previous, "probation")
             self.outbox.append(self.encode(gate.previous, core.version, "candidate"))
-            log.info("the replaced champion, as v%d, is scored in shadow against the promoted one", core.version)
+            log.info("the replaced champion, as v%d, is scored against the promoted one", core.version)
             return
         if core.version <= 0 or (gate.champion is not None and (core.epoch, core.version) <= gate.champion):
             return
         tensors = core.trainer.policy_tensors()
         gate.propose((core.epoch, core.version), tensors)
         self.outbox.append(self.encode(tensors, core.version, "candidate"))
-        log.info("policy v%d (epoch %d) published as a candidate, scored in shadow", core.version, core.epoch)
+        log.info(
+            "policy v%d (epoch %d) published as a candidate, scored against the champion", core.version, core.epoch
+        )
 
     def judge(self) -> None:
         gate, core = self.gate, self.core

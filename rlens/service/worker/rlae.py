@@ -1,6 +1,10 @@
 """The ``rlae`` strategy's worker: open-ended queries → the span-weighted token ensemble, its weights set every span
 by the RLAE agent → ``answers`` (the generated text, each span's weights) + ``experience`` (the agent's decisions).
 
+Under gated promotion a candidate serves a random share of the queries itself (``split``; an A/B split, each such
+query's experience and answer carrying the candidate's version), the champion the rest: the learner compares the
+two on their rewards (:class:`rlens.service.learner.gate.SplitEvidence`).
+
 A batch is decoded together (:class:`rlens.rlae.decode.SpanWeightedDecoder`: in-process models or model servers'
 top-k) in a thread, so the consumer keeps its group membership while models run. If the batch fails (a server
 down, a prompt longer than a model's window), each query is decoded alone, and a query that still fails is
@@ -10,13 +14,16 @@ answered with an empty text and the reason, without experience; the others are a
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rlens.backends.base import BackendError
-from rlens.messages import Answer, ModelFailureRecord, Query, RLAEExperience, SpanDecision
+from rlens.messages import Answer, ModelFailureRecord, Query, RLAEExperience, SpanDecision, Split
 from rlens.rlae.agent import Span
 from rlens.rlae.decode import EnsembleOutput, SpanWeightedDecoder
 from rlens.rlae.train import RLAEAgent
@@ -25,6 +32,15 @@ from rlens.service.common.windows import RedisWindows
 from rlens.service.worker.core import BatchOutput, Worker
 
 log = logging.getLogger("rlens.worker")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """Who answers a group of the batch's queries: the champion, or the candidate of an A/B split."""
+
+    agent: RLAEAgent
+    version: int
+    split: Split | None
 
 
 class RLAEWorker(Worker):
@@ -45,14 +61,19 @@ class RLAEWorker(Worker):
         seed: int = 0,
         name: str | None = None,
         costs: list[float] | None = None,
+        split: float = 0.2,
     ):
         if decoder.n_models != len(models) or agent.n_models != len(models):
             raise ValueError(
                 f"the decoder has {decoder.n_models} models and the agent {agent.n_models}, the pool {len(models)}"
             )
         super().__init__(models, windows, verifier, tokens, name, costs)
-        self.decoder, self.agent, self.stop, self.explore = decoder, agent, stop, explore
+        if not 0 < split < 1:
+            raise ValueError(f"split must be in (0, 1), got {split}")
+        self.decoder, self.agent, self.stop, self.explore, self.split = decoder, agent, stop, explore, split
         self.generator = torch.Generator().manual_seed(seed)
+        self.draws = np.random.default_rng(seed)  # which queries the candidate serves
+        self.candidate_agent: RLAEAgent | None = None
 
     def rejects(self, query: Query) -> str | None:
         if query.choices is not None:
@@ -67,40 +88,70 @@ class RLAEWorker(Worker):
     def load_policy(self, tensors: dict[str, torch.Tensor]) -> None:
         self.agent.policy.load_state_dict(tensors)
 
-    def _decode(self, prompts: list[str]) -> tuple[list[EnsembleOutput], list[list[Span]]]:
+    def load_candidate(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        """The candidate's own agent (the same encoder), which serves ``split`` of the queries from the next batch."""
+        if tensors is None:
+            self.candidate_agent = None
+            return
+        if self.candidate_agent is None:
+            policy = copy.deepcopy(self.agent.policy)
+            self.candidate_agent = RLAEAgent(policy, self.agent.encoder, self.agent.cfg, self.agent.n_models)
+        self.candidate_agent.policy.load_state_dict(tensors)
+
+    def _arms(self, n: int) -> list[tuple[Arm, list[int]]]:
+        """The batch's queries by who answers them (indices in the batch); every query the champion's without a
+        candidate."""
+        champion = Arm(self.agent, self.policy_version, None)
+        if self.candidate_agent is None or self.candidate is None:
+            return [(champion, list(range(n)))]
+        epoch, version = self.candidate
+        drawn = self.draws.random(n) < self.split
+        candidate = Arm(self.candidate_agent, version, Split(epoch=epoch, version=version, candidate=True))
+        champion = Arm(self.agent, self.policy_version, Split(epoch=epoch, version=version, candidate=False))
+        arms = [(champion, np.flatnonzero(~drawn).tolist()), (candidate, np.flatnonzero(drawn).tolist())]
+        return [(arm, rows) for arm, rows in arms if rows]
+
+    def _decode(self, agent: RLAEAgent, prompts: list[str]) -> tuple[list[EnsembleOutput], list[list[Span]]]:
         record: list[list[Span]] = [[] for _ in prompts]
-        weights = self.agent.weights_fn(prompts, greedy=not self.explore, generator=self.generator, record=record)
+        weights = agent.weights_fn(prompts, greedy=not self.explore, generator=self.generator, record=record)
         cfg = self.agent.cfg
         return self.decoder.generate_batch(
             prompts, weights, max_tokens=cfg.max_tokens, span=cfg.span, stop=self.stop
         ), record
 
-    def _decode_each(self, prompts: list[str]) -> list[tuple[EnsembleOutput, list[Span]] | str]:
+    def _decode_each(self, agent: RLAEAgent, prompts: list[str]) -> list[tuple[EnsembleOutput, list[Span]] | str]:
         """Every prompt's (output, spans), decoded as one batch or, if the batch fails, one by one; a failure's reason."""
         try:
-            return list(zip(*self._decode(prompts)))
+            return list(zip(*self._decode(agent, prompts)))
         except (BackendError, ValueError) as exc:
             if len(prompts) == 1:
                 return [f"{type(exc).__name__}: {exc}"]
             log.warning("a batch of %d failed (%s); decoding its queries one by one", len(prompts), exc)
-        return [result for prompt in prompts for result in self._decode_each([prompt])]
+        return [result for prompt in prompts for result in self._decode_each(agent, [prompt])]
+
+    def _decode_arms(self, queries: list[Query]) -> list[tuple[Arm, tuple[EnsembleOutput, list[Span]] | str]]:
+        """Each query's arm and result, in the batch's order."""
+        results: list = [None] * len(queries)
+        for arm, rows in self._arms(len(queries)):
+            for i, result in zip(rows, self._decode_each(arm.agent, [queries[i].prompt for i in rows])):
+                results[i] = (arm, result)
+        return results
 
     async def handle(self, queries: list[Query]) -> BatchOutput:
         self.swap_policy()
         started = time.perf_counter()
-        results = await asyncio.to_thread(self._decode_each, [q.prompt for q in queries])
+        results = await asyncio.to_thread(self._decode_arms, queries)
         latency = 1000 * (time.perf_counter() - started)
         out = BatchOutput(stages={"decode": latency / 1000})
         common = {
             "called_models": self.models,
-            "policy_version": self.policy_version,
             "worker": self.name,
             "latency_ms": latency,
             "model_ms": latency,  # the models run in this process, span by span with the agent
             "cost": float(self.costs.sum()),
             "strategy": "rlae",
         }
-        for q, result in zip(queries, results):
+        for q, (arm, result) in zip(queries, results):
             if isinstance(result, str):
                 self.stats.no_model_answered += 1
                 out.answers.append(
@@ -113,6 +164,7 @@ class RLAEWorker(Worker):
                         chosen_models=[],
                         answered_models=[],
                         failures=[ModelFailureRecord(model="ensemble", reason=result)],
+                        policy_version=arm.version,
                         **common,
                     )
                 )
@@ -130,6 +182,7 @@ class RLAEWorker(Worker):
                     span_weights=[w.tolist() for w in output.span_weights],
                     finish_reason=output.finish_reason,
                     feedback_token=self.tokens.token(q.query_id),
+                    policy_version=arm.version,
                     **common,
                 )
             )
@@ -137,13 +190,14 @@ class RLAEWorker(Worker):
                 RLAEExperience(
                     query_id=q.query_id,
                     stream=q.stream,
-                    policy_version=self.policy_version,
+                    policy_version=arm.version,
                     text=output.text,
                     spans=[
                         SpanDecision(obs=s.obs.tolist(), action=s.action.tolist(), logp=s.logp, value=s.value)
                         for s in spans
                     ],
                     sampled=self.explore,
+                    split=arm.split,
                 )
             )
             self.stats.answered += 1
