@@ -169,7 +169,10 @@ class Settings(BaseSettings):
     )
     gate_min_events: int = Field(400, ge=10, description="gated promotion: queries scored in shadow before a verdict")
     gate_max_events: int = Field(
-        4000, ge=10, description="gated promotion: a candidate not promoted by then is dropped"
+        4000,
+        ge=10,
+        description="gated promotion: a candidate not promoted by then is dropped (rl_focal; an rlae candidate is "
+        "judged once, after RLENS_GATE_MIN_EVENTS of its own queries)",
     )
     gate_delta: float = Field(
         0.02, ge=0, description="gated promotion: the reward a candidate may lose, at the lower bound"

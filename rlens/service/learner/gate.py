@@ -19,7 +19,10 @@ rlae (:class:`SplitEvidence`): RLAE's span weights change what the models genera
 nothing of the candidate's, and an estimate from the champion's log was not good enough (BENCHMARKS.md, "RLAE's
 continuous span weights"). The candidate serves a random share of the queries itself (an A/B split, drawn by the
 workers), and the difference is that of the two arms' mean rewards over the same period, with Welch's interval;
-``min_events`` counts the candidate's own queries.
+``min_events`` counts the scarcer arm's queries (the candidate's own, at a split under one half). A challenger is
+judged once, then, like probation: promoted or dropped, and the learner's newest weights are the next candidate
+(looking again and again at a bound with a 2.5 % error each would promote a worse candidate by chance sooner or
+later, and a candidate that keeps collecting holds back the newer weights).
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ class SplitEvidence:
     candidate: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.candidate)  # the candidate's own queries: the scarcer arm
+        return min(len(self.candidate), len(self.champion))  # the scarcer arm's (the candidate's at a split < 1/2)
 
     def estimate(self) -> Estimate:
         """Candidate − champion mean reward, with Welch's normal 95 % interval (NaN with fewer than 2 in an arm)."""
@@ -157,7 +160,7 @@ class Gate:
             return None
         self._looked_at = n
         self.last = self.estimate()
-        done = n >= self.config.max_events
+        done = n >= self.config.max_events or isinstance(self.evidence, SplitEvidence)  # a split: one look
         if self.kind == "probation":
             return "roll back" if self.last.low > self.config.delta else "passed"
         return "promote" if self.last.low >= -self.config.delta else "drop" if done else None
