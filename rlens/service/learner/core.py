@@ -268,13 +268,13 @@ class LearnerCore:
     # --- records ----------------------------------------------------------------------------------------------
     def warm_start(self, source) -> None:
         """Start the trainer from offline training when there is no checkpoint yet (a later start resumes instead);
-        gated, the warm-started policy is the first candidate."""
+        gated, the warm-started policy is the first champion (:meth:`Promotion.warm_started`)."""
         if self.version == 0:
             self.trainer.warm_start(source)
             self.version = 1
             self.checkpoint()
             if self.promotion is not None:
-                self.promotion.propose()
+                self.promotion.warm_started()
 
     async def on_experience(self, experience: AnyExperience, record) -> tuple[Policy | None, DeadLetter | None]:
         qid = experience.query_id
