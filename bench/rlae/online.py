@@ -1,6 +1,8 @@
 """RLAE learning online in the live service: the rlae strategy on the local stack, fed the zoo's generation stream.
 
-    python -m bench.rlae.online [--zoo DIR] [--blocks 24] [--block-size 100] [--rate 40] [--offline-episodes 1024] [--lr 1e-3] [--out out/bench_rlae_online]
+    python -m bench.rlae.online [--zoo DIR] [--blocks 24] [--block-size 100] [--rate 40] [--offline-episodes 1024] [--lr 1e-3]
+        [--promotions direct gated] [--gate-min-events 100] [--gate-max-events 100] [--gate-delta 0.02] [--gate-split 0.2]
+        [--out out/bench_rlae_online]
 
 The local stack (tansu broker, redis-server, one learner, one worker) runs the rlae strategy over the zoo's 4
 specialists, in process: span 4, at most 16 tokens, stop at a newline, weights sampled from the policy (the
@@ -10,6 +12,12 @@ the zoo's generation stream, the family switching every block (``--seed``, defau
 
 - cold: the learner starts from the untrained policy and learns only from the stream;
 - warm: the learner is warm-started from an offline `rlens rlae train` run of N episodes on the training split.
+
+``--promotions direct gated`` runs each of those twice: every update live (direct), and gated (a candidate serves
+``--gate-split`` of the queries itself and goes live once its reward is shown not worse than the champion's after
+``--gate-min-events`` of its own queries, or is dropped after ``--gate-max-events`` without (equal: one look, then
+the newest weights are the next candidate); the learner's promotions, roll-backs and dropped candidates are
+reported).
 
 Writes results.json and online.png (rolling exact match of the served answers, and the policy version, against
 answers received). With ``--one-stream`` every query has the same stream key, so the family switches are drift
@@ -80,8 +88,9 @@ async def drift_events(settings, idle_s: float = 3.0) -> list[DriftEvent]:
 
 
 def live_run(
-    zoo: Path, traffic, rate: float, lr: float, workdir: Path, warm_start: Path | None
+    zoo: Path, traffic, rate: float, lr: float, workdir: Path, warm_start: Path | None, gate: dict | None = None
 ) -> tuple[LoadReport, dict, list[DriftEvent]]:
+    """One run of the local stack; ``gate``: the gated promotion's settings (None: direct)."""
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh learner (no checkpoint of an earlier run to resume)
     pool = write_zoo_pool(zoo, MODELS, workdir / "pool.json")
     config = settings().model_copy(
@@ -93,6 +102,7 @@ def live_run(
             "rlae_lr": lr,
             "kafka_session_timeout_ms": 2000,
             "kafka_heartbeat_ms": 500,
+            **({"promotion": "gated", **gate} if gate else {}),
         }
     )
     stack = LocalStack(config, workdir)
@@ -158,6 +168,7 @@ def summary(report: LoadReport, state: dict, block_size: int, families: dict[str
         },
         "policy_versions": max(report.versions),
         "updates": state["stats"]["updates"],
+        **{k: state["stats"][k] for k in ("promotions", "rollbacks", "dropped_candidates")},
         "joined": state["stats"]["joined"],
         "queries_per_s": report.answered / report.elapsed_s,
         "p50_ms": report.latency_percentile(50),
@@ -232,6 +243,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of the online updates (RLENS_RLAE_LR)")
     add_out(parser, "out/bench_rlae_online")
     parser.add_argument("--seed", type=int, default=7, help="the stream's seed (task order and tasks)")
+    parser.add_argument("--promotions", nargs="+", choices=["direct", "gated"], default=["direct"])
+    parser.add_argument("--gate-min-events", type=int, default=100, help="gated: RLENS_GATE_MIN_EVENTS")
+    parser.add_argument("--gate-max-events", type=int, default=100, help="gated: RLENS_GATE_MAX_EVENTS")
+    parser.add_argument("--gate-delta", type=float, default=0.02, help="gated: RLENS_GATE_DELTA")
+    parser.add_argument("--gate-split", type=float, default=0.2, help="gated: RLENS_GATE_SPLIT")
     parser.add_argument(
         "--one-stream",
         action="store_true",
@@ -259,12 +275,23 @@ def main() -> None:
         },
         "runs": {},
     }
-    for name, warm in runs.items():
+    gate = {
+        "gate_min_events": args.gate_min_events,
+        "gate_max_events": args.gate_max_events,
+        "gate_delta": args.gate_delta,
+        "gate_split": args.gate_split,
+    }
+    plan = [
+        (start if promotion == "direct" else f"{start}-gated", warm, gate if promotion == "gated" else None)
+        for start, warm in runs.items()
+        for promotion in args.promotions
+    ]
+    for name, warm, gated in plan:
         traffic = open_ended_queries(tasks, f"online-{name}")
         families = {q.query_id: q.stream for q, _ in traffic}
         if args.one_stream:  # the service is not told the family: the switches are drift inside one stream key
             traffic = [(q.model_copy(update={"stream": "all"}), reference) for q, reference in traffic]
-        report, state, events = live_run(zoo, traffic, args.rate, args.lr, args.out / name, warm)
+        report, state, events = live_run(zoo, traffic, args.rate, args.lr, args.out / name, warm, gated)
         results["runs"][name] = {
             **summary(report, state, args.block_size, families),
             "drift": drift_summary(report, events, families),
@@ -272,7 +299,8 @@ def main() -> None:
         run = results["runs"][name]
         print(
             f"{name}: {100 * run['accuracy']:.1f} % overall, first cycle {100 * run['first_cycle']:.1f} %, last cycle {100 * run['last_cycle']:.1f} %; "
-            f"{run['updates']} updates, {run['answered']} answered ({run['queries_per_s']:.1f}/s, p50 {run['p50_ms']:.0f} ms, p99 {run['p99_ms']:.0f} ms)"
+            f"{run['updates']} updates, {run['promotions']} promotions, {run['rollbacks']} roll-backs, "
+            f"{run['dropped_candidates']} dropped; {run['answered']} answered ({run['queries_per_s']:.1f}/s, p50 {run['p50_ms']:.0f} ms, p99 {run['p99_ms']:.0f} ms)"
         )
         print("  per block: " + " ".join(f"{100 * a:.0f}" for a in run["per_block"]))
         print(
