@@ -31,6 +31,7 @@ import torch
 from bench.common.args import add_out, add_seeds, arguments, write_json
 from bench.common.machine import machine_facts
 from bench.rlae.online import FAMILIES, MODELS, MAX_TOKENS, SPAN, offline_run
+from bench.robustness.gate import SIGNER, TOKENS, record
 from rlens.checkpoint import CheckpointStore
 from rlens.local.load import open_ended_queries
 from rlens.messages import Feedback
@@ -39,7 +40,6 @@ from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.observe import SentenceEncoder, obs_dim
 from rlens.rlae.train import RLAEAgent
 from rlens.service.common.policy import PolicyHistory, encode_policy
-from rlens.service.common.security import FeedbackTokens, PolicySigner, generate_secrets
 from rlens.service.learner.core import LearnerCore
 from rlens.service.learner.gate import Gate, GateConfig
 from rlens.service.learner.online import RLAEOnlineTrainer
@@ -49,17 +49,8 @@ from rlens.settings import settings
 from rlens.zoo.build import load_backend, load_zoo
 from rlens.zoo.tasks import exact_match, generation_stream
 
-SECRETS = generate_secrets()
-SIGNER = PolicySigner(SECRETS["RLENS_POLICY_SIGNING_KEY"])
-TOKENS = FeedbackTokens(SECRETS["RLENS_FEEDBACK_SECRET"])
 BATCH = 32
 CASES = ("clean", "sabotaged", "forced")
-
-
-def record(topic: str, offset: int):
-    return SimpleNamespace(
-        topic=topic, partition=0, offset=offset, key=b"k", value=b"{}", timestamp=int(time.time() * 1000)
-    )
 
 
 def simulate(
@@ -88,6 +79,8 @@ def simulate(
     core = LearnerCore(
         trainer, MODELS, None, CheckpointStore(workdir), SIGNER, TOKENS, gate=Gate(gate) if gate else None
     )
+
+    published: list = []
 
     def deliver(policies) -> None:
         for policy in policies:
@@ -120,7 +113,6 @@ def simulate(
                 deliver(policy for policy, _ in joined)
         return served, forced
 
-    published: list = []
     if warm is not None:
         core.warm_start(warm)  # gated: live at once, in the learner's outbox
         if gate is None:
