@@ -328,16 +328,25 @@ class Policy(Message):
         "learner", description="who published it: the learner, or an operator (rlens policy promote / rollback)"
     )
     note: str = Field("", max_length=300, description="why it was published (an operator's promotion or rollback)")
+    share: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="rlae: the share of the queries a candidate serves itself (the A/B split), set by the learner; "
+        "None: the workers' RLENS_GATE_SPLIT",
+    )
 
     def signed_bytes(self) -> bytes:
         """What the learner signs: everything that says what the weights are and how they may be used, never the
         weights' encoding (a candidate's stage is signed, so that it cannot be replayed as live; an operator's
-        origin and note too)."""
+        origin and note too, and a candidate's share)."""
         fields: list = [self.strategy, self.epoch, self.version, self.models, self.sha256]
         if self.origin != "learner" or self.note:
             fields += [self.stage, self.origin, self.note]
         elif self.stage != "live":
             fields.append(self.stage)
+        if self.share is not None:
+            fields.append(self.share)
         return json.dumps(fields, separators=(",", ":")).encode()
 
 

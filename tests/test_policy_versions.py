@@ -40,6 +40,17 @@ def test_a_learners_live_policy_signs_what_it_always_signed():
     assert candidate.signed_bytes() == json.dumps(fields + ["candidate"], separators=(",", ":")).encode()
 
 
+def test_a_candidates_share_is_signed_so_that_it_cannot_be_changed_on_the_way():
+    """rlae: the share of the queries a candidate serves is the learner's, signed with it; a worker rejects the
+    same policy with another share."""
+    policy = encode_policy(tensors(0), 3, 100, MODELS, "rl_focal", SIGNER, "candidate", share=0.8)
+    fields = ["rl_focal", 100, 3, MODELS, policy.sha256, "candidate", 0.8]
+    assert policy.signed_bytes() == json.dumps(fields, separators=(",", ":")).encode()
+    decode_policy(policy, tensors(1), MODELS, "rl_focal", VERIFIER)
+    with pytest.raises(PolicyError, match="signature"):
+        decode_policy(policy.model_copy(update={"share": 0.99}), tensors(1), MODELS, "rl_focal", VERIFIER)
+
+
 def test_the_history_reads_the_topic_as_the_workers_do():
     forger = PolicySigner(generate_secrets()["RLENS_POLICY_SIGNING_KEY"])
     history = PolicyHistory.of(

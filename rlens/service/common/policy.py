@@ -42,6 +42,7 @@ def encode_policy(
     signer: PolicySigner,
     stage: str = "live",
     note: str = "",
+    share: float | None = None,
 ) -> Policy:
     blob = save_safetensors({k: v.contiguous() for k, v in tensors.items()})
     unsigned = Policy(
@@ -56,6 +57,7 @@ def encode_policy(
         weights_b64=base64.b64encode(blob).decode(),
         stage=stage,
         note=note,
+        share=share,
     )
     return unsigned.model_copy(update={"signature": signer.sign(unsigned.signed_bytes())})
 

@@ -109,7 +109,8 @@ class Worker(ABC):
         self.policy_epoch, self.policy_version = 0, 0
         self._next_policy: tuple[tuple[int, int], dict] | None = None
         self.candidate: tuple[int, int] | None = None  # (epoch, version) of the candidate scored in shadow
-        self._next_candidate: tuple[tuple[int, int], dict] | None = None
+        self._next_candidate: tuple[tuple[int, int], dict, float | None] | None = None
+        self.candidate_share: float | None = None  # rlae: the candidate's share of the queries, as its policy says
         self.stats = WorkerStats()
 
     @abstractmethod
@@ -169,7 +170,7 @@ class Worker(ABC):
             if order > newest:
                 tensors = decode_policy(policy, self.policy_tensors(), self.models, self.strategy, self.verifier)
                 if policy.stage == "candidate":
-                    self._next_candidate = (order, tensors)
+                    self._next_candidate = (order, tensors, policy.share)
                 else:
                     self._next_policy = (order, tensors)
             elif not self.verifier.verify(policy.signed_bytes(), policy.signature):
@@ -191,7 +192,7 @@ class Worker(ABC):
             self.policy_epoch, self.policy_version, self._next_policy = epoch, version, None
             self.stats.policies_loaded += 1
         if self._next_candidate is not None:
-            self.candidate, tensors = self._next_candidate
+            self.candidate, tensors, self.candidate_share = self._next_candidate
             self._next_candidate = None
             self.load_candidate(tensors)
         if self.candidate is not None and self.candidate <= (self.policy_epoch, self.policy_version):

@@ -1,9 +1,10 @@
 """The ``rlae`` strategy's worker: open-ended queries → the span-weighted token ensemble, its weights set every span
 by the RLAE agent → ``answers`` (the generated text, each span's weights) + ``experience`` (the agent's decisions).
 
-Under gated promotion a candidate serves a random share of the queries itself (``split``; an A/B split, each such
-query's experience and answer carrying the candidate's version), the champion the rest: the learner compares the
-two on their rewards (:class:`rlens.service.learner.gate.SplitEvidence`).
+Under gated and holdback promotion a candidate serves a random share of the queries itself (the share its policy
+message names, set by the learner; ``split`` without one; an A/B split, each such query's experience and answer
+carrying the candidate's version), the champion the rest: the learner compares the two on their rewards
+(:class:`rlens.service.learner.gate.SplitEvidence`).
 
 A batch is decoded together (:class:`rlens.rlae.decode.SpanWeightedDecoder`: in-process models or model servers'
 top-k) in a thread, so the consumer keeps its group membership while models run. If the batch fails (a server
@@ -105,7 +106,7 @@ class RLAEWorker(Worker):
         if self.candidate_agent is None or self.candidate is None:
             return [(champion, list(range(n)))]
         epoch, version = self.candidate
-        drawn = self.draws.random(n) < self.split
+        drawn = self.draws.random(n) < (self.split if self.candidate_share is None else self.candidate_share)
         candidate = Arm(self.candidate_agent, version, Split(epoch=epoch, version=version, candidate=True))
         champion = Arm(self.agent, self.policy_version, Split(epoch=epoch, version=version, candidate=False))
         arms = [(champion, np.flatnonzero(~drawn).tolist()), (candidate, np.flatnonzero(drawn).tolist())]
