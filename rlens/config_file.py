@@ -78,6 +78,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "gate_max_events",
         "gate_delta",
         "gate_split",
+        "gate_holdback",
         "gate_drift_reset",
         "policy_keep_bytes",
         "ope_log_bytes",

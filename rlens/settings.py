@@ -158,21 +158,25 @@ class Settings(BaseSettings):
         gt=0,
         description="the learner checkpoints at most this often (and on shutdown); Kafka offsets are committed up to the newest checkpoint",
     )
-    promotion: Literal["direct", "gated"] = Field(
+    promotion: Literal["direct", "gated", "holdback"] = Field(
         "direct",
         description="direct, every update goes live; gated, an update is a candidate, scored against the champion "
         "(rl_focal: in shadow on the champion's queries; rlae: serving a random RLENS_GATE_SPLIT of the queries itself), "
         "and goes live only when its lower 95 % bound of reward against the champion is at least -RLENS_GATE_DELTA "
         "(after RLENS_GATE_MIN_EVENTS labelled queries of its own; dropped after RLENS_GATE_MAX_EVENTS); the champion "
         "it replaced is then scored the same way over RLENS_GATE_MIN_EVENTS queries and restored if it was better by "
-        "more than the delta",
+        "more than the delta; holdback (rlae only), every update serves at once but on RLENS_GATE_HOLDBACK of the "
+        "queries, where the champion serves, and the learner's updates are rolled back (and the learner reset, its "
+        "next updates judged as gated until one does as well) when the champion leads them by more than the delta "
+        "with confidence (looked at from RLENS_GATE_MIN_EVENTS of its queries), or become the champion when not worse",
     )
     gate_min_events: int = Field(400, ge=10, description="gated promotion: queries scored in shadow before a verdict")
     gate_max_events: int = Field(
         4000,
         ge=10,
         description="gated promotion: a candidate not promoted by then is dropped (rl_focal; an rlae candidate is "
-        "judged once, after RLENS_GATE_MIN_EVENTS of its own queries)",
+        "judged once, after RLENS_GATE_MIN_EVENTS of its own queries); holdback: the line's evidence starts again "
+        "after this many of the champion's queries without a verdict",
     )
     gate_delta: float = Field(
         0.02, ge=0, description="gated promotion: the reward a candidate may lose, at the lower bound"
@@ -183,6 +187,13 @@ class Settings(BaseSettings):
         lt=1,
         description="gated promotion, rlae: the share of the queries a candidate serves itself while it is judged (an "
         "A/B split; the champion serves the rest)",
+    )
+    gate_holdback: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="holdback promotion (rlae): the share of the queries the champion keeps serving as the control "
+        "(the learner's newest update serves the rest)",
     )
     gate_drift_reset: bool = Field(
         False,

@@ -4,6 +4,8 @@ promoted; a learner whose training goes wrong (another choice's label, the rewar
 honest) is kept from serving. The Gate alone: its verdicts on evidence whose truth is known. The simulation is
 ``bench.robustness.gate``'s."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -187,3 +189,68 @@ def test_the_split_gate_compares_the_two_arms_mean_rewards_with_welchs_interval(
     for i in range(3):
         one_arm.observe_split(split_experience(i, 2, True), 1.0)
     assert len(one_arm.evidence) == 0 and one_arm.verdict() is None  # no champion's rewards yet: no verdict
+
+
+def test_the_holdback_gate_judges_the_learners_line_of_candidates_against_the_champions_share():
+    """rlae, holdback: each update replaces the candidate without restarting the evidence, which counts every candidate
+    of the line (not one from before it); one look after min_events of the champion's queries, by hand:
+    line 0, 0, 0, 0, 1, 1 (mean 1/3, variance 4/15), champion 1, 1, 1, 1 (1, 0): −0.667 ± 1.96 × √(4/15 / 6) =
+    −0.667 ± 0.413, the upper bound −0.254 below −delta: rolled back."""
+    gate = Gate(GateConfig(min_events=4, every=1, delta=0.02, holdback=0.2))
+    gate.advance((1, 2), {})
+    gate.observe_split(split_experience(0, 1, True), 1.0)  # a candidate from before the line
+    for i, (version, candidate, reward) in enumerate(
+        [(2, True, 0), (2, False, 1), (2, True, 0), (2, True, 0), (2, False, 1), (2, True, 0)]
+    ):
+        gate.observe_split(split_experience(i + 1, version, candidate), reward)
+    gate.advance((1, 3), {})  # the newest update: the same line, the same evidence
+    assert gate.candidate == (1, 3) and len(gate.evidence) == 2 and gate.verdict() is None
+    for i, (candidate, reward) in enumerate([(True, 1), (False, 1), (True, 1), (False, 1)]):
+        gate.observe_split(split_experience(i + 10, 3, candidate), reward)
+    estimate = gate.estimate()
+    assert estimate.value == pytest.approx(1 / 3 - 1) and estimate.n == 6
+    assert estimate.high == pytest.approx(1 / 3 - 1 + 1.959964 * math.sqrt(4 / 15 / 6), abs=1e-5)
+    assert gate.verdict() == "roll back"
+
+    def judged(line: list[float], champion: list[float]) -> str | None:
+        g = Gate(GateConfig(min_events=len(champion), max_events=len(champion), every=1, delta=0.02, holdback=0.2))
+        g.advance((1, 2), {})
+        for i, r in enumerate(line):
+            g.observe_split(split_experience(i, 2, True), r)
+        for i, r in enumerate(champion):
+            g.observe_split(split_experience(100 + i, 2, False), r)
+        return g.verdict()
+
+    # line 1, 1, 1, 1, 0 against 0, 1, 0, 0: +0.55 ± 1.96 × √(0.2 / 5 + 0.25 / 4), low −0.077: neither, and at
+    # max_events: inconclusive (before it: None, looked at again later)
+    assert judged([1, 1, 1, 1, 0], [0, 1, 0, 0]) == "inconclusive"
+    # all 1 against 1, 0, 0, 0: +0.75 ± 1.96 × √(0.25 / 4), low +0.26: verified, the newest weights the champion
+    assert judged([1, 1, 1, 1, 1], [1, 0, 0, 0]) == "promote"
+    # no variance on either side: exactly 0 difference, within delta: verified
+    assert judged([1, 1, 1, 1, 1], [1, 1, 1, 1]) == "promote"
+    # an untrusted learner's challenger (after a roll back): its mean within delta, its bound not: trusted again
+    challenger = Gate(GateConfig(min_events=4, every=1, delta=0.02, holdback=0.2))
+    challenger.propose((1, 5), {})
+    for i, (candidate, r) in enumerate([(True, 1), (True, 0), (True, 1), (True, 0)] + [(False, 1), (False, 0)] * 2):
+        challenger.observe_split(split_experience(i, 5, candidate), r)
+    assert challenger.estimate().value == 0.0 and challenger.verdict() == "resume"
+    worse = Gate(GateConfig(min_events=4, every=1, delta=0.02, holdback=0.2))
+    worse.propose((1, 5), {})
+    for i, (candidate, r) in enumerate([(True, 1), (True, 0), (True, 0), (True, 0)] + [(False, 1), (False, 0)] * 2):
+        worse.observe_split(split_experience(i, 5, candidate), r)
+    assert worse.estimate().value == -0.25 and worse.verdict() == "drop"
+    inconclusive = Gate(GateConfig(min_events=3, max_events=4, every=1, delta=0.02, holdback=0.2))
+    inconclusive.advance((1, 2), {})
+    for i, r in enumerate([1, 1, 1, 1, 0]):
+        inconclusive.observe_split(split_experience(i, 2, True), r)
+    for i, r in enumerate([0, 1, 0]):
+        inconclusive.observe_split(split_experience(10 + i, 2, False), r)
+    assert inconclusive.verdict() is None  # neither bound decides at 3: looked at again
+    inconclusive.observe_split(split_experience(13, 2, False), 0)
+    assert inconclusive.verdict() == "inconclusive"  # nor at max_events: the evidence starts again
+    inconclusive.restart()  # fresh evidence, counted from the newest candidate
+    assert len(inconclusive.evidence) == 0 and inconclusive.line == (1, 2)
+    inconclusive.advance((1, 4), {})
+    inconclusive.observe_split(split_experience(50, 2, True), 1.0)
+    inconclusive.observe_split(split_experience(51, 4, False), 1.0)
+    assert (len(inconclusive.evidence.candidate), len(inconclusive.evidence.champion)) == (1, 1)

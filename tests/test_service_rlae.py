@@ -201,8 +201,8 @@ def test_gated_rlae_a_candidate_serves_a_random_share_and_is_promoted_then_rolle
         return out, published
 
     async def scenario():
-        gate = Gate(GateConfig(min_events=12, max_events=400, every=4, delta=0.02))
-        worker, core = new_worker(ensemble, encoder, split=0.5, seed=1), new_learner(tmp_path, gate)
+        gate = Gate(GateConfig(min_events=12, max_events=400, every=4, delta=0.02, split=0.5))
+        worker, core = new_worker(ensemble, encoder, split=0.1, seed=1), new_learner(tmp_path, gate)
         tasks = generation_split(FAMILIES, 80, seed=6)
         queries = [q for q, _ in open_ended_queries(tasks, "g")]
         # no candidate yet: the champion serves every query, no split; the first update is a candidate, not live
@@ -237,6 +237,77 @@ def test_gated_rlae_a_candidate_serves_a_random_share_and_is_promoted_then_rolle
         # the replaced champion earned more on its share: rolled back to it
         assert core.stats.rollbacks == 1 and published[0].stage == "live" and published[0].version == probation
         assert "rolled back" in published[0].note
+
+    asyncio.run(scenario())
+
+
+def test_holdback_rlae_every_update_serves_at_once_beside_the_champion_and_a_worse_line_is_rolled_back(
+    ensemble, encoder, tmp_path
+):
+    """Holdback promotion for rlae: each update is the candidate at once and serves most of the queries (the newest
+    replacing the one before), the champion the holdback share; when the champion's share earns more, the learner's
+    line is rolled back: the champion served everywhere again under a newer number, and the learner reset to it. A
+    line that earns as much becomes the champion. The rewards are set by the test, so the verdicts are known."""
+
+    async def serve(worker, core, queries, rewards: dict[bool, float]):
+        out = await worker.handle(queries)
+        for e in out.experience:
+            reward = rewards[e.split.candidate] if e.split is not None else 0.5
+            await core.on_experience(e, Record(0))
+            await core.on_feedback(Feedback(query_id=e.query_id, token=token(e.query_id), reward=reward), Record(0))
+        published = core.take_policies()
+        for policy in published:
+            assert worker.receive_policy(policy) is None
+        return out, published
+
+    async def scenario():
+        gate = Gate(GateConfig(min_events=6, max_events=400, every=1, delta=0.02, split=0.5, holdback=0.25))
+        worker, core = new_worker(ensemble, encoder, split=0.1, seed=1), new_learner(tmp_path, gate)
+        champion = core.trainer.policy_tensors()  # the seeded weights the worker serves
+        loaded, load = [], core.trainer.load_policy
+        core.trainer.load_policy = lambda tensors: (loaded.append(tensors), load(tensors))  # a spy on the reset
+        tasks = generation_split(FAMILIES, 160, seed=7)
+        queries = [q for q, _ in open_ended_queries(tasks, "h")]
+        out, published = await serve(worker, core, queries[:8], {})
+        assert all(e.split is None for e in out.experience)
+        assert [(p.stage, p.version) for p in published] == [("candidate", 1)]
+        # the line serves about 3 in 4 queries; each update replaces the candidate, the evidence goes on
+        served, history, at = [], [], 8
+        while core.stats.rollbacks == 0 and at < 120:
+            out, published = await serve(worker, core, queries[at : at + 8], {True: 0.0, False: 1.0})
+            served += [(e.split.candidate, e.policy_version) for e in out.experience if e.split is not None]
+            history += published
+            at += 8
+        candidates = [p for p in history[: [p.stage for p in history].index("live")] if p.stage == "candidate"]
+        assert core.stats.rollbacks == 1 and core.stats.promotions == 0
+        assert {version for candidate, version in served if not candidate} == {0}
+        assert len({version for candidate, version in served if candidate}) >= 2  # several updates, one line
+        assert 0.6 <= np.mean([candidate for candidate, _ in served]) <= 0.9
+        stages = [p.stage for p in history]
+        live = history[stages.index("live")]
+        assert stages.count("live") == 1 and "line rolled back" in live.note
+        assert live.version > max(p.version for p in history[: stages.index("live")])  # above the line's
+        assert len(loaded) == 1 and all(torch.equal(champion[k], v) for k, v in loaded[0].items())  # reset to it
+        out, _ = await serve(worker, core, queries[at : at + 4], {True: 0.0, False: 1.0})
+        assert worker.policy_version == live.version
+        assert {e.split.version for e in out.experience if e.split is not None} <= {
+            p.version for p in history[stages.index("live") :]
+        }
+        # no longer trusted: the next update is a challenger on the small share, promoted when not worse; the update
+        # after it starts a new line
+        history = []
+        for start in range(at + 4, len(queries), 8):
+            out, published = await serve(worker, core, queries[start : start + 8], {True: 1.0, False: 1.0})
+            history += published
+            if core.stats.promotions and any(p.stage == "candidate" for p in history[-len(published) :]):
+                break
+        stages = [p.stage for p in history]
+        assert core.stats.promotions == 1 and stages.count("live") == 1
+        promoted = history[stages.index("live")]
+        challenger = [p for p in history[: stages.index("live")] if p.stage == "candidate"][-1]
+        assert challenger.share == 0.5 and "promoted" in promoted.note and promoted.sha256 == challenger.sha256
+        assert [p.share for p in history[stages.index("live") + 1 :]] == [0.75]  # the next line
+        assert all(p.share == 0.75 for p in candidates)
 
     asyncio.run(scenario())
 
@@ -386,6 +457,14 @@ def test_cli_errors_for_bad_open_ended_traffic_and_strategy(tmp_path):
         env={"RLENS_ZOO_DIR": str(tmp_path)},
     )
     assert result.exit_code == 2 and "build the zoo first" in result.output
+    pool = tmp_path / "pool.json"
+    pool.write_text(json.dumps({"models": [{"name": "a", "backend": "replay", "path": str(settings().demo_data)}]}))
+    result = CliRunner().invoke(
+        app,
+        ["learner"],
+        env={"RLENS_PROMOTION": "holdback", "RLENS_POOL_FILE": str(pool), "RLENS_STRATEGY": "rl_focal"},
+    )
+    assert result.exit_code != 0 and "RLENS_PROMOTION=holdback is for the rlae strategy" in result.output
 
 
 def test_the_rehearsal_budget_is_shared_by_the_streams():

@@ -164,6 +164,11 @@ def drift_monitor(settings: Settings) -> DriftMonitor | None:
 def build_learner(settings: Settings, warm_start: Path | None = None) -> LearnerCore:
     """The learner of ``settings.strategy``, resumed from its newest checkpoint; a fresh one warm-started from
     ``warm_start`` if given (rl_focal: a recorded dataset; rlae: an `rlens rlae train` run directory)."""
+    if settings.promotion == "holdback" and settings.strategy != "rlae":
+        raise ValueError(
+            "RLENS_PROMOTION=holdback is for the rlae strategy (its candidates serve queries themselves); "
+            "rl_focal's guarded promotion is gated"
+        )
     pool = pool_of(settings)
     names = [m.name for m in pool.models]
     signer, tokens = policy_signer(settings), feedback_tokens(settings)
@@ -174,14 +179,16 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
         settings.gate_max_events,
         delta=settings.gate_delta,
         drift_reset=settings.gate_drift_reset,
+        split=settings.gate_split,
+        holdback=settings.gate_holdback if settings.promotion == "holdback" else None,
     )
     if settings.strategy == "rlae":
         trainer = RLAEOnlineTrainer(
             rlae_policy(settings, len(names)), rlae_config(settings), names, settings.seed, settings.rlae_rehearsal
         )
         window = 1
-        if settings.promotion == "gated":
-            gate = Gate(config)  # an A/B split: the workers draw RLENS_GATE_SPLIT of the queries for the candidate
+        if settings.promotion != "direct":  # an A/B split: the workers draw the share each candidate's policy names
+            gate = Gate(config)
     else:
         engine = build_engine(settings, pool)
         trainer, window = FocalOnlineTrainer(engine, names, settings.focal_extractor), engine.cfg.window

@@ -127,6 +127,7 @@ class LearnerStats:
     drift_reactions: int = 0  # drifted streams whose window was trimmed
     promotions: int = 0  # candidates promoted by the gate (gated promotion)
     dropped_candidates: int = 0  # candidates the gate dropped
+    resumed: int = 0  # holdback: challengers after which the learner's updates served at once again
     rollbacks: int = 0  # promoted champions rolled back to the one they replaced
     last_update: dict | None = None
 
@@ -426,7 +427,7 @@ class LearnerCore:
         self.version += 1
         self.dashboard.observe_policy(self.version)
         if self.promotion is not None:
-            self.promotion.propose()
+            self.promotion.updated()
         if self.checkpoint_due():
             self.checkpoint()
         log.info(

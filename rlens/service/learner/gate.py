@@ -23,6 +23,20 @@ workers), and the difference is that of the two arms' mean rewards over the same
 judged once, then, like probation: promoted or dropped, and the learner's newest weights are the next candidate
 (looking again and again at a bound with a 2.5 % error each would promote a worse candidate by chance sooner or
 later, and a candidate that keeps collecting holds back the newer weights).
+
+rlae, holdback (``GateConfig.holdback``, ``RLENS_PROMOTION=holdback``): the other way round. While the learner is
+trusted, every update is the candidate at once and serves most of the queries (its *line*); the champion, the last
+policy shown not worse, keeps serving the holdback share as the control. The line's evidence counts every candidate
+since the last verdict, the newest replacing the one before without restarting it. After ``min_events`` of the
+control's queries the line is looked at, then every ``every`` more: rolled back when the control leads it by more
+than ``delta`` with confidence (the upper bound of line − control below −delta; the learner is reset to the champion,
+and no longer trusted), verified when its lower bound is at least −delta (the newest weights become the champion);
+after ``max_events`` without either, inconclusive (the evidence starts again, the line serves on). An untrusted
+learner's updates are challengers as under gated promotion, each serving the small ``split``, judged once: promoted
+as under gated promotion, or, when its mean reward is within delta of the champion's though its bound is not, the
+learner is trusted again (*resume*: the next update starts a line; the champion stays); else dropped. So a learner
+whose updates serve at once keeps what it gains from recency, at the price of serving what went wrong until the
+evidence shows it.
 """
 
 from __future__ import annotations
@@ -40,8 +54,8 @@ from rlens.evaluation.ope import Estimate
 from rlens.messages import Experience, RLAEExperience
 
 log = logging.getLogger("rlens.learner")
-Verdict = Literal["promote", "drop", "roll back", "passed"]
-Kind = Literal["challenger", "probation"]
+Verdict = Literal["promote", "drop", "roll back", "passed", "inconclusive", "resume"]
+Kind = Literal["challenger", "probation", "line"]
 Z95 = 1.959963984540054  # the normal's 97.5 % quantile
 
 
@@ -52,6 +66,8 @@ class GateConfig:
     every: int = 50  # queries between two looks at the evidence
     delta: float = 0.02  # the reward a candidate may lose against the champion, at the lower 95 % bound
     drift_reset: bool = False  # a drift detection restarts the candidate's evidence (only what came after counts)
+    split: float = 0.2  # rlae: the share of the queries a challenger (or a champion on probation) serves itself
+    holdback: float | None = None  # rlae: the champion's share while the learner's line serves the rest (module doc)
 
 
 @dataclass
@@ -117,13 +133,37 @@ class Gate:
         self.evidence: Evidence = self._fresh()
         self.last: Estimate | None = None  # the latest estimate of candidate − champion
         self._looked_at = 0  # evidence size at the last look
+        self.line: tuple[int, int] | None = None  # the first candidate the current evidence counts
+        self.trusted = (
+            True  # holdback: the learner's updates serve at once (False after a roll back, until a promotion)
+        )
 
     def _fresh(self) -> Evidence:
         return ShadowEvidence() if self.cost_share is not None else SplitEvidence()
 
     def propose(self, order: tuple[int, int], tensors: dict[str, torch.Tensor], kind: Kind = "challenger") -> None:
         self.candidate, self.candidate_tensors, self.evidence, self.last = order, tensors, self._fresh(), None
-        self.kind, self._looked_at = kind, 0
+        self.kind, self._looked_at, self.line = kind, 0, order
+
+    def advance(self, order: tuple[int, int], tensors: dict[str, torch.Tensor]) -> None:
+        """Holdback: the learner's newest weights are the candidate; the line's evidence goes on (a new line after a
+        verdict)."""
+        if self.candidate is None or self.kind != "line" or self.line is None or self.line[0] != order[0]:
+            self.propose(order, tensors, "line")
+        else:
+            self.candidate, self.candidate_tensors = order, tensors
+
+    def share(self) -> float | None:
+        """The share of the queries the candidate serves itself (an A/B split); None for shadow evidence (rl_focal)."""
+        if self.cost_share is not None:
+            return None
+        if self.kind == "line" and self.config.holdback is not None:
+            return 1 - self.config.holdback
+        return self.config.split
+
+    def restart(self) -> None:
+        """The evidence starts again (an inconclusive look); the line's next queries count from its newest candidate."""
+        self.evidence, self.last, self._looked_at, self.line = self._fresh(), None, 0, self.candidate
 
     def observe(self, experience: Experience, label: int) -> None:
         """One labelled query the champion served, if it carries the current candidate's shadow action (rl_focal)."""
@@ -144,7 +184,10 @@ class Gate:
     def observe_split(self, experience: RLAEExperience, reward: float) -> None:
         """One rewarded query of the current candidate's A/B split, served by either arm (rlae)."""
         split, e = experience.split, self.evidence
-        if split is None or (split.epoch, split.version) != self.candidate or not isinstance(e, SplitEvidence):
+        if split is None or self.candidate is None or self.line is None or not isinstance(e, SplitEvidence):
+            return
+        order = (split.epoch, split.version)
+        if not (order == self.candidate or (self.kind == "line" and self.line <= order <= self.candidate)):
             return
         (e.candidate if split.candidate else e.champion).append(reward)
 
@@ -163,7 +206,17 @@ class Gate:
         done = n >= self.config.max_events or isinstance(self.evidence, SplitEvidence)  # a split: one look
         if self.kind == "probation":
             return "roll back" if self.last.low > self.config.delta else "passed"
-        return "promote" if self.last.low >= -self.config.delta else "drop" if done else None
+        if self.kind == "line":  # looked at every `every` queries up to max_events, then the evidence starts again
+            if self.last.high < -self.config.delta:
+                return "roll back"
+            if self.last.low >= -self.config.delta:
+                return "promote"
+            return "inconclusive" if n >= self.config.max_events else None
+        if self.last.low >= -self.config.delta:
+            return "promote"
+        if self.config.holdback is not None and self.last.value >= -self.config.delta:
+            return "resume"  # an untrusted learner's challenger did as well on its share: its next update is a line
+        return "drop" if done else None
 
     def drifted(self) -> bool:
         """A drift was detected: with ``drift_reset``, the candidate's evidence starts again. Whether it did."""
@@ -173,8 +226,10 @@ class Gate:
         return True
 
     def promoted(self) -> None:
-        """The candidate is the champion now; a challenger's predecessor is kept for its probation."""
-        self.previous = self.champion_tensors if self.kind == "challenger" else None
+        """The candidate is the champion now; a challenger's predecessor is kept for its probation (not under
+        holdback: the lines that follow are judged against the new champion)."""
+        holdback = self.config.holdback is not None
+        self.previous = self.champion_tensors if self.kind == "challenger" and not holdback else None
         self.champion, self.champion_tensors = self.candidate, self.candidate_tensors
         self.candidate, self.candidate_tensors = None, None
 

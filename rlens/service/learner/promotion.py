@@ -88,14 +88,37 @@ class Promotion:
         if gate.previous is not None:
             core.version += 1  # a new number: workers score only candidates newer than the champion
             gate.propose((core.epoch, core.version), gate.previous, "probation")
-            self.outbox.append(self.encode(gate.previous, core.version, "candidate"))
+            self.outbox.append(self.encode(gate.previous, core.version, "candidate", share=gate.share()))
             log.info("the replaced champion, as v%d, is scored against the promoted one", core.version)
             return
         if core.version <= 0 or (gate.champion is not None and (core.epoch, core.version) <= gate.champion):
             return
         tensors = core.trainer.policy_tensors()
         gate.propose((core.epoch, core.version), tensors)
-        self.outbox.append(self.encode(tensors, core.version, "candidate"))
+        self._published_candidate()
+
+    def advance(self) -> None:
+        """Holdback: the learner's newest weights replace the line's candidate at once (not a champion on
+        probation)."""
+        gate, core = self.gate, self.core
+        if gate.candidate is not None and gate.kind != "line":
+            return
+        if gate.champion is not None and (core.epoch, core.version) <= gate.champion:
+            return
+        gate.advance((core.epoch, core.version), core.trainer.policy_tensors())
+        self._published_candidate()
+
+    def updated(self) -> None:
+        """The learner made an update: the next candidate (gated), or the line's newest (holdback, trusted)."""
+        if self.gate.config.holdback is not None and self.gate.trusted:
+            self.advance()
+        else:
+            self.propose()
+
+    def _published_candidate(self) -> None:
+        gate, core = self.gate, self.core
+        assert gate.candidate_tensors is not None
+        self.outbox.append(self.encode(gate.candidate_tensors, core.version, "candidate", share=gate.share()))
         log.info(
             "policy v%d (epoch %d) published as a candidate, scored against the champion", core.version, core.epoch
         )
@@ -109,19 +132,42 @@ class Promotion:
         if verdict is None:
             return
         epoch, version = gate.candidate or (0, 0)
-        e, tensors = gate.last, gate.candidate_tensors
-        assert e is not None and tensors is not None
+        e = gate.last
+        assert e is not None and gate.candidate_tensors is not None
         shown = f"candidate − champion reward {e.value:+.3f} [{e.low:+.3f}, {e.high:+.3f}] over {e.n} queries"
-        if verdict in ("promote", "roll back"):
+        if verdict == "inconclusive":  # holdback: the line serves on, judged again on fresh evidence
+            log.info("the line up to policy v%d (epoch %d) serves on, not judged yet: %s", version, epoch, shown)
+            gate.restart()
+            self.show()
+            return
+        line = gate.kind == "line"
+        if line and verdict == "roll back":
+            epoch, version = self.withdraw_line(shown)
+        elif verdict in ("promote", "roll back"):
             note = f"rolled back: {shown}" if verdict == "roll back" else f"promoted: {shown}"
-            self.outbox.append(self.encode(tensors, version, "live", epoch, note))
+            self.outbox.append(self.encode(gate.candidate_tensors, version, "live", epoch, note))
             gate.promoted()
         else:
             gate.dropped()
-        counter = {"promote": "promotions", "roll back": "rollbacks", "drop": "dropped_candidates"}.get(verdict)
+        counter = {
+            "promote": "promotions",
+            "roll back": "rollbacks",
+            "drop": "dropped_candidates",
+            "resume": "resumed",
+        }.get(verdict)
         if counter:
             setattr(core.stats, counter, getattr(core.stats, counter) + 1)
-        if verdict == "roll back":
+        if gate.config.holdback is not None:
+            if verdict == "roll back":  # what was rolled back is not trained on further
+                assert gate.champion_tensors is not None
+                core.trainer.load_policy(gate.champion_tensors)
+            if verdict in ("promote", "resume"):
+                gate.trusted = True
+            elif line and verdict == "roll back":  # its own training went wrong: what it trains next is a challenger
+                gate.trusted = False
+        if line and verdict == "roll back":
+            log.error("the learner's line rolled back to the champion, as v%d (epoch %d): %s", version, epoch, shown)
+        elif verdict == "roll back":
             log.error("rolled back to the replaced champion, as v%d (epoch %d): %s", version, epoch, shown)
         else:
             (log.warning if verdict == "drop" else log.info)(
@@ -130,8 +176,22 @@ class Promotion:
         core.dashboard.observe_verdict(verdict, version, e)
         if core.metrics is not None:
             core.metrics.candidates.labels(verdict.replace(" ", "_")).inc()
-        self.propose()
+        if gate.config.holdback is None or not gate.trusted:  # else the next update starts the next line
+            self.propose()
         self.show()
+
+    def withdraw_line(self, shown: str) -> tuple[int, int]:
+        """Holdback: the champion served everywhere again, under a number above the line's. The (epoch, version)
+        published."""
+        gate, core = self.gate, self.core
+        assert gate.champion_tensors is not None
+        core.version += 1
+        self.outbox.append(
+            self.encode(gate.champion_tensors, core.version, "live", core.epoch, f"line rolled back: {shown}")
+        )
+        gate.candidate = gate.candidate_tensors = None
+        gate.champion = (core.epoch, core.version)
+        return gate.champion
 
     def show(self) -> None:
         """The gate's state on the dashboard and in the metrics."""
@@ -147,10 +207,13 @@ class Promotion:
                     getattr(estimate, bound) if estimate else float("nan")
                 )
 
-    def encode(self, tensors, version: int, stage: str, epoch: int | None = None, note: str = "") -> Policy:
+    def encode(
+        self, tensors, version: int, stage: str, epoch: int | None = None, note: str = "", share: float | None = None
+    ) -> Policy:
         core = self.core
         epoch = core.epoch if epoch is None else epoch
-        return encode_policy(tensors, version, epoch, core.models, core.trainer.strategy, core.signer, stage, note)
+        strategy = core.trainer.strategy
+        return encode_policy(tensors, version, epoch, core.models, strategy, core.signer, stage, note, share)
 
     def announcement(self) -> Policy | None:
         """The champion this learner promoted, if it knows its weights."""

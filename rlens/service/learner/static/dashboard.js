@@ -86,14 +86,18 @@ function policyCard(data) {
   return `<section class="card wide" id="policies"><h2><span>Policy versions</span><small>by transitions joined; newest v${top}</small></h2>${svg}</section>`;
 }
 
-// Gated promotion: what is served, what is scored in shadow with candidate − champion so far, and the verdicts.
+// Gated promotion: what is served, the candidate's evidence with candidate − champion so far, and the verdicts.
+const KIND_NOTES = {
+  probation: " (the replaced champion, on probation)",
+  line: " (holdback: the learner's newest, serving beside the champion's share)",
+};
 function gateCard(data) {
   const g = data.gate;
   if (!g && !data.verdicts.length) return "";
   const num = (x) => (x >= 0 ? "+" : "") + x.toFixed(3);
   const shown = (e) => `${num(e.value)} [${num(e.low)}, ${num(e.high)}]`;
   const now = g && g.candidate !== null
-    ? `candidate <b>v${g.candidate}</b>${g.kind === "probation" ? " (the replaced champion, on probation)" : ""}: ${g.events} queries scored in shadow` +
+    ? `candidate <b>v${g.candidate}</b>${KIND_NOTES[g.kind] || ""}: ${g.events} queries of evidence` +
       (g.estimate ? `, reward − champion's ${shown(g.estimate)}` : "")
     : "no candidate being judged";
   const rows = data.verdicts.slice(-10).reverse().map((v) =>
