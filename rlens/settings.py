@@ -170,13 +170,19 @@ class Settings(BaseSettings):
         "next updates judged as gated until one does as well) when the champion leads them by more than the delta "
         "with confidence (looked at from RLENS_GATE_MIN_EVENTS of its queries), or become the champion when not worse",
     )
-    gate_min_events: int = Field(400, ge=10, description="gated promotion: queries scored in shadow before a verdict")
-    gate_max_events: int = Field(
-        4000,
+    gate_min_events: int | None = Field(
+        None,
         ge=10,
-        description="gated promotion: a candidate not promoted by then is dropped (rl_focal; an rlae candidate is "
+        description="guarded promotion: labelled queries of evidence before a verdict (rl_focal: scored in shadow; "
+        "rlae: the candidate's own, holdback: the champion's); unset, the strategy's: rl_focal 400, rlae 50 gated "
+        "and 25 holdback (rlens.service.learner.gate.default_events)",
+    )
+    gate_max_events: int | None = Field(
+        None,
+        ge=10,
+        description="guarded promotion: a candidate not promoted by then is dropped (rl_focal; an rlae candidate is "
         "judged once, after RLENS_GATE_MIN_EVENTS of its own queries); holdback: the line's evidence starts again "
-        "after this many of the champion's queries without a verdict",
+        "after this many of the champion's queries without a verdict; unset, the strategy's: rl_focal 4,000, rlae 50",
     )
     gate_delta: float = Field(
         0.02, ge=0, description="gated promotion: the reward a candidate may lose, at the lower bound"

@@ -25,7 +25,7 @@ from rlens.service.common.kafka import settle_idempotence
 from rlens.ports import free_port
 from rlens.service.common.logs import setup_logging
 from rlens.service.common.tracing import setup_tracing
-from rlens.service.learner.gate import Gate, GateConfig
+from rlens.service.learner.gate import Gate, GateConfig, default_events
 from rlens.service.learner.ope_log import OPE_LOG, OpeLog
 from rlens.service.learner.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
 from rlens.service.common.health import admin_token
@@ -174,9 +174,11 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
     signer, tokens = policy_signer(settings), feedback_tokens(settings)
     trainer: OnlineTrainer
     gate = None
+    min_events, max_events, every = default_events(settings.strategy, settings.promotion)
     config = GateConfig(
-        settings.gate_min_events,
-        settings.gate_max_events,
+        settings.gate_min_events or min_events,
+        settings.gate_max_events or max_events,
+        every=min(every, settings.gate_min_events or min_events),
         delta=settings.gate_delta,
         drift_reset=settings.gate_drift_reset,
         split=settings.gate_split,

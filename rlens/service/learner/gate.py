@@ -59,6 +59,15 @@ Kind = Literal["challenger", "probation", "line"]
 Z95 = 1.959963984540054  # the normal's 97.5 % quantile
 
 
+def default_events(strategy: str, promotion: str) -> tuple[int, int, int]:
+    """(min_events, max_events, every) where the settings leave the first two unset. rlae's were chosen on the zoo's
+    validation streams (BENCHMARKS.md: gated, one look at 50 of the candidate's queries; holdback, looks at 25 and 50
+    of the champion's queries); rl_focal's judge a candidate on shadow evidence over longer streams."""
+    if strategy == "rlae":
+        return (25, 50, 25) if promotion == "holdback" else (50, 50, 25)
+    return 400, 4000, 50
+
+
 @dataclass(frozen=True)
 class GateConfig:
     min_events: int = 400  # labelled queries scored in shadow before any verdict
@@ -134,9 +143,8 @@ class Gate:
         self.last: Estimate | None = None  # the latest estimate of candidate − champion
         self._looked_at = 0  # evidence size at the last look
         self.line: tuple[int, int] | None = None  # the first candidate the current evidence counts
-        self.trusted = (
-            True  # holdback: the learner's updates serve at once (False after a roll back, until a promotion)
-        )
+        # holdback: the learner's updates serve at once (not after a roll back, until a challenger does as well)
+        self.trusted = True
 
     def _fresh(self) -> Evidence:
         return ShadowEvidence() if self.cost_share is not None else SplitEvidence()
