@@ -1,9 +1,11 @@
-"""Guarded promotion for ``rlae`` (issue 35): served exact match with every update live (direct) and through the gate's
-A/B split, for a clean learner, a sabotaged one (it trains on the reward turned upside down, 1 − exact match; the
-feedback stays honest) and a bad policy an operator forces live.
+"""Guarded promotion for ``rlae`` (issue 35): served exact match with every update live (direct), through the gate's
+A/B split (gated: a candidate serves ``--split``) and with holdback (every update serves at once, the champion
+``--holdback`` of the queries), for a clean learner, a sabotaged one (it trains on the reward turned upside down,
+1 − exact match; the feedback stays honest) and a bad policy an operator forces live.
 
     python -m bench.rlae.gate [--zoo DIR] [--queries 2400] [--seeds 0 1 2] [--stream-seed 7] [--warm]
-        [--min-events 100] [--max-events 100] [--delta 0.02] [--split 0.2] [--scenarios direct-clean gated-clean ...]
+        [--min-events 100] [--max-events 100] [--delta 0.02] [--split 0.2] [--holdback 0.2]
+        [--scenarios direct-clean gated-clean holdback-clean ...]
         [--out bench/out/rlae-gate.json]
 
 No Kafka: a real rlae worker (the zoo's 4 specialists in process, MiniLM, span 4, at most 16 tokens, weights
@@ -131,12 +133,13 @@ def main() -> None:
     parser.add_argument("--min-events", type=int, default=100)
     parser.add_argument("--max-events", type=int, default=100)
     parser.add_argument("--delta", type=float, default=0.02)
-    parser.add_argument("--split", type=float, default=0.2)
+    parser.add_argument("--split", type=float, default=0.2, help="gated: the candidate's share")
+    parser.add_argument("--holdback", type=float, default=0.2, help="holdback: the champion's share")
     parser.add_argument(
         "--scenarios",
         nargs="+",
-        default=[f"{p}-{c}" for p in ("direct", "gated") for c in CASES],
-        help="promotion-case pairs (direct-clean, gated-forced, ...)",
+        default=[f"{p}-{c}" for p in ("direct", "gated", "holdback") for c in CASES],
+        help="promotion-case pairs (direct-clean, gated-forced, holdback-sabotaged, ...)",
     )
     add_out(parser, "bench/out/rlae-gate.json")
     args = parser.parse_args()
@@ -145,7 +148,13 @@ def main() -> None:
     zoo = load_zoo(args.zoo or settings().zoo_dir)
     models = {m.name: m for m in zoo}
     ensemble, encoder = TokenEnsemble([load_backend(models[n]) for n in MODELS]), SentenceEncoder()
-    gate = GateConfig(args.min_events, args.max_events, every=25, delta=args.delta)
+    gates = {
+        "direct": None,
+        "gated": GateConfig(args.min_events, args.max_events, every=25, delta=args.delta, split=args.split),
+        "holdback": GateConfig(
+            args.min_events, args.max_events, every=25, delta=args.delta, split=args.split, holdback=args.holdback
+        ),
+    }
     blocks = -(-args.queries // 100)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,7 +170,7 @@ def main() -> None:
                     encoder,
                     traffic,
                     Path(tmp) / scenario,
-                    gate if promotion == "gated" else None,
+                    gates[promotion],
                     args.split,
                     case,
                     seed,
@@ -181,6 +190,7 @@ def main() -> None:
                     "promotions": run.stats.promotions,
                     "rollbacks": run.stats.rollbacks,
                     "dropped": run.stats.dropped_candidates,
+                    "resumed": run.stats.resumed,
                     "seconds": time.perf_counter() - started,
                 }
                 if run.forced is not None:
@@ -191,7 +201,8 @@ def main() -> None:
                 print(
                     f"seed {seed} {scenario}: {100 * row['accuracy']:.1f} % (last third {100 * row['last_third']:.1f}), "
                     f"candidates served {100 * row['candidate_share']:.0f} %; {row['updates']} updates, "
-                    f"{row['promotions']} promotions, {row['rollbacks']} roll-backs, {row['dropped']} dropped"
+                    f"{row['promotions']} promotions, {row['rollbacks']} roll-backs, {row['dropped']} dropped, "
+                    f"{row['resumed']} resumed"
                     + (f"; the forced policy served {row['forced_served']} queries" if run.forced else "")
                     + f" ({row['seconds']:.0f} s)",
                     flush=True,

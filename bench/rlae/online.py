@@ -1,8 +1,8 @@
 """RLAE learning online in the live service: the rlae strategy on the local stack, fed the zoo's generation stream.
 
     python -m bench.rlae.online [--zoo DIR] [--blocks 24] [--block-size 100] [--rate 40] [--offline-episodes 1024] [--lr 1e-3]
-        [--promotions direct gated] [--gate-min-events 100] [--gate-max-events 100] [--gate-delta 0.02] [--gate-split 0.2]
-        [--out out/bench_rlae_online]
+        [--promotions direct gated holdback] [--gate-min-events 100] [--gate-max-events 100] [--gate-delta 0.02]
+        [--gate-split 0.2] [--gate-holdback 0.2] [--out out/bench_rlae_online]
 
 The local stack (tansu broker, redis-server, one learner, one worker) runs the rlae strategy over the zoo's 4
 specialists, in process: span 4, at most 16 tokens, stop at a newline, weights sampled from the policy (the
@@ -13,11 +13,12 @@ the zoo's generation stream, the family switching every block (``--seed``, defau
 - cold: the learner starts from the untrained policy and learns only from the stream;
 - warm: the learner is warm-started from an offline `rlens rlae train` run of N episodes on the training split.
 
-``--promotions direct gated`` runs each of those twice: every update live (direct), and gated (a candidate serves
-``--gate-split`` of the queries itself and goes live once its reward is shown not worse than the champion's after
-``--gate-min-events`` of its own queries, or is dropped after ``--gate-max-events`` without (equal: one look, then
-the newest weights are the next candidate); the learner's promotions, roll-backs and dropped candidates are
-reported).
+``--promotions direct gated holdback`` runs each of those once per promotion: every update live (direct), gated (a
+candidate serves ``--gate-split`` of the queries itself and goes live once its reward is shown not worse than the
+champion's after ``--gate-min-events`` of its own queries, or is dropped after ``--gate-max-events`` without (equal:
+one look, then the newest weights are the next candidate), and holdback (every update serves at once but on ``--gate-holdback``
+of the queries, where the champion serves; the learner's line is judged against it after ``--gate-min-events`` of
+the champion's queries); the learner's promotions, roll-backs and dropped candidates are reported.
 
 Writes results.json and online.png (rolling exact match of the served answers, and the policy version, against
 answers received). With ``--one-stream`` every query has the same stream key, so the family switches are drift
@@ -90,7 +91,8 @@ async def drift_events(settings, idle_s: float = 3.0) -> list[DriftEvent]:
 def live_run(
     zoo: Path, traffic, rate: float, lr: float, workdir: Path, warm_start: Path | None, gate: dict | None = None
 ) -> tuple[LoadReport, dict, list[DriftEvent]]:
-    """One run of the local stack; ``gate``: the gated promotion's settings (None: direct)."""
+    """One run of the local stack; ``gate``: the guarded promotion's settings, ``promotion`` among them (None:
+    direct)."""
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh learner (no checkpoint of an earlier run to resume)
     pool = write_zoo_pool(zoo, MODELS, workdir / "pool.json")
     config = settings().model_copy(
@@ -102,7 +104,7 @@ def live_run(
             "rlae_lr": lr,
             "kafka_session_timeout_ms": 2000,
             "kafka_heartbeat_ms": 500,
-            **({"promotion": "gated", **gate} if gate else {}),
+            **(gate or {}),
         }
     )
     stack = LocalStack(config, workdir)
@@ -243,11 +245,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of the online updates (RLENS_RLAE_LR)")
     add_out(parser, "out/bench_rlae_online")
     parser.add_argument("--seed", type=int, default=7, help="the stream's seed (task order and tasks)")
-    parser.add_argument("--promotions", nargs="+", choices=["direct", "gated"], default=["direct"])
+    parser.add_argument("--promotions", nargs="+", choices=["direct", "gated", "holdback"], default=["direct"])
     parser.add_argument("--gate-min-events", type=int, default=100, help="gated: RLENS_GATE_MIN_EVENTS")
     parser.add_argument("--gate-max-events", type=int, default=100, help="gated: RLENS_GATE_MAX_EVENTS")
     parser.add_argument("--gate-delta", type=float, default=0.02, help="gated: RLENS_GATE_DELTA")
     parser.add_argument("--gate-split", type=float, default=0.2, help="gated: RLENS_GATE_SPLIT")
+    parser.add_argument("--gate-holdback", type=float, default=0.2, help="holdback: RLENS_GATE_HOLDBACK")
     parser.add_argument(
         "--one-stream",
         action="store_true",
@@ -280,9 +283,14 @@ def main() -> None:
         "gate_max_events": args.gate_max_events,
         "gate_delta": args.gate_delta,
         "gate_split": args.gate_split,
+        "gate_holdback": args.gate_holdback,
     }
     plan = [
-        (start if promotion == "direct" else f"{start}-gated", warm, gate if promotion == "gated" else None)
+        (
+            start if promotion == "direct" else f"{start}-{promotion}",
+            warm,
+            None if promotion == "direct" else {"promotion": promotion, **gate},
+        )
         for start, warm in runs.items()
         for promotion in args.promotions
     ]
