@@ -14,6 +14,7 @@ from pydantic import SecretStr
 from rich.table import Table
 
 from rlens.cli.common import DEFAULT_WORKDIR, console, errors, fail
+from rlens.messages import Policy
 from rlens.settings import Settings, settings
 
 app = typer.Typer(
@@ -113,6 +114,11 @@ def interval(row: dict | None, key: str, scale: float = 1.0) -> str:
     return f"{row[key] * scale:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
+def stage(p: Policy) -> str:
+    """The policy's stage, with the share of the queries an rlae candidate serves itself."""
+    return p.stage + (f" ({100 * p.share:.0f} % of the queries)" if p.share else "")
+
+
 @app.command("list")
 def policy_list(
     stack: Path = STACK,
@@ -144,11 +150,11 @@ def policy_list(
         table.add_column(column)
     table.add_column("note", overflow="fold")
     for p in history.policies:
-        row = stats.get(p.version) if p.stage == "live" else None
+        row = stats.get(p.version) if p.stage == "live" or p.share else None  # an rlae candidate serves its share
         table.add_row(
             f"v{p.version}" + (" (served)" if p is served else ""),
             str(p.epoch),
-            p.stage,
+            stage(p),
             p.origin,
             when(p.created_at),
             p.sha256[:12],
@@ -185,7 +191,7 @@ def policy_show(
     served = history.served()
     console.print(
         f"policy v{p.version}, epoch {p.epoch}: {p.strategy} over {', '.join(p.models)}\n"
-        f"  stage {p.stage}{' (served now)' if p is served else ''}, published {when(p.created_at)} UTC by the {p.origin}"
+        f"  stage {stage(p)}{' (served now)' if p is served else ''}, published {when(p.created_at)} UTC by the {p.origin}"
         f"{f' ({p.note})' if p.note else ''}\n  sha256 {p.sha256}, signature verified"
     )
     if row:
