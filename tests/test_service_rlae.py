@@ -312,6 +312,23 @@ def test_holdback_rlae_every_update_serves_at_once_beside_the_champion_and_a_wor
     asyncio.run(scenario())
 
 
+def test_a_restarted_holdback_learner_keeps_whether_its_updates_serve_at_once(tmp_path):
+    """After a roll back a holdback learner's updates are challengers; that survives its restart (the checkpoint),
+    and a fresh learner trusts its updates."""
+    config = GateConfig(min_events=6, max_events=12, every=1, split=0.5, holdback=0.25)
+    core = new_learner(tmp_path, Gate(config))
+    assert core.promotion.gate.trusted
+    core.promotion.gate.trusted = False
+    core.checkpoint()
+    core.checkpoints.close()  # the learner stops
+    restarted = new_learner(tmp_path, Gate(config))
+    assert not restarted.promotion.gate.trusted
+    restarted.checkpoints.close()
+    fresh = new_learner(tmp_path / "fresh", Gate(config))
+    assert fresh.promotion.gate.trusted
+    fresh.checkpoints.close()
+
+
 def test_learner_warm_starts_from_an_offline_run_of_the_same_models_and_settings(ensemble, encoder, tmp_path):
     offline = RLAETrainer(ensemble, encoder, MODELS, replace(CFG, episodes=8), tmp_path / "run", seed=1)
     offline.run(generation_split(FAMILIES, 8, seed=5))

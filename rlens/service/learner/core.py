@@ -198,7 +198,7 @@ class LearnerCore:
         self.versions.load_json(state.get("versions", []))
         self.operator_seen = state.get("operator_seen", 0.0)
         if self.promotion is not None:
-            self.promotion.restored()
+            self.promotion.restored(state.get("gate_trusted", True))
         log.info("resumed from checkpoint v%d (%d joined)", self.version, self.stats.joined)
 
     def checkpoint(self) -> None:
@@ -213,6 +213,7 @@ class LearnerCore:
             "drift": self.drift.to_json(),
             "versions": self.versions.to_json(),
             "operator_seen": self.operator_seen,
+            "gate_trusted": self.promotion.gate.trusted if self.promotion is not None else True,
         }
         self.trainer.save(self.checkpoints, self.version, state)
         self.offsets.checkpointed_now()

@@ -35,9 +35,11 @@ class Promotion:
         self.outbox: list[Policy] = []  # candidates, promotions and roll-backs, until the app publishes them
         gate.champion_tensors = core.trainer.policy_tensors()  # the workers start from the same seeded weights
 
-    def restored(self) -> None:
-        """After a restart what the workers serve is not known here (it is in the policy topic's history)."""
+    def restored(self, trusted: bool) -> None:
+        """After a restart what the workers serve is not known here (it is in the policy topic's history); whether a
+        holdback learner's updates serve at once is as checkpointed."""
         self.gate.champion_tensors = None
+        self.gate.trusted = trusted
 
     def served(self, order: tuple[int, int], tensors, operator: bool) -> None:
         """A live policy read on the policy topic that this learner did not publish: what the workers serve, from
