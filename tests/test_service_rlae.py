@@ -180,6 +180,20 @@ def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_loa
     asyncio.run(scenario())
 
 
+async def serve_split(worker, core, queries, rewards: dict[bool, float]):
+    """One batch answered, each answer rewarded by the arm of the A/B split that served it (0.5 outside a split); the
+    learner's policies, published to the worker."""
+    out = await worker.handle(queries)
+    for e in out.experience:
+        reward = rewards[e.split.candidate] if e.split is not None else 0.5
+        await core.on_experience(e, Record(0))
+        await core.on_feedback(Feedback(query_id=e.query_id, token=token(e.query_id), reward=reward), Record(0))
+    published = core.take_policies()
+    for policy in published:
+        assert worker.receive_policy(policy) is None
+    return out, published
+
+
 def test_gated_rlae_a_candidate_serves_a_random_share_and_is_promoted_then_rolled_back_on_the_split(
     ensemble, encoder, tmp_path
 ):
@@ -188,30 +202,18 @@ def test_gated_rlae_a_candidate_serves_a_random_share_and_is_promoted_then_rolle
     gate promotes it on the two arms' rewards, then judges the champion it replaced the same way and rolls back to
     it when that one earns more. The rewards are set by the test, so the verdicts are known."""
 
-    async def serve(worker, core, queries, rewards: dict[bool, float]):
-        """One batch answered, each answer rewarded by the arm that served it; the learner's policies, published."""
-        out = await worker.handle(queries)
-        for e in out.experience:
-            reward = rewards[e.split.candidate] if e.split is not None else 0.5
-            await core.on_experience(e, Record(0))
-            await core.on_feedback(Feedback(query_id=e.query_id, token=token(e.query_id), reward=reward), Record(0))
-        published = core.take_policies()
-        for policy in published:
-            assert worker.receive_policy(policy) is None
-        return out, published
-
     async def scenario():
         gate = Gate(GateConfig(min_events=12, max_events=400, every=4, delta=0.02, split=0.5))
         worker, core = new_worker(ensemble, encoder, split=0.1, seed=1), new_learner(tmp_path, gate)
         tasks = generation_split(FAMILIES, 80, seed=6)
         queries = [q for q, _ in open_ended_queries(tasks, "g")]
         # no candidate yet: the champion serves every query, no split; the first update is a candidate, not live
-        out, published = await serve(worker, core, queries[:8], {})
+        out, published = await serve_split(worker, core, queries[:8], {})
         assert all(e.split is None and e.policy_version == 0 for e in out.experience)
         assert [(p.stage, p.version) for p in published] == [("candidate", 1)] and core.stats.updates == 1
         candidate = published[0]
         # the candidate serves about half of the queries, the champion the rest, each answer with its version
-        out, published = await serve(worker, core, queries[8:40], {True: 1.0, False: 0.0})
+        out, published = await serve_split(worker, core, queries[8:40], {True: 1.0, False: 0.0})
         served = [(e.split.candidate, e.policy_version, e.split.version) for e in out.experience]
         assert all(version == 1 for _, _, version in served)
         assert {(candidate, version) for candidate, version, _ in served} == {(True, 1), (False, 0)}
@@ -231,7 +233,7 @@ def test_gated_rlae_a_candidate_serves_a_random_share_and_is_promoted_then_rolle
         # the weights judged, though the learner trained on meanwhile (2 more updates)
         assert published[0].sha256 == candidate.sha256 and core.stats.updates == 5
         probation = published[1].version
-        out, published = await serve(worker, core, queries[40:80], {True: 1.0, False: 0.0})
+        out, published = await serve_split(worker, core, queries[40:80], {True: 1.0, False: 0.0})
         assert worker.policy_version == 1  # the promoted one, which served the rest
         assert {e.policy_version for e in out.experience if e.split and e.split.candidate} == {probation}
         # the replaced champion earned more on its share: rolled back to it
@@ -249,17 +251,6 @@ def test_holdback_rlae_every_update_serves_at_once_beside_the_champion_and_a_wor
     line is rolled back: the champion served everywhere again under a newer number, and the learner reset to it. A
     line that earns as much becomes the champion. The rewards are set by the test, so the verdicts are known."""
 
-    async def serve(worker, core, queries, rewards: dict[bool, float]):
-        out = await worker.handle(queries)
-        for e in out.experience:
-            reward = rewards[e.split.candidate] if e.split is not None else 0.5
-            await core.on_experience(e, Record(0))
-            await core.on_feedback(Feedback(query_id=e.query_id, token=token(e.query_id), reward=reward), Record(0))
-        published = core.take_policies()
-        for policy in published:
-            assert worker.receive_policy(policy) is None
-        return out, published
-
     async def scenario():
         gate = Gate(GateConfig(min_events=6, max_events=400, every=1, delta=0.02, split=0.5, holdback=0.25))
         worker, core = new_worker(ensemble, encoder, split=0.1, seed=1), new_learner(tmp_path, gate)
@@ -268,13 +259,13 @@ def test_holdback_rlae_every_update_serves_at_once_beside_the_champion_and_a_wor
         core.trainer.load_policy = lambda tensors: (loaded.append(tensors), load(tensors))  # a spy on the reset
         tasks = generation_split(FAMILIES, 160, seed=7)
         queries = [q for q, _ in open_ended_queries(tasks, "h")]
-        out, published = await serve(worker, core, queries[:8], {})
+        out, published = await serve_split(worker, core, queries[:8], {})
         assert all(e.split is None for e in out.experience)
         assert [(p.stage, p.version) for p in published] == [("candidate", 1)]
         # the line serves about 3 in 4 queries; each update replaces the candidate, the evidence goes on
         served, history, at = [], [], 8
         while core.stats.rollbacks == 0 and at < 120:
-            out, published = await serve(worker, core, queries[at : at + 8], {True: 0.0, False: 1.0})
+            out, published = await serve_split(worker, core, queries[at : at + 8], {True: 0.0, False: 1.0})
             served += [(e.split.candidate, e.policy_version) for e in out.experience if e.split is not None]
             history += published
             at += 8
@@ -288,7 +279,7 @@ def test_holdback_rlae_every_update_serves_at_once_beside_the_champion_and_a_wor
         assert stages.count("live") == 1 and "line rolled back" in live.note
         assert live.version > max(p.version for p in history[: stages.index("live")])  # above the line's
         assert len(loaded) == 1 and all(torch.equal(champion[k], v) for k, v in loaded[0].items())  # reset to it
-        out, _ = await serve(worker, core, queries[at : at + 4], {True: 0.0, False: 1.0})
+        out, _ = await serve_split(worker, core, queries[at : at + 4], {True: 0.0, False: 1.0})
         assert worker.policy_version == live.version
         assert {e.split.version for e in out.experience if e.split is not None} <= {
             p.version for p in history[stages.index("live") :]
@@ -297,7 +288,7 @@ def test_holdback_rlae_every_update_serves_at_once_beside_the_champion_and_a_wor
         # after it starts a new line
         history = []
         for start in range(at + 4, len(queries), 8):
-            out, published = await serve(worker, core, queries[start : start + 8], {True: 1.0, False: 1.0})
+            out, published = await serve_split(worker, core, queries[start : start + 8], {True: 1.0, False: 1.0})
             history += published
             if core.stats.promotions and any(p.stage == "candidate" for p in history[-len(published) :]):
                 break
