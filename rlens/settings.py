@@ -192,7 +192,8 @@ class Settings(BaseSettings):
         gt=0,
         lt=1,
         description="gated promotion, rlae: the share of the queries a candidate serves itself while it is judged (an "
-        "A/B split; the champion serves the rest)",
+        "A/B split; the champion serves the rest); the learner's setting, named in each candidate's signed policy "
+        "(a worker's own is used only for a policy without one); holdback: an untrusted learner's challengers",
     )
     gate_holdback: float = Field(
         0.2,
