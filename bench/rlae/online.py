@@ -1,7 +1,7 @@
 """RLAE learning online in the live service: the rlae strategy on the local stack, fed the zoo's generation stream.
 
     python -m bench.rlae.online [--zoo DIR] [--blocks 24] [--block-size 100] [--rate 40] [--offline-episodes 1024] [--lr 1e-3]
-        [--promotions direct gated holdback] [--gate-min-events 100] [--gate-max-events 100] [--gate-delta 0.02]
+        [--promotions direct gated holdback] [--gate-min-events N] [--gate-max-events N] [--gate-delta 0.02]
         [--gate-split 0.2] [--gate-holdback 0.2] [--out out/bench_rlae_online]
 
 The local stack (tansu broker, redis-server, one learner, one worker) runs the rlae strategy over the zoo's 4
@@ -246,8 +246,12 @@ def main() -> None:
     add_out(parser, "out/bench_rlae_online")
     parser.add_argument("--seed", type=int, default=7, help="the stream's seed (task order and tasks)")
     parser.add_argument("--promotions", nargs="+", choices=["direct", "gated", "holdback"], default=["direct"])
-    parser.add_argument("--gate-min-events", type=int, default=100, help="gated: RLENS_GATE_MIN_EVENTS")
-    parser.add_argument("--gate-max-events", type=int, default=100, help="gated: RLENS_GATE_MAX_EVENTS")
+    parser.add_argument(
+        "--gate-min-events", type=int, default=None, help="RLENS_GATE_MIN_EVENTS (default: the service's for rlae)"
+    )
+    parser.add_argument(
+        "--gate-max-events", type=int, default=None, help="RLENS_GATE_MAX_EVENTS (default: the service's for rlae)"
+    )
     parser.add_argument("--gate-delta", type=float, default=0.02, help="gated: RLENS_GATE_DELTA")
     parser.add_argument("--gate-split", type=float, default=0.2, help="gated: RLENS_GATE_SPLIT")
     parser.add_argument("--gate-holdback", type=float, default=0.2, help="holdback: RLENS_GATE_HOLDBACK")
