@@ -161,6 +161,11 @@ class Gate:
         else:
             self.candidate, self.candidate_tensors = order, tensors
 
+    @property
+    def serves_updates(self) -> bool:
+        """Holdback with the learner trusted: its next update serves at once, as the newest of the line."""
+        return self.config.holdback is not None and self.trusted
+
     def share(self) -> float | None:
         """The share of the queries the candidate serves itself (an A/B split); None for shadow evidence (rl_focal)."""
         if self.cost_share is not None:

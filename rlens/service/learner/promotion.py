@@ -112,7 +112,7 @@ class Promotion:
 
     def updated(self) -> None:
         """The learner made an update: the next candidate (gated), or the line's newest (holdback, trusted)."""
-        if self.gate.config.holdback is not None and self.gate.trusted:
+        if self.gate.serves_updates:
             self.advance()
         else:
             self.propose()
@@ -178,7 +178,7 @@ class Promotion:
         core.dashboard.observe_verdict(verdict, version, e)
         if core.metrics is not None:
             core.metrics.candidates.labels(verdict.replace(" ", "_")).inc()
-        if gate.config.holdback is None or not gate.trusted:  # else the next update starts the next line
+        if not gate.serves_updates:  # else the next update starts the next line
             self.propose()
         self.show()
 
