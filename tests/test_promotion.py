@@ -46,6 +46,26 @@ def test_a_learner_whose_training_goes_wrong_is_kept_from_serving(zoo, redis_ser
     assert np.mean([ok for _, ok in served]) > np.mean([ok for _, ok in clean]) - 0.03
 
 
+@pytest.mark.parametrize("restart_at, kind", [(352, "challenger"), (640, "probation")])
+def test_a_learner_restarted_while_it_judges_serves_what_one_never_stopped_serves(
+    zoo, redis_server, tmp_path, restart_at, kind
+):
+    """The gate is in the learner's checkpoint: stopped and resumed while a candidate is judged, or while a promotion
+    is on probation, the learner goes on with the same evidence, and the worker serves the same policies, query for
+    query (when the evidence was not kept, the candidate judged at the stop lost it and was promoted 256 queries
+    later)."""
+    gate = GateConfig(min_events=200, max_events=2000, every=25, delta=0.02)
+    until = simulate(zoo, redis_server.url, tmp_path / "until", gate, warm=True, sabotage=False, n=restart_at)
+    judged = until.core.promotion.gate
+    assert judged.kind == kind and judged.candidate is not None and len(judged.evidence) >= 100
+    whole = simulate(zoo, redis_server.url, tmp_path / "whole", gate, warm=True, sabotage=False, n=1200)
+    restarted = simulate(
+        zoo, redis_server.url, tmp_path / "restarted", gate, warm=True, sabotage=False, n=1200, restart_at=restart_at
+    )
+    assert restarted.served == whole.served and whole.core.stats.promotions >= 1
+    assert restarted.core.stats.promotions == whole.core.stats.promotions
+
+
 def shadowed_experience(i: int, champion_right: bool, candidate_right: bool | None, probe: bool) -> Experience:
     pool = [True, True, False]
     behaviour = Behaviour(

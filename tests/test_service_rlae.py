@@ -303,21 +303,62 @@ def test_holdback_rlae_every_update_serves_at_once_beside_the_champion_and_a_wor
     asyncio.run(scenario())
 
 
-def test_a_restarted_holdback_learner_keeps_whether_its_updates_serve_at_once(tmp_path):
-    """After a roll back a holdback learner's updates are challengers; that survives its restart (the checkpoint),
-    and a fresh learner trusts its updates."""
-    config = GateConfig(min_events=6, max_events=12, every=1, split=0.5, holdback=0.25)
+def test_a_restarted_learner_judges_on_where_its_checkpoint_left_off(tmp_path):
+    """The gate is in the learner's checkpoint: after a restart the champion, the candidate (its weights, its
+    evidence) and whether the learner's updates serve at once are as they were, and the workers' answers for that
+    candidate count on. A promotion that went out between the checkpoint and the stop is read back from the policy
+    topic: the candidate is the champion, and the one it replaced goes on probation. A fresh learner trusts its
+    updates."""
+    config = GateConfig(min_events=50, max_events=50, every=25, split=0.5, holdback=0.25)
     core = new_learner(tmp_path, Gate(config))
-    assert core.promotion.gate.trusted
-    core.promotion.gate.trusted = False
+    gate = core.promotion.gate
+    seeded = gate.champion_tensors  # what the workers start from
+    gate.trusted = False  # after a roll back: its updates are challengers
+    core.version = 1
+    core.promotion.updated()
+    (candidate,) = core.take_policies()
+    assert candidate.share == 0.5 and gate.kind == "challenger"
+    gate.evidence.candidate += [1.0, 0.0, 1.0]
+    gate.evidence.champion += [0.0, 1.0]
     core.checkpoint()
+    promoted = core.promotion.encode(gate.candidate_tensors, 1, "live", note="promoted")  # out after the checkpoint
     core.checkpoints.close()  # the learner stops
+
     restarted = new_learner(tmp_path, Gate(config))
-    assert not restarted.promotion.gate.trusted
+    again = restarted.promotion.gate
+    assert restarted.epoch != core.epoch and not again.trusted
+    assert (again.candidate, again.kind, again.line, again.champion) == (gate.candidate, "challenger", gate.line, None)
+    assert again.evidence == gate.evidence
+    for theirs, ours in ((gate.candidate_tensors, again.candidate_tensors), (seeded, again.champion_tensors)):
+        assert ours is not None and all(torch.equal(v, ours[k]) for k, v in theirs.items())
+    assert restarted.announcement() is None  # nothing promoted yet: the workers keep the seeded weights
+    restarted.on_policy(promoted)
+    assert again.champion == (core.epoch, 1) and again.kind == "challenger" and again.candidate is None
+    assert again.trusted is False and restarted.take_policies() == []  # holdback: no probation, a challenger next
     restarted.checkpoints.close()
     fresh = new_learner(tmp_path / "fresh", Gate(config))
     assert fresh.promotion.gate.trusted
     fresh.checkpoints.close()
+
+
+def test_a_restarted_gated_learner_puts_a_champion_whose_promotion_it_missed_on_probation(tmp_path):
+    config = GateConfig(min_events=50, max_events=50, every=25, split=0.5)
+    core = new_learner(tmp_path, Gate(config))
+    seeded = core.promotion.gate.champion_tensors
+    core.version = 1
+    core.promotion.updated()
+    core.take_policies()
+    core.checkpoint()
+    promoted = core.promotion.encode(core.promotion.gate.candidate_tensors, 1, "live", note="promoted")
+    core.checkpoints.close()
+    restarted = new_learner(tmp_path, Gate(config))
+    restarted.on_policy(promoted)
+    gate = restarted.promotion.gate
+    (probation,) = restarted.take_policies()
+    assert gate.champion == (core.epoch, 1) and gate.kind == "probation" and probation.stage == "candidate"
+    assert (probation.epoch, probation.version) == gate.candidate == (restarted.epoch, 2)
+    assert all(torch.equal(v, gate.candidate_tensors[k]) for k, v in seeded.items())  # the one it replaced
+    restarted.checkpoints.close()
 
 
 def test_learner_warm_starts_from_an_offline_run_of_the_same_models_and_settings(ensemble, encoder, tmp_path):

@@ -82,12 +82,14 @@ def simulate(
     seed: int = 0,
     forced_at: int | None = None,
     one_stream: bool = False,
+    restart_at: int | None = None,
 ) -> SimpleNamespace:
     """``n`` queries of the bundled stream through a worker; the learner joins each with its label's feedback.
     ``gate`` None: every update goes live (direct promotion). ``forced_at``: from that query on, an operator forces
     a bad policy live (the served one with its Fusion's scores turned upside down), as ``rlens policy promote``
     would. ``one_stream``: every query on one stream key, so the task switches are drift in it (the learner's
-    detector runs in every scenario; with ``drift_reset`` its detections restart the candidate's evidence). Returns
+    detector runs in every scenario; with ``drift_reset`` its detections restart the candidate's evidence).
+    ``restart_at`` (a multiple of 32): there the learner checkpoints, stops and a new one resumes. Returns
     the worker, the learner core, (served version, right) per query, the versions scored in shadow and the forced
     version."""
 
@@ -105,26 +107,30 @@ def simulate(
             VERIFIER,
             TOKENS,
         )
-        engine = FocalEngine(m, zoo.model_costs, CONFIG, seed=seed)
-        trainer = FocalOnlineTrainer(engine, names)
-        if sabotage:  # training goes wrong: another choice's label, the reward's sign flipped (the feedback honest)
-            honest = trainer.remember
 
-            def remember(experience, feedback, reward):
-                wrong = feedback.model_copy(update={"label": (feedback.label + 1) % experience.n_choices})
-                honest(experience, wrong, -reward)
+        def learner() -> LearnerCore:  # a new one resumes from the checkpoint directory's newest checkpoint
+            engine = FocalEngine(m, zoo.model_costs, CONFIG, seed=seed)
+            trainer = FocalOnlineTrainer(engine, names)
+            if sabotage:  # training goes wrong: another choice's label, the reward's sign flipped (feedback honest)
+                honest = trainer.remember
 
-            trainer.remember = remember
-        core = LearnerCore(
-            trainer,
-            names,
-            RedisWindows(Redis.from_url(url), m, 128),
-            CheckpointStore(workdir / "learner"),
-            SIGNER,
-            TOKENS,
-            drift=DriftMonitor(),  # detections only (no reaction), for the gate's drift_reset
-            gate=None if gate is None else Gate(gate, engine.cost_share, CONFIG.alpha),
-        )
+                def remember(experience, feedback, reward):
+                    wrong = feedback.model_copy(update={"label": (feedback.label + 1) % experience.n_choices})
+                    honest(experience, wrong, -reward)
+
+                trainer.remember = remember
+            return LearnerCore(
+                trainer,
+                names,
+                RedisWindows(Redis.from_url(url), m, 128),
+                CheckpointStore(workdir / "learner"),
+                SIGNER,
+                TOKENS,
+                drift=DriftMonitor(),  # detections only (no reaction), for the gate's drift_reset
+                gate=None if gate is None else Gate(gate, engine.cost_share, CONFIG.alpha),
+            )
+
+        core = learner()
         if warm:
             warm_index, _ = split(zoo, Protocol.paper)
             core.warm_start(save_dataset(zoo.subset(warm_index), workdir / "warm"))
@@ -133,6 +139,10 @@ def simulate(
         if one_stream:
             traffic = [(q.model_copy(update={"stream": "one"}), label) for q, label in traffic]
         for start in range(0, n, 32):
+            if restart_at is not None and start == restart_at:  # the learner stops (a checkpoint) and starts again
+                core.checkpoint()
+                core.checkpoints.close()
+                core = learner()
             for policy in core.take_policies():
                 assert worker.receive_policy(policy) is None
                 published.append(policy)

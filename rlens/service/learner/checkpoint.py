@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from rlens.checkpoint import CheckpointStore, load_optimizer, optimizer_tensors
 from rlens.focal.engine import FocalEngine
@@ -48,8 +49,14 @@ def transition_from_json(d: dict) -> Transition:
     )
 
 
-def save_engine(store: CheckpointStore, engine: FocalEngine, version: int, state: dict) -> Path:
-    """One checkpoint of ``engine`` plus the learner's JSON-able ``state``; returns its directory."""
+Groups = dict[str, dict[str, torch.Tensor]]  # a checkpoint's named groups of tensors (one safetensors file each)
+
+
+def save_engine(
+    store: CheckpointStore, engine: FocalEngine, version: int, state: dict, extra: Groups | None = None
+) -> Path:
+    """One checkpoint of ``engine`` plus the learner's JSON-able ``state`` and ``extra`` groups of tensors; returns
+    its directory."""
     adam, optimizer_meta = optimizer_tensors(engine.optimizer)
     payload = {
         **state,
@@ -59,13 +66,18 @@ def save_engine(store: CheckpointStore, engine: FocalEngine, version: int, state
     }
     return store.save(
         version,
-        {"policy": engine.policy_state(), "optimizer": {**adam, "rng.torch": engine.torch_rng.get_state()}},
+        {
+            "policy": engine.policy_state(),
+            "optimizer": {**adam, "rng.torch": engine.torch_rng.get_state()},
+            **(extra or {}),
+        },
         payload,
     )
 
 
-def load_engine(store: CheckpointStore, engine: FocalEngine) -> dict | None:
-    """Restore ``engine`` (weights, optimizer, RNGs, buffer) from the newest checkpoint; its state, or None."""
+def load_engine(store: CheckpointStore, engine: FocalEngine) -> tuple[dict, Groups] | None:
+    """Restore ``engine`` (weights, optimizer, RNGs, buffer) from the newest checkpoint; its state and groups of
+    tensors, or None."""
     restored = store.load_latest()
     if restored is None:
         return None
@@ -75,4 +87,4 @@ def load_engine(store: CheckpointStore, engine: FocalEngine) -> dict | None:
     engine.torch_rng.set_state(tensors["optimizer"]["rng.torch"])
     engine.rng.bit_generator.state = state["rng_numpy"]
     engine.restore_buffer([transition_from_json(t) for t in state["buffer"]])
-    return state
+    return state, tensors

@@ -37,10 +37,12 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   is the learner's start time in milliseconds, so a restarted learner's policies supersede its predecessor's. The
   learner reads the policy topic too (:meth:`LearnerCore.on_policy`): a policy an operator set live (``rlens
   policy promote`` / ``rollback``) is trained on from then on (gated: the champion it replaced goes on probation,
-  and comes back if the operator's is worse), and a restarted gated learner learns there what is served. Reward
-  and accuracy are kept per served version (:class:`rlens.service.learner.versions.VersionStats`).
+  and comes back if the operator's is worse), and a restarted gated learner learns there of a verdict it published
+  after its checkpoint. Reward and accuracy are kept per served version
+  (:class:`rlens.service.learner.versions.VersionStats`).
 - **Exactly-once effect across crashes.** A checkpoint holds the trainer (weights, optimizer, RNGs, buffer), the
-  pending joins, the recent query ids and, per partition, the offset after the last record it reflects. Kafka
+  pending joins, the recent query ids, the gate (:meth:`rlens.service.learner.gate.Gate.checkpoint`: the candidate
+  judged and its evidence) and, per partition, the offset after the last record it reflects. Kafka
   offsets are committed only up to a checkpoint's offsets. After a crash the learner restores the newest
   checkpoint, skips re-delivered records below its offsets, and so neither loses nor re-applies a transition.
   Checkpoints are taken at most every ``checkpoint_every_s`` seconds (after an update or a batch, and by a timer
@@ -88,6 +90,7 @@ from rlens.service.common.metrics import (
 )
 from rlens.service.learner.drift_watch import DriftWatch
 from rlens.service.learner.gate import Gate
+from rlens.service.learner.checkpoint import Groups
 from rlens.service.learner.promotion import Promotion
 from rlens.service.learner.offsets import Offsets
 from rlens.service.learner.ope_log import OpeLog
@@ -182,10 +185,10 @@ class LearnerCore:
         self.promotion = Promotion(gate, self) if gate is not None else None
         restored = trainer.load(checkpoints)
         if restored is not None:
-            self._restore(restored)
+            self._restore(*restored)
 
     # --- state ------------------------------------------------------------------------------------------------
-    def _restore(self, state: dict) -> None:
+    def _restore(self, state: dict, tensors: Groups) -> None:
         self.version = state["version"]
         self.offsets = Offsets(state["offsets"])
         self.experience.load_json(state["experience"], self.trainer.experience)
@@ -198,7 +201,7 @@ class LearnerCore:
         self.versions.load_json(state.get("versions", []))
         self.operator_seen = state.get("operator_seen", 0.0)
         if self.promotion is not None:
-            self.promotion.restored(state.get("gate_trusted", True))
+            self.promotion.restored(state.get("gate"), tensors.get("gate", {}))
         log.info("resumed from checkpoint v%d (%d joined)", self.version, self.stats.joined)
 
     def checkpoint(self) -> None:
@@ -213,9 +216,11 @@ class LearnerCore:
             "drift": self.drift.to_json(),
             "versions": self.versions.to_json(),
             "operator_seen": self.operator_seen,
-            "gate_trusted": self.promotion.gate.trusted if self.promotion is not None else True,
         }
-        self.trainer.save(self.checkpoints, self.version, state)
+        extra = {}
+        if self.promotion is not None:
+            state["gate"], extra["gate"] = self.promotion.gate.checkpoint()
+        self.trainer.save(self.checkpoints, self.version, state, extra)
         self.offsets.checkpointed_now()
         self.checkpointed_version = self.version
         self.last_checkpoint = time.monotonic()

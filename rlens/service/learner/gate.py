@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -149,6 +149,69 @@ class Gate:
     def _fresh(self) -> Evidence:
         return ShadowEvidence() if self.cost_share is not None else SplitEvidence()
 
+    def checkpoint(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What a learner's checkpoint keeps of the gate, so that a restart judges on where it stopped: the orders,
+        the verdict's progress and trust as JSON; the champion's, the candidate's and the replaced champion's weights
+        and the evidence as tensors."""
+        state = {
+            "champion": self.champion,
+            "candidate": self.candidate,
+            "line": self.line,
+            "kind": self.kind,
+            "looked_at": self._looked_at,
+            "last": asdict(self.last) if self.last is not None else None,
+            "trusted": self.trusted,
+        }
+        policies = {"champion": self.champion_tensors, "candidate": self.candidate_tensors, "previous": self.previous}
+        tensors = {
+            f"{name}/{key}": value.detach().clone()  # cloned: a probation's candidate is the replaced champion's
+            for name, weights in policies.items()
+            if weights is not None
+            for key, value in weights.items()
+        }
+        e = self.evidence
+        tensors["evidence/champion"] = torch.tensor(e.champion, dtype=torch.float64)
+        if isinstance(e, ShadowEvidence):
+            known = [math.nan if r is None else r for r in e.candidate]
+            tensors["evidence/candidate"] = torch.tensor(known, dtype=torch.float64)
+            features = np.array(e.features, dtype=np.float64) if len(e) else np.zeros((0, 0))
+            tensors["evidence/features"] = torch.from_numpy(features)
+            tensors["evidence/probe"] = torch.tensor(e.probe, dtype=torch.bool)
+            tensors["evidence/held"] = torch.tensor(e.held, dtype=torch.bool)
+        else:
+            tensors["evidence/candidate"] = torch.tensor(e.candidate, dtype=torch.float64)
+        return state, tensors
+
+    def restore(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """The gate as :meth:`checkpoint` kept it."""
+
+        def order(value: list | None) -> tuple[int, int] | None:
+            return (int(value[0]), int(value[1])) if value is not None else None
+
+        def weights(name: str) -> dict[str, torch.Tensor] | None:
+            prefix = f"{name}/"
+            found = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            return found or None
+
+        self.champion, self.candidate, self.line = (
+            order(state["champion"]),
+            order(state["candidate"]),
+            order(state["line"]),
+        )
+        self.kind, self._looked_at, self.trusted = state["kind"], state["looked_at"], state["trusted"]
+        self.last = Estimate(**state["last"]) if state["last"] is not None else None
+        self.champion_tensors, self.candidate_tensors = weights("champion"), weights("candidate")
+        self.previous = weights("previous")
+        e = self.evidence = self._fresh()
+        e.champion = tensors["evidence/champion"].tolist()
+        if isinstance(e, ShadowEvidence):
+            e.candidate = [None if math.isnan(r) else r for r in tensors["evidence/candidate"].tolist()]
+            e.features = list(tensors["evidence/features"].numpy())
+            e.probe = tensors["evidence/probe"].tolist()
+            e.held = tensors["evidence/held"].tolist()
+        else:
+            e.candidate = tensors["evidence/candidate"].tolist()
+
     def propose(self, order: tuple[int, int], tensors: dict[str, torch.Tensor], kind: Kind = "challenger") -> None:
         self.candidate, self.candidate_tensors, self.evidence, self.last = order, tensors, self._fresh(), None
         self.kind, self._looked_at, self.line = kind, 0, order
@@ -156,7 +219,7 @@ class Gate:
     def advance(self, order: tuple[int, int], tensors: dict[str, torch.Tensor]) -> None:
         """Holdback: the learner's newest weights are the candidate; the line's evidence goes on (a new line after a
         verdict)."""
-        if self.candidate is None or self.kind != "line" or self.line is None or self.line[0] != order[0]:
+        if self.candidate is None or self.kind != "line" or self.line is None:
             self.propose(order, tensors, "line")
         else:
             self.candidate, self.candidate_tensors = order, tensors

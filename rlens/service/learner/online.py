@@ -37,7 +37,7 @@ from rlens.messages import MAX_CHOICES, Experience, Feedback, RLAEExperience
 from rlens.models.answers import Extractor, label_of
 from rlens.rlae.agent import Policy, RLAEConfig, Span, update
 from rlens.rlae.observe import obs_dim
-from rlens.service.learner.checkpoint import load_engine, save_engine
+from rlens.service.learner.checkpoint import Groups, load_engine, save_engine
 from rlens.zoo.tasks import exact_match
 
 
@@ -104,12 +104,12 @@ class OnlineTrainer(ABC, Generic[E]):
         self.optimizer.load_state_dict(optimizer)
 
     @abstractmethod
-    def save(self, store: CheckpointStore, version: int, state: dict) -> Path:
-        """A checkpoint of the trainer plus the learner's JSON-able ``state``."""
+    def save(self, store: CheckpointStore, version: int, state: dict, extra: Groups | None = None) -> Path:
+        """A checkpoint of the trainer plus the learner's JSON-able ``state`` and its own groups of tensors."""
 
     @abstractmethod
-    def load(self, store: CheckpointStore) -> dict | None:
-        """Restore from the newest checkpoint; the learner's state, or None without one."""
+    def load(self, store: CheckpointStore) -> tuple[dict, Groups] | None:
+        """Restore from the newest checkpoint; the learner's state and every group of tensors, or None without one."""
 
     @abstractmethod
     def warm_start(self, source: Path) -> None:
@@ -229,10 +229,10 @@ class FocalOnlineTrainer(OnlineTrainer[Experience]):
     def load_policy(self, tensors: dict[str, torch.Tensor]) -> None:
         self.engine.load_policy_state(tensors)
 
-    def save(self, store: CheckpointStore, version: int, state: dict) -> Path:
-        return save_engine(store, self.engine, version, state)
+    def save(self, store: CheckpointStore, version: int, state: dict, extra: Groups | None = None) -> Path:
+        return save_engine(store, self.engine, version, state, extra)
 
-    def load(self, store: CheckpointStore) -> dict | None:
+    def load(self, store: CheckpointStore) -> tuple[dict, Groups] | None:
         return load_engine(store, self.engine)
 
     def warm_start(self, source: Path) -> None:
@@ -362,7 +362,7 @@ class RLAEOnlineTrainer(OnlineTrainer[RLAEExperience]):
     def load_policy(self, tensors: dict[str, torch.Tensor]) -> None:
         self.policy.load_state_dict(tensors)
 
-    def save(self, store: CheckpointStore, version: int, state: dict) -> Path:
+    def save(self, store: CheckpointStore, version: int, state: dict, extra: Groups | None = None) -> Path:
         adam, meta = optimizer_tensors(self.optimizer)
         episodes = self.fresh + [(stream, spans) for stream, kept in self.memory.items() for spans in kept]
         spans = [s for _, episode in episodes for s in episode]
@@ -385,11 +385,12 @@ class RLAEOnlineTrainer(OnlineTrainer[RLAEExperience]):
                 "policy": self.policy.state_dict(),
                 "optimizer": {**adam, "rng.torch": self.generator.get_state()},
                 "episodes": tensors,
+                **(extra or {}),
             },
             payload,
         )
 
-    def load(self, store: CheckpointStore) -> dict | None:
+    def load(self, store: CheckpointStore) -> tuple[dict, Groups] | None:
         restored = store.load_latest()
         if restored is None:
             return None
@@ -411,7 +412,7 @@ class RLAEOnlineTrainer(OnlineTrainer[RLAEExperience]):
         self.fresh, self.memory = episodes[: state["fresh"]], OrderedDict()
         for stream, episode in episodes[state["fresh"] :]:
             self.memory.setdefault(stream, []).append(episode)
-        return state
+        return state, tensors
 
     def warm_start(self, source: Path) -> None:
         """The policy of an offline ``rlens rlae train`` run (its latest checkpoint) over the same models."""

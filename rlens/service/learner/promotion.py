@@ -35,17 +35,34 @@ class Promotion:
         self.outbox: list[Policy] = []  # candidates, promotions and roll-backs, until the app publishes them
         gate.champion_tensors = core.trainer.policy_tensors()  # the workers start from the same seeded weights
 
-    def restored(self, trusted: bool) -> None:
-        """After a restart what the workers serve is not known here (it is in the policy topic's history); whether a
-        holdback learner's updates serve at once is as checkpointed."""
-        self.gate.champion_tensors = None
-        self.gate.trusted = trusted
+    def restored(self, state: dict | None, tensors: dict) -> None:
+        """After a restart the gate goes on where the checkpoint left it: the champion, the candidate and its evidence
+        (the records after the checkpoint are read again, and count once), probation, trust. Without the gate in the
+        checkpoint (one written before it was kept) what the workers serve is learned from the policy topic's
+        history."""
+        if state is None:
+            self.gate.champion_tensors = None
+            return
+        self.gate.restore(state, tensors)
+        self.show()
 
     def served(self, order: tuple[int, int], tensors, operator: bool) -> None:
         """A live policy read on the policy topic that this learner did not publish: what the workers serve, from
         the topic's history; an operator's choice, whose predecessor goes on probation (the candidate is dropped)."""
         gate = self.gate
         if gate.champion is not None and order <= gate.champion:
+            return
+        if not operator and gate.candidate is not None and order >= gate.candidate:
+            # a restarted learner's candidate whose verdict went out after the checkpoint: its promotion sends its
+            # predecessor to probation, anything else (a roll back, an operator's older choice) ends it
+            if order == gate.candidate and gate.kind == "challenger":
+                gate.promoted()
+            else:
+                gate.dropped()
+            gate.champion, gate.champion_tensors = order, tensors
+            if gate.previous is not None:  # else the learner's next update is the next candidate
+                self.propose()
+            self.show()
             return
         if operator:
             replaced = gate.champion_tensors
