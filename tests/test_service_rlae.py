@@ -335,10 +335,15 @@ def test_a_restarted_learner_judges_on_where_its_checkpoint_left_off(tmp_path):
     restarted.on_policy(promoted)
     assert again.champion == (core.epoch, 1) and again.kind == "challenger" and again.candidate is None
     assert again.trusted is False and restarted.take_policies() == []  # holdback: no probation, a challenger next
+    restarted.checkpoint()
     restarted.checkpoints.close()
     fresh = new_learner(tmp_path / "fresh", Gate(config))
     assert fresh.promotion.gate.trusted
     fresh.checkpoints.close()
+    gated = new_learner(tmp_path, Gate(replace(config, holdback=None)))  # RLENS_PROMOTION changed: champion only
+    kept = gated.promotion.gate
+    assert kept.champion == (core.epoch, 1) and kept.candidate is None and len(kept.evidence) == 0 and kept.trusted
+    gated.checkpoints.close()
 
 
 def test_a_restarted_gated_learner_puts_a_champion_whose_promotion_it_missed_on_probation(tmp_path):

@@ -154,6 +154,7 @@ class Gate:
         the verdict's progress and trust as JSON; the champion's, the candidate's and the replaced champion's weights
         and the evidence as tensors."""
         state = {
+            "mode": self.mode,
             "champion": self.champion,
             "candidate": self.candidate,
             "line": self.line,
@@ -182,8 +183,13 @@ class Gate:
             tensors["evidence/candidate"] = torch.tensor(e.candidate, dtype=torch.float64)
         return state, tensors
 
+    @property
+    def mode(self) -> str:
+        return "holdback" if self.config.holdback is not None else "gated"
+
     def restore(self, state: dict, tensors: dict[str, torch.Tensor]) -> None:
-        """The gate as :meth:`checkpoint` kept it."""
+        """The gate as :meth:`checkpoint` kept it; only its champion where the checkpoint's learner promoted in
+        another mode (``RLENS_PROMOTION`` changed across the restart)."""
 
         def order(value: list | None) -> tuple[int, int] | None:
             return (int(value[0]), int(value[1])) if value is not None else None
@@ -202,6 +208,15 @@ class Gate:
         self.last = Estimate(**state["last"]) if state["last"] is not None else None
         self.champion_tensors, self.candidate_tensors = weights("champion"), weights("candidate")
         self.previous = weights("previous")
+        if state["mode"] != self.mode:
+            log.warning(
+                "the checkpoint's gate promoted %s, this learner %s: its champion is kept, its candidate dropped",
+                state["mode"],
+                self.mode,
+            )
+            self.candidate = self.candidate_tensors = self.previous = self.line = self.last = None
+            self.kind, self._looked_at, self.trusted = "challenger", 0, True
+            return
         e = self.evidence = self._fresh()
         e.champion = tensors["evidence/champion"].tolist()
         if isinstance(e, ShadowEvidence):
