@@ -68,6 +68,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "model_concurrency",
         "circuit_failures",
         "circuit_cooldown_s",
+        "ope_logging",
     ),
     "learner": (
         "learner_group",

@@ -214,6 +214,13 @@ class Settings(BaseSettings):
         "(retention.bytes, no time limit): the versions `rlens policy` can set live again (an rl_focal policy takes "
         "about 0.2 MB, an RLAE-MAPPO one up to 3.3 MB)",
     )
+    ope_logging: bool = Field(
+        True,
+        description="rl_focal workers: each query's experience carries what off-policy evaluation needs (its behaviour: "
+        "propensity, greedy pool and answer, the called models' distributions) and a candidate's action in shadow, "
+        "for `rlens ope` and gated promotion (which needs it); false saves their cost, about a tenth of a worker's "
+        "throughput and 400 bytes a query (BENCHMARKS.md)",
+    )
     ope_log_bytes: int = Field(
         64 * 2**20,
         ge=0,

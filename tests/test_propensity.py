@@ -72,3 +72,38 @@ def test_logged_propensities_match_the_frequencies_of_served_actions(zoo):
     explored_greedy = [e for e in experience if e.explored and e.pool == e.behaviour.greedy_pool]
     assert explored_greedy and all(e.behaviour.greedy_answer >= 0 for e in explored_greedy)
     assert np.mean([e.explored for e in experience]) == pytest.approx(0.5, abs=0.03)
+
+
+def test_without_ope_logging_a_worker_logs_no_behaviour_and_no_shadow_and_gated_promotion_refuses_it(zoo, tmp_path):
+    """``RLENS_OPE_LOGGING=false``: the same answers, the experience without its behaviour or a candidate's shadow
+    action; a gated rl_focal learner or worker, whose gate would see no evidence, does not start."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from rlens.cli import app
+    from rlens.service.common.policy import encode_policy
+    from rlens.settings import settings
+    from trust import SIGNER
+
+    async def answered(ope_logging: bool):
+        backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
+        dead = RedisWindows(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2), 5, 128)
+        engine = FocalEngine(5, config=FocalConfig(explore_rate=0.5, probe_rate=0.2), seed=3)
+        worker = FocalWorker(engine, zoo.model_names, backends, dead, VERIFIER, TOKENS, ope_logging=ope_logging)
+        other = FocalEngine(5, seed=1).policy_state()
+        assert (
+            worker.receive_policy(encode_policy(other, 1, 1, zoo.model_names, "rl_focal", SIGNER, "candidate")) is None
+        )
+        return await worker.handle([q for q, _ in queries_of(zoo, None, "t")[:64]])
+
+    logged, plain = asyncio.run(answered(True)), asyncio.run(answered(False))
+    assert all(e.behaviour is not None and e.shadow is not None for e in logged.experience)
+    assert all(e.behaviour is None and e.shadow is None for e in plain.experience)
+    assert [a.answer_index for a in plain.answers] == [a.answer_index for a in logged.answers]
+    pool = tmp_path / "pool.json"
+    pool.write_text(json.dumps({"models": [{"name": "a", "backend": "replay", "path": str(settings().demo_data)}]}))
+    env = {"RLENS_PROMOTION": "gated", "RLENS_OPE_LOGGING": "false", "RLENS_POOL_FILE": str(pool)}
+    for role in ("learner", "worker"):
+        result = CliRunner().invoke(app, [role], env=env)
+        assert result.exit_code != 0 and "RLENS_OPE_LOGGING must stay true" in result.output

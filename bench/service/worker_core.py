@@ -11,8 +11,8 @@ same run, a raw Redis round trip (PING) with the window read of a batch in those
 worker's time that is the service's own code; the broker client's part is in ``bench.service.stack``.
 
 What off-policy evaluation costs (issue 35), in the same run: *warm* logs each query's behaviour (propensity, greedy
-pool and answer, every called model's distribution) as the service does; *warm, no logging* leaves it out (the
-worker's ``_evidence`` replaced by nothing, for this comparison only); *warm, shadow* also scores a candidate policy
+pool and answer, every called model's distribution) as the service does; *warm, no logging* leaves it out
+(``RLENS_OPE_LOGGING=false``); *warm, shadow* also scores a candidate policy
 in shadow (gated promotion). Each state's passes are interleaved with the others', so load drifts hit all alike,
 after a garbage collection each.
 """
@@ -87,9 +87,8 @@ async def make_worker(state: str, redis: Redis, data) -> FocalWorker:
         windows,
         PolicyVerifier(secrets["RLENS_POLICY_VERIFY_KEY"]),
         FeedbackTokens(secrets["RLENS_FEEDBACK_SECRET"]),
+        ope_logging=state != "warm, no logging",
     )
-    if state == "warm, no logging":
-        worker._evidence = lambda *args: {}  # type: ignore[method-assign]
     if state == "warm, shadow":
         signer = PolicySigner(secrets["RLENS_POLICY_SIGNING_KEY"])
         other = FocalEngine(data.n_models, data.model_costs, seed=1).policy_state()

@@ -108,8 +108,18 @@ def rlae_policy(settings: Settings, n_models: int):
     return make_policy(obs_dim(n_models), n_models, rlae_config(settings), settings.seed)
 
 
+def gated_without_evidence(settings: Settings) -> None:
+    """rl_focal's gate judges candidates on the evidence the workers log: a clear error where they would log none."""
+    if settings.promotion == "gated" and settings.strategy == "rl_focal" and not settings.ope_logging:
+        raise ValueError(
+            "RLENS_PROMOTION=gated scores each candidate on the evidence rl_focal workers log with each query: "
+            "RLENS_OPE_LOGGING must stay true (or promote directly)"
+        )
+
+
 def build_worker(settings: Settings) -> Worker:
     """The worker of ``settings.strategy``."""
+    gated_without_evidence(settings)
     pool = pool_of(settings)
     names = [m.name for m in pool.models]
     verifier, tokens = policy_verifier(settings), feedback_tokens(settings)
@@ -150,6 +160,7 @@ def build_worker(settings: Settings) -> Worker:
         extractor=settings.focal_extractor,
         verifier=verifier,
         tokens=tokens,
+        ope_logging=settings.ope_logging,
     )
 
 
@@ -169,6 +180,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
             "RLENS_PROMOTION=holdback is for the rlae strategy (its candidates serve queries themselves); "
             "rl_focal's guarded promotion is gated"
         )
+    gated_without_evidence(settings)
     pool = pool_of(settings)
     names = [m.name for m in pool.models]
     signer, tokens = policy_signer(settings), feedback_tokens(settings)

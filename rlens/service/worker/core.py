@@ -203,7 +203,7 @@ class Worker(ABC):
 class FocalWorker(Worker):
     """The ``rl_focal`` strategy: the Decider's pool, the Fusion agent's answer among the query's choices (or, open-ended,
     among the answers the pool's samples hold; ``sampling`` says how the models sample, ``extractor`` how an answer is
-    read from a sample)."""
+    read from a sample). ``ope_logging`` False: its experience carries no behaviour and no shadow action."""
 
     strategy = "rl_focal"
 
@@ -222,12 +222,14 @@ class FocalWorker(Worker):
         name: str | None = None,
         sampling: GenerationRequest | None = None,
         extractor: Extractor = "line",
+        ope_logging: bool = True,
     ):
         if list(backends) != models:
             raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
         super().__init__(models, windows, verifier, tokens, name, engine.model_costs)
         self.engine = engine
         self.shadow: FocalEngine | None = None  # the candidate's agents (greedy only), scored beside the engine's
+        self.ope_logging = ope_logging  # False: no behaviour and no shadow in the experience (RLENS_OPE_LOGGING)
         self.names = np.array(models)
         self.sampling = sampling or Settings.model_construct().focal_sampling()  # None: the settings' defaults
         # at most MAX_CHOICES - 1 candidates: "none of them" (n_choices) must stay a valid window label
@@ -349,7 +351,7 @@ class FocalWorker(Worker):
         """Per answered query (by its index in the batch): what off-policy evaluation needs of it
         (:class:`Behaviour`), and the candidate's greedy action in shadow; one forward per agent for the batch (the
         Fusion observations of the served answers reused where a greedy answer fuses the same models)."""
-        if not answerable:
+        if not answerable or not self.ope_logging:
             return {}
         engine = self.engine
         chosen, called = [decisions[i] for i in answerable], [calls[i] for i in answerable]
