@@ -11,7 +11,9 @@ topics and consumer groups of its own, the yardstick (1) included.
 2. The worker: the same N queries (the bundled stream, replay backends) pre-filled in the queries topic, then W
    workers start; queries/s from the first answer to the N-th (startup excluded). Ratio to (1).
    Then, in the same run, the worker with its metrics off and on (``RLENS_METRICS_ENABLED``), alternately,
-   ``--metrics-reps`` times each on N fresh queries: the ratio of the two throughputs.
+   ``--metrics-reps`` times each on N fresh queries: the ratio of the two throughputs. With ``--evidence-reps``, the
+   same alternation without off-policy evidence (``RLENS_OPE_LOGGING=false``), with it, and with it and a candidate
+   scored in shadow: what logging and shadow scoring cost the whole worker (:func:`evidence_phase`).
 3. Latency, on a fresh stack (its own broker and Redis, so the learner has no earlier phase's records to read):
    learner + W workers. First the stack's own maximum: for ``--saturate-s`` seconds the load generator keeps 2,000
    queries unanswered (the learner, the broker and the load generator share the machine with the workers, so this
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import time
 from pathlib import Path
@@ -81,22 +84,138 @@ async def raw_pipe(bootstrap: str, source: str, sink: str, n: int, reply: bytes,
 
 async def count_answers(bootstrap: str, topic: str, n: int, prefix: bytes = b"", timeout_s: float = 300) -> float:
     """Answers/s of the ``n`` queries whose ids start with ``prefix``, from the first of their answers to the last."""
+    return (await measure_answers(bootstrap, topic, n, prefix, timeout_s))[0]
+
+
+async def measure_answers(
+    bootstrap: str, topic: str, n: int, prefix: bytes = b"", timeout_s: float = 300, pids: tuple[int, ...] = ()
+) -> tuple[float, float]:
+    """(answers/s, the CPU seconds the processes ``pids`` used) of the ``n`` queries whose ids start with
+    ``prefix``, from the first of their answers to the last."""
     consumer = AIOKafkaConsumer(
         topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", fetch_max_wait_ms=20
     )
     await consumer.start()
-    seen, first, deadline = set(), None, time.time() + timeout_s
+    seen, first, deadline, cpu = set(), None, time.time() + timeout_s, 0.0
     while len(seen) < n and time.time() < deadline:
         for records in (await consumer.getmany(timeout_ms=200)).values():
             mine = [r.key for r in records if r.key.startswith(prefix)]
-            if mine:
-                first = first or time.perf_counter()
-                seen.update(mine)
-    elapsed = time.perf_counter() - first
+            if mine and first is None:
+                first, cpu = time.perf_counter(), cpu_seconds(pids)
+            seen.update(mine)
+    elapsed, cpu = time.perf_counter() - (first or 0.0), cpu_seconds(pids) - cpu
     await consumer.stop()
     if len(seen) < n:
         raise RuntimeError(f"only {len(seen)} of {n} queries answered")
-    return n / elapsed
+    return n / elapsed, cpu
+
+
+def cpu_seconds(pids: tuple[int, ...]) -> float:
+    """User + system CPU seconds the processes ``pids`` have used so far (Linux: /proc/<pid>/stat)."""
+    ticks = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of the line)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def alternate(
+    args: argparse.Namespace,
+    stack,
+    traffic: list,
+    states: dict[str, dict],
+    reps: int | None = None,
+    policies=None,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """The workers restarted with each state's settings in turn, ``reps`` times (default ``--metrics-reps``), each
+    time on the N queries again under fresh ids: queries/s per state, and the workers' CPU µs per query. ``policies(rep, state)``: policy messages to
+    publish before that state's workers start (and, with ``after``, once they are done)."""
+    topics, bootstrap = Topics.from_settings(stack.settings), stack.settings.kafka_bootstrap
+    rates: dict[str, list[float]] = {state: [] for state in states}
+    cpu: dict[str, list[float]] = {state: [] for state in states}  # the workers' CPU µs per query
+    for rep in range(args.metrics_reps if reps is None else reps):
+        for state, update in states.items():
+            for worker in list(stack.workers):  # a graceful stop: the worker commits and leaves the group
+                worker.send_signal(signal.SIGTERM)
+                worker.wait(60)
+                stack.workers.remove(worker)
+            stack.settings = stack.settings.model_copy(update=update)
+            if policies is not None:
+                asyncio.run(prefill(bootstrap, topics.policy, policies(rep, state, "before")))
+            prefix = f"{''.join(k[0] for k in update)}{rep}{state}-"
+            asyncio.run(
+                prefill(
+                    bootstrap,
+                    topics.queries,
+                    [
+                        q.model_copy(update={"query_id": prefix + q.query_id}).model_dump_json().encode()
+                        for q, _ in traffic
+                    ],
+                )
+            )
+            for _ in range(args.workers):
+                stack.start_worker()
+            pids = tuple(worker.pid for worker in stack.workers)
+            rate, used = asyncio.run(
+                measure_answers(bootstrap, topics.answers, len(traffic), prefix.encode(), pids=pids)
+            )
+            rates[state].append(rate)
+            cpu[state].append(1e6 * used / len(traffic))
+            print(f"worker, {state}: {rate:.0f} queries/s, {cpu[state][-1]:.0f} CPU µs per query", flush=True)
+            if policies is not None:
+                asyncio.run(prefill(bootstrap, topics.policy, policies(rep, state, "after")))
+    return rates, cpu
+
+
+def evidence_phase(args: argparse.Namespace, stack, traffic: list) -> dict:
+    """What off-policy evidence costs the whole worker (issue 35), alternately: without it (``RLENS_OPE_LOGGING=false``),
+    with it, and with it and a candidate scored in shadow (another seed's weights, published as a signed candidate
+    before those workers start, superseded afterwards by the champion's own weights published live: the champion
+    stays the seeded policy every worker starts from)."""
+    from rlens.focal.engine import FocalEngine
+    from rlens.service.common.policy import encode_policy
+    from rlens.service.common.security import PolicySigner
+    from rlens.service.run import build_engine, pool_of
+
+    settings_ = stack.settings
+    assert settings_.policy_signing_key is not None
+    signer = PolicySigner(settings_.policy_signing_key.get_secret_value())
+    pool = pool_of(settings_)
+    names = [m.name for m in pool.models]
+    champion = build_engine(settings_, pool)
+    other = FocalEngine(champion.n_models, champion.model_costs, champion.cfg, seed=settings_.seed + 1)
+
+    def policies(rep: int, state: str, when: str) -> list[bytes]:
+        if state != "shadow":
+            return []
+        version, weights, stage = (
+            (2 * rep + 1, other, "candidate") if when == "before" else (2 * rep + 2, champion, "live")
+        )
+        policy = encode_policy(weights.policy_state(), version, 1, names, "rl_focal", signer, stage)
+        return [policy.model_dump_json().encode()]
+
+    states = {"off": {"ope_logging": False}, "on": {"ope_logging": True}, "shadow": {"ope_logging": True}}
+    rates, cpu = alternate(args, stack, traffic, states, args.evidence_reps, policies)
+    out = {"queries_per_s": rates, "cpu_us_per_query": cpu, **evidence_costs(rates, cpu)}
+    print(
+        f"off-policy logging costs {100 * out['logging_cost']:.1f} % of the whole worker's throughput "
+        f"({100 * out['logging_cpu_cost']:.1f} % by its CPU time per query), logging and shadow scoring "
+        f"{100 * out['logging_and_shadow_cost']:.1f} % ({100 * out['logging_and_shadow_cpu_cost']:.1f} %); medians "
+        f"over {args.evidence_reps} alternations",
+        flush=True,
+    )
+    return out
+
+
+def evidence_costs(rates: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, float]:
+    """The share of the throughput lost to logging (``on``) and to logging with a shadow (``shadow``) against ``off``,
+    and the share a CPU-bound worker would lose by its CPU time per query: medians over the alternations of each
+    one's own ratio (paired within an alternation, so a drift of the machine's speed across the run cancels)."""
+    out = {}
+    for state, name in (("on", "logging"), ("shadow", "logging_and_shadow")):
+        out[f"{name}_cost"] = 1 - float(np.median(np.divide(rates[state], rates["off"])))
+        out[f"{name}_cpu_cost"] = 1 - float(np.median(np.divide(cpu["off"], cpu[state])))
+    return out
 
 
 def main() -> None:
@@ -110,6 +229,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--metrics-reps", type=int, default=2, help="alternations of the worker with its metrics off and on"
+    )
+    parser.add_argument(
+        "--evidence-reps",
+        type=int,
+        default=0,
+        help="alternations of the worker without off-policy evidence, with it, and with a candidate in shadow",
     )
     parser.add_argument("--partitions", type=int, default=4, help="partitions of the per-query topics")
     parser.add_argument("--kafka", default=None, help="bootstrap of an Apache Kafka broker to run on (default: tansu)")
@@ -153,39 +278,16 @@ def main() -> None:
         results["ratio"] = results["worker_queries_per_s"] / results["raw_aiokafka_msgs_per_s"]
         print(f"worker: {results['worker_queries_per_s']:.0f} queries/s; ratio to raw {results['ratio']:.2f}")
 
-        rates: dict[str, list[float]] = {"on": [], "off": []}
-        for rep in range(args.metrics_reps):  # the worker with its metrics updated or not, alternately, same stack
-            for state in ("off", "on"):
-                for worker in list(stack.workers):  # a graceful stop: the worker commits and leaves the group
-                    worker.send_signal(signal.SIGTERM)
-                    worker.wait(60)
-                    stack.workers.remove(worker)
-                stack.settings = stack.settings.model_copy(update={"metrics_enabled": state == "on"})
-                prefix = f"m{rep}{state}-"
-                asyncio.run(
-                    prefill(
-                        bootstrap,
-                        topics.queries,
-                        [
-                            q.model_copy(update={"query_id": prefix + q.query_id}).model_dump_json().encode()
-                            for q, _ in traffic
-                        ],
-                    )
-                )
-                for _ in range(args.workers):
-                    stack.start_worker()
-                rates[state].append(
-                    asyncio.run(count_answers(bootstrap, topics.answers, len(payloads), prefix.encode()))
-                )
-                print(f"worker, metrics {state}: {rates[state][-1]:.0f} queries/s", flush=True)
-        if rates["on"]:
+        rates, _ = alternate(args, stack, traffic, {"off": {"metrics_enabled": False}, "on": {"metrics_enabled": True}})
+        if args.metrics_reps:
             results.update(
                 metrics_on_queries_per_s=rates["on"],
                 metrics_off_queries_per_s=rates["off"],
                 metrics_on_off_ratio=sum(rates["on"]) / sum(rates["off"]),
             )
             print(f"metrics on / off: {results['metrics_on_off_ratio']:.3f}")
-
+        if args.evidence_reps:
+            results["evidence"] = evidence_phase(args, stack, traffic)
     finally:
         stack.stop()
     if args.load_s > 0:

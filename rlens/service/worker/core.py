@@ -191,11 +191,14 @@ class Worker(ABC):
             self.load_policy(tensors)
             self.policy_epoch, self.policy_version, self._next_policy = epoch, version, None
             self.stats.policies_loaded += 1
+            log.info("serving policy v%d (epoch %d)", version, epoch)
         if self._next_candidate is not None:
             self.candidate, tensors, self.candidate_share = self._next_candidate
             self._next_candidate = None
             self.load_candidate(tensors)
+            log.info("candidate v%d (epoch %d) loaded, judged beside the policy served", *self.candidate[::-1])
         if self.candidate is not None and self.candidate <= (self.policy_epoch, self.policy_version):
+            log.info("candidate v%d (epoch %d) no longer judged: the policy served is as new", *self.candidate[::-1])
             self.candidate = None
             self.load_candidate(None)
 
