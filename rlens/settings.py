@@ -218,8 +218,8 @@ class Settings(BaseSettings):
         True,
         description="rl_focal workers: each query's experience carries what off-policy evaluation needs (its behaviour: "
         "propensity, greedy pool and answer, the called models' distributions) and a candidate's action in shadow, "
-        "for `rlens ope` and gated promotion (which needs it); false saves their cost, about a tenth of a worker's "
-        "throughput and 400 bytes a query (BENCHMARKS.md)",
+        "for `rlens ope` and gated promotion (which needs it); false saves their cost: 5 % of a worker's throughput "
+        "on a broker, 9 % of its CPU time and 400 bytes a query (BENCHMARKS.md)",
     )
     ope_log_bytes: int = Field(
         64 * 2**20,
