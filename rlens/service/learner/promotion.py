@@ -38,8 +38,8 @@ class Promotion:
     def restored(self, state: dict | None, tensors: dict) -> None:
         """After a restart the gate goes on where the checkpoint left it: the champion, the candidate and its evidence
         (the records after the checkpoint are read again, and count once), probation, trust. Without the gate in the
-        checkpoint (one written before it was kept) what the workers serve is learned from the policy topic's
-        history."""
+        checkpoint (its learner promoted directly, or came before the gate was kept) what the workers serve is learned
+        from the policy topic's history."""
         if state is None:
             self.gate.champion_tensors = None
             return
@@ -54,7 +54,7 @@ class Promotion:
             return
         if not operator and gate.candidate is not None and order >= gate.candidate:
             # a restarted learner's candidate whose verdict went out after the checkpoint: its promotion sends its
-            # predecessor to probation, anything else (a roll back, an operator's older choice) ends it
+            # predecessor to probation, anything else (a roll back, a line withdrawn) ends it
             if order == gate.candidate and gate.kind == "challenger":
                 gate.promoted()
             else:
