@@ -43,7 +43,17 @@ class Promotion:
         if state is None:
             self.gate.champion_tensors = None
             return
-        self.gate.restore(state, tensors)
+        gate = self.gate
+        gate.restore(state, tensors)
+        if gate.candidate is not None:
+            log.info(
+                "the gate resumes: candidate v%d (epoch %d, %s) with %d queries of evidence, champion %s",
+                gate.candidate[1],
+                gate.candidate[0],
+                gate.kind,
+                len(gate.evidence),
+                f"v{gate.champion[1]} (epoch {gate.champion[0]})" if gate.champion else "the seeded policy",
+            )
         self.show()
 
     def served(self, order: tuple[int, int], tensors, operator: bool) -> None:
