@@ -31,6 +31,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -123,17 +124,19 @@ def alternate(
     args: argparse.Namespace,
     stack,
     traffic: list,
+    phase: str,
     states: dict[str, dict],
-    reps: int | None = None,
-    policies=None,
+    reps: int,
+    policies: Callable[[int, str, str], list[bytes]] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """The workers restarted with each state's settings in turn, ``reps`` times (default ``--metrics-reps``), each
-    time on the N queries again under fresh ids: queries/s per state, and the workers' CPU µs per query. ``policies(rep, state)``: policy messages to
-    publish before that state's workers start (and, with ``after``, once they are done)."""
+    """The workers restarted with each state's settings in turn, ``reps`` times, each time on the N queries again under
+    fresh ids (``phase``, the repetition and the state before each id): queries/s per state, and the workers' CPU µs
+    per query. ``policies(rep, state, when)``: the policy messages to publish ``"before"`` that state's workers start
+    and ``"after"`` they are done."""
     topics, bootstrap = Topics.from_settings(stack.settings), stack.settings.kafka_bootstrap
     rates: dict[str, list[float]] = {state: [] for state in states}
     cpu: dict[str, list[float]] = {state: [] for state in states}  # the workers' CPU µs per query
-    for rep in range(args.metrics_reps if reps is None else reps):
+    for rep in range(reps):
         for state, update in states.items():
             for worker in list(stack.workers):  # a graceful stop: the worker commits and leaves the group
                 worker.send_signal(signal.SIGTERM)
@@ -142,7 +145,7 @@ def alternate(
             stack.settings = stack.settings.model_copy(update=update)
             if policies is not None:
                 asyncio.run(prefill(bootstrap, topics.policy, policies(rep, state, "before")))
-            prefix = f"{''.join(k[0] for k in update)}{rep}{state}-"
+            prefix = f"{phase}{rep}{state}-"
             asyncio.run(
                 prefill(
                     bootstrap,
@@ -195,7 +198,7 @@ def evidence_phase(args: argparse.Namespace, stack, traffic: list) -> dict:
         return [policy.model_dump_json().encode()]
 
     states = {"off": {"ope_logging": False}, "on": {"ope_logging": True}, "shadow": {"ope_logging": True}}
-    rates, cpu = alternate(args, stack, traffic, states, args.evidence_reps, policies)
+    rates, cpu = alternate(args, stack, traffic, "e", states, args.evidence_reps, policies)
     out = {"queries_per_s": rates, "cpu_us_per_query": cpu, **evidence_costs(rates, cpu)}
     print(
         f"off-policy logging costs {100 * out['logging_cost']:.1f} % of the whole worker's throughput "
@@ -278,7 +281,8 @@ def main() -> None:
         results["ratio"] = results["worker_queries_per_s"] / results["raw_aiokafka_msgs_per_s"]
         print(f"worker: {results['worker_queries_per_s']:.0f} queries/s; ratio to raw {results['ratio']:.2f}")
 
-        rates, _ = alternate(args, stack, traffic, {"off": {"metrics_enabled": False}, "on": {"metrics_enabled": True}})
+        metrics = {"off": {"metrics_enabled": False}, "on": {"metrics_enabled": True}}
+        rates, _ = alternate(args, stack, traffic, "m", metrics, args.metrics_reps)
         if args.metrics_reps:
             results.update(
                 metrics_on_queries_per_s=rates["on"],
