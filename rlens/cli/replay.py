@@ -135,7 +135,8 @@ def replay(
     variants: str = typer.Option(
         "default",
         help="RL-Focal variants to run, comma-separated (rl_focal, rl_focal_all_models, rl_focal_no_diversity, "
-        "rl_focal_kappa, rl_focal_paper_decider, rl_focal_marginal); default: all but rl_focal_marginal; all",
+        "rl_focal_kappa, rl_focal_paper_decider, rl_focal_marginal, rl_focal_calibrated); default: all but "
+        "rl_focal_marginal and rl_focal_calibrated; all",
     ),
     workers: int = WORKERS,
     numerics: str = typer.Option(

@@ -50,9 +50,13 @@ RL_VARIANTS: dict[str, tuple[dict, str]] = {
         {"marginal_diversity": True},
         "variant: the Decider also sees each model's marginal effect on the pool's focal diversity",
     ),
+    "rl_focal_calibrated": (
+        {"calibration_rows": 200},
+        "variant: the greedy Fusion's distribution times its pool's calibrated vote (each model's per-stream calibration)",
+    ),
 }
 # what a replay runs unless asked (the marginal one measured no gain)
-DEFAULT_VARIANTS = [name for name in RL_VARIANTS if name != "rl_focal_marginal"]
+DEFAULT_VARIANTS = [name for name in RL_VARIANTS if name not in ("rl_focal_marginal", "rl_focal_calibrated")]
 PROGRESS_EVERY = 50
 Numerics = Literal["portable", "native"]
 # read by torch and MKL when a process first computes: set before the variant processes start

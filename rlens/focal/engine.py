@@ -22,6 +22,7 @@ import torch
 
 from rlens.focal.agents import CentralCritic, Decider, Fusion
 from rlens.focal.budget import BudgetController, fit_pool, logit_shift
+from rlens.focal.calibration import Calibrations
 from rlens.focal.config import FocalConfig
 from rlens.focal.features import (
     critic_state_dim,
@@ -98,6 +99,12 @@ class FocalEngine:
         # one kernel per step for all tensors: the same numbers, faster
         self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5, foreach=True)
         self.windows: dict[Hashable, OutcomeWindow] = {}
+        # each model's calibration per stream (None: the Fusion reads no calibrated vote)
+        self.calibrations = (
+            Calibrations(n_models, self.cfg.calibration_rows, self.cfg.calibration_refit)
+            if self.cfg.calibration_rows > 0
+            else None
+        )
         self.previous_pool: OrderedDict[Hashable, np.ndarray] = OrderedDict()  # at most cfg.max_streams, LRU
         # the cost the user sets (None: the cost weight alone)
         self.budget = BudgetController(self.cfg.budget, self.cfg.budget_rate) if self.cfg.budget is not None else None
@@ -120,6 +127,8 @@ class FocalEngine:
     def reset_windows(self) -> None:
         self.windows.clear()
         self.previous_pool.clear()
+        if self.calibrations is not None:
+            self.calibrations.clear()
 
     def remember_pool(self, key: Hashable, pool: np.ndarray) -> None:
         """The stream's previous pool (part of the Decider's next observation); LRU-bounded."""
@@ -285,7 +294,10 @@ class FocalEngine:
                     )
                 chosen, chosen_logp, dist = (t.numpy() for t in sampled)
             else:
-                chosen, chosen_logp, dist = self.greedy.answers(padded, mask)
+                votes = self._votes(
+                    [decisions[i].key for i in rows], [probs[i] for i in rows], [decisions[i].pool for i in rows]
+                )
+                chosen, chosen_logp, dist = self.greedy.answers(padded, mask, votes)
             answers[rows], logps[rows] = chosen, chosen_logp
             for j, i in enumerate(rows):
                 dists[i] = dist[j, : len(features[i])].copy()
@@ -425,10 +437,23 @@ class FocalEngine:
                 )
                 for j, f in zip(new, computed):
                     features[j] = f
-            chosen = self.greedy.answers(*padded_choices(features))[0]
+            votes = self._votes([decisions[i].key for i in rows], [probs[i] for i in rows], [fused[i] for i in rows])
+            chosen = self.greedy.answers(*padded_choices(features), votes)[0]
             for j, i in enumerate(rows):
                 result[i] = int(chosen[j])
         return result
+
+    def _votes(self, keys: list[Hashable], probs: list[np.ndarray], pools: list[np.ndarray]) -> np.ndarray | None:
+        """Each pool's calibrated vote on its stream [B, C_max] (zeros past a query's choices, and where a member is
+        not calibrated yet), what the greedy Fusion adds to its log-probabilities; None without calibrations."""
+        if self.calibrations is None:
+            return None
+        votes = np.zeros((len(keys), max(p.shape[1] for p in probs)))
+        for i, (key, p, pool) in enumerate(zip(keys, probs, pools)):
+            vote = self.calibrations(key).vote(p, pool)
+            if vote is not None:
+                votes[i, : len(vote)] = vote
+        return votes
 
     def reward(self, pool: np.ndarray, correct: bool) -> float:
         """The Decider's reward: +1 / -1 for the final answer minus alpha times the pool's share of the whole pool's cost."""
@@ -440,13 +465,18 @@ class FocalEngine:
         return 1.0 if correct else -1.0
 
     # --- feedback and learning ----------------------------------------------------------------------------
-    def observe(self, key: Hashable, predictions: np.ndarray, label: int, reward: float) -> None:
-        """Feedback for one query of stream ``key``: add its outcome to the window.
+    def observe(
+        self, key: Hashable, predictions: np.ndarray, label: int, reward: float, probs: np.ndarray | None = None
+    ) -> None:
+        """Feedback for one query of stream ``key``: add its outcome to the window (and, with ``probs``, the called
+        models' distributions [M, C], to the stream's calibrations).
 
         ``predictions`` int [M] holds each called model's chosen choice and -1 for models not called;
         ``label`` is -1 when the feedback is a bare reward.
         """
         self.window(key).push(predictions, label, reward)
+        if self.calibrations is not None and probs is not None:
+            self.calibrations(key).push(probs, np.asarray(predictions) >= 0, label)
 
     def remember(
         self,

@@ -78,9 +78,15 @@ class GreedyActor:
         scores = (features @ w + b + _mlp(features, self.residual))[..., 0]
         return np.where(choice_mask, scores, -1e9)
 
-    def answers(self, features: np.ndarray, choice_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(greedy answers [B], their log-probabilities [B], the distributions [B, C]), as :meth:`Fusion.act`."""
+    def answers(
+        self, features: np.ndarray, choice_mask: np.ndarray, votes: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(greedy answers [B], their log-probabilities [B], the distributions [B, C]), as :meth:`Fusion.act`; with
+        ``votes`` [B, C] (each pool's calibrated vote, :mod:`rlens.focal.calibration`), of the Fusion's distribution
+        times the vote, renormalised."""
         scores = self.fusion_scores(features, choice_mask)
+        if votes is not None:
+            scores = scores - np.logaddexp.reduce(scores, axis=1, keepdims=True) + votes
         log_probs = scores - np.logaddexp.reduce(scores, axis=1, keepdims=True)
         answers = log_probs.argmax(1)
         return answers, log_probs[np.arange(len(answers)), answers], np.exp(log_probs)

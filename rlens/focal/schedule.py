@@ -116,7 +116,9 @@ def _warm_pass(
             engine.remember(
                 decision, answer, rewards[-1], engine.fusion_reward(chosen == q.label), critic_input, q.label
             )
-        engine.observe(q.key, q.predictions, q.label, rewards[0])  # the window keeps the first rollout's reward
+        engine.observe(
+            q.key, q.predictions, q.label, rewards[0], q.probs
+        )  # the window keeps the first rollout's reward
         if len(engine.buffer) >= engine.cfg.warm_batch * rollouts:
             engine.update(train_decider, train_fusion, envs=rollouts)
         if progress:
@@ -138,7 +140,9 @@ def _supervised_fusion_pass(engine: FocalEngine, qs: list[Question], progress: P
             features += [engine.fusion_features(d, q.probs) for d in decisions]
             labels += [q.label] * rollouts
         members = decisions[0].pool
-        engine.observe(q.key, q.predictions, q.label, engine.reward(members, _pool_vote(q, members) == q.label))
+        engine.observe(
+            q.key, q.predictions, q.label, engine.reward(members, _pool_vote(q, members) == q.label), q.probs
+        )
         if progress:
             progress(1)
     return engine.fit_fusion(features, labels) if features else {}  # no question with a right choice: nothing to fit
@@ -205,7 +209,7 @@ def run_online(
         q = qs[i]
         key = q.key if stream is None else stream
         reward = engine.reward(decision.pool, answer.answer == q.label)
-        engine.observe(key, np.where(decision.called, q.predictions, -1), q.label, reward)
+        engine.observe(key, np.where(decision.called, q.predictions, -1), q.label, reward, q.probs)
         engine.remember(decision, answer, reward, engine.fusion_reward(answer.answer == q.label), label=q.label)
         if drift is not None:
             called = np.where(decision.called, q.predictions, -1).tolist()
@@ -217,6 +221,8 @@ def run_online(
                 trace.detections.append((i, found))
                 if reaction != "none":
                     engine.window(key).keep_last(keep if reaction == "trim" else 0)
+                    if reaction == "reset" and engine.calibrations is not None:
+                        engine.calibrations.streams.pop(key, None)
         if engine.update_due():
             engine.update()
 

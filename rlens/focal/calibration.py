@@ -1,0 +1,156 @@
+"""Each model's calibration on a stream, and the calibrated naive-Bayes vote of a pool (pure numpy).
+
+Per-task stacking learns how each model's log-probabilities map to the label, choice by choice: a model that leans
+to one choice, a task with a favourite label. :class:`StreamCalibration` keeps, per stream, the last ``rows``
+labelled outcomes of each model (its log-probabilities over the choices, the label) and fits, per model and choice
+count, a multinomial logistic regression from the model's log-probabilities to the label
+(:func:`fit_multinomial`). A pool's calibrated vote is the naive-Bayes combination of its members' calibrated
+posteriors q_i:
+
+    score(c) = sum_i log q_i(c) - (k - 1) log prior(c),   k members, prior the stream's smoothed label frequency,
+
+normalised over the choices. The engine's greedy answers are the Fusion's distribution times this vote
+(:meth:`rlens.focal.greedy.GreedyActor.answers`); a pool with a member not yet calibrated (fewer than ``min_rows``
+rows of that choice count) has no vote.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Hashable
+
+import numpy as np
+
+LOG_FLOOR = 1e-6
+
+
+def fit_multinomial(
+    x: np.ndarray, y: np.ndarray, n_classes: int, strength: float = 1.0, iterations: int = 50
+) -> np.ndarray:
+    """Multinomial logistic regression by Newton's method with a backtracking line search: minimises
+    0.5 |theta|^2 + strength * sum_n cross-entropy(softmax([x_n, 1] theta), y_n) over theta [d + 1, K] (the last
+    row the intercepts, penalised too, so a class never seen stays finite). Deterministic; x [n, d], y int [n]."""
+    n, d = x.shape
+    k = n_classes
+    features = np.hstack([np.asarray(x, dtype=np.float64), np.ones((n, 1))])
+    targets = np.eye(k)[y]
+    theta = np.zeros((d + 1, k))
+
+    def objective(t: np.ndarray) -> float:
+        z = features @ t
+        z = z - z.max(1, keepdims=True)
+        return float(0.5 * (t * t).sum() - strength * (z[np.arange(n), y] - np.log(np.exp(z).sum(1))).sum())
+
+    value = objective(theta)
+    eye = np.eye(k)
+    for _ in range(iterations):
+        z = features @ theta
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        gradient = theta + strength * features.T @ (p - targets)
+        curvature = p[:, :, None] * eye[None] - p[:, :, None] * p[:, None, :]  # [n, K, K]
+        hessian = np.einsum("na,nb,njk->ajbk", features, features, curvature, optimize=True)
+        hessian = strength * hessian.reshape((d + 1) * k, (d + 1) * k) + np.eye((d + 1) * k)
+        step = np.linalg.solve(hessian, gradient.ravel()).reshape(d + 1, k)
+        size, decrease = 1.0, float((gradient * step).sum())
+        while True:
+            candidate = theta - size * step
+            new_value = objective(candidate)
+            if new_value <= value - 1e-4 * size * decrease or size < 1e-6:
+                break
+            size *= 0.5
+        theta, done = candidate, value - new_value < 1e-10 * max(1.0, abs(value))
+        value = new_value
+        if done:
+            break
+    return theta
+
+
+def log_softmax(scores: np.ndarray) -> np.ndarray:
+    return scores - np.logaddexp.reduce(scores, axis=-1, keepdims=True)
+
+
+def naive_bayes_vote(calibrated: np.ndarray, prior: np.ndarray) -> np.ndarray:
+    """The vote of k models from their calibrated log-posteriors [k, C] and the label prior [C]: log-probabilities
+    [C] proportional to sum_i log q_i(c) - (k - 1) log prior(c)."""
+    return log_softmax(calibrated.sum(0) - (len(calibrated) - 1) * np.log(prior))
+
+
+class StreamCalibration:
+    """Per model, its last ``rows`` labelled outcomes on one stream and its calibration per choice count, refitted
+    once ``refit_every`` new rows of that choice count have come since the last fit."""
+
+    def __init__(self, n_models: int, rows: int, refit_every: int = 16, min_rows: int = 16, strength: float = 1.0):
+        self.n_models, self.rows, self.refit_every, self.min_rows, self.strength = (
+            n_models,
+            rows,
+            refit_every,
+            min_rows,
+            strength,
+        )
+        self.history: list[deque] = [deque(maxlen=rows) for _ in range(n_models)]  # (log p [C], label) per model
+        self.labels: deque = deque(maxlen=rows)
+        self.seen = np.zeros(n_models, dtype=np.int64)  # rows ever pushed per model
+        self.fits: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # (model, C) -> (seen at the fit, theta)
+
+    def push(self, probs: np.ndarray, called: np.ndarray, label: int) -> None:
+        """One answered query: ``probs`` [M, C] (rows of models not called are ignored), ``called`` bool [M], the
+        label (position among the C choices; a label outside them, or -1, adds nothing)."""
+        n_choices = probs.shape[1]
+        if not 0 <= label < n_choices:
+            return
+        self.labels.append((n_choices, label))
+        log_p = np.log(np.maximum(probs, LOG_FLOOR))
+        for m in np.flatnonzero(called):
+            self.history[m].append((n_choices, log_p[m], label))
+            self.seen[m] += 1
+
+    def _theta(self, model: int, n_choices: int) -> np.ndarray | None:
+        fitted = self.fits.get((model, n_choices))
+        if fitted is not None and self.seen[model] - fitted[0] < self.refit_every:
+            return fitted[1]
+        rows = [(x, y) for c, x, y in self.history[model] if c == n_choices]
+        if len(rows) < self.min_rows:
+            return None if fitted is None else fitted[1]
+        theta = fit_multinomial(
+            np.stack([x for x, _ in rows]), np.array([y for _, y in rows]), n_choices, self.strength
+        )
+        self.fits[model, n_choices] = (int(self.seen[model]), theta)
+        return theta
+
+    def prior(self, n_choices: int) -> np.ndarray:
+        """The stream's label frequency over ``n_choices`` choices, add-one smoothed."""
+        counts = np.ones(n_choices)
+        for c, label in self.labels:
+            if c == n_choices:
+                counts[label] += 1
+        return counts / counts.sum()
+
+    def vote(self, probs: np.ndarray, pool: np.ndarray) -> np.ndarray | None:
+        """The pool's calibrated naive-Bayes vote: log-probabilities [C] over the choices of ``probs`` [M, C], or
+        None while a member has no calibration for this choice count."""
+        n_choices = probs.shape[1]
+        log_p = np.log(np.maximum(probs, LOG_FLOOR))
+        calibrated = []
+        for m in np.flatnonzero(pool):
+            theta = self._theta(int(m), n_choices)
+            if theta is None:
+                return None
+            calibrated.append(log_softmax(log_p[m] @ theta[:-1] + theta[-1]))
+        return naive_bayes_vote(np.stack(calibrated), self.prior(n_choices))
+
+
+class Calibrations:
+    """The :class:`StreamCalibration` of each stream key (created on first use)."""
+
+    def __init__(self, n_models: int, rows: int, refit_every: int = 16):
+        self.n_models, self.rows, self.refit_every = n_models, rows, refit_every
+        self.streams: dict[Hashable, StreamCalibration] = {}
+
+    def __call__(self, key: Hashable) -> StreamCalibration:
+        if key not in self.streams:
+            self.streams[key] = StreamCalibration(self.n_models, self.rows, self.refit_every)
+        return self.streams[key]
+
+    def clear(self) -> None:
+        self.streams.clear()
