@@ -2,7 +2,7 @@
 pool's cost spent per query, met online: :mod:`rlens.focal.budget`) beside the baselines at their own cost.
 
     python -m bench.accuracy.budget [--data DIR] [--half all|tune|holdout] [--budgets 0.1 0.2 ...] [--seeds 0 1 2]
-                                    [--per-request] [--out bench/out/budget.json]
+                                    [--per-request] [--variant rl_focal] [--out bench/out/budget.json]
 
 Paper protocol (warm start on each task's first part, then the rest as one stream, feedback at once), the same split
 for every method. Per budget and seed: RL-Focal's accuracy and mean cost share; two pruning references at the same
@@ -14,7 +14,8 @@ the first two thirds). Then the budget's tracking on the stream protocol (cold s
 lowest and highest mean cost share over every 1,000 consecutive queries (sliding), against the budget. With
 ``--per-request``, also RL-Focal with no deployment budget where every query carries the budget as its own (a cap:
 the greedy pool cut to fit, no exploration or probe; paper protocol): its accuracy, mean and highest cost share.
-Writes a JSON file and a plot (accuracy against cost share) beside it.
+``--variant`` runs another RL-Focal variant of ``rlens replay`` (e.g. ``rl_focal_calibrated``). Writes a JSON file and a
+plot (accuracy against cost share) beside it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from rlens.evaluation import baselines  # noqa: E402
 from rlens.evaluation.dataset import load_dataset  # noqa: E402
 from rlens.evaluation.protocols import Protocol, split, task_half  # noqa: E402
 from rlens.evaluation.recorded import RecordedDataset, shared_data_dir  # noqa: E402
-from rlens.evaluation.replay import run_variant  # noqa: E402
+from rlens.evaluation.replay import RL_VARIANTS, run_variant  # noqa: E402
 from rlens.focal.config import FocalConfig  # noqa: E402
 from rlens.focal.engine import FocalEngine  # noqa: E402
 from rlens.focal.schedule import run_online, warm_start  # noqa: E402
@@ -104,10 +105,14 @@ def stacking_best_k(warm: RecordedDataset, test: RecordedDataset) -> tuple[float
     return accuracy, float(share[order[:k]].sum()), k
 
 
-def per_request(data: RecordedDataset, warm_index: np.ndarray, test_index: np.ndarray, cap: float, seed: int) -> dict:
-    """RL-Focal warm-started on the warm split, every test query with ``cap`` as its own budget (paper protocol)."""
+def per_request(
+    data: RecordedDataset, warm_index: np.ndarray, test_index: np.ndarray, cap: float, seed: int, variant: str
+) -> dict:
+    """RL-Focal (``variant``) warm-started on the warm split, every test query with ``cap`` as its own budget (paper
+    protocol)."""
     torch.set_num_threads(1)
-    engine = FocalEngine(data.n_models, data.model_costs, FocalConfig(), seed=seed)
+    config = replace(FocalConfig(), **RL_VARIANTS[variant][0])
+    engine = FocalEngine(data.n_models, data.model_costs, config, seed=seed)
     warm_start(engine, data.subset(warm_index))
     trace = run_online(engine, data.subset(test_index), cap=cap)
     return {
@@ -128,6 +133,7 @@ def main() -> None:
     )
     parser.add_argument("--budgets", type=float, nargs="+", default=BUDGETS)
     parser.add_argument("--per-request", action="store_true", help="also each query with the budget as its own cap")
+    parser.add_argument("--variant", default="rl_focal", choices=list(RL_VARIANTS), help="the RL-Focal variant")
     add_seeds(parser)
     add_out(parser, "bench/out/budget.json")
     args = parser.parse_args()
@@ -155,9 +161,9 @@ def main() -> None:
     for budget in args.budgets:
         for seed in args.seeds:
             config = replace(FocalConfig(), budget=budget)
-            paper = run_variant("rl_focal", data, warm_index, test_index, config, seed, None)
+            paper = run_variant(args.variant, data, warm_index, test_index, config, seed, None)
             stream = run_variant(
-                "rl_focal", data, np.array([], dtype=int), np.arange(data.n_questions), config, seed, None
+                args.variant, data, np.array([], dtype=int), np.arange(data.n_questions), config, seed, None
             )
             spent = np.concatenate([[0.0], np.cumsum(stream.cost_share)])
             sliding = (spent[1000:] - spent[:-1000]) / 1000  # every 1,000 consecutive queries
@@ -176,10 +182,10 @@ def main() -> None:
                 },
             }
             if args.per_request:
-                row.update(per_request(data, warm_index, test_index, budget, seed))
+                row.update(per_request(data, warm_index, test_index, budget, seed, args.variant))
             rows.append(row)
             print(
-                f"budget {budget:.2f} seed {seed}: rl_focal {100 * row['accuracy']:.1f} % at {row['cost_share']:.3f}; "
+                f"budget {budget:.2f} seed {seed}: {args.variant} {100 * row['accuracy']:.1f} % at {row['cost_share']:.3f}; "
                 f"random {100 * row['random_accuracy']:.1f} %, reliability {100 * row['reliability_accuracy']:.1f} %; "
                 f"stream windows {windows[0]:.3f}-{windows[1]:.3f}"
                 + (
@@ -192,7 +198,13 @@ def main() -> None:
             )
     path = write_json(
         args.out,
-        {"machine": machine_facts(), "data": str(args.data or "bbh_dev"), "references": references, "rows": rows},
+        {
+            "machine": machine_facts(),
+            "data": str(args.data or "bbh_dev"),
+            "variant": args.variant,
+            "references": references,
+            "rows": rows,
+        },
     )
     plot(rows, references, path.with_suffix(".png"))
 

@@ -1,13 +1,14 @@
 """A policy trained on some tasks, serving new ones from cold windows (issue 36, item 3).
 
-    python -m bench.accuracy.pretrained [--data DIR] [--seeds 0 1 2] [--out bench/out/pretrained.json]
+    python -m bench.accuracy.pretrained [--data DIR] [--seeds 0 1 2] [--variant rl_focal] [--out bench/out/pretrained.json]
 
 bbh_dev's tasks in two halves (:func:`rlens.evaluation.protocols.task_half`): RL-Focal is warm-started on every
 question of the tuning half (Algorithm 1), its windows emptied, and then serves the holdout half's tasks as one
 stream (the stream protocol: each query answered before its label is seen, learning online as it goes). Against
 it on the same stream: RL-Focal from a cold start, and the online baselines (the soft vote, Hedge over the models,
 an online per-task stacker: :func:`rlens.evaluation.baselines.online_stacking`), with the best single model per
-task in hindsight as a reference. Accuracy in % of the holdout stream, models called per query.
+task in hindsight as a reference. Accuracy in % of the holdout stream, models called per query. ``--variant``: another
+RL-Focal variant of ``rlens replay`` (e.g. ``rl_focal_calibrated``) for both RL-Focal runs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")  # portable numerics (as `rlens replay`): before torch loads
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
+from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -28,6 +30,8 @@ from rlens.evaluation import baselines  # noqa: E402
 from rlens.evaluation.dataset import load_dataset  # noqa: E402
 from rlens.evaluation.protocols import task_half  # noqa: E402
 from rlens.evaluation.recorded import shared_data_dir  # noqa: E402
+from rlens.evaluation.replay import RL_VARIANTS  # noqa: E402
+from rlens.focal.config import FocalConfig  # noqa: E402
 from rlens.focal.engine import FocalEngine  # noqa: E402
 from rlens.focal.schedule import run_online, warm_start  # noqa: E402
 
@@ -35,9 +39,11 @@ from rlens.focal.schedule import run_online, warm_start  # noqa: E402
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--data", type=Path, default=None, help="recorded dataset (default: the shared bbh_dev)")
+    parser.add_argument("--variant", default="rl_focal", choices=list(RL_VARIANTS), help="the RL-Focal variant")
     add_seeds(parser)
     add_out(parser, "bench/out/pretrained.json")
     args = parser.parse_args()
+    config = replace(FocalConfig(), **RL_VARIANTS[args.variant][0])
     torch.set_num_threads(1)
     data = load_dataset(args.data or shared_data_dir() / "bbh_dev")
     tune, holdout = task_half(data, "tune"), task_half(data, "holdout")
@@ -56,10 +62,10 @@ def main() -> None:
         print(f"{name:34s} {100 * r['accuracy']:.1f} %, {r['calls']:.2f} calls", flush=True)
     runs = []
     for seed in args.seeds:
-        pre = FocalEngine(data.n_models, data.model_costs, seed=seed)
+        pre = FocalEngine(data.n_models, data.model_costs, config, seed=seed)
         warm_start(pre, tune)
         pre.reset_windows()  # new tasks: cold windows
-        cold = FocalEngine(data.n_models, data.model_costs, seed=seed)
+        cold = FocalEngine(data.n_models, data.model_costs, config, seed=seed)
         row = {"seed": seed}
         for name, engine in (("pretrained", pre), ("cold_start", cold)):
             trace = run_online(engine, holdout)
@@ -74,7 +80,7 @@ def main() -> None:
     for name in ("pretrained", "cold_start"):
         values = [100 * r[name]["accuracy"] for r in runs]
         print(f"{name}: {np.mean(values):.1f} ± {np.std(values):.1f} %", flush=True)
-    write_json(args.out, {"machine": machine_facts(), "baselines": results, "runs": runs})
+    write_json(args.out, {"machine": machine_facts(), "variant": args.variant, "baselines": results, "runs": runs})
 
 
 if __name__ == "__main__":
