@@ -136,7 +136,7 @@ def replay(
         "default",
         help="RL-Focal variants to run, comma-separated (rl_focal, rl_focal_all_models, rl_focal_no_diversity, "
         "rl_focal_kappa, rl_focal_paper_decider, rl_focal_marginal, rl_focal_calibrated); default: all but "
-        "rl_focal_marginal and rl_focal_calibrated; all",
+        "rl_focal_marginal; all",
     ),
     workers: int = WORKERS,
     numerics: str = typer.Option(

@@ -56,7 +56,7 @@ RL_VARIANTS: dict[str, tuple[dict, str]] = {
     ),
 }
 # what a replay runs unless asked (the marginal one measured no gain)
-DEFAULT_VARIANTS = [name for name in RL_VARIANTS if name not in ("rl_focal_marginal", "rl_focal_calibrated")]
+DEFAULT_VARIANTS = [name for name in RL_VARIANTS if name != "rl_focal_marginal"]
 PROGRESS_EVERY = 50
 Numerics = Literal["portable", "native"]
 # read by torch and MKL when a process first computes: set before the variant processes start
