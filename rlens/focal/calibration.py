@@ -78,7 +78,7 @@ def naive_bayes_vote(calibrated: np.ndarray, prior: np.ndarray) -> np.ndarray:
 
 class StreamCalibration:
     """Per model, its last ``rows`` labelled outcomes on one stream and its calibration per choice count, refitted
-    once ``refit_every`` new rows of that choice count have come since the last fit."""
+    once ``refit_every`` new rows of the model have come since the last fit."""
 
     def __init__(self, n_models: int, rows: int, refit_every: int = 16, min_rows: int = 16, strength: float = 1.0):
         self.n_models, self.rows, self.refit_every, self.min_rows, self.strength = (
@@ -92,6 +92,7 @@ class StreamCalibration:
         self.labels: deque = deque(maxlen=rows)
         self.seen = np.zeros(n_models, dtype=np.int64)  # rows ever pushed per model
         self.fits: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # (model, C) -> (seen at the fit, theta)
+        self._priors: dict[int, np.ndarray] = {}  # per choice count, until the next push
 
     def push(self, probs: np.ndarray, called: np.ndarray, label: int) -> None:
         """One answered query: ``probs`` [M, C] (rows of models not called are ignored), ``called`` bool [M], the
@@ -100,6 +101,7 @@ class StreamCalibration:
         if not 0 <= label < n_choices:
             return
         self.labels.append((n_choices, label))
+        self._priors.clear()
         log_p = np.log(np.maximum(probs, LOG_FLOOR))
         for m in np.flatnonzero(called):
             self.history[m].append((n_choices, log_p[m], label))
@@ -120,11 +122,13 @@ class StreamCalibration:
 
     def prior(self, n_choices: int) -> np.ndarray:
         """The stream's label frequency over ``n_choices`` choices, add-one smoothed."""
-        counts = np.ones(n_choices)
-        for c, label in self.labels:
-            if c == n_choices:
-                counts[label] += 1
-        return counts / counts.sum()
+        if n_choices not in self._priors:
+            counts = np.ones(n_choices)
+            for c, label in self.labels:
+                if c == n_choices:
+                    counts[label] += 1
+            self._priors[n_choices] = counts / counts.sum()
+        return self._priors[n_choices]
 
     def vote(self, probs: np.ndarray, pool: np.ndarray) -> np.ndarray | None:
         """The pool's calibrated naive-Bayes vote: log-probabilities [C] over the choices of ``probs`` [M, C], or

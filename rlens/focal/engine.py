@@ -99,7 +99,7 @@ class FocalEngine:
         # one kernel per step for all tensors: the same numbers, faster
         self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5, foreach=True)
         self.windows: dict[Hashable, OutcomeWindow] = {}
-        # each model's calibration per stream (None: the Fusion reads no calibrated vote)
+        # each model's calibration per stream (None: greedy answers without a calibrated vote)
         self.calibrations = (
             Calibrations(n_models, self.cfg.calibration_rows, self.cfg.calibration_refit)
             if self.cfg.calibration_rows > 0

@@ -116,9 +116,8 @@ def _warm_pass(
             engine.remember(
                 decision, answer, rewards[-1], engine.fusion_reward(chosen == q.label), critic_input, q.label
             )
-        engine.observe(
-            q.key, q.predictions, q.label, rewards[0], q.probs
-        )  # the window keeps the first rollout's reward
+        # the window keeps the first rollout's reward
+        engine.observe(q.key, q.predictions, q.label, rewards[0], q.probs)
         if len(engine.buffer) >= engine.cfg.warm_batch * rollouts:
             engine.update(train_decider, train_fusion, envs=rollouts)
         if progress:
