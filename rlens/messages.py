@@ -195,6 +195,17 @@ class Behaviour(BaseModel):
     budget: float | None = Field(
         None, gt=0, le=1, description="the query's own budget, if it had one: its greedy pool was cut to fit"
     )
+    calibrated: list[Annotated[list[Annotated[float, Field(le=0)]], Field(max_length=MAX_CHOICES)]] = Field(
+        default_factory=list,
+        max_length=MAX_MODELS,
+        description="with calibrations (RLENS_FOCAL_CALIBRATION_ROWS): per model, its calibrated log-probabilities over "
+        "the choices, 6 significant digits; [] where not called or not calibrated yet; [] for all: no calibrations",
+    )
+    calibration_prior: list[Annotated[float, Field(gt=0, le=1)]] = Field(
+        default_factory=list,
+        max_length=MAX_CHOICES,
+        description="with calibrations: the stream's label prior the calibrated vote divides by",
+    )
 
 
 class Shadow(BaseModel):

@@ -340,6 +340,14 @@ class Settings(BaseSettings):
     focal_window: int = Field(
         FocalConfig.window, ge=8, le=4096, description="rl_focal: outcomes kept per stream in its Redis window"
     )
+    focal_calibration_rows: int = Field(
+        FocalConfig.calibration_rows,
+        ge=0,
+        le=4096,
+        description="rl_focal: each model's last labelled outcomes per stream kept in Redis, from which the learner fits "
+        "its calibration (refitted every 16 new rows) and the workers' greedy answers take the pool's calibrated vote "
+        "(rlens.focal.calibration); 0: none. Needs RLENS_OPE_LOGGING (the called models' distributions)",
+    )
     focal_samples: int = Field(
         5,
         ge=1,

@@ -1,9 +1,21 @@
-"""Each model's per-stream calibration and the pool's calibrated vote (rlens.focal.calibration)."""
+"""Each model's per-stream calibration and the pool's calibrated vote (rlens.focal.calibration), and through the
+service: the learner's rows and fits in Redis, the workers' votes."""
+
+import asyncio
+import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from redis.asyncio import Redis
+from typer.testing import CliRunner
 
+from rlens.backends import create_backend
+from rlens.cli import app
+from rlens.checkpoint import CheckpointStore
+from rlens.evaluation.logged import FocalPolicy, LoggedQuery
+from rlens.evaluation.recorded import RecordedDataset
 from rlens.focal.agents import Decider, Fusion
 from rlens.focal.calibration import StreamCalibration, fit_multinomial, log_softmax
 from rlens.focal.config import FocalConfig
@@ -15,6 +27,15 @@ from rlens.focal.features import (
     reliability_weighted_log_probs,
 )
 from rlens.focal.greedy import GreedyActor
+from rlens.local.load import queries_of
+from rlens.messages import MAX_CHOICES, Feedback
+from rlens.service.common.windows import RedisWindows
+from rlens.service.learner.core import LearnerCore
+from rlens.service.learner.online import FocalOnlineTrainer
+from rlens.service.worker.core import FocalWorker
+from rlens.settings import settings
+from test_service_core import Record
+from trust import SIGNER, TOKENS, VERIFIER, token
 
 
 def test_the_fit_is_the_penalised_likelihoods_minimum():
@@ -135,3 +156,121 @@ def test_the_engines_greedy_answer_follows_the_calibrated_vote():
             answers[rows, "b"] = engine.fuse(cold, np.stack([p, uniform])).answer
         assert answers[0] == p.argmax() != label and answers[64] == label
         assert answers[0, "b"] == answers[64, "b"] == p.argmax()
+
+
+def _shifted(n: int = 96, n_choices: int = 3, seed: int = 5) -> RecordedDataset:
+    """Model 0 names the choice after the right one (0.9), model 1 says nothing (uniform)."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, n_choices, n)
+    probs = np.full((n, 2, n_choices), 0.05, dtype=np.float32)
+    probs[np.arange(n), 0, (labels + 1) % n_choices] = 0.9
+    probs[:, 1, :] = 1 / n_choices
+    return RecordedDataset(
+        "shifted",
+        probs,
+        np.ones((n, n_choices), bool),
+        labels,
+        np.zeros(n, np.int64),
+        ["m0", "m1"],
+        np.ones(2),
+        {0: "t"},
+    )
+
+
+def test_the_learner_publishes_calibrations_and_the_workers_answer_with_their_vote(tmp_path, redis_server):
+    """Through a real redis-server: the learner keeps each called model's rows with the window's, fits the stream's
+    calibrations once 16 new rows came and publishes them; a worker then answers from the Fusion times the vote (right
+    where model 0 is always wrong), where a worker without calibrations follows model 0 (its untrained Fusion leans
+    on the confident model, however unreliable)."""
+    data = _shifted()
+    plain_config = FocalConfig(use_decider=False, explore_rate=0.0)  # every model fused, every answer greedy
+    config = replace(plain_config, calibration_rows=64)
+    backends = {name: create_backend("replay", dataset=data, model=i) for i, name in enumerate(data.model_names)}
+    pairs = queries_of(data, None, "cal")
+
+    async def scenario():
+        redis = Redis.from_url(redis_server.url)
+        await redis.flushdb()
+        windows = RedisWindows(redis, 2, 128, calibration_rows=64)
+        worker = FocalWorker(
+            FocalEngine(2, config=config, seed=0), data.model_names, backends, windows, VERIFIER, TOKENS
+        )
+        plain = FocalWorker(
+            FocalEngine(2, config=plain_config, seed=0),
+            data.model_names,
+            backends,
+            RedisWindows(redis, 2, 128),
+            VERIFIER,
+            TOKENS,
+        )
+        learner = LearnerCore(
+            FocalOnlineTrainer(FocalEngine(2, config=config, seed=0), data.model_names),
+            data.model_names,
+            windows,
+            CheckpointStore(tmp_path / "ckpt"),
+            SIGNER,
+            TOKENS,
+        )
+        for start in range(0, 48, 8):  # 48 labelled outcomes: fitted at 16, 32 and 48 rows
+            batch = pairs[start : start + 8]
+            out = await worker.handle([q for q, _ in batch])
+            for i, (experience, (query, label)) in enumerate(zip(out.experience, batch)):
+                await learner.on_experience(experience, Record(start + i))
+                await learner.on_feedback(
+                    Feedback(query_id=query.query_id, token=token(query.query_id), label=label), Record(start + i)
+                )
+            await learner.apply_windows()
+        assert learner.stats.calibrations_published == 3
+        assert await redis.llen(windows.calibration_key("t", 0)) == 48 and 0 < await redis.ttl(windows.fit_key("t"))
+        rest = pairs[48:]
+        served = await worker.handle([q for q, _ in rest])
+        without = await plain.handle([q for q, _ in rest])
+        # what the worker logs gives off-policy evaluation the same greedy answer, vote included
+        champion = FocalPolicy("champion", FocalEngine(2, config=config, seed=0))
+        for experience, (_, label) in zip(served.experience, rest):
+            logged = LoggedQuery.from_experience(experience, label)
+            assert logged.calibrated is not None and champion.act(logged)[1] == experience.answer_index
+        right = np.mean([a.answer_index == label for a, (_, label) in zip(served.answers, rest)])
+        followed = np.mean([a.answer_index == label for a, (_, label) in zip(without.answers, rest)])
+        assert right >= 0.9 and followed <= 0.1, (right, followed)
+        await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_bad_calibration_rows_and_fits_in_redis_are_skipped(redis_server):
+    """Rows written by hand (another pool's, out of range, not numbers) never reach a fit, and a published fit of
+    the wrong shape is not loaded: the stream has no vote rather than a wrong one."""
+
+    async def scenario():
+        redis = Redis.from_url(redis_server.url)
+        await redis.flushdb()
+        windows = RedisWindows(redis, 2, 128, calibration_rows=64)
+        good = [3, 1, -2.3, -0.1, -3.0]
+        for row in (
+            good,
+            [3, 3, -1, -1, -1],
+            [3, 1, -1, -1],
+            [3, 1, -1, 5, -1],
+            ["x"],
+            [MAX_CHOICES + 1, 1] + [-1] * (MAX_CHOICES + 1),
+        ):
+            await redis.rpush(windows.calibration_key("s", 0), json.dumps(row))
+        calibration = await windows.load_calibration("s")
+        assert [(c, label) for c, _, label in calibration.history[0]] == [(3, 1)] and windows.skipped_rows == 5
+        await redis.set(windows.fit_key("s"), json.dumps({"fits": [[0, 3, [[0.0] * 2] * 4]], "prior": []}))
+        await redis.set(windows.fit_key("t"), b"not json")
+        _, _, fits = await windows.load_with_pools(["s", "t"], fits=True)
+        assert fits == {} and windows.skipped_rows == 7
+        await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_calibrations_without_the_logged_distributions_are_a_clear_error(tmp_path):
+    pool = tmp_path / "pool.json"
+    pool.write_text(json.dumps({"models": [{"name": "a", "backend": "replay", "path": str(settings().demo_data)}]}))
+    env = {"RLENS_FOCAL_CALIBRATION_ROWS": "200", "RLENS_OPE_LOGGING": "false", "RLENS_POOL_FILE": str(pool)}
+    for role in ("learner", "worker"):
+        result = CliRunner().invoke(app, [role], env=env)
+        assert result.exit_code != 0 and "RLENS_OPE_LOGGING must stay true" in result.output, result.output

@@ -135,7 +135,7 @@ def test_the_streams_last_pools_are_shared_and_bad_ones_ignored(redis_url):
         await windows.save_pools({"a": np.array([True, False, True]), "b": np.array([False, True, False])})
         for stream, value in (("short", "10"), ("letters", "1x0"), ("empty", "000")):
             await redis.set(other.pool_key(stream), value)
-        loaded, pools = await other.load_with_pools(["a", "b", "short", "letters", "empty", "none"])
+        loaded, pools, _ = await other.load_with_pools(["a", "b", "short", "letters", "empty", "none"])
         assert loaded["a"].n_rows == 1 and loaded["none"].n_rows == 0
         assert {k: v.tolist() for k, v in pools.items()} == {"a": [True, False, True], "b": [False, True, False]}
         assert 0 < await redis.ttl(windows.pool_key("a")) <= 60

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlens.evaluation.ope import Estimate, corrected_replay, direct, doubly_robust, ips, snips
 from rlens.focal.budget import fit_pool
+from rlens.focal.calibration import naive_bayes_vote
 from rlens.focal.engine import FocalEngine
 from rlens.focal.features import fusion_observation
 from rlens.messages import MAX_CHOICES, Behaviour, Experience
@@ -43,6 +44,8 @@ class LoggedQuery:
     probe: bool  # every model was called
     query_id: str = ""
     budget: float | None = None  # the query's own budget (a cap on its pool's cost share), if it had one
+    calibrated: np.ndarray | None = None  # [M, C]: each model's calibrated log-probabilities (NaN where none)
+    calibration_prior: np.ndarray | None = None  # [C]: the label prior the calibrated vote divides by
 
     @classmethod
     def from_experience(cls, experience: Experience, label: int) -> "LoggedQuery":
@@ -71,6 +74,11 @@ class LoggedQuery:
     ) -> "LoggedQuery":
         known = np.array([len(row) > 0 for row in b.model_probs])
         probs = np.array([row if row else [0.0] * n_choices for row in b.model_probs], dtype=np.float64)
+        calibrated = (
+            np.array([row if row else [np.nan] * n_choices for row in b.calibrated], dtype=np.float64)
+            if b.calibrated and b.calibration_prior
+            else None
+        )
         return cls(
             state=np.asarray(decider_state, dtype=np.float32),
             probs=probs,
@@ -84,6 +92,8 @@ class LoggedQuery:
             probe=b.probe,
             query_id=query_id,
             budget=b.budget,
+            calibrated=calibrated,
+            calibration_prior=np.asarray(b.calibration_prior, dtype=np.float64) if calibrated is not None else None,
         )
 
 
@@ -139,9 +149,15 @@ class Policy(Protocol):
 
 
 def fuse_greedy(engine: FocalEngine, query: LoggedQuery, pool: np.ndarray) -> int:
-    """The engine's greedy Fusion answer on the pool's logged answers and the logged window statistics."""
+    """The engine's greedy Fusion answer on the pool's logged answers and the logged window statistics, times the
+    pool's calibrated vote where the engine keeps calibrations and the log has every member's."""
     features = fusion_observation(query.probs * pool[:, None], pool, query.reliability, query.label_prior)
-    return int(engine.greedy.answers(features[None], np.ones((1, len(features)), dtype=bool))[0][0])
+    votes = None
+    if engine.calibrations is not None and query.calibrated is not None and query.calibration_prior is not None:
+        members = query.calibrated[pool]
+        if len(members) and not np.isnan(members).any():
+            votes = naive_bayes_vote(members, query.calibration_prior)[None]
+    return int(engine.greedy.answers(features[None], np.ones((1, len(features)), dtype=bool), votes)[0][0])
 
 
 @dataclass

@@ -123,25 +123,71 @@ class StreamCalibration:
     def prior(self, n_choices: int) -> np.ndarray:
         """The stream's label frequency over ``n_choices`` choices, add-one smoothed."""
         if n_choices not in self._priors:
-            counts = np.ones(n_choices)
-            for c, label in self.labels:
-                if c == n_choices:
-                    counts[label] += 1
+            counts = self._counts(n_choices)
             self._priors[n_choices] = counts / counts.sum()
         return self._priors[n_choices]
+
+    def _counts(self, n_choices: int) -> np.ndarray:
+        """Each choice's count among the labels of questions with ``n_choices`` choices, plus one."""
+        counts = np.ones(n_choices)
+        for c, label in self.labels:
+            if c == n_choices:
+                counts[label] += 1
+        return counts
 
     def vote(self, probs: np.ndarray, pool: np.ndarray) -> np.ndarray | None:
         """The pool's calibrated naive-Bayes vote: log-probabilities [C] over the choices of ``probs`` [M, C], or
         None while a member has no calibration for this choice count."""
-        n_choices = probs.shape[1]
-        log_p = np.log(np.maximum(probs, LOG_FLOOR))
         calibrated = []
         for m in np.flatnonzero(pool):
-            theta = self._theta(int(m), n_choices)
-            if theta is None:
+            posterior = self.calibrated(probs[m], int(m))
+            if posterior is None:
                 return None
-            calibrated.append(log_softmax(log_p[m] @ theta[:-1] + theta[-1]))
-        return naive_bayes_vote(np.stack(calibrated), self.prior(n_choices))
+            calibrated.append(posterior)
+        return naive_bayes_vote(np.stack(calibrated), self.prior(probs.shape[1]))
+
+    def calibrated(self, probs: np.ndarray, model: int) -> np.ndarray | None:
+        """Model ``model``'s calibrated log-posterior [C] given its distribution ``probs`` [C]; None while it has no
+        calibration for this choice count."""
+        theta = self._theta(model, len(probs))
+        if theta is None:
+            return None
+        return log_softmax(np.log(np.maximum(probs, LOG_FLOOR)) @ theta[:-1] + theta[-1])
+
+    def fit_all(self) -> None:
+        """Fit every (model, choice count) that has ``min_rows`` rows (the service's learner, before it publishes)."""
+        for model, history in enumerate(self.history):
+            for n_choices in sorted({c for c, _, _ in history}):
+                self.fits.pop((model, n_choices), None)
+                self._theta(model, n_choices)
+
+    def state(self) -> dict:
+        """The fits and the label counts (add-one) as JSON-ready lists: what a worker needs to vote
+        (:meth:`restored`), 6 significant digits."""
+        return {
+            "fits": [[m, c, significant(theta).tolist()] for (m, c), (_, theta) in sorted(self.fits.items())],
+            "prior": [[c, self._counts(c).astype(int).tolist()] for c in sorted({c for c, _ in self.labels})],
+        }
+
+    @classmethod
+    def restored(cls, n_models: int, state: dict) -> StreamCalibration:
+        """A calibration that votes with published fits and label counts (:meth:`state`) and keeps no rows."""
+        calibration = cls(n_models, rows=1)
+        for model, n_choices, theta in state["fits"]:
+            calibration.fits[int(model), int(n_choices)] = (0, np.asarray(theta, dtype=np.float64))
+        for n_choices, counts in state["prior"]:
+            counts = np.asarray(counts, dtype=np.float64)
+            calibration._priors[int(n_choices)] = counts / counts.sum()
+        return calibration
+
+
+def significant(values: np.ndarray, digits: int = 6) -> np.ndarray:
+    """``values`` rounded to ``digits`` significant digits (what a logged distribution or a published fit keeps)."""
+    values = np.asarray(values, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        magnitude = np.floor(np.log10(np.abs(values)))
+    scale = 10.0 ** (digits - 1 - np.where(np.isfinite(magnitude), magnitude, 0.0))
+    return np.round(values * scale) / scale
 
 
 class Calibrations:

@@ -54,6 +54,7 @@ class Decision:
     explored: bool  # the pool was sampled (and the Fusion agent will sample its answer); False: greedy
     offset: float = 0.0  # the budget's offset (its dual variable) when it was taken: FocalEngine.shift
     cap: float | None = None  # the query's own budget (a share of the pool's cost): greedy, cut to fit (fit_pool)
+    open_ended: bool = False  # its choices are the models' own answers: no calibrated vote
 
 
 @dataclass
@@ -187,7 +188,7 @@ class FocalEngine:
             pools, pool_logps = np.ones((rollouts, self.n_models), dtype=bool), [0.0] * rollouts
         self.remember_pool(key, pools[0])
         decisions = [
-            Decision(key, pool, self.everyone if probe else pool, state, logp, not greedy, offset)
+            Decision(key, pool, self.everyone if probe else pool, state, logp, not greedy, offset, None, n_choices == 0)
             for pool, logp in zip(pools, pool_logps)
         ]
         if rollouts == 1:  # served (rollouts: the warm start's parallel environments)
@@ -251,7 +252,9 @@ class FocalEngine:
                 pools_t, logps = self.decider.sample(known["logits"], False, self.torch_rng)
                 pool, logp = pools_t[0].numpy().astype(bool), float(logps[0])
             self.remember_pool(key, pool)
-            decisions.append(Decision(key, pool, everyone if probe else pool, state, logp, not greedy, offset, cap))
+            decisions.append(
+                Decision(key, pool, everyone if probe else pool, state, logp, not greedy, offset, cap, n_choices == 0)
+            )
         self.spent(decisions)
         return decisions
 
@@ -295,7 +298,7 @@ class FocalEngine:
                 chosen, chosen_logp, dist = (t.numpy() for t in sampled)
             else:
                 votes = self._votes(
-                    [decisions[i].key for i in rows], [probs[i] for i in rows], [decisions[i].pool for i in rows]
+                    [decisions[i] for i in rows], [probs[i] for i in rows], [decisions[i].pool for i in rows]
                 )
                 chosen, chosen_logp, dist = self.greedy.answers(padded, mask, votes)
             answers[rows], logps[rows] = chosen, chosen_logp
@@ -437,20 +440,23 @@ class FocalEngine:
                 )
                 for j, f in zip(new, computed):
                     features[j] = f
-            votes = self._votes([decisions[i].key for i in rows], [probs[i] for i in rows], [fused[i] for i in rows])
+            votes = self._votes([decisions[i] for i in rows], [probs[i] for i in rows], [fused[i] for i in rows])
             chosen = self.greedy.answers(*padded_choices(features), votes)[0]
             for j, i in enumerate(rows):
                 result[i] = int(chosen[j])
         return result
 
-    def _votes(self, keys: list[Hashable], probs: list[np.ndarray], pools: list[np.ndarray]) -> np.ndarray | None:
-        """Each pool's calibrated vote on its stream [B, C_max] (zeros past a query's choices, and where a member is
-        not calibrated yet), what the greedy Fusion adds to its log-probabilities; None without calibrations."""
+    def _votes(self, decisions: list[Decision], probs: list[np.ndarray], pools: list[np.ndarray]) -> np.ndarray | None:
+        """Each pool's calibrated vote on its stream [B, C_max] (zeros past a query's choices, where a member is not
+        calibrated yet, and for an open-ended query), what the greedy Fusion adds to its log-probabilities; None
+        without calibrations."""
         if self.calibrations is None:
             return None
-        votes = np.zeros((len(keys), max(p.shape[1] for p in probs)))
-        for i, (key, p, pool) in enumerate(zip(keys, probs, pools)):
-            vote = self.calibrations(key).vote(p, pool)
+        votes = np.zeros((len(decisions), max(p.shape[1] for p in probs)))
+        for i, (decision, p, pool) in enumerate(zip(decisions, probs, pools)):
+            if decision.open_ended:
+                continue
+            vote = self.calibrations(decision.key).vote(p, pool)
             if vote is not None:
                 votes[i, : len(vote)] = vote
         return votes

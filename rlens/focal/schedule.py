@@ -84,6 +84,11 @@ def _pool_vote(q: Question, pool: np.ndarray) -> int:
     return int(plurality_vote(q.predictions[answered][None, :], q.probs.shape[1], q.probs[answered].sum(0)[None, :])[0])
 
 
+def _calibrating(q: Question) -> np.ndarray | None:
+    """What a question gives the stream's calibrations: its models' distributions, none for an open-ended one."""
+    return q.probs if q.decider_choices else None
+
+
 def _warm_pass(
     engine: FocalEngine, qs: list[Question], train_decider: bool, train_fusion: bool, progress: Progress | None
 ) -> None:
@@ -117,7 +122,7 @@ def _warm_pass(
                 decision, answer, rewards[-1], engine.fusion_reward(chosen == q.label), critic_input, q.label
             )
         # the window keeps the first rollout's reward
-        engine.observe(q.key, q.predictions, q.label, rewards[0], q.probs)
+        engine.observe(q.key, q.predictions, q.label, rewards[0], _calibrating(q))
         if len(engine.buffer) >= engine.cfg.warm_batch * rollouts:
             engine.update(train_decider, train_fusion, envs=rollouts)
         if progress:
@@ -140,7 +145,7 @@ def _supervised_fusion_pass(engine: FocalEngine, qs: list[Question], progress: P
             labels += [q.label] * rollouts
         members = decisions[0].pool
         engine.observe(
-            q.key, q.predictions, q.label, engine.reward(members, _pool_vote(q, members) == q.label), q.probs
+            q.key, q.predictions, q.label, engine.reward(members, _pool_vote(q, members) == q.label), _calibrating(q)
         )
         if progress:
             progress(1)
@@ -208,7 +213,7 @@ def run_online(
         q = qs[i]
         key = q.key if stream is None else stream
         reward = engine.reward(decision.pool, answer.answer == q.label)
-        engine.observe(key, np.where(decision.called, q.predictions, -1), q.label, reward, q.probs)
+        engine.observe(key, np.where(decision.called, q.predictions, -1), q.label, reward, _calibrating(q))
         engine.remember(decision, answer, reward, engine.fusion_reward(answer.answer == q.label), label=q.label)
         if drift is not None:
             called = np.where(decision.called, q.predictions, -1).tolist()

@@ -76,6 +76,7 @@ def _engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
             probe_rate=settings.focal_probe_rate,
             alpha=settings.focal_alpha,
             window=settings.focal_window,
+            calibration_rows=settings.focal_calibration_rows,
             budget=settings.focal_budget,
             stream_budgets=tuple(sorted(settings.focal_stream_budgets.items())),
         ),
@@ -83,11 +84,19 @@ def _engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
     )
 
 
-def build_windows(settings: Settings, n_models: int, size: int) -> RedisWindows:
+def build_windows(settings: Settings, n_models: int, size: int, calibration_rows: int = 0) -> RedisWindows:
     redis = Redis.from_url(
         settings.redis_url.get_secret_value(), socket_timeout=5, socket_connect_timeout=2, health_check_interval=10
     )
-    return RedisWindows(redis, n_models, size, settings.redis_prefix, settings.window_ttl_s, settings.dedup_ttl_s)
+    return RedisWindows(
+        redis,
+        n_models,
+        size,
+        settings.redis_prefix,
+        settings.window_ttl_s,
+        settings.dedup_ttl_s,
+        calibration_rows,
+    )
 
 
 def rlae_config(settings: Settings) -> RLAEConfig:
@@ -117,9 +126,20 @@ def gated_without_evidence(settings: Settings) -> None:
         )
 
 
+def calibration_conflicts(settings: Settings) -> None:
+    """rl_focal's calibrations are fitted on the called models' distributions the workers log: a clear error where
+    they would log none."""
+    if settings.strategy == "rl_focal" and settings.focal_calibration_rows and not settings.ope_logging:
+        raise ValueError(
+            "RLENS_FOCAL_CALIBRATION_ROWS fits each model's calibration on the distributions rl_focal workers log "
+            "with each query: RLENS_OPE_LOGGING must stay true (or set RLENS_FOCAL_CALIBRATION_ROWS=0)"
+        )
+
+
 def build_worker(settings: Settings) -> Worker:
     """The worker of ``settings.strategy``."""
     gated_without_evidence(settings)
+    calibration_conflicts(settings)
     pool = pool_of(settings)
     names = [m.name for m in pool.models]
     verifier, tokens = policy_verifier(settings), feedback_tokens(settings)
@@ -151,7 +171,7 @@ def build_worker(settings: Settings) -> Worker:
         engine,
         names,
         backends,
-        build_windows(settings, len(names), engine.cfg.window),
+        build_windows(settings, len(names), engine.cfg.window, engine.cfg.calibration_rows),
         deadline_s=settings.worker_deadline_s,
         model_concurrency=settings.model_concurrency,
         circuit_failures=settings.circuit_failures,
@@ -181,6 +201,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
             "rl_focal's guarded promotion is gated"
         )
     gated_without_evidence(settings)
+    calibration_conflicts(settings)
     pool = pool_of(settings)
     names = [m.name for m in pool.models]
     signer, tokens = policy_signer(settings), feedback_tokens(settings)
@@ -208,10 +229,11 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
         trainer, window = FocalOnlineTrainer(engine, names, settings.focal_extractor), engine.cfg.window
         if settings.promotion == "gated":
             gate = Gate(config, engine.cost_share, engine.cfg.alpha)
+    calibration_rows = settings.focal_calibration_rows if settings.strategy == "rl_focal" else 0
     core = LearnerCore(
         trainer,
         names,
-        build_windows(settings, len(names), window),
+        build_windows(settings, len(names), window, calibration_rows),
         CheckpointStore(settings.checkpoint_dir),
         signer,
         tokens,

@@ -7,20 +7,25 @@ so both keys of one stream live in one slot and the update script may touch both
 |---|---|---|---|---|
 | ``{prefix}:win:{<stream>}`` | list | the last W outcomes, oldest first, each ``[label, reward, p_0, ..., p_{M-1}]`` (JSON; ``p_m`` is model m's predicted choice, -1 where not called) | LTRIM to W | ``window_ttl_s``, renewed on every update |
 | ``{prefix}:applied:{<stream>}:<query id>`` | string | marks a query whose outcome is in the window | one per query | ``dedup_ttl_s`` |
+| ``{prefix}:cal:{<stream>}:<m>`` | list | with ``calibration_rows``: model m's last labelled outcomes, oldest first, each ``[n_choices, label, log p_0, ..., log p_{n_choices-1}]`` (JSON, 6 significant digits), pushed with the window's row by the same script | LTRIM to ``calibration_rows`` | ``window_ttl_s`` |
+| ``{prefix}:cal:{<stream>}:labels`` | list | with ``calibration_rows``: the stream's last labels, each ``[n_choices, label]`` | LTRIM to ``calibration_rows`` | ``window_ttl_s`` |
+| ``{prefix}:fit:{<stream>}`` | string | the stream's calibrations the learner fitted from those rows (:meth:`rlens.focal.calibration.StreamCalibration.state`, JSON), what the workers vote with | one per stream | ``window_ttl_s`` |
 | ``{prefix}:pool:{<stream>}`` | string | the Decider's last pool for the stream, one ``0``/``1`` per model (every worker reads and writes it, so the Decider sees the same previous pool whichever worker serves the stream) | M bytes | ``window_ttl_s`` |
 | ``{prefix}:ready:<role>:<host>-<pid>`` | string | a worker or learner process whose subscribers have joined: the URL of its ``/metrics``, ``/healthz``, ``/readyz`` | one per process | 30 s, renewed every 2 s while the process runs; deleted on clean shutdown |
 | ``{prefix}:replies:<reply topic>`` | string | a live gateway's reply topic: workers reply to no other (a query naming another is dead-lettered, so ``reply_to`` cannot make topics) | one per gateway replica | 30 s, renewed every 2 s while the gateway runs |
 | ``{prefix}:lease:<consumer group>`` | string | the learner that holds its consumer group (fencing: one learner per group) | one per group | ``LEASE_TTL_S``, renewed by its holder |
 
-An update is one Lua script: if the query's marker is new, push the row, trim to W, renew the TTL; else do
-nothing. So feedback applied twice (a redelivered message, a learner replaying after a crash) counts once, and
+An update is one Lua script: if the query's marker is new, push the row, trim to W, renew the TTL (and push its
+calibration rows, if any, likewise); else do nothing. So feedback applied twice (a redelivered message, a learner replaying after a crash) counts once, and
 readers never see a half-applied update. A missing key is an empty (cold) window. A row is checked before it is
 written (labels and predictions are choice positions below :data:`rlens.messages.MAX_CHOICES`, the reward is
 finite) and again when read: a row that does not fit (written by hand, by another pool) is skipped and counted,
 never loaded. The readiness mark is best-effort: a Redis that is down only delays it.
 
 Sizing Redis: a window costs about W x (12 + 3M) bytes and a marker about 100 bytes, so one stream with W=128
-and 5 models is about 4 KB, and 1M queries a day keep about 100 MB of markers. Set ``maxmemory`` with
+and 5 models is about 4 KB, and 1M queries a day keep about 100 MB of markers. Calibrations add about
+M x R x (8 + 10 C) bytes of rows per stream (R rows per model, C choices: 5 models, 200 rows and 6 choices, about
+70 KB) and the fits, about M x 12 C (C + 1) bytes (2.5 KB). Set ``maxmemory`` with
 ``maxmemory-policy volatile-ttl`` (every key here has a TTL): under pressure, the keys closest to expiry go first.
 """
 
@@ -30,12 +35,14 @@ import asyncio
 import json
 import logging
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from rlens.focal.calibration import StreamCalibration
 from rlens.focal.window import OutcomeWindow
 from rlens.messages import MAX_CHOICES
 
@@ -56,10 +63,35 @@ if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[4]) then
   redis.call('RPUSH', KEYS[1], ARGV[1])
   redis.call('LTRIM', KEYS[1], -tonumber(ARGV[2]), -1)
   redis.call('EXPIRE', KEYS[1], ARGV[3])
+  for i = 3, #KEYS do
+    redis.call('RPUSH', KEYS[i], ARGV[i + 3])
+    redis.call('LTRIM', KEYS[i], -tonumber(ARGV[5]), -1)
+    redis.call('EXPIRE', KEYS[i], ARGV[3])
+  end
   return 1
 end
 return 0
 """
+# log-probabilities in a calibration row: at least log(1e-6) - 1 (the floor, with rounding room), at most 0
+LOG_PROB_FLOOR = -15.0
+
+
+@dataclass(frozen=True)
+class CalibrationRows:
+    """One outcome's rows for the stream's calibrations: the choice count, the label, each called model's
+    log-probabilities over the choices."""
+
+    n_choices: int
+    label: int
+    log_probs: dict[int, list[float]]
+
+    def to_list(self) -> list:
+        """JSON-ready (the learner's checkpointed backlog)."""
+        return [self.n_choices, self.label, [[m, p] for m, p in sorted(self.log_probs.items())]]
+
+    @classmethod
+    def from_list(cls, values: list) -> CalibrationRows:
+        return cls(int(values[0]), int(values[1]), {int(m): list(p) for m, p in values[2]})
 
 
 class RedisWindows:
@@ -71,9 +103,11 @@ class RedisWindows:
         prefix: str = "rlens",
         window_ttl_s: int = 7 * 86400,
         dedup_ttl_s: int = 86400,
+        calibration_rows: int = 0,
     ):
         self.redis = redis
         self.n_models, self.size, self.prefix = n_models, size, prefix
+        self.calibration_rows = calibration_rows  # rows kept per model for its calibration (0: none)
         self.window_ttl_s, self.dedup_ttl_s = window_ttl_s, dedup_ttl_s
         self._apply = redis.register_script(APPLY_OUTCOME)
         self._renew = redis.register_script(RENEW_LEASE)
@@ -98,27 +132,102 @@ class RedisWindows:
     def pool_key(self, stream: str) -> str:
         return f"{self.prefix}:pool:{{{stream}}}"
 
+    def calibration_key(self, stream: str, part: int | str) -> str:
+        """Model ``part``'s calibration rows, or (``"labels"``) the stream's labels."""
+        return f"{self.prefix}:cal:{{{stream}}}:{part}"
+
+    def fit_key(self, stream: str) -> str:
+        return f"{self.prefix}:fit:{{{stream}}}"
+
     async def load(self, streams: list[str]) -> dict[str, OutcomeWindow]:
         """The current window of each stream (one round trip); rows that do not fit the pool are skipped."""
         return (await self.load_with_pools(streams, pools=False))[0]
 
     async def load_with_pools(
-        self, streams: list[str], pools: bool = True
-    ) -> tuple[dict[str, OutcomeWindow], dict[str, np.ndarray]]:
-        """Each stream's window and, where one was saved and fits this pool, its last pool (bool [M]), in one round
-        trip."""
+        self, streams: list[str], pools: bool = True, fits: bool = False
+    ) -> tuple[dict[str, OutcomeWindow], dict[str, np.ndarray], dict[str, StreamCalibration]]:
+        """Each stream's window and, where one was saved and fits this pool, its last pool (bool [M]) and (with
+        ``fits``) its calibrations as the learner published them, in one round trip."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for stream in streams:
                 pipe.lrange(self.window_key(stream), 0, -1)
                 if pools:
                     pipe.get(self.pool_key(stream))
+                if fits:
+                    pipe.get(self.fit_key(stream))
             raw = await pipe.execute()
-        step = 2 if pools else 1
+        step = 1 + pools + fits
         last_pools = {}
-        for stream, value in zip(streams, raw[1::2] if pools else []):
+        for stream, value in zip(streams, raw[1::step] if pools else []):
             if isinstance(value, bytes) and len(value) == self.n_models and set(value) <= {48, 49} and 49 in value:
                 last_pools[stream] = np.frombuffer(value, dtype=np.uint8) == 49
-        return self._windows(streams, raw[::step]), last_pools
+        calibrations = {}
+        for stream, value in zip(streams, raw[step - 1 :: step] if fits else []):
+            if value is not None and (calibration := self._calibration(value)) is not None:
+                calibrations[stream] = calibration
+        return self._windows(streams, raw[::step]), last_pools, calibrations
+
+    def _calibration(self, value: bytes) -> StreamCalibration | None:
+        """Published calibrations, or None (counted as skipped) when they do not fit this pool."""
+        try:
+            state = json.loads(value)
+            calibration = StreamCalibration.restored(self.n_models, state)
+            for (model, n_choices), (_, theta) in calibration.fits.items():
+                if not (0 <= model < self.n_models and 2 <= n_choices <= MAX_CHOICES) or theta.shape != (
+                    n_choices + 1,
+                    n_choices,
+                ):
+                    raise ValueError("a fit of another shape")
+                if not np.isfinite(theta).all():
+                    raise ValueError("a fit that is not finite")
+            for n_choices, prior in calibration._priors.items():
+                if not (2 <= n_choices <= MAX_CHOICES and prior.shape == (n_choices,) and (prior > 0).all()):
+                    raise ValueError("label counts of another shape")
+            return calibration
+        except Exception:
+            self.skipped_rows += 1
+            return None
+
+    async def load_calibration(self, stream: str) -> StreamCalibration:
+        """The stream's calibration rows (every model's and the labels) as a :class:`StreamCalibration` to fit;
+        rows that do not fit are skipped (and counted)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for part in [*range(self.n_models), "labels"]:
+                pipe.lrange(self.calibration_key(stream, part), 0, -1)
+            raw = await pipe.execute()
+        calibration = StreamCalibration(self.n_models, max(self.calibration_rows, 1))
+        for model, rows in enumerate(raw[: self.n_models]):
+            for row in rows:
+                values = self._calibration_row(row)
+                if values is None:
+                    continue
+                n_choices, label = int(values[0]), int(values[1])
+                calibration.history[model].append((n_choices, np.asarray(values[2:]), label))
+        for row in raw[-1]:
+            values = self._calibration_row(row, labels_only=True)
+            if values is not None:
+                calibration.labels.append((int(values[0]), int(values[1])))
+        return calibration
+
+    def _calibration_row(self, row: bytes, labels_only: bool = False) -> list | None:
+        try:
+            values = json.loads(row)
+            n_choices, label = values[0], values[1]
+            if not (type(n_choices) is int and type(label) is int and 2 <= n_choices <= MAX_CHOICES):
+                raise ValueError
+            if not 0 <= label < n_choices or len(values) != (2 if labels_only else n_choices + 2):
+                raise ValueError
+            if not all(type(v) in (int, float) and LOG_PROB_FLOOR <= v <= 0 for v in values[2:]):
+                raise ValueError
+            return values
+        except Exception:
+            self.skipped_rows += 1
+            return None
+
+    async def save_calibration(self, stream: str, calibration: StreamCalibration) -> None:
+        """Publish the stream's fitted calibrations (what the workers vote with)."""
+        state = json.dumps(calibration.state(), separators=(",", ":"))
+        await self.redis.set(self.fit_key(stream), state, ex=self.window_ttl_s)
 
     async def save_pools(self, pools: dict[str, np.ndarray]) -> None:
         """Each stream's latest pool (one round trip; the last writer wins)."""
@@ -183,18 +292,39 @@ class RedisWindows:
         return (await self.apply_many([(stream, query_id, predictions, label, reward)]))[0]
 
     async def apply_many(self, outcomes: Sequence[Sequence]) -> list[bool]:
-        """Several outcomes ``(stream, query id, predictions, label, reward)`` in one round trip (a pipeline of the
-        update script, run in order, each applied once); per outcome, False if it was already applied. Any row that
-        does not fit is a ValueError before anything is sent."""
-        for stream, query_id, predictions, label, reward in outcomes:
-            if error := self.row_error(predictions, label, reward):
+        """Several outcomes ``(stream, query id, predictions, label, reward[, calibration rows])`` in one round trip (a
+        pipeline of the update script, run in order, each applied once); per outcome, False if it was already applied.
+        Any row that does not fit is a ValueError before anything is sent."""
+        for stream, query_id, predictions, label, reward, *calibration in outcomes:
+            if error := self.row_error(predictions, label, reward) or self.calibration_error(*calibration[:1]):
                 raise ValueError(f"query {query_id}: {error}")
         async with self.redis.pipeline(transaction=False) as pipe:
-            for stream, query_id, predictions, label, reward in outcomes:
+            for stream, query_id, predictions, label, reward, *calibration in outcomes:
                 row = json.dumps([int(label), float(reward), *map(int, predictions)], separators=(",", ":"))
                 keys = [self.window_key(stream), self.applied_key(stream, query_id)]
-                await self._apply(keys=keys, args=[row, self.size, self.window_ttl_s, self.dedup_ttl_s], client=pipe)
+                args: list[str | int] = [row, self.size, self.window_ttl_s, self.dedup_ttl_s, self.calibration_rows]
+                rows = calibration[0] if calibration and self.calibration_rows else None
+                if rows is not None:
+                    for model, log_probs in sorted(rows.log_probs.items()):
+                        keys.append(self.calibration_key(stream, model))
+                        args.append(json.dumps([rows.n_choices, rows.label, *log_probs], separators=(",", ":")))
+                    keys.append(self.calibration_key(stream, "labels"))
+                    args.append(json.dumps([rows.n_choices, rows.label]))
+                await self._apply(keys=keys, args=args, client=pipe)
             return [bool(applied) for applied in await pipe.execute()]
+
+    def calibration_error(self, rows: CalibrationRows | None = None) -> str | None:
+        """Why an outcome's calibration rows cannot be kept, or None."""
+        if rows is None:
+            return None
+        if not (2 <= rows.n_choices <= MAX_CHOICES and 0 <= rows.label < rows.n_choices):
+            return f"calibration rows for label {rows.label} of {rows.n_choices} choices"
+        for model, log_probs in rows.log_probs.items():
+            if not 0 <= model < self.n_models or len(log_probs) != rows.n_choices:
+                return f"calibration row of model {model}: not one of the pool's, or not {rows.n_choices} values"
+            if not all(math.isfinite(v) and LOG_PROB_FLOOR <= v <= 0 for v in log_probs):
+                return f"calibration row of model {model}: a log-probability outside {LOG_PROB_FLOOR}..0"
+        return None
 
     def ready_key(self, role: str, name: str) -> str:
         return f"{self.prefix}:ready:{role}:{name}"

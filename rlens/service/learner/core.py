@@ -76,6 +76,8 @@ import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
+from redis.exceptions import RedisError
+
 
 from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftMonitor, signals_of_outcome
@@ -126,6 +128,9 @@ class LearnerStats:
     windows_applied: int = 0  # outcomes added to Redis windows (a replay after a crash adds none twice)
     redis_retries: int = 0
     window_backlog_dropped: int = 0  # outcomes dropped because the backlog was full during a long Redis outage
+    calibrations_published: int = (
+        0  # streams whose calibrations were fitted and published (RLENS_FOCAL_CALIBRATION_ROWS)
+    )
     new_logs: int = 0  # partitions found restarted from offset 0 (a broker that lost its data)
     drift_reactions: int = 0  # drifted streams whose window was trimmed
     promotions: int = 0  # candidates promoted by the gate (gated promotion)
@@ -337,7 +342,8 @@ class LearnerCore:
             self.stats.invalid_feedback += 1
             return None, DeadLetter.model_validate({**record, "reason": str(exc), "at": time.time()})
         row = self.trainer.window_row(experience, feedback)
-        if row is not None and self.writer.queue(experience.stream, experience.query_id, row, reward):
+        calibration = self.trainer.calibration_rows(experience, row[1]) if row is not None else None
+        if row is not None and self.writer.queue(experience.stream, experience.query_id, row, reward, calibration):
             await self.apply_windows()
         self.trainer.remember(experience, feedback, reward)
         if isinstance(experience, Experience) and row is not None:
@@ -402,6 +408,11 @@ class LearnerCore:
         self.stats.windows_applied += done.windows_applied
         self.stats.redis_retries += done.redis_retries
         self.stats.window_backlog_dropped += done.window_backlog_dropped
+        if self.writer.new_rows:
+            try:
+                self.stats.calibrations_published += await self.writer.refit()
+            except (RedisError, OSError) as exc:
+                log.warning("Redis unreachable (%s): the streams' calibrations are fitted later", exc)
 
     def update(self) -> Policy | None:
         """One update on the buffered transitions, a checkpoint, and the new policy version to publish; None

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from rlens.checkpoint import CheckpointStore, load_optimizer, optimizer_tensors
+from rlens.focal.calibration import LOG_FLOOR, significant
 from rlens.focal.engine import Answer as EngineAnswer
 from rlens.focal.engine import Decision, FocalEngine
 from rlens.focal.features import critic_state_dim, decider_obs_dim, fusion_feature_dim
@@ -37,6 +38,7 @@ from rlens.messages import MAX_CHOICES, Experience, Feedback, RLAEExperience
 from rlens.models.answers import Extractor, label_of
 from rlens.rlae.agent import Policy, RLAEConfig, Span, update
 from rlens.rlae.observe import obs_dim
+from rlens.service.common.windows import CalibrationRows
 from rlens.service.learner.checkpoint import Groups, load_engine, save_engine
 from rlens.zoo.tasks import exact_match
 
@@ -63,6 +65,10 @@ class OnlineTrainer(ABC, Generic[E]):
 
     def window_row(self, experience: E, feedback: Feedback) -> tuple[list[int], int] | None:
         """(per-model predictions, label) for the stream's Redis window, or None when the strategy keeps none."""
+        return None
+
+    def calibration_rows(self, experience: E, label: int) -> CalibrationRows | None:
+        """The called models' rows for the stream's calibrations (:mod:`rlens.focal.calibration`), or None."""
         return None
 
     @abstractmethod
@@ -178,6 +184,21 @@ class FocalOnlineTrainer(OnlineTrainer[Experience]):
     def window_row(self, experience: Experience, feedback: Feedback) -> tuple[list[int], int]:
         label = self.label(experience, feedback)
         return experience.predictions, -1 if label is None else label
+
+    def calibration_rows(self, experience: Experience, label: int) -> CalibrationRows | None:
+        """Each called model's log-probabilities (from the query's logged behaviour) with the label, for a
+        multiple-choice query whose label is one of its choices, when the engine keeps calibrations."""
+        behaviour = experience.behaviour
+        if not self.engine.cfg.calibration_rows or behaviour is None or experience.candidates is not None:
+            return None
+        if not 0 <= label < experience.n_choices:
+            return None
+        rows = {
+            m: significant(np.log(np.maximum(np.asarray(p, dtype=np.float64), LOG_FLOOR))).tolist()
+            for m, p in enumerate(behaviour.model_probs)
+            if len(p) == experience.n_choices
+        }
+        return CalibrationRows(experience.n_choices, label, rows) if rows else None
 
     def confidence(self, experience: Experience) -> float:
         """The Fusion agent's probability of the answer it chose."""

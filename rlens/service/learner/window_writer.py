@@ -1,6 +1,10 @@
 """The learner's writes to the Redis windows: each joined outcome is queued, and the queue is applied in order, in
 pipelined round trips of :data:`APPLY_BATCH`, once per query id. While Redis is unreachable it retries with backoff
-for at most ``redis_wait_s``, then keeps the outcomes in a bounded backlog (checkpointed) for the next call."""
+for at most ``redis_wait_s``, then keeps the outcomes in a bounded backlog (checkpointed) for the next call.
+
+With calibrations (``RLENS_FOCAL_CALIBRATION_ROWS``) an outcome also carries its called models' calibration rows,
+pushed by the same script; once a stream has ``refit_every`` new rows of some model, :meth:`WindowWriter.refit`
+fits the stream's calibrations from its rows in Redis and publishes them for the workers."""
 
 from __future__ import annotations
 
@@ -8,16 +12,17 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
-from rlens.service.common.windows import RedisWindows
+from rlens.service.common.windows import CalibrationRows, RedisWindows
 from rlens.service.common.logs import query_fields
 
 APPLY_BATCH = 256  # outcomes sent to Redis in one round trip
-RETRY_AFTER_S = 2.0  # after a bounded wait gave up: no new try before this
+RETRY_AFTER_S = 2.0
+MAX_COUNTED = 100_000  # (stream, model) calibration counts kept  # after a bounded wait gave up: no new try before this
 log = logging.getLogger("rlens.learner")
 
 
@@ -31,15 +36,21 @@ class Applied:
 
 
 class WindowWriter:
-    def __init__(self, windows: RedisWindows, redis_wait_s: float = 10.0, backlog_limit: int = 100_000):
+    def __init__(
+        self, windows: RedisWindows, redis_wait_s: float = 10.0, backlog_limit: int = 100_000, refit_every: int = 16
+    ):
         self.windows = windows
-        self.redis_wait_s, self.backlog_limit = redis_wait_s, backlog_limit
-        self.backlog: deque[list] = deque()  # [stream, query id, predictions, label, reward] not yet in Redis
+        self.redis_wait_s, self.backlog_limit, self.refit_every = redis_wait_s, backlog_limit, refit_every
+        # [stream, query id, predictions, label, reward, calibration rows (CalibrationRows.to_list) or None]
+        self.backlog: deque[list] = deque()
         self._retry_at = 0.0  # monotonic clock
+        self.new_rows: Counter[tuple[str, int]] = Counter()  # (stream, model): calibration rows since its last fit
 
-    def queue(self, stream: str, query_id: str, row: tuple, reward: float) -> bool:
+    def queue(
+        self, stream: str, query_id: str, row: tuple, reward: float, calibration: CalibrationRows | None = None
+    ) -> bool:
         """Queue one outcome; whether a round trip's worth is waiting (time to apply)."""
-        self.backlog.append([stream, query_id, *row, reward])
+        self.backlog.append([stream, query_id, *row, reward, None if calibration is None else calibration.to_list()])
         return len(self.backlog) >= APPLY_BATCH
 
     async def apply(self) -> Applied:
@@ -48,15 +59,27 @@ class WindowWriter:
         dropped (logged), never blocks the others."""
         done, delay, waited = Applied(), 0.05, 0.0
         while self.backlog and time.monotonic() >= self._retry_at:
-            batch = list(itertools.islice(self.backlog, APPLY_BATCH))
-            errors = [self.windows.row_error(*outcome[2:]) for outcome in batch]
+            batch = [
+                [
+                    *outcome[:5],
+                    None if len(outcome) < 6 or outcome[5] is None else CalibrationRows.from_list(outcome[5]),
+                ]
+                for outcome in itertools.islice(self.backlog, APPLY_BATCH)
+            ]
+            errors = [
+                self.windows.row_error(*outcome[2:5]) or self.windows.calibration_error(outcome[5]) for outcome in batch
+            ]
             try:
-                applied = await self.windows.apply_many([outcome for outcome, error in zip(batch, errors) if not error])
+                good = [outcome for outcome, error in zip(batch, errors) if not error]
+                applied = await self.windows.apply_many(good)
                 for outcome, error in zip(batch, errors):
                     self.backlog.popleft()
                     if error:
                         fields = query_fields(outcome[1], outcome[0])
                         log.error("outcome of query %s dropped: %s", outcome[1], error, extra=fields)
+                for outcome, new in zip(good, applied):
+                    if new and outcome[5] is not None and self.windows.calibration_rows:
+                        self.new_rows.update((outcome[0], model) for model in outcome[5].log_probs)
                 done.windows_applied += sum(applied)
             except (RedisError, OSError) as exc:
                 done.redis_retries += 1
@@ -77,3 +100,18 @@ class WindowWriter:
             self.backlog.popleft()
             done.window_backlog_dropped += 1
         return done
+
+    async def refit(self) -> int:
+        """Fit and publish the calibrations of each stream with ``refit_every`` new rows of some model (from its
+        rows in Redis); the number of streams published. Redis errors propagate (the caller tries again later: the
+        counts stay)."""
+        while len(self.new_rows) > MAX_COUNTED:  # streams seldom fed: the oldest counts go (their rows stay)
+            del self.new_rows[next(iter(self.new_rows))]
+        due = sorted({stream for (stream, _), n in self.new_rows.items() if n >= self.refit_every})
+        for stream in due:
+            calibration = await self.windows.load_calibration(stream)
+            calibration.fit_all()
+            await self.windows.save_calibration(stream, calibration)
+            for key in [key for key in self.new_rows if key[0] == stream]:
+                del self.new_rows[key]
+        return len(due)

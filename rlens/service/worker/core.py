@@ -42,6 +42,7 @@ from redis.exceptions import RedisError
 from rlens.backends.base import Backend, ChoiceQuery, GenerationRequest
 from rlens.models.answers import Extractor
 from rlens.models.ensemble import PoolCaller, PoolQuery
+from rlens.focal.calibration import significant
 from rlens.focal.engine import FocalEngine
 from rlens.messages import (
     Behaviour,
@@ -293,9 +294,13 @@ class FocalWorker(Worker):
 
         streams = sorted({q.stream for q in queries})
         try:
-            windows, last_pools = await self.windows.load_with_pools(streams)
+            calibrated = self.engine.calibrations is not None
+            windows, last_pools, fits = await self.windows.load_with_pools(streams, fits=calibrated)
             self.engine.windows = {}  # this batch's streams only
             self.engine.windows.update(windows)
+            if self.engine.calibrations is not None:  # as the learner last published them (none: no vote yet)
+                self.engine.calibrations.streams = {}
+                self.engine.calibrations.streams.update(fits)
             for stream, pool in last_pools.items():  # shared by the workers (Redis); without one, this worker's own
                 self.engine.remember_pool(stream, pool)
         except (RedisError, OSError) as exc:
@@ -493,7 +498,25 @@ class FocalWorker(Worker):
             model_probs=[row if ok else [] for row, ok in zip(probs, answers.answered)],
             reliability=reliability,
             label_prior=label_prior,
+            **self._calibration_log(decision, answers),
         )
+
+    def _calibration_log(self, decision, answers) -> dict:
+        """With calibrations: each answering model's calibrated log-probabilities and the stream's label prior, what
+        off-policy evaluation needs to give a candidate pool its calibrated vote (nothing without calibrations, or
+        for an open-ended query)."""
+        calibrations = self.engine.calibrations
+        if calibrations is None or decision.open_ended:
+            return {}
+        calibration = calibrations(decision.key)
+        rows = [
+            calibration.calibrated(p, m) if ok else None
+            for m, (p, ok) in enumerate(zip(answers.probs, answers.answered))
+        ]
+        return {
+            "calibrated": [[] if r is None else significant(np.minimum(r, 0.0)).tolist() for r in rows],
+            "calibration_prior": significant(calibration.prior(answers.probs.shape[1])).tolist(),
+        }
 
 
 def logged_distributions(probs: list[np.ndarray]) -> list:
@@ -502,12 +525,3 @@ def logged_distributions(probs: list[np.ndarray]) -> list:
     flat = significant(np.concatenate([p.ravel() for p in probs])) if probs else np.empty(0)
     ends = np.cumsum([p.size for p in probs])
     return [flat[end - p.size : end].reshape(p.shape).tolist() for p, end in zip(probs, ends)]
-
-
-def significant(values: np.ndarray, digits: int = 6) -> np.ndarray:
-    """``values`` rounded to ``digits`` significant digits (what a logged distribution keeps)."""
-    values = np.asarray(values, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        magnitude = np.floor(np.log10(np.abs(values)))
-    scale = 10.0 ** (digits - 1 - np.where(np.isfinite(magnitude), magnitude, 0.0))
-    return np.round(values * scale) / scale
