@@ -13,8 +13,10 @@ worker's time that is the service's own code; the broker client's part is in ``b
 What off-policy evaluation costs (issue 35), in the same run: *warm* logs each query's behaviour (propensity, greedy
 pool and answer, every called model's distribution) as the service does; *warm, no logging* leaves it out
 (``RLENS_OPE_LOGGING=false``); *warm, shadow* also scores a candidate policy
-in shadow (gated promotion). Each state's passes are interleaved with the others', so load drifts hit all alike,
-after a garbage collection each.
+in shadow (gated promotion). *warm, calibrated* also votes with each stream's calibrations
+(``RLENS_FOCAL_CALIBRATION_ROWS=200``: fits of each task's last 200 questions published in Redis, read with the
+windows, and each called model's calibrated distribution logged). Each state's passes are interleaved with the
+others', so load drifts hit all alike, after a garbage collection each.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from bench.common.machine import machine_facts
 from bench.common.args import add_out, arguments
 from rlens.backends.replay import ReplayBackend
 from rlens.evaluation.dataset import load_dataset
+from rlens.focal.calibration import StreamCalibration
+from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.local.load import queries_of
 from rlens.local.servers import LocalRedis
@@ -70,15 +74,33 @@ async def redis_round_trip_us(redis_url: str, calls: int = 2000) -> float:
     return 1e6 * best
 
 
-STATES = ("cold", "warm", "warm, no logging", "warm, shadow")
+STATES = ("cold", "warm", "warm, no logging", "warm, shadow", "warm, calibrated")
+CALIBRATION_ROWS = 200
+
+
+async def publish_calibrations(windows: RedisWindows, dataset) -> None:
+    """Each task's calibrations, fitted on its last rows (every model called), published as the learner does."""
+    for task in np.unique(dataset.task):
+        calibration = StreamCalibration(dataset.n_models, CALIBRATION_ROWS)
+        for i in np.flatnonzero(dataset.task == task)[-CALIBRATION_ROWS:]:
+            valid = np.flatnonzero(dataset.choice_mask[i])
+            label = int(np.searchsorted(valid, dataset.labels[i]))
+            calibration.push(dataset.probs[i][:, valid], np.ones(dataset.n_models, dtype=bool), label)
+        calibration.fit_all()
+        await windows.save_calibration(dataset.task_name(task), calibration)
 
 
 async def make_worker(state: str, redis: Redis, data) -> FocalWorker:
     names = data.model_names
-    engine = FocalEngine(data.n_models, data.model_costs, seed=0)
-    windows = RedisWindows(redis, len(names), engine.cfg.window, prefix=f"rlens-{STATES.index(state)}")
+    rows = CALIBRATION_ROWS if state == "warm, calibrated" else 0
+    engine = FocalEngine(data.n_models, data.model_costs, FocalConfig(calibration_rows=rows), seed=0)
+    windows = RedisWindows(
+        redis, len(names), engine.cfg.window, prefix=f"rlens-{STATES.index(state)}", calibration_rows=rows
+    )
     if state != "cold":
         await fill_windows(windows, data, engine.cfg.window)
+    if rows:
+        await publish_calibrations(windows, data)
     secrets = generate_secrets()
     worker = FocalWorker(
         engine,
@@ -159,6 +181,11 @@ def main() -> None:
         f"shadow scoring {100 * (1 - shadow / plain):.1f} %; messages grow by "
         f"{results['warm']['bytes_per_query'] - results['warm, no logging']['bytes_per_query']:.0f} bytes per query "
         f"(+{results['warm, shadow']['bytes_per_query'] - results['warm']['bytes_per_query']:.0f} with the shadow)"
+    )
+    calibrated = results["warm, calibrated"]
+    print(
+        f"calibrations cost {100 * (1 - calibrated['queries_per_s'] / logged):.1f} % of the warm worker's throughput; "
+        f"messages grow by {calibrated['bytes_per_query'] - results['warm']['bytes_per_query']:.0f} bytes per query"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(

@@ -381,10 +381,19 @@ class FocalWorker(Worker):
         shadows = self._shadows(chosen, called, served)
         windows: dict = {}  # each stream's window statistics, once per batch
         logged = logged_distributions([c.probs for c in called])
+        calibration_logs = self._calibration_logs(chosen, called)
         return {
             i: (
                 self._behaviour(
-                    chosen[j], called[j], logged[j], fused[j], probes[i], greedy_pools[j], greedy_answers[j], windows
+                    chosen[j],
+                    called[j],
+                    logged[j],
+                    fused[j],
+                    probes[i],
+                    greedy_pools[j],
+                    greedy_answers[j],
+                    windows,
+                    calibration_logs[j],
                 ),
                 shadows[j],
             )
@@ -475,10 +484,11 @@ class FocalWorker(Worker):
         greedy_pool: np.ndarray,
         greedy: int,
         windows: dict,
+        calibration_log: dict,
     ) -> Behaviour:
         """What off-policy evaluation needs of this query (:mod:`rlens.focal.propensity`), given its models'
-        distributions as logged, its greedy pool and answer; ``windows`` caches each stream's window statistics
-        for the batch."""
+        distributions as logged, its greedy pool and answer, and its calibrations as logged
+        (:meth:`_calibration_logs`); ``windows`` caches each stream's window statistics for the batch."""
         engine, n_choices = self.engine, answers.probs.shape[1]
         propensity = engine.propensity(decision, answer, greedy_pool)
         if (decision.key, n_choices) not in windows:
@@ -498,25 +508,46 @@ class FocalWorker(Worker):
             model_probs=[row if ok else [] for row, ok in zip(probs, answers.answered)],
             reliability=reliability,
             label_prior=label_prior,
-            **self._calibration_log(decision, answers),
+            **calibration_log,
         )
 
-    def _calibration_log(self, decision, answers) -> dict:
-        """With calibrations: each answering model's calibrated log-probabilities and the stream's label prior, what
-        off-policy evaluation needs to give a candidate pool its calibrated vote (nothing without calibrations, or
-        for an open-ended query)."""
+    def _calibration_logs(self, decisions: list, calls: list) -> list[dict]:
+        """With calibrations, per query: each answering model's calibrated log-probabilities and the stream's label
+        prior, what off-policy evaluation needs to give a candidate pool its calibrated vote (nothing without
+        calibrations, or for an open-ended query); rounded in one pass for the batch."""
         calibrations = self.engine.calibrations
-        if calibrations is None or decision.open_ended:
-            return {}
-        calibration = calibrations(decision.key)
-        rows = [
-            calibration.calibrated(p, m) if ok else None
-            for m, (p, ok) in enumerate(zip(answers.probs, answers.answered))
-        ]
-        return {
-            "calibrated": [[] if r is None else significant(np.minimum(r, 0.0)).tolist() for r in rows],
-            "calibration_prior": significant(calibration.prior(answers.probs.shape[1])).tolist(),
-        }
+        if calibrations is None:
+            return [{} for _ in decisions]
+        rows: list[list[np.ndarray | None]] = []
+        priors: list[np.ndarray | None] = []
+        for decision, answers in zip(decisions, calls):
+            if decision.open_ended:
+                rows.append([])
+                priors.append(None)
+                continue
+            calibration = calibrations(decision.key)
+            rows.append(
+                [
+                    calibration.calibrated(p, m) if ok else None
+                    for m, (p, ok) in enumerate(zip(answers.probs, answers.answered))
+                ]
+            )
+            priors.append(calibration.prior(answers.probs.shape[1]))
+        parts = [np.minimum(r, 0.0) for query in rows for r in query if r is not None]
+        parts += [p for p in priors if p is not None]  # log-probabilities at most 0, then priors above 0
+        flat = significant(np.concatenate(parts)) if parts else np.empty(0)
+        at, logs = 0, []
+        for query in rows:
+            logged = []
+            for r in query:
+                logged.append([] if r is None else flat[at : at + len(r)].tolist())
+                at += 0 if r is None else len(r)
+            logs.append({"calibrated": logged} if query else {})
+        for log_, prior in zip(logs, priors):
+            if prior is not None:
+                log_["calibration_prior"] = flat[at : at + len(prior)].tolist()
+                at += len(prior)
+        return logs
 
 
 def logged_distributions(probs: list[np.ndarray]) -> list:
