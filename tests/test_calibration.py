@@ -29,6 +29,7 @@ from rlens.focal.features import (
 from rlens.focal.greedy import GreedyActor
 from rlens.local.load import queries_of
 from rlens.messages import MAX_CHOICES, Feedback
+from rlens.service.common.policy import encode_policy
 from rlens.service.common.windows import RedisWindows
 from rlens.service.learner.core import LearnerCore
 from rlens.service.learner.online import FocalOnlineTrainer
@@ -181,7 +182,8 @@ def test_the_learner_publishes_calibrations_and_the_workers_answer_with_their_vo
     """Through a real redis-server: the learner keeps each called model's rows with the window's, fits the stream's
     calibrations once 16 new rows came and publishes them; a worker then answers from the Fusion times the vote (right
     where model 0 is always wrong), where a worker without calibrations follows model 0 (its untrained Fusion leans
-    on the confident model, however unreliable)."""
+    on the confident model, however unreliable). A candidate scored in shadow and off-policy evaluation from the
+    logged behaviour give the same answers as served."""
     data = _shifted()
     plain_config = FocalConfig(use_decider=False, explore_rate=0.0)  # every model fused, every answer greedy
     config = replace(plain_config, calibration_rows=64)
@@ -223,6 +225,10 @@ def test_the_learner_publishes_calibrations_and_the_workers_answer_with_their_vo
         assert learner.stats.calibrations_published == 3
         assert await redis.llen(windows.calibration_key("t", 0)) == 48 and 0 < await redis.ttl(windows.fit_key("t"))
         rest = pairs[48:]
+        same = FocalEngine(2, config=config, seed=0).policy_state()  # a candidate with the champion's weights
+        assert (
+            worker.receive_policy(encode_policy(same, 1, 1, data.model_names, "rl_focal", SIGNER, "candidate")) is None
+        )
         served = await worker.handle([q for q, _ in rest])
         without = await plain.handle([q for q, _ in rest])
         # what the worker logs gives off-policy evaluation the same greedy answer, vote included
@@ -230,6 +236,7 @@ def test_the_learner_publishes_calibrations_and_the_workers_answer_with_their_vo
         for experience, (_, label) in zip(served.experience, rest):
             logged = LoggedQuery.from_experience(experience, label)
             assert logged.calibrated is not None and champion.act(logged)[1] == experience.answer_index
+            assert experience.shadow is not None and experience.shadow.answer == experience.answer_index
         right = np.mean([a.answer_index == label for a, (_, label) in zip(served.answers, rest)])
         followed = np.mean([a.answer_index == label for a, (_, label) in zip(without.answers, rest)])
         assert right >= 0.9 and followed <= 0.1, (right, followed)

@@ -150,10 +150,11 @@ class Policy(Protocol):
 
 def fuse_greedy(engine: FocalEngine, query: LoggedQuery, pool: np.ndarray) -> int:
     """The engine's greedy Fusion answer on the pool's logged answers and the logged window statistics, times the
-    pool's calibrated vote where the engine keeps calibrations and the log has every member's."""
+    pool's calibrated vote where the log has every member's calibration (the deployment voted: a candidate is judged
+    as it would serve there)."""
     features = fusion_observation(query.probs * pool[:, None], pool, query.reliability, query.label_prior)
     votes = None
-    if engine.calibrations is not None and query.calibrated is not None and query.calibration_prior is not None:
+    if query.calibrated is not None and query.calibration_prior is not None:
         members = query.calibrated[pool]
         if len(members) and not np.isnan(members).any():
             votes = naive_bayes_vote(members, query.calibration_prior)[None]

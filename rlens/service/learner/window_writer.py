@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
+from rlens.focal.config import FocalConfig
 from rlens.service.common.windows import CalibrationRows, RedisWindows
 from rlens.service.common.logs import query_fields
 
@@ -37,7 +38,11 @@ class Applied:
 
 class WindowWriter:
     def __init__(
-        self, windows: RedisWindows, redis_wait_s: float = 10.0, backlog_limit: int = 100_000, refit_every: int = 16
+        self,
+        windows: RedisWindows,
+        redis_wait_s: float = 10.0,
+        backlog_limit: int = 100_000,
+        refit_every: int = FocalConfig.calibration_refit,
     ):
         self.windows = windows
         self.redis_wait_s, self.backlog_limit, self.refit_every = redis_wait_s, backlog_limit, refit_every

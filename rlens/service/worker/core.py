@@ -268,6 +268,7 @@ class FocalWorker(Worker):
         if self.shadow is None or self.candidate is None:
             return [None] * len(decisions)
         self.shadow.windows = self.engine.windows  # the same windows the champion read
+        self.shadow.calibrations = self.engine.calibrations  # and the same calibrations
         pools = self.shadow.greedy_pools(decisions, every=True)
         answers = self.shadow.greedy_answers(
             decisions,
