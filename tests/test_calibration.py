@@ -281,3 +281,22 @@ def test_calibrations_without_the_logged_distributions_are_a_clear_error(tmp_pat
     for role in ("learner", "worker"):
         result = CliRunner().invoke(app, [role], env=env)
         assert result.exit_code != 0 and "RLENS_OPE_LOGGING must stay true" in result.output, result.output
+
+
+def test_bad_calibration_rows_are_dropped_and_the_outcome_still_reaches_the_window(redis_server):
+    from rlens.service.common.windows import CalibrationRows
+    from rlens.service.learner.window_writer import WindowWriter
+
+    async def scenario():
+        redis = Redis.from_url(redis_server.url)
+        await redis.flushdb()
+        writer = WindowWriter(RedisWindows(redis, 2, 128, calibration_rows=64))
+        writer.queue("s", "q1", ([0, 1], 1), 1.0, CalibrationRows(2, 1, {0: [-0.1, 0.5]}))  # a log-probability above 0
+        writer.queue("s", "q2", ([0, 1], 0), 1.0, CalibrationRows(2, 0, {0: [-0.1, -2.3], 1: [-0.7, -0.7]}))
+        done = await writer.apply()
+        assert done.windows_applied == 2 and (await writer.windows.load(["s"]))["s"].n_rows == 2
+        assert await redis.llen(writer.windows.calibration_key("s", 0)) == 1
+        assert dict(writer.new_rows) == {("s", 0): 1, ("s", 1): 1}
+        await redis.aclose()
+
+    asyncio.run(scenario())

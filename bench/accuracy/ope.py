@@ -1,6 +1,6 @@
 """How well off-policy evaluation estimates policies it did not log, where the truth is known (issue 35, item 2).
 
-    python -m bench.accuracy.ope [--data DIR ...] [--seeds 0 1 2] [--out bench/out/ope.json]
+    python -m bench.accuracy.ope [--data DIR ...] [--seeds 0 1 2] [--calibration-rows 200] [--out bench/out/ope.json]
 
 Recorded data holds every model's answer to every question, so a stream can be logged under one policy and, on the
 very same contexts, every other policy's reward and accuracy computed exactly. Per dataset: the candidate policies are
@@ -12,6 +12,9 @@ and its true value computed with every answer known. Candidates (21 with 5 model
 0–2, with the cost weight α 0, 0.08, 0.16, 0.32, 0.5 and 1, without the Decider, with the supervised Fusion start only, untrained (seeds 0–2),
 the logging engine as it ended; each single model; the whole pool's soft vote. Per estimator: bias, RMSE and 95 %
 interval coverage over candidates and seeds, and the Spearman correlation of estimated and true values per seed.
+``--calibration-rows R``: the logging policy keeps each model's calibration per stream and votes with it
+(``RLENS_FOCAL_CALIBRATION_ROWS``), and logs each called model's calibrated distribution; every candidate is then
+judged as it would serve there, with the vote.
 """
 
 from __future__ import annotations
@@ -89,8 +92,20 @@ def logged_run(engine: FocalEngine, data: RecordedDataset) -> tuple[list[LoggedQ
             label=q.label,
             probe=decision.called is engine.everyone,  # the engine calls the whole pool on a probe
         )
-        logged.append(view)
-        full.append(replace(view, probs=q.probs, known=np.ones(engine.n_models, dtype=bool)))
+        if engine.calibrations is not None and q.decider_choices:  # what the worker logs, and every model's
+            calibration = engine.calibrations(decision.key)
+            rows = [calibration.calibrated(p, m) for m, p in enumerate(q.probs)]
+            every = np.array([np.full(q.probs.shape[1], np.nan) if r is None else r for r in rows])
+            view = replace(
+                view,
+                calibrated=np.where(decision.called[:, None], every, np.nan),
+                calibration_prior=calibration.prior(q.probs.shape[1]).copy(),
+            )
+            logged.append(view)
+            full.append(replace(view, probs=q.probs, known=np.ones(engine.n_models, dtype=bool), calibrated=every))
+        else:
+            logged.append(view)
+            full.append(replace(view, probs=q.probs, known=np.ones(engine.n_models, dtype=bool)))
 
     run_online(engine, data, served=served)
     return logged, full
@@ -113,6 +128,7 @@ def main() -> None:
     parser.add_argument(
         "--data", nargs="+", default=default, help="recorded datasets (default: bbh_dev, the bundled stream)"
     )
+    parser.add_argument("--calibration-rows", type=int, default=0, help="the logging policy's calibrations (0: none)")
     add_seeds(parser)
     add_out(parser, "bench/out/ope.json")
     args = parser.parse_args()
@@ -130,7 +146,7 @@ def main() -> None:
         cost_share = data.model_costs / data.model_costs.sum()
         alpha = FocalConfig().alpha
         for seed in args.seeds:
-            logging = trained(train, seed)
+            logging = trained(train, seed, calibration_rows=args.calibration_rows)
             logged, full = logged_run(logging, test)
             ended = FocalPolicy("logging engine as it ended", logging)
             for policy in [*policies, ended]:
@@ -175,7 +191,16 @@ def main() -> None:
                     f"spearman {e['spearman']:.2f}  median ESS {e['median_ess']:.0f}"
                 )
             summary[f"{data.name}/{metric}"] = per_estimator
-    write_json(args.out, {"machine": machine_facts(), "seeds": args.seeds, "summary": summary, "rows": rows})
+    write_json(
+        args.out,
+        {
+            "machine": machine_facts(),
+            "seeds": args.seeds,
+            "calibration_rows": args.calibration_rows,
+            "summary": summary,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

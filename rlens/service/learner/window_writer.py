@@ -22,8 +22,8 @@ from rlens.service.common.windows import CalibrationRows, RedisWindows
 from rlens.service.common.logs import query_fields
 
 APPLY_BATCH = 256  # outcomes sent to Redis in one round trip
-RETRY_AFTER_S = 2.0
-MAX_COUNTED = 100_000  # (stream, model) calibration counts kept  # after a bounded wait gave up: no new try before this
+RETRY_AFTER_S = 2.0  # after a bounded wait gave up: no new try before this
+MAX_COUNTED = 100_000  # (stream, model) calibration counts kept
 log = logging.getLogger("rlens.learner")
 
 
@@ -65,15 +65,9 @@ class WindowWriter:
         done, delay, waited = Applied(), 0.05, 0.0
         while self.backlog and time.monotonic() >= self._retry_at:
             batch = [
-                [
-                    *outcome[:5],
-                    None if len(outcome) < 6 or outcome[5] is None else CalibrationRows.from_list(outcome[5]),
-                ]
-                for outcome in itertools.islice(self.backlog, APPLY_BATCH)
+                [*outcome[:5], self._calibration(outcome)] for outcome in itertools.islice(self.backlog, APPLY_BATCH)
             ]
-            errors = [
-                self.windows.row_error(*outcome[2:5]) or self.windows.calibration_error(outcome[5]) for outcome in batch
-            ]
+            errors = [self.windows.row_error(*outcome[2:5]) for outcome in batch]
             try:
                 good = [outcome for outcome, error in zip(batch, errors) if not error]
                 applied = await self.windows.apply_many(good)
@@ -105,6 +99,22 @@ class WindowWriter:
             self.backlog.popleft()
             done.window_backlog_dropped += 1
         return done
+
+    def _calibration(self, outcome: list) -> CalibrationRows | None:
+        """A queued outcome's calibration rows, or None (none queued, or rows no calibration can hold: dropped and
+        logged, the outcome's window row kept)."""
+        if len(outcome) < 6 or outcome[5] is None:
+            return None
+        rows = CalibrationRows.from_list(outcome[5])
+        if error := self.windows.calibration_error(rows):
+            log.error(
+                "calibration rows of query %s dropped: %s",
+                outcome[1],
+                error,
+                extra=query_fields(outcome[1], outcome[0]),
+            )
+            return None
+        return rows
 
     async def refit(self) -> int:
         """Fit and publish the calibrations of each stream with ``refit_every`` new rows of some model (from its
