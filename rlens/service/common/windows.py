@@ -16,8 +16,8 @@ so both keys of one stream live in one slot and the update script may touch both
 | ``{prefix}:lease:<consumer group>`` | string | the learner that holds its consumer group (fencing: one learner per group) | one per group | ``LEASE_TTL_S``, renewed by its holder |
 
 An update is one Lua script: if the query's marker is new, push the row, trim to W, renew the TTL (and push its
-calibration rows, if any, likewise); else do nothing. So feedback applied twice (a redelivered message, a learner replaying after a crash) counts once, and
-readers never see a half-applied update. A missing key is an empty (cold) window. A row is checked before it is
+calibration rows, if any, likewise); else do nothing. So feedback applied twice (a redelivered message, a learner
+replaying after a crash) counts once, and readers never see a half-applied update. A missing key is an empty (cold) window. A row is checked before it is
 written (labels and predictions are choice positions below :data:`rlens.messages.MAX_CHOICES`, the reward is
 finite) and again when read: a row that does not fit (written by hand, by another pool) is skipped and counted,
 never loaded. The readiness mark is best-effort: a Redis that is down only delays it.
