@@ -2,6 +2,7 @@
 per span with the exact-match reward on the last, an interrupted run resumes to the very same policy, the
 evaluation helpers (simplex grid, answers as a multiple-choice dataset) on hand-computed cases, and the CLI."""
 
+import gc
 import json
 from dataclasses import replace
 
@@ -182,6 +183,16 @@ def test_task_files_are_validated(tmp_path):
 
 
 def test_cli_trains_resumes_and_generates(quick_zoo, tmp_path):
+    """Train, then resume in the same process (the first command releases its run directory when it ends, not when
+    its trainer happens to be collected: the garbage collector is off meanwhile), then generate."""
+    gc.disable()
+    try:
+        _trains_resumes_and_generates(quick_zoo, tmp_path)
+    finally:
+        gc.enable()
+
+
+def _trains_resumes_and_generates(quick_zoo, tmp_path):
     runner = CliRunner()
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(

@@ -127,11 +127,15 @@ def rlae_train(
     if trainer.state.episodes:
         console.print(f"resuming {out} at {trainer.state.episodes} episodes")
     console.print(f"RLAE-{variant.upper()} over {', '.join(names)}; span {span}, {len(train_tasks)} training tasks")
-    with progress_bar(console) as bar:
-        task = bar.add_task("training", total=episodes)
-        state = trainer.run(
-            train_tasks, lambda n, reward: bar.update(task, advance=n, description=f"training (reward {reward:.2f})")
-        )
+    try:
+        with progress_bar(console) as bar:
+            task = bar.add_task("training", total=episodes)
+            state = trainer.run(
+                train_tasks,
+                lambda n, reward: bar.update(task, advance=n, description=f"training (reward {reward:.2f})"),
+            )
+    finally:  # the run directory is free again when the command ends, not when the trainer is collected
+        trainer.store.close()
     write_training_plot(state.curve, out / "training.png", f"RLAE-{variant.upper()}, span {span}: {', '.join(names)}")
     console.print(
         f"{state.episodes} episodes, {state.updates} updates; last reward {state.curve[-1][1]:.2f}; wrote {out} (training.png)"
