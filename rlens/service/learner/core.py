@@ -78,7 +78,6 @@ from dataclasses import asdict, dataclass
 
 from redis.exceptions import RedisError
 
-
 from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftMonitor, signals_of_outcome
 from rlens.messages import AnyExperience, DeadLetter, DriftEvent, Experience, Feedback, Message, Policy, RLAEExperience
@@ -128,9 +127,8 @@ class LearnerStats:
     windows_applied: int = 0  # outcomes added to Redis windows (a replay after a crash adds none twice)
     redis_retries: int = 0
     window_backlog_dropped: int = 0  # outcomes dropped because the backlog was full during a long Redis outage
-    calibrations_published: int = (
-        0  # streams whose calibrations were fitted and published (RLENS_FOCAL_CALIBRATION_ROWS)
-    )
+    # streams whose calibrations were fitted and published (RLENS_FOCAL_CALIBRATION_ROWS)
+    calibrations_published: int = 0
     new_logs: int = 0  # partitions found restarted from offset 0 (a broker that lost its data)
     drift_reactions: int = 0  # drifted streams whose window was trimmed
     promotions: int = 0  # candidates promoted by the gate (gated promotion)
