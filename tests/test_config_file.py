@@ -191,3 +191,30 @@ def test_log_records_are_json_lines_with_the_query_they_are_about(capfd):
         "acme",
         7,
     )
+
+
+def test_the_log_handler_writes_to_stderr_as_it_is_when_a_record_comes():
+    """A command run in process (the CLI runner) sets logging up on a stderr it closes afterwards: a later record
+    (a library's INFO line) goes to the stderr of its own time, not to the closed one."""
+    import io
+    import logging
+    import sys
+
+    from rlens.service.common.logs import setup_logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    first, second = io.StringIO(), io.StringIO()
+    try:
+        sys.stderr = first
+        setup_logging("worker", "rl_focal", "text")
+        logging.getLogger("rlens.test").info("at the setup")
+        first.close()
+        sys.stderr = second
+        logging.getLogger("matplotlib.font_manager").info("generated new fontManager")
+        written = second.getvalue()
+    finally:
+        sys.stderr = sys.__stderr__
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert "generated new fontManager" in written and "Logging error" not in written, written

@@ -36,12 +36,28 @@ class ProcessFields(logging.Filter):
         return True
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes each record to ``sys.stderr`` as it is when the record comes, not as it was at the setup: a command run
+    in process (a test's CLI runner) swaps stderr and closes its own afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def json_lines(form: str) -> bool:
     return form == "json" or (form == "auto" and not sys.stderr.isatty())
 
 
 def setup_logging(role: str = "", strategy: str = "", form: str = "auto") -> None:
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     if json_lines(form):
         handler.setFormatter(
             JsonFormatter(JSON_FIELDS, rename_fields={"levelname": "level", "name": "logger"}, timestamp="time")
