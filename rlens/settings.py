@@ -346,7 +346,8 @@ class Settings(BaseSettings):
         le=4096,
         description="rl_focal: each model's last labelled outcomes per stream kept in Redis, from which the learner fits "
         "its calibration (refitted every 16 new rows) and the workers' greedy answers take the pool's calibrated vote "
-        "(rlens.focal.calibration); 0: none. Needs RLENS_OPE_LOGGING (the called models' distributions)",
+        "(rlens.focal.calibration); 0: none. Needs RLENS_OPE_LOGGING (the called models' distributions): with "
+        "RLENS_OPE_LOGGING=false set it to 0",
     )
     focal_samples: int = Field(
         5,

@@ -185,7 +185,7 @@ def test_the_learner_publishes_calibrations_and_the_workers_answer_with_their_vo
     on the confident model, however unreliable). A candidate scored in shadow and off-policy evaluation from the
     logged behaviour give the same answers as served."""
     data = _shifted()
-    plain_config = FocalConfig(use_decider=False, explore_rate=0.0)  # every model fused, every answer greedy
+    plain_config = FocalConfig(use_decider=False, explore_rate=0.0, calibration_rows=0)  # every model fused, greedy
     config = replace(plain_config, calibration_rows=64)
     backends = {name: create_backend("replay", dataset=data, model=i) for i, name in enumerate(data.model_names)}
     pairs = queries_of(data, None, "cal")

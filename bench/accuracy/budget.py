@@ -14,7 +14,7 @@ the first two thirds). Then the budget's tracking on the stream protocol (cold s
 lowest and highest mean cost share over every 1,000 consecutive queries (sliding), against the budget. With
 ``--per-request``, also RL-Focal with no deployment budget where every query carries the budget as its own (a cap:
 the greedy pool cut to fit, no exploration or probe; paper protocol): its accuracy, mean and highest cost share.
-``--variant`` runs another RL-Focal variant of ``rlens replay`` (e.g. ``rl_focal_calibrated``). Writes a JSON file and a
+``--variant`` runs another RL-Focal variant of ``rlens replay`` (e.g. ``rl_focal_uncalibrated``). Writes a JSON file and a
 plot (accuracy against cost share) beside it.
 """
 

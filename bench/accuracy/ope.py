@@ -128,7 +128,12 @@ def main() -> None:
     parser.add_argument(
         "--data", nargs="+", default=default, help="recorded datasets (default: bbh_dev, the bundled stream)"
     )
-    parser.add_argument("--calibration-rows", type=int, default=0, help="the logging policy's calibrations (0: none)")
+    parser.add_argument(
+        "--calibration-rows",
+        type=int,
+        default=FocalConfig.calibration_rows,
+        help="the logging policy's calibrations (0: none)",
+    )
     add_seeds(parser)
     add_out(parser, "bench/out/ope.json")
     args = parser.parse_args()

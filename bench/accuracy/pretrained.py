@@ -8,7 +8,7 @@ stream (the stream protocol: each query answered before its label is seen, learn
 it on the same stream: RL-Focal from a cold start, and the online baselines (the soft vote, Hedge over the models,
 an online per-task stacker: :func:`rlens.evaluation.baselines.online_stacking`), with the best single model per
 task in hindsight as a reference. Accuracy in % of the holdout stream, models called per query. ``--variant``: another
-RL-Focal variant of ``rlens replay`` (e.g. ``rl_focal_calibrated``) for both RL-Focal runs.
+RL-Focal variant of ``rlens replay`` (e.g. ``rl_focal_uncalibrated``) for both RL-Focal runs.
 """
 
 from __future__ import annotations

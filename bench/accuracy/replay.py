@@ -32,7 +32,7 @@ SHOWN = (
     "rl_focal_kappa",
     "rl_focal_paper_decider",
     "rl_focal_marginal",
-    "rl_focal_calibrated",
+    "rl_focal_uncalibrated",
     "best_single",
     "best_single_per_task",
     "plurality",

@@ -197,7 +197,11 @@ def evidence_phase(args: argparse.Namespace, stack, traffic: list) -> dict:
         policy = encode_policy(weights.policy_state(), version, 1, names, "rl_focal", signer, stage)
         return [policy.model_dump_json().encode()]
 
-    states = {"off": {"ope_logging": False}, "on": {"ope_logging": True}, "shadow": {"ope_logging": True}}
+    # without calibrations in all three (they need the logged distributions; bench.service.worker_core has their cost)
+    states = {
+        state: {"ope_logging": logging, "focal_calibration_rows": 0}
+        for state, logging in (("off", False), ("on", True), ("shadow", True))
+    }
     rates, cpu = alternate(args, stack, traffic, "e", states, args.evidence_reps, policies)
     out = {"queries_per_s": rates, "cpu_us_per_query": cpu, **evidence_costs(rates, cpu)}
     print(

@@ -12,11 +12,11 @@ worker's time that is the service's own code; the broker client's part is in ``b
 
 What off-policy evaluation costs (issue 35), in the same run: *warm* logs each query's behaviour (propensity, greedy
 pool and answer, every called model's distribution) as the service does; *warm, no logging* leaves it out
-(``RLENS_OPE_LOGGING=false``); *warm, shadow* also scores a candidate policy
-in shadow (gated promotion). *warm, calibrated* also votes with each stream's calibrations
-(``RLENS_FOCAL_CALIBRATION_ROWS=200``: fits of each task's last 200 questions published in Redis, read with the
-windows, and each called model's calibrated distribution logged). Each state's passes are interleaved with the
-others', so load drifts hit all alike, after a garbage collection each.
+(``RLENS_OPE_LOGGING=false``); *warm, shadow* also scores a candidate policy in shadow (gated promotion). *warm,
+calibrated* also votes with each stream's calibrations (the default, ``RLENS_FOCAL_CALIBRATION_ROWS=200``; the other
+states run with 0): fits of each task's last 200 questions published in Redis, read with the windows, and each called
+model's calibrated distribution logged. Each state's passes are interleaved with the others', so load drifts hit all
+alike, after a garbage collection each.
 """
 
 from __future__ import annotations

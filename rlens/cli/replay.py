@@ -135,7 +135,7 @@ def replay(
     variants: str = typer.Option(
         "default",
         help="RL-Focal variants to run, comma-separated (rl_focal, rl_focal_all_models, rl_focal_no_diversity, "
-        "rl_focal_kappa, rl_focal_paper_decider, rl_focal_marginal, rl_focal_calibrated); default: all but "
+        "rl_focal_kappa, rl_focal_paper_decider, rl_focal_marginal, rl_focal_uncalibrated); default: all but "
         "rl_focal_marginal; all",
     ),
     workers: int = WORKERS,

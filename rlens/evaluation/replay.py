@@ -50,9 +50,9 @@ RL_VARIANTS: dict[str, tuple[dict, str]] = {
         {"marginal_diversity": True},
         "variant: the Decider also sees each model's marginal effect on the pool's focal diversity",
     ),
-    "rl_focal_calibrated": (
-        {"calibration_rows": 200},
-        "variant: the greedy Fusion's distribution times its pool's calibrated vote (each model's per-stream calibration)",
+    "rl_focal_uncalibrated": (
+        {"calibration_rows": 0},
+        "ablation: the greedy Fusion's distribution alone, without its pool's calibrated vote",
     ),
 }
 # what a replay runs unless asked (the marginal one measured no gain)

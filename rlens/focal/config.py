@@ -21,8 +21,9 @@ class FocalConfig:
     )
     marginal_diversity: bool = False  # the Decider also sees each model's marginal effect on its previous pool's focal diversity (issue 15, item 4)
     # each model's calibration per stream (rlens.focal.calibration) from its last calibration_rows labelled outcomes;
-    # the greedy Fusion's distribution is multiplied by its pool's calibrated vote (0: no calibration)
-    calibration_rows: int = 0
+    # the greedy Fusion's distribution is multiplied by its pool's calibrated vote (0: none; 200 chosen on bbh_dev's
+    # tuning half, BENCHMARKS.md)
+    calibration_rows: int = 200
     calibration_refit: int = 16  # refit a model's calibration once this many new rows have come
     # reward
     alpha: float = 0.24  # cost weight: reward = +-1 - alpha * cost(pool) / cost(whole pool); chosen on bbh_dev's tuning half (BENCHMARKS.md)
