@@ -103,7 +103,7 @@ def simulate(
             FocalEngine(m, zoo.model_costs, CONFIG, seed=seed),
             names,
             backends,
-            RedisWindows(redis, m, 128),
+            RedisWindows(redis, m, 128, calibration_rows=CONFIG.calibration_rows),
             VERIFIER,
             TOKENS,
         )
@@ -122,7 +122,7 @@ def simulate(
             return LearnerCore(
                 trainer,
                 names,
-                RedisWindows(Redis.from_url(url), m, 128),
+                RedisWindows(Redis.from_url(url), m, 128, calibration_rows=CONFIG.calibration_rows),
                 CheckpointStore(workdir / "learner"),
                 SIGNER,
                 TOKENS,

@@ -59,10 +59,11 @@ async def joins_per_second(redis_url: str, n: int) -> float:
     secrets = generate_secrets()
     signer, tokens = PolicySigner(secrets["RLENS_POLICY_SIGNING_KEY"]), FeedbackTokens(secrets["RLENS_FEEDBACK_SECRET"])
     models = [f"m{i}" for i in range(5)]
+    engine = FocalEngine(5, seed=0)
     core = LearnerCore(
-        FocalOnlineTrainer(FocalEngine(5, seed=0), models),
+        FocalOnlineTrainer(engine, models),
         models,
-        RedisWindows(Redis.from_url(redis_url), 5, 128),
+        RedisWindows(Redis.from_url(redis_url), 5, 128, calibration_rows=engine.cfg.calibration_rows),
         CheckpointStore(Path(tempfile.mkdtemp())),
         signer,
         tokens,
