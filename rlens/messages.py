@@ -218,6 +218,12 @@ class Shadow(BaseModel):
     version: int = Field(ge=1)
     pool: list[bool] = Field(max_length=MAX_MODELS)
     answer: Choice = Field(description="-1 where its pool holds a model the query did not call, or none answered")
+    explored: list[Annotated[float, Field(ge=0, le=1)]] = Field(
+        default_factory=list,
+        max_length=MAX_CHOICES,
+        description="its Fusion's own distribution over the choices on that pool (what an explored answer there is "
+        "sampled from, without the calibrated vote), 4 significant digits; [] where answer is -1",
+    )
 
 
 class Split(BaseModel):

@@ -46,7 +46,7 @@ def test_a_learner_whose_training_goes_wrong_is_kept_from_serving(zoo, redis_ser
     assert np.mean([ok for _, ok in served]) > np.mean([ok for _, ok in clean]) - 0.03
 
 
-@pytest.mark.parametrize("restart_at, kind", [(352, "challenger"), (640, "probation")])
+@pytest.mark.parametrize("restart_at, kind", [(352, "challenger"), (672, "probation")])
 def test_a_learner_restarted_while_it_judges_serves_what_one_never_stopped_serves(
     zoo, redis_server, tmp_path, restart_at, kind
 ):
@@ -66,10 +66,17 @@ def test_a_learner_restarted_while_it_judges_serves_what_one_never_stopped_serve
     assert restarted.core.stats.promotions == whole.core.stats.promotions
 
 
-def shadowed_experience(i: int, champion_right: bool, candidate_right: bool | None, probe: bool) -> Experience:
+def shadowed_experience(
+    i: int,
+    champion_right: bool,
+    candidate_right: bool | None,
+    probe: bool,
+    explore_rate: float = 0.0,
+    explored: list[float] | None = None,
+) -> Experience:
     pool = [True, True, False]
     behaviour = Behaviour(
-        explore_rate=0.0,
+        explore_rate=explore_rate,
         probe=probe,
         greedy_pool=pool,
         greedy_answer=0,
@@ -94,7 +101,13 @@ def shadowed_experience(i: int, champion_right: bool, candidate_right: bool | No
         answer_index=0 if champion_right else 1,
         answer_logp=0.0,
         behaviour=behaviour,
-        shadow=Shadow(epoch=1, version=2, pool=candidate_pool, answer=answer),
+        shadow=Shadow(
+            epoch=1,
+            version=2,
+            pool=candidate_pool,
+            answer=answer,
+            explored=explored if answer >= 0 and explored else [],
+        ),
     )
 
 
@@ -112,6 +125,39 @@ def test_the_gate_promotes_a_better_candidate_and_drops_a_worse_one():
             found = found or gate.verdict()
         assert found == verdict, (better, gate.last)
         assert gate.last is not None and (gate.last.value > 0) == (better > 0)
+
+
+def test_a_candidate_is_judged_as_it_would_serve_its_explored_share_included():
+    """By hand: pool cost 2/3, alpha 0.24, so right +0.84 and wrong -1.16; 20 % explored, the candidate's greedy
+    answer right and its Fusion giving the label 0.25: 0.8 * 0.84 + 0.2 * (0.25 * 0.84 + 0.75 * -1.16) = 0.54. A
+    query with its own budget is never explored (0.84), nor a shadow without its Fusion's distribution."""
+    gate = Gate(GateConfig(), np.full(3, 1 / 3), 0.24)
+    experience = shadowed_experience(0, True, True, True, explore_rate=0.2, explored=[0.25, 0.75])
+    behaviour, shadow, pool = experience.behaviour, experience.shadow, np.array([True, False, True])
+    assert behaviour is not None and shadow is not None
+    assert gate.serving_reward(shadow, behaviour, pool, 0) == pytest.approx(0.54)
+    capped = behaviour.model_copy(update={"budget": 0.7})
+    assert gate.serving_reward(shadow, capped, pool, 0) == pytest.approx(0.84)
+    assert gate.serving_reward(shadow.model_copy(update={"explored": []}), behaviour, pool, 0) == pytest.approx(0.84)
+
+
+def test_a_candidate_whose_greedy_answers_are_right_but_whose_fusion_samples_are_wrong_is_dropped():
+    """The calibrated vote can keep a sabotaged Fusion's greedy answers right; at 20 % exploration its samples still
+    serve. Greedy answers a little better than the champion's (0.3 expected reward against 0.2) promote with a sound
+    Fusion (0.8 * 0.3 + 0.2 * 0.9 = 0.42) and drop with one that puts 95 % on a wrong choice (0.8 * 0.3 - 0.2 * 0.9 =
+    0.06)."""
+    for explored, verdict in (([0.95, 0.05], "promote"), ([0.05, 0.95], "drop")):
+        rng = np.random.default_rng(2)
+        gate = Gate(GateConfig(min_events=300, max_events=600, every=50, delta=0.02), np.full(3, 1 / 3), 0.0)
+        gate.propose((1, 2), {})
+        found = None
+        for i in range(600):
+            champion, probe = bool(rng.random() < 0.6), bool(rng.random() < 0.2)
+            candidate = bool(rng.random() < 0.65)  # greedy: 0.3 expected against the champion's 0.2
+            experience = shadowed_experience(i, champion, candidate if probe else None, probe, 0.2, explored)
+            gate.observe(experience, label=0)
+            found = found or gate.verdict()
+        assert found == verdict, (explored, gate.last)
 
 
 def test_with_drift_reset_a_drift_detection_restarts_the_candidates_evidence():
@@ -175,6 +221,10 @@ def test_shadow_answers_reusing_the_served_observations_equal_those_computed_afr
     reused = candidate.greedy_answers(*args, [(p, a.features) for p, a in zip(fused_pools, served)])
     fresh = candidate.greedy_answers(*args)
     assert reused == fresh
+    for answer, own in candidate.greedy_actions(*args):  # no calibration fitted: the greedy answer is the Fusion's
+        assert (answer == -1) == (own is None)
+        if own is not None:
+            assert answer == int(np.argmax(own)) and own.sum() == pytest.approx(1.0, abs=1e-5)
     same = [bool(np.array_equal(p & a, f)) for p, a, f in zip(pools, answered, fused_pools)]
     assert 16 <= sum(same) < len(same)  # both kinds of rows were exercised
     shifted = [(p, served[(k + 1) % len(served)].features) for k, p in enumerate(fused_pools)]

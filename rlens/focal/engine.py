@@ -413,9 +413,22 @@ class FocalEngine:
         """:meth:`greedy_answer` for a batch, with one Fusion forward; ``pools``: the decisions' greedy pools, if
         known (:meth:`greedy_pools` of them as explored); ``known``: per decision, a pool that answered and its Fusion
         observation, already computed (the served answer's), reused where the greedy pool's answering part is it."""
+        return [answer for answer, _ in self.greedy_actions(decisions, probs, called, answered, pools, known)]
+
+    def greedy_actions(
+        self,
+        decisions: list[Decision],
+        probs: list[np.ndarray],
+        called: list[np.ndarray],
+        answered: list[np.ndarray | None],
+        pools: list[np.ndarray] | None = None,
+        known: list[tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> list[tuple[int, np.ndarray | None]]:
+        """:meth:`greedy_answers`, each with the Fusion's own distribution over the query's choices on that pool (what
+        an explored answer there is sampled from: no vote), None where the answer is -1."""
         if pools is None:
             pools = self.greedy_pools(decisions, every=True)
-        result = [-1] * len(decisions)
+        result: list[tuple[int, np.ndarray | None]] = [(-1, None)] * len(decisions)
         if not decisions:
             return result
         greedy, asked = np.stack(pools), np.stack(called)
@@ -441,9 +454,12 @@ class FocalEngine:
                 for j, f in zip(new, computed):
                     features[j] = f
             votes = self._votes([decisions[i] for i in rows], [probs[i] for i in rows], [fused[i] for i in rows])
-            chosen = self.greedy.answers(*padded_choices(features), votes)[0]
+            padded, mask = padded_choices(features)
+            chosen, _, own = self.greedy.answers(padded, mask)
+            if votes is not None:
+                chosen = self.greedy.answers(padded, mask, votes)[0]
             for j, i in enumerate(rows):
-                result[i] = int(chosen[j])
+                result[i] = (int(chosen[j]), own[j, : features[j].shape[0]])
         return result
 
     def _votes(self, decisions: list[Decision], probs: list[np.ndarray], pools: list[np.ndarray]) -> np.ndarray | None:

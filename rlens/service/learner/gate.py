@@ -13,7 +13,10 @@ within delta of its predecessor from going back and forth. One look keeps the ro
 rl_focal (:class:`ShadowEvidence`): the difference is estimated per query as the replay estimator does
 (:mod:`rlens.evaluation.logged`): exact where the query called every model the candidate's pool needs, a ridge reward
 model of the candidate elsewhere, that model's mean error measured, and corrected, on the probe rows (a random sample
-with every answer known). The champion's reward is always exact: it served the query.
+with every answer known). The candidate's reward is the one it would get serving, under the serving mixture in force
+(:meth:`Gate.serving_reward`): its greedy answer on the greedy share, an answer sampled from its Fusion on the
+explored share (the calibrated vote shields the greedy answers from a Fusion trained to be wrong, not the explored
+ones). The champion's reward is always exact: it served the query.
 
 rlae (:class:`SplitEvidence`): RLAE's span weights change what the models generate, so the champion's answer says
 nothing of the candidate's, and an estimate from the champion's log was not good enough (BENCHMARKS.md, "RLAE's
@@ -51,7 +54,7 @@ import torch
 
 from rlens.evaluation.logged import LoggedQuery, pool_features, replay_estimate, reward
 from rlens.evaluation.ope import Estimate
-from rlens.messages import Experience, RLAEExperience
+from rlens.messages import Behaviour, Experience, RLAEExperience, Shadow
 
 log = logging.getLogger("rlens.learner")
 Verdict = Literal["promote", "drop", "roll back", "passed", "inconclusive", "resume"]
@@ -265,12 +268,22 @@ class Gate:
         query = LoggedQuery.from_experience(experience, label)
         pool = np.asarray(shadow.pool, dtype=bool)
         e.champion.append(reward(query.pool, query.answer, label, self.cost_share, self.alpha))
-        e.candidate.append(
-            reward(pool, shadow.answer, label, self.cost_share, self.alpha) if shadow.answer >= 0 else None
-        )
+        e.candidate.append(self.serving_reward(shadow, behaviour, pool, label) if shadow.answer >= 0 else None)
         e.features.append(pool_features(query, pool, self.cost_share))
         e.probe.append(behaviour.probe)
         e.held.append(not (pool & ~query.pool).any())
+
+    def serving_reward(self, shadow: Shadow, behaviour: Behaviour, pool: np.ndarray, label: int) -> float:
+        """The candidate's expected reward here as it would serve, under the serving mixture in force: its greedy
+        answer on the (1 - explore_rate) greedy share, and on the explored share an answer sampled from its Fusion's
+        own distribution on the same pool (``shadow.explored``; the Decider's explored pools are not modelled). A
+        query with its own budget is never explored."""
+        assert self.cost_share is not None
+        right, wrong = (reward(pool, c, label, self.cost_share, self.alpha) for c in (label, -1))
+        greedy = right if shadow.answer == label else wrong
+        rate = 0.0 if behaviour.budget is not None or not shadow.explored else behaviour.explore_rate
+        hit = shadow.explored[label] if label < len(shadow.explored) else 0.0
+        return (1 - rate) * greedy + rate * (hit * right + (1 - hit) * wrong)
 
     def observe_split(self, experience: RLAEExperience, reward: float) -> None:
         """One rewarded query of the current candidate's A/B split, served by either arm (rlae)."""

@@ -270,7 +270,7 @@ class FocalWorker(Worker):
         self.shadow.windows = self.engine.windows  # the same windows the champion read
         self.shadow.calibrations = self.engine.calibrations  # and the same calibrations
         pools = self.shadow.greedy_pools(decisions, every=True)
-        answers = self.shadow.greedy_answers(
+        actions = self.shadow.greedy_actions(
             decisions,
             [c.probs for c in calls],
             [d.called for d in decisions],
@@ -279,7 +279,16 @@ class FocalWorker(Worker):
             served,
         )
         epoch, version = self.candidate
-        return [Shadow(epoch=epoch, version=version, pool=p.tolist(), answer=a) for p, a in zip(pools, answers)]
+        return [
+            Shadow(
+                epoch=epoch,
+                version=version,
+                pool=p.tolist(),
+                answer=a,
+                explored=[] if own is None else significant(own, 4).tolist(),
+            )
+            for p, (a, own) in zip(pools, actions)
+        ]
 
     # --- queries ----------------------------------------------------------------------------------------------
     async def handle(self, queries: list[Query]) -> BatchOutput:
