@@ -151,7 +151,9 @@ def test_the_engines_greedy_answer_follows_the_calibrated_vote():
             decision.pool = decision.called = np.array([True, False])
             answers[rows] = engine.fuse(decision, np.stack([p, uniform])).answer
             pool = [decision.pool]
-            assert engine.greedy_answers([decision], [np.stack([p, uniform])], pool, [None], pool) == [answers[rows]]
+            assert (
+                engine.greedy_actions([decision], [np.stack([p, uniform])], pool, [None], pool)[0][0] == answers[rows]
+            )
             (cold,) = engine.decide("b", 3, greedy=True)
             cold.pool = cold.called = np.array([True, False])
             answers[rows, "b"] = engine.fuse(cold, np.stack([p, uniform])).answer

@@ -218,8 +218,12 @@ def test_shadow_answers_reusing_the_served_observations_equal_those_computed_afr
     candidate.windows = champion.windows
     pools = candidate.greedy_pools(decisions, every=True)
     args = (decisions, probs, [d.called for d in decisions], answered, pools)
-    reused = candidate.greedy_answers(*args, [(p, a.features) for p, a in zip(fused_pools, served)])
-    fresh = candidate.greedy_answers(*args)
+
+    def greedy_answers(*given) -> list[int]:
+        return [answer for answer, _ in candidate.greedy_actions(*given)]
+
+    reused = greedy_answers(*args, [(p, a.features) for p, a in zip(fused_pools, served)])
+    fresh = greedy_answers(*args)
     assert reused == fresh
     for answer, own in candidate.greedy_actions(*args):  # no calibration fitted: the greedy answer is the Fusion's
         assert (answer == -1) == (own is None)
@@ -228,7 +232,7 @@ def test_shadow_answers_reusing_the_served_observations_equal_those_computed_afr
     same = [bool(np.array_equal(p & a, f)) for p, a, f in zip(pools, answered, fused_pools)]
     assert 16 <= sum(same) < len(same)  # both kinds of rows were exercised
     shifted = [(p, served[(k + 1) % len(served)].features) for k, p in enumerate(fused_pools)]
-    assert candidate.greedy_answers(*args, shifted) != fresh  # the reused observations are the ones answered on
+    assert greedy_answers(*args, shifted) != fresh  # the reused observations are the ones answered on
 
 
 def split_experience(i: int, version: int, candidate: bool | None) -> RLAEExperience:

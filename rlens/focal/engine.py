@@ -399,21 +399,7 @@ class FocalEngine:
         cost); changes no state. ``called`` / ``answered``: the models that were asked and those that answered
         (default: all); -1 when the greedy pool holds a model that was not asked, or none of it answered."""
         called = self.everyone if called is None else called
-        return self.greedy_answers([decision], [probs], [called], [answered])[0]
-
-    def greedy_answers(
-        self,
-        decisions: list[Decision],
-        probs: list[np.ndarray],
-        called: list[np.ndarray],
-        answered: list[np.ndarray | None],
-        pools: list[np.ndarray] | None = None,
-        known: list[tuple[np.ndarray, np.ndarray]] | None = None,
-    ) -> list[int]:
-        """:meth:`greedy_answer` for a batch, with one Fusion forward; ``pools``: the decisions' greedy pools, if
-        known (:meth:`greedy_pools` of them as explored); ``known``: per decision, a pool that answered and its Fusion
-        observation, already computed (the served answer's), reused where the greedy pool's answering part is it."""
-        return [answer for answer, _ in self.greedy_actions(decisions, probs, called, answered, pools, known)]
+        return self.greedy_actions([decision], [probs], [called], [answered])[0][0]
 
     def greedy_actions(
         self,
@@ -424,8 +410,11 @@ class FocalEngine:
         pools: list[np.ndarray] | None = None,
         known: list[tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> list[tuple[int, np.ndarray | None]]:
-        """:meth:`greedy_answers`, each with the Fusion's own distribution over the query's choices on that pool (what
-        an explored answer there is sampled from: no vote), None where the answer is -1."""
+        """:meth:`greedy_answer` for a batch, with one Fusion forward, each answer with the Fusion's own distribution
+        over the query's choices on that pool (what an explored answer there is sampled from: no vote), None where
+        the answer is -1. ``pools``: the decisions' greedy pools, if known (:meth:`greedy_pools` of them as explored);
+        ``known``: per decision, a pool that answered and its Fusion observation, already computed (the served
+        answer's), reused where the greedy pool's answering part is it."""
         if pools is None:
             pools = self.greedy_pools(decisions, every=True)
         result: list[tuple[int, np.ndarray | None]] = [(-1, None)] * len(decisions)

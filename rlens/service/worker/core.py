@@ -378,7 +378,7 @@ class FocalWorker(Worker):
         greedy_answers = [answer.answer for answer in fused]  # a greedy query's answer is the greedy one
         explored = [j for j, d in enumerate(chosen) if d.explored]
         if explored:
-            found = engine.greedy_answers(
+            found = engine.greedy_actions(
                 [chosen[j] for j in explored],
                 [called[j].probs for j in explored],
                 [chosen[j].called for j in explored],
@@ -386,7 +386,7 @@ class FocalWorker(Worker):
                 [greedy_pools[j] for j in explored],
                 [served[j] for j in explored],
             )
-            for j, answer in zip(explored, found):
+            for j, (answer, _) in zip(explored, found):
                 greedy_answers[j] = answer
         shadows = self._shadows(chosen, called, served)
         windows: dict = {}  # each stream's window statistics, once per batch
