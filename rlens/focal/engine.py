@@ -37,7 +37,7 @@ from rlens.focal.features import (
     reliability_weighted_log_probs,
     stack_rows,
 )
-from rlens.focal.greedy import GreedyActor
+from rlens.focal.greedy import GreedyActor, voted_answers
 from rlens.focal.mappo import Transition, mappo_update
 from rlens.focal.propensity import serving_propensity
 from rlens.focal.supervised import fit_fusion
@@ -443,10 +443,9 @@ class FocalEngine:
                 for j, f in zip(new, computed):
                     features[j] = f
             votes = self._votes([decisions[i] for i in rows], [probs[i] for i in rows], [fused[i] for i in rows])
-            padded, mask = padded_choices(features)
-            chosen, _, own = self.greedy.answers(padded, mask)
-            if votes is not None:
-                chosen = self.greedy.answers(padded, mask, votes)[0]
+            own_log = self.greedy.fusion_log_probs(*padded_choices(features))
+            chosen, _, _ = voted_answers(own_log, votes)
+            own = np.exp(own_log)
             for j, i in enumerate(rows):
                 result[i] = (int(chosen[j]), own[j, : features[j].shape[0]])
         return result

@@ -78,15 +78,25 @@ class GreedyActor:
         scores = (features @ w + b + _mlp(features, self.residual))[..., 0]
         return np.where(choice_mask, scores, -1e9)
 
+    def fusion_log_probs(self, features: np.ndarray, choice_mask: np.ndarray) -> np.ndarray:
+        """The Fusion's own log-distribution over the choices [B, C] (what an explored answer is sampled from)."""
+        scores = self.fusion_scores(features, choice_mask)
+        return scores - np.logaddexp.reduce(scores, axis=1, keepdims=True)
+
     def answers(
         self, features: np.ndarray, choice_mask: np.ndarray, votes: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(greedy answers [B], their log-probabilities [B], the distributions [B, C]), as :meth:`Fusion.act`; with
         ``votes`` [B, C] (each pool's calibrated vote, :mod:`rlens.focal.calibration`), of the Fusion's distribution
-        times the vote, renormalised."""
-        scores = self.fusion_scores(features, choice_mask)
-        if votes is not None:
-            scores = scores - np.logaddexp.reduce(scores, axis=1, keepdims=True) + votes
+        times the vote, renormalised (:func:`voted_answers`)."""
+        return voted_answers(self.fusion_log_probs(features, choice_mask), votes)
+
+
+def voted_answers(log_probs: np.ndarray, votes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From the Fusion's log-distributions [B, C] and the pools' votes [B, C] (or None): the greedy answers [B], their
+    log-probabilities [B] and the distributions [B, C] of the Fusion's times the vote, renormalised."""
+    if votes is not None:
+        scores = log_probs + votes
         log_probs = scores - np.logaddexp.reduce(scores, axis=1, keepdims=True)
-        answers = log_probs.argmax(1)
-        return answers, log_probs[np.arange(len(answers)), answers], np.exp(log_probs)
+    answers = log_probs.argmax(1)
+    return answers, log_probs[np.arange(len(answers)), answers], np.exp(log_probs)

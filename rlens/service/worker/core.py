@@ -279,16 +279,15 @@ class FocalWorker(Worker):
             served,
         )
         epoch, version = self.candidate
-        return [
-            Shadow(
-                epoch=epoch,
-                version=version,
-                pool=p.tolist(),
-                answer=a,
-                explored=[] if own is None else significant(own, 4).tolist(),
-            )
-            for p, (a, own) in zip(pools, actions)
-        ]
+        owns = [own for _, own in actions if own is not None]
+        flat = significant(np.concatenate(owns), 4) if owns else np.empty(0)  # rounded in one pass for the batch
+        shadows: list[Shadow | None] = []
+        at = 0
+        for p, (a, own) in zip(pools, actions):
+            explored = [] if own is None else flat[at : at + len(own)].tolist()
+            at += 0 if own is None else len(own)
+            shadows.append(Shadow(epoch=epoch, version=version, pool=p.tolist(), answer=a, explored=explored))
+        return shadows
 
     # --- queries ----------------------------------------------------------------------------------------------
     async def handle(self, queries: list[Query]) -> BatchOutput:
