@@ -2,14 +2,29 @@
 and candidate policies acting on what a real worker logged."""
 
 import asyncio
+import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from redis.asyncio import Redis
 
 from rlens.backends import create_backend
-from rlens.evaluation.logged import FixedPool, FocalPolicy, LoggedQuery, evaluate, fit_ridge, loo_residuals, read_log
+from rlens.evaluation.logged import (
+    Action,
+    FixedPool,
+    FocalPolicy,
+    LoggedQuery,
+    action_probability,
+    evaluate,
+    explore_share,
+    fit_ridge,
+    loo_residuals,
+    mixed_value,
+    read_log,
+    true_value,
+)
 from rlens.evaluation.ope import Z95, corrected_replay, direct, doubly_robust, effective_sample_size, ips, snips
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
@@ -98,8 +113,11 @@ def test_candidates_act_on_what_a_worker_logged(zoo):
     greedy_logged = [q for q in queries if q.propensity > 0.5]  # the greedy action (0.7 of the mixture at least)
     assert greedy_logged
     for q in greedy_logged:
-        pool, answer = policy.act(q)
-        assert (pool == q.pool).all() and answer == q.answer  # the log reproduces the Fusion's own decision
+        pool, answer, explored = policy.act(q)
+        assert (pool == q.pool).all() and answer == q.answer
+        assert explored is not None and explored.sum() == pytest.approx(
+            1, abs=1e-5
+        )  # the log reproduces the Fusion's own decision
     probes = [q for q in queries if q.probe]
     assert 0.2 < len(probes) / len(queries) < 0.4 and all(q.known.all() for q in probes)
     single = FixedPool("model 0", np.eye(5, dtype=bool)[0])
@@ -113,6 +131,56 @@ def test_candidates_act_on_what_a_worker_logged(zoo):
         assert 0 <= e.value <= 1.05 and e.low <= e.value <= e.high, name
     # the logging policy's own greedy part is matched on most queries: its estimates agree
     assert abs(estimates["accuracy"]["ips"].value - estimates["accuracy"]["exact"].value) < 0.15
+
+
+def test_a_candidate_is_judged_as_it_would_serve_by_hand():
+    """One query, label 1, 20 % explored; the candidate's greedy answer 0 is wrong and its Fusion gives the label
+    0.5. Accuracy 0.8 * 0 + 0.2 * 0.5 = 0.1; reward (cost share 0.5, alpha 0.2: right 0.9, wrong -1.1)
+    0.8 * -1.1 + 0.2 * (0.5 * 0.9 + 0.5 * -1.1) = -0.9. It takes the logged answer 1 only by exploring: 0.2 * 0.5."""
+    q = LoggedQuery(
+        state=np.zeros(3, dtype=np.float32),
+        probs=np.full((2, 3), 1 / 3),
+        known=np.ones(2, dtype=bool),
+        reliability=np.ones(2, dtype=np.float32),
+        label_prior=np.full(3, 1 / 3, dtype=np.float32),
+        pool=np.array([True, False]),
+        answer=1,
+        propensity=0.1,
+        label=1,
+        probe=True,
+        explore_rate=0.2,
+    )
+    action = Action(np.array([True, False]), 0, np.array([0.3, 0.5, 0.2]))
+    rate = explore_share(q, action)
+    assert rate == 0.2
+    assert mixed_value(lambda p, a, y: float(a == y), q, action, rate) == pytest.approx(0.1)
+    cost_share = np.array([0.5, 0.5])
+    assert mixed_value(lambda p, a, y: 1.0 - 0.2 * 0.5 if a == y else -1.1, q, action, rate) == pytest.approx(-0.9)
+    assert action_probability(q, action, rate) == pytest.approx(0.1)
+    assert action_probability(q, action._replace(pool=np.array([True, True])), rate) == 0.0  # another pool
+    # greedy actions alone, a query with its own budget, a policy that never explores: no explored share
+    assert explore_share(q, action, serving=False) == 0.0
+    assert explore_share(replace(q, budget=0.5), action) == 0.0
+    assert explore_share(q, Action(action.pool, 0)) == 0.0
+    # the same through evaluate and true_value: one probe row, every estimator exact
+    policy = FixedPoolWithFusion(action)
+    assert true_value([q], policy, cost_share, 0.2) == pytest.approx({"reward": -0.9, "accuracy": 0.1})
+    assert true_value([q], policy, cost_share, 0.2, serving=False) == pytest.approx({"reward": -1.1, "accuracy": 0.0})
+    found = evaluate([q], policy, cost_share, 0.2)
+    assert found["accuracy"]["exact"].value == pytest.approx(0.1) and found["accuracy"][
+        "replay"
+    ].value == pytest.approx(0.1)
+    assert found["accuracy"]["snips"].value == pytest.approx(1.0)  # the logged answer was right, weight 0.1 / 0.1
+
+
+class FixedPoolWithFusion:
+    name = "fixed action"
+
+    def __init__(self, action: Action):
+        self.action = action
+
+    def act(self, query: LoggedQuery) -> Action:
+        return self.action
 
 
 def test_corrected_replay_by_hand():
@@ -192,6 +260,15 @@ def test_the_learners_log_round_trips_rotates_and_feeds_rlens_ope(zoo, tmp_path)
     assert "replay" in result.output and (tmp_path / "out" / "ope.png").stat().st_size > 1000
     report = (tmp_path / "out" / "ope.md").read_text()
     assert "| served | on-policy |" in report and str(tmp_path / "candidate") in report
+    assert "judged as they would serve" in report
+    greedy = CliRunner().invoke(
+        app,
+        ["ope", "--candidate", str(tmp_path / "candidate"), "--log", str(path), "--pool", str(pool), "--greedy"]
+        + ["--out", str(tmp_path / "greedy")],
+    )
+    assert greedy.exit_code == 0, greedy.output
+    assert "greedy actions alone" in (tmp_path / "greedy" / "ope.md").read_text()
+    assert json.loads((tmp_path / "greedy" / "ope.json").read_text())["serving"] is False
     missing = CliRunner().invoke(
         app, ["ope", "--candidate", str(tmp_path / "nothing"), "--log", str(path), "--pool", str(pool)]
     )

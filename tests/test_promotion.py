@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from rlens.evaluation.logged import LoggedQuery
 from rlens.messages import Behaviour, Experience, RLAEExperience, Shadow, SpanDecision, Split
 from rlens.service.learner.gate import Gate, GateConfig
 from bench.robustness.gate import simulate
@@ -136,10 +137,14 @@ def test_a_candidate_is_judged_as_it_would_serve_its_explored_share_included():
     experience = shadowed_experience(0, True, True, True, explore_rate=0.2, explored=[0.25, 0.75])
     behaviour, shadow, pool = experience.behaviour, experience.shadow, np.array([True, False, True])
     assert behaviour is not None and shadow is not None
-    assert gate.serving_reward(shadow, behaviour, pool, 0) == pytest.approx(0.54)
-    capped = behaviour.model_copy(update={"budget": 0.7})
-    assert gate.serving_reward(shadow, capped, pool, 0) == pytest.approx(0.84)
-    assert gate.serving_reward(shadow.model_copy(update={"explored": []}), behaviour, pool, 0) == pytest.approx(0.84)
+    query = LoggedQuery.from_experience(experience, 0)
+    assert gate.serving_reward(shadow, query, pool) == pytest.approx(0.54)
+    capped = LoggedQuery.from_experience(
+        experience.model_copy(update={"behaviour": behaviour.model_copy(update={"budget": 0.7})}), 0
+    )
+    assert gate.serving_reward(shadow, capped, pool) == pytest.approx(0.84)
+    assert gate.serving_reward(shadow.model_copy(update={"explored": []}), query, pool) == pytest.approx(0.84)
+    assert gate.serving_reward(shadow.model_copy(update={"answer": -1}), query, pool) is None
 
 
 def test_a_candidate_whose_greedy_answers_are_right_but_whose_fusion_samples_are_wrong_is_dropped():

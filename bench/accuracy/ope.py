@@ -1,6 +1,7 @@
 """How well off-policy evaluation estimates policies it did not log, where the truth is known (issue 35, item 2).
 
-    python -m bench.accuracy.ope [--data DIR ...] [--seeds 0 1 2] [--calibration-rows 200] [--out bench/out/ope.json]
+    python -m bench.accuracy.ope [--data DIR ...] [--seeds 0 1 2] [--calibration-rows 200] [--greedy]
+        [--out bench/out/ope.json]
 
 Recorded data holds every model's answer to every question, so a stream can be logged under one policy and, on the
 very same contexts, every other policy's reward and accuracy computed exactly. Per dataset: the candidate policies are
@@ -14,7 +15,9 @@ the logging engine as it ended; each single model; the whole pool's soft vote. P
 interval coverage over candidates and seeds, and the Spearman correlation of estimated and true values per seed.
 ``--calibration-rows R``: the logging policy keeps each model's calibration per stream and votes with it
 (``RLENS_FOCAL_CALIBRATION_ROWS``), and logs each called model's calibrated distribution; every candidate is then
-judged as it would serve there, with the vote.
+judged as it would serve there, with the vote. Candidates are judged as they would serve (the estimates and the truth
+alike: their greedy action on the greedy share, a sample of their Fusion on the explored share, as the gate judges
+them); ``--greedy``: on their greedy actions alone.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ def logged_run(engine: FocalEngine, data: RecordedDataset) -> tuple[list[LoggedQ
             propensity=propensity,
             label=q.label,
             probe=decision.called is engine.everyone,  # the engine calls the whole pool on a probe
+            explore_rate=engine.cfg.explore_rate,
         )
         if engine.calibrations is not None and q.decider_choices:  # what the worker logs, and every model's
             calibration = engine.calibrations(decision.key)
@@ -134,6 +138,7 @@ def main() -> None:
         default=FocalConfig.calibration_rows,
         help="the logging policy's calibrations (0: none)",
     )
+    parser.add_argument("--greedy", action="store_true", help="judge the candidates on their greedy actions alone")
     add_seeds(parser)
     add_out(parser, "bench/out/ope.json")
     args = parser.parse_args()
@@ -155,8 +160,8 @@ def main() -> None:
             logged, full = logged_run(logging, test)
             ended = FocalPolicy("logging engine as it ended", logging)
             for policy in [*policies, ended]:
-                truth = true_value(full, policy, cost_share, alpha)
-                found = evaluate(logged, policy, cost_share, alpha)
+                truth = true_value(full, policy, cost_share, alpha, serving=not args.greedy)
+                found = evaluate(logged, policy, cost_share, alpha, serving=not args.greedy)
                 for metric in ("reward", "accuracy"):
                     row = {
                         "data": data.name,
@@ -202,6 +207,7 @@ def main() -> None:
             "machine": machine_facts(),
             "seeds": args.seeds,
             "calibration_rows": args.calibration_rows,
+            "serving": not args.greedy,
             "summary": summary,
             "rows": rows,
         },

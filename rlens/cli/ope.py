@@ -19,6 +19,12 @@ def ope(
     ),
     pool: Path | None = POOL,
     alpha: float | None = typer.Option(None, min=0.0, help="the reward's cost weight (default: the service's, 0.24)"),
+    greedy: bool = typer.Option(
+        False,
+        "--greedy",
+        help="judge the candidates on their greedy actions alone (default: as they would serve, with the logged "
+        "exploration, as the gate does)",
+    ),
     out: Path = typer.Option(Path("out/ope"), help="where ope.json, ope.md and ope.png go"),
 ) -> None:
     """Estimate each candidate's reward and accuracy on logged traffic (replay, exact on probes, IPS, SNIPS, DR)."""
@@ -50,7 +56,8 @@ def ope(
         fail(f"the log's queries do not have the pool's {len(costs)} models: pass the pool the service ran")
     if not queries:
         fail(f"{', '.join(map(str, paths))}: no labelled query logged yet")
-    results = estimate_all(queries, policies, costs / costs.sum(), FocalConfig.alpha if alpha is None else alpha)
+    alpha = FocalConfig.alpha if alpha is None else alpha
+    results = estimate_all(queries, policies, costs / costs.sum(), alpha, serving=not greedy)
     table = Table(title=f"{len(queries)} logged queries, {sum(q.probe for q in queries)} probes")
     for column in ("policy", "estimator", "reward [95 % CI]", "accuracy [95 % CI]", "ESS"):
         table.add_column(column)
@@ -66,4 +73,4 @@ def ope(
                     f"{r.ess:.0f}",
                 )
     console.print(table)
-    console.print("wrote " + ", ".join(str(p) for p in write_report(results, queries, out)))
+    console.print("wrote " + ", ".join(str(p) for p in write_report(results, queries, out, serving=not greedy)))

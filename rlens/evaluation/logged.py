@@ -4,16 +4,18 @@ A :class:`LoggedQuery` is one served query as the worker logged it (its :class:`
 label from the feedback: the Decider's observation, every called model's distribution, the window statistics the
 Fusion agent read, the served pool and answer and their propensity. A candidate policy (:class:`FocalPolicy`: the
 greedy actions of an RL-Focal engine; :class:`FixedPool`: a fixed set of models fused by their summed distributions)
-acts on the same context: its pool from the logged observation, its answer from the pool's logged answers, or
-None where it needs a model the query did not call. :func:`evaluate` gives every estimator's value of a candidate's
-reward and accuracy.
+acts on the same context (an :class:`Action`): its pool from the logged observation, its answer from the pool's
+logged answers, or None where it needs a model the query did not call, and the distribution an explored answer on
+that pool is drawn from. :func:`evaluate` gives every estimator's value of a candidate's reward and accuracy, by
+default under the serving mixture the log records (its greedy action on the greedy share, a sample of its Fusion on
+the explored share), as the gate judges it (:meth:`rlens.service.learner.gate.Gate.serving_reward`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -24,6 +26,7 @@ from rlens.focal.budget import fit_pool
 from rlens.focal.calibration import naive_bayes_vote
 from rlens.focal.engine import FocalEngine
 from rlens.focal.features import fusion_observation
+from rlens.focal.greedy import voted_answers
 from rlens.messages import MAX_CHOICES, Behaviour, Experience
 
 RIDGE = 1.0  # the reward model's L2 penalty
@@ -46,6 +49,7 @@ class LoggedQuery:
     budget: float | None = None  # the query's own budget (a cap on its pool's cost share), if it had one
     calibrated: np.ndarray | None = None  # [M, C]: each model's calibrated log-probabilities (NaN where none)
     calibration_prior: np.ndarray | None = None  # [C]: the label prior the calibrated vote divides by
+    explore_rate: float = 0.0  # the share of queries explored when this one was served
 
     @classmethod
     def from_experience(cls, experience: Experience, label: int) -> "LoggedQuery":
@@ -94,6 +98,7 @@ class LoggedQuery:
             budget=b.budget,
             calibrated=calibrated,
             calibration_prior=np.asarray(b.calibration_prior, dtype=np.float64) if calibrated is not None else None,
+            explore_rate=b.explore_rate,
         )
 
 
@@ -141,24 +146,34 @@ def read_log(paths: list[Path]) -> list[LoggedQuery]:
     return list(lines.values())
 
 
+class Action(NamedTuple):
+    """A policy's action on a logged context."""
+
+    pool: np.ndarray  # bool [M]
+    answer: int | None  # its greedy answer; None where the pool holds a model the log has no answer of
+    explored: np.ndarray | None = None  # [C]: what an explored answer on the pool is drawn from (None: never explores)
+
+
 class Policy(Protocol):
     name: str
 
-    def act(self, query: LoggedQuery) -> tuple[np.ndarray, int | None]:
-        """(pool, answer) on this context; answer None where the pool holds a model the log has no answer of."""
+    def act(self, query: LoggedQuery) -> Action:
+        """Its action on this context."""
 
 
-def fuse_greedy(engine: FocalEngine, query: LoggedQuery, pool: np.ndarray) -> int:
+def fuse_greedy(engine: FocalEngine, query: LoggedQuery, pool: np.ndarray) -> tuple[int, np.ndarray]:
     """The engine's greedy Fusion answer on the pool's logged answers and the logged window statistics, times the
     pool's calibrated vote where the log has every member's calibration (the deployment voted: a candidate is judged
-    as it would serve there)."""
+    as it would serve there); and the Fusion's own distribution there (an explored answer's, no vote)."""
     features = fusion_observation(query.probs * pool[:, None], pool, query.reliability, query.label_prior)
     votes = None
     if query.calibrated is not None and query.calibration_prior is not None:
         members = query.calibrated[pool]
         if len(members) and not np.isnan(members).any():
             votes = naive_bayes_vote(members, query.calibration_prior)[None]
-    return int(engine.greedy.answers(features[None], np.ones((1, len(features)), dtype=bool), votes)[0][0])
+    own = engine.greedy.fusion_log_probs(features[None], np.ones((1, len(features)), dtype=bool))
+    answers, _, _ = voted_answers(own, votes)
+    return int(answers[0]), np.exp(own[0])
 
 
 @dataclass
@@ -168,7 +183,7 @@ class FocalPolicy:
     name: str
     engine: FocalEngine
 
-    def act(self, query: LoggedQuery) -> tuple[np.ndarray, int | None]:
+    def act(self, query: LoggedQuery) -> Action:
         engine = self.engine
         if engine.cfg.use_decider:
             pool = engine.greedy.pools(query.state[None])[0][0]
@@ -178,22 +193,22 @@ class FocalPolicy:
             logits = engine.greedy.decider_logits(query.state[None])[0] if engine.cfg.use_decider else engine.no_logits
             pool = fit_pool(pool, logits, engine.cost_share, query.budget)
         if (pool & ~query.known).any():
-            return pool, None
-        return pool, fuse_greedy(self.engine, query, pool)
+            return Action(pool, None)
+        return Action(pool, *fuse_greedy(self.engine, query, pool))
 
 
 @dataclass
 class FixedPool:
     """Always the same models, answering the choice with the largest summed probability (one model: its answer); a
-    reference for the benchmarks, which ignores a query's own budget."""
+    reference for the benchmarks, which ignores a query's own budget and never explores."""
 
     name: str
     pool: np.ndarray
 
-    def act(self, query: LoggedQuery) -> tuple[np.ndarray, int | None]:
+    def act(self, query: LoggedQuery) -> Action:
         if (self.pool & ~query.known).any():
-            return self.pool, None
-        return self.pool, int(query.probs[self.pool].sum(0).argmax())
+            return Action(self.pool, None)
+        return Action(self.pool, int(query.probs[self.pool].sum(0).argmax()))
 
 
 def reward(pool: np.ndarray, answer: int, label: int, cost_share: np.ndarray, alpha: float) -> float:
@@ -255,22 +270,54 @@ def replay_estimate(
     return corrected_replay(values, ~known_mask, errors[stand_in]), model
 
 
+def explore_share(query: LoggedQuery, action: Action, serving: bool = True) -> float:
+    """The share of this query an action's explored answer serves: the logged explore rate under the serving mixture;
+    0 for greedy actions alone, a query with its own budget (never explored) or a policy that never explores."""
+    if not serving or query.budget is not None or action.explored is None:
+        return 0.0
+    return query.explore_rate
+
+
+def mixed_value(
+    value: Callable[[np.ndarray, int, int], float], query: LoggedQuery, action: Action, rate: float
+) -> float | None:
+    """The action's expected ``value`` here: its greedy answer's on the (1 - rate) greedy share, a sample of its
+    explored distribution's on the rest (the Decider's explored pools are not modelled); None without an answer."""
+    if action.answer is None:
+        return None
+    greedy = value(action.pool, action.answer, query.label)
+    if not rate or action.explored is None:
+        return greedy
+    hit = float(action.explored[query.label]) if query.label < len(action.explored) else 0.0
+    right, wrong = value(action.pool, query.label, query.label), value(action.pool, -1, query.label)
+    return (1 - rate) * greedy + rate * (hit * right + (1 - hit) * wrong)
+
+
+def action_probability(query: LoggedQuery, action: Action, rate: float) -> float:
+    """The probability that the action, under the mixture, takes the logged (pool, answer) (the IPS numerator)."""
+    if action.answer is None or not (action.pool == query.pool).all():
+        return 0.0
+    p = (1 - rate) * float(action.answer == query.answer)
+    if rate and action.explored is not None and 0 <= query.answer < len(action.explored):
+        p += rate * float(action.explored[query.answer])
+    return p
+
+
 def evaluate(
-    queries: list[LoggedQuery], policy: Policy, cost_share: np.ndarray, alpha: float
+    queries: list[LoggedQuery], policy: Policy, cost_share: np.ndarray, alpha: float, serving: bool = True
 ) -> dict[str, dict[str, Estimate]]:
-    """Every estimator's value of ``policy``'s reward and accuracy on the labelled logged queries: ``exact`` (the
-    probe rows, where the log holds every model's answer: a random sample), ``replay`` (every query whose log holds
-    the answers the policy needs, exactly; the reward model elsewhere, its mean error there corrected on the probe
-    rows), ``ips``, ``snips`` and ``dr`` (the reward model, a ridge regression of the policy's value on the probe
-    rows, corrected by IPS)."""
+    """Every estimator's value of ``policy``'s reward and accuracy on the labelled logged queries, under the serving
+    mixture each query logged (``serving``; greedy actions alone otherwise): ``exact`` (the probe rows, where the log
+    holds every model's answer: a random sample), ``replay`` (every query whose log holds the answers the policy
+    needs, exactly; the reward model elsewhere, its mean error there corrected on the probe rows), ``ips``, ``snips``
+    and ``dr`` (the reward model, a ridge regression of the policy's value on the probe rows, corrected by IPS)."""
     labelled = [q for q in queries if q.label >= 0]
     actions = [policy.act(q) for q in labelled]
-    matched = np.array(
-        [bool((pool == q.pool).all()) and answer == q.answer for q, (pool, answer) in zip(labelled, actions)]
-    )
+    rates = [explore_share(q, a, serving) for q, a in zip(labelled, actions)]
+    taken = np.array([action_probability(q, a, r) for q, a, r in zip(labelled, actions, rates)])
     logging = np.array([q.propensity for q in labelled])
     # probe rows: a random sample of the queries on which every model was called (a failed model aside)
-    complete = [i for i, q in enumerate(labelled) if q.probe and actions[i][1] is not None]
+    complete = [i for i, q in enumerate(labelled) if q.probe and actions[i].answer is not None]
     out: dict[str, dict[str, Estimate]] = {}
     for metric in ("reward", "accuracy"):
 
@@ -278,32 +325,38 @@ def evaluate(
             return reward(pool, answer, label, cost_share, alpha) if metric == "reward" else float(answer == label)
 
         logged = np.array([value(q.pool, q.answer, q.label) for q in labelled])
-        exact = np.array([value(*actions[i], labelled[i].label) for i in complete])
-        x_target = np.array([pool_features(q, pool, cost_share) for q, (pool, _) in zip(labelled, actions)])
+        known = [mixed_value(value, q, a, r) for q, a, r in zip(labelled, actions, rates)]
+        exact = np.array([known[i] for i in complete])
+        x_target = np.array([pool_features(q, a.pool, cost_share) for q, a in zip(labelled, actions)])
         x_logged = np.array([pool_features(q, q.pool, cost_share) for q in labelled])
-        known = [
-            None if answer is None else value(pool, answer, q.label) for q, (pool, answer) in zip(labelled, actions)
-        ]
         probe = np.array([q.probe for q in labelled], dtype=bool)
-        held = np.array([not (pool & ~q.pool).any() for q, (pool, _) in zip(labelled, actions)])
+        held = np.array([not (a.pool & ~q.pool).any() for q, a in zip(labelled, actions)])
         replayed, model = replay_estimate(known, x_target, probe, held)
         out[metric] = {
             "exact": direct(exact),
             "replay": replayed,
-            "ips": ips(logged, matched.astype(float), logging),
-            "snips": snips(logged, matched.astype(float), logging),
-            "dr": doubly_robust(logged, matched.astype(float), logging, x_logged @ model, x_target @ model),
+            "ips": ips(logged, taken, logging),
+            "snips": snips(logged, taken, logging),
+            "dr": doubly_robust(logged, taken, logging, x_logged @ model, x_target @ model),
         }
     return out
 
 
-def true_value(queries: list[LoggedQuery], policy: Policy, cost_share: np.ndarray, alpha: float) -> dict[str, float]:
-    """The policy's mean reward and accuracy on queries whose every model's answer is known (a replay's truth)."""
-    rewards, correct = [], []
+def true_value(
+    queries: list[LoggedQuery], policy: Policy, cost_share: np.ndarray, alpha: float, serving: bool = True
+) -> dict[str, float]:
+    """The policy's mean reward and accuracy (under the serving mixture, as :func:`evaluate`) on queries whose every
+    model's answer is known (a replay's truth)."""
+    rewards: list[float | None] = []
+    correct: list[float | None] = []
     for q in queries:
-        pool, answer = policy.act(q)
-        if answer is None:
+        action = policy.act(q)
+        if action.answer is None:
             raise ValueError("true_value needs complete queries (every model's answer)")
-        rewards.append(reward(pool, answer, q.label, cost_share, alpha))
-        correct.append(answer == q.label)
-    return {"reward": float(np.mean(rewards)), "accuracy": float(np.mean(correct))}
+        rate = explore_share(q, action, serving)
+        rewards.append(mixed_value(lambda p, a, y: reward(p, a, y, cost_share, alpha), q, action, rate))
+        correct.append(mixed_value(lambda p, a, y: float(a == y), q, action, rate))
+    return {
+        "reward": float(np.mean(np.array(rewards, dtype=float))),
+        "accuracy": float(np.mean(np.array(correct, dtype=float))),
+    }

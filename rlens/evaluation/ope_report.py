@@ -35,16 +35,21 @@ def served(queries: list[LoggedQuery], cost_share: np.ndarray, alpha: float) -> 
 
 
 def estimate_all(
-    queries: list[LoggedQuery], policies: list[FocalPolicy], cost_share: np.ndarray, alpha: float
+    queries: list[LoggedQuery],
+    policies: list[FocalPolicy],
+    cost_share: np.ndarray,
+    alpha: float,
+    serving: bool = True,
 ) -> dict[str, dict[str, dict[str, Estimate]]]:
-    """Candidate name -> metric -> estimator -> estimate; "served" holds the logging policy's own figures."""
+    """Candidate name -> metric -> estimator -> estimate (under the serving mixture each query logged, or of the
+    greedy actions alone); "served" holds the logging policy's own figures."""
     out = {"served": {metric: {"on-policy": e} for metric, e in served(queries, cost_share, alpha).items()}}
     for policy in policies:
-        out[policy.name] = evaluate(queries, policy, cost_share, alpha)
+        out[policy.name] = evaluate(queries, policy, cost_share, alpha, serving)
     return out
 
 
-def write_report(results: dict, queries: list[LoggedQuery], out: Path) -> list[Path]:
+def write_report(results: dict, queries: list[LoggedQuery], out: Path, serving: bool = True) -> list[Path]:
     """``ope.json``, ``ope.md`` and ``ope.png`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     as_json = {
@@ -52,12 +57,21 @@ def write_report(results: dict, queries: list[LoggedQuery], out: Path) -> list[P
         for name, metrics in results.items()
     }
     probes = sum(q.probe for q in queries)
-    (out / "ope.json").write_text(json.dumps({"queries": len(queries), "probes": probes, "results": as_json}, indent=1))
+    (out / "ope.json").write_text(
+        json.dumps({"queries": len(queries), "probes": probes, "serving": serving, "results": as_json}, indent=1)
+    )
+    judged = (
+        "as they would serve: their greedy action on the greedy share of each query, a sample of their Fusion's own "
+        "distribution on the explored share the log records (as the gate judges them)"
+        if serving
+        else "on their greedy actions alone"
+    )
     lines = [
         f"# Off-policy evaluation on {len(queries)} logged queries ({probes} probes)",
         "",
-        "`replay` is the estimator to read first (exact where the log holds the answers a candidate needs, a reward "
-        "model corrected on the probe rows elsewhere); `exact` uses the probe rows alone.",
+        f"Candidates are judged {judged}. `replay` is the estimator to read first (exact where the log holds the "
+        "answers a candidate needs, a reward model corrected on the probe rows elsewhere); `exact` uses the probe "
+        "rows alone.",
         "",
         "| policy | estimator | reward [95 % CI] | accuracy [95 % CI] | n | ESS |",
         "|---|---|---|---|---:|---:|",

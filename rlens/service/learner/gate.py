@@ -14,7 +14,7 @@ rl_focal (:class:`ShadowEvidence`): the difference is estimated per query as the
 (:mod:`rlens.evaluation.logged`): exact where the query called every model the candidate's pool needs, a ridge reward
 model of the candidate elsewhere, that model's mean error measured, and corrected, on the probe rows (a random sample
 with every answer known). The candidate's reward is the one it would get serving, under the serving mixture in force
-(:meth:`Gate.serving_reward`): its greedy answer on the greedy share, an answer sampled from its Fusion on the
+(:meth:`Gate.serving_reward`, as ``rlens ope`` judges it): its greedy answer on the greedy share, an answer sampled from its Fusion on the
 explored share (the calibrated vote shields the greedy answers from a Fusion trained to be wrong, not the explored
 ones). The champion's reward is always exact: it served the query.
 
@@ -52,9 +52,17 @@ from typing import Literal
 import numpy as np
 import torch
 
-from rlens.evaluation.logged import LoggedQuery, pool_features, replay_estimate, reward
+from rlens.evaluation.logged import (
+    Action,
+    LoggedQuery,
+    explore_share,
+    mixed_value,
+    pool_features,
+    replay_estimate,
+    reward,
+)
 from rlens.evaluation.ope import Estimate
-from rlens.messages import Behaviour, Experience, RLAEExperience, Shadow
+from rlens.messages import Experience, RLAEExperience, Shadow
 
 log = logging.getLogger("rlens.learner")
 Verdict = Literal["promote", "drop", "roll back", "passed", "inconclusive", "resume"]
@@ -268,22 +276,24 @@ class Gate:
         query = LoggedQuery.from_experience(experience, label)
         pool = np.asarray(shadow.pool, dtype=bool)
         e.champion.append(reward(query.pool, query.answer, label, self.cost_share, self.alpha))
-        e.candidate.append(self.serving_reward(shadow, behaviour, pool, label) if shadow.answer >= 0 else None)
+        e.candidate.append(self.serving_reward(shadow, query, pool))
         e.features.append(pool_features(query, pool, self.cost_share))
         e.probe.append(behaviour.probe)
         e.held.append(not (pool & ~query.pool).any())
 
-    def serving_reward(self, shadow: Shadow, behaviour: Behaviour, pool: np.ndarray, label: int) -> float:
-        """The candidate's expected reward here as it would serve, under the serving mixture in force: its greedy
-        answer on the (1 - explore_rate) greedy share, and on the explored share an answer sampled from its Fusion's
-        own distribution on the same pool (``shadow.explored``; the Decider's explored pools are not modelled). A
-        query with its own budget is never explored."""
+    def serving_reward(self, shadow: Shadow, query: LoggedQuery, pool: np.ndarray) -> float | None:
+        """The candidate's expected reward here as it would serve, under the serving mixture in force
+        (:func:`rlens.evaluation.logged.mixed_value`, as ``rlens ope`` judges it): its greedy answer on the greedy
+        share, an answer sampled from its Fusion's own distribution on the same pool (``shadow.explored``) on the
+        explored share; None where the query did not call the models its pool needs."""
         assert self.cost_share is not None
-        right, wrong = (reward(pool, c, label, self.cost_share, self.alpha) for c in (label, -1))
-        greedy = right if shadow.answer == label else wrong
-        rate = 0.0 if behaviour.budget is not None or not shadow.explored else behaviour.explore_rate
-        hit = shadow.explored[label] if label < len(shadow.explored) else 0.0
-        return (1 - rate) * greedy + rate * (hit * right + (1 - hit) * wrong)
+        action = Action(
+            pool, shadow.answer if shadow.answer >= 0 else None, np.array(shadow.explored) if shadow.explored else None
+        )
+        cost_share, alpha = self.cost_share, self.alpha
+        return mixed_value(
+            lambda p, a, y: reward(p, a, y, cost_share, alpha), query, action, explore_share(query, action)
+        )
 
     def observe_split(self, experience: RLAEExperience, reward: float) -> None:
         """One rewarded query of the current candidate's A/B split, served by either arm (rlae)."""
