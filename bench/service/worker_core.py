@@ -10,13 +10,15 @@ dataset's own outcomes, in Redis). Prints queries/s and microseconds per query f
 same run, a raw Redis round trip (PING) with the window read of a batch in those units. This is the part of the
 worker's time that is the service's own code; the broker client's part is in ``bench.service.stack``.
 
-What off-policy evaluation costs (issue 35), in the same run: *warm* logs each query's behaviour (propensity, greedy
-pool and answer, every called model's distribution) as the service does; *warm, no logging* leaves it out
-(``RLENS_OPE_LOGGING=false``); *warm, shadow* also scores a candidate policy in shadow (gated promotion). *warm,
-calibrated* also votes with each stream's calibrations (the default, ``RLENS_FOCAL_CALIBRATION_ROWS=200``; the other
-states run with 0): fits of each task's last 200 questions published in Redis, read with the windows, and each called
-model's calibrated distribution logged. Each state's passes are interleaved with the others', so load drifts hit all
-alike, after a garbage collection each.
+Every state but the last runs the default configuration: each stream's calibrations
+(``RLENS_FOCAL_CALIBRATION_ROWS=200``: fits of each task's last 200 questions published in Redis, read with the
+windows; the greedy answers vote with them, and each called model's calibrated distribution is logged). What
+off-policy evaluation costs (issue 35), in the same run: *warm* logs each query's behaviour (propensity, greedy pool
+and answer, every called model's distribution and calibration) as the service does; *warm, no logging* leaves it out
+(``RLENS_OPE_LOGGING=false``, which needs no calibrations: there it runs with them all the same, to isolate the
+logging); *warm, shadow* also scores a candidate policy in shadow (gated promotion). *warm, no calibrations* runs
+``RLENS_FOCAL_CALIBRATION_ROWS=0``: what the calibrations cost. Each state's passes are interleaved with the
+others', so load drifts hit all alike, after a garbage collection each.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ async def redis_round_trip_us(redis_url: str, calls: int = 2000) -> float:
     return 1e6 * best
 
 
-STATES = ("cold", "warm", "warm, no logging", "warm, shadow", "warm, calibrated")
+STATES = ("cold", "warm", "warm, no logging", "warm, shadow", "warm, no calibrations")
 CALIBRATION_ROWS = 200
 
 
@@ -92,14 +94,14 @@ async def publish_calibrations(windows: RedisWindows, dataset) -> None:
 
 async def make_worker(state: str, redis: Redis, data) -> FocalWorker:
     names = data.model_names
-    rows = CALIBRATION_ROWS if state == "warm, calibrated" else 0
+    rows = 0 if state == "warm, no calibrations" else CALIBRATION_ROWS
     engine = FocalEngine(data.n_models, data.model_costs, FocalConfig(calibration_rows=rows), seed=0)
     windows = RedisWindows(
         redis, len(names), engine.cfg.window, prefix=f"rlens-{STATES.index(state)}", calibration_rows=rows
     )
     if state != "cold":
         await fill_windows(windows, data, engine.cfg.window)
-    if rows:
+    if rows and state != "cold":
         await publish_calibrations(windows, data)
     secrets = generate_secrets()
     worker = FocalWorker(
@@ -182,10 +184,10 @@ def main() -> None:
         f"{results['warm']['bytes_per_query'] - results['warm, no logging']['bytes_per_query']:.0f} bytes per query "
         f"(+{results['warm, shadow']['bytes_per_query'] - results['warm']['bytes_per_query']:.0f} with the shadow)"
     )
-    calibrated = results["warm, calibrated"]
+    bare = results["warm, no calibrations"]
     print(
-        f"calibrations cost {100 * (1 - calibrated['queries_per_s'] / logged):.1f} % of the warm worker's throughput; "
-        f"messages grow by {calibrated['bytes_per_query'] - results['warm']['bytes_per_query']:.0f} bytes per query"
+        f"calibrations cost {100 * (1 - logged / bare['queries_per_s']):.1f} % of the warm worker's throughput; "
+        f"messages grow by {results['warm']['bytes_per_query'] - bare['bytes_per_query']:.0f} bytes per query"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(

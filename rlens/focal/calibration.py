@@ -76,6 +76,26 @@ def naive_bayes_vote(calibrated: np.ndarray, prior: np.ndarray) -> np.ndarray:
     return log_softmax(calibrated.sum(0) - (len(calibrated) - 1) * np.log(prior))
 
 
+def pool_vote(rows: np.ndarray, pool: np.ndarray, prior: np.ndarray) -> np.ndarray | None:
+    """A pool's vote (:func:`naive_bayes_vote`) from its query's calibrated rows [M, C]
+    (:meth:`StreamCalibration.calibrated_rows`); None while a member has none."""
+    members = rows[pool]
+    if np.isnan(members).any():
+        return None
+    return naive_bayes_vote(members, prior)
+
+
+def pool_votes(rows: np.ndarray, pools: np.ndarray, priors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pool_vote` of B queries with as many choices: rows [B, M, C], pools bool [B, M], priors [B, C] -> the
+    votes [B, C] and whether each has one (bool [B]; its vote row is meaningless where not). The same numbers as one
+    by one: a non-member adds an exact 0 to the members' sum."""
+    members = pools[:, :, None]
+    voted = ~(np.isnan(rows) & members).any((1, 2))
+    scores = np.where(members, rows, 0.0).sum(1) - (pools.sum(1, keepdims=True) - 1) * np.log(priors)
+    with np.errstate(invalid="ignore"):
+        return log_softmax(np.where(voted[:, None], scores, 0.0)), voted
+
+
 class StreamCalibration:
     """Per model, its last ``rows`` labelled outcomes on one stream and its calibration per choice count, refitted
     once ``refit_every`` new rows of the model have come since the last fit."""
@@ -138,13 +158,18 @@ class StreamCalibration:
     def vote(self, probs: np.ndarray, pool: np.ndarray) -> np.ndarray | None:
         """The pool's calibrated naive-Bayes vote: log-probabilities [C] over the choices of ``probs`` [M, C], or
         None while a member has no calibration for this choice count."""
-        calibrated = []
-        for m in np.flatnonzero(pool):
-            posterior = self.calibrated(probs[m], int(m))
-            if posterior is None:
-                return None
-            calibrated.append(posterior)
-        return naive_bayes_vote(np.stack(calibrated), self.prior(probs.shape[1]))
+        return pool_vote(self.calibrated_rows(probs, pool), pool, self.prior(probs.shape[1]))
+
+    def calibrated_rows(self, probs: np.ndarray, models: np.ndarray) -> np.ndarray:
+        """:meth:`calibrated` of each of ``models`` (bool [M]) given ``probs`` [M, C]: [M, C], NaN rows for the other
+        models and those with no calibration for this choice count yet. Computed once, a query's rows give any pool
+        of its models a vote (:func:`pool_vote`)."""
+        out = np.full(probs.shape, np.nan)
+        for m in np.flatnonzero(models):
+            row = self.calibrated(probs[m], int(m))
+            if row is not None:
+                out[m] = row
+        return out
 
     def calibrated(self, probs: np.ndarray, model: int) -> np.ndarray | None:
         """Model ``model``'s calibrated log-posterior [C] given its distribution ``probs`` [C]; None while it has no

@@ -22,7 +22,7 @@ import torch
 
 from rlens.focal.agents import CentralCritic, Decider, Fusion
 from rlens.focal.budget import BudgetController, fit_pool, logit_shift
-from rlens.focal.calibration import Calibrations
+from rlens.focal.calibration import Calibrations, pool_votes
 from rlens.focal.config import FocalConfig
 from rlens.focal.features import (
     critic_state_dim,
@@ -274,9 +274,15 @@ class FocalEngine:
             probs * decision.pool[:, None], decision.pool, window.reliability(), window.label_prior(probs.shape[1])
         )
 
-    def fuse_batch(self, decisions: list[Decision], probs: list[np.ndarray]) -> list[Answer]:
+    def fuse_batch(
+        self,
+        decisions: list[Decision],
+        probs: list[np.ndarray],
+        calibrated: list[np.ndarray | None] | None = None,
+    ) -> list[Answer]:
         """:meth:`fuse` for a batch (``probs[i]`` [M, C_i]): one Fusion forward over choices padded to the widest for
-        the explored queries (torch, sampled), one for the greedy ones (NumPy)."""
+        the explored queries (torch, sampled), one for the greedy ones (NumPy); ``calibrated``: the queries'
+        :meth:`calibrated_rows`, if known."""
         features, critic = self._fusion_inputs(decisions, probs)
         answers = np.zeros(len(decisions), dtype=np.int64)
         logps = np.zeros(len(decisions))
@@ -298,7 +304,10 @@ class FocalEngine:
                 chosen, chosen_logp, dist = (t.numpy() for t in sampled)
             else:
                 votes = self._votes(
-                    [decisions[i] for i in rows], [probs[i] for i in rows], [decisions[i].pool for i in rows]
+                    [decisions[i] for i in rows],
+                    [probs[i] for i in rows],
+                    [decisions[i].pool for i in rows],
+                    None if calibrated is None else [calibrated[i] for i in rows],
                 )
                 chosen, chosen_logp, dist = self.greedy.answers(padded, mask, votes)
             answers[rows], logps[rows] = chosen, chosen_logp
@@ -409,12 +418,14 @@ class FocalEngine:
         answered: list[np.ndarray | None],
         pools: list[np.ndarray] | None = None,
         known: list[tuple[np.ndarray, np.ndarray]] | None = None,
+        calibrated: list[np.ndarray | None] | None = None,
     ) -> list[tuple[int, np.ndarray | None]]:
         """:meth:`greedy_answer` for a batch, with one Fusion forward, each answer with the Fusion's own distribution
         over the query's choices on that pool (what an explored answer there is sampled from: no vote), None where
         the answer is -1. ``pools``: the decisions' greedy pools, if known (:meth:`greedy_pools` of them as explored);
         ``known``: per decision, a pool that answered and its Fusion observation, already computed (the served
-        answer's), reused where the greedy pool's answering part is it."""
+        answer's), reused where the greedy pool's answering part is it; ``calibrated``: the queries'
+        :meth:`calibrated_rows` of the models that answered, if known."""
         if pools is None:
             pools = self.greedy_pools(decisions, every=True)
         result: list[tuple[int, np.ndarray | None]] = [(-1, None)] * len(decisions)
@@ -426,13 +437,12 @@ class FocalEngine:
         usable = ~(greedy & ~asked).any(1) & fused.any(1)
         rows = np.flatnonzero(usable).tolist()
         if rows:
-            features: list[np.ndarray] = [np.empty(0)] * len(rows)
-            new = [
-                j for j, i in enumerate(rows) if known is None or not np.array_equal(fused[i], known[i][0])
-            ]  # the rows whose observation is not known yet
-            if known is not None:
-                for j, i in enumerate(rows):
-                    features[j] = known[i][1]
+            if known is None:
+                features: list[np.ndarray] = [np.empty(0)] * len(rows)
+                new = list(range(len(rows)))
+            else:  # the rows whose observation is not known yet
+                features = [known[i][1] for i in rows]
+                new = np.flatnonzero((fused[rows] != np.stack([known[i][0] for i in rows])).any(1)).tolist()
             if new:
                 computed, _ = self._fusion_inputs(
                     [decisions[rows[j]] for j in new],
@@ -442,7 +452,12 @@ class FocalEngine:
                 )
                 for j, f in zip(new, computed):
                     features[j] = f
-            votes = self._votes([decisions[i] for i in rows], [probs[i] for i in rows], [fused[i] for i in rows])
+            votes = self._votes(
+                [decisions[i] for i in rows],
+                [probs[i] for i in rows],
+                [fused[i] for i in rows],
+                None if calibrated is None else [calibrated[i] for i in rows],
+            )
             own_log = self.greedy.fusion_log_probs(*padded_choices(features))
             chosen, _, _ = voted_answers(own_log, votes)
             own = np.exp(own_log)
@@ -450,19 +465,45 @@ class FocalEngine:
                 result[i] = (int(chosen[j]), own[j, : features[j].shape[0]])
         return result
 
-    def _votes(self, decisions: list[Decision], probs: list[np.ndarray], pools: list[np.ndarray]) -> np.ndarray | None:
+    def calibrated_rows(
+        self, decisions: list[Decision], probs: list[np.ndarray], models: list[np.ndarray]
+    ) -> list[np.ndarray | None]:
+        """Each query's calibrated rows on its stream for ``models`` (bool [M] each; [M, C],
+        :meth:`StreamCalibration.calibrated_rows`): computed once, they give the served pool, a greedy or a
+        candidate's pool its vote, and the log its calibrations. None without calibrations, for an open-ended query."""
+        if self.calibrations is None:
+            return [None] * len(decisions)
+        return [
+            None if d.open_ended else self.calibrations(d.key).calibrated_rows(p, m)
+            for d, p, m in zip(decisions, probs, models)
+        ]
+
+    def _votes(
+        self,
+        decisions: list[Decision],
+        probs: list[np.ndarray],
+        pools: list[np.ndarray],
+        calibrated: list[np.ndarray | None] | None = None,
+    ) -> np.ndarray | None:
         """Each pool's calibrated vote on its stream [B, C_max] (zeros past a query's choices, where a member is not
         calibrated yet, and for an open-ended query), what the greedy Fusion adds to its log-probabilities; None
-        without calibrations."""
+        without calibrations. ``calibrated``: the queries' :meth:`calibrated_rows`, if known (covering the pools)."""
         if self.calibrations is None:
             return None
+        if calibrated is None:
+            calibrated = self.calibrated_rows(decisions, probs, pools)
         votes = np.zeros((len(decisions), max(p.shape[1] for p in probs)))
-        for i, (decision, p, pool) in enumerate(zip(decisions, probs, pools)):
-            if decision.open_ended:
-                continue
-            vote = self.calibrations(decision.key).vote(p, pool)
-            if vote is not None:
-                votes[i, : len(vote)] = vote
+        by_width: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)
+        for i, rows in enumerate(calibrated):
+            if rows is not None:
+                by_width[rows.shape[1]].append((i, rows))
+        for width, group in by_width.items():  # :func:`pool_votes` of the queries with as many choices at once
+            index = np.array([i for i, _ in group])
+            priors = np.stack([self.calibrations(decisions[i].key).prior(width) for i in index])
+            found, voted = pool_votes(
+                np.stack([rows for _, rows in group]), np.stack([pools[i] for i in index]), priors
+            )
+            votes[index[voted], :width] = found[voted]
         return votes
 
     def reward(self, pool: np.ndarray, correct: bool) -> float:

@@ -261,10 +261,11 @@ class FocalWorker(Worker):
             self.shadow = FocalEngine(self.engine.n_models, self.engine.model_costs, self.engine.cfg)
         self.shadow.load_policy_state(tensors)
 
-    def _shadows(self, decisions: list, calls: list, served: list) -> list[Shadow | None]:
+    def _shadows(self, decisions: list, calls: list, served: list, calibrated: list) -> list[Shadow | None]:
         """The candidate's greedy action on each query, from the same state and the answers the query's calls got
         (one Decider and one Fusion forward for the batch); ``served``: each query's fused pool and its Fusion
-        observation, reused where the candidate fuses the same models."""
+        observation, reused where the candidate fuses the same models; ``calibrated``: the answers' calibrated rows
+        (the same calibrations)."""
         if self.shadow is None or self.candidate is None:
             return [None] * len(decisions)
         self.shadow.windows = self.engine.windows  # the same windows the champion read
@@ -277,6 +278,7 @@ class FocalWorker(Worker):
             [c.answered for c in calls],
             pools,
             served,
+            calibrated,
         )
         epoch, version = self.candidate
         owns = [own for _, own in actions if own is not None]
@@ -303,8 +305,8 @@ class FocalWorker(Worker):
 
         streams = sorted({q.stream for q in queries})
         try:
-            calibrated = self.engine.calibrations is not None
-            windows, last_pools, fits = await self.windows.load_with_pools(streams, fits=calibrated)
+            voting = self.engine.calibrations is not None
+            windows, last_pools, fits = await self.windows.load_with_pools(streams, fits=voting)
             self.engine.windows = {}  # this batch's streams only
             self.engine.windows.update(windows)
             if self.engine.calibrations is not None:  # as the learner last published them (none: no vote yet)
@@ -343,16 +345,24 @@ class FocalWorker(Worker):
         stage("pool_call")
         fused_pools = [self._fused_pool(d, c) for d, c in zip(decisions, calls)]
         answerable = [i for i, pool in enumerate(fused_pools) if pool.any()]
+        # every answer's calibrations, once: the served vote, the greedy and shadow votes and the log read them
+        calibrated = self.engine.calibrated_rows(
+            [decisions[i] for i in answerable],
+            [calls[i].probs for i in answerable],
+            [calls[i].answered if self.ope_logging else fused_pools[i] for i in answerable],
+        )
         fused = (
             self.engine.fuse_batch(
-                [replace(decisions[i], pool=fused_pools[i]) for i in answerable], [calls[i].probs for i in answerable]
+                [replace(decisions[i], pool=fused_pools[i]) for i in answerable],
+                [calls[i].probs for i in answerable],
+                calibrated,
             )
             if answerable
             else []
         )
         stage("fuse")
         answers = dict(zip(answerable, fused))
-        evidence = self._evidence(answerable, decisions, calls, fused, probes, fused_pools)
+        evidence = self._evidence(answerable, decisions, calls, fused, probes, fused_pools, calibrated)
         stage("evidence")
         latency = 1000 * (time.perf_counter() - started)
         timing = (latency, 1000 * out.stages["pool_call"])
@@ -363,11 +373,19 @@ class FocalWorker(Worker):
         return out
 
     def _evidence(
-        self, answerable: list[int], decisions: list, calls: list, fused: list, probes: list[bool], fused_pools: list
+        self,
+        answerable: list[int],
+        decisions: list,
+        calls: list,
+        fused: list,
+        probes: list[bool],
+        fused_pools: list,
+        calibrated: list,
     ) -> dict:
         """Per answered query (by its index in the batch): what off-policy evaluation needs of it
         (:class:`Behaviour`), and the candidate's greedy action in shadow; one forward per agent for the batch (the
-        Fusion observations of the served answers reused where a greedy answer fuses the same models)."""
+        Fusion observations of the served answers reused where a greedy answer fuses the same models, and the
+        answers' ``calibrated`` rows, one per answered query, wherever a vote or the log needs them)."""
         if not answerable or not self.ope_logging:
             return {}
         engine = self.engine
@@ -384,13 +402,14 @@ class FocalWorker(Worker):
                 [called[j].answered for j in explored],
                 [greedy_pools[j] for j in explored],
                 [served[j] for j in explored],
+                [calibrated[j] for j in explored],
             )
             for j, (answer, _) in zip(explored, found):
                 greedy_answers[j] = answer
-        shadows = self._shadows(chosen, called, served)
+        shadows = self._shadows(chosen, called, served, calibrated)
         windows: dict = {}  # each stream's window statistics, once per batch
         logged = logged_distributions([c.probs for c in called])
-        calibration_logs = self._calibration_logs(chosen, called)
+        calibration_logs = self._calibration_logs(chosen, calibrated)
         return {
             i: (
                 self._behaviour(
@@ -514,47 +533,39 @@ class FocalWorker(Worker):
             greedy_answer=greedy,
             propensity=min(propensity, 1.0),
             budget=decision.cap,
-            model_probs=[row if ok else [] for row, ok in zip(probs, answers.answered)],
+            model_probs=[row if ok else [] for row, ok in zip(probs, answers.answered.tolist())],
             reliability=reliability,
             label_prior=label_prior,
             **calibration_log,
         )
 
-    def _calibration_logs(self, decisions: list, calls: list) -> list[dict]:
-        """With calibrations, per query: each answering model's calibrated log-probabilities and the stream's label
-        prior, what off-policy evaluation needs to give a candidate pool its calibrated vote (nothing without
-        calibrations, or for an open-ended query); rounded in one pass for the batch."""
+    def _calibration_logs(self, decisions: list, calibrated: list) -> list[dict]:
+        """With calibrations, per query: each answering model's calibrated log-probabilities (its ``calibrated``
+        rows) and the stream's label prior, what off-policy evaluation needs to give a candidate pool its calibrated
+        vote (nothing without calibrations, or for an open-ended query); rounded in one pass for the batch."""
         calibrations = self.engine.calibrations
         if calibrations is None:
             return [{} for _ in decisions]
-        rows: list[list[np.ndarray | None]] = []
-        priors: list[np.ndarray | None] = []
-        for decision, answers in zip(decisions, calls):
-            if decision.open_ended:
-                rows.append([])
-                priors.append(None)
+        priors = [
+            None if found is None else calibrations(d.key).prior(found.shape[1])
+            for d, found in zip(decisions, calibrated)
+        ]
+        blocks = [found.ravel() for found in calibrated if found is not None]  # NaN rows: no answer
+        parts = [np.minimum(np.concatenate(blocks), 0.0)] if blocks else []  # log-probabilities at most 0
+        parts += [p for p in priors if p is not None]  # then the priors, above 0
+        flat = significant(np.concatenate(parts)).tolist() if parts else []
+        at, logs = 0, list[dict]()
+        for found in calibrated:
+            if found is None:  # open-ended
+                logs.append({})
                 continue
-            calibration = calibrations(decision.key)
-            rows.append(
-                [
-                    calibration.calibrated(p, m) if ok else None
-                    for m, (p, ok) in enumerate(zip(answers.probs, answers.answered))
-                ]
-            )
-            priors.append(calibration.prior(answers.probs.shape[1]))
-        parts = [np.minimum(r, 0.0) for query in rows for r in query if r is not None]
-        parts += [p for p in priors if p is not None]  # log-probabilities at most 0, then priors above 0
-        flat = significant(np.concatenate(parts)) if parts else np.empty(0)
-        at, logs = 0, []
-        for query in rows:
-            logged = []
-            for r in query:
-                logged.append([] if r is None else flat[at : at + len(r)].tolist())
-                at += 0 if r is None else len(r)
-            logs.append({"calibrated": logged} if query else {})
+            models, width = found.shape
+            rows = [flat[at + m * width : at + (m + 1) * width] for m in range(models)]
+            at += found.size
+            logs.append({"calibrated": [[] if row[0] != row[0] else row for row in rows]})  # NaN: []
         for log_, prior in zip(logs, priors):
             if prior is not None:
-                log_["calibration_prior"] = flat[at : at + len(prior)].tolist()
+                log_["calibration_prior"] = flat[at : at + len(prior)]
                 at += len(prior)
         return logs
 
