@@ -7,8 +7,10 @@ reward's sign flipped; the feedback stays honest).
 No Kafka: a real worker (the bundled stream's models as replay backends, 20 % explored, 20 % probes, an update every
 32 explored joins) and a real learner core share a redis-server; the learner's policies reach the worker as the
 policy topic would bring them. The bundled stream (or ``--data``, a recorded dataset such as bbh_dev), cycled with
-fresh query ids, feedback at once. Prints served
-accuracy overall and over the last third, and the gate's verdicts.
+fresh query ids, feedback at once. Prints served accuracy overall and over the last third, and the gate's verdicts.
+The ``-warm`` scenarios (``--scenarios gated-warm-sabotaged ...``, not run by default) warm-start the learner on the
+paper protocol's warm split, as the service's ``--warm-start`` does (that policy is the first champion, live at
+once), and stream its test split.
 """
 
 from __future__ import annotations
@@ -59,7 +61,12 @@ SCENARIOS = [  # (promotion, gate, case); "-one": the whole stream on one key (t
     ("gated", GATE, "forced"),
     ("gated-one", GATE, "clean"),
     ("gated-reset-one", RESET, "clean"),
+    ("direct-warm", None, "clean"),  # "-warm": warm-started, as the service's --warm-start (not run by default)
+    ("direct-warm", None, "sabotaged"),
+    ("gated-warm", GATE, "clean"),
+    ("gated-warm", GATE, "sabotaged"),
 ]
+DEFAULT = [s for s in SCENARIOS if not s[0].endswith("-warm")]
 
 
 CONFIG = FocalConfig(explore_rate=0.2, probe_rate=0.2, update_period=32)
@@ -97,7 +104,11 @@ def simulate(
         redis = Redis.from_url(url)
         await redis.flushdb()
         names = zoo.model_names
-        backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(names)}
+        stream = zoo
+        if warm:  # the paper protocol's warm split trains the first champion; its test split is the stream
+            warm_index, test_index = split(zoo, Protocol.paper)
+            stream = zoo.subset(test_index)
+        backends = {name: create_backend("replay", dataset=stream, model=i) for i, name in enumerate(names)}
         m = zoo.n_models
         worker = FocalWorker(
             FocalEngine(m, zoo.model_costs, CONFIG, seed=seed),
@@ -132,10 +143,9 @@ def simulate(
 
         core = learner()
         if warm:
-            warm_index, _ = split(zoo, Protocol.paper)
             core.warm_start(save_dataset(zoo.subset(warm_index), workdir / "warm"))
         served, shadowed, published, forced = [], set(), [], None
-        traffic = queries_of(zoo, None, "t")
+        traffic = queries_of(stream, None, "t")
         if one_stream:
             traffic = [(q.model_copy(update={"stream": "one"}), label) for q, label in traffic]
         for start in range(0, n, 32):
@@ -200,7 +210,8 @@ def main() -> None:
     try:
         for seed in args.seeds:
             for promotion, gate, case in SCENARIOS:
-                if args.scenarios and f"{promotion}-{case}" not in args.scenarios:
+                chosen = f"{promotion}-{case}" in args.scenarios if args.scenarios else (promotion, gate, case) in DEFAULT
+                if not chosen:
                     continue
                 forced_at = args.queries // 2 if case == "forced" else None
                 with tempfile.TemporaryDirectory() as workdir:
@@ -210,7 +221,7 @@ def main() -> None:
                         redis.url,
                         Path(workdir),
                         gate,
-                        False,
+                        promotion.endswith("-warm"),
                         case == "sabotaged",
                         args.queries,
                         seed,
