@@ -1,13 +1,13 @@
 """How well off-policy evaluation estimates policies it did not log, where the truth is known (issue 35, item 2).
 
     python -m bench.accuracy.ope [--data DIR ...] [--seeds 0 1 2] [--calibration-rows 200] [--greedy]
-        [--out bench/out/ope.json]
+        [--probe-rate 0.05] [--out bench/out/ope.json]
 
 Recorded data holds every model's answer to every question, so a stream can be logged under one policy and, on the
 very same contexts, every other policy's reward and accuracy computed exactly. Per dataset: the candidate policies are
 trained (warm start, Algorithm 1) on the tuning half of the tasks (:func:`rlens.evaluation.protocols.task_half`);
 the logging policy, RL-Focal warm-started there with the seed, then serves the other half online (Algorithm 2: 5 %
-of queries explored, 5 % probes, feedback at once) and logs what a worker logs (its pool, answer and propensity,
+of queries explored, 5 % probes or ``--probe-rate``, feedback at once) and logs what a worker logs (its pool, answer and propensity,
 the answers of the models it called, the window statistics). Each candidate is then estimated from that log alone,
 and its true value computed with every answer known. Candidates (21 with 5 models): RL-Focal warm-started with seeds
 0–2, with the cost weight α 0, 0.08, 0.16, 0.32, 0.5 and 1, without the Decider, with the supervised Fusion start only, untrained (seeds 0–2),
@@ -139,6 +139,12 @@ def main() -> None:
         help="the logging policy's calibrations (0: none)",
     )
     parser.add_argument("--greedy", action="store_true", help="judge the candidates on their greedy actions alone")
+    parser.add_argument(
+        "--probe-rate",
+        type=float,
+        default=FocalConfig.probe_rate,
+        help="the logging policy's share of queries that call the whole pool (RLENS_FOCAL_PROBE_RATE)",
+    )
     add_seeds(parser)
     add_out(parser, "bench/out/ope.json")
     args = parser.parse_args()
@@ -156,7 +162,7 @@ def main() -> None:
         cost_share = data.model_costs / data.model_costs.sum()
         alpha = FocalConfig().alpha
         for seed in args.seeds:
-            logging = trained(train, seed, calibration_rows=args.calibration_rows)
+            logging = trained(train, seed, calibration_rows=args.calibration_rows, probe_rate=args.probe_rate)
             logged, full = logged_run(logging, test)
             ended = FocalPolicy("logging engine as it ended", logging)
             for policy in [*policies, ended]:
@@ -208,6 +214,7 @@ def main() -> None:
             "seeds": args.seeds,
             "calibration_rows": args.calibration_rows,
             "serving": not args.greedy,
+            "probe_rate": args.probe_rate,
             "summary": summary,
             "rows": rows,
         },

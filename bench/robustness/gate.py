@@ -90,13 +90,16 @@ def simulate(
     forced_at: int | None = None,
     one_stream: bool = False,
     restart_at: int | None = None,
+    test_split: bool = False,
 ) -> SimpleNamespace:
     """``n`` queries of the bundled stream through a worker; the learner joins each with its label's feedback.
     ``gate`` None: every update goes live (direct promotion). ``forced_at``: from that query on, an operator forces
     a bad policy live (the served one with its Fusion's scores turned upside down), as ``rlens policy promote``
     would. ``one_stream``: every query on one stream key, so the task switches are drift in it (the learner's
     detector runs in every scenario; with ``drift_reset`` its detections restart the candidate's evidence).
-    ``restart_at`` (a multiple of 32): there the learner checkpoints, stops and a new one resumes. Returns
+    ``restart_at`` (a multiple of 32): there the learner checkpoints, stops and a new one resumes. ``warm``: the
+    learner is warm-started on the paper protocol's warm split; with ``test_split`` the stream is its test split
+    (otherwise the whole stream, warm questions included). Returns
     the worker, the learner core, (served version, right) per query, the versions scored in shadow and the forced
     version."""
 
@@ -104,10 +107,8 @@ def simulate(
         redis = Redis.from_url(url)
         await redis.flushdb()
         names = zoo.model_names
-        stream = zoo
-        if warm:  # the paper protocol's warm split trains the first champion; its test split is the stream
-            warm_index, test_index = split(zoo, Protocol.paper)
-            stream = zoo.subset(test_index)
+        warm_index, test_index = split(zoo, Protocol.paper)  # the warm split trains the first champion
+        stream = zoo.subset(test_index) if test_split else zoo
         backends = {name: create_backend("replay", dataset=stream, model=i) for i, name in enumerate(names)}
         m = zoo.n_models
         worker = FocalWorker(
@@ -210,7 +211,9 @@ def main() -> None:
     try:
         for seed in args.seeds:
             for promotion, gate, case in SCENARIOS:
-                chosen = f"{promotion}-{case}" in args.scenarios if args.scenarios else (promotion, gate, case) in DEFAULT
+                chosen = (
+                    f"{promotion}-{case}" in args.scenarios if args.scenarios else (promotion, gate, case) in DEFAULT
+                )
                 if not chosen:
                     continue
                 forced_at = args.queries // 2 if case == "forced" else None
@@ -227,6 +230,7 @@ def main() -> None:
                         seed,
                         forced_at,
                         one,
+                        test_split=promotion.endswith("-warm"),
                     )
                 ok = [right for _, right in run.served]
                 core = run.core
