@@ -165,10 +165,16 @@ class StreamCalibration:
         models and those with no calibration for this choice count yet. Computed once, a query's rows give any pool
         of its models a vote (:func:`pool_vote`)."""
         out = np.full(probs.shape, np.nan)
-        for m in np.flatnonzero(models):
-            row = self.calibrated(probs[m], int(m))
-            if row is not None:
-                out[m] = row
+        n_choices = probs.shape[1]
+        fitted = [
+            (m, theta) for m in np.flatnonzero(models).tolist() if (theta := self._theta(m, n_choices)) is not None
+        ]
+        if not fitted:
+            return out
+        index = [m for m, _ in fitted]
+        log_p = np.log(np.maximum(probs[index], LOG_FLOOR))
+        scores = np.stack([x @ theta[:-1] + theta[-1] for x, (_, theta) in zip(log_p, fitted)])
+        out[index] = log_softmax(scores)  # the numbers :meth:`calibrated` gives row by row
         return out
 
     def calibrated(self, probs: np.ndarray, model: int) -> np.ndarray | None:
