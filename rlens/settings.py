@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from rlens.backends.base import GenerationRequest
 
 PACKAGE_DATA = Path(__file__).parent / "data"
+GATED_PROBE_RATE = 0.2  # rl_focal's probes under gated promotion, unless set: the gate's evidence (BENCHMARKS.md)
 
 
 class Settings(BaseSettings):
@@ -313,11 +314,13 @@ class Settings(BaseSettings):
         ge=1,
         description="rl_focal: the learner updates once this many explored transitions are joined",
     )
-    focal_probe_rate: float = Field(
-        FocalConfig.probe_rate,
+    focal_probe_rate: float | None = Field(
+        None,
         ge=0,
         le=1,
-        description="rl_focal: share of queries that also call the rest of the pool (fresh windows, exact evidence)",
+        description="rl_focal: share of queries that also call the rest of the pool (fresh windows, exact evidence); "
+        "unset, 0.05, or 0.2 under gated promotion, the rate its evidence was measured at (its estimates rank "
+        "candidates well with 20 %, not with 5 %: BENCHMARKS.md, Off-policy evaluation)",
     )
     focal_budget: float | None = Field(
         None,
@@ -407,6 +410,14 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Arguments, then ``RLENS_*`` variables (and an env file), then the configuration file, then defaults."""
         return init_settings, env_settings, dotenv_settings, ConfigFileSource(settings_cls), file_secret_settings
+
+    @property
+    def probe_rate(self) -> float:
+        """``focal_probe_rate``, or its default: :data:`GATED_PROBE_RATE` under gated promotion, else
+        ``FocalConfig.probe_rate``."""
+        if self.focal_probe_rate is not None:
+            return self.focal_probe_rate
+        return GATED_PROBE_RATE if self.promotion == "gated" else FocalConfig.probe_rate
 
     def group(self, role: Literal["workers", "learner", "gateway"], name: str = "") -> str:
         """The consumer group of a role: ``worker_group`` / ``learner_group`` when set, else the topic prefix's

@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from brokers import EXTERNAL
 from rlens.cli import app
 from rlens.config_file import GROUPS, PREFIXED, ConfigError, read_config, sections
-from rlens.settings import Settings
+from rlens.focal.config import FocalConfig
+from rlens.settings import GATED_PROBE_RATE, Settings
 
 FIELDS = list(Settings.model_fields)
 
@@ -159,6 +160,14 @@ def test_a_newcomers_stack_from_one_file(tmp_path, quick_zoo):
             up.communicate(timeout=90)
         for server in servers:
             server.kill()
+
+
+def test_the_probe_rate_defaults_to_more_probes_under_gated_promotion():
+    """The gate ranks candidates by evidence the probes give: 20 % of queries unless set (5 % otherwise)."""
+    assert Settings(promotion="direct").probe_rate == FocalConfig.probe_rate == 0.05
+    assert Settings(promotion="gated").probe_rate == GATED_PROBE_RATE == 0.2
+    assert Settings(promotion="gated", focal_probe_rate=0.02).probe_rate == 0.02
+    assert Settings(promotion="direct", focal_probe_rate=0.0).probe_rate == 0.0
 
 
 def test_the_example_configuration_is_valid():

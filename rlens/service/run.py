@@ -73,7 +73,7 @@ def _engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
         FocalConfig(
             explore_rate=settings.focal_explore_rate,
             update_period=settings.focal_update_period,
-            probe_rate=settings.focal_probe_rate,
+            probe_rate=settings.probe_rate,
             alpha=settings.focal_alpha,
             window=settings.focal_window,
             calibration_rows=settings.focal_calibration_rows,
