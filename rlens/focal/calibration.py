@@ -158,17 +158,22 @@ class StreamCalibration:
     def vote(self, probs: np.ndarray, pool: np.ndarray) -> np.ndarray | None:
         """The pool's calibrated naive-Bayes vote: log-probabilities [C] over the choices of ``probs`` [M, C], or
         None while a member has no calibration for this choice count."""
-        return pool_vote(self.calibrated_rows(probs, pool), pool, self.prior(probs.shape[1]))
+        return pool_vote(self.calibrated_rows(probs, pool, for_vote=True), pool, self.prior(probs.shape[1]))
 
-    def calibrated_rows(self, probs: np.ndarray, models: np.ndarray) -> np.ndarray:
+    def calibrated_rows(self, probs: np.ndarray, models: np.ndarray, for_vote: bool = False) -> np.ndarray:
         """:meth:`calibrated` of each of ``models`` (bool [M]) given ``probs`` [M, C]: [M, C], NaN rows for the other
         models and those with no calibration for this choice count yet. Computed once, a query's rows give any pool
-        of its models a vote (:func:`pool_vote`)."""
+        of its models a vote (:func:`pool_vote`). ``for_vote``: ``models`` is a pool, and the rows stop at its first
+        member without a calibration (it has no vote; a later member's fit, due, is then made at its next use)."""
         out = np.full(probs.shape, np.nan)
         n_choices = probs.shape[1]
-        fitted = [
-            (m, theta) for m in np.flatnonzero(models).tolist() if (theta := self._theta(m, n_choices)) is not None
-        ]
+        fitted = []
+        for m in np.flatnonzero(models).tolist():
+            theta = self._theta(m, n_choices)
+            if theta is not None:
+                fitted.append((m, theta))
+            elif for_vote:
+                return out
         if not fitted:
             return out
         index = [m for m, _ in fitted]

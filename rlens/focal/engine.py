@@ -466,15 +466,16 @@ class FocalEngine:
         return result
 
     def calibrated_rows(
-        self, decisions: list[Decision], probs: list[np.ndarray], models: list[np.ndarray]
+        self, decisions: list[Decision], probs: list[np.ndarray], models: list[np.ndarray], for_vote: bool = False
     ) -> list[np.ndarray | None]:
         """Each query's calibrated rows on its stream for ``models`` (bool [M] each; [M, C],
-        :meth:`StreamCalibration.calibrated_rows`): computed once, they give the served pool, a greedy or a
-        candidate's pool its vote, and the log its calibrations. None without calibrations, for an open-ended query."""
+        :meth:`StreamCalibration.calibrated_rows`, ``for_vote`` as there): computed once, they give the served pool,
+        a greedy or a candidate's pool its vote, and the log its calibrations. None without calibrations, for an
+        open-ended query."""
         if self.calibrations is None:
             return [None] * len(decisions)
         return [
-            None if d.open_ended else self.calibrations(d.key).calibrated_rows(p, m)
+            None if d.open_ended else self.calibrations(d.key).calibrated_rows(p, m, for_vote)
             for d, p, m in zip(decisions, probs, models)
         ]
 
@@ -491,7 +492,7 @@ class FocalEngine:
         if self.calibrations is None:
             return None
         if calibrated is None:
-            calibrated = self.calibrated_rows(decisions, probs, pools)
+            calibrated = self.calibrated_rows(decisions, probs, pools, for_vote=True)
         votes = np.zeros((len(decisions), max(p.shape[1] for p in probs)))
         by_width: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)
         for i, rows in enumerate(calibrated):
