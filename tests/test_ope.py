@@ -173,6 +173,28 @@ def test_a_candidate_is_judged_as_it_would_serve_by_hand():
     assert found["accuracy"]["snips"].value == pytest.approx(1.0)  # the logged answer was right, weight 0.1 / 0.1
 
 
+def test_a_log_with_few_probes_is_said_to_rank_close_candidates_unreliably(tmp_path):
+    from rlens.evaluation.ope_report import FEW_PROBES, few_probes, write_report
+
+    q = LoggedQuery(
+        state=np.zeros(3, dtype=np.float32),
+        probs=np.full((2, 3), 1 / 3),
+        known=np.ones(2, dtype=bool),
+        reliability=np.ones(2, dtype=np.float32),
+        label_prior=np.full(3, 1 / 3, dtype=np.float32),
+        pool=np.array([True, False]),
+        answer=1,
+        propensity=1.0,
+        label=1,
+        probe=False,
+    )
+    log = [replace(q, probe=i < 1) for i in range(20)]  # 5 % probes
+    assert FEW_PROBES == 0.1 and "only 5 % of the logged queries are probes" in (few_probes(log) or "")
+    assert few_probes([replace(q, probe=i < 2) for i in range(20)]) is None  # 10 %
+    write_report({}, log, tmp_path)
+    assert "**Note**: only 5 %" in (tmp_path / "ope.md").read_text()
+
+
 class FixedPoolWithFusion:
     name = "fixed action"
 

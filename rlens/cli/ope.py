@@ -30,7 +30,7 @@ def ope(
     """Estimate each candidate's reward and accuracy on logged traffic (replay, exact on probes, IPS, SNIPS, DR)."""
     needs_extra("eval", "matplotlib")
     from rlens.evaluation.logged import read_log
-    from rlens.evaluation.ope_report import checkpoint_policy, estimate_all, write_report
+    from rlens.evaluation.ope_report import checkpoint_policy, estimate_all, few_probes, write_report
     from rlens.focal.config import FocalConfig
     from rlens.models.pool import PoolConfigError, load_pool_config
     from rlens.service.learner.ope_log import OPE_LOG
@@ -73,4 +73,6 @@ def ope(
                     f"{r.ess:.0f}",
                 )
     console.print(table)
+    if warning := few_probes(queries):
+        console.print(f"[yellow]{warning}[/yellow]")
     console.print("wrote " + ", ".join(str(p) for p in write_report(results, queries, out, serving=not greedy)))

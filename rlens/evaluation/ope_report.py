@@ -15,6 +15,19 @@ from rlens.focal.engine import FocalEngine
 from rlens.service.learner.checkpoint import load_engine
 
 SHOWN = ("replay", "exact", "dr", "snips", "ips")
+FEW_PROBES = 0.1  # below this share of probe rows, close candidates are not ranked reliably (BENCHMARKS.md)
+
+
+def few_probes(queries: list[LoggedQuery]) -> str | None:
+    """A warning when the log's probe rows are too few to rank candidates that lie close together; else None."""
+    share = sum(q.probe for q in queries) / max(len(queries), 1)
+    if share >= FEW_PROBES:
+        return None
+    return (
+        f"only {100 * share:.0f} % of the logged queries are probes: the estimates are wide, and candidates within a "
+        "few points of one another are not ranked reliably (at 5 % probes, 0.69 rank correlation on bbh_dev; at 20 %, "
+        "gated promotion's default, 0.87: BENCHMARKS.md); RLENS_FOCAL_PROBE_RATE raises it"
+    )
 
 
 def checkpoint_policy(directory: Path, model_costs: np.ndarray) -> FocalPolicy:
@@ -73,6 +86,7 @@ def write_report(results: dict, queries: list[LoggedQuery], out: Path, serving: 
         "answers a candidate needs, a reward model corrected on the probe rows elsewhere); `exact` uses the probe "
         "rows alone.",
         "",
+        *([f"**Note**: {warning}.", ""] if (warning := few_probes(queries)) else []),
         "| policy | estimator | reward [95 % CI] | accuracy [95 % CI] | n | ESS |",
         "|---|---|---|---|---:|---:|",
     ]
