@@ -133,11 +133,9 @@ def test_candidates_act_on_what_a_worker_logged(zoo):
     assert abs(estimates["accuracy"]["ips"].value - estimates["accuracy"]["exact"].value) < 0.15
 
 
-def test_a_candidate_is_judged_as_it_would_serve_by_hand():
-    """One query, label 1, 20 % explored; the candidate's greedy answer 0 is wrong and its Fusion gives the label
-    0.5. Accuracy 0.8 * 0 + 0.2 * 0.5 = 0.1; reward (cost share 0.5, alpha 0.2: right 0.9, wrong -1.1)
-    0.8 * -1.1 + 0.2 * (0.5 * 0.9 + 0.5 * -1.1) = -0.9. It takes the logged answer 1 only by exploring: 0.2 * 0.5."""
-    q = LoggedQuery(
+def two_model_query(**changes) -> LoggedQuery:
+    """A logged query of 2 models and 3 choices, every answer known: model 0 served, the answer 1, the label 1."""
+    query = LoggedQuery(
         state=np.zeros(3, dtype=np.float32),
         probs=np.full((2, 3), 1 / 3),
         known=np.ones(2, dtype=bool),
@@ -145,11 +143,18 @@ def test_a_candidate_is_judged_as_it_would_serve_by_hand():
         label_prior=np.full(3, 1 / 3, dtype=np.float32),
         pool=np.array([True, False]),
         answer=1,
-        propensity=0.1,
+        propensity=1.0,
         label=1,
-        probe=True,
-        explore_rate=0.2,
+        probe=False,
     )
+    return replace(query, **changes)
+
+
+def test_a_candidate_is_judged_as_it_would_serve_by_hand():
+    """One query, label 1, 20 % explored; the candidate's greedy answer 0 is wrong and its Fusion gives the label
+    0.5. Accuracy 0.8 * 0 + 0.2 * 0.5 = 0.1; reward (cost share 0.5, alpha 0.2: right 0.9, wrong -1.1)
+    0.8 * -1.1 + 0.2 * (0.5 * 0.9 + 0.5 * -1.1) = -0.9. It takes the logged answer 1 only by exploring: 0.2 * 0.5."""
+    q = two_model_query(propensity=0.1, probe=True, explore_rate=0.2)
     action = Action(np.array([True, False]), 0, np.array([0.3, 0.5, 0.2]))
     rate = explore_share(q, action)
     assert rate == 0.2
@@ -167,27 +172,15 @@ def test_a_candidate_is_judged_as_it_would_serve_by_hand():
     assert true_value([q], policy, cost_share, 0.2) == pytest.approx({"reward": -0.9, "accuracy": 0.1})
     assert true_value([q], policy, cost_share, 0.2, serving=False) == pytest.approx({"reward": -1.1, "accuracy": 0.0})
     found = evaluate([q], policy, cost_share, 0.2)
-    assert found["accuracy"]["exact"].value == pytest.approx(0.1) and found["accuracy"][
-        "replay"
-    ].value == pytest.approx(0.1)
+    assert found["accuracy"]["exact"].value == pytest.approx(0.1)
+    assert found["accuracy"]["replay"].value == pytest.approx(0.1)
     assert found["accuracy"]["snips"].value == pytest.approx(1.0)  # the logged answer was right, weight 0.1 / 0.1
 
 
 def test_a_log_with_few_probes_is_said_to_rank_close_candidates_unreliably(tmp_path):
     from rlens.evaluation.ope_report import FEW_PROBES, few_probes, write_report
 
-    q = LoggedQuery(
-        state=np.zeros(3, dtype=np.float32),
-        probs=np.full((2, 3), 1 / 3),
-        known=np.ones(2, dtype=bool),
-        reliability=np.ones(2, dtype=np.float32),
-        label_prior=np.full(3, 1 / 3, dtype=np.float32),
-        pool=np.array([True, False]),
-        answer=1,
-        propensity=1.0,
-        label=1,
-        probe=False,
-    )
+    q = two_model_query()
     log = [replace(q, probe=i < 1) for i in range(20)]  # 5 % probes
     assert FEW_PROBES == 0.1 and "only 5 % of the logged queries are probes" in (few_probes(log) or "")
     assert few_probes([replace(q, probe=i < 2) for i in range(20)]) is None  # 10 %
