@@ -35,6 +35,7 @@ import asyncio
 import json
 import logging
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -49,6 +50,7 @@ from rlens.messages import MAX_CHOICES
 log = logging.getLogger("rlens.windows")
 LEASE_TTL_S = 30
 READY_TTL_S = 30  # a readiness mark outlives its process by this much at most
+RESTORED_STREAMS = 1024  # streams whose restored calibrations a worker keeps between batches
 
 RENEW_LEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -112,6 +114,9 @@ class RedisWindows:
         self._apply = redis.register_script(APPLY_OUTCOME)
         self._renew = redis.register_script(RENEW_LEASE)
         self.skipped_rows = 0  # rows read that did not fit the pool or the bounds
+        # each stream's last published calibrations as read and as restored, the newest RESTORED_STREAMS streams: a
+        # worker reads them with every batch, and they change only when the learner publishes new fits
+        self._restored: OrderedDict[str, tuple[bytes, StreamCalibration | None]] = OrderedDict()
 
     def row_error(self, predictions: list[int], label: int, reward: float) -> str | None:
         """Why a row cannot enter a window of this pool, or None."""
@@ -163,9 +168,23 @@ class RedisWindows:
                 last_pools[stream] = np.frombuffer(value, dtype=np.uint8) == 49
         calibrations = {}
         for stream, value in zip(streams, raw[step - 1 :: step] if fits else []):
-            if value is not None and (calibration := self._calibration(value)) is not None:
+            if value is not None and (calibration := self._restored_calibration(stream, value)) is not None:
                 calibrations[stream] = calibration
         return self._windows(streams, raw[::step]), last_pools, calibrations
+
+    def _restored_calibration(self, stream: str, value: bytes) -> StreamCalibration | None:
+        """:meth:`_calibration` of a stream's published value, restored again only when it changed."""
+        known = self._restored.get(stream)
+        if known is not None and known[0] == value:
+            self._restored.move_to_end(stream)
+            if known[1] is None:
+                self.skipped_rows += 1
+            return known[1]
+        calibration = self._calibration(value)
+        self._restored[stream] = (value, calibration)
+        if len(self._restored) > RESTORED_STREAMS:
+            self._restored.popitem(last=False)
+        return calibration
 
     def _calibration(self, value: bytes) -> StreamCalibration | None:
         """Published calibrations, or None (counted as skipped) when they do not fit this pool."""
