@@ -225,3 +225,23 @@ def test_a_watch_without_a_monitor_detects_nothing(keep):
     watch = DriftWatch(None, keep, Dashboard("rl_focal", ["a"]))
     assert not watch.observe("s", {"outcome": 1.0}, "q")
     assert asyncio.run(watch.react("s", None)) is False
+
+
+def test_a_free_port_is_drawn_below_the_kernels_ephemeral_range_and_is_free():
+    """Outgoing connections take their local ports from the ephemeral range: a port chosen there and bound seconds
+    later (a service's HTTP side) was once taken meanwhile. Drawn below it, whatever the module generator's seed."""
+    import random
+    import socket
+
+    from rlens.ports import EPHEMERAL_RANGE, LOWEST, free_port
+
+    state = random.getstate()
+    random.seed(0)
+    ports = {free_port() for _ in range(20)}
+    random.setstate(state)
+    assert len(ports) > 15  # not the same draws
+    if EPHEMERAL_RANGE.is_file():
+        assert all(LOWEST <= port < int(EPHEMERAL_RANGE.read_text().split()[0]) for port in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free
