@@ -14,9 +14,9 @@ rl_focal (:class:`ShadowEvidence`): the difference is estimated per query as the
 (:mod:`rlens.evaluation.logged`): exact where the query called every model the candidate's pool needs, a ridge reward
 model of the candidate elsewhere, that model's mean error measured, and corrected, on the probe rows (a random sample
 with every answer known). The candidate's reward is the one it would get serving, under the serving mixture in force
-(:meth:`Gate.serving_reward`, as ``rlens ope`` judges it): its greedy answer on the greedy share, an answer sampled from its Fusion on the
-explored share (the calibrated vote shields the greedy answers from a Fusion trained to be wrong, not the explored
-ones). The champion's reward is always exact: it served the query.
+(:meth:`Gate.serving_reward`, as ``rlens ope`` judges it): its greedy answer on the greedy share, an answer sampled
+from its Fusion on the explored share (the calibrated vote shields the greedy answers from a Fusion trained to be
+wrong, not the explored ones). The champion's reward is always exact: it served the query.
 
 rlae (:class:`SplitEvidence`): RLAE's span weights change what the models generate, so the champion's answer says
 nothing of the candidate's, and an estimate from the champion's log was not good enough (BENCHMARKS.md, "RLAE's
