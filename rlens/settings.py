@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from rlens.backends.base import GenerationRequest
 
 PACKAGE_DATA = Path(__file__).parent / "data"
-GATED_PROBE_RATE = 0.2  # rl_focal's probes under gated promotion, unless set: the gate's evidence (BENCHMARKS.md)
+GATED_PROBE_RATE = 0.2  # rl_focal's probes under gated or holdback promotion, unless set: the evidence (BENCHMARKS.md)
 
 
 class Settings(BaseSettings):
@@ -166,10 +166,11 @@ class Settings(BaseSettings):
         "and goes live only when its lower 95 % bound of reward against the champion is at least -RLENS_GATE_DELTA "
         "(after RLENS_GATE_MIN_EVENTS labelled queries of its own; dropped after RLENS_GATE_MAX_EVENTS); the champion "
         "it replaced is then scored the same way over RLENS_GATE_MIN_EVENTS queries and restored if it was better by "
-        "more than the delta; holdback (rlae only), every update serves at once but on RLENS_GATE_HOLDBACK of the "
-        "queries, where the champion serves, and the learner's updates are rolled back (and the learner reset, its "
-        "next updates judged as gated until one does as well) when the champion leads them by more than the delta "
-        "with confidence (looked at from RLENS_GATE_MIN_EVENTS of its queries), or become the champion when not worse",
+        "more than the delta; holdback, every update serves at once (rlae: on all but RLENS_GATE_HOLDBACK of the "
+        "queries, where the champion serves; rl_focal: on every query, the champion scored in shadow beside it), and "
+        "the learner's updates are rolled back (and the learner reset, its next updates judged as gated until one "
+        "does as well) when the champion leads them by more than the delta with confidence (looked at from "
+        "RLENS_GATE_MIN_EVENTS of its queries), or become the champion when not worse",
     )
     gate_min_events: int | None = Field(
         None,
@@ -413,11 +414,11 @@ class Settings(BaseSettings):
 
     @property
     def probe_rate(self) -> float:
-        """``focal_probe_rate``, or its default: :data:`GATED_PROBE_RATE` under gated promotion, else
+        """``focal_probe_rate``, or its default: :data:`GATED_PROBE_RATE` under gated or holdback promotion, else
         ``FocalConfig.probe_rate``."""
         if self.focal_probe_rate is not None:
             return self.focal_probe_rate
-        return GATED_PROBE_RATE if self.promotion == "gated" else FocalConfig.probe_rate
+        return GATED_PROBE_RATE if self.promotion != "direct" else FocalConfig.probe_rate
 
     def group(self, role: Literal["workers", "learner", "gateway"], name: str = "") -> str:
         """The consumer group of a role: ``worker_group`` / ``learner_group`` when set, else the topic prefix's

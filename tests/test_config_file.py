@@ -165,7 +165,8 @@ def test_a_newcomers_stack_from_one_file(tmp_path, quick_zoo):
 def test_the_probe_rate_defaults_to_more_probes_under_gated_promotion():
     """The gate ranks candidates by evidence the probes give: 20 % of queries unless set (5 % otherwise)."""
     assert Settings(promotion="direct").probe_rate == FocalConfig.probe_rate == 0.05
-    assert Settings(promotion="gated").probe_rate == GATED_PROBE_RATE == 0.2
+    assert Settings(promotion="gated").probe_rate == Settings(promotion="holdback").probe_rate == GATED_PROBE_RATE
+    assert GATED_PROBE_RATE == 0.2
     assert Settings(promotion="gated", focal_probe_rate=0.02).probe_rate == 0.02
     assert Settings(promotion="direct", focal_probe_rate=0.0).probe_rate == 0.0
 

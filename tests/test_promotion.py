@@ -48,15 +48,17 @@ def test_a_learner_whose_training_goes_wrong_is_kept_from_serving(zoo, redis_ser
     assert np.mean([ok for _, ok in served]) > np.mean([ok for _, ok in clean]) - 0.03
 
 
-@pytest.mark.parametrize("restart_at, kind", [(352, "challenger"), (672, "probation")])
+@pytest.mark.parametrize(
+    "restart_at, kind, holdback", [(352, "challenger", None), (672, "probation", None), (352, "line", 0.2)]
+)
 def test_a_learner_restarted_while_it_judges_serves_what_one_never_stopped_serves(
-    zoo, redis_server, tmp_path, restart_at, kind
+    zoo, redis_server, tmp_path, restart_at, kind, holdback
 ):
-    """The gate is in the learner's checkpoint: stopped and resumed while a candidate is judged, or while a promotion
-    is on probation, the learner goes on with the same evidence, and the worker serves the same policies, query for
-    query (when the evidence was not kept, the candidate judged at the stop lost it and was promoted 256 queries
-    later)."""
-    gate = GateConfig(min_events=200, max_events=2000, every=25, delta=0.02)
+    """The gate is in the learner's checkpoint: stopped and resumed while a candidate is judged, while a promotion
+    is on probation, or while its line serves (holdback), the learner goes on with the same evidence, and the worker
+    serves the same policies, query for query (when the evidence was not kept, the candidate judged at the stop lost
+    it and was promoted 256 queries later)."""
+    gate = GateConfig(min_events=200, max_events=2000, every=25, delta=0.02, holdback=holdback)
     until = simulate(zoo, redis_server.url, tmp_path / "until", gate, warm=True, sabotage=False, n=restart_at)
     judged = until.core.promotion.gate
     assert judged.kind == kind and judged.candidate is not None and len(judged.evidence) >= 100
@@ -64,8 +66,13 @@ def test_a_learner_restarted_while_it_judges_serves_what_one_never_stopped_serve
     restarted = simulate(
         zoo, redis_server.url, tmp_path / "restarted", gate, warm=True, sabotage=False, n=1200, restart_at=restart_at
     )
-    assert restarted.served == whole.served and whole.core.stats.promotions >= 1
+    assert restarted.served == whole.served
     assert restarted.core.stats.promotions == whole.core.stats.promotions
+    assert len(restarted.core.promotion.gate.evidence) == len(whole.core.promotion.gate.evidence)
+    if holdback is None:
+        assert whole.core.stats.promotions >= 1
+    else:  # the line's updates served at once (no verdict on it needed)
+        assert len({version for version, _ in whole.served}) >= 4
 
 
 def shadowed_experience(
@@ -193,6 +200,56 @@ def test_probation_is_judged_once_after_min_events():
             verdicts.append(gate.verdict())
         assert verdicts[:199] == [None] * 199
         assert verdicts[199] == verdict, (better, gate.last)
+
+
+def line_experience(i: int, served: int, shadow: int, line_right: bool, champion_right: bool | None, probe: bool):
+    """A query the policy v``served`` answered, with the champion's shadow action under v``shadow`` (holdback)."""
+    e = shadowed_experience(i, line_right, champion_right, probe)
+    assert e.shadow is not None
+    return e.model_copy(update={"policy_version": served, "shadow": e.shadow.model_copy(update={"version": shadow})})
+
+
+def test_the_holdback_gate_scores_the_champion_in_shadow_beside_the_learners_line():
+    """rl_focal, holdback: the line (v2, then v4) serves, the champion is scored in shadow under the numbers above
+    them (v3, v5). Only those shadows on the line's queries count: by hand, on 4 probe rows (alpha 0: right +1, wrong
+    -1) the line right, right, wrong, right and the champion right on all, line − champion = (0 + 0 - 2 + 0) / 4 =
+    -0.5. On random evidence a line clearly worse than the champion is rolled back, a better one verified."""
+    gate = Gate(GateConfig(min_events=4, every=1, delta=0.02, holdback=0.2), np.full(3, 1 / 3), 0.0)
+    gate.advance((1, 2), {})
+    gate.observe(line_experience(0, 1, 3, True, False, True), label=0)  # served before the line
+    gate.observe(line_experience(1, 2, 2, True, False, True), label=0)  # a shadow from before the line
+    assert len(gate.evidence) == 0
+    gate.observe(line_experience(2, 2, 3, True, True, True), label=0)
+    gate.advance((1, 4), {})  # the newest update: the same line, the same evidence
+    assert gate.candidate == (1, 4) and gate.line == (1, 2) and len(gate.evidence) == 1
+    for i, line_right in enumerate([True, False, True]):
+        gate.observe(line_experience(3 + i, 4, 5, line_right, True, True), label=0)
+    assert gate.estimate().value == pytest.approx(-0.5) and gate.estimate().n == 4
+    rng = np.random.default_rng(3)
+    for better, verdict in ((0.3, "roll back"), (-0.2, "promote")):
+        g = Gate(GateConfig(min_events=200, max_events=600, every=25, delta=0.02, holdback=0.2), np.full(3, 1 / 3), 0.0)
+        g.advance((1, 2), {})
+        found = None
+        for i in range(600):
+            probe = bool(rng.random() < 0.2)
+            champion = bool(rng.random() < 0.5 + better)
+            line = bool(rng.random() < 0.5)
+            g.observe(line_experience(i, 2, 3, line, champion if probe else None, probe), label=0)
+            found = found or g.verdict()
+        assert found == verdict, (better, g.last)
+
+
+def test_holdback_serves_every_update_at_once_and_rolls_a_sabotaged_line_back(zoo, redis_server, tmp_path):
+    """rl_focal, holdback: a clean learner's updates serve as soon as they are made, so it serves query for query
+    what direct promotion serves, while the champion is scored in shadow beside them; a learner whose training goes
+    wrong is rolled back to the champion (and its next updates are judged first)."""
+    gate = GateConfig(min_events=100, max_events=300, every=25, delta=0.02, holdback=0.2)
+    held = simulate(zoo, redis_server.url, tmp_path / "held", gate, warm=False, sabotage=False, n=800)
+    direct = simulate(zoo, redis_server.url, tmp_path / "direct", None, warm=False, sabotage=False, n=800)
+    assert [ok for _, ok in held.served] == [ok for _, ok in direct.served]
+    assert held.shadowed and held.core.stats.rollbacks == 0 and held.core.stats.updates >= 3
+    sabotaged = simulate(zoo, redis_server.url, tmp_path / "sabotaged", gate, warm=False, sabotage=True, n=1600)
+    assert sabotaged.core.stats.rollbacks >= 1
 
 
 def test_shadow_answers_reusing_the_served_observations_equal_those_computed_afresh(zoo):

@@ -103,7 +103,8 @@ def test_without_ope_logging_a_worker_logs_no_behaviour_and_no_shadow_and_gated_
     assert [a.answer_index for a in plain.answers] == [a.answer_index for a in logged.answers]
     pool = tmp_path / "pool.json"
     pool.write_text(json.dumps({"models": [{"name": "a", "backend": "replay", "path": str(settings().demo_data)}]}))
-    env = {"RLENS_PROMOTION": "gated", "RLENS_OPE_LOGGING": "false", "RLENS_POOL_FILE": str(pool)}
-    for role in ("learner", "worker"):
-        result = CliRunner().invoke(app, [role], env=env)
-        assert result.exit_code != 0 and "RLENS_OPE_LOGGING must stay true" in result.output
+    for promotion in ("gated", "holdback"):
+        env = {"RLENS_PROMOTION": promotion, "RLENS_OPE_LOGGING": "false", "RLENS_POOL_FILE": str(pool)}
+        for role in ("learner", "worker"):
+            result = CliRunner().invoke(app, [role], env=env)
+            assert result.exit_code != 0 and "RLENS_OPE_LOGGING must stay true" in result.output

@@ -511,14 +511,6 @@ def test_cli_errors_for_bad_open_ended_traffic_and_strategy(tmp_path):
         env={"RLENS_ZOO_DIR": str(tmp_path)},
     )
     assert result.exit_code == 2 and "build the zoo first" in result.output
-    pool = tmp_path / "pool.json"
-    pool.write_text(json.dumps({"models": [{"name": "a", "backend": "replay", "path": str(settings().demo_data)}]}))
-    result = CliRunner().invoke(
-        app,
-        ["learner"],
-        env={"RLENS_PROMOTION": "holdback", "RLENS_POOL_FILE": str(pool), "RLENS_STRATEGY": "rl_focal"},
-    )
-    assert result.exit_code != 0 and "RLENS_PROMOTION=holdback is for the rlae strategy" in result.output
 
 
 def test_the_rehearsal_budget_is_shared_by_the_streams():

@@ -154,6 +154,27 @@ def test_gated_promotion_through_the_policy_topic(tmp_path, zoo):
     assert promoted in after.policy_versions and state["operator_seen"] > 0
 
 
+def test_holdback_promotion_serves_each_update_at_once_with_the_champion_in_shadow(tmp_path, zoo):
+    """RLENS_PROMOTION=holdback with rl_focal: each update goes live at once (the learner's line) and the champion,
+    republished as a candidate, is scored in shadow beside it; the learner judges the line on that evidence."""
+    held = {"promotion": "holdback", "gate_min_events": 100, "gate_max_events": 200}
+    stack = make_stack(tmp_path, service=held)
+    try:
+        report = asyncio.run(play(stack.settings, traffic(zoo, "held"), rate=60, idle_timeout_s=60))
+        deadline = time.monotonic() + 60
+        while learner_stat(stack, "rlens_learner_joined_total") < N and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        stack.stop()
+    state = final_learner_state(stack)
+    stats, gate = state["stats"], state["gate"]
+    assert report.answered == N and report.duplicates == 0 and stats["joined"] == N
+    assert gate["mode"] == "holdback" and stats["updates"] >= 4
+    served = report.policy_versions - {0}
+    assert len(served) >= 3 and len(served) > stats["promotions"] + stats["rollbacks"]  # no waiting for a verdict
+    assert gate["last"] is not None or stats["promotions"] + stats["rollbacks"] >= 1  # the line was judged
+
+
 def operator_promotes_the_newest_candidate(stack: LocalStack, workdir: Path) -> tuple[list[dict], int]:
     """``rlens policy list --json`` and ``rlens policy promote`` on the stack's work folder, as an operator would:
     what was listed, and the version the promotion published."""

@@ -1,13 +1,13 @@
 """Does the live service learn as well as the offline loop? The local stack against `rlens replay --protocol stream`.
 
     python -m bench.accuracy.live_accuracy [--data DIR] [--seeds 0 1 2] [--workers 1] [--rate 50]
-                                           [--promotions direct gated] [--kafka BOOTSTRAP]
+                                           [--promotions direct gated holdback] [--kafka BOOTSTRAP]
 
 For each seed: the local stack (tansu, or the Apache Kafka broker ``--kafka`` names; redis-server, learner, W
 workers) serves the dataset's models as `replay` backends with engines seeded S; the dataset is played as traffic at
 R queries/s, each feedback sent as soon as its answer arrives. The offline figure is the replay harness's RL-Focal
-under the stream protocol, seed S. ``--promotions direct gated`` plays each seed once per promotion mode (gated:
-the gate at 200 / 600 events, scaled to a 3,000-query stream as in ``bench.robustness.gate``), which is the gate
+under the stream protocol, seed S. ``--promotions direct gated`` plays each seed once per promotion mode (gated and
+holdback: the gate at 200 / 600 events, scaled to a 3,000-query stream as in ``bench.robustness.gate``), which is the gate
 measured through the whole service; ``--explore-rate``, ``--probe-rate``, ``--update-period`` and
 ``--calibration-rows`` set the learning of both the live and the offline run.
 """
@@ -52,7 +52,7 @@ def live_run(
             "kafka_session_timeout_ms": 2000,
             "kafka_heartbeat_ms": 500,
             "promotion": promotion,
-            **(GATE if promotion == "gated" else {}),
+            **(GATE if promotion != "direct" else {}),
             # topics and groups of its own: a broker named by --kafka outlives each run
             "topic_prefix": f"live-{seed}-{promotion}-{time.time_ns()}.",
             **(learning or {}),
@@ -87,7 +87,7 @@ def main() -> None:
     add_seeds(parser)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--rate", type=float, default=50.0)
-    parser.add_argument("--promotions", nargs="+", choices=["direct", "gated"], default=["direct"])
+    parser.add_argument("--promotions", nargs="+", choices=["direct", "gated", "holdback"], default=["direct"])
     parser.add_argument("--kafka", default=None, help="bootstrap of an Apache Kafka broker to run on (default: tansu)")
     parser.add_argument("--explore-rate", type=float, default=None, help="RLENS_FOCAL_EXPLORE_RATE (default: its own)")
     parser.add_argument("--probe-rate", type=float, default=None, help="RLENS_FOCAL_PROBE_RATE (default: its own)")

@@ -2,12 +2,14 @@
 (direct) and through the gate, for a clean learner and a sabotaged one (it trains on another choice's label with the
 reward's sign flipped; the feedback stays honest).
 
-    python -m bench.robustness.gate [--data DIR] [--queries 2400] [--seeds 0 1 2] [--out bench/out/gate.json]
+    python -m bench.robustness.gate [--data DIR [--tasks tune]] [--queries 2400] [--seeds 0 1 2] [--gate 200 600 25]
+        [--scenarios ...] [--out bench/out/gate.json]
 
 No Kafka: a real worker (the bundled stream's models as replay backends, 20 % explored, 20 % probes, an update every
 32 explored joins) and a real learner core share a redis-server; the learner's policies reach the worker as the
 policy topic would bring them. The bundled stream (or ``--data``, a recorded dataset such as bbh_dev), cycled with
 fresh query ids, feedback at once. Prints served accuracy overall and over the last third, and the gate's verdicts.
+Promotions: direct, gated, and holdback (every update serves at once, the champion scored in shadow beside it).
 The ``-warm`` scenarios (``--scenarios gated-warm-sabotaged ...``, not run by default) warm-start the learner on the
 paper protocol's warm split, as the service's ``--warm-start`` does (that policy is the first champion, live at
 once), and stream its test split.
@@ -31,7 +33,7 @@ from rlens.backends import create_backend
 from rlens.drift import DriftMonitor
 from rlens.checkpoint import CheckpointStore
 from rlens.evaluation.dataset import load_dataset, save_dataset
-from rlens.evaluation.protocols import Protocol, split
+from rlens.evaluation.protocols import Protocol, split, task_half
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.local.load import queries_of
@@ -52,6 +54,7 @@ VERIFIER = SIGNER.verifier()
 TOKENS = FeedbackTokens(SECRETS["RLENS_FEEDBACK_SECRET"])
 GATE = GateConfig(min_events=200, max_events=600, every=25, delta=0.02)  # scaled to a 2,400-query stream
 RESET = replace(GATE, drift_reset=True)  # a drift detection restarts the candidate's evidence
+HOLDBACK = replace(GATE, holdback=0.2)  # every update serves at once, the champion scored in shadow beside it
 SCENARIOS = [  # (promotion, gate, case); "-one": the whole stream on one key (task switches are drift in it)
     ("direct", None, "clean"),
     ("direct", None, "sabotaged"),
@@ -65,6 +68,11 @@ SCENARIOS = [  # (promotion, gate, case); "-one": the whole stream on one key (t
     ("direct-warm", None, "sabotaged"),
     ("gated-warm", GATE, "clean"),
     ("gated-warm", GATE, "sabotaged"),
+    ("holdback", HOLDBACK, "clean"),
+    ("holdback", HOLDBACK, "sabotaged"),
+    ("holdback", HOLDBACK, "forced"),
+    ("holdback-warm", HOLDBACK, "clean"),
+    ("holdback-warm", HOLDBACK, "sabotaged"),
 ]
 DEFAULT = [s for s in SCENARIOS if not s[0].endswith("-warm")]
 
@@ -146,17 +154,21 @@ def simulate(
         if warm:
             core.warm_start(save_dataset(zoo.subset(warm_index), workdir / "warm"))
         served, shadowed, published, forced = [], set(), [], None
+        announced = core.announcement()  # as the learner's app does at its start (a warm start's policy, if any)
+        if announced is not None:
+            assert worker.receive_policy(announced) is None
+            published.append(announced)
         traffic = queries_of(stream, None, "t")
         if one_stream:
             traffic = [(q.model_copy(update={"stream": "one"}), label) for q, label in traffic]
         for start in range(0, n, 32):
-            if restart_at is not None and start == restart_at:  # the learner stops (a checkpoint) and starts again
-                core.checkpoint()
-                core.checkpoints.close()
-                core = learner()
             for policy in core.take_policies():
                 assert worker.receive_policy(policy) is None
                 published.append(policy)
+            if restart_at is not None and start == restart_at:  # the learner stops (a checkpoint) and starts again
+                core.checkpoint()  # after what it produced was published, as the service's record batches do
+                core.checkpoints.close()
+                core = learner()
             if forced_at is not None and forced is None and start >= forced_at:
                 upside_down = {k: -v if k.startswith("fusion.") else v for k, v in worker.policy_tensors().items()}
                 bad = encode_policy(upside_down, 1, core.epoch, names, "rl_focal", SIGNER)
@@ -201,11 +213,22 @@ def main() -> None:
     parser.add_argument(
         "--scenarios", nargs="+", default=None, help="only these, as promotion-case (gated-reset-clean, direct-forced)"
     )
+    parser.add_argument("--tasks", default="all", choices=["all", "tune", "holdout"], help="a recorded dataset's half")
+    parser.add_argument(
+        "--gate",
+        nargs=3,
+        type=int,
+        default=None,
+        metavar=("MIN", "MAX", "EVERY"),
+        help="the gate's events (200 600 25)",
+    )
     add_seeds(parser)
     add_out(parser, "bench/out/gate.json")
     args = parser.parse_args()
     print(machine_facts())
     zoo = load_dataset(args.data or settings().demo_data)
+    if args.tasks != "all":
+        zoo = task_half(zoo, args.tasks)
     redis = LocalRedis()
     rows = []
     try:
@@ -217,6 +240,8 @@ def main() -> None:
                 if not chosen:
                     continue
                 forced_at = args.queries // 2 if case == "forced" else None
+                if gate is not None and args.gate:
+                    gate = replace(gate, min_events=args.gate[0], max_events=args.gate[1], every=args.gate[2])
                 with tempfile.TemporaryDirectory() as workdir:
                     one = promotion.endswith("-one")
                     run = simulate(

@@ -119,10 +119,10 @@ def rlae_policy(settings: Settings, n_models: int):
 
 def gated_without_evidence(settings: Settings) -> None:
     """rl_focal's gate judges candidates on the evidence the workers log: a clear error where they would log none."""
-    if settings.promotion == "gated" and settings.strategy == "rl_focal" and not settings.ope_logging:
+    if settings.promotion != "direct" and settings.strategy == "rl_focal" and not settings.ope_logging:
         raise ValueError(
-            "RLENS_PROMOTION=gated scores each candidate on the evidence rl_focal workers log with each query: "
-            "RLENS_OPE_LOGGING must stay true (or promote directly)"
+            f"RLENS_PROMOTION={settings.promotion} scores each candidate on the evidence rl_focal workers log with "
+            "each query: RLENS_OPE_LOGGING must stay true (or promote directly)"
         )
 
 
@@ -195,11 +195,6 @@ def drift_monitor(settings: Settings) -> DriftMonitor | None:
 def build_learner(settings: Settings, warm_start: Path | None = None) -> LearnerCore:
     """The learner of ``settings.strategy``, resumed from its newest checkpoint; a fresh one warm-started from
     ``warm_start`` if given (rl_focal: a recorded dataset; rlae: an `rlens rlae train` run directory)."""
-    if settings.promotion == "holdback" and settings.strategy != "rlae":
-        raise ValueError(
-            "RLENS_PROMOTION=holdback is for the rlae strategy (its candidates serve queries themselves); "
-            "rl_focal's guarded promotion is gated"
-        )
     gated_without_evidence(settings)
     calibration_conflicts(settings)
     pool = pool_of(settings)
@@ -227,7 +222,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
     else:
         engine = build_engine(settings, pool)
         trainer, window = FocalOnlineTrainer(engine, names, settings.focal_extractor), engine.cfg.window
-        if settings.promotion == "gated":
+        if settings.promotion != "direct":  # scored in shadow
             gate = Gate(config, engine.cost_share, engine.cfg.alpha)
     calibration_rows = settings.focal_calibration_rows if settings.strategy == "rl_focal" else 0
     core = LearnerCore(

@@ -40,6 +40,13 @@ as under gated promotion, or, when its mean reward is within delta of the champi
 learner is trusted again (*resume*: the next update starts a line; the champion stays); else dropped. So a learner
 whose updates serve at once keeps what it gains from recency, at the price of serving what went wrong until the
 evidence shows it.
+
+rl_focal, holdback: no split is needed, since the champion can be scored in shadow. The line serves every query
+(each update published live at once) and the champion is the shadow policy beside it: republished as a candidate
+under a number above each of the line's updates, so that the workers score it (they score only candidates newer
+than what they serve). The evidence is the replay estimate of (champion − line) per query, turned round to (line −
+champion) for the verdicts above; queries the line did not serve do not count. A verified line is republished live
+under a new number, so the workers stop scoring the old champion.
 """
 
 from __future__ import annotations
@@ -73,10 +80,11 @@ Z95 = 1.959963984540054  # the normal's 97.5 % quantile
 def default_events(strategy: str, promotion: str) -> tuple[int, int, int]:
     """(min_events, max_events, every) where the settings leave the first two unset. rlae's were chosen on the zoo's
     validation streams (BENCHMARKS.md: gated, one look at 50 of the candidate's queries; holdback, looks at 25 and 50
-    of the champion's queries); rl_focal's judge a candidate on shadow evidence over longer streams."""
+    of the champion's queries); rl_focal's judge a candidate on shadow evidence over longer streams, and a line's
+    evidence starts again after three times its first look (as ``bench.robustness.gate``'s 200 / 600)."""
     if strategy == "rlae":
         return (25, 50, 25) if promotion == "holdback" else (50, 50, 25)
-    return 400, 4000, 50
+    return (400, 1200, 50) if promotion == "holdback" else (400, 4000, 50)
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,7 @@ class GateConfig:
     delta: float = 0.02  # the reward a candidate may lose against the champion, at the lower 95 % bound
     drift_reset: bool = False  # a drift detection restarts the candidate's evidence (only what came after counts)
     split: float = 0.2  # rlae: the share of the queries a challenger (or a champion on probation) serves itself
-    holdback: float | None = None  # rlae: the champion's share while the learner's line serves the rest (module doc)
+    holdback: float | None = None  # holdback promotion; rlae: the champion's share while the line serves the rest
 
 
 @dataclass
@@ -268,9 +276,10 @@ class Gate:
         self.evidence, self.last, self._looked_at, self.line = self._fresh(), None, 0, self.candidate
 
     def observe(self, experience: Experience, label: int) -> None:
-        """One labelled query the champion served, if it carries the current candidate's shadow action (rl_focal)."""
+        """One labelled query the champion served, if it carries the current candidate's shadow action; under
+        holdback, one the line served, with the champion's shadow action (rl_focal)."""
         shadow, behaviour, e = experience.shadow, experience.behaviour, self.evidence
-        if shadow is None or behaviour is None or (shadow.epoch, shadow.version) != self.candidate or label < 0:
+        if shadow is None or behaviour is None or not self._scored(experience, shadow) or label < 0:
             return
         assert isinstance(e, ShadowEvidence) and self.cost_share is not None
         query = LoggedQuery.from_experience(experience, label)
@@ -280,6 +289,15 @@ class Gate:
         e.features.append(pool_features(query, pool, self.cost_share))
         e.probe.append(behaviour.probe)
         e.held.append(not (pool & ~query.pool).any())
+
+    def _scored(self, experience: Experience, shadow: Shadow) -> bool:
+        """Whether the query's shadow action is evidence now: the candidate's, or under holdback the champion's
+        beside the line (renumbered after the line started) on a query the line served."""
+        order = (shadow.epoch, shadow.version)
+        if self.kind == "line":
+            line = self.line
+            return line is not None and order > line and experience.policy_version >= line[1]
+        return order == self.candidate
 
     def serving_reward(self, shadow: Shadow, query: LoggedQuery, pool: np.ndarray) -> float | None:
         """The candidate's expected reward here as it would serve, under the serving mixture in force
@@ -306,8 +324,12 @@ class Gate:
         (e.candidate if split.candidate else e.champion).append(reward)
 
     def estimate(self) -> Estimate:
-        """Candidate − champion reward (:meth:`ShadowEvidence.estimate`, :meth:`SplitEvidence.estimate`)."""
-        return self.evidence.estimate()
+        """Candidate − champion reward (:meth:`ShadowEvidence.estimate`, :meth:`SplitEvidence.estimate`); a line
+        scored against the champion in shadow (rl_focal, holdback): the shadow's estimate turned round."""
+        e = self.evidence.estimate()
+        if self.kind == "line" and isinstance(self.evidence, ShadowEvidence):
+            return Estimate(-e.value, -e.high, -e.low, e.n, e.ess)
+        return e
 
     def verdict(self) -> Verdict | None:
         """A challenger: promote, drop, or None (keep collecting); on probation: roll back or passed (or None before

@@ -135,7 +135,22 @@ class Promotion:
         if gate.champion is not None and (core.epoch, core.version) <= gate.champion:
             return
         gate.advance((core.epoch, core.version), core.trainer.policy_tensors())
-        self._published_candidate()
+        if gate.share() is None:
+            self._published_line()
+        else:
+            self._published_candidate()
+
+    def _published_line(self) -> None:
+        """rl_focal, holdback: the line's newest weights live, and the champion as a candidate under the next number
+        (the workers score only candidates newer than what they serve): scored in shadow beside the line."""
+        gate, core = self.gate, self.core
+        assert gate.candidate_tensors is not None and gate.champion_tensors is not None
+        self.outbox.append(self.encode(gate.candidate_tensors, core.version, "live", note="the learner's line"))
+        core.version += 1
+        self.outbox.append(
+            self.encode(gate.champion_tensors, core.version, "candidate", note="the champion, scored beside the line")
+        )
+        log.info("policy v%d (epoch %d) serves, the champion scored beside it", core.version - 1, core.epoch)
 
     def updated(self) -> None:
         """The learner made an update: the next candidate (gated), or the line's newest (holdback, trusted)."""
@@ -174,6 +189,9 @@ class Promotion:
             epoch, version = self.withdraw_line(shown)
         elif verdict in ("promote", "roll back"):
             note = f"rolled back: {shown}" if verdict == "roll back" else f"promoted: {shown}"
+            if line and gate.share() is None:  # a line already serves: a new number, and the workers stop scoring
+                core.version += 1
+                epoch, version = gate.candidate = (core.epoch, core.version)
             self.outbox.append(self.encode(gate.candidate_tensors, version, "live", epoch, note))
             gate.promoted()
         else:
