@@ -127,16 +127,23 @@ def feedback_applied(stack: LocalStack, queries: list[Query], timeout_s: float =
     return wait
 
 
+def played_and_joined(stack: LocalStack, zoo, tag: str):
+    """The bundled stream's first N queries played at 60 per second; the report, once the learner has joined them
+    all (or a minute has passed)."""
+    report = asyncio.run(play(stack.settings, traffic(zoo, tag), rate=60, idle_timeout_s=60))
+    deadline = time.monotonic() + 60
+    while learner_stat(stack, "rlens_learner_joined_total") < N and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return report
+
+
 def test_gated_promotion_through_the_policy_topic(tmp_path, zoo):
     """RLENS_PROMOTION=gated: candidates travel the policy topic, the worker scores each in shadow, the learner
     promotes or drops it on that evidence, and the worker serves nothing but promoted policies."""
     gated = {"promotion": "gated", "gate_min_events": 100, "gate_max_events": 200}
     stack = make_stack(tmp_path, service=gated)
     try:
-        report = asyncio.run(play(stack.settings, traffic(zoo, "gated"), rate=60, idle_timeout_s=60))
-        deadline = time.monotonic() + 60
-        while learner_stat(stack, "rlens_learner_joined_total") < N and time.monotonic() < deadline:
-            time.sleep(0.5)
+        report = played_and_joined(stack, zoo, "gated")
         listed, promoted = operator_promotes_the_newest_candidate(stack, tmp_path)
         time.sleep(2.0)  # the promotion reaches the worker
         after = asyncio.run(play(stack.settings, traffic(zoo, "promoted", n=100), rate=60, idle_timeout_s=60))
@@ -160,10 +167,7 @@ def test_holdback_promotion_serves_each_update_at_once_with_the_champion_in_shad
     held = {"promotion": "holdback", "gate_min_events": 100, "gate_max_events": 200}
     stack = make_stack(tmp_path, service=held)
     try:
-        report = asyncio.run(play(stack.settings, traffic(zoo, "held"), rate=60, idle_timeout_s=60))
-        deadline = time.monotonic() + 60
-        while learner_stat(stack, "rlens_learner_joined_total") < N and time.monotonic() < deadline:
-            time.sleep(0.5)
+        report = played_and_joined(stack, zoo, "held")
     finally:
         stack.stop()
     state = final_learner_state(stack)
