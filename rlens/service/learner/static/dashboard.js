@@ -89,7 +89,7 @@ function policyCard(data) {
 // Gated promotion: what is served, the candidate's evidence with candidate − champion so far, and the verdicts.
 const KIND_NOTES = {
   probation: " (the replaced champion, on probation)",
-  line: " (holdback: the learner's newest, serving beside the champion's share)",
+  line: " (holdback: the learner's newest, serving at once, judged against the champion)",
 };
 function gateCard(data) {
   const g = data.gate;
