@@ -175,16 +175,17 @@ class Settings(BaseSettings):
     gate_min_events: int | None = Field(
         None,
         ge=10,
-        description="guarded promotion: labelled queries of evidence before a verdict (rl_focal: scored in shadow; "
-        "rlae: the candidate's own, holdback: the champion's); unset, the strategy's: rl_focal 400, rlae 50 gated "
-        "and 25 holdback (rlens.service.learner.gate.default_events)",
+        description="guarded promotion: labelled queries of evidence before a verdict (rl_focal: scored in shadow, "
+        "holdback: the line's; rlae: the candidate's own, holdback: the champion's); unset, the strategy's: rl_focal "
+        "400, rlae 50 gated and 25 holdback (rlens.service.learner.gate.default_events)",
     )
     gate_max_events: int | None = Field(
         None,
         ge=10,
         description="guarded promotion: a candidate not promoted by then is dropped (rl_focal; an rlae candidate is "
         "judged once, after RLENS_GATE_MIN_EVENTS of its own queries); holdback: the line's evidence starts again "
-        "after this many of the champion's queries without a verdict; unset, the strategy's: rl_focal 4,000, rlae 50",
+        "after this many of its queries (rlae: the champion's) without a verdict; unset, the strategy's: rl_focal "
+        "4,000 (1,200 holdback), rlae 50",
     )
     gate_delta: float = Field(
         0.02, ge=0, description="gated promotion: the reward a candidate may lose, at the lower bound"
