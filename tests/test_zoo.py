@@ -12,7 +12,7 @@ import tiktoken
 
 from rlens.evaluation.dataset import load_dataset
 from rlens.settings import settings
-from rlens.zoo.build import SPECIALISTS, bpe_corpus, load_zoo, train_specialist
+from rlens.zoo.build import SPECIALISTS, bpe_corpus, load_zoo, train_specialist, train_specialists
 from rlens.zoo.record import QUESTIONS_FILE, read_questions
 from rlens.zoo.tasks import (
     ANTONYMS,
@@ -135,6 +135,22 @@ def test_training_is_seeded_and_deterministic(tmp_path):
     a, b, c = (load_file(tmp_path / d / spec.name / "model.safetensors") for d in "abc")
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert any(not np.array_equal(a[k], c[k]) for k in a)
+
+
+def test_specialists_train_alike_whatever_this_machines_instruction_set(tmp_path, monkeypatch):
+    """The specialists train in a process of their own with portable numerics: a parent set to torch's AVX2 kernels
+    and one set to its scalar kernels train the same weights (trained with AVX2's rounding, it is another model)."""
+    from safetensors.numpy import load_file
+
+    spec = replace(SPECIALISTS[1], steps=8)
+    steps = []
+    for capability in ("avx2", "default"):
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+        (model,) = train_specialists([spec], tmp_path / capability, steps.append)
+        assert model.name == spec.name
+    assert steps == [1] * 16
+    avx2, default = (load_file(tmp_path / d / spec.name / "model.safetensors") for d in ("avx2", "default"))
+    assert all(np.array_equal(avx2[k], default[k]) for k in avx2)
 
 
 def test_quick_zoo_manifest(quick_zoo):

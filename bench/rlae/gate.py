@@ -15,41 +15,48 @@ generation stream, the family switching every 100 queries (``--stream-seed`` + t
 starts from an offline run of 1,024 episodes on the training split (live at once; gated, the first champion). *Forced*: halfway,
 an operator sets the untrained policy live again (signed, as ``rlens policy promote`` does). Prints served exact
 match overall and over the last third, the share the candidates served, and the gate's verdicts.
+Portable numerics (as `rlens replay`), so a seed serves the same figures on any x86-64 machine with the same zoo
+(`rlens zoo build` trains it with them too).
 """
 
 from __future__ import annotations
 
-import asyncio
-import shutil
-from dataclasses import replace
-import tempfile
-import time
-from pathlib import Path
-from types import SimpleNamespace
+import os
 
-import numpy as np
-import torch
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")  # portable numerics (as `rlens replay`): before torch loads
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
-from bench.common.args import add_out, add_seeds, arguments, write_json
-from bench.common.machine import machine_facts
-from bench.rlae.online import FAMILIES, MODELS, MAX_TOKENS, SPAN, offline_run
-from bench.robustness.gate import SIGNER, TOKENS, record
-from rlens.checkpoint import CheckpointStore
-from rlens.local.load import open_ended_queries
-from rlens.messages import Feedback
-from rlens.rlae.agent import make_policy
-from rlens.rlae.decode import TokenEnsemble
-from rlens.rlae.observe import SentenceEncoder, obs_dim
-from rlens.rlae.train import RLAEAgent
-from rlens.service.common.policy import PolicyHistory, encode_policy
-from rlens.service.learner.core import LearnerCore
-from rlens.service.learner.gate import Gate, GateConfig
-from rlens.service.learner.online import RLAEOnlineTrainer
-from rlens.service.run import rlae_config
-from rlens.service.worker.rlae import RLAEWorker
-from rlens.settings import settings
-from rlens.zoo.build import load_backend, load_zoo
-from rlens.zoo.tasks import exact_match, generation_stream
+import asyncio  # noqa: E402
+import shutil  # noqa: E402
+from dataclasses import replace  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.common.args import add_out, add_seeds, arguments, write_json  # noqa: E402
+from bench.common.machine import machine_facts  # noqa: E402
+from bench.rlae.online import FAMILIES, MODELS, MAX_TOKENS, SPAN, offline_run  # noqa: E402
+from bench.robustness.gate import SIGNER, TOKENS, record  # noqa: E402
+from rlens.checkpoint import CheckpointStore  # noqa: E402
+from rlens.local.load import open_ended_queries  # noqa: E402
+from rlens.messages import Feedback  # noqa: E402
+from rlens.rlae.agent import make_policy  # noqa: E402
+from rlens.rlae.decode import TokenEnsemble  # noqa: E402
+from rlens.rlae.observe import SentenceEncoder, obs_dim  # noqa: E402
+from rlens.rlae.train import RLAEAgent  # noqa: E402
+from rlens.service.common.policy import PolicyHistory, encode_policy  # noqa: E402
+from rlens.service.learner.core import LearnerCore  # noqa: E402
+from rlens.service.learner.gate import Gate, GateConfig  # noqa: E402
+from rlens.service.learner.online import RLAEOnlineTrainer  # noqa: E402
+from rlens.service.run import rlae_config  # noqa: E402
+from rlens.service.worker.rlae import RLAEWorker  # noqa: E402
+from rlens.settings import settings  # noqa: E402
+from rlens.zoo.build import load_backend, load_zoo  # noqa: E402
+from rlens.zoo.tasks import exact_match, generation_stream  # noqa: E402
 
 BATCH = 32
 CASES = ("clean", "sabotaged", "forced")

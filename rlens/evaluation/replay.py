@@ -14,7 +14,6 @@ of CPU).
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 import threading
 import time
@@ -35,6 +34,7 @@ from rlens.drift import DriftMonitor, drift_figures
 from rlens.focal.schedule import OnlineTrace, Reaction, run_online, warm_start, warm_start_steps
 from rlens.evaluation.protocols import Protocol, split
 from rlens.evaluation.results import DriftResult, MethodResult, ReplayResults
+from rlens.numerics import PORTABLE_NUMERICS, environment
 
 # name -> (changes to the configuration, description)
 RL_VARIANTS: dict[str, tuple[dict, str]] = {
@@ -59,8 +59,6 @@ RL_VARIANTS: dict[str, tuple[dict, str]] = {
 DEFAULT_VARIANTS = [name for name in RL_VARIANTS if name != "rl_focal_marginal"]
 PROGRESS_EVERY = 50
 Numerics = Literal["portable", "native"]
-# read by torch and MKL when a process first computes: set before the variant processes start
-PORTABLE_NUMERICS = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
 
 
 @dataclass
@@ -177,20 +175,6 @@ def _variant_in_worker(variant, data, warm_index, test_index, config, seed, drif
     return variant, trace
 
 
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _run_variants(
     variants, data, warm_index, test_index, config, seed, workers, progress, drift, numerics: Numerics, policies
 ) -> dict[str, OnlineTrace]:
@@ -214,7 +198,7 @@ def _run_variants(
             if progress:
                 progress(n)
 
-    with _environment(PORTABLE_NUMERICS if numerics == "portable" else {}), _sigint_ignored():
+    with environment(PORTABLE_NUMERICS if numerics == "portable" else {}), _sigint_ignored():
         pool = context.Pool(max(1, min(workers, len(variants))), _init_worker, (progress_queue,))
     try:
         pending = [

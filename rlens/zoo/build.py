@@ -6,15 +6,17 @@
 - Four tiny GPT-2 specialists, trained here in about a minute each on CPU, each on a mix of task families
   (``rlens.zoo.tasks``) with one main family, two with a character tokenizer and two with GPT-2 BPE.
 
-Training is seeded (data, initialisation, batch order) and runs on CPU with a fixed number of threads, so the
-same machine rebuilds the same weights. The zoo directory holds one Hugging Face model directory per specialist
-and ``zoo.json``, the manifest that :func:`load_zoo` reads.
+Training is seeded (data, initialisation, batch order) and runs on CPU with a fixed number of threads and portable
+numerics, so any x86-64 machine rebuilds the same weights. The zoo directory holds one Hugging Face model directory
+per specialist and ``zoo.json``, the manifest that :func:`load_zoo` reads.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -22,6 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from rlens.numerics import PORTABLE_NUMERICS, environment
 from rlens.zoo.tasks import FAMILIES, make_question, training_example
 from rlens.zoo.tokenizers import char_tokenizer, gpt2_subset_tokenizer
 
@@ -184,22 +187,63 @@ def train_specialist(spec: SpecialistSpec, out_dir: Path, progress: Callable[[in
     return ZooModel(spec.name, spec.name, None, spec.tokenizer, dict(spec.mix), n_params)
 
 
+def _train_all(specialists: list[SpecialistSpec], out_dir: Path, threads: int, messages) -> None:
+    """The training process: each specialist in turn; ``messages`` gets each step (1), then the models or the
+    exception."""
+    torch.set_num_threads(threads)
+    try:
+        messages.put([train_specialist(spec, out_dir, messages.put) for spec in specialists])
+    except Exception as exc:  # the builder raises it again
+        messages.put(exc)
+
+
+def train_specialists(
+    specialists: list[SpecialistSpec],
+    out_dir: Path,
+    progress: Callable[[int], None] = lambda n: None,
+    threads: int = 2,
+) -> list[ZooModel]:
+    """:func:`train_specialist` of each, in a process of its own with portable numerics (:mod:`rlens.numerics`) and
+    ``threads`` torch threads, so any x86-64 machine trains the same weights: a zoo trained with another instruction
+    set's rounding is another zoo (BENCHMARKS.md). Another thread count changes them slightly (float reductions in
+    another order). ``progress`` gets each training step."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    context = multiprocessing.get_context("spawn")
+    messages = context.SimpleQueue()
+    with environment(PORTABLE_NUMERICS):  # read by torch when the new process first computes
+        trainer = context.Process(target=_train_all, args=(specialists, out_dir, threads, messages), daemon=True)
+        trainer.start()
+    models: list[ZooModel] | None = None
+    try:
+        while models is None:
+            ended = not trainer.is_alive()
+            while not messages.empty():
+                message = messages.get()
+                if isinstance(message, Exception):
+                    raise message
+                if isinstance(message, list):
+                    models = message
+                else:
+                    progress(message)
+            if models is None and ended:
+                raise RuntimeError(f"the zoo's training process ended with exit code {trainer.exitcode}")
+            time.sleep(0.05)
+    finally:
+        if trainer.is_alive():
+            trainer.terminate()
+        trainer.join()
+    return models
+
+
 def build_zoo(
     out_dir: Path,
     specialists: list[SpecialistSpec] = SPECIALISTS,
     progress: Callable[[int], None] = lambda n: None,
     threads: int = 2,
 ) -> list[ZooModel]:
-    """Train every specialist into ``out_dir`` with ``threads`` torch threads, add SmolLM2 and Gemma 3, and write the
-    manifest. The same seeds and thread count rebuild the same weights; another thread count changes them slightly
-    (float reductions in another order)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        models = [train_specialist(spec, out_dir, progress) for spec in specialists]
-    finally:
-        torch.set_num_threads(previous_threads)
+    """Train every specialist into ``out_dir`` (:func:`train_specialists`), add SmolLM2 and Gemma 3, and write the
+    manifest."""
+    models = train_specialists(specialists, out_dir, progress, threads)
     models[:0] = [
         ZooModel("smollm2-135m", str(smollm2_dir()), SMOLLM2_GGUF, "smollm2", {}, 134_515_008),
         assemble_gemma3(out_dir),
