@@ -53,6 +53,7 @@ def quiet_transformers() -> None:
         return
 
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's own tqdm bar
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # processes it starts, too (the zoo's training)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
