@@ -18,6 +18,7 @@ what ``rlens serve-model`` answers to OpenAI ``echo`` + ``logprobs`` requests.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,11 +84,18 @@ class NextToken:
     prompt_tokens: int
 
 
+def cache_keyword(model) -> str:
+    """The name a model's forward takes and returns its key-value cache by: ``cache`` since transformers 5.24 (where
+    ``past_key_values`` is deprecated), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @register_backend("transformers")
 class TransformersBackend(Backend):
     def __init__(self, model, tokenizer, device: str = "cpu", max_length: int | None = None):
         """Wrap an already built causal LM and its tokenizer (see :meth:`load` for a directory or GGUF file)."""
         self.model = model.to(device).eval()
+        self.cache_keyword = cache_keyword(self.model)
         self.tokenizer = tokenizer
         self.prefix = bos_prefix(tokenizer)  # read before every prompt
         self.device = device
@@ -142,12 +150,15 @@ class TransformersBackend(Backend):
             rest = torch.full((n, longest - 1), pad, dtype=torch.long, device=self.device)
             for i, c in enumerate(continuations):
                 rest[i, : len(c) - 1] = torch.tensor(c[:-1])
-            cache = out.past_key_values
+            cache = getattr(out, self.cache_keyword)
             cache.batch_repeat_interleave(n)
             positions = torch.arange(len(context), len(context) + longest - 1, device=self.device).expand(n, -1)
             mask = torch.ones(n, len(context) + longest - 1, dtype=torch.long, device=self.device)  # right padding only
             rest_logp = F.log_softmax(
-                self.model(rest, past_key_values=cache, attention_mask=mask, position_ids=positions).logits.float(), -1
+                self.model(
+                    rest, attention_mask=mask, position_ids=positions, **{self.cache_keyword: cache}
+                ).logits.float(),
+                -1,
             )
 
         loglikelihoods, greedy = [], []

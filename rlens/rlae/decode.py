@@ -212,17 +212,17 @@ class TokenEnsemble(SpanWeightedDecoder[list[ModelState]]):
             input_ids=ids.to(backend.device),
             attention_mask=mask.to(backend.device),
             position_ids=positions.to(backend.device),
-            past_key_values=state.cache if state else None,
+            **{backend.cache_keyword: state.cache if state else None},
             use_cache=True,
             logits_to_keep=1,  # only the next token's logits
         )
         logprobs = F.log_softmax(out.logits[:, -1].float(), -1).cpu()
         self.model_seconds[m] += time.perf_counter() - started
         if state is None:
-            return ModelState(out.past_key_values, mask, logprobs, lengths, [[] for _ in rows])
+            return ModelState(getattr(out, backend.cache_keyword), mask, logprobs, lengths, [[] for _ in rows])
         fed = torch.tensor([len(row) > 0 for row in rows])
         return ModelState(
-            out.past_key_values,
+            getattr(out, backend.cache_keyword),
             mask,
             logprobs if fed.all() else torch.where(fed[:, None], logprobs, state.next_logprobs),
             lengths,
