@@ -27,6 +27,7 @@ import numpy as np
 
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, add_seeds, arguments, write_json
+from rlens.cli.common import quiet_transformers
 from rlens.evaluation import baselines
 from rlens.evaluation.dataset import load_dataset
 from rlens.evaluation.open_ended import sampled_dataset
@@ -152,6 +153,7 @@ def main() -> None:
     parser.add_argument("--skip-live", action="store_true")
     add_out(parser, "bench/out/focal_open")
     args = parser.parse_args()
+    quiet_transformers()
     print(f"machine: {machine_facts()}", flush=True)
     recorded = record(args.zoo, args.out, args.samples)
     rows = []

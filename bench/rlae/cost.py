@@ -23,6 +23,7 @@ import torch
 
 from bench.common.machine import machine_facts
 from bench.common.args import arguments
+from rlens.cli.common import quiet_transformers
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.observe import SentenceEncoder, obs_dim
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--observe", nargs="+", default=["text", "prompt"], choices=["text", "prompt"])
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
+    quiet_transformers()
     torch.set_num_threads(2)
     zoo = {m.name: m for m in load_zoo(args.zoo or settings().zoo_dir)}
     encoder = SentenceEncoder()

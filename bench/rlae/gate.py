@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 from bench.common.args import add_out, add_seeds, arguments, write_json  # noqa: E402
 from bench.common.machine import machine_facts  # noqa: E402
+from rlens.cli.common import quiet_transformers  # noqa: E402
 from bench.rlae.online import FAMILIES, MODELS, MAX_TOKENS, SPAN, offline_run  # noqa: E402
 from bench.robustness.gate import SIGNER, TOKENS, record  # noqa: E402
 from rlens.checkpoint import CheckpointStore  # noqa: E402
@@ -150,6 +151,7 @@ def main() -> None:
     )
     add_out(parser, "bench/out/rlae-gate.json")
     args = parser.parse_args()
+    quiet_transformers()
     torch.set_num_threads(2)
     print(f"machine: {machine_facts()}", flush=True)
     zoo = load_zoo(args.zoo or settings().zoo_dir)

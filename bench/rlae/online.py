@@ -40,6 +40,7 @@ from aiokafka import AIOKafkaConsumer
 
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, arguments, write_json
+from rlens.cli.common import quiet_transformers
 from rlens.drift import drift_figures
 from rlens.messages import DriftEvent
 from rlens.rlae.agent import RLAEConfig
@@ -261,6 +262,7 @@ def main() -> None:
         help="one stream key for all families (the switches are drift inside it), instead of one per family",
     )
     args = parser.parse_args()
+    quiet_transformers()
     print(f"machine: {machine_facts()}", flush=True)
     zoo = args.zoo or settings().zoo_dir
     args.out.mkdir(parents=True, exist_ok=True)
