@@ -32,7 +32,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from rlens.messages import Answer, Query
+from rlens.messages import Answer, ModelFailureRecord, Query
 from rlens.service.gateway.api_keys import KeysError, KeyStore, add_key, read_records, revoke_key
 from rlens.service.gateway.app import OPENAPI_FILE, openapi_document
 from rlens.service.gateway.state import GatewayState
@@ -557,7 +557,7 @@ def test_a_forged_reply_never_answers_a_client(gw):
             update={"answer": "", "answer_index": -1, "distribution": [], "answered_models": [], "feedback_token": ""}
         )
         empty = empty.model_copy(
-            update={"failures": [{"model": "x", "reason": "attacker's text"}], "signature": "0" * 64}
+            update={"failures": [ModelFailureRecord(model="x", reason="attacker's text")], "signature": "0" * 64}
         )
 
         async def send() -> None:
