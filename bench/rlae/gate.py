@@ -39,10 +39,10 @@ import torch  # noqa: E402
 
 from bench.common.args import add_out, add_seeds, arguments, write_json  # noqa: E402
 from bench.common.machine import machine_facts  # noqa: E402
-from rlens.cli.common import quiet_transformers  # noqa: E402
 from bench.rlae.online import FAMILIES, MODELS, MAX_TOKENS, SPAN, offline_run  # noqa: E402
 from bench.robustness.gate import SIGNER, TOKENS, record  # noqa: E402
 from rlens.checkpoint import CheckpointStore  # noqa: E402
+from rlens.cli.common import quiet_transformers  # noqa: E402
 from rlens.local.load import open_ended_queries  # noqa: E402
 from rlens.messages import Feedback  # noqa: E402
 from rlens.rlae.agent import make_policy  # noqa: E402
