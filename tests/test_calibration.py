@@ -221,7 +221,8 @@ def test_the_learner_publishes_calibrations_and_the_workers_answer_with_their_vo
             for i, (experience, (query, label)) in enumerate(zip(out.experience, batch)):
                 await learner.on_experience(experience, Record(start + i))
                 await learner.on_feedback(
-                    Feedback(query_id=query.query_id, token=token(query.query_id), label=label), Record(start + i)
+                    Feedback(query_id=query.query_id, token=token(query.query_id, query.stream), label=label),
+                    Record(start + i),
                 )
             await learner.apply_windows()
         assert learner.stats.calibrations_published == 3

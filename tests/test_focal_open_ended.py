@@ -177,7 +177,9 @@ def test_the_worker_answers_with_a_candidate_and_the_learner_labels_it_by_the_re
         assert core.trainer.check(experience["q0"]) is None
         for qid, reference in (("q0", "2"), ("q1", " 4\nsomething else")):
             await core.on_experience(experience[qid], Record(0))
-            assert await core.on_feedback(Feedback(query_id=qid, token=token(qid), reference=reference), Record(1)) == (
+            assert await core.on_feedback(
+                Feedback(query_id=qid, token=token(qid, experience[qid].stream), reference=reference), Record(1)
+            ) == (
                 None,
                 None,
             )
@@ -188,7 +190,9 @@ def test_the_worker_answers_with_a_candidate_and_the_learner_labels_it_by_the_re
         assert [t.fusion_reward for t in engine.buffer] == [1.0 if first.answer == "2" else -1.0, -1.0]
         assert [t.label for t in engine.buffer] == [1, -1]  # no candidate to learn from when none is right
         await core.on_experience(experience["q0"].model_copy(update={"query_id": "q9"}), Record(0))
-        _, dead = await core.on_feedback(Feedback(query_id="q9", token=token("q9"), label=2), Record(3))
+        _, dead = await core.on_feedback(
+            Feedback(query_id="q9", token=token("q9", experience["q0"].stream), label=2), Record(3)
+        )
         assert (
             "label 2 is not one of query q9's 2 candidates" in dead.reason and base64.b64decode(dead.value_b64) == b"{}"
         )

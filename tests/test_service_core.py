@@ -76,9 +76,9 @@ def learner(tmp_path: Path, url: str, **options) -> LearnerCore:
     )
 
 
-def fb(qid: str, **outcome) -> Feedback:
-    """Feedback that carries its answer's token."""
-    return Feedback(query_id=qid, token=token(qid), **outcome)
+def fb(qid: str, on: str = "s", **outcome) -> Feedback:
+    """Feedback that carries the token of its answer on stream ``on``."""
+    return Feedback(query_id=qid, token=token(qid, on), **outcome)
 
 
 def test_join_in_either_order_ignores_duplicates_and_rewards_correctly(tmp_path, redis_server):
@@ -225,7 +225,7 @@ def test_a_task_switch_raises_drift_events_on_the_outcome_and_the_models_and_det
         events = []
         for i in range(400):
             await core.on_experience(experience(engine, f"d{i}", stream="switch"), Record(0))
-            await core.on_feedback(fb(f"d{i}", label=1 if i < 200 else 0), Record(i))
+            await core.on_feedback(fb(f"d{i}", "switch", label=1 if i < 200 else 0), Record(i))
             events += core.take_drift_events()
         await core.apply_windows()
         window = (await core.windows.load(["switch"]))["switch"]

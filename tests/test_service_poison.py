@@ -93,8 +93,9 @@ def experience(qid: str, stream: str = "s", answer: int = 1, n_choices: int = 4,
     return Experience(**{**fields, **changes})
 
 
-def fb(qid: str, **outcome) -> Feedback:
-    return Feedback(query_id=qid, token=token(qid), **outcome)
+def fb(qid: str, on: str = "s", **outcome) -> Feedback:
+    """Feedback that carries the token of its answer on stream ``on``."""
+    return Feedback(query_id=qid, token=token(qid, on), **outcome)
 
 
 def replay_worker(zoo, windows=None, cls=FocalWorker) -> FocalWorker:
@@ -155,10 +156,26 @@ def test_forged_feedback_is_dead_lettered_and_the_true_feedback_still_joins(tmp_
         await core.apply_windows()
         window = (await core.windows.load(["s"]))["s"]
         assert core.stats.joined == 1 and window.n_rows == 1 and window.labels[0] == 1
-        # feedback naming another stream than its query's does not train
+        # feedback naming another stream than its query's does not train: its token is not that stream's, and a token
+        # issued for the same id on another stream (the oracle of issue 60) rates no query of this one
         await core.on_experience(experience("c", stream="s"), Record(1, topic="rlens.experience"))
         _, dead = await core.on_feedback(fb("c", stream="other", label=1), Record(3))
-        assert "query c is on stream 's'" in dead.reason and core.stats.joined == 1
+        assert "token does not match query c" in dead.reason and core.stats.joined == 1
+        elsewhere = Feedback(query_id="c", token=token("c", "other"), label=3)
+        _, dead = await core.on_feedback(elsewhere, Record(4))
+        assert "issued for another stream than its query's ('s')" in dead.reason and core.stats.joined == 1
+        _, dead = await core.on_feedback(elsewhere.model_copy(update={"stream": "other"}), Record(5))
+        assert "issued for another stream" in dead.reason and core.stats.joined == 1
+        # held before its query's experience, it is dropped when the experience comes, and the true one still joins
+        await core.on_feedback(Feedback(query_id="d", token=token("d", "other"), label=3), Record(6))
+        assert await core.on_experience(experience("d", stream="s"), Record(2, topic="rlens.experience")) == (
+            None,
+            None,
+        )
+        assert any("issued for another stream" in d.reason for d in core.take_dead_letters())
+        assert await core.on_feedback(fb("d", label=1), Record(7)) == (None, None)
+        assert await core.on_feedback(fb("c", label=1), Record(8)) == (None, None)
+        assert core.stats.joined == 3 and core.stats.forged_feedback == 6
 
     asyncio.run(scenario())
 
@@ -289,7 +306,7 @@ def test_a_query_that_makes_its_batch_raise_is_dead_lettered_alone(zoo):
         q.query_id for q in queries if q.query_id != queries[6].query_id
     )
     assert list(out.failed) == ["poison"] and "OverflowError" in out.failed["poison"]
-    assert all(a.feedback_token == token(a.query_id) for a in out.answers)
+    assert all(a.feedback_token == token(a.query_id, a.stream) for a in out.answers)
 
 
 def test_dead_letters_of_oversize_records_are_small_and_identify_the_record():
@@ -457,7 +474,7 @@ def test_redis_down_at_start_and_during_a_long_outage_loses_no_outcome(tmp_path,
         core.windows = dead
         for i in range(3):
             await core.on_experience(experience(f"q{i}", stream="down"), Record(i, topic="rlens.experience"))
-            await core.on_feedback(fb(f"q{i}", label=1), Record(i))
+            await core.on_feedback(fb(f"q{i}", "down", label=1), Record(i))
         assert core.stats.joined == 3 and len(core.window_backlog) == 3 and core.stats.windows_applied == 0
         core.checkpoint()  # the backlog survives a restart
         core.checkpoints.close()

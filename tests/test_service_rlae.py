@@ -125,11 +125,11 @@ def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_loa
         for i, task in enumerate(tasks):
             qid = f"q-{i}"
             feedback = (
-                Feedback(query_id=qid, token=token(qid), reward=0.5)
+                Feedback(query_id=qid, token=token(qid, experience[qid].stream), reward=0.5)
                 if i == 0
-                else Feedback(query_id=qid, token=token(qid), label=1)
+                else Feedback(query_id=qid, token=token(qid, experience[qid].stream), label=1)
                 if i == 1
-                else Feedback(query_id=qid, token=token(qid), reference=task.reference)
+                else Feedback(query_id=qid, token=token(qid, experience[qid].stream), reference=task.reference)
             )
             pair = [core.on_feedback(feedback, Record(i)), core.on_experience(experience[qid], Record(i))]
             for step in pair if i == 2 else pair[::-1]:
@@ -137,7 +137,9 @@ def test_learner_trains_the_agent_online_from_reference_feedback_and_workers_loa
                 policies += [policy] if policy else []
                 dead += [rejected] if rejected else []
         # duplicate feedback: ignored
-        await core.on_feedback(Feedback(query_id="q-3", token=token("q-3"), reference="dup"), Record(99))
+        await core.on_feedback(
+            Feedback(query_id="q-3", token=token("q-3", experience["q-3"].stream), reference="dup"), Record(99)
+        )
         assert core.stats.joined == 10 and core.stats.duplicates == 1 and core.stats.invalid_feedback == 1
         # the rehearsal memory shares its budget of 2 among the streams of the update (those of q-0, q-2..q-8): each
         # keeps its latest episodes, at least one
@@ -187,7 +189,9 @@ async def serve_split(worker, core, queries, rewards: dict[bool, float]):
     for e in out.experience:
         reward = rewards[e.split.candidate] if e.split is not None else 0.5
         await core.on_experience(e, Record(0))
-        await core.on_feedback(Feedback(query_id=e.query_id, token=token(e.query_id), reward=reward), Record(0))
+        await core.on_feedback(
+            Feedback(query_id=e.query_id, token=token(e.query_id, e.stream), reward=reward), Record(0)
+        )
     published = core.take_policies()
     for policy in published:
         assert worker.receive_policy(policy) is None

@@ -8,5 +8,6 @@ VERIFIER = SIGNER.verifier()
 TOKENS = FeedbackTokens(SECRETS["RLENS_FEEDBACK_SECRET"])
 
 
-def token(query_id: str) -> str:
-    return TOKENS.token(query_id)
+def token(query_id: str, stream: str = "s") -> str:
+    """The feedback token of ``query_id`` asked on ``stream``."""
+    return TOKENS.token(query_id, stream)

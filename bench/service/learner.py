@@ -49,7 +49,7 @@ def pairs(n: int, tokens: FeedbackTokens) -> tuple[list[bytes], list[bytes]]:
         for i in range(n)
     ]
     feedback = [
-        Feedback(query_id=f"q{i}", token=tokens.token(f"q{i}"), label=i % 4).model_dump_json().encode()
+        Feedback(query_id=f"q{i}", token=tokens.token(f"q{i}", f"s{i % 1000}"), label=i % 4).model_dump_json().encode()
         for i in range(n)
     ]
     return experience, feedback

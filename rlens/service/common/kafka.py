@@ -3,7 +3,9 @@
 - :func:`make_broker`: a ``KafkaBroker`` from the settings (bootstrap, SASL / TLS passthrough, quiet logs).
 - :class:`Topics`: every topic name, from one prefix.
 - :func:`keep_bytes`: a decoder that hands handlers the raw bytes, so that parsing (and dead-lettering what does
-  not parse) is the service's own, never FastStream's.
+  not parse) is the service's own, never FastStream's; :func:`checked_records`: the parser in front of it, so that
+  no record header can make FastStream drop a batch, and :data:`SUBSCRIBER` what every subscriber passes (no reply
+  from a subscriber to a ``reply_to`` header: FastStream's RPC is not rlens's).
 - :func:`parse_or_dead_letter`: bytes → a typed message, or a :class:`DeadLetter` with the reason (its coordinates,
   the first :data:`DEAD_LETTER_VALUE_BYTES` bytes, the size and SHA-256 of the whole value).
 - :func:`typed_publisher` / :func:`publish`: messages out (documented with their schema), confirmed by the broker
@@ -21,9 +23,10 @@ import json
 import logging
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Sequence, TypeVar
 
+from aiokafka.structs import ConsumerRecord
 from faststream.kafka import KafkaBroker, KafkaResponse
 from pydantic import ValidationError
 
@@ -166,8 +169,58 @@ async def keep_bytes(message: Any) -> Any:
     return message.body
 
 
+HEADER_EXCERPT_BYTES = 64  # what a dead letter's reason quotes of a bad header
+# FastStream's own RPC headers: a subscriber never answers them (its replies are rlens's messages, sent by rlens)
+RPC_HEADERS = ("reply_to", "correlation_id")
+
+
+@dataclass
+class CheckedRecord(ConsumerRecord):
+    """A consumer record whose headers were checked: only those with a UTF-8 value are kept (FastStream's RPC headers
+    never), and ``header_problem`` says why the record must be dead-lettered (a header without a value, or not UTF-8)."""
+
+    header_problem: str | None = None
+
+
+def check_record(record: Any) -> CheckedRecord:
+    """``record`` with its headers checked (:class:`CheckedRecord`); the first bad header is the record's problem."""
+    kept, problem = [], None
+    for key, value in record.headers or ():
+        if value is None:
+            problem = problem or f"record header {key[:HEADER_EXCERPT_BYTES]!r} has no value"
+            continue
+        try:
+            value.decode()
+        except (UnicodeDecodeError, AttributeError):
+            excerpt = bytes(value[:HEADER_EXCERPT_BYTES]) if isinstance(value, (bytes, bytearray)) else b""
+            problem = problem or (
+                f"record header {key[:HEADER_EXCERPT_BYTES]!r} is not UTF-8 ({len(value)} bytes, starting {excerpt!r})"
+            )
+            continue
+        if key not in RPC_HEADERS:
+            kept.append((key, value))
+    values = {f.name: getattr(record, f.name) for f in fields(ConsumerRecord)}
+    return CheckedRecord(**{**values, "headers": tuple(kept)}, header_problem=problem)
+
+
+async def checked_records(message: Any, original: Any) -> Any:
+    """FastStream parser: FastStream's own, over the records with their headers checked (:func:`check_record`), so
+    that a header that is null or not UTF-8 costs its own record (dead-lettered by :func:`parse_or_dead_letter`), never
+    its batch, and no header is logged whole."""
+    if isinstance(message, tuple):
+        return await original(tuple(check_record(r) for r in message))
+    return await original(check_record(message))
+
+
+# what every subscriber of the service passes: checked headers, raw bytes, and no FastStream reply
+SUBSCRIBER: dict[str, Any] = {"parser": checked_records, "decoder": keep_bytes, "no_reply": True}
+
+
 def parse_or_dead_letter(model: type[M], record: Any, consumer: str) -> M | DeadLetter:
-    """Parse one consumer record's value as ``model``; what does not parse becomes a dead letter with the reason."""
+    """Parse one consumer record's value as ``model``; what does not parse (or has a bad header) becomes a dead
+    letter with the reason."""
+    if problem := getattr(record, "header_problem", None):
+        return dead_letter(record, problem, consumer)
     value: bytes = record.value or b""
     try:
         return model.model_validate_json(value)

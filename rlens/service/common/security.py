@@ -3,11 +3,13 @@
 - **Policies** are signed by the learner with an Ed25519 private key (``RLENS_POLICY_SIGNING_KEY``, the learner's
   alone); workers hold only the public key (``RLENS_POLICY_VERIFY_KEY``), so a process that can write to the
   ``policy`` topic, a worker included, cannot make a policy that workers load.
-- **Feedback** carries the answer's ``feedback_token``: an HMAC of the query id under ``RLENS_FEEDBACK_SECRET``
-  (workers, learner and gateway share it). The learner checks it before anything else, so feedback for a query
-  comes only from whoever received its answer; a forged one is dead-lettered and never blocks the true one. A
-  gateway's query has its token only on the gateway's reply topic (the shared ``answers`` topic carries its answer
-  without it), so no application can rate a gateway tenant's answers.
+- **Feedback** carries the answer's ``feedback_token``: HMACs of the query id and of the query id with its stream,
+  under ``RLENS_FEEDBACK_SECRET`` (workers, learner and gateway share it). The learner checks the first before
+  anything else, so feedback for a query comes only from whoever received an answer to that id, and a forged one is
+  dead-lettered and never blocks the true one; it checks the second when the feedback joins its query, so a token
+  issued for one stream rates no other. Workers answer a query id on the stream it was first asked on only (Redis
+  keeps each id's stream), and a query on a tenant's stream has its token only on its gateway's reply topic (the
+  shared ``answers`` topic carries its answer without it), so no application can rate a gateway tenant's answers.
 - **Tenants' streams**: the gateway asks on ``@<tenant>/<stream>`` and signs the query (an HMAC over its id and
   stream); workers dead-letter a query on such a stream without a valid signature, so no application on Kafka,
   nor another tenant, can move a tenant's windows.
@@ -92,12 +94,27 @@ class FeedbackTokens:
         self._secret = secret.encode()
         self._answer_key = hmac.new(self._secret, b"rlens answer signature", hashlib.sha256).digest()
         self._query_key = hmac.new(self._secret, b"rlens query signature", hashlib.sha256).digest()
+        self._stream_key = hmac.new(self._secret, b"rlens feedback stream", hashlib.sha256).digest()
 
-    def token(self, query_id: str) -> str:
+    def token(self, query_id: str, stream: str) -> str:
+        """Two MACs: one of the query id (checked as feedback arrives, before its query's stream may be known), one
+        of the query id and its stream (checked when the feedback joins its query): a token for one stream is none
+        for another's query of the same id."""
+        bound = hmac.new(self._stream_key, f"{query_id}\0{stream}".encode(), hashlib.sha256).hexdigest()
+        return self._issued_mac(query_id) + bound[: 2 * TOKEN_BYTES]
+
+    def _issued_mac(self, query_id: str) -> str:
         return hmac.new(self._secret, query_id.encode(), hashlib.sha256).hexdigest()[: 2 * TOKEN_BYTES]
 
-    def valid(self, query_id: str, token: str) -> bool:
-        return hmac.compare_digest(self.token(query_id), token)
+    def issued(self, query_id: str, token: str) -> bool:
+        """Whether ``token`` was issued for ``query_id`` on some stream (constant time)."""
+        return len(token) == 4 * TOKEN_BYTES and hmac.compare_digest(
+            self._issued_mac(query_id), token[: 2 * TOKEN_BYTES]
+        )
+
+    def valid(self, query_id: str, stream: str, token: str) -> bool:
+        """Whether ``token`` is the one issued for ``query_id`` on ``stream`` (constant time)."""
+        return hmac.compare_digest(self.token(query_id, stream), token)
 
     def _answer_mac(self, answer: Answer) -> str:
         content = answer.model_copy(update={"signature": ""}).model_dump_json().encode()

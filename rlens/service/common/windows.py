@@ -13,6 +13,7 @@ so both keys of one stream live in one slot and the update script may touch both
 | ``{prefix}:pool:{<stream>}`` | string | the Decider's last pool for the stream, one ``0``/``1`` per model (every worker reads and writes it, so the Decider sees the same previous pool whichever worker serves the stream) | M bytes | ``window_ttl_s`` |
 | ``{prefix}:ready:<role>:<host>-<pid>`` | string | a worker or learner process whose subscribers have joined: the URL of its ``/metrics``, ``/healthz``, ``/readyz`` | one per process | 30 s, renewed every 2 s while the process runs; deleted on clean shutdown |
 | ``{prefix}:replies:<reply topic>`` | string | a live gateway's reply topic: workers reply to no other (a query naming another is dead-lettered, so ``reply_to`` cannot make topics) | one per gateway replica | 30 s, renewed every 2 s while the gateway runs |
+| ``{prefix}:owner:{<query id>}`` | string | the stream a query id was first asked on: a worker answers that id on no other stream (a token for one stream is no token for another) | one per query | ``dedup_ttl_s`` |
 | ``{prefix}:lease:<consumer group>`` | string | the learner that holds its consumer group (fencing: one learner per group) | one per group | ``LEASE_TTL_S``, renewed by its holder |
 
 An update is one Lua script: if the query's marker is new, push the row, trim to W, renew the TTL (and push its
@@ -408,11 +409,19 @@ class RedisWindows:
                 pass  # the gateway's own readiness says Redis is down
             await asyncio.sleep(every_s)
 
-    async def registered_reply_topics(self, topics: set[str]) -> set[str]:
-        """Which of ``topics`` a live gateway registered, in one round trip (raises RedisError when Redis is down)."""
-        ordered = sorted(topics)
+    def owner_key(self, query_id: str) -> str:
+        return f"{self.prefix}:owner:{{{query_id}}}"
+
+    async def admission(self, topics: set[str], claims: dict[str, str]) -> tuple[set[str], dict[str, str]]:
+        """In one round trip: which of ``topics`` a live gateway registered, and each query id's stream (``claims``:
+        query id → the stream a query asks on), claimed by the first query that names it (kept ``dedup_ttl_s``), so
+        a query id is answered on one stream only. Raises RedisError when Redis is down."""
+        ordered, ids = sorted(topics), sorted(claims)
         async with self.redis.pipeline(transaction=False) as pipe:
             for topic in ordered:
                 pipe.exists(self.reply_key(topic))
+            for query_id in ids:
+                pipe.set(self.owner_key(query_id), claims[query_id], nx=True, get=True, ex=self.dedup_ttl_s)
             found = await pipe.execute()
-        return {topic for topic, exists in zip(ordered, found) if exists}
+        owners = {q: claims[q] if owner is None else owner.decode() for q, owner in zip(ids, found[len(ordered) :])}
+        return {topic for topic, exists in zip(ordered, found) if exists}, owners

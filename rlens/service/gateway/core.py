@@ -407,7 +407,7 @@ class Gateway:
             return FeedbackReceipt(id=request.id, status="duplicate")
         message = Feedback(
             query_id=request.id,
-            token=self.tokens.token(request.id),
+            token=self.tokens.token(request.id, tenant_stream(record.tenant, record.stream)),
             stream=tenant_stream(record.tenant, record.stream),
             label=request.label,
             reference=request.reference,

@@ -9,7 +9,7 @@ from rlens.messages import Answer, DeadLetter
 from rlens.service.common.kafka import (
     group_options,
     dead_letter,
-    keep_bytes,
+    SUBSCRIBER,
     parse_or_dead_letter,
     publish_dead_letters,
 )
@@ -39,7 +39,7 @@ def subscribe_replies(
         batch_timeout_ms=5,
         auto_offset_reset="earliest",
         ack_policy=AckPolicy.NACK_ON_ERROR,
-        decoder=keep_bytes,
+        **SUBSCRIBER,
         **group_options(settings),
         description="answers to this replica's queries (workers publish each answer here too)",
     )

@@ -13,7 +13,6 @@ from faststream import AckPolicy
 from faststream.asgi import AsgiFastStream
 from faststream.kafka import KafkaMessage
 from prometheus_client import CollectorRegistry
-from pydantic import ValidationError
 
 from rlens.messages import EXPERIENCE, DeadLetter, DriftEvent, Feedback, Policy
 from rlens.service.common.health import Readiness, admin_token, http_routes, settings_url
@@ -22,8 +21,9 @@ from rlens.service.common.kafka import (
     Topics,
     TopicRestorer,
     app_logger,
-    keep_bytes,
+    SUBSCRIBER,
     make_broker,
+    parse_or_dead_letter,
     publish,
     typed_publisher,
 )
@@ -72,7 +72,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         "batch_timeout_ms": 20,
         "auto_offset_reset": "earliest",
         "ack_policy": AckPolicy.MANUAL,
-        "decoder": keep_bytes,
+        **SUBSCRIBER,
         **group_options(settings),
     }
     experience_model = core.trainer.experience if core else EXPERIENCE[settings.strategy]
@@ -97,14 +97,13 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     @broker.subscriber(
         topics.policy,
         auto_offset_reset="earliest",
-        decoder=keep_bytes,
+        **SUBSCRIBER,
         description="JSON Policy messages: an operator's (rlens policy promote / rollback) are adopted, and a "
         "restarted gated learner learns from the topic's history what the workers serve",
     )
-    async def adopt_policy(body: bytes) -> None:
-        try:
-            policy = Policy.model_validate_json(body)
-        except ValidationError:
+    async def adopt_policy(body: bytes, message: KafkaMessage) -> None:
+        policy = parse_or_dead_letter(Policy, message.raw_message, "learner")
+        if isinstance(policy, DeadLetter):
             return  # the workers dead-letter it
         async with batches.lock:
             replies = live.on_policy(policy) + live.take_policies()

@@ -6,9 +6,9 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
 :mod:`.window_writer` (the Redis windows and their backlog), :mod:`.drift_watch` (detections and the reaction),
 :mod:`.pending` (unmatched halves). :mod:`.batches` hands it record batches; :mod:`.app` wires it to Kafka.
 
-- **Trust.** Feedback whose token is not its query's (:class:`rlens.service.common.security.FeedbackTokens`) is
-  dead-lettered on arrival, before it is held or counted, so a forged feedback can neither train nor block the true
-  one. An experience that does not fit the pool (:meth:`OnlineTrainer.check`) is dead-lettered before it is held.
+- **Trust.** Feedback whose token was not issued for its query id (:class:`rlens.service.common.security.FeedbackTokens`),
+  or for another stream than the one it names, is dead-lettered on arrival, before it is held or counted, so a
+  forged feedback can neither train nor block the true one; at the join its token must be its query's stream's. An experience that does not fit the pool (:meth:`OnlineTrainer.check`) is dead-lettered before it is held.
   Any other failure while handling one record dead-letters that record only.
 - **Join.** Either half may come first. Unmatched halves wait in :class:`rlens.service.learner.pending.PendingHalves`,
   bounded by count (``pending_limit``), bytes (``pending_bytes``) and per stream (``pending_per_stream``: a flood on
@@ -297,6 +297,11 @@ class LearnerCore:
         confidence = self.trainer.confidence(experience)
         self.dashboard.observe_answer(experience.stream, confidence, self.trainer.composition(experience))
         self.drift.observe(experience.stream, {"confidence": confidence}, qid, self.metrics)
+        if qid in self.feedback and not self.tokens.valid(
+            qid, experience.stream, self.feedback.items[qid].message.token
+        ):
+            self.stats.forged_feedback += 1
+            self._drop(self.feedback.pop(qid), self._other_stream(qid, experience.stream))
         if qid in self.feedback:
             held = self.feedback.pop(qid)
             return await self._join(experience, held.message, held.record, held.at - event_time(record))
@@ -310,7 +315,9 @@ class LearnerCore:
 
     async def on_feedback(self, feedback: Feedback, record) -> tuple[Policy | None, DeadLetter | None]:
         qid = feedback.query_id
-        if not self.tokens.valid(qid, feedback.token):
+        if not self.tokens.issued(qid, feedback.token) or (
+            feedback.stream is not None and not self.tokens.valid(qid, feedback.stream, feedback.token)
+        ):
             self.stats.forged_feedback += 1
             return None, dead_letter(
                 record, f"feedback token does not match query {qid} (not from its answer)", "learner"
@@ -319,11 +326,22 @@ class LearnerCore:
             self.stats.duplicates += 1
             return None, None
         coordinates = dead_letter(record, "", "learner").model_dump()
+        if qid in self.experience and not self.tokens.valid(
+            qid, self.experience.items[qid].message.stream, feedback.token
+        ):
+            self.stats.forged_feedback += 1
+            return None, dead_letter(
+                record, self._other_stream(qid, self.experience.items[qid].message.stream), "learner"
+            )
         if qid in self.experience:
             held = self.experience.pop(qid)
             return await self._join(held.message, feedback, coordinates, event_time(record) - held.at)
         self._hold(self.feedback, qid, feedback, record, coordinates)
         return None, None
+
+    @staticmethod
+    def _other_stream(query_id: str, stream: str) -> str:
+        return f"feedback token of query {query_id} was issued for another stream than its query's ({stream!r})"
 
     async def _join(
         self, experience: AnyExperience, feedback: Feedback, record: dict, delay_s: float

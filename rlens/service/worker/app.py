@@ -18,7 +18,7 @@ from rlens.service.common.kafka import (
     Topics,
     app_logger,
     dead_letter,
-    keep_bytes,
+    SUBSCRIBER,
     make_broker,
     parse_or_dead_letter,
     publish_dead_letters,
@@ -71,7 +71,7 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
         batch_timeout_ms=20,
         auto_offset_reset="earliest",
         ack_policy=AckPolicy.NACK_ON_ERROR,
-        decoder=keep_bytes,
+        **SUBSCRIBER,
         description="JSON Query messages (schemas/messages/query.schema.json); anything else is dead-lettered",
         **group_options(settings),
     )
@@ -81,7 +81,7 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
     @broker.subscriber(
         topics.policy,
         auto_offset_reset="earliest",
-        decoder=keep_bytes,
+        **SUBSCRIBER,
         fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
         description="JSON Policy messages (schemas/messages/policy.schema.json), read by every worker",
     )

@@ -151,37 +151,51 @@ class QueryBatches:
             self.metrics.count_batch(queries, out, dead, self.worker)
 
     async def drop_unregistered(self, batch: Admitted) -> None:
-        """Dead-letter the queries whose reply topic no live gateway registered: replying there would make a topic
-        per forged name."""
-        unknown = await self.unregistered({q.reply_to for q in batch.queries if q.reply_to})
-        for q in [q for q in batch.queries if q.reply_to in unknown]:
-            reason = f"reply_to {q.reply_to!r} is no live gateway's reply topic (none registered it in Redis)"
+        """Dead-letter the queries whose reply topic no live gateway registered (replying there would make a topic
+        per forged name) and those whose id was first asked on another stream (a token for that stream would be
+        issued for another's query). One Redis round trip; while Redis is down, known reply topics are trusted and
+        ids are not checked (a warning says so)."""
+        claims = {q.query_id: q.stream for q in batch.queries}
+        unknown, owners = await self.admission({q.reply_to for q in batch.queries if q.reply_to}, claims)
+        for q in batch.queries:
+            if q.reply_to in unknown:
+                reason = f"reply_to {q.reply_to!r} is no live gateway's reply topic (none registered it in Redis)"
+            elif owners.get(q.query_id, q.stream) != q.stream:
+                reason = f"query id {q.query_id} belongs to another stream (it was first asked there)"
+            else:
+                continue
             batch.dead.append(dead_letter(batch.records.pop(q.query_id), reason, self.consumer))
         batch.queries = [q for q in batch.queries if q.query_id in batch.records]
 
-    async def unregistered(self, topics: set[str]) -> set[str]:
-        """The reply topics no live gateway registered. Topics found registered in the last REPLY_TOPIC_KNOWN_S are
-        not asked again (nor lost while Redis is down)."""
+    async def admission(self, topics: set[str], claims: dict[str, str]) -> tuple[set[str], dict[str, str]]:
+        """The reply topics no live gateway registered, and each query id's stream (:meth:`RedisWindows.admission`).
+        Topics found registered in the last REPLY_TOPIC_KNOWN_S are not asked again (nor lost while Redis is down)."""
         now = time.monotonic()
         known = self.known_reply_topics
         ask = {t for t in topics if now - known.get(t, -REPLY_TOPIC_KNOWN_S) >= REPLY_TOPIC_KNOWN_S}
-        if not ask:
-            return set()
         try:
-            found = await self.worker.windows.registered_reply_topics(ask)
+            found, owners = await self.worker.windows.admission(ask, claims)
         except (RedisError, OSError) as exc:
-            log.warning("Redis unreachable (%s): reply topics %s not confirmed", exc, ", ".join(sorted(ask)))
-            found = set()
+            log.warning(
+                "Redis unreachable (%s): reply topics %s and query ids not confirmed", exc, ", ".join(sorted(ask))
+            )
+            found, owners = set(), {}
         known.update({t: now for t in found})
-        return ask - found
+        return ask - found, owners
 
     async def deliver(self, queries: list[Query], out: BatchOutput) -> None:
         """The experience first, then the answers: a retry after a failure in between repeats only experience
         (which the learner joins once), never an answer a client already got."""
         reply_to = {q.query_id: q.reply_to for q in queries if q.reply_to}
         await publish_batch(self.broker, self.topics.experience, out.experience)
-        # a gateway's query: its feedback token goes to the gateway's reply topic alone, not to the shared topic
-        shared = [a.model_copy(update={"feedback_token": ""}) if a.query_id in reply_to else a for a in out.answers]
+        # a gateway's query, or any on a tenant's stream: its feedback token goes to the gateway's reply topic alone,
+        # never to the shared topic
+        shared = [
+            a.model_copy(update={"feedback_token": ""})
+            if a.query_id in reply_to or a.stream.startswith(TENANT_MARK)
+            else a
+            for a in out.answers
+        ]
         await publish_batch(self.broker, self.topics.answers, shared)
         await self.reply(out.answers, reply_to)
 

@@ -475,7 +475,7 @@ class FocalWorker(Worker):
                 answer=choices[answer.answer],
                 answer_index=answer.answer,
                 distribution=answer.distribution.tolist(),
-                feedback_token=self.tokens.token(q.query_id),
+                feedback_token=self.tokens.token(q.query_id, q.stream),
                 candidates=answers.candidates or [],
                 **common,
             )

@@ -182,7 +182,7 @@ class RLAEWorker(Worker):
                     answered_models=self.models,
                     span_weights=[w.tolist() for w in output.span_weights],
                     finish_reason=output.finish_reason,
-                    feedback_token=self.tokens.token(q.query_id),
+                    feedback_token=self.tokens.token(q.query_id, q.stream),
                     policy_version=arm.version,
                     **common,
                 )
