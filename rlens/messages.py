@@ -322,7 +322,7 @@ class RLAEExperience(Message):
 
 class Policy(Message):
     """Versioned weights of every agent of a strategy: a safetensors blob (base64), its SHA-256, and the learner's
-    Ed25519 signature over (strategy, epoch, version, models, SHA-256). Workers order policies by (epoch, version):
+    Ed25519 signature over every other field (:meth:`signed_bytes`). Workers order policies by (epoch, version):
     a learner takes a new, larger epoch at every start, so a restarted learner's versions supersede the old ones."""
 
     strategy: Strategy = "rl_focal"
@@ -354,17 +354,11 @@ class Policy(Message):
     )
 
     def signed_bytes(self) -> bytes:
-        """What the learner signs: everything that says what the weights are and how they may be used, never the
-        weights' encoding (a candidate's stage is signed, so that it cannot be replayed as live; an operator's
-        origin and note too, and a candidate's share)."""
-        fields: list = [self.strategy, self.epoch, self.version, self.models, self.sha256]
-        if self.origin != "learner" or self.note:
-            fields += [self.stage, self.origin, self.note]
-        elif self.stage != "live":
-            fields.append(self.stage)
-        if self.share is not None:
-            fields.append(self.share)
-        return json.dumps(fields, separators=(",", ":")).encode()
+        """What the learner signs: the whole message but the signature and the weights' encoding (their SHA-256 is
+        signed): what the weights are, how they may be used (a candidate's stage, so that it cannot be replayed as
+        live; an operator's origin and note; a candidate's share) and when they were published."""
+        fields = self.model_dump(mode="json", exclude={"signature", "weights_b64"})
+        return json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
 
 
 class DriftEvent(Message):

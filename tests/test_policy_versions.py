@@ -32,23 +32,68 @@ def published(seed: int, version: int, epoch: int = 100, stage: str = "live", si
     return policy.model_dump_json().encode()
 
 
-def test_a_learners_live_policy_signs_what_it_always_signed():
+def test_the_whole_policy_is_signed_but_its_weights_encoding():
+    """Every field but the signature and the weights' base64 (their SHA-256 is signed): a change to any is a bad
+    signature, the time it was published included (issue 60: a replayed operator's policy with a fresh time)."""
     policy = Policy.model_validate_json(published(0, 3))
-    fields = ["rl_focal", 100, 3, MODELS, policy.sha256]
-    assert policy.signed_bytes() == json.dumps(fields, separators=(",", ":")).encode()
-    candidate = Policy.model_validate_json(published(0, 3, stage="candidate"))
-    assert candidate.signed_bytes() == json.dumps(fields + ["candidate"], separators=(",", ":")).encode()
+    fields = policy.model_dump(mode="json", exclude={"signature", "weights_b64"})
+    assert policy.signed_bytes() == json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
+    assert VERIFIER.verify(policy.signed_bytes(), policy.signature)
+    for change in (
+        {"created_at": policy.created_at + 60},
+        {"version": 4},
+        {"epoch": 101},
+        {"stage": "candidate"},
+        {"origin": "operator"},
+        {"note": "x"},
+        {"share": 0.5},
+        {"models": ["a", "c", "b"]},
+        {"sha256": "0" * 64},
+    ):
+        assert not VERIFIER.verify(policy.model_copy(update=change).signed_bytes(), policy.signature), change
 
 
 def test_a_candidates_share_is_signed_so_that_it_cannot_be_changed_on_the_way():
     """rlae: the share of the queries a candidate serves is the learner's, signed with it; a worker rejects the
     same policy with another share."""
     policy = encode_policy(tensors(0), 3, 100, MODELS, "rl_focal", SIGNER, "candidate", share=0.8)
-    fields = ["rl_focal", 100, 3, MODELS, policy.sha256, "candidate", 0.8]
-    assert policy.signed_bytes() == json.dumps(fields, separators=(",", ":")).encode()
     decode_policy(policy, tensors(1), MODELS, "rl_focal", VERIFIER)
     with pytest.raises(PolicyError, match="signature"):
         decode_policy(policy.model_copy(update={"share": 0.99}), tensors(1), MODELS, "rl_focal", VERIFIER)
+
+
+def test_a_replayed_operators_policy_is_never_adopted_again(tmp_path, redis_server):
+    """Issue 60: an old `rlens policy rollback` record published again, as it was or with a fresh time, changes
+    nothing: operators' policies are ordered by their signed (epoch, version), and the time is signed."""
+    from redis.asyncio import Redis
+
+    from rlens.checkpoint import CheckpointStore
+    from rlens.service.common.windows import RedisWindows
+    from rlens.service.learner.core import LearnerCore
+    from rlens.service.learner.online import FocalOnlineTrainer
+    from trust import TOKENS
+
+    core = LearnerCore(
+        FocalOnlineTrainer(FocalEngine(3, [1.0, 1.0, 1.0], FocalConfig(), seed=0), MODELS),
+        MODELS,
+        RedisWindows(Redis.from_url(redis_server.url), 3, 16),
+        CheckpointStore(tmp_path / "ckpt"),
+        SIGNER,
+        TOKENS,
+    )
+    history = PolicyHistory.of([published(1, 1), published(2, 2)], VERIFIER)
+    rollback = history.republish(history.find(1), SIGNER, "rolled back to v1 by an operator")  # v3
+    later = PolicyHistory.of([published(1, 1), published(2, 2), rollback.model_dump_json().encode()], VERIFIER)
+    promote = later.republish(later.find(2), SIGNER, "promoted v2 by an operator")  # v4
+    core.on_policy(rollback)
+    core.on_policy(promote)
+    assert core.operator_seen == (100, 4)
+    weights = {k: v.clone() for k, v in core.trainer.policy_tensors().items()}
+    assert core.on_policy(rollback) == [] and core.operator_seen == (100, 4)
+    fresh = rollback.model_copy(update={"created_at": rollback.created_at + 3600})
+    assert core.on_policy(fresh) == [] and core.operator_seen == (100, 4)
+    assert all(torch.equal(v, weights[k]) for k, v in core.trainer.policy_tensors().items())
+    core.checkpoints.close()
 
 
 def test_the_history_reads_the_topic_as_the_workers_do():
@@ -116,7 +161,7 @@ def test_a_bad_policy_an_operator_forces_live_is_rolled_back(zoo, redis_server, 
     gate = GateConfig(min_events=200, max_events=2000, every=25, delta=0.02)
     run = simulate(zoo, redis_server.url, tmp_path, gate, warm=True, sabotage=False, n=2400, forced_at=1200)
     versions = [version for version, _ in run.served]
-    assert run.forced is not None and run.core.stats.rollbacks >= 1 and run.core.operator_seen > 0
+    assert run.forced is not None and run.core.stats.rollbacks >= 1 and run.core.operator_seen > (0, 0)
     forced = versions.index(run.forced)
     back = forced + versions.count(run.forced)  # served only until the learner rolled it back
     assert back < len(versions) and all(v > run.forced for v in versions[back:])
@@ -129,5 +174,5 @@ def test_without_the_gate_an_operators_policy_is_served_and_trained_on(zoo, redi
     """Direct promotion: the forced policy serves until the learner's next update, which starts from its weights."""
     run = simulate(zoo, redis_server.url, tmp_path, None, warm=False, sabotage=False, n=900, forced_at=448)
     versions = [version for version, _ in run.served]
-    assert run.forced in versions and run.core.operator_seen > 0 and run.core.stats.rollbacks == 0
+    assert run.forced in versions and run.core.operator_seen > (0, 0) and run.core.stats.rollbacks == 0
     assert max(versions) > run.forced  # the learner's next versions supersede it

@@ -165,7 +165,7 @@ class LearnerCore:
         self.pending_limit, self.pending_ttl_s, self.done_limit = pending_limit, pending_ttl_s, done_limit
         self.epoch = time.time_ns() // 1_000_000
         self.version = 0
-        self.operator_seen = 0.0  # created_at of the newest operator's policy adopted
+        self.operator_seen = (0, 0)  # (epoch, version) of the newest operator's policy adopted (signed, never a clock)
         self.offsets = Offsets()
         self.experience: PendingHalves[AnyExperience] = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
         self.feedback: PendingHalves[Feedback] = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
@@ -202,7 +202,8 @@ class LearnerCore:
         self.writer.backlog.extend(state["window_backlog"])
         self.drift.load_json(state.get("drift", []))
         self.versions.load_json(state.get("versions", []))
-        self.operator_seen = state.get("operator_seen", 0.0)
+        seen = state.get("operator_seen")
+        self.operator_seen = (int(seen[0]), int(seen[1])) if isinstance(seen, list) else (0, 0)
         if self.promotion is not None:
             self.promotion.restored(state.get("gate"), tensors.get("gate", {}))
         log.info("resumed from checkpoint v%d (%d joined)", self.version, self.stats.joined)
@@ -218,7 +219,7 @@ class LearnerCore:
             "stats": asdict(self.stats),
             "drift": self.drift.to_json(),
             "versions": self.versions.to_json(),
-            "operator_seen": self.operator_seen,
+            "operator_seen": list(self.operator_seen),
         }
         extra = {}
         if self.promotion is not None:
@@ -476,7 +477,8 @@ class LearnerCore:
         """A record of the policy topic (its history first). A live policy an operator published after the last one
         this learner adopted is trained on from here (gated: the champion it replaced goes on probation; direct:
         republished under this learner's newest version if the workers would not take it); any other live policy
-        tells a gated learner what the workers serve. Returns what to publish."""
+        tells a gated learner what the workers serve. Operators' policies are ordered by their signed (epoch,
+        version), so a replayed older one is never adopted again. Returns what to publish."""
         if policy.stage != "live" or policy.strategy != self.trainer.strategy or policy.models != self.models:
             return []
         if policy.origin == "learner" and policy.epoch == self.epoch:
@@ -486,9 +488,9 @@ class LearnerCore:
         except PolicyError as exc:
             log.warning("policy topic: %s (ignored)", exc)
             return []
-        operator = policy.origin == "operator" and policy.created_at > self.operator_seen
+        operator = policy.origin == "operator" and (policy.epoch, policy.version) > self.operator_seen
         if operator:
-            self.operator_seen = policy.created_at
+            self.operator_seen = (policy.epoch, policy.version)
             self.trainer.load_policy(tensors)
             if policy.epoch == self.epoch:
                 self.version = max(self.version, policy.version)
