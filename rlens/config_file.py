@@ -23,7 +23,6 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import SecretStr
 
 CONFIG_ENV = "RLENS_CONFIG"
 
@@ -161,14 +160,10 @@ def config_path() -> Path | None:
 
 
 def nested(values: dict[str, Any], fields: list[str]) -> dict[str, dict[str, Any]]:
-    """Settings by name → by group and key (what ``rlens config show`` prints); secrets redacted."""
+    """Settings by name → by group and key (what ``rlens config show`` prints, its secrets redacted)."""
     out: dict[str, dict[str, Any]] = {}
     for group, keys in sections(fields).items():
-        out[group] = {
-            key: "**********" if isinstance(values[name], SecretStr) else values[name]
-            for key, name in keys.items()
-            if name in values
-        }
+        out[group] = {key: values[name] for key, name in keys.items() if name in values}
     if values.get("pool") is not None:
         out["pool"]["models"] = values["pool"]["models"]
     return out

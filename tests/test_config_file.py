@@ -102,6 +102,21 @@ def test_config_show_reads_back_as_the_same_settings_with_secrets_redacted(tmp_p
             value = getattr(expected, name)
             if key in shown[group] and not hasattr(value, "get_secret_value"):
                 assert shown[group][key] == json.loads(json.dumps(value, default=str)), (group, key)
+    # issue 60: a pool model's key, a password in a model's URL or in the OTLP endpoint, in text and in JSON
+    secrets = write(
+        tmp_path,
+        '[service]\notel_endpoint = "http://otel:pw-otel-123@collector:4318/v1/traces"\n'
+        '[[pool.models]]\nname = "a"\nbackend = "openai"\n'
+        'options = { base_url = "http://user:pw-url-456@models:8000/v1", model = "a", api_key = "sk-key-789" }\n',
+    )
+    for extra in ([], ["--json"]):
+        shown_secrets = CliRunner().invoke(app, ["config", "show", "--config", str(secrets), *extra])
+        assert shown_secrets.exit_code == 0, shown_secrets.output
+        assert not any(s in shown_secrets.output for s in ("pw-otel-123", "pw-url-456", "sk-key-789")), extra
+        assert (
+            "http://user:***@models:8000/v1" in shown_secrets.output
+            and "http://otel:***@collector:4318" in shown_secrets.output
+        )
 
 
 def test_a_newcomers_stack_from_one_file(tmp_path, quick_zoo):

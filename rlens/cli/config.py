@@ -38,11 +38,12 @@ def config_show(
 ) -> None:
     """The configuration in effect (file, then RLENS_* variables over it, then defaults), secrets redacted."""
     from rlens.config_file import nested
+    from rlens.service.common.security import redact_secrets
     from rlens.settings import Settings
 
     s = Settings()
     values = {name: getattr(s, name) for name in Settings.model_fields}
-    groups = nested(values, list(Settings.model_fields))
+    groups = redact_secrets(nested(values, list(Settings.model_fields)))
     plain = json.loads(json.dumps(groups, default=str))
     if as_json:
         print(json.dumps(plain, indent=1))

@@ -16,7 +16,8 @@
 - **Answers on reply topics** are signed by the worker (an HMAC over the whole answer under a key derived from the
   same secret); a gateway takes none without a valid signature, so whoever can write a reply topic cannot answer
   a client.
-- :func:`generate_secrets` makes the three values (``rlens secrets``); :func:`redact_url` hides passwords in URLs.
+- :func:`generate_secrets` makes the three values (``rlens secrets``); :func:`redact_url` hides passwords in URLs,
+  :func:`redact_secrets` every secret in a configuration (``rlens config show``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import re
 import secrets
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from cryptography.exceptions import InvalidSignature
@@ -183,6 +185,27 @@ def redact_url(url: str) -> str:
     host = f"[{host}]" if ":" in host else host  # IPv6
     netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+REDACTED = "**********"
+# a setting, pool option or header whose name says it holds a secret
+SECRET_NAME = re.compile(r"(key|secret|password|passwd|token|authorization|cookie|credential)s?$", re.IGNORECASE)
+
+
+def redact_secrets(value: Any, name: str = "") -> Any:
+    """A JSON-like value with every secret in it hidden, wherever it sits: a value whose name says it is a secret
+    (``api_key``, ``password``, a header such as ``Authorization``), and a password inside any URL."""
+    if isinstance(value, dict):
+        return {k: redact_secrets(v, str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_secrets(v, name) for v in value]
+    if value is None or isinstance(value, bool):
+        return value
+    if hasattr(value, "get_secret_value") or (name and SECRET_NAME.search(name) and isinstance(value, str)):
+        return REDACTED
+    if isinstance(value, str) and "://" in value:
+        return redact_url(value)
+    return value
 
 
 def _secret(settings: Settings, name: str) -> str:
