@@ -144,6 +144,8 @@ def gw(tmp_path_factory):
     keys["slow"], _ = add_key(workdir / "keys.json", "slow", ["*"], rate_per_s=0.2, burst=2)
     keys["acme-eu"], _ = add_key(workdir / "keys.json", "acme", ["acme-eu"])  # acme's, on one stream only
     keys["budget"], _ = add_key(workdir / "keys.json", "budget", ["*"], budget=BUDGET)
+    keys["crowd"], _ = add_key(workdir / "keys.json", "crowd", ["*"], rate_per_s=1000, burst=1000, budget=2.0)
+    keys["daily"], _ = add_key(workdir / "keys.json", "daily", ["*"], budget=BUDGET, budget_period="daily")
     stack.start_learner()
     stack.start_worker()
     stack.start_gateway()
@@ -217,10 +219,67 @@ def test_each_answer_says_its_cost_and_overhead_and_a_spent_budget_refuses_the_k
         charged.append(account["cost"])
     error = response.json()["error"]
     assert response.status_code == 429 and error["code"] == "budget_exhausted" and "budget of" in error["message"]
-    assert sum(charged[:-1]) < BUDGET <= sum(charged)  # refused from the first request after it was spent
+    # a budget caps: each query held what it may cost before it was published, its pool cut to what was left, so
+    # the key never spends past it; it is refused once less than the cheapest model's cost is left
+    assert len(charged) >= 2 and sum(charged) <= BUDGET + 1e-6 and BUDGET - sum(charged) < min(costs.values())
     key_id = gw["keys"]["budget"].split("_")[1]
     assert metric(gw["url"], "rlens_gateway_cost_total", key=key_id) == pytest.approx(sum(charged))
     assert metric(gw["url"], "rlens_gateway_budget_refused_total") >= 1
+
+
+def test_concurrent_requests_cannot_overspend_a_budget_and_a_daily_one_is_counted_by_day(gw):
+    """Issue 60: 60 requests at once on a key with a budget of 2 (one answer of the full pool costs 135): what is
+    spent stays within 2, every request is answered or refused with budget_exhausted, and a daily budget's spending
+    is kept under today's date."""
+    import datetime
+
+    async def crowd():
+        body = {
+            "model": "rlens-focal",
+            "messages": [{"role": "user", "content": "question 3"}],
+            "rlens": {"choices": CHOICES, "reference_id": "3"},
+            "metadata": {"stream": "crowd"},
+        }
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(f"{gw['url']}/v1/chat/completions", json=body, headers=auth(gw, "crowd"))
+                    for _ in range(60)
+                )
+            )
+
+    responses = asyncio.run(crowd())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429} and codes.count(200) >= 1, codes
+    assert all(r.json()["error"]["code"] == "budget_exhausted" for r in responses if r.status_code == 429)
+    spent = sum(r.json()["rlens"]["cost"] for r in responses if r.status_code == 200)
+    assert spent <= 2.0 + 1e-6, spent
+
+    async def stored(key_id: str, period: str) -> float:
+        settings_ = gw["stack"].settings
+        state = GatewayState(Redis.from_url(settings_.redis_url.get_secret_value()), settings_.redis_prefix, 60)
+        try:
+            return await state.spent(key_id, period)
+        finally:
+            await state.redis.aclose()
+
+    assert asyncio.run(stored(gw["keys"]["crowd"].split("_")[1], "total")) == pytest.approx(spent)
+    response = ask(gw, "daily", question=4, stream="daily")
+    assert response.status_code == 200, response.text
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    state_key = f"{gw['stack'].settings.redis_prefix}:gw:spent:{{{gw['keys']['daily'].split('_')[1]}}}:{today}"
+    assert asyncio.run(redis_float(gw, state_key)) == pytest.approx(response.json()["rlens"]["cost"])
+    body = {"model": "rlens-focal", "messages": [{"role": "user", "content": "q"}], "rlens": {"budget": True}}
+    refused = httpx.post(f"{gw['url']}/v1/chat/completions", json=body, headers=auth(gw), timeout=60)
+    assert refused.status_code == 400 and "budget" in refused.text  # a boolean is not a number
+
+
+async def redis_float(gw, key: str) -> float:
+    redis = Redis.from_url(gw["stack"].settings.redis_url.get_secret_value())
+    try:
+        return float(await redis.get(key) or 0.0)
+    finally:
+        await redis.aclose()
 
 
 def test_a_requests_own_budget_cuts_its_pool_and_a_bad_one_is_refused(gw):

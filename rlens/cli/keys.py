@@ -38,6 +38,9 @@ def keys_add(
         help="cost units the key may spend in all (each answer: the pool costs of the models it called); "
         "past it, 429 (default: no limit)",
     ),
+    budget_period: str = typer.Option(
+        "total", help="when the budget starts again: total (never), daily or monthly (UTC)"
+    ),
     file: Path | None = KEYS_FILE,
 ) -> None:
     """Make an API key: prints it once (only its hash is stored)."""
@@ -46,12 +49,13 @@ def keys_add(
     path = keys_file(file)
     try:
         patterns = [p.strip() for p in streams.split(",") if p.strip()]
-        key, record = add_key(path, tenant, patterns, rate, burst, budget)
+        key, record = add_key(path, tenant, patterns, rate, burst, budget, budget_period)
     except (KeysError, ValueError) as exc:
         fail(str(exc))
     errors.print(
         f"key {record.id} for tenant {tenant!r} (streams {', '.join(record.streams)}; {rate:g}/s, bursts of {burst}"
-        f"{f'; a budget of {budget:g} cost units' if budget else ''}) added to {path}; it is shown once:"
+        f"{f'; a budget of {budget:g} cost units' if budget else ''}"
+        f"{f' {budget_period}' if budget and budget_period != 'total' else ''}) added to {path}; it is shown once:"
     )
     print(key)
 
@@ -79,7 +83,7 @@ def keys_list(file: Path | None = KEYS_FILE) -> None:
             ",".join(r.streams),
             f"{r.rate_per_s:g}",
             str(r.burst),
-            "" if r.budget is None else f"{r.budget:g}",
+            "" if r.budget is None else f"{r.budget:g}" + ("" if r.budget_period == "total" else f" {r.budget_period}"),
             created,
             "revoked" if r.revoked else "active",
         )

@@ -13,6 +13,7 @@ so both keys of one stream live in one slot and the update script may touch both
 | ``{prefix}:pool:{<stream>}`` | string | the Decider's last pool for the stream, one ``0``/``1`` per model (every worker reads and writes it, so the Decider sees the same previous pool whichever worker serves the stream) | M bytes | ``window_ttl_s`` |
 | ``{prefix}:ready:<role>:<host>-<pid>`` | string | a worker or learner process whose subscribers have joined: the URL of its ``/metrics``, ``/healthz``, ``/readyz`` | one per process | 30 s, renewed every 2 s while the process runs; deleted on clean shutdown |
 | ``{prefix}:replies:<reply topic>`` | string | a live gateway's reply topic: workers reply to no other (a query naming another is dead-lettered, so ``reply_to`` cannot make topics) | one per gateway replica | 30 s, renewed every 2 s while the gateway runs |
+| ``{prefix}:costs:<strategy>`` | string | the pool's model names and costs, as the strategy's workers announce them (a gateway holds a key's budget by them) | one per strategy | 30 s, renewed every 2 s while a worker runs |
 | ``{prefix}:owner:{<query id>}`` | string | the stream a query id was first asked on: a worker answers that id on no other stream (a token for one stream is no token for another) | one per query | ``dedup_ttl_s`` |
 | ``{prefix}:lease:<consumer group>`` | string | the learner that holds its consumer group (fencing: one learner per group) | one per group | ``LEASE_TTL_S``, renewed by its holder |
 
@@ -95,6 +96,11 @@ class CalibrationRows:
     @classmethod
     def from_list(cls, values: list) -> CalibrationRows:
         return cls(int(values[0]), int(values[1]), {int(m): list(p) for m, p in values[2]})
+
+
+def pool_costs_key(prefix: str, strategy: str) -> str:
+    """Where the workers of a strategy announce their pool's model costs (JSON: models, costs)."""
+    return f"{prefix}:costs:{strategy}"
 
 
 class RedisWindows:
@@ -407,6 +413,19 @@ class RedisWindows:
                 await self.redis.set(self.reply_key(topic), "1", ex=READY_TTL_S)
             except (RedisError, OSError):
                 pass  # the gateway's own readiness says Redis is down
+            await asyncio.sleep(every_s)
+
+    async def keep_pool_costs(
+        self, strategy: str, models: list[str], costs: Sequence[float], every_s: float = 2.0
+    ) -> None:
+        """A worker's task: announce its pool's model costs for as long as it runs (what a gateway holds of a key's
+        budget for a query depends on them), renewed like the readiness mark."""
+        value = json.dumps({"models": list(models), "costs": [float(c) for c in costs]})
+        while True:
+            try:
+                await self.redis.set(pool_costs_key(self.prefix, strategy), value, ex=READY_TTL_S)
+            except (RedisError, OSError):
+                pass  # the worker's own readiness says Redis is down
             await asyncio.sleep(every_s)
 
     def owner_key(self, query_id: str) -> str:

@@ -18,6 +18,7 @@ import secrets
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field, TypeAdapter
 
@@ -40,6 +41,9 @@ class KeyRecord(BaseModel):
         description="cost units this key may spend in all (each answer: the pool costs of the models it called); "
         "None: no limit",
     )
+    budget_period: Literal["total", "daily", "monthly"] = Field(
+        "total", description="when the budget starts again: never (total), every UTC day, or every UTC month"
+    )
     created_at: float = 0.0
     revoked: bool = False
 
@@ -59,7 +63,12 @@ def _hash(secret: str) -> str:
 
 
 def new_key(
-    tenant: str, streams: list[str], rate_per_s: float = 20.0, burst: int = 40, budget: float | None = None
+    tenant: str,
+    streams: list[str],
+    rate_per_s: float = 20.0,
+    burst: int = 40,
+    budget: float | None = None,
+    budget_period: str = "total",
 ) -> tuple[str, KeyRecord]:
     """A fresh key (shown once) and its record (what is stored)."""
     key_id = "".join(secrets.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(8))
@@ -72,6 +81,7 @@ def new_key(
         rate_per_s=rate_per_s,
         burst=burst,
         budget=budget,
+        budget_period=budget_period,
         created_at=time.time(),
     )
     return f"{PREFIX}{key_id}_{secret}", record
@@ -97,9 +107,15 @@ def write_records(path: Path, records: list[KeyRecord]) -> None:
 
 
 def add_key(
-    path: Path, tenant: str, streams: list[str], rate_per_s: float = 20.0, burst: int = 40, budget: float | None = None
+    path: Path,
+    tenant: str,
+    streams: list[str],
+    rate_per_s: float = 20.0,
+    burst: int = 40,
+    budget: float | None = None,
+    budget_period: str = "total",
 ) -> tuple[str, KeyRecord]:
-    key, record = new_key(tenant, streams, rate_per_s, burst, budget)
+    key, record = new_key(tenant, streams, rate_per_s, burst, budget, budget_period)
     write_records(path, [*read_records(path), record])
     return key, record
 

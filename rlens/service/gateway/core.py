@@ -165,20 +165,39 @@ class Gateway:
             )
         return stream
 
-    async def _within_budget(self, key: KeyRecord) -> None:
-        """429 once the key has spent its budget (the pool's cost units of the answers it got)."""
+    async def _hold_budget(self, key: KeyRecord, query_id: str, strategy: str, cap: float | None) -> float | None:
+        """Hold what the query may cost of the key's budget before it is published, and return the query's own
+        budget (a share of the pool's cost): the request's ``rlens.budget``, cut to what the key has left (the
+        Decider then calls only models that fit). rlae calls the whole pool: it needs the pool's full cost left.
+        429 when less than the cheapest answer is left; 503 before any worker announced the pool's costs."""
         if key.budget is None:
-            return
-        spent = await self.state.spent(key.id)
-        if spent >= key.budget:
+            return cap
+        costs = await self.state.pool_costs(strategy)
+        if costs is None:
+            raise ApiError(
+                503,
+                "no worker has announced its pool's costs yet (a key with a budget needs them); retry shortly",
+                "server_error",
+                "unavailable",
+                headers={"Retry-After": "1"},
+            )
+        full = sum(costs)
+        if full <= 0:
+            return cap
+        most, least = (full, full) if strategy == "rlae" else (full * (cap or 1.0), min(costs))
+        taken, amount = await self.state.reserve(key.id, key.budget_period, query_id, most, least, key.budget)
+        if not taken:
             self.metrics.budget_refused.inc()
+            period = "" if key.budget_period == "total" else f" for this {key.budget_period[:-2].replace('dai', 'day')}"
             raise ApiError(
                 429,
-                f"this API key's budget of {key.budget:g} cost units is spent ({spent:.6g} used); a larger budget "
-                "needs a new key (rlens keys add --budget)",
+                f"this API key's budget of {key.budget:g} cost units{period} has {max(amount, 0.0):.6g} left, less "
+                f"than the cheapest answer ({least:.6g}); a larger budget needs a new key (rlens keys add --budget)",
                 "insufficient_quota",
                 "budget_exhausted",
             )
+        share = amount / full
+        return None if strategy == "rlae" or share >= 1.0 else share
 
     async def take_token(self, key: KeyRecord) -> None:
         """One request of this key's rate (every route that reads or writes a query takes one): 429 past it."""
@@ -207,7 +226,6 @@ class Gateway:
         prompt = request.prompt() if isinstance(request, ChatCompletionRequest) else request.text()
         stream = self._check(key, request, prompt, stream_header)
         await self.take_token(key)
-        await self._within_budget(key)
         if self.waiting >= self.settings.gateway_max_waiting:  # before any wait, an idempotent retry's included
             raise ApiError(
                 503,
@@ -224,6 +242,7 @@ class Gateway:
                 return answer
             if published:
                 return await self._wait(query_id, poll=True)
+        budget = await self._hold_budget(key, query_id, MODELS[request.model], request.rlens.budget)
         record = QueryRecord(
             tenant=key.tenant,
             stream=stream,
@@ -231,9 +250,15 @@ class Gateway:
             chat=chat,
             n_choices=len(request.rlens.choices or []),
             key_id=key.id,
+            budget_period=key.budget_period if key.budget is not None else "",
         )
-        await self.state.remember_query(query_id, record)
-        await self._publish(query_id, tenant_stream(key.tenant, stream), prompt, request)  # the tenant's windows
+        try:
+            await self.state.remember_query(query_id, record)
+            await self._publish(query_id, tenant_stream(key.tenant, stream), prompt, request, budget)
+        except Exception:
+            if key.budget is not None:
+                await self.state.release(key.id, query_id)
+            raise
         await self.state.mark_published(query_id, record)
         return await self._wait(query_id)
 
@@ -267,7 +292,12 @@ class Gateway:
         return query_id, None, record is not None and record.published
 
     async def _publish(
-        self, query_id: str, stream: str, prompt: str, request: ChatCompletionRequest | CompletionRequest
+        self,
+        query_id: str,
+        stream: str,
+        prompt: str,
+        request: ChatCompletionRequest | CompletionRequest,
+        budget: float | None,
     ) -> None:
         """The request on ``queries``, signed for its tenant's stream, replies to this replica; 503 if Kafka fails."""
         query = Query(
@@ -276,7 +306,7 @@ class Gateway:
             prompt=prompt,
             choices=request.rlens.choices,
             reference_id=request.rlens.reference_id,
-            budget=request.rlens.budget,
+            budget=budget,
             sent_at=time.time(),
             reply_to=self.reply_topic,
             signature=self.tokens.query_signature(query_id, stream),
@@ -342,14 +372,15 @@ class Gateway:
         charges, resolved = [], []
         for i, first in zip(kept, await self.state.store_answers([answers[i] for i in kept])):
             outcomes[i] = "stored" if first else "duplicate"
-            key_id = cast(QueryRecord, records[i]).key_id
+            record = cast(QueryRecord, records[i])
+            key_id = record.key_id
             if first and key_id:  # each answer once, to the key that asked
-                charges.append((key_id, answers[i].cost))
+                charges.append((key_id, record.budget_period, answers[i].query_id, answers[i].cost))
                 self.metrics.cost.labels(key_id).inc(answers[i].cost)
                 self.metrics.model_calls.labels(key_id).inc(len(answers[i].called_models))
             resolved.append(answers[i] if first else await self.state.answer(answers[i].query_id) or answers[i])
         if charges:  # before a client hears its answer: its next request sees the spending
-            await self.state.spend(charges)
+            await self.state.settle(charges)
         for answer in resolved:
             future = self._answers.get(answer.query_id)
             if future is not None and not future.done():

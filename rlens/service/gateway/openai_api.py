@@ -65,6 +65,7 @@ class RlensRequest(Request):
         None,
         gt=0,
         le=1,
+        strict=True,
         description="rlens-focal: the most this request may spend, as a share of the whole pool's cost (the models "
         "called); the ensemble's pool is cut to fit, and at least one model is called",
     )

@@ -3,17 +3,27 @@ given and the per-key rate buckets. Every key expires (``RLENS_GATEWAY_ANSWER_TT
 
 Keys (under ``<prefix>:gw:``): ``q:<id>`` the query's owner and shape (a hash), ``a:<id>`` its first answer (JSON;
 later duplicates of an at-least-once answer never replace it), ``idem:<tenant>:<sha256>`` the query id of an
-``Idempotency-Key``, ``fb:<id>`` that the query has feedback, ``rate:<key id>`` a token bucket.
+``Idempotency-Key``, ``fb:<id>`` that the query has feedback, ``rate:<key id>`` a token bucket, ``spent:{<key
+id>}:<period>`` what a key spent in a budget period (``total``, a day ``2026-11-27`` or a month ``2026-11``),
+``hold:{<key id>}`` the cost held for its queries not yet answered (query id → amount and expiry).
+
+Budgets cap: a query of a key with a budget holds what it may cost before it is published (:meth:`GatewayState.
+reserve`, one script: the period's spending plus every live hold plus this one stay within the budget), and the
+answer settles it (:meth:`GatewayState.settle`: the hold released, the answer's cost spent). Concurrent requests
+cannot overspend: what one holds, the others cannot.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import time
 
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
 from rlens.messages import Answer
+from rlens.service.common.windows import pool_costs_key
 
 # A token bucket refilled at ARGV[1] per second up to ARGV[2]; Redis's own clock, so replicas agree.
 # Returns 0 when a token was taken, else the seconds until one is there.
@@ -33,6 +43,46 @@ return tostring(wait)
 """
 
 
+# A query's hold on its key's budget. KEYS: the period's spending, the key's holds. ARGV: query id, the most it may
+# cost, the least an answer can cost, the budget, how long a hold lives. Expired holds are dropped first. Returns
+# {1, held} (the hold taken: the most it may cost, cut to what is left) or {0, left} (refused: less than the least
+# an answer can cost is left).
+RESERVE = """
+local now = redis.call('TIME')
+now = tonumber(now[1]) + tonumber(now[2]) / 1e6
+local spent = tonumber(redis.call('GET', KEYS[1]) or '0')
+local holds = redis.call('HGETALL', KEYS[2])
+local held = 0
+for i = 1, #holds, 2 do
+  local amount, expires = string.match(holds[i + 1], '(%S+) (%S+)')
+  if tonumber(expires) < now then redis.call('HDEL', KEYS[2], holds[i]) else held = held + tonumber(amount) end
+end
+local left = tonumber(ARGV[4]) - spent - held
+local take = math.min(tonumber(ARGV[2]), left)
+if take < tonumber(ARGV[3]) - 1e-9 then return {0, tostring(left)} end
+redis.call('HSET', KEYS[2], ARGV[1], tostring(take) .. ' ' .. tostring(now + tonumber(ARGV[5])))
+redis.call('EXPIRE', KEYS[2], math.ceil(tonumber(ARGV[5])))
+return {1, tostring(take)}
+"""
+# An answer's settlement. KEYS: the period's spending, the key's holds. ARGV: query id, its cost, the spending's TTL
+# (0: none). The hold is released and the cost spent, in one step.
+SETTLE = """
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('INCRBYFLOAT', KEYS[1], ARGV[2])
+if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
+return 1
+"""
+PERIOD_TTL_S = {"total": 0, "daily": 2 * 86400, "monthly": 62 * 86400}
+
+
+def period_stamp(period: str, now: float | None = None) -> str:
+    """The budget period ``now`` falls in (UTC): ``total``, a day or a month."""
+    if period == "total":
+        return "total"
+    day = time.strftime("%Y-%m-%d", time.gmtime(time.time() if now is None else now))
+    return day if period == "daily" else day[:7]
+
+
 class QueryRecord(BaseModel):
     """Who asked a query and what it was: enough to check its feedback and to answer only its tenant."""
 
@@ -43,13 +93,16 @@ class QueryRecord(BaseModel):
     n_choices: int = 0  # 0: open-ended
     published: bool = False
     key_id: str = ""  # the API key that asked it (its answer's cost is charged to it)
+    budget_period: str = ""  # the key's budget period, when the query holds part of its budget
 
 
 class GatewayState:
     def __init__(self, redis: Redis, prefix: str, ttl_s: int):
         self.redis, self.ttl_s = redis, ttl_s
-        self.prefix = f"{prefix}:gw"
+        self.service_prefix, self.prefix = prefix, f"{prefix}:gw"
         self._take = redis.register_script(TAKE_TOKEN)
+        self._reserve = redis.register_script(RESERVE)
+        self._settle = redis.register_script(SETTLE)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -84,15 +137,42 @@ class GatewayState:
                 pipe.get(self._k("q", query_id))
             return [QueryRecord.model_validate_json(raw) if raw else None for raw in await pipe.execute()]
 
-    async def spend(self, charges: list[tuple[str, float]]) -> None:
-        """Add each answer's cost to its key's spending (kept for as long as the key lives), in one round trip."""
+    def _budget_keys(self, key_id: str, period: str) -> list[str]:
+        return [self._k("spent", f"{{{key_id}}}", period_stamp(period)), self._k("hold", f"{{{key_id}}}")]
+
+    async def pool_costs(self, strategy: str) -> list[float] | None:
+        """The model costs the strategy's workers announce (None before any worker runs)."""
+        raw = await self.redis.get(pool_costs_key(self.service_prefix, strategy))
+        return [float(c) for c in json.loads(raw)["costs"]] if raw else None
+
+    async def reserve(
+        self, key_id: str, period: str, query_id: str, most: float, least: float, budget: float
+    ) -> tuple[bool, float]:
+        """Hold up to ``most`` of the key's budget for a query, atomically: (True, the amount held, cut to what is
+        left) or (False, what is left) when less than ``least`` (the cheapest answer) is left."""
+        taken, amount = await self._reserve(
+            keys=self._budget_keys(key_id, period), args=[query_id, most, least, budget, self.ttl_s]
+        )
+        return bool(int(taken)), float(amount)
+
+    async def release(self, key_id: str, query_id: str) -> None:
+        """Give back a hold whose query was never published."""
+        await self.redis.hdel(self._k("hold", f"{{{key_id}}}"), query_id)
+
+    async def settle(self, charges: list[tuple[str, str, str, float]]) -> None:
+        """Each answer's (key id, budget period, query id, cost): its hold released and its cost spent, in one round
+        trip (a key without a budget period: the cost spent in ``total``, which the metrics and ``keys`` show)."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            for key_id, cost in charges:
-                pipe.incrbyfloat(self._k("spent", key_id), cost)
+            for key_id, period, query_id, cost in charges:
+                period = period or "total"
+                await self._settle(
+                    keys=self._budget_keys(key_id, period), args=[query_id, cost, PERIOD_TTL_S[period]], client=pipe
+                )
             await pipe.execute()
 
-    async def spent(self, key_id: str) -> float:
-        return float(await self.redis.get(self._k("spent", key_id)) or 0.0)
+    async def spent(self, key_id: str, period: str = "total") -> float:
+        """What the key spent in the budget period now."""
+        return float(await self.redis.get(self._budget_keys(key_id, period)[0]) or 0.0)
 
     async def store_answers(self, answers: list[Answer]) -> list[bool]:
         """Keep each query's first answer, in one round trip; False where one was kept already (an at-least-once

@@ -101,7 +101,7 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
 
     @app.after_startup
     async def ready() -> None:
-        readiness.start(live.windows)
+        readiness.start(live.windows, live.windows.keep_pool_costs(settings.strategy, live.models, live.costs.tolist()))
         log.info(
             "worker %s ready (%s): consumer group %s joined; metrics and health on %s",
             live.name,
