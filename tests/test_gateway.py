@@ -847,3 +847,97 @@ def test_malformed_unicode_in_any_field_is_a_4xx_never_a_500(gw, field, text):
         timeout=60,
     )
     assert response.status_code < 500, response.text
+
+
+def test_kafka_attacks_of_round_three_do_no_harm(gw):
+    """Issue 60, from outside the processes with a plain Kafka client: (1) a gateway query's id asked again on
+    another stream is dead-lettered, never answered (its token would rate the tenant's query); (2) FastStream's
+    ``reply_to`` header makes no subscriber write anywhere; (3) a record header without a value or not UTF-8
+    dead-letters its own record only, on queries, feedback and a gateway's reply topic, and the valid queries
+    around it are answered once."""
+    settings_ = gw["stack"].settings
+    topics = Topics.from_settings(settings_)
+    victim = ask(gw, question=60, stream="victim")
+    assert victim.status_code == 200
+    victim_id = victim.json()["id"]
+    hijack_topic = f"{settings_.topic_prefix}hijack-by-header"
+    stolen = Query(query_id=victim_id, stream="evil", prompt="p", choices=CHOICES, reference_id="60")
+    valid = [
+        Query(query_id=f"hdr-ok-{i}", stream="headers", prompt="p", choices=CHOICES, reference_id=str(61 + i))
+        for i in range(8)
+    ]
+    bad_headers = {"hdr-null": [("x-note", None)], "hdr-latin": [("x-note", b"\xff\xfe caf\xe9")]}
+    bad = [valid[0].model_copy(update={"query_id": qid}) for qid in bad_headers]
+    rpc = valid[0].model_copy(update={"query_id": "hdr-rpc", "reference_id": "70"})
+
+    async def attack() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=settings_.kafka_bootstrap)
+        await producer.start()
+        try:
+            send = producer.send_and_wait
+            await send(topics.queries, stolen.model_dump_json().encode(), key=victim_id.encode())
+            for query in bad:
+                await send(topics.queries, query.model_dump_json().encode(), headers=bad_headers[query.query_id])
+            await send(topics.queries, rpc.model_dump_json().encode(), headers=[("reply_to", hijack_topic.encode())])
+            for query in valid:
+                await send(topics.queries, query.model_dump_json().encode(), key=query.query_id.encode())
+            feedback = json.dumps({"query_id": "hdr-ok-0", "token": "0" * 64, "label": 0}).encode()
+            await send(topics.feedback, feedback, headers=[("reply_to", hijack_topic.encode()), ("x", None)])
+            await send(topics.replies("test-gw"), b"{}", headers=[("x-note", b"\xc3\x28")])
+        finally:
+            await producer.stop()
+
+    asyncio.run(attack())
+    # a client's request after the bad record on its gateway's reply topic is still answered
+    after = ask(gw, question=71, stream="headers")
+    assert after.status_code == 200, after.text
+
+    wanted = {victim_id, "hdr-null", "hdr-latin"}
+
+    async def read_back() -> tuple[dict, dict, set]:
+        consumer = AIOKafkaConsumer(
+            topics.dead_letter,
+            topics.answers,
+            bootstrap_servers=settings_.kafka_bootstrap,
+            group_id=None,
+            auto_offset_reset="earliest",
+        )
+        await consumer.start()
+        letters: dict[str, list[str]] = {}
+        answers: dict[str, list[dict]] = {}
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline and not (
+                wanted <= set(letters)
+                and all(len(answers.get(q.query_id, [])) for q in [*valid, rpc])
+                and any("header" in r for r in letters.get("", []))
+            ):
+                for tp, records in (await consumer.getmany(timeout_ms=500)).items():
+                    for r in records:
+                        value = json.loads(r.value)
+                        if tp.topic == topics.dead_letter:
+                            key = base64.b64decode(value["key_b64"]).decode() if value["key_b64"] else ""
+                            if not key and value["topic"] == topics.queries:
+                                key = json.loads(base64.b64decode(value["value_b64"]))["query_id"]
+                            letters.setdefault(key, []).append(value["reason"])
+                        else:
+                            answers.setdefault(value["query_id"], []).append(value)
+            existing = await consumer.topics()
+        finally:
+            await consumer.stop()
+        return letters, answers, existing
+
+    letters, answers, existing = asyncio.run(read_back())
+    assert any("belongs to another stream" in r for r in letters[victim_id]), letters.get(victim_id)
+    assert all(a["stream"] != "evil" for a in answers.get(victim_id, []))  # never answered on the attacker's stream
+    assert all(a["feedback_token"] == "" for a in answers.get(victim_id, []))
+    assert any("has no value" in r for r in letters["hdr-null"]) and any("not UTF-8" in r for r in letters["hdr-latin"])
+    assert all(len(r) < 400 for reasons in letters.values() for r in reasons)  # a bounded excerpt
+    assert all(len(answers.get(q.query_id, [])) == 1 for q in [*valid, rpc]), {
+        q.query_id: len(answers.get(q.query_id, [])) for q in valid
+    }
+    assert hijack_topic not in existing  # no reply to FastStream's reply_to header, from the worker or the learner
+    assert any("has no value" in r for r in letters.get("", [])) or any(
+        "header" in r for rs in letters.values() for r in rs
+    )
+    assert metric(gw["url"], "rlens_gateway_replies_total", outcome="unreadable") >= 1
