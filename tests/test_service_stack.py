@@ -877,3 +877,60 @@ def test_producers_are_idempotent_wherever_the_broker_offers_them():
         assert asyncio.run(settle_idempotence(off)).kafka_idempotence is False
     finally:
         broker.stop()
+
+
+@own_broker_only
+def test_the_gateway_answers_again_soon_after_the_broker_restarts_empty(tmp_path):
+    """Issue 60: tansu's memory storage restarted, and nobody makes the topics again by hand. The gateway's queries
+    topic and its reply topic are gone; it makes them again and re-joins its reply topic, so requests are answered
+    again within 30 s and stay answered."""
+    import httpx
+
+    pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
+    config = settings().model_copy(
+        update={
+            "pool_file": pool,
+            "kafka_session_timeout_ms": 2000,
+            "kafka_heartbeat_ms": 500,
+            "gateway_port": 0,
+            "gateway_id": "restart-gw",
+            "gateway_timeout_s": 5.0,
+        }
+    )
+    stack = stack_for_tests(config, tmp_path)
+    stack.start_learner()
+    stack.start_worker()
+    stack.start_gateway()
+    key = stack.gateway_key.read_text().strip()
+
+    def ask(i: int) -> int:
+        body = {
+            "model": "rlens-focal",
+            "messages": [{"role": "user", "content": f"question {i}"}],
+            "rlens": {"choices": ["A", "B", "C", "D"], "reference_id": str(i)},
+        }
+        try:
+            return httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code
+        except httpx.HTTPError:
+            return 0
+
+    try:
+        stack.wait_ready(120)
+        url = next(u for n, u in stack.http_urls().items() if n.startswith("gateway:")) + "/v1/chat/completions"
+        assert [ask(i) for i in range(5)] == [200] * 5
+        port = stack.broker.port
+        stack.broker.stop()
+        stack.broker = LocalBroker(port)  # memory storage: no topic, no consumer group
+        restarted = time.monotonic()
+        first_ok = None
+        while time.monotonic() - restarted < 90:
+            if ask(10) == 200:
+                first_ok = time.monotonic() - restarted
+                break
+            time.sleep(1.0)
+        time.sleep(20)  # and it stays answered, past the consumer group's settling
+        later = [ask(20 + i) for i in range(5)]
+    finally:
+        stack.stop()
+    assert first_ok is not None and first_ok <= 30, first_ok
+    assert later == [200] * 5, later

@@ -388,11 +388,12 @@ async def _check_limits(admin: Any, names: list[str], policy: str) -> None:
 
 
 class TopicRestorer:
-    """After a publish or commit failed: ensure the service's topics again, since a broker restarted empty (memory
-    storage, a lost cluster) has none and would refuse every record on them. At most once every ``every_s``."""
+    """After a publish or commit failed: ensure the service's topics (and the ``extra`` one-partition topics: a
+    gateway's reply topic) again, since a broker restarted empty (memory storage, a lost cluster) has none and would
+    refuse every record on them. At most once every ``every_s``."""
 
-    def __init__(self, settings: Settings, every_s: float = 5.0):
-        self.settings, self.every_s = settings, every_s
+    def __init__(self, settings: Settings, every_s: float = 5.0, extra: tuple[str, ...] = ()):
+        self.settings, self.every_s, self.extra = settings, every_s, extra
         self._last = -every_s
 
     async def restore(self) -> None:
@@ -401,9 +402,43 @@ class TopicRestorer:
             return
         self._last = now
         try:
-            await ensure_topics(self.settings, self.settings.kafka_partitions)
+            await ensure_topics(self.settings, self.settings.kafka_partitions, extra=self.extra)
         except Exception as exc:  # the broker is down: the next failure tries again
             log.warning("could not ensure the topics: %s", exc)
+
+
+async def keep_topics(
+    settings: Settings, names: tuple[str, ...], extra: tuple[str, ...] = (), every_s: float = 2.0
+) -> None:
+    """A task: every ``every_s``, whether ``names`` (and the ``extra`` one-partition topics) still exist; when one is
+    gone (a broker restarted empty), the service's topics and the ``extra`` ones are made again, so a process that
+    only reads its own topic (a gateway's reply topic) or publishes to one is not left waiting on a topic nobody
+    makes."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin: AIOKafkaAdminClient | None = None
+    try:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                if admin is None:
+                    admin = AIOKafkaAdminClient(**client_options(settings))
+                    await admin.start()
+                missing = set(names + extra) - set(await asyncio.wait_for(admin.list_topics(), every_s * 5))
+                if missing:
+                    log.warning(
+                        "topics %s are gone (the broker restarted empty?): making them again",
+                        ", ".join(sorted(missing)),
+                    )
+                    await ensure_topics(settings, settings.kafka_partitions, extra=extra)
+            except Exception as exc:  # the broker is down: the next look tries again
+                log.debug("topics not checked: %r", exc)
+                if admin is not None:
+                    await admin.close()
+                admin = None
+    finally:
+        if admin is not None:
+            await admin.close()
 
 
 class BrokerRefused(ValueError):

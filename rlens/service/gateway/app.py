@@ -12,13 +12,21 @@ import socket
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from aiokafka.errors import KafkaError
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from rlens.messages import DeadLetter, Feedback, Query
 from rlens.service.common.health import Readiness, add_http_routes, admin_token, http_routes
-from rlens.service.common.kafka import Topics, ensure_topics, make_broker, typed_publisher
+from rlens.service.common.kafka import (
+    Topics,
+    TopicRestorer,
+    ensure_topics,
+    keep_topics,
+    make_broker,
+    typed_publisher,
+)
 from rlens.service.common.metrics import GatewayMetrics
 from rlens.service.common.security import feedback_tokens
 from rlens.service.common.windows import RedisWindows
@@ -70,11 +78,22 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     redis = redis_pool(settings)
     marks = RedisWindows(redis, 1, 1, settings.redis_prefix)  # only its readiness mark
 
+    restorer = TopicRestorer(settings, every_s=1.0, extra=(reply_topic,))
+
     async def publish_one(publisher, message) -> None:
-        # the request's trace context in the record's headers (W3C traceparent): the worker's spans join its trace
-        await publisher.publish(
-            message.model_dump_json().encode(), key=message.query_id.encode(), headers=trace_carrier() or None
-        )
+        """One message, with the request's trace context in the record's headers (W3C traceparent: the worker's
+        spans join its trace); a publish the broker refuses is tried once more after the topics are made again
+        (a broker restarted empty)."""
+        for last in (False, True):
+            try:
+                await publisher.publish(
+                    message.model_dump_json().encode(), key=message.query_id.encode(), headers=trace_carrier() or None
+                )
+                return
+            except KafkaError:
+                if last:
+                    raise
+                await restorer.restore()
 
     gateway = Gateway(
         settings,
@@ -95,7 +114,11 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     async def lifespan(app: FastAPI):
         await ensure_topics(settings, extra=(reply_topic,))
         await broker.start()
-        readiness.start(marks, marks.keep_reply_topic(reply_topic))  # workers reply to no other topic
+        readiness.start(
+            marks,
+            marks.keep_reply_topic(reply_topic),  # workers reply to no other topic
+            keep_topics(settings, (topics.queries, topics.feedback), extra=(reply_topic,)),  # a broker restarted empty
+        )
         served = ", ".join(MODEL_OF[s] for s in gateway.strategies)
         log.info("gateway %s ready on %s (reply topic %s; serves %s)", name, url, reply_topic, served)
         try:

@@ -19,6 +19,7 @@ from rlens.service.common.kafka import (
     Topics,
     TopicRestorer,
     dead_letter,
+    ensure_topics,
     parse_or_dead_letter,
     publish_batch,
     publish_dead_letters,
@@ -200,9 +201,27 @@ class QueryBatches:
         await self.reply(out.answers, reply_to)
 
     async def reply(self, answers: list[Answer], reply_to: dict[str, str]) -> None:
-        """Each answer also to its gateway's reply topic; one that fails within REPLY_TIMEOUT_S is logged and counted
-        (the answer is on ``answers`` anyway), so no reply topic can hold the batch."""
+        """Each answer also to its gateway's reply topic. Replies the broker refuses are tried once more after the
+        reply topics are made again (a broker restarted empty loses them, and only their gateway makes them
+        otherwise); one that still fails within REPLY_TIMEOUT_S is logged and counted (the answer is on
+        ``answers`` anyway), so no reply topic can hold the batch."""
         sent = [(self.worker.tokens.sign(a), reply_to[a.query_id]) for a in answers if a.query_id in reply_to]
+        failed = await self._send_replies(sent)
+        if failed:
+            try:
+                await ensure_topics(
+                    self.settings, self.settings.kafka_partitions, extra=tuple({t for _, t, _ in failed})
+                )
+            except Exception as exc:  # the broker is down: the replies are given up below
+                log.warning("could not make the reply topics again: %r", exc)
+            failed = await self._send_replies([(a, topic) for a, topic, _ in failed])
+        for a, topic, error in failed:
+            self.metrics.reply_failures.inc()
+            fields = query_fields(a.query_id, a.stream, a.policy_version)
+            log.error("could not reply to %s for query %s: %r", topic, a.query_id, error, extra=fields)
+
+    async def _send_replies(self, sent: list[tuple[Answer, str]]) -> list[tuple[Answer, str, BaseException]]:
+        """Publish each (answer, reply topic); those that failed within REPLY_TIMEOUT_S, with the error."""
         results = await asyncio.gather(
             *(
                 asyncio.wait_for(
@@ -212,11 +231,7 @@ class QueryBatches:
             ),
             return_exceptions=True,
         )
-        for (a, topic), result in zip(sent, results):
-            if isinstance(result, BaseException):
-                self.metrics.reply_failures.inc()
-                fields = query_fields(a.query_id, a.stream, a.policy_version)
-                log.error("could not reply to %s for query %s: %r", topic, a.query_id, result, extra=fields)
+        return [(a, topic, r) for (a, topic), r in zip(sent, results) if isinstance(r, BaseException)]
 
 
 def open_spans(out: BatchOutput, records: dict, began_ns: int) -> dict[str, Span]:
