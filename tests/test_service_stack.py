@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import gc
 from types import SimpleNamespace
+from typing import cast
+from concurrent.futures import ThreadPoolExecutor
 import base64
 import hashlib
 import json
@@ -883,7 +885,7 @@ def test_producers_are_idempotent_wherever_the_broker_offers_them():
 def test_the_gateway_answers_again_soon_after_the_broker_restarts_empty(tmp_path):
     """Issue 60: tansu's memory storage restarted, and nobody makes the topics again by hand. The gateway's queries
     topic and its reply topic are gone; it makes them again and re-joins its reply topic, so requests are answered
-    again within 30 s and stay answered."""
+    again within 30 s and stay answered. Then Redis restarted empty: no request gets a 503."""
     import httpx
 
     pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
@@ -930,7 +932,17 @@ def test_the_gateway_answers_again_soon_after_the_broker_restarts_empty(tmp_path
             time.sleep(1.0)
         time.sleep(20)  # and it stays answered, past the consumer group's settling
         later = [ask(20 + i) for i in range(5)]
+        # Redis restarted empty: the gateway's pooled connections are broken; each is replaced, never a 503
+        with ThreadPoolExecutor(20) as pool:  # 20 pooled connections, one per request at once
+            assert list(pool.map(ask, range(50, 70))) == [200] * 20
+        redis = cast(LocalRedis, stack.redis)
+        redis.stop()
+        stack.redis = LocalRedis(redis.port)
+        time.sleep(3.0)  # the reply topic's registration comes back
+        with ThreadPoolExecutor(20) as pool:  # at once: each on a pooled connection of its own
+            after_redis = list(pool.map(ask, range(30, 50)))
     finally:
         stack.stop()
     assert first_ok is not None and first_ok <= 30, first_ok
     assert later == [200] * 5, later
+    assert after_redis.count(503) == 0, after_redis

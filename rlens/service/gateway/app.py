@@ -16,6 +16,9 @@ from aiokafka.errors import KafkaError
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from rlens.messages import DeadLetter, Feedback, Query
 from rlens.service.common.health import Readiness, add_http_routes, admin_token, http_routes
@@ -45,7 +48,9 @@ REDIS_CONNECTIONS = 64
 
 
 def redis_pool(settings: Settings) -> Redis:
-    """The gateway's Redis client: requests wait for a free connection of a bounded pool instead of failing."""
+    """The gateway's Redis client: requests wait for a free connection of a bounded pool instead of failing, and a
+    broken connection is replaced (tried again on a connection error only: a command the server may have run is
+    never repeated after a timeout)."""
     pool = BlockingConnectionPool.from_url(
         settings.redis_url.get_secret_value(),
         max_connections=REDIS_CONNECTIONS,
@@ -53,6 +58,9 @@ def redis_pool(settings: Settings) -> Redis:
         socket_timeout=5,
         socket_connect_timeout=2,
         health_check_interval=10,
+        # a pooled connection that a Redis restart broke fails once, then connects again: not a 503
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        retry_on_error=[RedisConnectionError],
     )
     return Redis(connection_pool=pool)
 
