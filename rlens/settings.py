@@ -285,6 +285,12 @@ class Settings(BaseSettings):
         2048, ge=16, description="connections and requests at once per replica; more get 503 at once"
     )
     gateway_idle_timeout_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is closed after this")
+    gateway_header_timeout_s: float = Field(
+        10.0, gt=0, description="a request whose headers have not all arrived by then is closed with a 408"
+    )
+    gateway_max_connections_per_address: int = Field(
+        256, ge=1, description="connections one client address may hold at once (a new one past it: 503, closed)"
+    )
     gateway_auth_failures_per_s: float = Field(
         5.0, gt=0, description="failed authentications per second per client address (bursts of 20); more get 429"
     )

@@ -6,6 +6,7 @@ schemathesis fuzz of the published OpenAPI document."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 import base64
 import json
 import os
@@ -115,6 +116,8 @@ TIMEOUT_S = 8.0
 ADMIN_TOKEN = "admin-token-of-the-tests"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 MAX_WAITING = 3
+HEADER_TIMEOUT_S = 3.0
+PER_ADDRESS = 100  # connections one client address may hold (the tests' own requests come from 127.0.0.1)
 BUDGET = 1.0  # cost units of the "budget" key (the replay pool's models cost 0.1 to 135 each)
 
 
@@ -133,6 +136,8 @@ def gw(tmp_path_factory):
             "gateway_max_waiting": MAX_WAITING,
             "gateway_max_prompt_chars": 1000,
             "gateway_body_timeout_s": 2.0,
+            "gateway_header_timeout_s": HEADER_TIMEOUT_S,
+            "gateway_max_connections_per_address": PER_ADDRESS,
             "admin_token": SecretStr(ADMIN_TOKEN),
             "trace_dir": workdir / "traces",  # every process's spans, as JSON lines
         }
@@ -480,6 +485,25 @@ def test_an_idempotent_retry_gets_the_same_answer_without_asking_twice(gw):
     assert metric(worker, "rlens_worker_queries_total", stream="@local/idem") == 1.0  # the models were asked once
     reused = ask(gw, question=21, stream="idem", headers=key)
     assert reused.status_code == 409 and reused.json()["error"]["query_id"] == first.json()["id"]
+    # the same request as other bytes (spaced, keys in another order) is the same request (issue 54)
+    body = {
+        "rlens": {"reference_id": "20", "choices": CHOICES},
+        "metadata": {"stream": "idem"},
+        "messages": [{"content": "question 20", "role": "user"}],
+        "model": "rlens-focal",
+    }
+    spaced = httpx.post(
+        f"{gw['url']}/v1/chat/completions",
+        content=json.dumps(body, indent=3).encode(),
+        headers={**auth(gw), **key, "Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert spaced.status_code == 200 and spaced.json()["id"] == first.json()["id"], spaced.text
+    # another key of the tenant that may not use the first request's stream is not told its id (issue 60)
+    acme = {"Idempotency-Key": f"acme-{time.time()}"}
+    assert ask(gw, "acme", question=22, stream="acme-us", headers=acme).status_code == 200
+    other = ask(gw, "acme-eu", question=23, stream="acme-eu", headers=acme)
+    assert other.status_code == 409 and "query_id" not in other.json()["error"], other.text
 
 
 def test_a_key_sees_only_its_streams_a_retry_names_its_stream_and_a_broken_keys_file_keeps_the_keys(gw):
@@ -941,3 +965,30 @@ def test_kafka_attacks_of_round_three_do_no_harm(gw):
         "header" in r for rs in letters.values() for r in rs
     )
     assert metric(gw["url"], "rlens_gateway_replies_total", outcome="unreadable") >= 1
+
+
+def test_slow_headers_hold_a_bounded_share_of_the_gateway(gw):
+    """Issue 60: 130 connections from one address (127.0.0.2) that send a request line and one header and then
+    nothing: the address's cap refuses 30 of them at once (503, closed), the rest are closed with a 408 once the
+    header timeout has passed, and meanwhile a client on another address (127.0.0.1) is answered."""
+    host, port = httpx.URL(gw["url"]).host, httpx.URL(gw["url"]).port
+
+    async def slowloris() -> tuple[list[bytes], int]:
+        async def one() -> bytes:
+            reader, writer = await asyncio.open_connection(host, port, local_addr=("127.0.0.2", 0))
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n")
+            await writer.drain()
+            try:
+                return await asyncio.wait_for(reader.read(200), HEADER_TIMEOUT_S * 10)
+            finally:
+                writer.close()
+
+        held = [asyncio.create_task(one()) for _ in range(PER_ADDRESS + 30)]
+        await asyncio.sleep(0.5)
+        answered = await asyncio.to_thread(ask, gw, question=80, stream="slow-headers")
+        return list(await asyncio.gather(*held)), answered.status_code
+
+    replies, status = asyncio.run(slowloris())
+    assert status == 200
+    statuses = Counter(r.split(b" ", 2)[1] if r.startswith(b"HTTP/1.1 ") else r[:20] for r in replies)
+    assert statuses == {b"503": 30, b"408": PER_ADDRESS}, statuses

@@ -296,6 +296,7 @@ def run_gateway(settings: Settings) -> None:
     import uvicorn
 
     from rlens.service.gateway.app import create_gateway_app
+    from rlens.service.gateway.connections import guarded_protocol
 
     setup_logging("gateway", settings.strategy, settings.log_format)
     check_exposure(settings.gateway_host, admin_token(settings), "RLENS_GATEWAY_HOST")
@@ -313,4 +314,5 @@ def run_gateway(settings: Settings) -> None:
         log_config=None,  # its records go through the process's one handler
         limit_concurrency=settings.gateway_max_connections,
         timeout_keep_alive=max(1, round(settings.gateway_idle_timeout_s)),
+        http=guarded_protocol(settings.gateway_header_timeout_s, settings.gateway_max_connections_per_address),
     )

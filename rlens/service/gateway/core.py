@@ -216,7 +216,6 @@ class Gateway:
         self,
         key: KeyRecord,
         request: ChatCompletionRequest | CompletionRequest,
-        body: bytes,
         idempotency_key: str | None,
         stream_header: str | None,
     ) -> Answer:
@@ -236,7 +235,9 @@ class Gateway:
             )
         query_id = f"rl-{uuid.uuid4().hex}"
         if idempotency_key:
-            request_digest = digest(stream.encode() + b"\0" + body)  # the stream too: it may come from the header
+            # the request as parsed (JSON spaced or ordered otherwise is the same request), and its stream: it may
+            # come from the header
+            request_digest = digest(stream.encode() + b"\0" + request.model_dump_json().encode())
             query_id, answer, published = await self._earlier(key, idempotency_key, request_digest, query_id)
             if answer is not None:
                 return answer
@@ -277,12 +278,14 @@ class Gateway:
             return query_id, None, False
         query_id, earlier_digest = earlier
         if earlier_digest != request_digest:
+            record = await self.state.query(query_id)
             raise ApiError(
                 409,
                 "this Idempotency-Key was used with a different request",
                 "invalid_request_error",
                 "idempotency_key_reused",
-                query_id=query_id,
+                # the first request's id only to a key that may read it (its tenant's, on a stream it may use)
+                query_id=query_id if record is not None and key.allows(record.stream) else None,
             )
         self.metrics.idempotent_replays.inc()
         if (answer := await self.state.answer(query_id)) is not None:

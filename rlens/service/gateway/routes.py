@@ -127,7 +127,7 @@ def openai_router(gateway: Gateway) -> APIRouter:
             "rlens.tenant": key.tenant,
         }
         with tracer().start_as_current_span(f"{operation} {body.model}", kind=SpanKind.SERVER, attributes=attributes):
-            answer = await gateway.ask(key, body, await request.body(), idempotency_key, stream_key)
+            answer = await gateway.ask(key, body, idempotency_key, stream_key)
             trace.get_current_span().set_attributes(
                 {
                     "gen_ai.response.id": answer.query_id,
