@@ -528,7 +528,7 @@ def test_a_key_sees_only_its_streams_a_retry_names_its_stream_and_a_broken_keys_
     finally:
         path.write_bytes(good)
     log = (gw["stack"].workdir / "gateway.log").read_text()
-    assert "is not a valid keys file" in log and "keeping the 6 keys read before" in log
+    assert "is not a valid keys file" in log and "keeping the 8 keys read before" in log
 
 
 def read_topic(settings_, topic: str, model, done, timeout_s: float = 30) -> list:

@@ -1,4 +1,6 @@
-"""Fuzz the running service: 10,000 messages on each of ``queries``, ``feedback``, ``experience`` and ``policy``.
+"""Fuzz the running service: 10,000 messages on each of ``queries``, ``feedback``, ``experience`` and ``policy``,
+then record-header attacks (issue 60: a header without a value or not UTF-8 on every topic, FastStream's ``reply_to``
+header on queries and feedback, valid queries between them).
 
     python -m bench.robustness.poison [--per-topic 10000] [--seed 0] [--out bench/out/poison.json]
 
@@ -82,7 +84,7 @@ def payloads(n: int, seed: int, zoo) -> dict[str, list[bytes]]:
     query = Query(query_id="q", stream="s", prompt="p", choices=["a", "b", "c", "d"], reference_id="0").model_dump(
         mode="json"
     )
-    feedback = Feedback(query_id="q", token="0" * 32, label=1).model_dump(mode="json")
+    feedback = Feedback(query_id="q", token="0" * 64, label=1).model_dump(mode="json")
     attacker = PolicySigner(generate_secrets()["RLENS_POLICY_SIGNING_KEY"])
     engine = FocalEngine(5, seed=0)  # the pool's shapes, weights from no checkpoint
     state = engine.policy_state()
@@ -117,7 +119,7 @@ def payloads(n: int, seed: int, zoo) -> dict[str, list[bytes]]:
         out[topic] = messages
     out["policy"][: len(policies)] = [p.model_dump_json().encode() for p in policies]
     # schema-valid, forged
-    out["feedback"][0] = Feedback(query_id="fuzz-0", token="f" * 32, reward=-1).model_dump_json().encode()
+    out["feedback"][0] = Feedback(query_id="fuzz-0", token="f" * 64, reward=-1).model_dump_json().encode()
     # schema-valid queries that must not be answered: replies to topics no gateway registered (each would have made
     # a topic), and a gateway tenant's stream key without a gateway's signature (it would move the tenant's window)
     spam = Query.model_validate(query)
@@ -256,6 +258,71 @@ async def spam_topics(stack: LocalStack) -> int:
         await consumer.stop()
 
 
+HEADER_ATTACKS = 50  # records per topic and kind of bad header
+
+
+async def header_attacks(stack: LocalStack, zoo, timeout_s: float) -> dict:
+    """Issue 60's record-header attacks: on queries, feedback, experience and policy, records whose header has no
+    value or is not UTF-8 (each must be dead-lettered alone), FastStream's ``reply_to`` header on queries and
+    feedback (no subscriber may write to the topic it names), and valid queries between them (each answered
+    once)."""
+    topics = Topics.from_settings(stack.settings)
+    names = [topics.queries, topics.feedback, topics.experience, topics.policy]
+    hijack = f"{stack.settings.topic_prefix}hijacked-by-header"
+    bad = [("x-note", None), ("x-note", b"\xff\xfe caf\xe9")]
+    valid = [q for q, _ in queries_of(zoo.subset(list(range(100))), None, "headers")]
+    producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap, linger_ms=5)
+    await producer.start()
+    sends = []
+    for topic in names:
+        for i in range(HEADER_ATTACKS):
+            for j, header in enumerate(bad):
+                payload = valid[i].model_copy(update={"query_id": f"hdr-{j}-{i}"}).model_dump_json().encode()
+                sends.append(await producer.send(topic, payload, headers=[header]))
+    for i, query in enumerate(valid):
+        headers = [("reply_to", hijack.encode())] if i % 2 else []
+        sends.append(await producer.send(topics.queries, query.model_dump_json().encode(), headers=headers))
+        feedback = Feedback(query_id=query.query_id, token="0" * 64, label=0).model_dump_json().encode()
+        sends.append(await producer.send(topics.feedback, feedback, headers=[("reply_to", hijack.encode())]))
+    await asyncio.gather(*sends)
+    await producer.stop()
+    expected = {t: 2 * HEADER_ATTACKS for t in names}
+    consumer = AIOKafkaConsumer(
+        topics.dead_letter,
+        topics.answers,
+        bootstrap_servers=stack.settings.kafka_bootstrap,
+        group_id=None,
+        auto_offset_reset="earliest",
+        max_partition_fetch_bytes=16 * 2**20,
+    )
+    await consumer.start()
+    dead: Counter[str] = Counter()
+    answers: Counter[str] = Counter()
+    started = time.perf_counter()
+    ids = {q.query_id for q in valid}
+    while time.perf_counter() - started < timeout_s and (
+        any(dead[t] < n for t, n in expected.items()) or len(answers) < len(valid)
+    ):
+        for tp, records in (await consumer.getmany(timeout_ms=500)).items():
+            for record in records:
+                if tp.topic == topics.answers:
+                    query_id = Answer.model_validate_json(record.value).query_id
+                    answers[query_id] += query_id in ids
+                else:
+                    letter = DeadLetter.model_validate_json(record.value)
+                    dead[letter.topic] += "record header" in letter.reason
+    made = hijack in await consumer.topics()
+    await consumer.stop()
+    return {
+        "bad_header_records": {t.removeprefix("rlens."): n for t, n in expected.items()},
+        "dead_lettered_for_their_header": {t.removeprefix("rlens."): dead[t] for t in expected},
+        "valid_queries": len(valid),
+        "valid_answered_once": sum(answers[q] == 1 for q in ids),
+        "valid_answered_twice_or_more": sum(answers[q] > 1 for q in ids),
+        "topic_made_by_a_reply_to_header": made,
+    }
+
+
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--per-topic", type=int, default=10_000)
@@ -274,6 +341,7 @@ def main() -> None:
         stack.start_worker()
         stack.wait_ready(120)
         result = asyncio.run(flood(stack, sent, valid, held, timeout_s=120))
+        result["headers"] = asyncio.run(header_attacks(stack, zoo, timeout_s=120))
         after_traffic = queries_of(zoo.subset(list(range(200))), None, "after")
         asyncio.run(poison_windows(stack, {q.stream for q, _ in after_traffic}))
         # a broker restarted empty (memory storage) between the flood and the legitimate traffic: nobody makes the

@@ -70,6 +70,7 @@ def setup_logging(role: str = "", strategy: str = "", form: str = "auto") -> Non
     root.setLevel(logging.INFO)
     logging.captureWarnings(True)  # Python's warnings as records too, not bare lines on stderr
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # "generated new fontManager" on a new machine
     coordinator = logging.getLogger("aiokafka.consumer.group_coordinator")
     if _not_a_rebalance not in coordinator.filters:
         coordinator.addFilter(_not_a_rebalance)
