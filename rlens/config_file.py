@@ -21,7 +21,7 @@ import difflib
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 
 CONFIG_ENV = "RLENS_CONFIG"
@@ -106,6 +106,34 @@ def sections(fields: list[str]) -> dict[str, dict[str, str]]:
         names = tuple(f for f in fields if f.startswith(f"{group}_")) if group in PREFIXED else names
         out[group] = {n.removeprefix(f"{group}_"): n for n in names}
     return out
+
+
+# RLENS_* variables that are not settings: the configuration file's path, and the test and Kafka scripts' own
+OTHER_VARIABLES = frozenset(
+    {"RLENS_CONFIG", "RLENS_KAFKA_RUN", "RLENS_KAFKA_CACHE", "RLENS_TEST_KAFKA_BOOTSTRAP", "RLENS_SKIP_SMOLLM2"}
+)
+
+
+def grouped_variables(fields: list[str]) -> dict[str, str]:
+    """``RLENS_<GROUP>_<KEY>`` → setting name, for each setting whose variable is not that already (``[kafka]
+    topic_prefix`` is ``RLENS_TOPIC_PREFIX``, and ``RLENS_KAFKA_TOPIC_PREFIX`` too): the name a reader of the file
+    guesses."""
+    out = {}
+    for group, keys in sections(fields).items():
+        for key, name in keys.items():
+            variable = f"RLENS_{group}_{key}".upper()
+            if variable != f"RLENS_{name}".upper():
+                out[variable] = name
+    return out
+
+
+def unknown_variables(environ: Mapping[str, str], fields: list[str]) -> list[str]:
+    """One line for each ``RLENS_*`` variable that sets nothing (a typo, a guessed name), with the closest name."""
+    known = {f"RLENS_{name}".upper() for name in fields} | set(grouped_variables(fields)) | OTHER_VARIABLES
+    return [
+        f"{variable} is not a setting of rlens and changes nothing{_suggest(variable, sorted(known))}"
+        for variable in sorted(v for v in environ if v.startswith("RLENS_") and v not in known)
+    ]
 
 
 def _suggest(key: str, valid: list[str]) -> str:

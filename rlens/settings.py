@@ -416,8 +416,16 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        """Arguments, then ``RLENS_*`` variables (and an env file), then the configuration file, then defaults."""
-        return init_settings, env_settings, dotenv_settings, ConfigFileSource(settings_cls), file_secret_settings
+        """Arguments, then ``RLENS_*`` variables (and an env file), then the same as ``RLENS_<GROUP>_<KEY>`` (the
+        file's groups: ``RLENS_KAFKA_TOPIC_PREFIX``), then the configuration file, then defaults."""
+        return (
+            init_settings,
+            env_settings,
+            dotenv_settings,
+            GroupedVariables(settings_cls),
+            ConfigFileSource(settings_cls),
+            file_secret_settings,
+        )
 
     @property
     def probe_rate(self) -> float:
@@ -445,6 +453,22 @@ class Settings(BaseSettings):
             max_tokens=self.focal_max_tokens,
             stop=self.focal_stop,
         )
+
+
+class GroupedVariables(PydanticBaseSettingsSource):
+    """Settings named by their group in the file (:func:`rlens.config_file.grouped_variables`): ``[kafka]
+    topic_prefix`` as ``RLENS_KAFKA_TOPIC_PREFIX`` beside ``RLENS_TOPIC_PREFIX``."""
+
+    def get_field_value(self, field, field_name: str):  # every value comes from __call__
+        return None, field_name, False
+
+    def __call__(self) -> dict:
+        import os
+
+        from rlens.config_file import grouped_variables
+
+        aliases = grouped_variables(list(self.settings_cls.model_fields))
+        return {name: os.environ[variable] for variable, name in aliases.items() if variable in os.environ}
 
 
 class ConfigFileSource(PydanticBaseSettingsSource):

@@ -243,3 +243,23 @@ def test_the_log_handler_writes_to_stderr_as_it_is_when_a_record_comes():
         root.handlers[:] = handlers
         root.setLevel(level)
     assert "generated new fontManager" in written and "Logging error" not in written, written
+
+
+def test_variables_are_as_strict_as_the_file_and_take_the_files_group_names(tmp_path, monkeypatch):
+    """Issue 54: a typo in an RLENS_* variable is named with the closest setting by every command (and every
+    process, through its log); the name a reader of the file guesses, RLENS_<GROUP>_<KEY>, works."""
+    from rlens.config_file import unknown_variables
+
+    monkeypatch.setenv("RLENS_REDIS_PREFX", "x")
+    monkeypatch.setenv("RLENS_KAFKA_TOPIC_PREFIX", "mine.")
+    monkeypatch.setenv("RLENS_CONFIG", str(write(tmp_path, "[kafka]\ntopic_prefix = 'file.'\n")))
+    assert Settings().topic_prefix == "mine."  # the variable over the file, by either name
+    monkeypatch.setenv("RLENS_TOPIC_PREFIX", "flat.")
+    assert Settings().topic_prefix == "flat."  # the setting's own name first
+    lines = unknown_variables({"RLENS_REDIS_PREFX": "x", "RLENS_KAFKA_TOPIC_PREFIX": "y", "RLENS_CONFIG": "z"}, FIELDS)
+    assert lines == [
+        "RLENS_REDIS_PREFX is not a setting of rlens and changes nothing (did you mean 'RLENS_REDIS_PREFIX'?)"
+    ]
+    result = CliRunner().invoke(app, ["config", "show"])
+    assert result.exit_code == 0 and "warning: RLENS_REDIS_PREFX is not a setting" in result.output
+    assert "did you mean 'RLENS_REDIS_PREFIX'" in result.output and "KAFKA_TOPIC_PREFIX" not in result.output

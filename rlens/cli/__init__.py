@@ -8,6 +8,19 @@ import typer
 from rlens.cli import config, importers, keys, local, models, ope, policy, replay, rlae, service, zoo
 
 app = typer.Typer(help="rlens: LLM ensembles that learn from feedback.", no_args_is_help=True, add_completion=False)
+LOGGING_COMMANDS = ("worker", "learner", "gateway")  # their processes log the same warnings as records
+
+
+@app.callback()
+def check_variables(ctx: typer.Context) -> None:
+    """rlens: LLM ensembles that learn from feedback."""
+    from rlens.cli.common import errors
+    from rlens.service.common.logs import warn_unknown_variables
+
+    if ctx.invoked_subcommand not in LOGGING_COMMANDS:
+        warn_unknown_variables(lambda line: errors.print(f"warning: {line}", highlight=False))
+
+
 app.command()(replay.replay)
 app.command()(replay.demo)
 app.command()(ope.ope)

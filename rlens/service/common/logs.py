@@ -74,6 +74,18 @@ def setup_logging(role: str = "", strategy: str = "", form: str = "auto") -> Non
     coordinator = logging.getLogger("aiokafka.consumer.group_coordinator")
     if _not_a_rebalance not in coordinator.filters:
         coordinator.addFilter(_not_a_rebalance)
+    warn_unknown_variables(logging.getLogger("rlens.settings").warning)
+
+
+def warn_unknown_variables(warn) -> None:
+    """Each ``RLENS_*`` variable that sets nothing (a typo, a guessed name), with the closest name, through ``warn``."""
+    import os
+
+    from rlens.config_file import unknown_variables
+    from rlens.settings import Settings
+
+    for line in unknown_variables(os.environ, list(Settings.model_fields)):
+        warn(line)
 
 
 def query_fields(query_id: str, stream: str, policy_version: int | None = None) -> dict:

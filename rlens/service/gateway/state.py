@@ -1,5 +1,5 @@
 """What the gateway keeps in Redis, shared by its replicas: queries asked, answers, idempotency keys, feedback
-given and the per-key rate buckets. Every key expires (``RLENS_GATEWAY_ANSWER_TTL_S``), so memory stays bounded.
+given and the per-key rate buckets. Every key but spending expires (``RLENS_GATEWAY_RETENTION_S``), so memory stays bounded.
 
 Keys (under ``<prefix>:gw:``): ``q:<id>`` the query's owner and shape (a hash), ``a:<id>`` its first answer (JSON;
 later duplicates of an at-least-once answer never replace it), ``idem:<tenant>:<sha256>`` the query id of an
