@@ -239,3 +239,11 @@ def zoo_dir(tmp_path, zoo):
     from rlens.evaluation.dataset import save_dataset
 
     return save_dataset(zoo, tmp_path / "zoo")
+
+
+def test_load_names_a_missing_stack_folder_in_one_line(tmp_path):
+    """Issue 54: `rlens load --stack <folder>` where no stack runs says so, and how to start one."""
+    for folder, what in ((tmp_path / "nowhere", "no such folder"), (tmp_path, "no client.env there")):
+        result = runner.invoke(app, ["load", "--stack", str(folder)])
+        lines = [line for line in result.output.strip().splitlines() if line.strip()]
+        assert result.exit_code == 2 and len(lines) == 1 and what in lines[0] and "rlens up --workdir" in lines[0]

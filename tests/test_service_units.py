@@ -248,3 +248,17 @@ def test_a_free_port_is_drawn_below_the_kernels_ephemeral_range_and_is_free():
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # free
+
+
+def test_a_process_without_a_broker_says_so_at_once():
+    """Issue 54: no broker at the bootstrap address is said first, not "the broker refused an idempotent producer"
+    and the real error 22 s later."""
+    import asyncio
+
+    from rlens.ports import free_port
+    from rlens.service.common.kafka import BrokerRefused, settle_idempotence
+    from rlens.settings import Settings
+
+    nowhere = Settings(_env_file=None, kafka_bootstrap=f"127.0.0.1:{free_port()}")  # type: ignore[call-arg]
+    with pytest.raises(BrokerRefused, match="no Kafka broker answers at 127.0.0.1"):
+        asyncio.run(settle_idempotence(nowhere))

@@ -184,6 +184,9 @@ def load(
     except TrafficError as exc:
         fail(str(exc))
     s = client_settings(stack)
+    if s is None and stack != DEFAULT_WORKDIR:  # named, so it must be there
+        what = "no such folder" if not stack.exists() else "no client.env there"
+        fail(f"--stack {stack}: {what}; start a stack there with `rlens up --workdir {stack}`")
     if s is not None:
         errors.print(f"reaching the stack of {stack / 'client.env'}", highlight=False)
     s = s or settings()

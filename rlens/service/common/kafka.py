@@ -442,7 +442,8 @@ async def keep_topics(
 
 
 class BrokerRefused(ValueError):
-    """The broker does not offer what the settings ask for (one line saying which, and what to set)."""
+    """The broker does not offer what the settings ask for, or no broker answers (one line saying which, and what
+    to set)."""
 
 
 async def settle_idempotence(settings: Settings) -> Settings:
@@ -452,13 +453,18 @@ async def settle_idempotence(settings: Settings) -> Settings:
     if settings.kafka_idempotence is False:
         return settings
     from aiokafka import AIOKafkaProducer
-    from aiokafka.errors import KafkaError
+    from aiokafka.errors import KafkaConnectionError, KafkaError
 
     producer = AIOKafkaProducer(**client_options(settings), enable_idempotence=True, acks="all")
     quiet = logging.getLogger("aiokafka")
     level, quiet.level = quiet.level, logging.CRITICAL  # its own line would precede ours
     try:
         await producer.start()
+    except KafkaConnectionError:  # no broker answered: that, not idempotence, is what to say
+        raise BrokerRefused(
+            f"no Kafka broker answers at {settings.kafka_bootstrap}: start one, or set RLENS_KAFKA_BOOTSTRAP "
+            "(`rlens up` runs one of its own)"
+        ) from None
     except KafkaError as exc:
         if settings.kafka_idempotence == "auto":
             log.info("the broker refused an idempotent producer (%s): producers are not idempotent", type(exc).__name__)
