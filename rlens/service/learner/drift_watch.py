@@ -18,6 +18,7 @@ from rlens.service.common.windows import RedisWindows
 from rlens.service.learner.dashboard import Dashboard
 
 log = logging.getLogger("rlens.learner")
+LOGGED_SHIFT = 0.05  # a detection whose means moved less than this is not logged (it is still an event)
 
 
 class DriftWatch:
@@ -66,7 +67,10 @@ class DriftWatch:
             )
             self.events.append(event)
             self.dashboard.observe_drift(event)
-            log.info(
+            # a shift too small to act on (a confidence of 0.94 -> 0.95) is published and counted, not logged
+            small = before is not None and abs(found.mean_after - before) < LOGGED_SHIFT
+            log.log(
+                logging.DEBUG if small else logging.INFO,
                 "drift on stream %s, %s: %s -> %.2f (value %d)",
                 stream,
                 signal,
