@@ -82,7 +82,7 @@ def test_wrong_keys_are_named_with_the_valid_ones(tmp_path):
     assert result.exit_code == 2 and "[focal] alpha: Input should be greater than or equal to 0" in result.output
     bad_pool = write(tmp_path, '[[pool.models]]\nname = "a"\nbackend = "nope"\n')
     result = CliRunner().invoke(app, ["config", "check", str(bad_pool)])
-    assert result.exit_code == 2 and "unknown backend 'nope'" in result.output
+    assert result.exit_code == 2 and "unknown backend 'nope'" in result.output and str(bad_pool) in result.output
 
 
 def test_config_show_reads_back_as_the_same_settings_with_secrets_redacted(tmp_path, monkeypatch):
@@ -263,3 +263,19 @@ def test_variables_are_as_strict_as_the_file_and_take_the_files_group_names(tmp_
     result = CliRunner().invoke(app, ["config", "show"])
     assert result.exit_code == 0 and "warning: RLENS_REDIS_PREFX is not a setting" in result.output
     assert "did you mean 'RLENS_REDIS_PREFIX'" in result.output and "KAFKA_TOPIC_PREFIX" not in result.output
+
+
+def test_up_names_where_an_unreachable_address_came_from(tmp_path, monkeypatch):
+    """Issue 54: `rlens up --config FILE` blamed RLENS_REDIS_URL for a URL the file set."""
+    from rlens.local.up import UpError, redis_to_use
+    from rlens.ports import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    path = write(tmp_path, f'[redis]\nurl = "{url}"\n')
+    monkeypatch.delenv("RLENS_REDIS_URL", raising=False)
+    monkeypatch.setenv("RLENS_CONFIG", str(path))
+    with pytest.raises(UpError, match=re.escape(f"[redis] url in {path}")):
+        redis_to_use(Settings(), url)
+    monkeypatch.setenv("RLENS_REDIS_URL", url)
+    with pytest.raises(UpError, match=r"\(RLENS_REDIS_URL\)"):
+        redis_to_use(Settings(), url)

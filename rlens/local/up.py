@@ -4,6 +4,7 @@ them running. Each step raises :class:`UpError` with one line for the user; noth
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from rlens.models.pool import PoolConfigError, load_pool_config, parse_pool_conf
 from rlens.ports import port_taken
 from rlens.service.common.kafka import BrokerRefused, settle_idempotence
 from rlens.service.common.security import redact_url
+from rlens.config_file import config_path
 from rlens.settings import Settings
 
 READY_TIMEOUT_S = 180.0
@@ -57,9 +59,10 @@ def redis_to_use(settings: Settings, env_url: str | None) -> str | None:
     try:
         Redis.from_url(env_url, socket_connect_timeout=2).ping()
     except RedisError as exc:
+        where = set_by("RLENS_REDIS_URL", "[redis] url")
         raise UpError(
-            f"Redis does not answer at {redact_url(env_url)} (RLENS_REDIS_URL): {exc} Start it, fix the URL, "
-            "or unset RLENS_REDIS_URL and `rlens up` starts its own."
+            f"Redis does not answer at {redact_url(env_url)} ({where}): {exc} Start it, fix the URL, "
+            f"or unset {where} and `rlens up` starts its own."
         ) from None
     return env_url
 
@@ -68,10 +71,16 @@ def check_broker(settings: Settings, bootstrap: str) -> None:
     try:
         asyncio.run(probe_broker(settings.model_copy(update={"kafka_bootstrap": bootstrap})))
     except BrokerUnreachable:
+        where = set_by("RLENS_KAFKA_BOOTSTRAP", "[kafka] bootstrap")
         raise UpError(
-            f"no Kafka broker answers at {bootstrap} (RLENS_KAFKA_BOOTSTRAP): start it, fix the address, "
-            "or unset RLENS_KAFKA_BOOTSTRAP and `rlens up` starts its own."
+            f"no Kafka broker answers at {bootstrap} ({where}): start it, fix the address, "
+            f"or unset {where} and `rlens up` starts its own."
         ) from None
+
+
+def set_by(variable: str, key: str) -> str:
+    """Where a setting that ``rlens up`` uses came from: its variable, or the configuration file's key."""
+    return variable if os.environ.get(variable) or config_path() is None else f"{key} in {config_path()}"
 
 
 def pool_file(options: UpOptions, settings: Settings) -> Path:
@@ -83,7 +92,7 @@ def pool_file(options: UpOptions, settings: Settings) -> Path:
     if settings.pool is not None:  # the configuration file's [[pool.models]]
         path = options.workdir / "pool.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        pool = parse_pool_config(settings.pool, "the configuration's [[pool.models]]")
+        pool = parse_pool_config(settings.pool, f"[[pool.models]] in {config_path()}")
         path.write_text(pool.model_dump_json(indent=1))
         return path
     if settings.pool_file is not None:

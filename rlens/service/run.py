@@ -33,6 +33,7 @@ from rlens.service.common.security import check_exposure, feedback_tokens, polic
 from rlens.service.common.windows import RedisWindows
 from rlens.service.worker.core import FocalWorker, Worker
 from rlens.service.worker.app import create_worker_app
+from rlens.config_file import config_path
 from rlens.settings import Settings
 
 log = logging.getLogger("rlens.service")
@@ -41,7 +42,7 @@ log = logging.getLogger("rlens.service")
 def pool_of(settings: Settings) -> PoolConfig:
     """The pool the settings give: inline (the configuration file's [[pool.models]]), or a pool file."""
     if settings.pool is not None:
-        return parse_pool_config(settings.pool, "the configuration's [[pool.models]]")
+        return parse_pool_config(settings.pool, f"[[pool.models]] in {config_path()}")
     if settings.pool_file is None:
         raise ValueError("no pool: set RLENS_POOL_FILE (or pass --pool), or [[pool.models]] in the configuration file")
     return load_pool_config(settings.pool_file)
