@@ -262,3 +262,39 @@ def test_a_process_without_a_broker_says_so_at_once():
     nowhere = Settings(_env_file=None, kafka_bootstrap=f"127.0.0.1:{free_port()}")  # type: ignore[call-arg]
     with pytest.raises(BrokerRefused, match="no Kafka broker answers at 127.0.0.1"):
         asyncio.run(settle_idempotence(nowhere))
+
+
+def test_no_stack_process_outlives_the_process_that_started_it(tmp_path):
+    """Issue 54: an interrupted test run left a learner, a worker, redis-servers and tansu running. A process that
+    starts a broker and a Redis, then dies by SIGKILL (no cleanup runs): both end within seconds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "from rlens.local.servers import LocalBroker, LocalRedis\n"
+        "import os, sys, time\n"
+        "b, r = LocalBroker(), LocalRedis()\n"
+        "print(b.process.pid, r.process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    children = [int(pid) for pid in parent.stdout.readline().split()]
+    assert len(children) == 2
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        state = open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0]
+        return state != "Z"  # a zombie has ended
+
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in children)

@@ -7,14 +7,30 @@ Each process gets a free loopback port and is stopped (SIGTERM, then SIGKILL) by
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from typing import IO
 
 from rlens.ports import free_port, port_taken
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded here, not in a child
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of every child process the local stack starts: the kernel sends the child SIGTERM when the
+    thread that started it ends, however it ends (a test run interrupted twice, ``kill -9``), so no broker, Redis or
+    service process outlives the process that started it. Start children from a thread that lives as long as they
+    should (the main thread)."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _wait_for_port(port: int, process: subprocess.Popen, output: IO[bytes], what: str, timeout_s: float = 20.0) -> None:
@@ -38,7 +54,9 @@ class LocalProcess:
         self.output = tempfile.TemporaryFile()  # a file, not a pipe: a pipe nobody reads would block the server
         # a session of its own: Ctrl-C in a terminal reaches the service processes, which drain through this
         # broker and Redis before :meth:`stop` ends them
-        self.process = subprocess.Popen(command, stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            command, stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        )
         try:
             _wait_for_port(port, self.process, self.output, what)
         except RuntimeError:

@@ -23,7 +23,7 @@ from pydantic import SecretStr
 from rlens import locks
 from rlens.evaluation.dataset import load_dataset
 from rlens.service.common.kafka import ensure_topics
-from rlens.local.servers import LocalBroker, LocalRedis
+from rlens.local.servers import LocalBroker, LocalRedis, die_with_parent
 from rlens.service.common.security import generate_secrets
 from rlens.settings import Settings
 
@@ -249,6 +249,7 @@ class LocalStack:
             env=self.env(command),
             stdout=log,
             stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,  # none outlives the process that started it
         )
 
     def start_worker(self) -> subprocess.Popen:
