@@ -133,10 +133,15 @@ def played_and_joined(stack: LocalStack, zoo, tag: str):
     """The bundled stream's first N queries played at 60 per second; the report, once the learner has joined them
     all (or a minute has passed)."""
     report = asyncio.run(play(stack.settings, traffic(zoo, tag), rate=60, idle_timeout_s=60))
-    deadline = time.monotonic() + 60
-    while learner_stat(stack, "rlens_learner_joined_total") < N and time.monotonic() < deadline:
-        time.sleep(0.5)
+    joined_at_least(stack, N)
     return report
+
+
+def joined_at_least(stack: LocalStack, n: int, timeout_s: float = 300.0) -> None:
+    """Wait until the learner has joined ``n`` queries (a loaded machine may take minutes; a quiet one seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while learner_stat(stack, "rlens_learner_joined_total") < n and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def test_gated_promotion_through_the_policy_topic(tmp_path, zoo):
@@ -149,6 +154,7 @@ def test_gated_promotion_through_the_policy_topic(tmp_path, zoo):
         listed, promoted = operator_promotes_the_newest_candidate(stack, tmp_path)
         time.sleep(2.0)  # the promotion reaches the worker
         after = asyncio.run(play(stack.settings, traffic(zoo, "promoted", n=100), rate=60, idle_timeout_s=60))
+        joined_at_least(stack, N + 100)  # awaited, not assumed: the final state counts what was joined
     finally:
         stack.stop()
     state = final_learner_state(stack)
