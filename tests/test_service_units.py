@@ -298,3 +298,32 @@ def test_no_stack_process_outlives_the_process_that_started_it(tmp_path):
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in children)
+
+
+def test_the_stacks_own_redis_keeps_its_data_in_its_folder(tmp_path):
+    """Issue 54: a second `rlens up` on the same folder has the windows of the first (its Redis keeps an append-only
+    file in the work folder); one without a folder (the tests') keeps nothing."""
+    import time
+
+    from redis import Redis
+
+    from rlens.local.servers import LocalRedis
+
+    first = LocalRedis(data_dir=tmp_path / "redis")
+    Redis.from_url(first.url).set("rlens:win:{s}", "kept")
+    time.sleep(1.5)  # the append-only file is synced every second
+    first.stop()
+    second = LocalRedis(data_dir=tmp_path / "redis")  # another port, the same folder
+    try:
+        assert Redis.from_url(second.url).get("rlens:win:{s}") == b"kept"
+    finally:
+        second.stop()
+    plain = LocalRedis()
+    Redis.from_url(plain.url).set("k", "v")
+    port = plain.port
+    plain.stop()
+    again = LocalRedis(port)
+    try:
+        assert Redis.from_url(again.url).get("k") is None
+    finally:
+        again.stop()

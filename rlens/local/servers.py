@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import IO
 
 from rlens.ports import free_port, port_taken
@@ -107,17 +108,23 @@ class LocalBroker(LocalProcess):
 
 
 class LocalRedis(LocalProcess):
-    """``redis-server`` on a free port with no persistence; ``url`` is its address."""
+    """``redis-server`` on a free port; ``url`` is its address. Without ``data_dir`` nothing persists (the tests');
+    with it, every write goes to an append-only file there (fsync every second), so a Redis started again on that
+    folder has what the last one had (``rlens up``'s windows, calibrations and budgets)."""
 
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, data_dir: Path | None = None):
         binary = shutil.which("redis-server")
         if binary is None:
             raise FileNotFoundError(
                 "redis-server not found: install it (Debian: apt-get install redis-server) or set RLENS_REDIS_URL"
             )
         port = port or free_port()
+        persistence = ["--appendonly", "no"]
+        if data_dir is not None:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            persistence = ["--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data_dir.resolve())]
         super().__init__(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence],
             port,
             "redis-server",
         )

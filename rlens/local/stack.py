@@ -173,7 +173,9 @@ class LocalStack:
         kafka_bootstrap: str | None = None,
         redis_url: str | None = None,
         broker_port: int | None = None,
+        redis_dir: Path | None = None,
     ):
+        """``redis_dir``: where the stack's own Redis keeps its data (none: nothing persists)."""
         self.workers: list[subprocess.Popen] = []
         self.workers_started = 0  # each new worker logs to worker-<n>.log
         self.learner: subprocess.Popen | None = None
@@ -192,16 +194,22 @@ class LocalStack:
         self.broker: LocalBroker | None = None
         self.redis: LocalRedis | None = None
         try:
-            self._start_infra(settings, partitions, kafka_bootstrap, redis_url, broker_port)
+            self._start_infra(settings, partitions, kafka_bootstrap, redis_url, broker_port, redis_dir)
         except BaseException:
             self.stop()
             raise
 
     def _start_infra(
-        self, settings: Settings, partitions: int, kafka_bootstrap: str | None, redis_url: str | None, broker_port
+        self,
+        settings: Settings,
+        partitions: int,
+        kafka_bootstrap: str | None,
+        redis_url: str | None,
+        broker_port,
+        redis_dir: Path | None,
     ) -> None:
         self.broker = None if kafka_bootstrap else LocalBroker(broker_port)
-        self.redis = None if redis_url else LocalRedis()
+        self.redis = None if redis_url else LocalRedis(data_dir=redis_dir)
         kafka_bootstrap = kafka_bootstrap or cast(LocalBroker, self.broker).bootstrap
         redis_url = redis_url or cast(LocalRedis, self.redis).url
         own = workdir_secrets(self.workdir)

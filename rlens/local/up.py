@@ -124,6 +124,7 @@ def open_stack(options: UpOptions, settings: Settings, kafka: str | None, redis_
             kafka,
             redis_url,
             options.broker_port,
+            redis_dir=options.workdir / "redis",  # a second `rlens up` on the folder has the windows of the first
         )
     except (DatasetError, PoolConfigError, RuntimeError, FileNotFoundError) as exc:
         raise UpError(str(exc)) from None
