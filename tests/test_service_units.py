@@ -179,6 +179,15 @@ def test_commits_follow_checkpoints_and_give_up_on_a_broker_that_hangs(monkeypat
         assert commits.paused_until > time.monotonic()
         await commits.after_batch(good, "rlens.feedback")  # paused: not tried
         assert len(good.commits) == 1
+        # past the pause, the hung commit still runs: it was never cancelled (issue 60: a learner stalled after a
+        # cancelled commit), and no other is started beside it
+        commits.paused_until = 0.0
+        await commits.after_batch(good, "rlens.feedback")
+        assert len(good.commits) == 1 and commits.pending is not None and not commits.pending.done()
+        commits.pending.cancel()  # the broker answers at last (here: the test ends it)
+        await asyncio.sleep(0)
+        await commits.after_batch(good, "rlens.feedback")
+        assert len(good.commits) == 2
 
     asyncio.run(scenario())
 

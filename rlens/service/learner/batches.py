@@ -47,6 +47,7 @@ class Commits:
         self.core, self.restorer = core, restorer
         self.committed: dict[str, int] = {}  # topic -> checkpoint count last committed for it
         self.paused_until = 0.0  # monotonic clock
+        self.pending: asyncio.Future | None = None  # the last commit, which may still run after its wait ended
 
     async def after_batch(self, consumer: AIOKafkaConsumer, topic: str) -> None:
         if self.committed.get(topic) == self.core.checkpoints.count:
@@ -58,16 +59,27 @@ class Commits:
         self.committed[topic] = self.core.checkpoints.count
 
     async def commit(self, consumer: AIOKafkaConsumer, offsets) -> bool:
-        if time.monotonic() < self.paused_until:
+        """One commit, waited for at most COMMIT_TIMEOUT_S. A commit that takes longer is left to finish on its own,
+        never cancelled (cancelling aiokafka's commit mid-way could leave its coordinator waiting), and none other
+        is tried until it has ended and COMMIT_PAUSE_S have passed."""
+        if time.monotonic() < self.paused_until or (self.pending is not None and not self.pending.done()):
             return False
+        self.pending = asyncio.ensure_future(consumer.commit(offsets))
         try:
-            await asyncio.wait_for(consumer.commit(offsets), COMMIT_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(self.pending), COMMIT_TIMEOUT_S)
         except TimeoutError:
             log.warning("offsets not committed within %g s; none is tried for %g s", COMMIT_TIMEOUT_S, COMMIT_PAUSE_S)
             self.paused_until = time.monotonic() + COMMIT_PAUSE_S
+            self.pending.add_done_callback(_quietly)
             await self.restorer.restore()
             return False
         return True
+
+
+def _quietly(done: asyncio.Future) -> None:
+    """A commit left to finish on its own: its failure is read (the checkpoint's offsets are what a restart uses)."""
+    if not done.cancelled() and done.exception() is not None:
+        log.debug("a late commit failed: %r", done.exception())
 
 
 class RecordBatches:
