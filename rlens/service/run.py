@@ -271,10 +271,11 @@ def run_app(app, settings: Settings, role: str) -> None:
 def run_worker(settings: Settings) -> None:
     setup_logging("worker", settings.strategy, settings.log_format)  # first: what the start does is logged too
     check_exposure(settings.metrics_host, admin_token(settings), "RLENS_METRICS_HOST")
-    settings = asyncio.run(settle_idempotence(settings))
     torch.set_num_threads(settings.torch_threads)
     settings = with_metrics_port(settings)
-    app = create_worker_app(settings, build_worker(settings))
+    worker = build_worker(settings)  # a configuration error first, then the broker
+    settings = asyncio.run(settle_idempotence(settings))
+    app = create_worker_app(settings, worker)
     freeze_startup_objects()
     run_app(app, settings, "worker")
 
@@ -282,11 +283,11 @@ def run_worker(settings: Settings) -> None:
 def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
     setup_logging("learner", settings.strategy, settings.log_format)  # first: what the start does is logged too
     check_exposure(settings.metrics_host, admin_token(settings), "RLENS_METRICS_HOST")
-    settings = asyncio.run(settle_idempotence(settings))
     # the learner's MAPPO update: 2.4x faster on one thread on a busy machine (BENCHMARKS.md)
     torch.set_num_threads(settings.torch_threads)
     settings = with_metrics_port(settings)
-    core = build_learner(settings, warm_start)
+    core = build_learner(settings, warm_start)  # a configuration error first, then the broker
+    settings = asyncio.run(settle_idempotence(settings))
     asyncio.run(claim_group(settings, core))  # before the app starts: a refused learner never joins the group
     app = create_learner_app(settings, core)
     freeze_startup_objects()
