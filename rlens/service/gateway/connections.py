@@ -74,9 +74,13 @@ class GuardedH11Protocol(H11Protocol):
             self._cancel_header_timer()  # a new request's headers arrived whole
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        # the next request on this kept-alive connection: armed first, since uvicorn goes on to a pipelined request
+        # already read (its handle_events then sees the new request and disarms it)
         if not self.transport.is_closing():
-            self._arm_header_timer()  # the next request on this kept-alive connection
+            self._arm_header_timer()
+        super().on_response_complete()
+        if self.transport.is_closing():
+            self._cancel_header_timer()
 
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()
@@ -90,7 +94,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def _headers_late(self) -> None:
         self._header_timer = None
-        if self.transport.is_closing() or self.cycle is not self._timed_cycle:
+        # h11 leaves IDLE once a request's headers are whole: a request in progress is the body timeout's
+        if self.transport.is_closing() or self.cycle is not self._timed_cycle or self.conn.their_state is not h11.IDLE:
             return
         type(self).timed_out += 1
         if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:

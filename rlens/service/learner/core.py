@@ -6,10 +6,12 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
 :mod:`.window_writer` (the Redis windows and their backlog), :mod:`.drift_watch` (detections and the reaction),
 :mod:`.pending` (unmatched halves). :mod:`.batches` hands it record batches; :mod:`.app` wires it to Kafka.
 
-- **Trust.** Feedback whose token was not issued for its query id (:class:`rlens.service.common.security.FeedbackTokens`),
-  or for another stream than the one it names, is dead-lettered on arrival, before it is held or counted, so a
-  forged feedback can neither train nor block the true one; at the join its token must be its query's stream's. An experience that does not fit the pool (:meth:`OnlineTrainer.check`) is dead-lettered before it is held.
-  Any other failure while handling one record dead-letters that record only.
+- **Trust.** Feedback whose token was not issued for its query id
+  (:class:`rlens.service.common.security.FeedbackTokens`), or for another stream than the one it names, is
+  dead-lettered on arrival, before it is held or counted, so a forged feedback can neither train nor block the true
+  one; when it meets its query, a token issued for another stream is dead-lettered without taking the query's join.
+  An experience that does not fit the pool (:meth:`OnlineTrainer.check`) is dead-lettered before it is held. Any
+  other failure while handling one record dead-letters that record only.
 - **Join.** Either half may come first. Unmatched halves wait in :class:`rlens.service.learner.pending.PendingHalves`,
   bounded by count (``pending_limit``), bytes (``pending_bytes``) and per stream (``pending_per_stream``: a flood on
   one stream key drops that stream's own halves), oldest dropped first, and expire
