@@ -1,5 +1,6 @@
 """What the gateway keeps in Redis, shared by its replicas: queries asked, answers, idempotency keys, feedback
-given and the per-key rate buckets. Every key but spending expires (``RLENS_GATEWAY_RETENTION_S``), so memory stays bounded.
+given and the per-key rate buckets. Every key but spending expires (``RLENS_GATEWAY_RETENTION_S``), so memory stays
+bounded.
 
 Keys (under ``<prefix>:gw:``): ``q:<id>`` the query's owner and shape (a hash), ``a:<id>`` its first answer (JSON;
 later duplicates of an at-least-once answer never replace it), ``idem:<tenant>:<sha256>`` the query id of an
@@ -161,7 +162,7 @@ class GatewayState:
 
     async def settle(self, charges: list[tuple[str, str, str, float]]) -> None:
         """Each answer's (key id, budget period, query id, cost): its hold released and its cost spent, in one round
-        trip (a key without a budget period: the cost spent in ``total``, which the metrics and ``keys`` show)."""
+        trip (a key without a budget: its spending counted in ``total``)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for key_id, period, query_id, cost in charges:
                 period = period or "total"
