@@ -137,6 +137,27 @@ def test_the_drift_watch_reports_a_step_change_once_and_trims_the_window(redis_s
     asyncio.run(scenario())
 
 
+def test_a_shift_too_small_to_act_on_is_an_event_but_not_a_log_line(caplog):
+    """Issue 54: the learner logged "drift" for a confidence moving 0.94 -> 0.95. A detection whose means moved less
+    than LOGGED_SHIFT is published and counted; only larger ones are logged."""
+    import logging
+
+    from rlens.service.learner.drift_watch import LOGGED_SHIFT
+
+    def run(low: float, high: float) -> tuple[list, list[str]]:
+        watch = DriftWatch(DriftMonitor(DriftConfig(delta=0.05, min_gap=20)), None, Dashboard("rl_focal", ["a"]))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="rlens.learner"):
+            for i in range(2000):  # a tiny, steady step: ADWIN finds it over enough values
+                watch.observe("s", {"confidence": low if i < 1000 else high}, f"q{i}")
+        return watch.take_events(), [r.getMessage() for r in caplog.records if "drift on stream" in r.getMessage()]
+
+    events, lines = run(0.94, 0.95)
+    assert events and all(abs(e.mean_after - e.mean_before) < LOGGED_SHIFT for e in events) and lines == []
+    events, lines = run(0.9, 0.5)
+    assert events and lines
+
+
 class SlowConsumer:
     """An aiokafka consumer's commit surface: commits that never finish (a broker that refuses them)."""
 
