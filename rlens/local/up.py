@@ -92,7 +92,9 @@ def pool_file(options: UpOptions, settings: Settings) -> Path:
     if settings.pool is not None:  # the configuration file's [[pool.models]]
         path = options.workdir / "pool.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        pool = parse_pool_config(settings.pool, f"[[pool.models]] in {config_path()}")
+        pool = parse_pool_config(
+            settings.pool, f"[[pool.models]] in {config_path()}" if config_path() else "RLENS_POOL"
+        )
         path.write_text(pool.model_dump_json(indent=1))
         return path
     if settings.pool_file is not None:

@@ -42,7 +42,9 @@ log = logging.getLogger("rlens.service")
 def pool_of(settings: Settings) -> PoolConfig:
     """The pool the settings give: inline (the configuration file's [[pool.models]]), or a pool file."""
     if settings.pool is not None:
-        return parse_pool_config(settings.pool, f"[[pool.models]] in {config_path()}")
+        return parse_pool_config(
+            settings.pool, f"[[pool.models]] in {config_path()}" if config_path() else "RLENS_POOL"
+        )
     if settings.pool_file is None:
         raise ValueError("no pool: set RLENS_POOL_FILE (or pass --pool), or [[pool.models]] in the configuration file")
     return load_pool_config(settings.pool_file)
