@@ -35,8 +35,6 @@ class GuardedH11Protocol(H11Protocol):
     header_timeout_s: float = 10.0
     per_address: int = 256
     open_by_address: Counter[str] = Counter()
-    refused = 0  # connections refused for their address's cap
-    timed_out = 0  # connections closed for headers that did not arrive in time
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -50,7 +48,6 @@ class GuardedH11Protocol(H11Protocol):
         self._address = self.client[0] if self.client else ""
         cls = type(self)
         if cls.open_by_address[self._address] >= cls.per_address:
-            cls.refused += 1
             transport.write(_refusal(503, "Service Unavailable", "too many connections from this address"))
             transport.close()
             return
@@ -97,7 +94,6 @@ class GuardedH11Protocol(H11Protocol):
         # h11 leaves IDLE once a request's headers are whole: a request in progress is the body timeout's
         if self.transport.is_closing() or self.cycle is not self._timed_cycle or self.conn.their_state is not h11.IDLE:
             return
-        type(self).timed_out += 1
         if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:
             self.transport.close()  # nothing sent at all: no answer
             return
