@@ -91,8 +91,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "drift": (),  # every drift_* setting
     "focal": (),  # every focal_* setting
     "rlae": (),  # every rlae_* setting
+    "cache": (),  # every cache_* setting
 }
-PREFIXED = ("gateway", "drift", "focal", "rlae")
+PREFIXED = ("gateway", "drift", "focal", "rlae", "cache")
 
 
 class ConfigError(ValueError):

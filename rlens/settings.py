@@ -153,6 +153,13 @@ class Settings(BaseSettings):
     circuit_cooldown_s: float = Field(
         30.0, gt=0, description="how long an open circuit refuses calls before one is let through"
     )
+    cache_ttl_s: int = Field(
+        86400,
+        ge=0,
+        description="rl_focal workers: a model's answer to a question (its prompt and choices, or a deterministic "
+        "generation's parameters) is kept in Redis this long and reused by every worker; 0: never cached (a pool's "
+        "recorded answers are still used)",
+    )
     checkpoint_dir: Path = Field(Path("out/learner"), description="the learner's checkpoints")
     checkpoint_every_s: float = Field(
         5.0,

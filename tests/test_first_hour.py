@@ -121,6 +121,13 @@ def read_until(process: subprocess.Popen, words: str, timeout_s: float = 240.0) 
     return lines
 
 
+@pytest.fixture
+def zoo_env(quick_zoo, monkeypatch):
+    """`rlens up`'s default pool runs the zoo's models: the quick zoo's, so that no test builds the real one."""
+    monkeypatch.setenv("RLENS_ZOO_DIR", str(quick_zoo))
+
+
+@pytest.mark.usefixtures("zoo_env")
 def test_a_stack_refuses_a_second_one_on_its_work_folder_feeds_load_and_stops_on_ctrl_c(tmp_path):
     from rlens.ports import free_port, port_taken
 
@@ -163,6 +170,7 @@ def test_a_stack_refuses_a_second_one_on_its_work_folder_feeds_load_and_stops_on
     assert "because it is rebalancing" not in logs
 
 
+@pytest.mark.usefixtures("zoo_env")
 def test_ctrl_c_while_the_stack_starts_stops_it_at_once_with_one_line(tmp_path):
     from rlens.ports import free_port, port_taken
 
@@ -177,6 +185,7 @@ def test_ctrl_c_while_the_stack_starts_stops_it_at_once_with_one_line(tmp_path):
     assert "Traceback" not in output and not port_taken(port)
 
 
+@pytest.mark.usefixtures("zoo_env")
 def test_an_unreachable_redis_or_broker_or_a_missing_feature_is_one_line(tmp_path):
     from rlens.ports import free_port
 
@@ -199,3 +208,64 @@ def test_an_unreachable_redis_or_broker_or_a_missing_feature_is_one_line(tmp_pat
         )
         lines = (result.stdout + result.stderr).strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and words in lines[0] and variable in lines[0], lines
+
+
+@pytest.mark.usefixtures("zoo_env")
+def test_a_default_stack_answers_any_prompt_with_its_models_and_a_recorded_one_from_the_recording(tmp_path):
+    """The default pool is the recording's models, real and in process, behind the output cache the recording seeds:
+    a question nobody recorded (multiple choice or open-ended) gets a real answer, asked again it comes from Redis,
+    and a recorded question is answered from the recording."""
+    import re
+
+    import httpx
+
+    from rlens.ports import free_port
+    from rlens.settings import settings
+    from rlens.zoo.record import QUESTIONS_FILE, read_questions
+
+    workdir = tmp_path / "up"
+    up = start(
+        ["up", "--workdir", str(workdir), "--workers", "1", "--gateway-port", "0", "--broker-port", str(free_port())]
+    )
+    try:
+        lines = read_until(up, "OpenAI-compatible gateway:")
+        gateway = re.search(r"gateway: (http://\S+)/v1", lines[-1])
+        worker = next((re.search(r"(http://\S+/metrics)", x) for x in lines if x.lstrip().startswith("worker")), None)
+        assert gateway and worker, "".join(lines)
+        headers = {"authorization": f"Bearer {(workdir / 'gateway.key').read_text().strip()}"}
+
+        def ask(prompt: str, choices: list[str] | None = None) -> dict:
+            body = {"model": "rlens-focal", "messages": [{"role": "user", "content": prompt}]}
+            response = httpx.post(
+                f"{gateway.group(1)}/v1/chat/completions",
+                headers=headers,
+                json={**body, **({"rlens": {"choices": choices}} if choices else {})},
+                timeout=240.0,
+            )
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        choices = [" a kitchen", " a violin", " a comet"]
+        first = ask("Q: Where would you keep a spoon?\nA:", choices)
+        assert first["choices"][0]["message"]["content"] in choices and first["rlens"]["answered_models"], first
+        again = ask("Q: Where would you keep a spoon?\nA:", choices)
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        open_ended = ask("Q: add: 3+4=\nA:")
+        assert open_ended["rlens"]["answered_models"] and open_ended["rlens"]["candidates"], open_ended
+        assert open_ended["choices"][0]["message"]["content"] in open_ended["rlens"]["candidates"]
+        recorded = read_questions(settings().demo_data / QUESTIONS_FILE)[0]
+        assert ask(recorded.prompt, recorded.choices)["rlens"]["answered_models"]
+        counts: dict[str, float] = {}
+        for name, result, value in re.findall(
+            r'^rlens_worker_model_cache_total\{model="([^"]+)",result="(\w+)"\} (\S+)$',
+            httpx.get(worker.group(1), timeout=30).text,
+            re.M,
+        ):
+            counts[result] = counts.get(result, 0) + float(value)
+        both = set(first["rlens"]["answered_models"]) & set(again["rlens"]["answered_models"])
+        assert counts.get("miss", 0) >= len(first["rlens"]["answered_models"]) and counts.get("hit", 0) >= len(both)
+        assert counts.get("recorded", 0) >= 1 and not counts.get("error"), counts
+    finally:
+        os.killpg(up.pid, signal.SIGINT)
+        rest, _ = up.communicate(timeout=90)
+    assert up.returncode == 0, rest

@@ -78,7 +78,7 @@ def test_offsets_tell_redeliveries_new_logs_and_what_may_be_committed():
     assert offsets.to_commit("rlens.experience") == {}
     assert offsets.already_seen(feedback[1])  # a redelivery after a restart
     assert offsets.below([feedback[2], record(7, b"", topic="rlens.feedback", partition=1)]) == {"rlens.feedback:0"}
-    offsets.new_log("rlens.feedback:0", 1)  # the partition now ends at 1, below the 3 reached: read it anew
+    offsets.new_logs({"rlens.feedback:0": 1})  # the partition now ends at 1, below the 3 reached: read it anew
     assert offsets.read["rlens.feedback:0"] == 0 and offsets.checkpointed["rlens.feedback:0"] == 0
     assert not offsets.already_seen(feedback[0])
     resumed = Offsets({"rlens.feedback:0": 5})
@@ -241,7 +241,7 @@ class ListingConsumer:
 def test_a_new_log_is_one_whose_fetched_and_listed_ends_are_both_below_the_offset_read(fetched_end, listed_end, new):
     for in_batch in (set(), {"rlens.feedback:0"}):  # a batch in hand holding the new log's records: no seek
         core = SimpleNamespace(offsets=Offsets({"rlens.feedback:0": 7}), found=[])
-        core.new_log = lambda key, end, core=core: (core.offsets.new_log(key, end), core.found.append(key))
+        core.new_logs = lambda ends, core=core: (core.offsets.new_logs(ends), core.found.extend(ends))
         consumer = ListingConsumer(fetched_end, listed_end)
         records = RecordBatches(core, None, (None, None, None), Restorer())
         asyncio.run(records.new_logs(consumer, {"rlens.feedback:0"}, in_batch))

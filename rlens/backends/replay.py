@@ -59,18 +59,20 @@ class ReplayBackend(Backend):
         row = self._row(query.id)
         answer = self._answers.get(row)
         if answer is None:
-            answer = self._answers[row] = self._recorded(row)
+            answer = self._answers[row] = recorded_scores(self.dataset, row, self.model)
         if len(answer.loglikelihoods) != len(query.choices):
             raise BackendError(
                 f"replay backend: question {row} has {len(answer.loglikelihoods)} recorded choices, the query {len(query.choices)}"
             )
         return answer
 
-    def _recorded(self, row: int) -> ChoiceScores:
-        probs = self.dataset.probs[row, self.model, self.dataset.choice_mask[row]].astype(np.float64)
-        best = probs.argmax()
-        # built from the dataset's own arrays, already of the right types: no validation needed
-        return ChoiceScores.model_construct(
-            loglikelihoods=np.log(np.maximum(probs, 1e-30)).tolist(),
-            is_greedy=[bool(i == best) for i in range(len(probs))],
-        )
+
+def recorded_scores(dataset: RecordedDataset, row: int, model: int) -> ChoiceScores:
+    """Question ``row``'s recorded answer of model ``model``: log-probabilities, and the most probable as greedy."""
+    probs = dataset.probs[row, model, dataset.choice_mask[row]].astype(np.float64)
+    best = probs.argmax()
+    # built from the dataset's own arrays, already of the right types: no validation needed
+    return ChoiceScores.model_construct(
+        loglikelihoods=np.log(np.maximum(probs, 1e-30)).tolist(),
+        is_greedy=[bool(i == best) for i in range(len(probs))],
+    )

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from rlens.cli.zoo import build_zoo_here
 from rlens.cli.common import CONFIG, DEFAULT_WORKDIR, POOL, console, errors, fail, interrupted
 from rlens.cli.rlae import DEFAULT_RLAE_MODELS
 from rlens.progress import LineProgress
@@ -24,7 +25,14 @@ def up(
     ),
     replay: Path | None = typer.Option(
         None,
-        help="rl_focal without --pool: serve this recorded dataset's models (replay backends); default: the bundled stream",
+        help="rl_focal without --pool: the recorded dataset whose models serve (the zoo's, which the first `rlens up` "
+        "builds), its recorded answers cached; default: the bundled stream",
+    ),
+    recorded_only: bool = typer.Option(
+        False,
+        "--recorded-only",
+        help="rl_focal without --pool: replay the recording alone (starts in seconds, no zoo; only its own questions "
+        "get an answer, any other prompt a 502)",
     ),
     zoo_models: str = typer.Option(
         DEFAULT_RLAE_MODELS, help="rlae without --pool: these zoo models, in process (needs `rlens zoo build`)"
@@ -70,6 +78,7 @@ def up(
         s.strategy,
         pool,
         replay or s.demo_data,
+        recorded_only,
         [n.strip() for n in zoo_models.split(",")],
         workers,
         partitions,
@@ -80,7 +89,7 @@ def up(
     )
     try:
         kafka, redis = external_services()
-        stack = open_stack(options, s, kafka, redis)
+        stack = open_stack(options, s, kafka, redis, build_zoo)
         for line in prepare_state(stack, options):
             console.print(line.replace("carried over:", "[yellow]carried over:[/]", 1))
     except UpError as exc:
@@ -103,6 +112,15 @@ def up(
         fail(str(exc))
     console.print("stopping (workers drain and commit, the learner checkpoints)")
     stack.stop()
+
+
+def build_zoo(zoo_dir: Path) -> None:
+    """The first `rlens up`'s zoo, built where `rlens zoo build` puts it."""
+    console.print(
+        f"the model zoo is not in {zoo_dir} yet: building it once (about 8 minutes on 2 cores; --recorded-only "
+        "starts without it)"
+    )
+    build_zoo_here(zoo_dir)
 
 
 def external_services() -> tuple[str | None, str | None]:

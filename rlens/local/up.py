@@ -13,8 +13,10 @@ from pathlib import Path
 from redis import Redis
 from redis.exceptions import RedisError
 
+from rlens.evaluation.dataset import load_dataset
 from rlens.evaluation.recorded import DatasetError
 from rlens.local.load import BrokerUnreachable, probe_broker
+from rlens.local.servers import broker_port_taken
 from rlens.local.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool
 from rlens.models.pool import PoolConfigError, load_pool_config, parse_pool_config
 from rlens.ports import port_taken
@@ -22,6 +24,7 @@ from rlens.service.common.kafka import BrokerRefused, settle_idempotence
 from rlens.service.common.security import redact_url
 from rlens.config_file import config_path
 from rlens.settings import Settings
+from rlens.zoo.build import MANIFEST
 
 READY_TIMEOUT_S = 180.0
 
@@ -37,7 +40,8 @@ class UpOptions:
     workdir: Path
     strategy: str
     pool: Path | None  # a pool file; None: the recorded dataset (rl_focal) or the zoo models (rlae)
-    replay: Path
+    replay: Path  # rl_focal: the recording whose answers are cached (its models are zoo models) or replayed
+    recorded_only: bool  # rl_focal: replay the recording (its questions only) instead of running its models
     zoo_models: list[str]
     workers: int
     partitions: int
@@ -83,7 +87,7 @@ def set_by(variable: str, key: str) -> str:
     return variable if os.environ.get(variable) or config_path() is None else f"{key} in {config_path()}"
 
 
-def pool_file(options: UpOptions, settings: Settings) -> Path:
+def pool_file(options: UpOptions, settings: Settings, build_zoo: Callable[[Path], None]) -> Path:
     """The pool the workers serve: the given file (checked before anything starts: a typo is one line, not a crashed
     worker), or one written into the work folder."""
     if options.pool is not None:
@@ -102,11 +106,26 @@ def pool_file(options: UpOptions, settings: Settings) -> Path:
         return settings.pool_file
     if options.strategy == "rlae":
         return write_zoo_pool(settings.zoo_dir, options.zoo_models, options.workdir / "pool.json")
-    return write_replay_pool(options.replay, options.workdir / "pool.json")
+    if options.recorded_only:
+        return write_replay_pool(options.replay, options.workdir / "pool.json")
+    names = load_dataset(options.replay).model_names
+    if not (settings.zoo_dir / MANIFEST).is_file():
+        build_zoo(settings.zoo_dir)
+    try:
+        return write_zoo_pool(settings.zoo_dir, names, options.workdir / "pool.json", recorded=options.replay)
+    except FileNotFoundError as exc:
+        raise UpError(f"{exc}: the models of {options.replay} must be zoo models, or pass --recorded-only") from None
 
 
-def open_stack(options: UpOptions, settings: Settings, kafka: str | None, redis_env: str | None) -> LocalStack:
-    """Checks, the pool file, the stack's broker and Redis (started or reached), its idempotence check."""
+def open_stack(
+    options: UpOptions,
+    settings: Settings,
+    kafka: str | None,
+    redis_env: str | None,
+    build_zoo: Callable[[Path], None],
+) -> LocalStack:
+    """Checks, the pool file (the zoo built by ``build_zoo`` first, when the pool needs it and it is not), the stack's
+    broker and Redis (started or reached), its idempotence check."""
     if options.strategy not in ("rl_focal", "rlae"):
         raise UpError(f"--strategy must be rl_focal or rlae, got {options.strategy!r}")
     if options.gateway and settings.gateway_port and port_taken(settings.gateway_port):
@@ -117,8 +136,10 @@ def open_stack(options: UpOptions, settings: Settings, kafka: str | None, redis_
     redis_url = redis_to_use(settings, redis_env)
     if kafka is not None:
         check_broker(settings, kafka)
+    elif port_taken(options.broker_port):  # before a zoo is built
+        raise UpError(broker_port_taken(options.broker_port))
     try:
-        pool = pool_file(options, settings)
+        pool = pool_file(options, settings, build_zoo)
         stack = LocalStack(
             settings.model_copy(update={"pool_file": pool.resolve()}),
             options.workdir,

@@ -70,6 +70,11 @@ def backend_options(backend: str) -> tuple[set[str], set[str]]:
 
 class PoolConfig(BaseModel):
     models: list[PoolModel] = Field(min_length=1)
+    recorded: Path | None = Field(
+        None,
+        description="a recorded dataset with its questions (questions.jsonl): a question it holds, asked of a model it "
+        "recorded under the same name, is answered from the recording (the workers' output cache)",
+    )
 
     @field_validator("models")
     @classmethod

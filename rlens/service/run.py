@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from redis import Redis as BlockingRedis
 from redis.asyncio import Redis
 
 from rlens.focal.budget import lowest_spending
@@ -33,6 +34,7 @@ from rlens.service.common.security import check_exposure, feedback_tokens, polic
 from rlens.service.common.windows import RedisWindows
 from rlens.service.worker.core import FocalWorker, Worker
 from rlens.service.worker.app import create_worker_app
+from rlens.service.worker.cache import CachedBackend, OutputCache, recorded_answers
 from rlens.config_file import config_path
 from rlens.settings import Settings
 
@@ -169,12 +171,16 @@ def build_worker(settings: Settings) -> Worker:
             split=settings.gate_split,
         )
     engine = build_engine(settings, pool)
+    windows = build_windows(settings, len(names), engine.cfg.window, engine.cfg.calibration_rows)
+    cache = output_cache(settings, pool)
     backends = {m.name: build_backend(m) for m in pool.models}
+    if cache is not None:  # a replay backend is a recording already
+        backends = {n: b if b.name == "replay" else CachedBackend(b, n, cache) for n, b in backends.items()}
     return FocalWorker(
         engine,
         names,
         backends,
-        build_windows(settings, len(names), engine.cfg.window, engine.cfg.calibration_rows),
+        windows,
         deadline_s=settings.worker_deadline_s,
         model_concurrency=settings.model_concurrency,
         circuit_failures=settings.circuit_failures,
@@ -184,7 +190,22 @@ def build_worker(settings: Settings) -> Worker:
         verifier=verifier,
         tokens=tokens,
         ope_logging=settings.ope_logging,
+        cache=cache,
     )
+
+
+def output_cache(settings: Settings, pool: PoolConfig) -> OutputCache | None:
+    """The workers' model-output cache: the pool's recorded answers, and Redis unless RLENS_CACHE_TTL_S is 0; None
+    when it has neither. Its Redis client is a blocking one: the backends run in threads."""
+    recorded = recorded_answers(pool.recorded, [m.name for m in pool.models]) if pool.recorded else {}
+    if not recorded and settings.cache_ttl_s == 0:
+        return None
+    redis = None
+    if settings.cache_ttl_s:
+        redis = BlockingRedis.from_url(
+            settings.redis_url.get_secret_value(), socket_timeout=2, socket_connect_timeout=1, health_check_interval=10
+        )
+    return OutputCache(recorded, redis, settings.redis_prefix, settings.cache_ttl_s)
 
 
 def drift_monitor(settings: Settings) -> DriftMonitor | None:

@@ -100,6 +100,12 @@ class WorkerMetrics:
             ["model", "kind"],
             registry=registry,
         )
+        self.model_cache = Counter(
+            "rlens_worker_model_cache",
+            "model-output cache lookups, by model and result (recorded, hit, miss, error)",
+            ["model", "result"],
+            registry=registry,
+        )
         self.policy_version = Gauge("rlens_worker_policy_version", "version of the policy in use", registry=registry)
         self.policy_epoch = Gauge(
             "rlens_worker_policy_epoch", "epoch (learner start, ms) of the policy in use", registry=registry

@@ -179,11 +179,11 @@ class RecordBatches:
         if not partitions:
             return
         ends = await consumer.end_offsets(list(partitions.values()))
-        for key, tp in partitions.items():
-            if ends.get(tp, offsets.read[key]) < offsets.read[key]:
-                self.core.new_log(key, ends[tp])
-                if key not in in_batch:
-                    consumer.seek(tp, 0)
+        new = {key: ends[tp] for key, tp in partitions.items() if ends.get(tp, offsets.read[key]) < offsets.read[key]}
+        if new:
+            self.core.new_logs(new)
+        for key in new.keys() - in_batch:
+            consumer.seek(partitions[key], 0)
 
     def show_state(self) -> None:
         core, metrics = self.core, self.metrics

@@ -244,9 +244,9 @@ class LearnerCore:
     def already_seen(self, record) -> bool:
         return self.offsets.already_seen(record)
 
-    def new_log(self, key: str, log_end: int) -> None:
-        self.offsets.new_log(key, log_end)
-        self.stats.new_logs += 1
+    def new_logs(self, ends: dict[str, int]) -> None:
+        self.offsets.new_logs(ends)
+        self.stats.new_logs += len(ends)
 
     def _hold(self, pending: PendingHalves, query_id: str, message: Message, record, coordinates: dict) -> None:
         """Hold an unmatched half; dead-letter what expires or no longer fits."""

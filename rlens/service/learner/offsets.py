@@ -39,16 +39,19 @@ class Offsets:
         """The partitions of records below the offsets the state reflects (redeliveries, or a new log)."""
         return {partition_key(r) for r in records if r.offset < self.read.get(partition_key(r), 0)}
 
-    def new_log(self, key: str, log_end: int) -> None:
-        """Partition ``key`` restarted from offset 0 (its log ends at ``log_end``, below our offset): read it anew."""
+    def new_logs(self, ends: dict[str, int]) -> None:
+        """Partitions (key → where its log ends now, below our offset) that restarted from offset 0: read them anew.
+        One line for them all: a broker that starts empty (``rlens up``'s embedded one keeps its topics in memory)
+        makes every partition of a topic new at once."""
         log.warning(
-            "%s ends at offset %d, below the %d this learner reached: a new log (broker data lost?); reading it from the start",
-            key,
-            log_end,
-            self.read[key],
+            "%d partition(s) end below the offsets this learner reached (%s): new logs, read from their start "
+            "(a broker that started empty or lost its data; the checkpoint's policy and windows carry over)",
+            len(ends),
+            ", ".join(f"{key} at {end} < {self.read[key]}" for key, end in sorted(ends.items())),
         )
-        self.read[key] = 0
-        self.checkpointed[key] = 0
+        for key in ends:
+            self.read[key] = 0
+            self.checkpointed[key] = 0
 
     def moved(self) -> bool:
         """Whether records were read since the newest checkpoint."""

@@ -62,6 +62,8 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
         "queries and policies that could not be used, byte for byte, with the reason",
     )
     batches = QueryBatches(settings, live, broker, dead_letters, metrics, consumer)
+    if core is not None and core.cache is not None and settings.metrics_enabled:
+        core.cache.count = lambda model, result: metrics.model_cache.labels(model, result).inc()
 
     @broker.subscriber(
         topics.queries,

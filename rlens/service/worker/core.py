@@ -58,6 +58,7 @@ from rlens.messages import (
 from rlens.service.common.policy import PolicyError, decode_policy
 from rlens.service.common.security import FeedbackTokens, PolicyVerifier
 from rlens.service.common.windows import RedisWindows
+from rlens.service.worker.cache import OutputCache
 from rlens.settings import Settings
 from rlens.service.common.logs import query_fields
 
@@ -94,6 +95,7 @@ class Worker(ABC):
     """One strategy's worker: answers batches of queries; verified policy versions are swapped in between batches."""
 
     strategy: str
+    cache: OutputCache | None = None  # the backends' model-output cache (rl_focal), counted in the worker's metrics
 
     def __init__(
         self,
@@ -227,11 +229,13 @@ class FocalWorker(Worker):
         sampling: GenerationRequest | None = None,
         extractor: Extractor = "line",
         ope_logging: bool = True,
+        cache: OutputCache | None = None,
     ):
         if list(backends) != models:
             raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
         super().__init__(models, windows, verifier, tokens, name, engine.model_costs)
         self.engine = engine
+        self.cache = cache
         self.shadow: FocalEngine | None = None  # the candidate's agents (greedy only), scored beside the engine's
         self.ope_logging = ope_logging  # False: no behaviour and no shadow in the experience (RLENS_OPE_LOGGING)
         self.names = np.array(models)
