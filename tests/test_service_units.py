@@ -234,6 +234,7 @@ class ListingConsumer:
     [
         (3, 2, True),  # both below the 7 read: a new log
         (None, 2, False),  # nothing fetched yet
+        (None, 0, True),  # nothing fetched yet, and the broker lists an empty log: it started empty
         (9, 6, False),  # tansu lists its last producer batch's start + 1: the fetch's end is exact
         (5, 8, False),  # a new Kafka leader's high watermark lags: the listing is not below
     ],

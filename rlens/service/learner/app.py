@@ -78,19 +78,22 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     experience_model = core.trainer.experience if core else EXPERIENCE[settings.strategy]
     background: list[asyncio.Task] = []  # the lease's renewal, idle checkpoints, the log-end watch
 
-    @broker.subscriber(
+    experience = broker.subscriber(
         topics.experience,
         description=f"JSON {experience_model.__name__} messages from the {settings.strategy} workers",
         **options,
     )
-    async def on_experience(bodies: list[bytes], message: KafkaMessage) -> None:
-        await batches.handle(message, experience_model, topics.experience)
-
-    @broker.subscriber(
+    feedback = broker.subscriber(
         topics.feedback,
         description="JSON Feedback messages: label, reference or reward per query id, any delay, duplicates allowed (schemas/messages/feedback.schema.json)",
         **options,
     )
+
+    @experience
+    async def on_experience(bodies: list[bytes], message: KafkaMessage) -> None:
+        await batches.handle(message, experience_model, topics.experience)
+
+    @feedback
     async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
         await batches.handle(message, Feedback, topics.feedback)
 
@@ -130,6 +133,8 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
 
     @app.after_startup
     async def announce() -> None:  # workers that start after a learner restart get the current policy at once
+        for topic, subscriber in ((topics.experience, experience), (topics.feedback, feedback)):
+            batches.watch(topic, subscriber.consumer)  # new logs are looked for before the first batch too
         announced = live.announcement()
         await publish(policies, ([announced] if announced is not None else []) + live.take_policies())
         readiness.start(live.windows)

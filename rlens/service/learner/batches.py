@@ -141,6 +141,11 @@ class RecordBatches:
             self.metrics.dead_letters.labels(dead_letter_kind(letter.reason)).inc()
         await publish_dead_letters(self.dead_letters, letters)
 
+    def watch(self, topic: str, consumer: AIOKafkaConsumer | None) -> None:
+        """Have :meth:`watch_logs` look at ``topic``'s partitions that ``consumer`` is assigned."""
+        if consumer is not None:
+            self.consumers.setdefault(topic, consumer)
+
     async def detect_new_logs(self, message: KafkaMessage, topic: str) -> None:
         """A batch holding records below the offsets the state reflects: redeliveries, or a new log (a broker that
         lost its data), told apart by the partition's log end."""
@@ -168,18 +173,24 @@ class RecordBatches:
         """Those of partitions ``keys`` whose log now ends below the offset the state reflects are new logs: read
         from their start (sought there unless the batch in hand holds their records). A log's end as the last fetch
         saw it (its high watermark) and as the broker lists it must both be below: tansu lists the start of a log's
-        last producer batch, plus one, and a new Kafka leader's high watermark may lag a moment."""
+        last producer batch, plus one, and a new Kafka leader's high watermark may lag a moment. Before any fetch,
+        a log the broker lists as empty is new (a broker that started empty: all its partitions are found at once)."""
         offsets = self.core.offsets
         partitions = {}
         for key in keys:
             tp, read = partition_of(key), offsets.read.get(key, 0)
             fetched_end = consumer.highwater(tp)
-            if fetched_end is not None and fetched_end < read:
+            if read and (fetched_end is None or fetched_end < read):
                 partitions[key] = tp
         if not partitions:
             return
         ends = await consumer.end_offsets(list(partitions.values()))
-        new = {key: ends[tp] for key, tp in partitions.items() if ends.get(tp, offsets.read[key]) < offsets.read[key]}
+        new = {
+            key: ends[tp]
+            for key, tp in partitions.items()
+            if ends.get(tp, offsets.read[key]) < offsets.read[key]
+            and (consumer.highwater(tp) is not None or ends[tp] == 0)  # not fetched yet: only an empty log is sure
+        }
         if new:
             self.core.new_logs(new)
         for key in new.keys() - in_batch:
