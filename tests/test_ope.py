@@ -252,6 +252,9 @@ def test_the_learners_log_round_trips_rotates_and_feeds_rlens_ope(zoo, tmp_path)
     bad.write_text(path.read_text().splitlines()[0] + "\n{not json\n")
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         read_log([bad])
+    writing = tmp_path / "writing.jsonl"
+    writing.write_text(path.read_text() + path.read_text().splitlines()[0][:40])  # the learner is writing a line
+    assert len(read_log([writing])) == len(read_log([path]))
 
     save_engine(CheckpointStore(tmp_path / "candidate"), engine, 1, {})
     pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
@@ -288,3 +291,20 @@ def test_the_learners_log_round_trips_rotates_and_feeds_rlens_ope(zoo, tmp_path)
         app, ["ope", "--candidate", str(tmp_path / "nothing"), "--log", str(path), "--pool", str(pool)]
     )
     assert missing.exit_code == 2 and "no checkpoint" in missing.output
+    # beside a running stack: its learner holds the checkpoint directory's lock, and its log is being written
+    from rlens.local.stack import write_client_env
+
+    learner = CheckpointStore(tmp_path / "candidate")  # the learner's, locked while it runs
+    (tmp_path / "candidate" / "ope-log.jsonl").write_text(writing.read_text())
+    stack = tmp_path / "up"
+    stack.mkdir()
+    write_client_env(
+        settings().model_copy(update={"checkpoint_dir": tmp_path / "candidate", "pool_file": pool}), stack
+    )
+    assert (stack / "client.env").stat().st_mode & 0o077 == 0
+    beside = CliRunner().invoke(app, ["ope", "--stack", str(stack), "--out", str(tmp_path / "beside")])
+    assert beside.exit_code == 0, beside.output
+    assert str(tmp_path / "candidate") in (tmp_path / "beside" / "ope.md").read_text()
+    learner.close()
+    nowhere = CliRunner().invoke(app, ["ope", "--stack", str(tmp_path / "nowhere")])
+    assert nowhere.exit_code == 2 and f"no stack in {tmp_path / 'nowhere'}: no client.env there" in nowhere.output

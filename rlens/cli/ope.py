@@ -12,12 +12,20 @@ from rlens.cli.common import POOL, console, fail, needs_extra, service_settings
 
 def ope(
     candidate: list[Path] = typer.Option(
-        ..., "--candidate", help="a learner checkpoint directory whose newest policy to estimate (repeat for several)"
+        [],
+        "--candidate",
+        help="a learner checkpoint directory whose newest policy to estimate (repeat for several; default with "
+        "--stack: the stack's learner)",
     ),
     log: list[Path] = typer.Option(
         [], "--log", help="the learner's off-policy log (default: ope-log.jsonl and .1 in $RLENS_CHECKPOINT_DIR)"
     ),
     pool: Path | None = POOL,
+    stack: Path | None = typer.Option(
+        None,
+        "--stack",
+        help="the work folder of a running `rlens up`: its learner's log, checkpoints and pool (read beside it)",
+    ),
     alpha: float | None = typer.Option(None, min=0.0, help="the reward's cost weight (default: the service's, 0.24)"),
     greedy: bool = typer.Option(
         False,
@@ -38,6 +46,16 @@ def ope(
     import numpy as np
 
     s = service_settings(pool)
+    if stack is not None:
+        from rlens.local.stack import CLIENT_ENV, client_settings
+
+        found = client_settings(stack)
+        if found is None:
+            fail(f"no stack in {stack}: no {CLIENT_ENV} there (`rlens up --workdir {stack}` writes it)")
+        s = found.model_copy(update={"pool_file": pool}) if pool else found
+        candidate = candidate or [s.checkpoint_dir]
+    if not candidate:
+        fail("no candidate: pass --candidate (a learner checkpoint directory), or --stack")
     if s.pool_file is None:
         fail("no pool file: pass --pool (the pool the logging service ran) or set RLENS_POOL_FILE")
     try:

@@ -120,12 +120,12 @@ class LogLine(BaseModel):
 
 def read_log(paths: list[Path]) -> list[LoggedQuery]:
     """The learner's off-policy log (oldest file first), each query once (its last line); ValueError naming the file
-    and line of a line that does not parse."""
+    and line of a line that does not parse. A last line without its newline is being written: left for later."""
     lines: dict[str, LoggedQuery] = {}
     for path in paths:
         with Path(path).open() as f:
             for number, text in enumerate(f, 1):
-                if not text.strip():
+                if not text.strip() or not text.endswith("\n"):  # the last line, while the learner writes it
                     continue
                 try:
                     line = LogLine.model_validate_json(text)

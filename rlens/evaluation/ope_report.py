@@ -33,7 +33,7 @@ def few_probes(queries: list[LoggedQuery]) -> str | None:
 def checkpoint_policy(directory: Path, model_costs: np.ndarray) -> FocalPolicy:
     """The greedy policy of the newest verified checkpoint in a learner's checkpoint directory."""
     engine = FocalEngine(len(model_costs), model_costs)
-    if load_engine(CheckpointStore(directory), engine) is None:
+    if load_engine(CheckpointStore(directory, lock=False), engine) is None:  # beside the running learner
         raise ValueError(f"{directory}: no checkpoint of a learner here")
     return FocalPolicy(str(directory), engine)
 

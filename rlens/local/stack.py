@@ -46,7 +46,7 @@ def workdir_secrets(workdir: Path) -> dict[str, str]:
 
 
 CLIENT_ENV = "client.env"
-CLIENT_SETTINGS = (  # what a client of the stack (`rlens load`) needs to reach it; no secret
+CLIENT_SETTINGS = (  # what a client (`rlens load`) or an operator command (`rlens policy`, `rlens ope`) needs
     "kafka_bootstrap",
     "kafka_security_protocol",
     "kafka_sasl_mechanism",
@@ -56,14 +56,22 @@ CLIENT_SETTINGS = (  # what a client of the stack (`rlens load`) needs to reach 
     "kafka_idempotence",
     "topic_prefix",
     "redis_prefix",
+    "checkpoint_dir",  # the learner's checkpoints and its off-policy log
+    "pool_file",
 )
 
 
 def write_client_env(settings: Settings, workdir: Path) -> Path:
-    """``<workdir>/client.env``: the RLENS_* lines a second terminal needs to reach this stack (`rlens load --stack`)."""
+    """``<workdir>/client.env`` (mode 0600: a Redis URL may hold a password): the RLENS_* lines a second terminal
+    needs to reach this stack (`rlens load --stack`, `rlens policy --stack`, `rlens ope --stack`)."""
     values = settings.model_dump(mode="json", include=set(CLIENT_SETTINGS), exclude_none=True)
+    values["redis_url"] = settings.redis_url.get_secret_value()
+    values["checkpoint_dir"] = str(settings.checkpoint_dir.resolve())  # read from any folder
     path = Path(workdir) / CLIENT_ENV
-    path.write_text("".join(f"RLENS_{k.upper()}={v}\n" for k, v in values.items()))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"RLENS_{k.upper()}={v}\n" for k, v in values.items())
+    os.chmod(path, 0o600)  # a file of an earlier version kept its mode
     return path
 
 
