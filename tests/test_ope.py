@@ -298,9 +298,7 @@ def test_the_learners_log_round_trips_rotates_and_feeds_rlens_ope(zoo, tmp_path)
     (tmp_path / "candidate" / "ope-log.jsonl").write_text(writing.read_text())
     stack = tmp_path / "up"
     stack.mkdir()
-    write_client_env(
-        settings().model_copy(update={"checkpoint_dir": tmp_path / "candidate", "pool_file": pool}), stack
-    )
+    write_client_env(settings().model_copy(update={"checkpoint_dir": tmp_path / "candidate", "pool_file": pool}), stack)
     assert (stack / "client.env").stat().st_mode & 0o077 == 0
     beside = CliRunner().invoke(app, ["ope", "--stack", str(stack), "--out", str(tmp_path / "beside")])
     assert beside.exit_code == 0, beside.output
