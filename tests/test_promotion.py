@@ -11,7 +11,8 @@ import pytest
 
 from rlens.evaluation.logged import LoggedQuery
 from rlens.messages import Behaviour, Experience, RLAEExperience, Shadow, SpanDecision, Split
-from rlens.service.learner.gate import Gate, GateConfig
+from rlens.evaluation.ope import Estimate
+from rlens.service.learner.gate import Z95, Gate, GateConfig, anytime_bounds
 from bench.robustness.gate import simulate
 
 
@@ -161,10 +162,10 @@ def test_a_candidate_whose_greedy_answers_are_right_but_whose_fusion_samples_are
     0.06)."""
     for explored, verdict in (([0.95, 0.05], "promote"), ([0.05, 0.95], "drop")):
         rng = np.random.default_rng(2)
-        gate = Gate(GateConfig(min_events=300, max_events=600, every=50, delta=0.02), np.full(3, 1 / 3), 0.0)
+        gate = Gate(GateConfig(min_events=300, max_events=2000, every=50, delta=0.02), np.full(3, 1 / 3), 0.0)
         gate.propose((1, 2), {})
         found = None
-        for i in range(600):
+        for i in range(2000):
             champion, probe = bool(rng.random() < 0.6), bool(rng.random() < 0.2)
             candidate = bool(rng.random() < 0.65)  # greedy: 0.3 expected against the champion's 0.2
             experience = shadowed_experience(i, champion, candidate if probe else None, probe, 0.2, explored)
@@ -184,22 +185,39 @@ def test_with_drift_reset_a_drift_detection_restarts_the_candidates_evidence():
     assert Gate(GateConfig(drift_reset=True), np.full(3, 1 / 3), 0.24).drifted() is False  # no candidate: nothing
 
 
-def test_probation_is_judged_once_after_min_events():
-    """The replaced champion, scored against the one promoted: rolled back to when clearly better, otherwise the new
-    champion passes at the first look (looking again and again would roll good promotions back by chance)."""
-    rng = np.random.default_rng(1)
-    for better, verdict in ((0.3, "roll back"), (0.0, "passed")):
-        gate = Gate(GateConfig(min_events=200, max_events=4000, every=25, delta=0.02), np.full(3, 1 / 3), 0.0)
+def test_anytime_bounds_by_hand():
+    """A mean of 0.1 over n = 100 with a standard error of 0.05, the mixture tightest at 400 queries of variance 0.25:
+    V = (100 · 0.05)² = 25, ρ² = (−2 ln 0.05 + ln(1 − 2 ln 0.05)) / 100 = 0.079362, Vρ² = 1.98405, half-width
+    √(2 · 2.98405 / 0.079362 · ln(√2.98405 / 0.05)) / 100 = √(75.201 · 3.54240) / 100 = 0.16321 (the normal
+    interval's 0.098). An estimate without an interval stays as it is."""
+    e = Estimate(0.1, 0.1 - Z95 * 0.05, 0.1 + Z95 * 0.05, 100, 100.0)
+    bounds = anytime_bounds(e, 400)
+    assert bounds.value == 0.1 and bounds.n == 100
+    assert bounds.high - 0.1 == pytest.approx(0.16321, abs=2e-5) and 0.1 - bounds.low == pytest.approx(
+        0.16321, abs=2e-5
+    )
+    empty = Estimate(math.nan, math.nan, math.nan, 0, 0.0)
+    assert anytime_bounds(empty, 400) is empty
+
+
+def test_probation_looks_until_it_is_shown_and_rolls_back_however_late():
+    """The replaced champion, scored against the one promoted, looked at every 25 queries from 200 on through
+    anytime-valid bounds: a predecessor better by 30 points is rolled back to at a look after the first (the one look
+    it used to get passed it, issue 61), one better by 15 points later still; an equal one is never rolled back to,
+    and the new champion passes at max_events. Seeded, synthetic outcomes (20 % probes)."""
+    for better, verdict, at in ((0.3, "roll back", 425), (0.15, "roll back", 825), (0.0, "passed", 1000)):
+        rng = np.random.default_rng(1)
+        gate = Gate(GateConfig(min_events=200, max_events=1000, every=25, delta=0.02), np.full(3, 1 / 3), 0.0)
         gate.propose((1, 2), {}, "probation")
         verdicts = []
-        for i in range(300):
+        for i in range(1000):
             champion = bool(rng.random() < 0.5)
             probe = bool(rng.random() < 0.2)
             predecessor = bool(rng.random() < 0.5 + better)
             gate.observe(shadowed_experience(i, champion, predecessor if probe else None, probe), label=0)
             verdicts.append(gate.verdict())
-        assert verdicts[:199] == [None] * 199
-        assert verdicts[199] == verdict, (better, gate.last)
+        seen = [(i + 1, v) for i, v in enumerate(verdicts) if v is not None]
+        assert seen[0] == (at, verdict), (better, gate.last)
 
 
 def line_experience(i: int, served: int, shadow: int, line_right: bool, champion_right: bool | None, probe: bool):

@@ -1,14 +1,18 @@
 """Guarded promotion (``RLENS_PROMOTION=gated``): a policy the learner trains is published as a *candidate*; the
 workers serve the champion and log the candidate's greedy action beside it (:class:`rlens.messages.Shadow`, no extra
-model call); the gate promotes the candidate only when, after at least ``min_events`` labelled queries, the lower
-95 % bound of (candidate − champion) reward is at least −``delta``, and drops it after ``max_events`` without.
+model call). The gate looks at the (candidate − champion) reward every ``every`` labelled queries from
+``min_events`` on, through anytime-valid bounds (:func:`anytime_bounds`, a confidence sequence: the chance that the
+truth ever leaves them is 5 %, however often they are looked at). It promotes the candidate when the lower bound is
+at least −``delta``, and drops it when the upper bound is below −``delta`` (shown worse), or after ``max_events``.
 
-After a promotion the champion it replaced is scored in shadow in its turn (*probation*), and judged once, after
-``min_events``: if the new champion's reward falls below it by more than ``delta`` with confidence (the lower bound
-of their difference above ``delta``), the learner rolls back to it; otherwise the new champion has passed. Only then
-does the next candidate come. (The two thresholds, −delta to promote and +delta to roll back, keep a candidate
-within delta of its predecessor from going back and forth. One look keeps the rollback's error rate at its bound's
-2.5 %: looking again every ``every`` queries up to ``max_events`` rolled good promotions back, BENCHMARKS.md.)
+After a promotion the champion it replaced is scored in shadow in its turn (*probation*), looked at the same way:
+as soon as the new champion's reward falls below it by more than ``delta`` with confidence (the lower bound of their
+difference above ``delta``), however late, the learner rolls back to it; as soon as the upper bound is below
+``delta`` (the new champion shown within delta of it), or after ``max_events``, the new champion has passed. Only
+then does the next candidate come. (The two thresholds, −delta to promote and +delta to roll back, keep a candidate
+within delta of its predecessor from going back and forth. A fixed 95 % interval looked at again and again rolled
+good promotions back, so probation used to be one look, which a bad policy could survive on one lucky draw, issue
+61; the confidence sequence's error holds over every look.)
 
 rl_focal (:class:`ShadowEvidence`): the difference is estimated per query as the replay estimator does
 (:mod:`rlens.evaluation.logged`): exact where the query called every model the candidate's pool needs, a ridge reward
@@ -23,16 +27,15 @@ nothing of the candidate's, and an estimate from the champion's log was not good
 continuous span weights"). The candidate serves a random share of the queries itself (an A/B split, drawn by the
 workers), and the difference is that of the two arms' mean rewards over the same period, with Welch's interval;
 ``min_events`` counts the scarcer arm's queries (the candidate's own, at a split under one half). A challenger is
-judged once, then, like probation: promoted or dropped, and the learner's newest weights are the next candidate
-(looking again and again at a bound with a 2.5 % error each would promote a worse candidate by chance sooner or
-later, and a candidate that keeps collecting holds back the newer weights).
+judged at one look, with that interval, and so is probation: promoted or dropped, and the learner's newest weights
+are the next candidate (a candidate that keeps collecting holds back the newer weights).
 
 rlae, holdback (``GateConfig.holdback``, ``RLENS_PROMOTION=holdback``): the other way round. While the learner is
 trusted, every update is the candidate at once and serves most of the queries (its *line*); the champion, the last
 policy shown not worse, keeps serving the holdback share as the control. The line's evidence counts every candidate
 since the last verdict, the newest replacing the one before without restarting it. After ``min_events`` of the
 control's queries the line is looked at, then every ``every`` more: rolled back when the control leads it by more
-than ``delta`` with confidence (the upper bound of line − control below −delta; the learner is reset to the champion,
+than ``delta`` with confidence (the anytime-valid upper bound of line − control below −delta; the learner is reset to the champion,
 and no longer trusted), verified when its lower bound is at least −delta (the newest weights become the champion);
 after ``max_events`` without either, inconclusive (the evidence starts again, the line serves on). An untrusted
 learner's updates are challengers as under gated promotion, each serving the small ``split``, judged once: promoted
@@ -75,6 +78,23 @@ log = logging.getLogger("rlens.learner")
 Verdict = Literal["promote", "drop", "roll back", "passed", "inconclusive", "resume"]
 Kind = Literal["challenger", "probation", "line"]
 Z95 = 1.959963984540054  # the normal's 97.5 % quantile
+ALPHA = 0.05  # the anytime-valid bounds' error: the chance that they ever exclude the truth, however often looked at
+TUNED_VARIANCE = 0.25  # the per-query variance of a reward difference the bounds are tightest for, at min_events
+
+
+def anytime_bounds(e: Estimate, tightest_at: int, alpha: float = ALPHA) -> Estimate:
+    """``e`` (a mean of ``e.n`` per-query differences with its normal 95 % interval) with a confidence sequence's
+    bounds instead: Robbins' normal mixture (Howard et al. 2021), with the variance estimated as the asymptotic
+    confidence sequences of Waudby-Smith et al. (2024) do. Bounds that hold at every look at once, so that the gate
+    may look after every batch, for as long as it likes: the chance that the true difference ever leaves them is at
+    most ``alpha``. The sum's variance V = n²·se²; the mixture's ρ² makes them tightest where V = ``tightest_at`` ·
+    TUNED_VARIANCE; the half-width is √(2 (Vρ² + 1) / ρ² · ln(√(Vρ² + 1) / α)) / n."""
+    if e.n == 0 or not all(math.isfinite(x) for x in (e.value, e.low, e.high)):
+        return e
+    variance = (e.n * (e.high - e.low) / (2 * Z95)) ** 2
+    rho2 = (-2 * math.log(alpha) + math.log(1 - 2 * math.log(alpha))) / (tightest_at * TUNED_VARIANCE)
+    half = math.sqrt(2 * (variance * rho2 + 1) / rho2 * math.log(math.sqrt(variance * rho2 + 1) / alpha)) / e.n
+    return Estimate(e.value, e.value - half, e.value + half, e.n, e.ess)
 
 
 def default_events(strategy: str, promotion: str) -> tuple[int, int, int]:
@@ -331,28 +351,39 @@ class Gate:
             return Estimate(-e.value, -e.high, -e.low, e.n, e.ess)
         return e
 
+    def sequential(self) -> bool:
+        """Whether the evidence is looked at more than once (every ``every`` queries from ``min_events`` to
+        ``max_events``): then its bounds are anytime-valid (:func:`anytime_bounds`). An rlae challenger or probation
+        on an A/B split is judged at one look, with the normal interval."""
+        one_look = isinstance(self.evidence, SplitEvidence) and self.kind != "line"
+        return not one_look and self.config.max_events > self.config.min_events
+
     def verdict(self) -> Verdict | None:
-        """A challenger: promote, drop, or None (keep collecting); on probation: roll back or passed (or None before
-        ``min_events``)."""
+        """A challenger: promote, drop, or None (keep collecting); on probation: roll back, passed, or None (keep
+        looking); a line: roll back, promote (verified), inconclusive or None. None before ``min_events``."""
         n = len(self.evidence)
         if self.candidate is None or n < self.config.min_events or n - self._looked_at < self.config.every:
             return None
         self._looked_at = n
-        self.last = self.estimate()
-        done = n >= self.config.max_events or isinstance(self.evidence, SplitEvidence)  # a split: one look
-        if self.kind == "probation":
-            return "roll back" if self.last.low > self.config.delta else "passed"
-        if self.kind == "line":  # looked at every `every` queries up to max_events, then the evidence starts again
-            if self.last.high < -self.config.delta:
+        sequential = self.sequential()
+        self.last = anytime_bounds(self.estimate(), self.config.min_events) if sequential else self.estimate()
+        done = n >= self.config.max_events or not sequential
+        low, high, delta = self.last.low, self.last.high, self.config.delta
+        if self.kind == "probation":  # the replaced champion − the promoted one: rolled back to as soon as clear
+            if low > delta:
                 return "roll back"
-            if self.last.low >= -self.config.delta:
+            return "passed" if high < delta or done else None
+        if self.kind == "line":  # looked at every `every` queries up to max_events, then the evidence starts again
+            if high < -delta:
+                return "roll back"
+            if low >= -delta:
                 return "promote"
             return "inconclusive" if n >= self.config.max_events else None
-        if self.last.low >= -self.config.delta:
+        if low >= -delta:
             return "promote"
-        if self.config.holdback is not None and self.last.value >= -self.config.delta:
+        if self.config.holdback is not None and self.last.value >= -delta:
             return "resume"  # an untrusted learner's challenger did as well on its share: its next update is a line
-        return "drop" if done else None
+        return "drop" if done or high < -delta else None
 
     def drifted(self) -> bool:
         """A drift was detected: with ``drift_reset``, the candidate's evidence starts again. Whether it did."""
