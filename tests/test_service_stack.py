@@ -169,6 +169,44 @@ def test_gated_promotion_through_the_policy_topic(tmp_path, zoo):
     assert promoted in after.policy_versions and state["operator_seen"] > [0, 0]
 
 
+def test_a_bad_policy_forced_live_is_rolled_back_on_probation(tmp_path, zoo):
+    """Issue 61, live: on a gated stack an operator promotes the newest candidate, then forces a bad policy live (the
+    same weights with the Fusion's scores turned upside down, signed and published as `rlens policy promote`
+    publishes); the champion it replaced goes on probation, looked at every 50 queries through anytime-valid bounds,
+    and the learner rolls back to it before the probation's end (max_events, the bound this test holds it to)."""
+    import base64
+
+    from rlens.cli.policy import operator_settings, read_history, set_live
+    from safetensors.torch import load as load_safetensors
+
+    from rlens.service.common.policy import encode_policy
+    from rlens.service.common.security import policy_signer
+
+    gated = {"promotion": "gated", "gate_min_events": 100, "gate_max_events": 1000}
+    stack = make_stack(tmp_path, explore=(0.2, 32), service=gated)  # as the service explores, not every query
+    try:
+        played_and_joined(stack, zoo, "before")
+        operator = operator_settings(tmp_path)
+        history = read_history(operator)
+        candidate = max((p for p in history.policies if p.stage == "candidate"), key=lambda p: (p.epoch, p.version))
+        set_live(operator, history, candidate, "promoted by the test")  # the champion the bad policy replaces
+        history = read_history(operator)
+        weights = load_safetensors(base64.b64decode(candidate.weights_b64))
+        upside_down = {k: -v if k.startswith("fusion.") else v for k, v in weights.items()}
+        bad = encode_policy(upside_down, 1, candidate.epoch, candidate.models, "rl_focal", policy_signer(operator))
+        forced = history.next_order()[1]
+        set_live(operator, history, bad, "forced bad by the test")
+        time.sleep(2.0)  # it reaches the worker
+        after = asyncio.run(play(stack.settings, traffic(zoo, "after"), rate=60, idle_timeout_s=60))
+        joined_at_least(stack, 2 * N)
+    finally:
+        stack.stop()
+    stats = final_learner_state(stack)["stats"]
+    served = after.versions.count(forced)
+    assert 0 < served < gated["gate_max_events"] and stats["rollbacks"] >= 1, (served, after.accuracy, stats)
+    assert after.versions[-1] != forced  # the champion it replaced serves again
+
+
 def test_holdback_promotion_serves_each_update_at_once_with_the_champion_in_shadow(tmp_path, zoo):
     """RLENS_PROMOTION=holdback with rl_focal: each update goes live at once (the learner's line) and the champion,
     republished as a candidate, is scored in shadow beside it; the learner judges the line on that evidence."""
