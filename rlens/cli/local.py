@@ -98,8 +98,14 @@ def up(
     ready = False
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
-        with console.status("starting the learner and the workers"):
-            start_processes(stack, options)
+        with console.status("starting the learner and the workers") as status:
+
+            def starting(waiting: list[str], elapsed_s: float) -> None:
+                counts = {role: waiting.count(role) for role in dict.fromkeys(waiting)}
+                shown = ", ".join(f"{role} ×{n}" if n > 1 else role for role, n in counts.items())
+                status.update(f"starting: {shown} ({elapsed_s:.0f} s)")
+
+            start_processes(stack, options, starting)
         ready = True
         show_stack(stack, options)
         supervise(stack, lambda: bool(stop), lambda what: console.print(f"[yellow]restarted[/] {what}"))

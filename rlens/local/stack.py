@@ -15,7 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from typing import TypeGuard, cast
+from typing import Callable, TypeGuard, cast
 from pathlib import Path
 
 from pydantic import SecretStr
@@ -314,8 +314,9 @@ class LocalStack:
                 self.workers[i] = self._spawn("worker", f"worker-{i}.log")
         return restarted
 
-    def wait_ready(self, timeout_s: float = 60.0) -> None:
-        """Wait until every running service process has marked itself ready in Redis (its groups joined)."""
+    def wait_ready(self, timeout_s: float = 60.0, progress: Callable[[list[str], float], None] | None = None) -> None:
+        """Wait until every running service process has marked itself ready in Redis (its groups joined);
+        ``progress`` hears the roles still waited for and the seconds waited, every 0.1 s."""
         import socket
         import time
 
@@ -323,7 +324,8 @@ class LocalStack:
 
         redis = Redis.from_url(self.settings.redis_url.get_secret_value())
         host = socket.gethostname()
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         try:
             while True:
                 dead = [p for p in self.processes() if p.poll() is not None]
@@ -341,6 +343,8 @@ class LocalStack:
                 ]
                 if not waiting:
                     return
+                if progress is not None:
+                    progress([cast(list[str], p.args)[3] for p in waiting], time.monotonic() - start)
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"{len(waiting)} service processes not ready after {timeout_s:g} s; see {self.workdir}"

@@ -27,6 +27,7 @@ from rlens.settings import Settings
 from rlens.zoo.build import MANIFEST
 
 READY_TIMEOUT_S = 180.0
+WARM_READY_TIMEOUT_S = 3600.0  # a warm start trains the learner before it is ready: minutes on a busy machine
 
 
 class UpError(Exception):
@@ -178,14 +179,17 @@ def prepare_state(stack: LocalStack, options: UpOptions) -> list[str]:
         raise UpError(f"Redis at {redact_url(stack.settings.redis_url.get_secret_value())} failed: {exc}") from None
 
 
-def start_processes(stack: LocalStack, options: UpOptions) -> None:
-    """The learner, the workers and the gateway, until every one is ready (TimeoutError or RuntimeError if not)."""
+def start_processes(
+    stack: LocalStack, options: UpOptions, progress: Callable[[list[str], float], None] | None = None
+) -> None:
+    """The learner, the workers and the gateway, until every one is ready (TimeoutError or RuntimeError if not);
+    ``progress`` hears which are still starting. A warm start trains first: it is waited for far longer."""
     stack.start_learner(*(["--warm-start", str(options.warm_start)] if options.warm_start else []))
     for _ in range(options.workers):
         stack.start_worker()
     if options.gateway:
         stack.start_gateway()
-    stack.wait_ready(READY_TIMEOUT_S)
+    stack.wait_ready(READY_TIMEOUT_S if options.warm_start is None else WARM_READY_TIMEOUT_S, progress)
 
 
 def supervise(stack: LocalStack, stopping: Callable[[], bool], restarted: Callable[[str], None]) -> None:
