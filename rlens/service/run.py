@@ -171,7 +171,6 @@ def build_worker(settings: Settings) -> Worker:
             split=settings.gate_split,
         )
     engine = build_engine(settings, pool)
-    windows = build_windows(settings, len(names), engine.cfg.window, engine.cfg.calibration_rows)
     cache = output_cache(settings, pool)
     backends = {m.name: build_backend(m) for m in pool.models}
     if cache is not None:  # a replay backend is a recording already
@@ -180,7 +179,7 @@ def build_worker(settings: Settings) -> Worker:
         engine,
         names,
         backends,
-        windows,
+        build_windows(settings, len(names), engine.cfg.window, engine.cfg.calibration_rows),
         deadline_s=settings.worker_deadline_s,
         model_concurrency=settings.model_concurrency,
         circuit_failures=settings.circuit_failures,
