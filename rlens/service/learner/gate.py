@@ -35,14 +35,14 @@ trusted, every update is the candidate at once and serves most of the queries (i
 policy shown not worse, keeps serving the holdback share as the control. The line's evidence counts every candidate
 since the last verdict, the newest replacing the one before without restarting it. After ``min_events`` of the
 control's queries the line is looked at, then every ``every`` more: rolled back when the control leads it by more
-than ``delta`` with confidence (the anytime-valid upper bound of line − control below −delta; the learner is reset to the champion,
-and no longer trusted), verified when its lower bound is at least −delta (the newest weights become the champion);
-after ``max_events`` without either, inconclusive (the evidence starts again, the line serves on). An untrusted
-learner's updates are challengers as under gated promotion, each serving the small ``split``, judged once: promoted
-as under gated promotion, or, when its mean reward is within delta of the champion's though its bound is not, the
-learner is trusted again (*resume*: the next update starts a line; the champion stays); else dropped. So a learner
-whose updates serve at once keeps what it gains from recency, at the price of serving what went wrong until the
-evidence shows it.
+than ``delta`` with confidence (the anytime-valid upper bound of line − control below −delta; the learner is reset
+to the champion, and no longer trusted), verified when its lower bound is at least −delta (the newest weights become
+the champion); after ``max_events`` without either, inconclusive (the evidence starts again, the line serves on). An
+untrusted learner's updates are challengers as under gated promotion, each serving the small ``split``, judged once:
+promoted as under gated promotion, or, when its mean reward is within delta of the champion's though its bound is
+not, the learner is trusted again (*resume*: the next update starts a line; the champion stays); else dropped. So a
+learner whose updates serve at once keeps what it gains from recency, at the price of serving what went wrong until
+the evidence shows it.
 
 rl_focal, holdback: no split is needed, since the champion can be scored in shadow. The line serves every query
 (each update published live at once) and the champion is the shadow policy beside it: republished as a candidate
