@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from rlens.evaluation.logged import LoggedQuery
-from rlens.messages import Behaviour, Experience, RLAEExperience, Shadow, SpanDecision, Split
+from rlens.messages import RLAEExperience, SpanDecision, Split
 from rlens.evaluation.ope import Estimate
 from rlens.service.learner.gate import Z95, Gate, GateConfig, anytime_bounds
+from bench.robustness.anytime import shadowed_experience
 from bench.robustness.gate import simulate
 
 
@@ -74,51 +75,6 @@ def test_a_learner_restarted_while_it_judges_serves_what_one_never_stopped_serve
         assert whole.core.stats.promotions >= 1
     else:  # the line's updates served at once (no verdict on it needed)
         assert len({version for version, _ in whole.served}) >= 4
-
-
-def shadowed_experience(
-    i: int,
-    champion_right: bool,
-    candidate_right: bool | None,
-    probe: bool,
-    explore_rate: float = 0.0,
-    explored: list[float] | None = None,
-) -> Experience:
-    pool = [True, True, False]
-    behaviour = Behaviour(
-        explore_rate=explore_rate,
-        probe=probe,
-        greedy_pool=pool,
-        greedy_answer=0,
-        propensity=1.0,
-        model_probs=[[0.9, 0.1], [0.8, 0.2], [0.5, 0.5] if probe else []],
-        reliability=[0.7, 0.6, 0.5],
-        label_prior=[0.5, 0.5],
-    )
-    candidate_pool = [True, False, True]  # needs model 2: known on probes only
-    answer = (0 if candidate_right else 1) if probe or candidate_right is not None else -1
-    return Experience(
-        query_id=f"q{i}",
-        stream="s",
-        policy_version=0,
-        n_choices=2,
-        decider_state=[0.0] * 4,
-        critic_state=[0.0] * 4,
-        pool=pool,
-        pool_logp=0.0,
-        predictions=[0, 0, -1],
-        fusion_features=[[0.0], [0.0]],
-        answer_index=0 if champion_right else 1,
-        answer_logp=0.0,
-        behaviour=behaviour,
-        shadow=Shadow(
-            epoch=1,
-            version=2,
-            pool=candidate_pool,
-            answer=answer,
-            explored=explored if answer >= 0 and explored else [],
-        ),
-    )
 
 
 def test_the_gate_promotes_a_better_candidate_and_drops_a_worse_one():
