@@ -32,7 +32,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if skipped:
         terminalreporter.write_line(
             f"{len(skipped)} test{'s' * (len(skipped) > 1)} skipped: they need the recorded dataset bbh_dev at {shared_data_dir() / 'bbh_dev'} "
-            "(set RLENS_SHARED_DATA to the folder that holds bbh_dev; README.md, 'Dataset format')",
+            "(set RLENS_SHARED_DATA to the folder that holds bbh_dev; docs/reference.md, 'Dataset format')",
             yellow=True,
         )
 

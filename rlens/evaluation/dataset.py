@@ -1,6 +1,6 @@
 """Loading a dataset directory (a multiple-choice one here, a samples one through :mod:`.open_ended`) and saving one.
 
-The format (one directory per dataset) is documented in README.md ("Dataset format"):
+The format (one directory per dataset) is documented in docs/reference.md ("Dataset format"):
 ``probs.npy`` [N, M, C] float, ``choice_mask.npy`` [N, C] bool, ``labels.npy`` [N] int,
 ``task.npy`` [N] int, ``models.json`` and ``tasks.json``.
 Every problem is raised as a :class:`DatasetError` that names the file and the problem.
