@@ -32,7 +32,7 @@ class CheckpointLockError(LockedError):
     """Another store (another learner) holds the checkpoint directory."""
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -93,7 +93,7 @@ class CheckpointStore:
         for path in tmp.iterdir():
             with path.open("rb") as f:
                 os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = self.directory / name
         os.replace(tmp, final)
         latest_tmp = self.directory / f".LATEST.{os.getpid()}.tmp"
@@ -101,7 +101,7 @@ class CheckpointStore:
         with latest_tmp.open("rb") as f:
             os.fsync(f.fileno())
         os.replace(latest_tmp, self.directory / "LATEST")
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self._prune()
         return final
 

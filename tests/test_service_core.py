@@ -212,6 +212,59 @@ def test_checkpoint_round_trip_resumes_exactly(tmp_path, redis_server):
     asyncio.run(scenario())
 
 
+def test_a_checkpoint_holds_no_halves_and_a_resume_ignores_journal_lines_written_after_it(tmp_path, redis_server):
+    async def scenario():
+        core = learner(tmp_path, redis_server.url, done_limit=50)
+        engine = FocalEngine(5, seed=0)
+        for i in range(60):  # 60 joins: the newest 50 ids are kept
+            await core.on_experience(experience(engine, f"q{i}"), Record(0))
+            await core.on_feedback(fb(f"q{i}", label=1), Record(i))
+        for i in range(30):
+            await core.on_experience(experience(engine, f"held{i}"), Record(0))
+        core.checkpoint()
+        await core.on_experience(experience(engine, "held-later"), Record(0))
+        await core.on_feedback(fb("held0", label=1), Record(60))  # joined: held no longer, a recent id
+        await core.apply_windows()  # the joins' outcomes reach Redis (none left in the checkpoint's backlog)
+        core.checkpoint()
+        state = (core.checkpoints.latest() / "state.json").read_text()
+        assert "held" not in state and "q59" not in state  # the halves and ids are in the journals
+        at_checkpoint = list(core.experience), list(core.done.items.items())
+        await core.on_experience(experience(engine, "after"), Record(0))
+        core._write_journals()  # a checkpoint that wrote its journals, then the process died
+        core.checkpoints.close()
+        resumed = learner(tmp_path, redis_server.url, done_limit=50)
+        assert (list(resumed.experience), list(resumed.done.items.items())) == at_checkpoint
+        assert list(resumed.experience)[-1] == "held-later" and "held0" in resumed.done and "q10" not in resumed.done
+        assert resumed.experience.items["held-later"].message == core.experience.items["held-later"].message
+        assert resumed.experience.bytes == core.experience.bytes - core.experience.items["after"].size
+
+    asyncio.run(scenario())
+
+
+def test_a_checkpoint_from_before_the_journals_still_resumes(tmp_path, redis_server):
+    async def scenario():
+        core = learner(tmp_path, redis_server.url)
+        engine = FocalEngine(5, seed=0)
+        await core.on_experience(experience(engine, "held"), Record(0))
+        held = core.experience.items["held"]
+        state = {  # what LearnerCore.checkpoint wrote until 2026-11-27
+            "offsets": {},
+            "experience": [["held", held.at, held.size, held.message.model_dump(), held.record]],
+            "feedback": [],
+            "clock": core.clock,
+            "done": [["q1", 1.0]],
+            "window_backlog": [],
+            "stats": {},
+        }
+        core.trainer.save(core.checkpoints, 1, state, {})
+        core.checkpoints.close()
+        resumed = learner(tmp_path, redis_server.url)
+        assert list(resumed.experience) == ["held"] and resumed.experience.items["held"].message == held.message
+        assert "q1" in resumed.done and resumed.version == 1
+
+    asyncio.run(scenario())
+
+
 def test_a_task_switch_raises_drift_events_on_the_outcome_and_the_models_and_detectors_survive_a_restart(
     tmp_path, redis_server
 ):

@@ -2,7 +2,7 @@
 
 ``policy.safetensors`` holds every agent's weights, ``optimizer.safetensors`` Adam's moments and the torch RNG
 state, and ``state.json`` Adam's step counts, the numpy RNG state, the experience buffer and whatever the learner
-adds (consumer offsets, pending joins, recent query ids, counters).
+adds (consumer offsets, the marks of the journals of pending joins and recent query ids, counters).
 """
 
 from __future__ import annotations

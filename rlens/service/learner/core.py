@@ -43,7 +43,8 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   after its checkpoint. Reward and accuracy are kept per served version
   (:class:`rlens.service.learner.versions.VersionStats`).
 - **Exactly-once effect across crashes.** A checkpoint holds the trainer (weights, optimizer, RNGs, buffer), the
-  pending joins, the recent query ids, the gate (:meth:`rlens.service.learner.gate.Gate.checkpoint`: the candidate
+  pending joins and the recent query ids (as marks in their journals, :mod:`rlens.service.learner.journal`, so
+  its cost does not grow with what is held), the gate (:meth:`rlens.service.learner.gate.Gate.checkpoint`: the candidate
   judged and its evidence) and, per partition, the offset after the last record it reflects. Kafka
   offsets are committed only up to a checkpoint's offsets. After a crash the learner restores the newest
   checkpoint, skips re-delivered records below its offsets, and so neither loses nor re-applies a transition.
@@ -75,7 +76,6 @@ import logging
 import os
 import socket
 import time
-from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 from redis.exceptions import RedisError
@@ -97,7 +97,8 @@ from rlens.service.learner.checkpoint import Groups
 from rlens.service.learner.promotion import Promotion
 from rlens.service.learner.offsets import Offsets
 from rlens.service.learner.ope_log import OpeLog
-from rlens.service.learner.pending import Pending, PendingHalves
+from rlens.service.learner.journal import Journal, Journaled
+from rlens.service.learner.pending import Pending, PendingHalves, RecentIds
 from rlens.service.learner.versions import VersionStats
 from rlens.service.common.tracing import context_of_traceparent, tracer, tracing
 from rlens.service.learner.window_writer import WindowWriter
@@ -164,7 +165,7 @@ class LearnerCore:
     ):
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.signer, self.tokens, self.verifier = signer, tokens, signer.verifier()
-        self.pending_limit, self.pending_ttl_s, self.done_limit = pending_limit, pending_ttl_s, done_limit
+        self.pending_limit, self.pending_ttl_s = pending_limit, pending_ttl_s
         self.epoch = time.time_ns() // 1_000_000
         self.version = 0
         self.operator_seen = (0, 0)  # (epoch, version) of the newest operator's policy adopted (signed, never a clock)
@@ -174,7 +175,11 @@ class LearnerCore:
         self.clock = 0.0  # the newest event time (record timestamp, seconds) read
         self.dropped: list[DeadLetter] = []  # dead letters of expired or evicted halves, until the app publishes them
         self.metrics: LearnerMetrics | None = None  # set by the app
-        self.done: OrderedDict[str, float] = OrderedDict()
+        self.done = RecentIds(done_limit)
+        journals = checkpoints.directory / "journal"
+        self.journals = {
+            name: Journal(journals, name, keep=checkpoints.keep) for name in ("experience", "feedback", "done")
+        }
         self.stats = LearnerStats()
         self.writer = WindowWriter(windows, redis_wait_s, backlog_limit)
         self.name = f"{socket.gethostname()}-{os.getpid()}"
@@ -196,10 +201,16 @@ class LearnerCore:
     def _restore(self, state: dict, tensors: Groups) -> None:
         self.version = state["version"]
         self.offsets = Offsets(state["offsets"])
-        self.experience.load_json(state["experience"], self.trainer.experience)
-        self.feedback.load_json(state["feedback"], Feedback)
+        if "journals" in state:
+            marks = state["journals"]
+            self.experience.replay(self.journals["experience"].restore(marks["experience"]), self.trainer.experience)
+            self.feedback.replay(self.journals["feedback"].restore(marks["feedback"]), Feedback)
+            self.done.replay(self.journals["done"].restore(marks["done"]))
+        else:  # a checkpoint of before the journals (every half and id in state.json)
+            self.experience.load_json(state["experience"], self.trainer.experience)
+            self.feedback.load_json(state["feedback"], Feedback)
+            self.done.replay(["+", q, at] for q, at in state["done"])
         self.clock = state["clock"]
-        self.done = OrderedDict(state["done"])
         self.stats = LearnerStats(**state["stats"])
         self.writer.backlog.extend(state["window_backlog"])
         self.drift.load_json(state.get("drift", []))
@@ -213,10 +224,8 @@ class LearnerCore:
     def checkpoint(self) -> None:
         state = {
             "offsets": self.offsets.read,
-            "experience": self.experience.to_json(),
-            "feedback": self.feedback.to_json(),
+            "journals": self._write_journals(),
             "clock": self.clock,
-            "done": list(self.done.items()),
             "window_backlog": list(self.writer.backlog),
             "stats": asdict(self.stats),
             "drift": self.drift.to_json(),
@@ -230,6 +239,11 @@ class LearnerCore:
         self.offsets.checkpointed_now()
         self.checkpointed_version = self.version
         self.last_checkpoint = time.monotonic()
+
+    def _write_journals(self) -> dict:
+        """What the held halves and the recent ids changed since the last checkpoint, on disk; each journal's mark."""
+        held: dict[str, Journaled] = {"experience": self.experience, "feedback": self.feedback, "done": self.done}
+        return {name: self.journals[name].write(collection) for name, collection in held.items()}
 
     def checkpoint_due(self) -> bool:
         """Whether the state moved on since the newest checkpoint and that one is ``checkpoint_every_s`` old."""
@@ -417,9 +431,7 @@ class LearnerCore:
         span.end()
 
     def _remember_done(self, query_id: str) -> None:
-        self.done[query_id] = time.time()
-        while len(self.done) > self.done_limit:
-            self.done.popitem(last=False)
+        self.done.add(query_id, time.time())
 
     async def apply_windows(self) -> None:
         """The queued outcomes to Redis (:meth:`WindowWriter.apply`)."""
