@@ -61,7 +61,10 @@ class Settings(BaseSettings):
     kafka_session_timeout_ms: int = Field(10_000, ge=1000, description="consumer-group session timeout")
     kafka_heartbeat_ms: int = Field(3_000, ge=100, description="consumer-group heartbeat interval")
     kafka_fetch_max_wait_ms: int = Field(
-        20, ge=0, description="how long a fetch waits for data (bounds the latency added by polling)"
+        500,
+        ge=0,
+        description="how long a fetch waits for data when there is none (Kafka answers as soon as data comes; "
+        "`rlens up`'s embedded tansu, which often waits it out, uses 20)",
     )
     # streaming service: Redis windows
     redis_url: SecretStr = Field(

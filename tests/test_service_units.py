@@ -358,3 +358,24 @@ def test_the_stacks_own_redis_keeps_its_data_in_its_folder(tmp_path):
         assert Redis.from_url(again.url).get("k") is None
     finally:
         again.stop()
+
+
+def test_the_embedded_broker_gets_short_fetch_waits_and_a_real_kafka_kafkas_own(tmp_path):
+    """Issue 59: Kafka answers a waiting fetch as soon as data comes, so its clients wait 500 ms (idle, 0.12 of a
+    core for the whole stack instead of 0.32 at 20 ms); the embedded tansu often waits a fetch out, so `rlens up`
+    gives its clients 20 ms, and the clients of the stack read it from client.env. A wait the user set is kept."""
+    from rlens.local.servers import LocalBroker
+    from rlens.local.stack import LocalStack, client_settings
+    from rlens.settings import Settings
+
+    assert Settings(_env_file=None).kafka_fetch_max_wait_ms == 500  # type: ignore[call-arg]
+    for update, expected in (({}, LocalBroker.FETCH_MAX_WAIT_MS), ({"kafka_fetch_max_wait_ms": 300}, 300)):
+        config = Settings(_env_file=None, **update)  # type: ignore[call-arg]
+        stack = LocalStack(config, tmp_path / str(expected), partitions=1)
+        try:
+            assert stack.settings.kafka_fetch_max_wait_ms == expected
+            assert stack.env("worker")["RLENS_KAFKA_FETCH_MAX_WAIT_MS"] == str(expected)
+            client = client_settings(stack.workdir)
+            assert client is not None and client.kafka_fetch_max_wait_ms == expected
+        finally:
+            stack.stop()

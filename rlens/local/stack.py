@@ -54,6 +54,7 @@ CLIENT_SETTINGS = (  # what a client (`rlens load`) or an operator command (`rle
     "kafka_ssl_cafile",
     "kafka_acks",
     "kafka_idempotence",
+    "kafka_fetch_max_wait_ms",
     "topic_prefix",
     "redis_prefix",
     "checkpoint_dir",  # the learner's checkpoints and its off-policy log
@@ -229,9 +230,11 @@ class LocalStack:
             if getattr(settings, k) is None
         }
         configured_keys = "gateway_keys_file" in settings.model_fields_set  # the operator's own keys file
+        waits = self.broker is not None and "kafka_fetch_max_wait_ms" not in settings.model_fields_set
         self.settings = settings.model_copy(
             update={
                 "kafka_bootstrap": kafka_bootstrap,
+                "kafka_fetch_max_wait_ms": LocalBroker.FETCH_MAX_WAIT_MS if waits else settings.kafka_fetch_max_wait_ms,
                 "kafka_partitions": partitions,
                 "redis_url": SecretStr(redis_url),
                 "checkpoint_dir": self.workdir / "learner",
