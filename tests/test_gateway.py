@@ -221,6 +221,15 @@ def test_each_answer_says_its_cost_and_overhead_and_a_spent_budget_refuses_the_k
         assert float(headers["x-rlens-model-duration-ms"]) == pytest.approx(account["model_ms"], abs=0.1)
         assert 0 <= account["model_ms"] <= account["latency_ms"]
         assert float(headers["x-rlens-overhead-duration-ms"]) >= 0
+        # where the time went (issue 59): each stage once, the wait split with the worker's own figures
+        stages = {
+            k: float(v.removeprefix("dur="))
+            for k, v in (p.strip().split(";") for p in headers["server-timing"].split(","))
+        }
+        assert list(stages) == ["admit", "state", "publish", "kafka", "worker", "models", "respond"]
+        assert stages["models"] == pytest.approx(account["model_ms"], abs=0.01) and min(stages.values()) >= 0
+        assert stages["worker"] + stages["models"] == pytest.approx(account["latency_ms"], abs=0.02)
+        assert sum(stages.values()) <= 1000 * response.elapsed.total_seconds() + 1
         charged.append(account["cost"])
     error = response.json()["error"]
     assert response.status_code == 429 and error["code"] == "budget_exhausted" and "budget of" in error["message"]
@@ -230,6 +239,7 @@ def test_each_answer_says_its_cost_and_overhead_and_a_spent_budget_refuses_the_k
     key_id = gw["keys"]["budget"].split("_")[1]
     assert metric(gw["url"], "rlens_gateway_cost_total", key=key_id) == pytest.approx(sum(charged))
     assert metric(gw["url"], "rlens_gateway_budget_refused_total") >= 1
+    assert metric(gw["url"], "rlens_gateway_stage_seconds_count", stage="kafka") >= len(charged)
 
 
 def test_concurrent_requests_cannot_overspend_a_budget_and_a_daily_one_is_counted_by_day(gw):

@@ -340,6 +340,13 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.stage_seconds = Histogram(
+            "rlens_gateway_stage_seconds",
+            "seconds of an answered request in each stage (rlens.service.gateway.timing)",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.idempotent_replays = Counter(
             "rlens_gateway_idempotent_replays", "requests that repeated an Idempotency-Key", registry=registry
         )

@@ -35,6 +35,7 @@ from aiokafka.errors import KafkaError
 from rlens.messages import MAX_TEXT, Answer, Feedback, Query, tenant_stream
 from rlens.service.gateway.api_keys import FailedAuth, KeyRecord, KeyStore
 from rlens.service.gateway.state import GatewayState, QueryRecord, digest
+from rlens.service.gateway.timing import Stages
 from rlens.service.common.metrics import GatewayMetrics
 from rlens.service.gateway.openai_api import (
     MODEL_OF,
@@ -218,9 +219,11 @@ class Gateway:
         request: ChatCompletionRequest | CompletionRequest,
         idempotency_key: str | None,
         stream_header: str | None,
+        stages: Stages | None = None,
     ) -> Answer:
         """The answer to one request: published as a query and waited for (or the first answer of an earlier
-        request with the same ``Idempotency-Key``)."""
+        request with the same ``Idempotency-Key``); ``stages`` marks where the time went."""
+        stages = stages or Stages()
         chat = isinstance(request, ChatCompletionRequest)
         prompt = request.prompt() if isinstance(request, ChatCompletionRequest) else request.text()
         stream = self._check(key, request, prompt, stream_header)
@@ -240,10 +243,13 @@ class Gateway:
             request_digest = digest(stream.encode() + b"\0" + request.model_dump_json().encode())
             query_id, answer, published = await self._earlier(key, idempotency_key, request_digest, query_id)
             if answer is not None:
+                stages.mark("admit")
                 return answer
             if published:
+                stages.mark("admit")
                 return await self._wait(query_id, poll=True)
         budget = await self._hold_budget(key, query_id, MODELS[request.model], request.rlens.budget)
+        stages.mark("admit")
         record = QueryRecord(
             tenant=key.tenant,
             stream=stream,
@@ -255,12 +261,15 @@ class Gateway:
         )
         try:
             await self.state.remember_query(query_id, record)
+            stages.mark("state")
             await self._publish(query_id, tenant_stream(key.tenant, stream), prompt, request, budget)
+            stages.mark("publish")
         except Exception:
             if key.budget is not None:
                 await self.state.release(key.id, query_id)
             raise
         await self.state.mark_published(query_id, record)
+        stages.mark("state")
         return await self._wait(query_id)
 
     async def _earlier(

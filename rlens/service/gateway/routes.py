@@ -20,6 +20,7 @@ from rlens.messages import Answer
 from rlens.service.gateway.api_keys import KeyRecord
 from rlens.service.common.tracing import tracer
 from rlens.service.gateway.core import Gateway
+from rlens.service.gateway.timing import Stages
 from rlens.service.gateway.openai_api import (
     MODEL_OF,
     AnswerStatus,
@@ -81,9 +82,12 @@ def add_error_handlers(app: FastAPI) -> None:
 OVERHEAD_HEADER = "x-rlens-overhead-duration-ms"
 
 
-def answer_response(answer: Answer, model: str, chat: bool, stream: bool, elapsed_s: float | None = None) -> Any:
+def answer_response(
+    answer: Answer, model: str, chat: bool, stream: bool, elapsed_s: float | None = None, stages: Stages | None = None
+) -> Any:
     """An answer as a completion (or its event stream); 502 when no model of the pool answered. With the request's
-    time (``elapsed_s``), headers say what rlens added beyond the models' own time and what the answer cost."""
+    time (``elapsed_s``), headers say what rlens added beyond the models' own time and what the answer cost; with
+    its ``stages``, where its time went (``Server-Timing``)."""
     if not answer.answered_models:
         failures = "; ".join(f"{f.model}: {f.reason}" for f in answer.failures) or "no model was called"
         raise ApiError(
@@ -97,11 +101,16 @@ def answer_response(answer: Answer, model: str, chat: bool, stream: bool, elapse
     if elapsed_s is not None:
         headers[OVERHEAD_HEADER] = f"{max(1000 * elapsed_s - answer.model_ms, 0.0):.1f}"
     if stream:
-        events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(answer, model, chat))
-        return StreamingResponse(iter([events + "data: [DONE]\n\n"]), media_type="text/event-stream", headers=headers)
-    body = chat_completion(answer, model) if chat else completion(answer, model)
-    # validated: skip FastAPI's second pass
-    return Response(body.model_dump_json(), media_type="application/json", headers=headers)
+        content = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(answer, model, chat))
+        content += "data: [DONE]\n\n"
+    else:  # validated: skip FastAPI's second pass
+        content = (chat_completion(answer, model) if chat else completion(answer, model)).model_dump_json()
+    if stages is not None:
+        stages.mark("respond")
+        headers["Server-Timing"] = stages.header()
+    if stream:
+        return StreamingResponse(iter([content]), media_type="text/event-stream", headers=headers)
+    return Response(content, media_type="application/json", headers=headers)
 
 
 def openai_router(gateway: Gateway) -> APIRouter:
@@ -118,7 +127,7 @@ def openai_router(gateway: Gateway) -> APIRouter:
         idempotency_key: str | None,
         stream_key: str | None,
     ):
-        started = time.perf_counter()
+        started, stages = time.perf_counter(), Stages()
         chat = isinstance(body, ChatCompletionRequest)
         operation = "chat" if chat else "text_completion"
         attributes = {
@@ -127,7 +136,8 @@ def openai_router(gateway: Gateway) -> APIRouter:
             "rlens.tenant": key.tenant,
         }
         with tracer().start_as_current_span(f"{operation} {body.model}", kind=SpanKind.SERVER, attributes=attributes):
-            answer = await gateway.ask(key, body, idempotency_key, stream_key)
+            answer = await gateway.ask(key, body, idempotency_key, stream_key, stages)
+            stages.answered(answer)
             trace.get_current_span().set_attributes(
                 {
                     "gen_ai.response.id": answer.query_id,
@@ -137,9 +147,15 @@ def openai_router(gateway: Gateway) -> APIRouter:
                     "rlens.models_called": len(answer.called_models),
                 }
             )
-        elapsed_s = time.perf_counter() - started
+            elapsed_s = time.perf_counter() - started
+            response = answer_response(answer, body.model, chat, body.stream, elapsed_s, stages)
+            trace.get_current_span().set_attributes(
+                {f"rlens.stage.{k}_ms": 1000 * v for k, v in stages.seconds.items()}
+            )
         gateway.metrics.overhead_seconds.observe(max(elapsed_s - answer.model_ms / 1000, 0.0))
-        return answer_response(answer, body.model, chat, body.stream, elapsed_s)
+        for stage, seconds in stages.seconds.items():
+            gateway.metrics.stage_seconds.labels(stage).observe(seconds)
+        return response
 
     @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models(key: KeyRecord = Depends(key_of)) -> ModelList:
