@@ -302,6 +302,13 @@ class Settings(BaseSettings):
     gateway_max_connections_per_address: int = Field(
         256, ge=1, description="connections one client address may hold at once (a new one past it: 503, closed)"
     )
+    gateway_access_log_sample: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="share of requests in the access log (one line each: route, status, latency, key id, tenant, "
+        "query id, cost; never the prompt); 0: no access log",
+    )
     gateway_auth_failures_per_s: float = Field(
         5.0, gt=0, description="failed authentications per second per client address (bursts of 20); more get 429"
     )

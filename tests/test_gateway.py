@@ -395,14 +395,57 @@ def test_the_official_openai_client_works_unchanged(gw):
     with pytest.raises(openai.NotFoundError, match="this deployment does not run rlens-rlae"):
         client.chat.completions.create(model="rlens-rlae", messages=[{"role": "user", "content": "2+2="}])
     # open-ended: the models are asked for samples, which a pool replaying multiple-choice records cannot give
+    # (the client gets each model's name and kind of failure; the reason, which may hold internal URLs, is logged)
     with pytest.raises(
-        openai.InternalServerError, match="no model of the pool answered .*records choice probabilities, not samples"
-    ):
+        openai.InternalServerError,
+        match=r"no model of the pool answered \(smollm2-135m: error, .* in the worker's log under",
+    ) as refused:
         client.chat.completions.create(
             model="rlens-focal",
             messages=[{"role": "user", "content": "2+2="}],
             extra_body={"rlens": {"reference_id": "6"}},
         )
+    query_id = refused.value.body["query_id"]  # type: ignore[index]
+    assert "records choice probabilities" not in str(refused.value)
+    logged = [
+        line
+        for path in gw["stack"].workdir.glob("worker-*.log")
+        for line in path.read_text().splitlines()
+        if query_id in line and "no model answered" in line
+    ]
+    assert len(logged) == 1 and "records choice probabilities, not samples" in logged[0]
+
+
+def test_each_request_has_one_access_log_line_that_never_holds_the_prompt(gw):
+    """Issue 56: one JSON line per request on ``rlens.gateway.access``: route, status, latency, the key and its
+    tenant, the query and its cost; an unauthorised request gets its line too."""
+    import time
+
+    answered = ask(gw, "acme", question=11, stream="acme-logs")
+    assert answered.status_code == 200
+    query_id, cost = answered.json()["id"], answered.json()["rlens"]["cost"]
+    refused = httpx.get(f"{gw['url']}/v1/models", headers={"Authorization": "Bearer nope"}, timeout=10)
+    assert refused.status_code == 401
+    log = gw["stack"].workdir / "gateway.log"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        access = [r for r in records if r.get("logger") == "rlens.gateway.access"]
+        mine = [r for r in access if r.get("query_id") == query_id]
+        if mine and any(r["status"] == 401 for r in access):
+            break
+        time.sleep(0.2)
+    assert len(mine) == 1, mine
+    line = mine[0]
+    assert (line["route"], line["method"], line["status"], line["tenant"]) == (
+        "/v1/chat/completions",
+        "POST",
+        200,
+        "acme",
+    )
+    assert line["key_id"] == gw["keys"]["acme"].split("_")[1] and line["cost"] == pytest.approx(cost)
+    assert line["latency_ms"] > 0 and line["client"] == "127.0.0.1"
+    assert "question 11" not in log.read_text()  # the prompt is never logged
 
 
 def test_feedback_is_checked_against_its_query_applied_once_and_joined_by_the_learner(gw):

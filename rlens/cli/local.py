@@ -87,6 +87,7 @@ def up(
         warm_start,
         fresh,
     )
+    stack = None
     try:
         kafka, redis = external_services()
         stack = open_stack(options, s, kafka, redis, build_zoo)
@@ -94,6 +95,10 @@ def up(
             console.print(line.replace("carried over:", "[yellow]carried over:[/]", 1))
     except UpError as exc:
         fail(str(exc))
+    except KeyboardInterrupt:  # before the processes start (else typer would exit 130 without a word)
+        if stack is not None:
+            stack.stop(timeout_s=2)
+        interrupted("the stack was stopped before it was up")
     stop: list[int] = []
     ready = False
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))

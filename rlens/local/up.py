@@ -157,6 +157,9 @@ def open_stack(
     except BrokerRefused as exc:
         stack.stop()
         raise UpError(str(exc)) from None
+    except KeyboardInterrupt:  # Ctrl-C here: nothing of the stack outlives it
+        stack.stop(timeout_s=2)
+        raise
     return stack
 
 

@@ -14,7 +14,7 @@ import sys
 
 from pythonjsonlogger.json import JsonFormatter
 
-from rlens.messages import TENANT_MARK
+from rlens.messages import TENANT_MARK, ModelFailureRecord
 
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 JSON_FIELDS = "%(levelname)s %(name)s %(message)s"  # the time is added, ISO 8601 in UTC
@@ -86,6 +86,15 @@ def warn_unknown_variables(warn) -> None:
 
     for line in unknown_variables(os.environ, list(Settings.model_fields)):
         warn(line)
+
+
+def log_unanswered(query_id: str, stream: str, policy_version: int, failures: list[ModelFailureRecord]) -> None:
+    """One warning per query that no model answered, each model's failure in full (up to 500 characters each): the
+    client gets only the models' names and the kinds of failure."""
+    details = "; ".join(f"{f.model}: {f.reason[:500]}" for f in failures) or "no model was called"
+    logging.getLogger("rlens.worker").warning(
+        "no model answered: %s", details, extra=query_fields(query_id, stream, policy_version)
+    )
 
 
 def query_fields(query_id: str, stream: str, policy_version: int | None = None) -> dict:

@@ -147,7 +147,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     add_error_handlers(app)
     app.add_middleware(Contain)
     app.add_middleware(BodyLimit, limit=settings.gateway_max_body_bytes, timeout_s=settings.gateway_body_timeout_s)
-    app.add_middleware(Measure, metrics=metrics)
+    app.add_middleware(Measure, metrics=metrics, access_sample=settings.gateway_access_log_sample)
     app.include_router(openai_router(gateway))
 
     add_http_routes(app, http_routes(registry, readiness.not_ready, admin_token(settings)))

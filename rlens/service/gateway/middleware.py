@@ -1,10 +1,11 @@
 """The gateway's ASGI middleware: a body limit with a read timeout, containment of what escapes a handler, and
-per-route request metrics."""
+per-route request metrics with the access log."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 
@@ -12,6 +13,7 @@ from rlens.service.common.metrics import GatewayMetrics
 from rlens.service.gateway.openai_api import ApiError, error_response
 
 log = logging.getLogger("rlens.gateway")
+access_log = logging.getLogger("rlens.gateway.access")
 
 
 class BodyLimit:
@@ -94,10 +96,13 @@ class Contain:
 
 
 class Measure:
-    """ASGI middleware: each request's count by route and status, and its duration by route."""
+    """ASGI middleware: each request's count by route and status, and its duration by route; and the access log,
+    one line per request (a share ``access_sample`` of them; 0: none) on the logger ``rlens.gateway.access``: method,
+    route, status, latency, client address, and what the route learnt (key id, tenant, query id, cost; never the
+    prompt or the answer)."""
 
-    def __init__(self, app, metrics: GatewayMetrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, metrics: GatewayMetrics, access_sample: float = 1.0):
+        self.app, self.metrics, self.access_sample = app, metrics, access_sample
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -113,6 +118,17 @@ class Measure:
             await self.app(scope, receive, sending)
         finally:
             route = scope.get("route")
-            path = route.path if route is not None else "unmatched"
+            path, seconds = route.path if route is not None else "unmatched", time.perf_counter() - started
             self.metrics.requests.labels(path, str(status[0])).inc()
-            self.metrics.request_seconds.labels(path).observe(time.perf_counter() - started)
+            self.metrics.request_seconds.labels(path).observe(seconds)
+            if self.access_sample > 0 and (self.access_sample >= 1 or random.random() < self.access_sample):
+                client = scope.get("client")
+                fields = {
+                    "method": scope.get("method"),
+                    "route": path,
+                    "status": status[0],
+                    "latency_ms": round(1000 * seconds, 2),
+                    "client": client[0] if client else None,
+                    **scope.get("state", {}).get("access", {}),
+                }
+                access_log.info("%s %s %d %.1f ms", fields["method"], path, status[0], 1000 * seconds, extra=fields)

@@ -19,6 +19,7 @@ from opentelemetry.trace import SpanKind
 from rlens.messages import Answer
 from rlens.service.gateway.api_keys import KeyRecord
 from rlens.service.common.tracing import tracer
+from rlens.service.common.metrics import failure_kind
 from rlens.service.gateway.core import Gateway
 from rlens.service.gateway.timing import Stages
 from rlens.service.gateway.openai_api import (
@@ -88,11 +89,11 @@ def answer_response(
     """An answer as a completion (or its event stream); 502 when no model of the pool answered. With the request's
     time (``elapsed_s``), headers say what rlens added beyond the models' own time and what the answer cost; with
     its ``stages``, where its time went (``Server-Timing``)."""
-    if not answer.answered_models:
-        failures = "; ".join(f"{f.model}: {f.reason}" for f in answer.failures) or "no model was called"
+    if not answer.answered_models:  # the failures' details (URLs, upstream bodies) are for the worker's log only
+        failures = ", ".join(f"{f.model}: {failure_kind(f.reason)}" for f in answer.failures) or "no model was called"
         raise ApiError(
             502,
-            f"no model of the pool answered ({failures})",
+            f"no model of the pool answered ({failures}); each model's failure is in the worker's log under this query id",
             "server_error",
             "no_model_answered",
             query_id=answer.query_id,
@@ -118,7 +119,9 @@ def openai_router(gateway: Gateway) -> APIRouter:
     router = APIRouter()
 
     async def key_of(request: Request, authorization: str | None = Header(None)) -> KeyRecord:  # async: no thread hop
-        return gateway.authorize(authorization, request.client.host if request.client else "")
+        key = gateway.authorize(authorization, request.client.host if request.client else "")
+        request.state.access = {"key_id": key.id, "tenant": key.tenant}  # for the access log (middleware.Measure)
+        return key
 
     async def ask(
         request: Request,
@@ -137,6 +140,7 @@ def openai_router(gateway: Gateway) -> APIRouter:
         }
         with tracer().start_as_current_span(f"{operation} {body.model}", kind=SpanKind.SERVER, attributes=attributes):
             answer = await gateway.ask(key, body, idempotency_key, stream_key, stages)
+            request.state.access.update(query_id=answer.query_id, cost=answer.cost)
             stages.answered(answer)
             trace.get_current_span().set_attributes(
                 {
@@ -189,8 +193,9 @@ def openai_router(gateway: Gateway) -> APIRouter:
         response_model=ChatCompletion | Completion,
         responses={**ERRORS, 202: {"model": AnswerStatus}},
     )
-    async def answers(query_id: str, key: KeyRecord = Depends(key_of)):
+    async def answers(request: Request, query_id: str, key: KeyRecord = Depends(key_of)):
         """A query's answer (e.g. after a 504), for as long as the gateway retains it; 202 while it is pending."""
+        request.state.access["query_id"] = query_id
         await gateway.take_token(key)
         record = await gateway.owned_query(key, query_id)
         answer = await gateway.state.answer(query_id)
@@ -204,8 +209,9 @@ def openai_router(gateway: Gateway) -> APIRouter:
         status_code=202,
         responses={**ERRORS, 200: {"model": FeedbackReceipt}},
     )
-    async def feedback_route(body: FeedbackRequest, key: KeyRecord = Depends(key_of)):
+    async def feedback_route(request: Request, body: FeedbackRequest, key: KeyRecord = Depends(key_of)):
         """Rate an answer of this key's tenant once: 202 accepted; 200 duplicate (it had feedback; nothing changed)."""
+        request.state.access["query_id"] = body.id
         await gateway.take_token(key)
         receipt = await gateway.feedback(key, body)
         return receipt if receipt.status == "accepted" else JSONResponse(receipt.model_dump(), 200)

@@ -60,7 +60,7 @@ from rlens.service.common.security import FeedbackTokens, PolicyVerifier
 from rlens.service.common.windows import RedisWindows
 from rlens.service.worker.cache import OutputCache
 from rlens.settings import Settings
-from rlens.service.common.logs import query_fields
+from rlens.service.common.logs import log_unanswered, query_fields
 
 log = logging.getLogger("rlens.worker")
 
@@ -471,6 +471,7 @@ class FocalWorker(Worker):
         }
         if answer is None:
             self.stats.no_model_answered += 1
+            log_unanswered(q.query_id, q.stream, self.policy_version, common["failures"])
             out.answers.append(Answer(answer="", answer_index=-1, distribution=[], **common))
             return
         choices = q.choices if q.choices is not None else answers.candidates

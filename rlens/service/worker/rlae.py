@@ -28,6 +28,7 @@ from rlens.messages import Answer, ModelFailureRecord, Query, RLAEExperience, Sp
 from rlens.rlae.agent import Span
 from rlens.rlae.decode import EnsembleOutput, SpanWeightedDecoder
 from rlens.rlae.train import RLAEAgent
+from rlens.service.common.logs import log_unanswered
 from rlens.service.common.security import FeedbackTokens, PolicyVerifier
 from rlens.service.common.windows import RedisWindows
 from rlens.service.worker.core import BatchOutput, Worker
@@ -155,6 +156,7 @@ class RLAEWorker(Worker):
         for q, (arm, result) in zip(queries, results):
             if isinstance(result, str):
                 self.stats.no_model_answered += 1
+                log_unanswered(q.query_id, q.stream, arm.version, [ModelFailureRecord(model="ensemble", reason=result)])
                 out.answers.append(
                     Answer(
                         query_id=q.query_id,
