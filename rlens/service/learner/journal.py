@@ -65,7 +65,7 @@ class Journal:
         if len(data) < size:
             log.error(
                 "journal %s holds %d of the %d bytes its checkpoint wrote: the changes after byte %d are lost "
-                "(the halves among them expire unmatched)",
+                "(a half held among them expires unmatched, a recent id among them may be joined again)",
                 path,
                 len(data),
                 size,
