@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from rlens.focal.config import FocalConfig
@@ -31,7 +31,7 @@ class Settings(BaseSettings):
     http_max_concurrency: int = Field(8, ge=1, description="openai backend: requests in flight per model server")
 
     # streaming service: Kafka
-    kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers (comma-separated)")
+    kafka_bootstrap: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers (comma-separated host:port)")
     kafka_security_protocol: str = Field("PLAINTEXT", description="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL")
     kafka_sasl_mechanism: str | None = Field(None, description="PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512")
     kafka_sasl_username: str | None = None
@@ -424,6 +424,23 @@ class Settings(BaseSettings):
         "prompt",
         description="what the agent's MiniLM embeds: the prompt once per query, or prompt + text at every span",
     )
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _host_ports(cls, bootstrap: str) -> str:
+        for server in bootstrap.split(","):
+            host, _, port = server.strip().rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(f"{server.strip()!r} is not host:port (e.g. 127.0.0.1:9092; several: a comma between)")
+        return bootstrap
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: SecretStr) -> SecretStr:
+        scheme = url.get_secret_value().partition("://")[0]
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("not a Redis URL: redis://host:port/db, rediss:// (TLS) or unix://path")
+        return url
 
     @classmethod
     def settings_customise_sources(

@@ -85,6 +85,17 @@ def test_wrong_keys_are_named_with_the_valid_ones(tmp_path):
     assert result.exit_code == 2 and "unknown backend 'nope'" in result.output and str(bad_pool) in result.output
 
 
+def test_config_check_names_every_bad_address_at_once(tmp_path):
+    """Issue 56: a bootstrap server without a port and a URL that is no Redis URL, both in one error."""
+    path = tmp_path / "rlens.toml"
+    path.write_text('[kafka]\nbootstrap = "kafka-0:9092,localhost"\n[redis]\nurl = "not a url"\n')
+    result = CliRunner().invoke(app, ["config", "check", str(path)])
+    assert result.exit_code == 2
+    assert "[kafka] bootstrap: 'localhost' is not host:port (e.g. 127.0.0.1:9092" in result.output
+    assert "[redis] url: not a Redis URL: redis://host:port/db" in result.output
+    assert "Value error" not in result.output
+
+
 def test_config_show_reads_back_as_the_same_settings_with_secrets_redacted(tmp_path, monkeypatch):
     path = write(
         tmp_path,

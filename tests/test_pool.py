@@ -35,6 +35,18 @@ from rlens.models.pool import PoolConfigError, load_pool_config
             "its options: device, gguf_file, path",
         ),
         ('{"models": [{"name": "a", "backend": "openai", "cost": 0}]}', "models.0.cost"),
+        (  # issue 56: every bad value at once, typed and bounded as the backend's constructor declares
+            '{"models": [{"name": "a", "backend": "openai", "options": {"base_url": "ftp://x", "model": "m", '
+            '"timeout_s": -3, "retries": -2}}, {"name": "b", "backend": "openai", "options": {"base_url": '
+            '"http://y/v1", "model": "m", "timeout_s": "soon"}}]}',
+            "models.0: model 'a': option base_url: String should match pattern '^https?://\\S+$'; option timeout_s: "
+            "Input should be greater than 0; option retries: Input should be greater than or equal to 0; models.1: "
+            "model 'b': option timeout_s: Input should be a valid number",
+        ),
+        (
+            '{"models": [{"name": "r", "backend": "replay", "options": {"dataset": "d", "model": [1]}}]}',
+            "model 'r': option model.int: Input should be a valid integer; option model.str: Input should be a valid string",
+        ),
     ],
 )
 def test_bad_pool_files_are_named_errors(tmp_path, content, message):

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Annotated
 
 import httpx
-from pydantic import ValidationError
+from pydantic import Field, ValidationError, validate_call
 
 from rlens.backends.base import (
     Backend,
@@ -41,19 +42,19 @@ class _Retryable(Exception):
 
 @register_backend("openai")
 class OpenAIBackend(Backend):
+    @validate_call
     def __init__(
         self,
-        base_url: str,
-        model: str,
+        base_url: Annotated[str, Field(pattern=r"^https?://\S+$")],
+        model: Annotated[str, Field(min_length=1)],
         api_key: str | None = None,
-        timeout_s: float = 30.0,
-        retries: int = 2,
-        backoff_s: float = 0.25,
-        max_concurrency: int = 8,
+        timeout_s: Annotated[float, Field(gt=0)] = 30.0,
+        retries: Annotated[int, Field(ge=0)] = 2,
+        backoff_s: Annotated[float, Field(ge=0)] = 0.25,
+        max_concurrency: Annotated[int, Field(ge=1)] = 8,
     ):
-        """``base_url`` ends in ``/v1`` (e.g. ``http://127.0.0.1:8000/v1``); ``model`` is the served model's name."""
-        if retries < 0 or timeout_s <= 0 or max_concurrency < 1:
-            raise ValueError("openai backend: need retries >= 0, timeout_s > 0 and max_concurrency >= 1")
+        """``base_url`` ends in ``/v1`` (e.g. ``http://127.0.0.1:8000/v1``); ``model`` is the served model's name. The
+        options are checked as the pool file's are (:func:`rlens.models.pool.option_errors`)."""
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.retries = retries

@@ -83,7 +83,9 @@ def use_config(path: Path | None) -> Path | None:
         fail(str(exc))
     except ValidationError as exc:
         fields = list(Settings.model_fields)
-        problems = [f"{located(str(e['loc'][0]), fields)}: {e['msg']}" for e in exc.errors()]
+        problems = [
+            f"{located(str(e['loc'][0]), fields)}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
+        ]
         fail(f"{path} (or an RLENS_* variable over it): " + "; ".join(problems))
     return path
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import inspect
 import json
-from typing import Callable
+from typing import Any, Callable, get_type_hints
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from rlens.backends.base import BACKENDS, Backend, create_backend
 from rlens.settings import settings
@@ -48,11 +48,18 @@ class PoolModel(BaseModel):
             )
         if missing := sorted(required - set(self.options)):
             raise ValueError(f"model {self.name!r}: backend {self.backend} needs option(s) {', '.join(missing)}")
+        if problems := option_errors(self.backend, self.options):
+            raise ValueError(f"model {self.name!r}: " + "; ".join(problems))
         return self
 
 
-def backend_options(backend: str) -> tuple[set[str], set[str]]:
-    """(every option, the required ones) a pool entry of ``backend`` may give: its constructor's parameters."""
+# options whose pool-file form is a path that build_backend loads, where the constructor takes what was loaded
+FILE_FORM: dict[str, dict[str, type]] = {"transformers": {"path": Path}, "replay": {"dataset": Path}}
+
+
+def _constructor(backend: str) -> tuple[Callable, list[inspect.Parameter]]:
+    """What builds a pool entry of ``backend`` (its constructor, or ``TransformersBackend.load``) and the parameters
+    a pool file may give it."""
     if backend == "transformers":
         from rlens.backends.hf import TransformersBackend
 
@@ -60,12 +67,39 @@ def backend_options(backend: str) -> tuple[set[str], set[str]]:
         skip = {"cls", "dtype"}  # dtype is no JSON value
     else:
         target, skip = BACKENDS[backend].__init__, {"self"}
+    target = inspect.unwrap(target)  # a constructor under pydantic's validate_call
     parameters = [
         p
         for name, p in inspect.signature(target).parameters.items()
         if name not in skip and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
+    return target, parameters
+
+
+def backend_options(backend: str) -> tuple[set[str], set[str]]:
+    """(every option, the required ones) a pool entry of ``backend`` may give: its constructor's parameters."""
+    _, parameters = _constructor(backend)
     return {p.name for p in parameters}, {p.name for p in parameters if p.default is p.empty}
+
+
+def option_errors(backend: str, options: dict) -> list[str]:
+    """Every option of ``options`` that its constructor's type and bounds refuse (all of them, not the first)."""
+    target, parameters = _constructor(backend)
+    hints = get_type_hints(target, include_extras=True)
+    fields: dict = {
+        p.name: (
+            FILE_FORM.get(backend, {}).get(p.name, hints.get(p.name, Any)),
+            ... if p.default is p.empty else p.default,
+        )
+        for p in parameters
+    }
+    try:
+        create_model(f"{backend}_options", __config__=ConfigDict(protected_namespaces=()), **fields).model_validate(
+            options
+        )
+    except ValidationError as exc:
+        return [f"option {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+    return []
 
 
 class PoolConfig(BaseModel):
@@ -103,11 +137,9 @@ def parse_pool_config(data: object, where: str) -> PoolConfig:
     """A pool from its JSON-like form (a pool file's, or the configuration file's [[pool.models]])."""
     try:
         return PoolConfig.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise PoolConfigError(
-            f"{where}: {'.'.join(str(p) for p in first['loc'])}: {first['msg'].removeprefix('Value error, ')}"
-        ) from None
+    except ValidationError as exc:  # every problem at once
+        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()]
+        raise PoolConfigError(f"{where}: " + "; ".join(problems)) from None
 
 
 def build_backend(model: PoolModel) -> Backend:
