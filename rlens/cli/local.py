@@ -102,10 +102,18 @@ def up(
     stop: list[int] = []
     ready = False
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+
+    def on_sigint(*_) -> None:  # remembered too: a KeyboardInterrupt raised while a child is forked is swallowed
+        stop.append(2)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
     try:
         with console.status("starting the learner and the workers") as status:
 
             def starting(waiting: list[str], elapsed_s: float) -> None:
+                if 2 in stop:
+                    raise KeyboardInterrupt
                 counts = {role: waiting.count(role) for role in dict.fromkeys(waiting)}
                 shown = ", ".join(f"{role} ×{n}" if n > 1 else role for role, n in counts.items())
                 status.update(f"starting: {shown} ({elapsed_s:.0f} s)")
