@@ -1,7 +1,7 @@
 """The streaming service's wire messages: versioned pydantic models, JSON on Kafka (one model per topic).
 
 Topics (names from the settings, prefix ``rlens.``): ``queries`` → worker → ``answers`` and ``experience``;
-``feedback`` → learner; learner → ``policy`` → workers; learner → ``drift`` (changes found per stream); anything unreadable → ``dead-letter``. Every message has
+``feedback`` → learner; learner → ``policy`` → workers; learner → ``drift`` (changes found per stream); gateway → ``spending`` (what API keys spent); anything unreadable → ``dead-letter``. Every message has
 ``schema_version``; fields are only ever added. A deployment runs one strategy: ``rl_focal`` (multiple-choice
 queries, and open-ended ones through the models' sampled answers; :class:`Experience`) or ``rlae`` (open-ended
 queries; :class:`RLAEExperience`), on the same topics. ``python -m rlens.messages`` writes their JSON schemas to
@@ -397,6 +397,25 @@ class DeadLetter(Message):
     at: float
 
 
+class Spending(Message):
+    """One gateway process's running total of what an API key spent in a budget period (on the compacted
+    ``spending`` topic, keyed ``<key id>/<period>/<process>``): a key's spending is the sum over processes of each
+    one's last record, which rebuilds it after Redis lost it. Signed by the gateway (an HMAC under a key derived from
+    the feedback secret): a record without a valid signature is ignored."""
+
+    key_id: Key
+    period: str = Field(
+        pattern=r"^(total|\d{4}-\d{2}(-\d{2})?)$", description="the budget period: total, a month or a day (UTC)"
+    )
+    process: Key = Field(description="the gateway process that spent it (its id and a start-unique suffix)")
+    amount: float = Field(ge=0, le=1e15, description="what the key spent in the period through this process so far")
+    at: float
+    signature: str = Field("", max_length=128)
+
+    def record_key(self) -> bytes:
+        return f"{self.key_id}/{self.period}/{self.process}".encode()
+
+
 MESSAGES: dict[str, type[Message]] = {
     "query": Query,
     "answer": Answer,
@@ -406,6 +425,7 @@ MESSAGES: dict[str, type[Message]] = {
     "policy": Policy,
     "drift_event": DriftEvent,
     "dead_letter": DeadLetter,
+    "spending": Spending,
 }
 
 AnyExperience = Experience | RLAEExperience

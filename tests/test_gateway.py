@@ -33,11 +33,13 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from rlens.messages import Answer, ModelFailureRecord, Query
+from rlens.messages import Answer, ModelFailureRecord, Query, Spending
 from rlens.service.gateway.api_keys import KeysError, KeyStore, add_key, read_records, revoke_key
 from rlens.service.gateway.app import OPENAPI_FILE, openapi_document
-from rlens.service.gateway.state import GatewayState
+from rlens.service.gateway.spending import SpendingLedger, totals
+from rlens.service.gateway.state import GatewayState, SpendingLost
 from rlens.service.common.kafka import Topics
+from rlens.service.common.security import FeedbackTokens
 from rlens.local.stack import write_replay_pool
 from rlens.settings import settings
 from brokers import stack_for_tests
@@ -110,6 +112,76 @@ def test_the_rate_bucket_allows_the_burst_then_says_how_long_to_wait(redis_serve
     assert waits[4] == 0.0  # another key has its own bucket
 
 
+def test_a_keys_spending_is_the_sum_of_each_processs_last_record_and_comes_back_after_redis_lost_it(redis_server):
+    """Issue 60: the spending topic's records, summed by hand; a Redis that lost a key's spending (no restored mark)
+    refuses its hold until the ledger restored it; records without a gateway's signature, and spending that an older
+    rlens kept under the key alone, handled as they should be. (The topic is a list here; the live test below has a
+    broker.)"""
+    ten = "2026-11"
+    records = [
+        Spending(key_id="k1", period="total", process="a", amount=1.0, at=1),
+        Spending(key_id="k1", period="total", process="a", amount=2.5, at=2),  # a's last: 2.5
+        Spending(key_id="k1", period="total", process="b", amount=0.5, at=3),
+        Spending(key_id="k2", period=ten, process="a", amount=3.0, at=4),
+    ]
+    assert totals(records) == {("k1", "total"): 3.0, ("k2", ten): 3.0}
+    tokens = FeedbackTokens("s" * 32)
+    topic: list[bytes | None] = []
+
+    async def publish(record: Spending) -> None:
+        topic.append(record.model_dump_json().encode())
+
+    async def read() -> list[bytes | None]:
+        return list(topic)
+
+    async def run() -> dict:
+        redis = Redis.from_url(redis_server.url)
+        state = GatewayState(redis, "spending-test", 60)
+        one, two = (SpendingLedger("gw", state, tokens, publish, read) for _ in range(2))
+        try:
+            with pytest.raises(SpendingLost):  # a key never seen: no mark, restored (from nothing) first
+                await state.reserve("k1", "total", "q0", 1.0, 0.1, 10.0)
+            assert await one.restore("k1", "total") == 0.0
+            assert await state.reserve("k1", "total", "q0", 1.0, 0.1, 10.0) == (True, 1.0)
+            await state.settle([("k1", "total", "q0", 0.75)])
+            one.add("k1", "total", 0.75)
+            two.add("k1", "total", 2.0)
+            two.add("k1", "total", 1.25)
+            await one.flush()
+            await two.flush()
+            await two.flush()  # nothing new: nothing published
+            topic.append(Spending(key_id="k1", period="total", process="x", amount=99, at=5).model_dump_json().encode())
+            topic.append(b"not json")
+            topic.append(None)  # a tombstone
+            published = len(topic)
+            await redis.flushall()  # Redis restarted empty
+            await redis.set("spending-test:gw:spent:k1", 0.5)  # what an rlens before budget periods kept
+            with pytest.raises(SpendingLost):
+                await state.reserve("k1", "total", "q1", 1.0, 0.1, 10.0)
+            restored = await one.restore("k1", "total")  # 0.75 + 3.25 (the forged 99 ignored) + the old 0.5
+            after = await state.reserve("k1", "total", "q1", 10.0, 0.1, 10.0)
+            await one.flush()  # the old spending is on the topic now, as one's
+            return {
+                "published": published,
+                "restored": restored,
+                "after": after,
+                "old": await redis.get("spending-test:gw:spent:k1"),
+                "topic": totals(
+                    r
+                    for r in (Spending.model_validate_json(v) for v in topic if v and v.startswith(b"{"))
+                    if r.signature
+                ),
+            }
+        finally:
+            await redis.aclose()
+
+    seen = asyncio.run(run())
+    assert seen["published"] == 2 + 3  # one record of each ledger (two's two charges in one total), 3 not a gateway's
+    assert seen["restored"] == pytest.approx(4.5)
+    assert seen["after"] == (True, pytest.approx(5.5))  # what is left of 10
+    assert seen["old"] is None and seen["topic"] == {("k1", "total"): pytest.approx(4.5)}
+
+
 # on the wire
 
 TIMEOUT_S = 8.0
@@ -151,6 +223,7 @@ def gw(tmp_path_factory):
     keys["budget"], _ = add_key(workdir / "keys.json", "budget", ["*"], budget=BUDGET)
     keys["crowd"], _ = add_key(workdir / "keys.json", "crowd", ["*"], rate_per_s=1000, burst=1000, budget=2.0)
     keys["daily"], _ = add_key(workdir / "keys.json", "daily", ["*"], budget=BUDGET, budget_period="daily")
+    keys["durable"], _ = add_key(workdir / "keys.json", "durable", ["*"], budget=BUDGET)
     stack.start_learner()
     stack.start_worker()
     stack.start_gateway()
@@ -287,6 +360,41 @@ def test_concurrent_requests_cannot_overspend_a_budget_and_a_daily_one_is_counte
     body = {"model": "rlens-focal", "messages": [{"role": "user", "content": "q"}], "rlens": {"budget": True}}
     refused = httpx.post(f"{gw['url']}/v1/chat/completions", json=body, headers=auth(gw), timeout=60)
     assert refused.status_code == 400 and "budget" in refused.text  # a boolean is not a number
+
+
+def test_a_spent_budget_stays_spent_after_redis_restarts_empty(gw):
+    """Issue 60: a key spends its budget; then Redis loses the key's spending (what an empty restart does to it: its
+    spending, holds and restored mark gone). The key is still refused, its spending rebuilt from the spending topic."""
+    charged = []
+    for question in range(200):
+        response = ask(gw, "durable", question=question, stream="durable")
+        if response.status_code == 429:
+            break
+        assert response.status_code == 200, response.text
+        charged.append(response.json()["rlens"]["cost"])
+    assert response.status_code == 429 and len(charged) >= 2
+    settings_ = gw["stack"].settings
+    key_id = gw["keys"]["durable"].split("_")[1]
+    # the gateway publishes its totals every second: wait until the topic has all of it
+    on_topic = lambda found: totals(r for r in found if r.key_id == key_id).get((key_id, "total"), 0.0)  # noqa: E731
+    spending_topic = Topics.from_settings(settings_).spending
+    seen = read_topic(settings_, spending_topic, Spending, lambda f, _: on_topic(f) >= sum(charged) - 1e-9, 120)
+    assert on_topic(seen) == pytest.approx(sum(charged))
+
+    async def forget() -> int:
+        redis = Redis.from_url(settings_.redis_url.get_secret_value())
+        try:
+            names = [k async for k in redis.scan_iter(f"{settings_.redis_prefix}:gw:*{{{key_id}}}*")]
+            return await redis.delete(*names)
+        finally:
+            await redis.aclose()
+
+    assert asyncio.run(forget()) >= 2  # its spending and its mark (its holds are settled)
+    refused = ask(gw, "durable", question=0, stream="durable")
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "budget_exhausted", refused.text
+    spent = asyncio.run(redis_float(gw, f"{settings_.redis_prefix}:gw:spent:{{{key_id}}}:total"))
+    assert spent == pytest.approx(sum(charged))
+    assert "spending of key " + key_id + " restored" in (gw["stack"].workdir / "gateway.log").read_text()
 
 
 async def redis_float(gw, key: str) -> float:
@@ -581,7 +689,7 @@ def test_a_key_sees_only_its_streams_a_retry_names_its_stream_and_a_broken_keys_
     finally:
         path.write_bytes(good)
     log = (gw["stack"].workdir / "gateway.log").read_text()
-    assert "is not a valid keys file" in log and "keeping the 8 keys read before" in log
+    assert "is not a valid keys file" in log and "keeping the 9 keys read before" in log
 
 
 def read_topic(settings_, topic: str, model, done, timeout_s: float = 30) -> list:

@@ -13,6 +13,7 @@ from rlens.backends import create_backend
 from rlens.drift import DriftConfig, DriftMonitor
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Query
+from rlens.service.common import kafka
 from rlens.service.common.kafka import Topics
 from rlens.service.common.windows import RedisWindows
 from rlens.service.learner import batches
@@ -211,6 +212,31 @@ def test_commits_follow_checkpoints_and_give_up_on_a_broker_that_hangs(monkeypat
         assert len(good.commits) == 2
 
     asyncio.run(scenario())
+
+
+def test_topics_are_made_again_at_most_once_per_pause_each(monkeypatch):
+    """Issue 60: a worker whose replies to a topic keep failing makes that topic again once per pause, not once per
+    batch; a topic failing for the first time is made at once."""
+    made: list[tuple[str, ...]] = []
+
+    async def ensure(settings, partitions, extra=()):
+        made.append(extra)
+
+    monkeypatch.setattr(kafka, "ensure_topics", ensure)
+    clock = [100.0]
+    monkeypatch.setattr(kafka.time, "monotonic", lambda: clock[0])
+    restorer = kafka.TopicRestorer(Settings(_env_file=None), every_s=5.0)
+
+    async def scenario():
+        for _ in range(3):  # three failing batches within the pause
+            await restorer.restore(("rlens.replies.a",))
+        await restorer.restore(("rlens.replies.b",))  # another gateway's topic fails now
+        clock[0] += 5.0
+        await restorer.restore(("rlens.replies.a",))
+        await restorer.restore()
+
+    asyncio.run(scenario())
+    assert made == [("rlens.replies.a",), ("rlens.replies.b",), ("rlens.replies.a",)]
 
 
 class ListingConsumer:

@@ -2,7 +2,7 @@
 then record-header attacks (issue 60: a header without a value or not UTF-8 on every topic, FastStream's ``reply_to``
 header on queries and feedback, valid queries between them).
 
-    python -m bench.robustness.poison [--per-topic 10000] [--seed 0] [--out bench/out/poison.json]
+    python -m bench.robustness.poison [--per-topic 10000] [--seed 0] [--kafka HOST:PORT] [--out bench/out/poison.json]
 
 Half of each topic's messages are random bytes (0-2,000 of them), half are schema-shaped messages with extreme
 values: a valid message of the topic with one field replaced by NaN, infinity, 1e300, 50,000, an empty or
@@ -12,7 +12,7 @@ values: a valid message of the topic with one field replaced by NaN, infinity, 1
 feedback and dead-lettered only when it expires (``RLENS_PENDING_TTL_S``), so it is counted apart. The stack (tansu, redis-server, 1 learner, 1 worker, replay backends) gets them all,
 then 200 legitimate queries with feedback, after their streams' Redis windows got rows that do not parse (deep nesting,
 huge numbers, wrong types) and the broker was restarted empty (memory storage; nobody makes the topics again by
-hand). Among the queries: 30 that reply to topics no gateway registered and 30 on a gateway tenant's stream key
+hand; on Apache Kafka, ``--kafka``, the broker is not restarted). Among the queries: 30 that reply to topics no gateway registered and 30 on a gateway tenant's stream key
 without a gateway's signature, all to be dead-lettered (and no topic made). Reported: whether every process is alive, every valid query answered
 exactly once, every bad message dead-lettered (per topic), the reasons' kinds, the seconds from the first message
 sent to the last dead letter read, and whether the learner learned from the legitimate traffic afterwards.
@@ -167,7 +167,7 @@ def valid_query(payload: bytes) -> str | None:
 
 
 async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str], held: int, timeout_s: float) -> dict:
-    topics = Topics.from_settings(stack.settings)
+    topics, prefix = Topics.from_settings(stack.settings), stack.settings.topic_prefix
     names = {
         "queries": topics.queries,
         "feedback": topics.feedback,
@@ -213,7 +213,7 @@ async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str]
                 else:
                     letter = DeadLetter.model_validate_json(record.value)
                     dead[letter.topic] += 1
-                    reasons[f"{letter.topic.removeprefix('rlens.')}: {letter.reason.split(':')[0][:60]}"] += 1
+                    reasons[f"{letter.topic.removeprefix(prefix)}: {letter.reason.split(':')[0][:60]}"] += 1
     elapsed = last - started
     await asyncio.sleep(2.0)  # late duplicates, if any
     for records in (await consumer.getmany(timeout_ms=1000)).values():
@@ -228,9 +228,9 @@ async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str]
         "well_formed_experience_held": held,
         "valid_answered_once": sum(answers[q] == 1 for q in valid),
         "valid_answered_twice_or_more": sum(answers[q] > 1 for q in valid),
-        "dead_lettered": {t.removeprefix("rlens."): dead[t] for t in expected},
-        "expected_dead_letters": {t.removeprefix("rlens."): n for t, n in expected.items()},
-        "refused_by_the_broker": {t.removeprefix("rlens."): n for t, n in refused.items()},
+        "dead_lettered": {t.removeprefix(prefix): dead[t] for t in expected},
+        "expected_dead_letters": {t.removeprefix(prefix): n for t, n in expected.items()},
+        "refused_by_the_broker": {t.removeprefix(prefix): n for t, n in refused.items()},
         "seconds": round(elapsed, 1),
         "reasons": dict(reasons.most_common(25)),
     }
@@ -266,7 +266,7 @@ async def header_attacks(stack: LocalStack, zoo, timeout_s: float) -> dict:
     value or is not UTF-8 (each must be dead-lettered alone), FastStream's ``reply_to`` header on queries and
     feedback (no subscriber may write to the topic it names), and valid queries between them (each answered
     once)."""
-    topics = Topics.from_settings(stack.settings)
+    topics, prefix = Topics.from_settings(stack.settings), stack.settings.topic_prefix
     names = [topics.queries, topics.feedback, topics.experience, topics.policy]
     hijack = f"{stack.settings.topic_prefix}hijacked-by-header"
     bad = [("x-note", None), ("x-note", b"\xff\xfe caf\xe9")]
@@ -314,8 +314,8 @@ async def header_attacks(stack: LocalStack, zoo, timeout_s: float) -> dict:
     made = hijack in await consumer.topics()
     await consumer.stop()
     return {
-        "bad_header_records": {t.removeprefix("rlens."): n for t, n in expected.items()},
-        "dead_lettered_for_their_header": {t.removeprefix("rlens."): dead[t] for t in expected},
+        "bad_header_records": {t.removeprefix(prefix): n for t, n in expected.items()},
+        "dead_lettered_for_their_header": {t.removeprefix(prefix): dead[t] for t in expected},
         "valid_queries": len(valid),
         "valid_answered_once": sum(answers[q] == 1 for q in ids),
         "valid_answered_twice_or_more": sum(answers[q] > 1 for q in ids),
@@ -327,6 +327,7 @@ def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--per-topic", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kafka", default=None, help="bootstrap of an Apache Kafka broker to run on (default: tansu)")
     add_out(parser, "bench/out/poison.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
@@ -335,7 +336,7 @@ def main() -> None:
     valid = {qid for qid in map(valid_query, sent["queries"]) if qid}
     trainer = FocalOnlineTrainer(FocalEngine(zoo.n_models, seed=0), zoo.model_names)
     held = sum(fits_the_pool(p, trainer) for p in sent["experience"])
-    stack = replay_stack(args.out.parent / "poison-stack")
+    stack = replay_stack(args.out.parent / "poison-stack", kafka=args.kafka)
     try:
         stack.start_learner()
         stack.start_worker()
@@ -346,9 +347,11 @@ def main() -> None:
         asyncio.run(poison_windows(stack, {q.stream for q, _ in after_traffic}))
         # a broker restarted empty (memory storage) between the flood and the legitimate traffic: nobody makes the
         # topics again by hand
-        port = stack.broker.port
-        stack.broker.stop()
-        stack.broker = LocalBroker(port)
+        if stack.broker is not None:
+            port = stack.broker.port
+            stack.broker.stop()
+            stack.broker = LocalBroker(port)
+        result["broker_restarted_empty"] = stack.broker is not None
         after = asyncio.run(play(stack.settings, after_traffic, rate=50, idle_timeout_s=90))
         time.sleep(3.0)
         result["topics_made_by_reply_to"] = asyncio.run(spam_topics(stack))

@@ -21,6 +21,7 @@ import base64
 import hashlib
 import json
 import logging
+import math
 import ssl
 import time
 from dataclasses import dataclass, fields
@@ -53,6 +54,7 @@ class Topics:
     policy: str
     dead_letter: str
     drift: str
+    spending: str
 
     @property
     def reply_prefix(self) -> str:
@@ -66,7 +68,14 @@ class Topics:
     def from_settings(cls, settings: Settings) -> "Topics":
         p = settings.topic_prefix
         return cls(
-            f"{p}queries", f"{p}answers", f"{p}feedback", f"{p}experience", f"{p}policy", f"{p}dead-letter", f"{p}drift"
+            f"{p}queries",
+            f"{p}answers",
+            f"{p}feedback",
+            f"{p}experience",
+            f"{p}policy",
+            f"{p}dead-letter",
+            f"{p}drift",
+            f"{p}spending",
         )
 
 
@@ -313,11 +322,15 @@ def _key(message: Message) -> bytes | None:
     return query_id.encode() if query_id else None
 
 
-def topic_configs(policy: bool, replication: int, policy_keep_bytes: int = 2**30) -> dict[str, str]:
+def topic_configs(
+    policy: bool, replication: int, policy_keep_bytes: int = 2**30, compacted: bool = False
+) -> dict[str, str]:
     """A topic's settings on a real cluster: the records it must take (a policy, or a message at its bounds; Kafka's
-    default is 1 MB), the policy topic's history (by size, never by age), and with replication, acknowledged writes
-    on at least two replicas."""
+    default is 1 MB), the policy topic's history (by size, never by age), a compacted topic's (the spending: each
+    record key's last record, kept for good), and with replication, acknowledged writes on at least two replicas."""
     configs = {"max.message.bytes": str(MAX_MESSAGE_BYTES if policy else MAX_RECORD_BYTES)}
+    if compacted:
+        configs |= {"cleanup.policy": "compact", "retention.ms": "-1"}
     if policy:
         configs |= {"retention.bytes": str(policy_keep_bytes), "retention.ms": "-1", "segment.bytes": str(32 * 2**20)}
     if replication > 1:
@@ -330,7 +343,8 @@ async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[st
 
     The per-query topics (queries, answers, feedback, experience, dead letters) get ``partitions`` partitions: workers
     share the queries, and the local broker's reads slow down sharply as one partition's log holds more small
-    batches (BENCHMARKS.md, issue 17). The policy and drift topics keep one partition, so their order holds."""
+    batches (BENCHMARKS.md, issue 17). The policy, drift and spending topics keep one partition, so their order
+    holds."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import TopicAlreadyExistsError
 
@@ -343,9 +357,11 @@ async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[st
         wanted = [
             NewTopic(
                 t,
-                1 if t in (topics.policy, topics.drift, *extra) else partitions,
+                1 if t in (topics.policy, topics.drift, topics.spending, *extra) else partitions,
                 replication,
-                topic_configs=topic_configs(t == topics.policy, replication, settings.policy_keep_bytes),
+                topic_configs=topic_configs(
+                    t == topics.policy, replication, settings.policy_keep_bytes, t == topics.spending
+                ),
             )
             for t in (*vars(topics).values(), *extra)
             if t not in existing
@@ -390,19 +406,23 @@ async def _check_limits(admin: Any, names: list[str], policy: str) -> None:
 class TopicRestorer:
     """After a publish or commit failed: ensure the service's topics (and the ``extra`` one-partition topics: a
     gateway's reply topic) again, since a broker restarted empty (memory storage, a lost cluster) has none and would
-    refuse every record on them. At most once every ``every_s``."""
+    refuse every record on them. At most once every ``every_s`` for each topic (an unwritable reply topic costs an
+    admin round trip per ``every_s``, not per batch)."""
 
     def __init__(self, settings: Settings, every_s: float = 5.0, extra: tuple[str, ...] = ()):
         self.settings, self.every_s, self.extra = settings, every_s, extra
-        self._last = -every_s
+        self._last: dict[str, float] = {}  # topic ("" for the service's own) -> when it was last ensured
 
-    async def restore(self) -> None:
+    async def restore(self, extra: tuple[str, ...] = ()) -> None:
+        """Ensure the topics, and ``extra`` one-partition topics of this failure (a worker's reply topics), unless
+        each was ensured within ``every_s``."""
         now = time.monotonic()
-        if now - self._last < self.every_s:
+        names = ("", *self.extra, *extra)
+        if all(now - self._last.get(name, -math.inf) < self.every_s for name in names):
             return
-        self._last = now
+        self._last.update(dict.fromkeys(names, now))
         try:
-            await ensure_topics(self.settings, self.settings.kafka_partitions, extra=self.extra)
+            await ensure_topics(self.settings, self.settings.kafka_partitions, extra=names[1:])
         except Exception as exc:  # the broker is down: the next failure tries again
             log.warning("could not ensure the topics: %s", exc)
 

@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 if TYPE_CHECKING:
     from rlens.settings import Settings
-    from rlens.messages import Answer, Query
+    from rlens.messages import Answer, Query, Spending
 
 TOKEN_BYTES = 16
 
@@ -84,9 +84,10 @@ class PolicyVerifier:
 
 class FeedbackTokens:
     """What the shared feedback secret makes. ``token(query_id)``: what an answer carries and its feedback must
-    present (``valid`` checks one in constant time). ``sign(answer)``: an HMAC over the whole answer (query id and
-    content, every field but the signature), under a key of its own derived from the secret, so that only a worker
-    can make an answer a gateway accepts, an empty one included (``signed`` checks it)."""
+        present (``valid`` checks one in constant time). ``sign(answer)``: an HMAC over the whole answer (query id and
+        content, every field but the signature), under a key of its own derived from the secret, so that only a worker
+        can make an answer a gateway accepts, an empty one included (``signed`` checks it). ``sign_spending``: the same
+    for a gateway's spending record, so that a Kafka writer cannot raise what a key spent."""
 
     def __init__(self, secret: str):
         if len(secret) < 16:
@@ -97,6 +98,7 @@ class FeedbackTokens:
         self._answer_key = hmac.new(self._secret, b"rlens answer signature", hashlib.sha256).digest()
         self._query_key = hmac.new(self._secret, b"rlens query signature", hashlib.sha256).digest()
         self._stream_key = hmac.new(self._secret, b"rlens feedback stream", hashlib.sha256).digest()
+        self._spending_key = hmac.new(self._secret, b"rlens spending record", hashlib.sha256).digest()
 
     def token(self, query_id: str, stream: str) -> str:
         """Two MACs: one of the query id (checked as feedback arrives, before its query's stream may be known), one
@@ -127,6 +129,16 @@ class FeedbackTokens:
 
     def signed(self, answer: Answer) -> bool:
         return bool(answer.signature) and hmac.compare_digest(self._answer_mac(answer), answer.signature)
+
+    def _spending_mac(self, record: Spending) -> str:
+        content = record.model_copy(update={"signature": ""}).model_dump_json().encode()
+        return hmac.new(self._spending_key, content, hashlib.sha256).hexdigest()
+
+    def sign_spending(self, record: Spending) -> Spending:
+        return record.model_copy(update={"signature": self._spending_mac(record)})
+
+    def signed_spending(self, record: Spending) -> bool:
+        return bool(record.signature) and hmac.compare_digest(self._spending_mac(record), record.signature)
 
     def query_signature(self, query_id: str, stream: str) -> str:
         """What a gateway's query carries: only a holder of the secret may use a tenant's stream key."""

@@ -5,11 +5,12 @@ document it serves (``python -m rlens.service.gateway.app`` rewrites ``schemas/g
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import socket
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
 from aiokafka.errors import KafkaError
@@ -20,7 +21,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from rlens.messages import DeadLetter, Feedback, Query
+from rlens.messages import DeadLetter, Feedback, Query, Spending
 from rlens.service.common.health import Readiness, add_http_routes, admin_token, http_routes
 from rlens.service.common.kafka import (
     Topics,
@@ -28,6 +29,7 @@ from rlens.service.common.kafka import (
     ensure_topics,
     keep_topics,
     make_broker,
+    read_topic,
     typed_publisher,
 )
 from rlens.service.common.metrics import GatewayMetrics
@@ -40,6 +42,7 @@ from rlens.service.gateway.openai_api import MODEL_OF
 from rlens.service.gateway.replies import subscribe_replies
 from rlens.service.common.tracing import trace_carrier
 from rlens.service.gateway.routes import add_error_handlers, openai_router
+from rlens.service.gateway.spending import SpendingLedger
 from rlens.service.gateway.state import GatewayState
 from rlens.settings import Settings
 
@@ -83,6 +86,9 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     dead_letters = typed_publisher(
         broker, topics.dead_letter, DeadLetter, "gateway", "replies that could not be used, with the reason"
     )
+    spending = typed_publisher(
+        broker, topics.spending, Spending, "gateway", "each gateway process's running total per API key and period"
+    )
     redis = redis_pool(settings)
     marks = RedisWindows(redis, 1, 1, settings.redis_prefix)  # only its readiness mark
 
@@ -103,12 +109,23 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
                     raise
                 await restorer.restore()
 
+    state = GatewayState(redis, settings.redis_prefix, settings.gateway_retention_s)
+    tokens = feedback_tokens(settings)
+
+    async def publish_spending(record: Spending) -> None:
+        await spending.publish(record.model_dump_json().encode(), key=record.record_key())
+
+    async def read_spending() -> list[bytes | None]:
+        return [record.value for record in await read_topic(settings, topics.spending)]
+
+    ledger = SpendingLedger(name, state, tokens, publish_spending, read_spending)
     gateway = Gateway(
         settings,
         keys,
-        GatewayState(redis, settings.redis_prefix, settings.gateway_retention_s),
-        feedback_tokens(settings),
+        state,
+        tokens,
         metrics,
+        ledger,
         lambda q: publish_one(queries, q),
         lambda f: publish_one(feedback, f),
         reply_topic,
@@ -126,6 +143,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
             marks,
             marks.keep_reply_topic(reply_topic),  # workers reply to no other topic
             keep_topics(settings, (topics.queries, topics.feedback), extra=(reply_topic,)),  # a broker restarted empty
+            ledger.keep_publishing(),
         )
         served = ", ".join(MODEL_OF[s] for s in gateway.strategies)
         log.info("gateway %s ready on %s (reply topic %s; serves %s)", name, url, reply_topic, served)
@@ -133,6 +151,8 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
             yield
         finally:
             await readiness.stop()
+            with suppress(TimeoutError):  # what this process charged since the last flush, unless the broker is gone
+                await asyncio.wait_for(ledger.flush(), 5)
             await broker.stop()
             await redis.aclose()
 

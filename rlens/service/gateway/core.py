@@ -34,7 +34,8 @@ from aiokafka.errors import KafkaError
 
 from rlens.messages import MAX_TEXT, Answer, Feedback, Query, tenant_stream
 from rlens.service.gateway.api_keys import FailedAuth, KeyRecord, KeyStore
-from rlens.service.gateway.state import GatewayState, QueryRecord, digest
+from rlens.service.gateway.spending import SpendingLedger
+from rlens.service.gateway.state import GatewayState, QueryRecord, SpendingLost, digest
 from rlens.service.gateway.timing import Stages
 from rlens.service.common.metrics import GatewayMetrics
 from rlens.service.gateway.openai_api import (
@@ -70,11 +71,13 @@ class Gateway:
         state: GatewayState,
         tokens: FeedbackTokens,
         metrics: GatewayMetrics,
+        spending: SpendingLedger,
         publish_query,
         publish_feedback,
         reply_topic: str,
     ):
         self.settings, self.keys, self.state, self.tokens, self.metrics = settings, keys, state, tokens, metrics
+        self.spending = spending
         self.publish_query, self.publish_feedback, self.reply_topic = publish_query, publish_feedback, reply_topic
         self.strategies = settings.gateway_strategies or [settings.strategy]
         self.waiting = 0
@@ -186,7 +189,11 @@ class Gateway:
         if full <= 0:
             return cap
         most, least = (full, full) if strategy == "rlae" else (full * (cap or 1.0), min(costs))
-        taken, amount = await self.state.reserve(key.id, key.budget_period, query_id, most, least, key.budget)
+        try:
+            taken, amount = await self.state.reserve(key.id, key.budget_period, query_id, most, least, key.budget)
+        except SpendingLost:  # Redis restarted empty: the key's spending comes back from the topic first
+            await self._restore_spending(key)
+            taken, amount = await self.state.reserve(key.id, key.budget_period, query_id, most, least, key.budget)
         if not taken:
             self.metrics.budget_refused.inc()
             period = "" if key.budget_period == "total" else f" for this {key.budget_period[:-2].replace('dai', 'day')}"
@@ -199,6 +206,22 @@ class Gateway:
             )
         share = amount / full
         return None if strategy == "rlae" or share >= 1.0 else share
+
+    async def _restore_spending(self, key: KeyRecord) -> None:
+        """The key's spending back from the spending topic; 503 while the topic cannot be read (no hold is made on
+        a spending Redis lost)."""
+        try:
+            await self.spending.restore(key.id, key.budget_period)
+        except (KafkaError, OSError, TimeoutError) as exc:
+            log.warning("could not restore the spending of key %s: %r", key.id, exc)
+            raise ApiError(
+                503,
+                "this API key's spending is being restored (the state store restarted) and the spending topic "
+                "cannot be read now; retry shortly",
+                "server_error",
+                "unavailable",
+                headers={"Retry-After": "2"},
+            ) from exc
 
     async def take_token(self, key: KeyRecord) -> None:
         """One request of this key's rate (every route that reads or writes a query takes one): 429 past it."""
@@ -393,6 +416,8 @@ class Gateway:
             resolved.append(answers[i] if first else await self.state.answer(answers[i].query_id) or answers[i])
         if charges:  # before a client hears its answer: its next request sees the spending
             await self.state.settle(charges)
+            for key_id, period, _, cost in charges:
+                self.spending.add(key_id, period, cost)
         for answer in resolved:
             future = self._answers.get(answer.query_id)
             if future is not None and not future.done():

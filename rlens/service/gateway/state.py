@@ -6,7 +6,9 @@ Keys (under ``<prefix>:gw:``): ``q:<id>`` the query's owner and shape (a hash), 
 later duplicates of an at-least-once answer never replace it), ``idem:<tenant>:<sha256>`` the query id of an
 ``Idempotency-Key``, ``fb:<id>`` that the query has feedback, ``rate:<key id>`` a token bucket, ``spent:{<key
 id>}:<period>`` what a key spent in a budget period (``total``, a day ``2026-11-27`` or a month ``2026-11``),
-``hold:{<key id>}`` the cost held for its queries not yet answered (query id → amount and expiry).
+``hold:{<key id>}`` the cost held for its queries not yet answered (query id → amount and expiry), ``restored:{<key
+id>}`` that the key's spending is whole (a Redis that restarted empty has no mark: the key's spending is then
+restored from the ``spending`` topic before its next hold, :mod:`.spending`).
 
 Budgets cap: a query of a key with a budget holds what it may cost before it is published (:meth:`GatewayState.
 reserve`, one script: the period's spending plus every live hold plus this one stay within the budget), and the
@@ -44,11 +46,12 @@ return tostring(wait)
 """
 
 
-# A query's hold on its key's budget. KEYS: the period's spending, the key's holds. ARGV: query id, the most it may
-# cost, the least an answer can cost, the budget, how long a hold lives. Expired holds are dropped first. Returns
-# {1, held} (the hold taken: the most it may cost, cut to what is left) or {0, left} (refused: less than the least
-# an answer can cost is left).
+# A query's hold on its key's budget. KEYS: the period's spending, the key's holds, the key's restored mark. ARGV:
+# query id, the most it may cost, the least an answer can cost, the budget, how long a hold lives. Expired holds are
+# dropped first. Returns {1, held} (the hold taken: the most it may cost, cut to what is left), {0, left} (refused:
+# less than the least an answer can cost is left) or {-1, 0} (no mark: Redis lost the key's spending).
 RESERVE = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return {-1, '0'} end
 local now = redis.call('TIME')
 now = tonumber(now[1]) + tonumber(now[2]) / 1e6
 local spent = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -73,7 +76,17 @@ redis.call('INCRBYFLOAT', KEYS[1], ARGV[2])
 if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
 return 1
 """
+# A key's spending given back. KEYS: the period's spending, the key's restored mark. ARGV: the spending found
+# elsewhere, the spending's TTL (0: none). The larger of the two is kept, and the key marked restored.
+RESTORE = """
+local spent = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), tonumber(ARGV[1]))
+redis.call('SET', KEYS[1], tostring(spent))
+if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+redis.call('SET', KEYS[2], '1')
+return tostring(spent)
+"""
 PERIOD_TTL_S = {"total": 0, "daily": 2 * 86400, "monthly": 62 * 86400}
+PERIODS = tuple(PERIOD_TTL_S)
 
 
 def period_stamp(period: str, now: float | None = None) -> str:
@@ -82,6 +95,15 @@ def period_stamp(period: str, now: float | None = None) -> str:
         return "total"
     day = time.strftime("%Y-%m-%d", time.gmtime(time.time() if now is None else now))
     return day if period == "daily" else day[:7]
+
+
+def period_of(stamp: str) -> str:
+    """The budget period a stamp is of (``total``, ``2026-11-27``: daily, ``2026-11``: monthly)."""
+    return "total" if stamp == "total" else "daily" if len(stamp) == 10 else "monthly"
+
+
+class SpendingLost(Exception):
+    """Redis has no restored mark for the key: it lost the key's spending, which must be restored before a hold."""
 
 
 class QueryRecord(BaseModel):
@@ -104,6 +126,7 @@ class GatewayState:
         self._take = redis.register_script(TAKE_TOKEN)
         self._reserve = redis.register_script(RESERVE)
         self._settle = redis.register_script(SETTLE)
+        self._restore = redis.register_script(RESTORE)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -139,7 +162,13 @@ class GatewayState:
             return [QueryRecord.model_validate_json(raw) if raw else None for raw in await pipe.execute()]
 
     def _budget_keys(self, key_id: str, period: str) -> list[str]:
-        return [self._k("spent", f"{{{key_id}}}", period_stamp(period)), self._k("hold", f"{{{key_id}}}")]
+        tag = f"{{{key_id}}}"  # one hash slot per key
+        return [self._k("spent", tag, period_stamp(period)), self._k("hold", tag), self._k("restored", tag)]
+
+    def _stamp_keys(self, key_id: str, stamp: str) -> list[str]:
+        """A period stamp's spending key and the key's restored mark."""
+        tag = f"{{{key_id}}}"
+        return [self._k("spent", tag, stamp), self._k("restored", tag)]
 
     async def pool_costs(self, strategy: str) -> list[float] | None:
         """The model costs the strategy's workers announce (None before any worker runs)."""
@@ -150,11 +179,30 @@ class GatewayState:
         self, key_id: str, period: str, query_id: str, most: float, least: float, budget: float
     ) -> tuple[bool, float]:
         """Hold up to ``most`` of the key's budget for a query, atomically: (True, the amount held, cut to what is
-        left) or (False, what is left) when less than ``least`` (the cheapest answer) is left."""
+        left) or (False, what is left) when less than ``least`` (the cheapest answer) is left. Raises
+        :class:`SpendingLost` when Redis lost the key's spending."""
         taken, amount = await self._reserve(
             keys=self._budget_keys(key_id, period), args=[query_id, most, least, budget, self.ttl_s]
         )
+        if int(taken) < 0:
+            raise SpendingLost(key_id)
         return bool(int(taken)), float(amount)
+
+    async def restore_spending(self, found: list[tuple[str, str, float]]) -> list[float]:
+        """Each (key id, period stamp, spending found elsewhere): the key's spending in that period raised to what
+        was found if below it, and the key marked restored, in one round trip; what each key spent now."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key_id, stamp, amount in found:
+                ttl = PERIOD_TTL_S[period_of(stamp)]
+                await self._restore(keys=self._stamp_keys(key_id, stamp), args=[amount, ttl], client=pipe)
+            return [float(spent) for spent in await pipe.execute()]
+
+    async def legacy_spending(self, key_id: str) -> float:
+        """What an rlens before budget periods kept as the key's spending (``spent:<key id>``; 0 when none)."""
+        return float(await self.redis.get(self._k("spent", key_id)) or 0.0)
+
+    async def forget_legacy_spending(self, key_id: str) -> None:
+        await self.redis.delete(self._k("spent", key_id))
 
     async def release(self, key_id: str, query_id: str) -> None:
         """Give back a hold whose query was never published."""
@@ -167,7 +215,9 @@ class GatewayState:
             for key_id, period, query_id, cost in charges:
                 period = period or "total"
                 await self._settle(
-                    keys=self._budget_keys(key_id, period), args=[query_id, cost, PERIOD_TTL_S[period]], client=pipe
+                    keys=self._budget_keys(key_id, period)[:2],
+                    args=[query_id, cost, PERIOD_TTL_S[period]],
+                    client=pipe,
                 )
             await pipe.execute()
 

@@ -19,7 +19,6 @@ from rlens.service.common.kafka import (
     Topics,
     TopicRestorer,
     dead_letter,
-    ensure_topics,
     parse_or_dead_letter,
     publish_batch,
     publish_dead_letters,
@@ -207,13 +206,8 @@ class QueryBatches:
         ``answers`` anyway), so no reply topic can hold the batch."""
         sent = [(self.worker.tokens.sign(a), reply_to[a.query_id]) for a in answers if a.query_id in reply_to]
         failed = await self._send_replies(sent)
-        if failed:
-            try:
-                await ensure_topics(
-                    self.settings, self.settings.kafka_partitions, extra=tuple({t for _, t, _ in failed})
-                )
-            except Exception as exc:  # the broker is down: the replies are given up below
-                log.warning("could not make the reply topics again: %r", exc)
+        if failed:  # the reply topics made again (at most every 5 s each), then one more try
+            await self.restorer.restore(tuple(sorted({t for _, t, _ in failed})))
             failed = await self._send_replies([(a, topic) for a, topic, _ in failed])
         for a, topic, error in failed:
             self.metrics.reply_failures.inc()
