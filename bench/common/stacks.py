@@ -4,6 +4,7 @@ traffic that cycles through a stream with fresh query ids."""
 from __future__ import annotations
 
 import shutil
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -57,4 +58,12 @@ def uniform_experience(query_id: str = "q", stream: str = "s", explored: bool = 
         answer_index=1,
         answer_logp=fused.answer_logp,
         explored=explored,
+    )
+
+
+def learner_joined(url: str) -> float:
+    """Transitions the learner at ``url`` joined so far, all streams (its /metrics)."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("rlens_learner_joined_total")
     )

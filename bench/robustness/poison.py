@@ -32,7 +32,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from bench.common.machine import machine_facts
 from bench.common.stacks import replay_stack
 from bench.common.args import add_out, arguments, write_json
-from bench.common.stacks import uniform_experience
+from bench.common.stacks import learner_joined, uniform_experience
 from rlens.evaluation.dataset import load_dataset
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
@@ -352,7 +352,13 @@ def main() -> None:
             stack.broker.stop()
             stack.broker = LocalBroker(port)
         result["broker_restarted_empty"] = stack.broker is not None
+        learner = next(u for name, u in stack.http_urls().items() if name.startswith("learner"))
+        joined_before = learner_joined(learner)
         after = asyncio.run(play(stack.settings, after_traffic, rate=50, idle_timeout_s=90))
+        answered_at = time.monotonic()
+        while learner_joined(learner) < joined_before + after.answered and time.monotonic() - answered_at < 180:
+            time.sleep(0.5)  # the learner catches up: awaited, not assumed
+        result["learner_caught_up_s"] = round(time.monotonic() - answered_at, 1)
         time.sleep(3.0)
         result["topics_made_by_reply_to"] = asyncio.run(spam_topics(stack))
         result["alive"] = all(p.poll() is None for p in stack.processes())

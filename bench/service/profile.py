@@ -30,7 +30,6 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from aiokafka import AIOKafkaConsumer
 
 from bench.service.stack import count_answers, prefill
 from bench.common.machine import machine_facts
+from bench.common.stacks import learner_joined
 from bench.common.args import add_out, arguments, write_json
 from rlens.evaluation.dataset import load_dataset
 from rlens.messages import Answer, Query
@@ -177,13 +177,6 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (all its threads), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def learner_joined(url: str) -> float:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("rlens_learner_joined_total")
-    )
 
 
 def plot(results: dict, path: Path) -> None:
