@@ -470,13 +470,13 @@ def test_the_topics_are_made_again_and_a_refused_batch_is_retried_within_a_budge
 
 def test_per_query_topics_get_the_partitions_and_ordered_topics_keep_one():
     """Answers, feedback, experience and dead letters are spread like the queries (the local broker reads a partition
-    more slowly the more small batches it holds); policies and drift events stay in order on one partition."""
+    more slowly the more small batches it holds); policies, drift events and spending stay in order on one partition."""
     broker = broker_for_tests()
     try:
         config = settings().model_copy(update={"kafka_bootstrap": broker.bootstrap, "topic_prefix": "parts."})
         asyncio.run(ensure_topics(config, partitions=3, extra=("parts.replies.g1",)))
         deadline = time.monotonic() + 30  # a Kafka cluster's metadata may show new topics a moment later
-        while len(found := asyncio.run(topic_partitions(config))) < 8 and time.monotonic() < deadline:
+        while len(found := asyncio.run(topic_partitions(config))) < 9 and time.monotonic() < deadline:
             time.sleep(0.5)
     finally:
         broker.stop()
@@ -485,6 +485,7 @@ def test_per_query_topics_get_the_partitions_and_ordered_topics_keep_one():
         **{t: 3 for t in (topics.queries, topics.answers, topics.feedback, topics.experience, topics.dead_letter)},
         topics.policy: 1,
         topics.drift: 1,
+        topics.spending: 1,
         "parts.replies.g1": 1,
     }
 

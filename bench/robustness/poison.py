@@ -258,6 +258,27 @@ async def spam_topics(stack: LocalStack) -> int:
         await consumer.stop()
 
 
+async def readable(stack: LocalStack) -> dict[str, int]:
+    """Records of ``experience`` and ``feedback`` that a plain consumer (no group) reads from their start now: what
+    the broker serves, beside what the learner joined."""
+    topics = Topics.from_settings(stack.settings)
+    counts = {}
+    for topic in (topics.experience, topics.feedback):
+        consumer = AIOKafkaConsumer(
+            topic, bootstrap_servers=stack.settings.kafka_bootstrap, group_id=None, auto_offset_reset="earliest"
+        )
+        await consumer.start()
+        try:
+            n, quiet = 0, 0
+            while quiet < 4:
+                got = sum(len(records) for records in (await consumer.getmany(timeout_ms=500)).values())
+                n, quiet = n + got, 0 if got else quiet + 1
+            counts[topic.removeprefix(stack.settings.topic_prefix)] = n
+        finally:
+            await consumer.stop()
+    return counts
+
+
 HEADER_ATTACKS = 50  # records per topic and kind of bad header
 
 
@@ -359,6 +380,7 @@ def main() -> None:
         while learner_joined(learner) < joined_before + after.answered and time.monotonic() - answered_at < 180:
             time.sleep(0.5)  # the learner catches up: awaited, not assumed
         result["learner_caught_up_s"] = round(time.monotonic() - answered_at, 1)
+        result["readable_after"] = asyncio.run(readable(stack))
         time.sleep(3.0)
         result["topics_made_by_reply_to"] = asyncio.run(spam_topics(stack))
         result["alive"] = all(p.poll() is None for p in stack.processes())
