@@ -432,4 +432,5 @@ def test_asyncapi_document_and_message_schemas_are_in_sync():
         "rlens.dead-letter",
         "rlens.replies.gateway-id",
         "rlens.drift",
+        "rlens.spending",
     }

@@ -86,7 +86,7 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
     del local
-    servers = [ServerProcess(Path(zoo[name].path), name, zoo[name].gguf_file, startup_s=300) for name in POOL]
+    servers = [ServerProcess(Path(zoo[name].path), name, zoo[name].gguf_file) for name in POOL]
     try:
         backends = [
             create_backend("openai", base_url=server.url, model=name, timeout_s=600)

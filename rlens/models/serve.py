@@ -152,9 +152,10 @@ def create_app(backend: TransformersBackend, model_name: str) -> FastAPI:
 
 
 class ServerProcess:
-    """``rlens serve-model`` in a child process on a free local port; ready once ``/health`` answers."""
+    """``rlens serve-model`` in a child process on a free local port; ready once ``/health`` answers (a busy machine may
+    take minutes to load a model: the wait is generous, and a server that exits ends it at once)."""
 
-    def __init__(self, path: Path, name: str, gguf_file: str | None = None, startup_s: float = 120.0):
+    def __init__(self, path: Path, name: str, gguf_file: str | None = None, startup_s: float = 600.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         command = [
