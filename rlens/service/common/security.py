@@ -84,9 +84,9 @@ class PolicyVerifier:
 
 class FeedbackTokens:
     """What the shared feedback secret makes. ``token(query_id)``: what an answer carries and its feedback must
-        present (``valid`` checks one in constant time). ``sign(answer)``: an HMAC over the whole answer (query id and
-        content, every field but the signature), under a key of its own derived from the secret, so that only a worker
-        can make an answer a gateway accepts, an empty one included (``signed`` checks it). ``sign_spending``: the same
+    present (``valid`` checks one in constant time). ``sign(answer)``: an HMAC over the whole answer (query id and
+    content, every field but the signature), under a key of its own derived from the secret, so that only a worker
+    can make an answer a gateway accepts, an empty one included (``signed`` checks it). ``sign_spending``: the same
     for a gateway's spending record, so that a Kafka writer cannot raise what a key spent."""
 
     def __init__(self, secret: str):
