@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -38,3 +39,32 @@ def small_op_us(repeats: int = 5, calls: int = 20_000) -> float:
             a @ w + b
         best = min(best, (time.perf_counter() - started) / calls)
     return 1e6 * best
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` have used so far (Linux: /proc/<pid>/stat); a process that
+    has ended counts nothing."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of the line)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (Linux: each process's parent from /proc/<pid>/stat)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(parents.get(tree[-1], []))
+    return tree

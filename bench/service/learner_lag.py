@@ -24,13 +24,12 @@ import asyncio
 import os
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common.machine import machine_facts
+from bench.common.machine import cpu_seconds, machine_facts
 from bench.common.stacks import cycled, replay_stack
 from bench.common.args import add_out, arguments, write_json
 from rlens.evaluation.dataset import load_dataset
@@ -49,12 +48,6 @@ def scrape(url: str) -> dict[str, float]:
             key = f"{sample.name}{{{kept[0]}}}" if kept else sample.name
             totals[key] = totals.get(key, 0.0) + sample.value
     return totals
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (from /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def slope(times: list[float], values: list[float]) -> float:
@@ -91,10 +84,10 @@ def main() -> None:
             "load": os.getpid(),
         }
         start = time.monotonic()
-        cpu, last = {role: cpu_seconds(pid) for role, pid in pids.items()}, start
+        cpu, last = {role: cpu_seconds([pid]) for role, pid in pids.items()}, start
         while not stop.wait(10.0):
             w, ell = scrape(worker), scrape(learner)
-            now, at = {role: cpu_seconds(pid) for role, pid in pids.items()}, time.monotonic()
+            now, at = {role: cpu_seconds([pid]) for role, pid in pids.items()}, time.monotonic()
             row = {
                 "t": round(time.monotonic() - start, 1),
                 "answers": w.get("rlens_worker_answers_total", 0.0),

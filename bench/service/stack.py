@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from bench.common.machine import machine_facts
+from bench.common.machine import cpu_seconds, machine_facts
 from bench.common.stacks import cycled, replay_stack
 from bench.common.args import add_out, arguments, write_json
 from rlens.evaluation.dataset import load_dataset
@@ -109,15 +108,6 @@ async def measure_answers(
     if len(seen) < n:
         raise RuntimeError(f"only {len(seen)} of {n} queries answered")
     return n / elapsed, cpu
-
-
-def cpu_seconds(pids: tuple[int, ...]) -> float:
-    """User + system CPU seconds the processes ``pids`` have used so far (Linux: /proc/<pid>/stat)."""
-    ticks = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of the line)
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def alternate(

@@ -50,7 +50,8 @@ def _wait_for_port(port: int, process: subprocess.Popen, output: IO[bytes], what
 
 
 class LocalProcess:
-    def __init__(self, command: list[str], port: int, what: str):
+    def __init__(self, command: list[str], port: int, what: str, startup_s: float = 20.0):
+        """``command`` started in a session of its own; back once it listens on ``port`` (``startup_s`` at most)."""
         self.port, self.what = port, what
         self.output = tempfile.TemporaryFile()  # a file, not a pipe: a pipe nobody reads would block the server
         # a session of its own: Ctrl-C in a terminal reaches the service processes, which drain through this
@@ -59,7 +60,7 @@ class LocalProcess:
             command, stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
         )
         try:
-            _wait_for_port(port, self.process, self.output, what)
+            _wait_for_port(port, self.process, self.output, what, startup_s)
         except RuntimeError:
             self.stop()
             raise
