@@ -10,6 +10,7 @@ from rlens.service.common.kafka import (
     group_options,
     dead_letter,
     SUBSCRIBER,
+    woken_by_records,
     parse_or_dead_letter,
     publish_dead_letters,
 )
@@ -31,18 +32,19 @@ def subscribe_replies(
     valid worker signature go to the dead-letter topic; a batch whose Redis writes fail is read again."""
     consumer = f"gateway {name}"
 
-    @broker.subscriber(
+    replies = broker.subscriber(
         reply_topic,
         group_id=settings.group("gateway", name),
         batch=True,
         max_records=256,
-        batch_timeout_ms=5,
         auto_offset_reset="earliest",
         ack_policy=AckPolicy.NACK_ON_ERROR,
         **SUBSCRIBER,
         **group_options(settings),
         description="answers to this replica's queries (workers publish each answer here too)",
     )
+
+    @woken_by_records(replies)
     async def on_replies(bodies: list[bytes], message: KafkaMessage) -> None:
         parsed = [(record, parse_or_dead_letter(Answer, record, consumer)) for record in message.raw_message]
         answers = [(record, p) for record, p in parsed if not isinstance(p, DeadLetter)]

@@ -22,6 +22,7 @@ from rlens.service.common.kafka import (
     TopicRestorer,
     app_logger,
     SUBSCRIBER,
+    woken_by_records,
     make_broker,
     parse_or_dead_letter,
     publish,
@@ -69,7 +70,6 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         "group_id": settings.group("learner"),
         "batch": True,
         "max_records": 256,
-        "batch_timeout_ms": 20,
         "auto_offset_reset": "earliest",
         "ack_policy": AckPolicy.MANUAL,
         **SUBSCRIBER,
@@ -78,15 +78,19 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     experience_model = core.trainer.experience if core else EXPERIENCE[settings.strategy]
     background: list[asyncio.Task] = []  # the lease's renewal, idle checkpoints, the log-end watch
 
-    experience = broker.subscriber(
-        topics.experience,
-        description=f"JSON {experience_model.__name__} messages from the {settings.strategy} workers",
-        **options,
+    experience = woken_by_records(
+        broker.subscriber(
+            topics.experience,
+            description=f"JSON {experience_model.__name__} messages from the {settings.strategy} workers",
+            **options,
+        )
     )
-    feedback = broker.subscriber(
-        topics.feedback,
-        description="JSON Feedback messages: label, reference or reward per query id, any delay, duplicates allowed (schemas/messages/feedback.schema.json)",
-        **options,
+    feedback = woken_by_records(
+        broker.subscriber(
+            topics.feedback,
+            description="JSON Feedback messages: label, reference or reward per query id, any delay, duplicates allowed (schemas/messages/feedback.schema.json)",
+            **options,
+        )
     )
 
     @experience

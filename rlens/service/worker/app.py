@@ -19,6 +19,7 @@ from rlens.service.common.kafka import (
     app_logger,
     dead_letter,
     SUBSCRIBER,
+    woken_by_records,
     make_broker,
     parse_or_dead_letter,
     publish_dead_letters,
@@ -65,18 +66,19 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
     if core is not None and core.cache is not None and settings.metrics_enabled:
         core.cache.count = lambda model, result: metrics.model_cache.labels(model, result).inc()
 
-    @broker.subscriber(
+    queries = broker.subscriber(
         topics.queries,
         group_id=settings.group("workers"),
         batch=True,
         max_records=settings.worker_batch,
-        batch_timeout_ms=20,
         auto_offset_reset="earliest",
         ack_policy=AckPolicy.NACK_ON_ERROR,
         **SUBSCRIBER,
         description="JSON Query messages (schemas/messages/query.schema.json); anything else is dead-lettered",
         **group_options(settings),
     )
+
+    @woken_by_records(queries)
     async def on_queries(bodies: list[bytes], message: KafkaMessage) -> None:
         await batches.handle(message.raw_message)  # returning acks the batch: its offsets are committed only now
 
