@@ -239,6 +239,34 @@ def test_topics_are_made_again_at_most_once_per_pause_each(monkeypatch):
     assert made == [("rlens.replies.a",), ("rlens.replies.b",), ("rlens.replies.a",)]
 
 
+def test_a_batch_subscriber_waits_in_the_clients_poll_and_never_sleeps(monkeypatch):
+    """Issue 59: a batch subscriber's poll is aiokafka's ``getmany`` with the subscriber's ``max_records`` (it
+    returns as soon as records arrive), its partitions' records in one tuple; an empty poll returns at once, where
+    FastStream's own slept ``batch_timeout_ms`` after it."""
+    import anyio
+    from faststream.kafka import KafkaBroker
+
+    async def no_sleep(*_):
+        raise AssertionError("slept after a poll")
+
+    monkeypatch.setattr(anyio, "sleep", no_sleep)  # FastStream's
+    subscriber = kafka.woken_by_records(KafkaBroker("x").subscriber("t", batch=True, max_records=7))
+    polls = []
+
+    class Consumer:
+        def __init__(self, answers):
+            self.answers = answers
+
+        async def getmany(self, timeout_ms, max_records):
+            polls.append((timeout_ms, max_records))
+            return self.answers.pop(0)
+
+    consumer = Consumer([{}, {TopicPartition("t", 0): ["a", "b"], TopicPartition("t", 1): ["c"]}])
+    assert asyncio.run(subscriber.get_msg(consumer)) == ()
+    assert asyncio.run(subscriber.get_msg(consumer)) == ("a", "b", "c")
+    assert polls == [(kafka.POLL_WAIT_MS, 7)] * 2
+
+
 class ListingConsumer:
     """What a broker says of partition rlens.feedback:0's end: by the last fetch (high watermark) and by listing."""
 
