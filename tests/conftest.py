@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlens.evaluation.dataset import load_dataset, save_dataset
-from rlens.evaluation.recorded import RecordedDataset, shared_data_dir
+from rlens.records.dataset import load_dataset, save_dataset
+from rlens.records.recorded import RecordedDataset
+from rlens.settings import settings
 
 
 # every gateway a test starts takes a free port (the default, 8000, may be a running `rlens up`'s); the brokers,
@@ -20,7 +21,7 @@ NO_BBH = "real dataset not found at"
 
 @pytest.fixture(scope="session")
 def bbh() -> RecordedDataset:
-    path = shared_data_dir() / "bbh_dev"
+    path = settings().shared_data / "bbh_dev"
     if not path.is_dir():
         pytest.skip(f"{NO_BBH} {path} (set RLENS_SHARED_DATA)")
     return load_dataset(path)
@@ -31,7 +32,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     skipped = [r for r in terminalreporter.stats.get("skipped", []) if NO_BBH in str(r.longrepr)]
     if skipped:
         terminalreporter.write_line(
-            f"{len(skipped)} test{'s' * (len(skipped) > 1)} skipped: they need the recorded dataset bbh_dev at {shared_data_dir() / 'bbh_dev'} "
+            f"{len(skipped)} test{'s' * (len(skipped) > 1)} skipped: they need the recorded dataset bbh_dev at {settings().shared_data / 'bbh_dev'} "
             "(set RLENS_SHARED_DATA to the folder that holds bbh_dev; docs/reference.md, 'Dataset format')",
             yellow=True,
         )

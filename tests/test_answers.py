@@ -4,7 +4,7 @@ answers from a real zoo model."""
 import numpy as np
 import pytest
 
-from rlens.models.answers import align, answer_distribution, extract_answer
+from rlens.records.answers import align, answer_distribution, extract_answer
 from rlens.backends import GenerationRequest
 
 

@@ -15,7 +15,7 @@ from rlens.backends import create_backend
 from rlens.cli import app
 from rlens.checkpoint import CheckpointStore
 from rlens.evaluation.logged import FocalPolicy, LoggedQuery
-from rlens.evaluation.recorded import RecordedDataset
+from rlens.records.recorded import RecordedDataset
 from rlens.focal.agents import Decider, Fusion
 from rlens.focal.calibration import StreamCalibration, fit_multinomial, log_softmax
 from rlens.focal.config import FocalConfig

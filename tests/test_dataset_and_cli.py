@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rlens.cli import app
-from rlens.evaluation.dataset import load_dataset
-from rlens.evaluation.recorded import DatasetError
+from rlens.records.dataset import load_dataset
+from rlens.records.recorded import DatasetError
 
 runner = CliRunner()
 
@@ -236,7 +236,7 @@ def test_a_replays_policy_starts_another_replay_and_the_learner_but_not_another_
 
 @pytest.fixture()
 def zoo_dir(tmp_path, zoo):
-    from rlens.evaluation.dataset import save_dataset
+    from rlens.records.dataset import save_dataset
 
     return save_dataset(zoo, tmp_path / "zoo")
 

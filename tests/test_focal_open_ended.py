@@ -14,10 +14,10 @@ from rlens.backends import BackendError, ChoiceQuery, GenerationRequest
 from rlens.backends.replay import ReplayBackend
 from rlens.checkpoint import CheckpointStore
 from rlens.evaluation.baselines import model_predictions
-from rlens.evaluation.dataset import load_dataset
-from rlens.evaluation.recorded import DatasetError
-from rlens.evaluation.open_ended import sampled_dataset, save_samples
-from rlens.evaluation.recorded import SampledTask
+from rlens.records.dataset import load_dataset
+from rlens.records.recorded import DatasetError
+from rlens.records.open_ended import sampled_dataset, save_samples
+from rlens.records.recorded import SampledTask
 from rlens.evaluation.synthetic import synthetic_samples
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine

@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rlens.cli import app
-from rlens.evaluation.dataset import load_dataset
-from rlens.evaluation.recorded import DatasetError
+from rlens.records.dataset import load_dataset
+from rlens.records.recorded import DatasetError
 from rlens.evaluation.importers.lm_eval import import_lm_eval, task_name
 
 runner = CliRunner()

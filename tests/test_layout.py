@@ -82,3 +82,33 @@ def test_production_code_imports_neither_the_command_line_nor_the_local_stack():
     ]
     wrong = {m: sorted(t for t in graph[m] if t.startswith(("rlens.cli", "rlens.local"))) for m in production}
     assert not {m: t for m, t in wrong.items() if t}
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """rlens's packages and top-level modules (``rlens.focal``, ``rlens.settings``) -> those their modules import."""
+
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    packages: dict[str, set[str]] = {package(m): set() for m in graph}
+    for module, targets in graph.items():
+        packages[package(module)] |= {package(t) for t in targets} - {package(module)}
+    return packages
+
+
+def test_package_arrows_go_one_way():
+    """Issue 55: no cycle among packages either (a module-level cycle check lets two packages import each other)."""
+    assert cycles(package_graph(import_graph())) == []
+
+
+def test_records_and_the_algorithms_import_nothing_above_them():
+    """Issue 55: the recorded formats and answer parsing (``rlens.records``) import nothing else of rlens; the
+    algorithm packages (RL-Focal, RLAE) neither the offline evaluation, the models' side, the service, the local stack
+    nor the command line."""
+    packages = package_graph(import_graph())
+    assert packages["rlens.records"] == set()
+    above = {"rlens.evaluation", "rlens.models", "rlens.service", "rlens.local", "rlens.cli"}
+    assert {p: sorted(packages[p] & above) for p in ("rlens.focal", "rlens.rlae")} == {
+        "rlens.focal": [],
+        "rlens.rlae": [],
+    }

@@ -228,7 +228,7 @@ def test_the_learners_log_round_trips_rotates_and_feeds_rlens_ope(zoo, tmp_path)
     from rlens.checkpoint import CheckpointStore
     from rlens.cli import app
     from rlens.local.stack import write_replay_pool
-    from rlens.service.learner.checkpoint import save_engine
+    from rlens.focal.checkpoint import save_engine
     from rlens.service.learner.ope_log import OpeLog
     from rlens.settings import settings
 

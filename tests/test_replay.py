@@ -8,7 +8,7 @@ import numpy as np
 from typer.testing import CliRunner
 
 from rlens.cli import app
-from rlens.evaluation.dataset import load_dataset, save_dataset
+from rlens.records.dataset import load_dataset, save_dataset
 from rlens.focal.config import FocalConfig
 from rlens.evaluation.protocols import Protocol, split, task_half
 from rlens.evaluation.replay import DEFAULT_VARIANTS, PORTABLE_NUMERICS, replay
@@ -141,7 +141,7 @@ def test_the_online_stacker_by_hand():
     import numpy as np
 
     from rlens.evaluation.baselines import online_stacking
-    from rlens.evaluation.recorded import RecordedDataset
+    from rlens.records.recorded import RecordedDataset
 
     probs = np.array([[[0.9, 0.1], [0.2, 0.8]], [[0.9, 0.1], [0.2, 0.8]]], dtype=np.float32)
     data = RecordedDataset(

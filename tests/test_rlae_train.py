@@ -15,7 +15,7 @@ from rlens.backends.hf import TransformersBackend
 from rlens.cli import app
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
-from rlens.rlae.evaluate import answer_dataset, rl_focal_correct, simplex_grid
+from rlens.evaluation.rlae import answer_dataset, rl_focal_correct, simplex_grid
 from rlens.rlae.observe import EMBED_DIM, minilm_path, obs_dim
 from rlens.rlae.tasks import TaskFileError, read_tasks
 from rlens.rlae.train import RLAETrainer, load_agent, rollout

@@ -22,8 +22,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import MessageSizeTooLargeError
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
-from rlens.evaluation.dataset import load_dataset
-from rlens.evaluation.open_ended import save_samples
+from rlens.records.dataset import load_dataset
+from rlens.records.open_ended import save_samples
 from rlens.evaluation.synthetic import synthetic_samples
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine

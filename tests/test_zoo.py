@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tiktoken
 
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 from rlens.settings import settings
 from rlens.zoo.build import SPECIALISTS, bpe_corpus, load_zoo, train_specialist, train_specialists
 from rlens.zoo.record import QUESTIONS_FILE, read_questions

@@ -34,9 +34,10 @@ import torch  # noqa: E402
 from bench.common.args import add_out, add_seeds, arguments, write_json  # noqa: E402
 from bench.common.machine import machine_facts  # noqa: E402
 from rlens.evaluation import baselines  # noqa: E402
-from rlens.evaluation.dataset import load_dataset  # noqa: E402
+from rlens.records.dataset import load_dataset  # noqa: E402
 from rlens.evaluation.protocols import Protocol, split, task_half  # noqa: E402
-from rlens.evaluation.recorded import RecordedDataset, shared_data_dir  # noqa: E402
+from rlens.records.recorded import RecordedDataset  # noqa: E402
+from rlens.settings import settings  # noqa: E402
 from rlens.evaluation.replay import RL_VARIANTS, run_variant  # noqa: E402
 from rlens.focal.config import FocalConfig  # noqa: E402
 from rlens.focal.engine import FocalEngine  # noqa: E402
@@ -137,7 +138,7 @@ def main() -> None:
     add_seeds(parser)
     add_out(parser, "bench/out/budget.json")
     args = parser.parse_args()
-    data = load_dataset(args.data or shared_data_dir() / "bbh_dev")
+    data = load_dataset(args.data or settings().shared_data / "bbh_dev")
     if args.half != "all":
         data = task_half(data, args.half)
     print(machine_facts(), f"{args.half}: {data.n_questions} questions", flush=True)

@@ -31,7 +31,7 @@ import numpy as np
 
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, add_seeds, arguments, write_json
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 from rlens.drift import DriftConfig, DriftMonitor, drift_figures, recovery_time, task_blocks
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine

@@ -29,8 +29,8 @@ from bench.common.machine import machine_facts
 from bench.common.args import add_out, add_seeds, arguments, write_json
 from rlens.cli.common import quiet_transformers
 from rlens.evaluation import baselines
-from rlens.evaluation.dataset import load_dataset
-from rlens.evaluation.open_ended import sampled_dataset
+from rlens.records.dataset import load_dataset
+from rlens.records.open_ended import sampled_dataset
 from rlens.evaluation.replay import run_variant
 from rlens.focal.config import FocalConfig
 from rlens.local.load import open_ended_queries, play

@@ -19,8 +19,9 @@ import torch
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, add_seeds, arguments, write_json
 from rlens.evaluation.baselines import stacking
-from rlens.evaluation.dataset import load_dataset
-from rlens.evaluation.recorded import RecordedDataset, shared_data_dir
+from rlens.records.dataset import load_dataset
+from rlens.records.recorded import RecordedDataset
+from rlens.settings import settings
 from rlens.evaluation.protocols import Protocol, split, task_half
 from rlens.focal.agents import Fusion
 from rlens.focal.config import FocalConfig
@@ -113,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {machine_facts()}", flush=True)
-    data = load_dataset(args.data or shared_data_dir() / "bbh_dev")
+    data = load_dataset(args.data or settings().shared_data / "bbh_dev")
     if args.tasks != "all":
         data = task_half(data, args.tasks)
     warm_index, test_index = split(data, Protocol.paper)

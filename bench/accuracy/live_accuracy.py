@@ -21,8 +21,7 @@ from pathlib import Path
 
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, add_seeds, arguments, write_json
-from rlens.evaluation.dataset import load_dataset
-from rlens.evaluation.recorded import shared_data_dir
+from rlens.records.dataset import load_dataset
 from rlens.focal.config import FocalConfig
 from rlens.evaluation.protocols import Protocol
 from rlens.evaluation.replay import replay
@@ -83,7 +82,7 @@ def live_run(
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--data", type=Path, default=shared_data_dir() / "bbh_dev")
+    parser.add_argument("--data", type=Path, default=settings().shared_data / "bbh_dev")
     add_seeds(parser)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--rate", type=float, default=50.0)

@@ -36,10 +36,10 @@ import torch  # noqa: E402
 
 from bench.common.args import add_out, add_seeds, arguments, write_json  # noqa: E402
 from bench.common.machine import machine_facts  # noqa: E402
-from rlens.evaluation.dataset import load_dataset  # noqa: E402
+from rlens.records.dataset import load_dataset  # noqa: E402
 from rlens.evaluation.logged import FixedPool, FocalPolicy, LoggedQuery, Policy, evaluate, true_value  # noqa: E402
 from rlens.evaluation.protocols import task_half  # noqa: E402
-from rlens.evaluation.recorded import RecordedDataset, shared_data_dir  # noqa: E402
+from rlens.records.recorded import RecordedDataset  # noqa: E402
 from rlens.focal.config import FocalConfig  # noqa: E402
 from rlens.focal.engine import FocalEngine  # noqa: E402
 from rlens.focal.schedule import questions, run_online, warm_start  # noqa: E402
@@ -128,7 +128,7 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 def main() -> None:
     parser = arguments(__doc__)
-    default = [str(shared_data_dir() / "bbh_dev"), str(settings().demo_data)]
+    default = [str(settings().shared_data / "bbh_dev"), str(settings().demo_data)]
     parser.add_argument(
         "--data", nargs="+", default=default, help="recorded datasets (default: bbh_dev, the bundled stream)"
     )

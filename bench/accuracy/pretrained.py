@@ -27,9 +27,9 @@ import torch  # noqa: E402
 from bench.common.args import add_out, add_seeds, arguments, write_json  # noqa: E402
 from bench.common.machine import machine_facts  # noqa: E402
 from rlens.evaluation import baselines  # noqa: E402
-from rlens.evaluation.dataset import load_dataset  # noqa: E402
+from rlens.records.dataset import load_dataset  # noqa: E402
 from rlens.evaluation.protocols import task_half  # noqa: E402
-from rlens.evaluation.recorded import shared_data_dir  # noqa: E402
+from rlens.settings import settings  # noqa: E402
 from rlens.evaluation.replay import RL_VARIANTS  # noqa: E402
 from rlens.focal.config import FocalConfig  # noqa: E402
 from rlens.focal.engine import FocalEngine  # noqa: E402
@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     config = replace(FocalConfig(), **RL_VARIANTS[args.variant][0])
     torch.set_num_threads(1)
-    data = load_dataset(args.data or shared_data_dir() / "bbh_dev")
+    data = load_dataset(args.data or settings().shared_data / "bbh_dev")
     tune, holdout = task_half(data, "tune"), task_half(data, "holdout")
     print(machine_facts(), f"tune {tune.n_questions} questions, holdout {holdout.n_questions}", flush=True)
     references = {

@@ -18,8 +18,8 @@ import numpy as np
 
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, add_seeds, arguments, write_json
-from rlens.evaluation.dataset import load_dataset
-from rlens.evaluation.recorded import shared_data_dir
+from rlens.records.dataset import load_dataset
+from rlens.settings import settings
 from rlens.focal.config import FocalConfig
 from rlens.evaluation.protocols import Protocol, task_half
 from rlens.evaluation.replay import DEFAULT_VARIANTS, RL_VARIANTS, replay
@@ -45,7 +45,7 @@ SHOWN = (
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--data", default=str(shared_data_dir() / "bbh_dev"))
+    parser.add_argument("--data", default=str(settings().shared_data / "bbh_dev"))
     add_seeds(parser, [0, 1, 2, 3, 4])
     parser.add_argument("--protocols", nargs="+", default=["paper", "stream"], choices=[p.value for p in Protocol])
     parser.add_argument("--workers", type=int, default=2)

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlens.evaluation.dataset import load_dataset
-from rlens.evaluation.recorded import RecordedDataset, shared_data_dir
+from rlens.records.dataset import load_dataset
+from rlens.records.recorded import RecordedDataset
+from rlens.settings import settings
 from rlens.evaluation.protocols import task_half
 from bench.common.args import arguments
 
@@ -49,7 +50,7 @@ def online_accuracy(data: RecordedDataset, window: int, rule: str) -> float:
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--data", default=str(shared_data_dir() / "bbh_dev"))
+    parser.add_argument("--data", default=str(settings().shared_data / "bbh_dev"))
     parser.add_argument("--tasks", default="all", choices=["all", "tune", "holdout"])
     parser.add_argument("--windows", type=int, nargs="+", default=[32, 64, 128, 0])
     args = parser.parse_args()

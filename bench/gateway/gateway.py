@@ -32,7 +32,7 @@ import numpy as np
 
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, arguments, write_json
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 from rlens.messages import Query
 from rlens.local.load import play, queries_of
 from rlens.local.stack import LocalStack, write_replay_pool

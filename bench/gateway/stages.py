@@ -19,7 +19,7 @@ from bench.common.args import add_out, arguments, write_json
 from bench.common.machine import machine_facts
 from bench.common.stacks import cycled, replay_stack
 from bench.gateway.gateway import request_body
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 from rlens.local.load import queries_of
 from rlens.messages import Query
 from rlens.settings import settings

@@ -38,7 +38,7 @@ from bench.common.args import add_out, arguments, write_json
 from bench.common.machine import cpu_seconds, machine_facts, process_tree
 from bench.common.stacks import replay_stack
 from bench.gateway.gateway import request_body
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 from rlens.local.load import queries_of
 from rlens.local.servers import LocalProcess
 from rlens.ports import free_port

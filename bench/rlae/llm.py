@@ -35,7 +35,7 @@ from rlens.cli.common import quiet_transformers
 from rlens.progress import progress_bar
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.rlae.decode import TokenEnsemble
-from rlens.rlae.evaluate import correct, decode, rl_focal_correct
+from rlens.evaluation.rlae import correct, decode, rl_focal_correct
 from rlens.rlae.observe import SentenceEncoder, obs_dim
 from rlens.rlae.ranker import AnswerRanker
 from rlens.rlae.train import RLAEAgent, RLAETrainer

@@ -34,7 +34,7 @@ from rlens.cli.common import quiet_transformers
 from rlens.evaluation.ope import Estimate, ips, snips
 from rlens.rlae.agent import RLAEConfig, Span, make_policy
 from rlens.rlae.decode import TokenEnsemble
-from rlens.rlae.evaluate import correct, decode, simplex_grid
+from rlens.evaluation.rlae import correct, decode, simplex_grid
 from rlens.rlae.observe import SentenceEncoder, obs_dim
 from rlens.rlae.ope import episode_weights, kernel_log_density
 from rlens.rlae.train import RLAEAgent, RLAETrainer, rollout

@@ -25,7 +25,7 @@ from rlens.backends import create_backend
 from rlens.cli.common import quiet_transformers
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
-from rlens.rlae.evaluate import correct
+from rlens.evaluation.rlae import correct
 from rlens.rlae.observe import SentenceEncoder
 from rlens.rlae.topk import TopKEnsemble
 from rlens.rlae.train import STOP, RLAEAgent, load_agent

@@ -34,7 +34,7 @@ from bench.common.args import add_out, add_seeds, arguments, write_json
 from rlens.cli.common import quiet_transformers
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
-from rlens.rlae.evaluate import correct, decode, grid_search, rl_focal_correct
+from rlens.evaluation.rlae import correct, decode, grid_search, rl_focal_correct
 from rlens.rlae.observe import SentenceEncoder
 from rlens.rlae.ranker import AnswerRanker
 from rlens.rlae.train import RLAETrainer

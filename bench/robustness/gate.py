@@ -32,7 +32,7 @@ from bench.common.machine import machine_facts
 from rlens.backends import create_backend
 from rlens.drift import DriftMonitor
 from rlens.checkpoint import CheckpointStore
-from rlens.evaluation.dataset import load_dataset, save_dataset
+from rlens.records.dataset import load_dataset, save_dataset
 from rlens.evaluation.protocols import Protocol, split, task_half
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine

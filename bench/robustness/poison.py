@@ -33,7 +33,7 @@ from bench.common.machine import machine_facts
 from bench.common.stacks import replay_stack
 from bench.common.args import add_out, arguments, write_json
 from bench.common.stacks import learner_joined, uniform_experience
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Answer, DeadLetter, Experience, Feedback, Query

@@ -19,7 +19,7 @@ from pathlib import Path
 from bench.common.machine import machine_facts
 from bench.common.stacks import replay_stack
 from bench.common.args import add_out, arguments, write_json
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 from rlens.local.load import play, queries_of
 from rlens.settings import settings
 

@@ -21,7 +21,7 @@ from bench.common.machine import machine_facts
 from bench.common.args import add_out, arguments, write_json
 from rlens.backends import ChoiceQuery, create_backend
 from rlens.backends.hf import TransformersBackend
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 from rlens.focal.config import FocalConfig
 from rlens.evaluation.protocols import Protocol
 from rlens.evaluation.replay import replay

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.common.machine import cpu_seconds, machine_facts
 from bench.common.stacks import cycled, replay_stack
 from bench.common.args import add_out, arguments, write_json
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 from rlens.local.load import LoadReport, play, queries_of
 from rlens.settings import settings
 

@@ -17,8 +17,8 @@ import torch
 
 from bench.common.machine import machine_facts, small_op_us
 from bench.common.args import arguments
-from rlens.evaluation.dataset import load_dataset
-from rlens.evaluation.recorded import shared_data_dir
+from rlens.records.dataset import load_dataset
+from rlens.settings import settings
 from rlens.focal.engine import FocalEngine
 from rlens.focal.schedule import questions
 from rlens.evaluation.protocols import Protocol, split
@@ -26,7 +26,7 @@ from rlens.evaluation.protocols import Protocol, split
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--data", default=str(shared_data_dir() / "bbh_dev"))
+    parser.add_argument("--data", default=str(settings().shared_data / "bbh_dev"))
     parser.add_argument("--repeats", type=int, default=3, help="passes over the test questions")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)

@@ -39,7 +39,7 @@ from bench.service.stack import count_answers, prefill
 from bench.common.machine import machine_facts
 from bench.common.stacks import learner_joined
 from bench.common.args import add_out, arguments, write_json
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 from rlens.messages import Answer, Query
 from rlens.service.common.kafka import Topics
 from rlens.local.load import feedback_for, queries_of

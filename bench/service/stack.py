@@ -39,7 +39,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from bench.common.machine import cpu_seconds, machine_facts
 from bench.common.stacks import cycled, replay_stack
 from bench.common.args import add_out, arguments, write_json
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 from rlens.service.common.kafka import Topics
 from rlens.local.load import play, queries_of
 from rlens.settings import settings

@@ -35,7 +35,7 @@ from redis.asyncio import Redis
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, arguments
 from rlens.backends.replay import ReplayBackend
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 from rlens.focal.calibration import StreamCalibration
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine

@@ -2,7 +2,7 @@
 
 A backend answers multiple-choice queries with the summed log-likelihood of each choice's continuation,
 exactly as lm-evaluation-harness scores them, and (where it can) generates text: ``n`` samples of one prompt,
-which :mod:`rlens.models.answers` turns into an answer distribution for open-ended questions. Implementations register
+which :mod:`rlens.records.answers` turns into an answer distribution for open-ended questions. Implementations register
 themselves by name with :func:`register_backend`; :func:`create_backend` builds one from its name and options.
 """
 

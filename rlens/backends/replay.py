@@ -3,7 +3,7 @@
 Query ids are question indices of the dataset. Recorded probabilities are returned as log-probabilities:
 the softmax of the original log-likelihoods, so they differ from them by a constant per question. Each question's
 answer is built once and then shared (callers only read it). An open-ended dataset (recorded samples,
-:mod:`rlens.evaluation.open_ended`) also answers ``generate``: the model's first ``n`` recorded texts of the question.
+:mod:`rlens.records.open_ended`) also answers ``generate``: the model's first ``n`` recorded texts of the question.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rlens.backends.base import (
     Generations,
     register_backend,
 )
-from rlens.evaluation.recorded import RecordedDataset
+from rlens.records.recorded import RecordedDataset
 
 
 @register_backend("replay")

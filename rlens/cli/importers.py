@@ -7,8 +7,8 @@ from pathlib import Path
 import typer
 
 from rlens.cli.common import console, fail
-from rlens.evaluation.dataset import load_dataset
-from rlens.evaluation.recorded import DatasetError
+from rlens.records.dataset import load_dataset
+from rlens.records.recorded import DatasetError
 
 app = typer.Typer(help="Build datasets from other tools' outputs.", no_args_is_help=True)
 

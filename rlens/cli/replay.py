@@ -11,8 +11,8 @@ import typer
 from rich.table import Table
 
 from rlens.cli.common import console, errors, fail, interrupted, needs_extra
-from rlens.evaluation.dataset import load_dataset
-from rlens.evaluation.recorded import DatasetError
+from rlens.records.dataset import load_dataset
+from rlens.records.recorded import DatasetError
 from rlens.evaluation.protocols import Protocol
 from rlens.focal.config import FocalConfig
 from rlens.progress import progress_bar

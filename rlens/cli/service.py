@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from rlens.cli.common import CONFIG, POOL, fail, quiet_transformers, service_settings
-from rlens.evaluation.recorded import DatasetError
+from rlens.records.recorded import DatasetError
 from rlens.settings import settings
 
 

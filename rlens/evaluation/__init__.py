@@ -1,1 +1,2 @@
-"""Offline evaluation: recorded-outputs datasets, the paper's protocols, the replay harness, baselines, reports."""
+"""Offline evaluation: the paper's protocols, the replay harness, baselines, RLAE's evaluation, reports (the
+recorded datasets' formats are in :mod:`rlens.records`)."""

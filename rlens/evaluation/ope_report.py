@@ -12,7 +12,7 @@ from rlens.checkpoint import CheckpointStore
 from rlens.evaluation.logged import FocalPolicy, LoggedQuery, evaluate, reward
 from rlens.evaluation.ope import Estimate, direct
 from rlens.focal.engine import FocalEngine
-from rlens.service.learner.checkpoint import load_engine
+from rlens.focal.checkpoint import load_engine
 
 SHOWN = ("replay", "exact", "dr", "snips", "ips")
 FEW_PROBES = 0.1  # below this share of probe rows, close candidates are not ranked reliably (BENCHMARKS.md)

@@ -8,7 +8,7 @@ from typing import Literal
 
 import numpy as np
 
-from rlens.evaluation.recorded import RecordedDataset
+from rlens.records.recorded import RecordedDataset
 
 WARM_FRACTION = 0.8
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from rlens.evaluation import baselines
-from rlens.evaluation.recorded import RecordedDataset
+from rlens.records.recorded import RecordedDataset
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.focal.policy_file import load_policy, save_policy

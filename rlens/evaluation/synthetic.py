@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlens.evaluation.recorded import RecordedDataset
+from rlens.records.recorded import RecordedDataset
 
 
 def synthetic_dataset(
@@ -45,12 +45,12 @@ def synthetic_dataset(
 def synthetic_samples(
     n_tasks: int, n_models: int, n_families: int = 2, n_samples: int = 5, block: int = 50, seed: int = 0
 ) -> RecordedDataset:
-    """A seeded open-ended dataset of recorded samples (:mod:`rlens.evaluation.open_ended`): arithmetic-like
+    """A seeded open-ended dataset of recorded samples (:mod:`rlens.records.open_ended`): arithmetic-like
     references, families in blocks of ``block`` tasks, and specialists: model j samples the reference with
     probability 0.85 on family ``j % n_families`` and 0.25 on the others, a near miss otherwise, and now and then
     an empty sample."""
-    from rlens.evaluation.open_ended import sampled_dataset
-    from rlens.evaluation.recorded import SampledTask
+    from rlens.records.open_ended import sampled_dataset
+    from rlens.records.recorded import SampledTask
 
     if n_tasks < 1 or n_models < 1 or n_families < 1 or n_samples < 1 or block < 1:
         raise ValueError("synthetic samples need at least 1 task, model, family, sample and a block of 1")

@@ -18,7 +18,7 @@ from typing import Callable, Hashable, Literal
 
 import numpy as np
 
-from rlens.evaluation.recorded import RecordedDataset
+from rlens.records.recorded import RecordedDataset
 from rlens.drift import DriftMonitor, signals_of_outcome
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import Answer, Decision, FocalEngine

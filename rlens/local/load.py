@@ -27,7 +27,7 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from pydantic import ValidationError
 
-from rlens.evaluation.recorded import RecordedDataset
+from rlens.records.recorded import RecordedDataset
 from rlens.messages import Answer, Feedback, Query
 from rlens.service.common.kafka import Topics, settle_idempotence
 from rlens.settings import Settings
@@ -303,8 +303,8 @@ class TrafficError(ValueError):
 def traffic_of(data: Path, tasks: str | None, limit: int | None) -> tuple[str, list[tuple[Query, Outcome]]]:
     """(name, traffic): open-ended ``tasks`` (a JSON-lines task file, or ``zoo``: the zoo's generation stream, 8
     blocks of 50 with task switches), else the multiple-choice questions of the dataset ``data``; the first ``limit``."""
-    from rlens.evaluation.dataset import load_dataset
-    from rlens.evaluation.recorded import DatasetError
+    from rlens.records.dataset import load_dataset
+    from rlens.records.recorded import DatasetError
     from rlens.rlae.tasks import TaskFileError, read_tasks
     from rlens.zoo.record import QUESTIONS_FILE, read_questions
     from rlens.zoo.tasks import GENERATION_FAMILIES, generation_stream

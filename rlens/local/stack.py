@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from rlens import locks
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 from rlens.service.common.kafka import ensure_topics
 from rlens.local.servers import LocalBroker, LocalRedis, die_with_parent
 from rlens.service.common.security import generate_secrets

@@ -13,8 +13,8 @@ from pathlib import Path
 from redis import Redis
 from redis.exceptions import RedisError
 
-from rlens.evaluation.dataset import load_dataset
-from rlens.evaluation.recorded import DatasetError
+from rlens.records.dataset import load_dataset
+from rlens.records.recorded import DatasetError
 from rlens.local.load import BrokerUnreachable, probe_broker
 from rlens.local.servers import broker_port_taken
 from rlens.local.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool

@@ -1,1 +1,2 @@
-"""The model side: pool files, calling a pool concurrently, answer parsing, and `rlens serve-model`."""
+"""The model side: pool files, calling a pool concurrently, and `rlens serve-model` (answer parsing is in
+:mod:`rlens.records.answers`)."""

@@ -1,7 +1,7 @@
 """Calling the pool: the models a Decider chose answer one query concurrently; failures become records, not hangs.
 
 A query is multiple choice (:class:`ChoiceQuery`: each model scores the choices) or open-ended
-(:class:`GenerationRequest`: each model samples ``n`` texts, and :func:`rlens.models.answers.pool_choices` turns the
+(:class:`GenerationRequest`: each model samples ``n`` texts, and :func:`rlens.records.answers.pool_choices` turns the
 samples into distributions over the union of their extracted answers, the query's candidates; a model none of whose
 samples holds an answer is a failure). Either way the caller gets the models' distributions over the choices.
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlens.backends.base import Backend, ChoiceQuery, ChoiceScores, GenerationRequest, Generations
-from rlens.models.answers import Extractor, extract_answer, pool_choices
+from rlens.records.answers import Extractor, extract_answer, pool_choices
 
 PoolQuery = ChoiceQuery | GenerationRequest
 
@@ -165,7 +165,7 @@ class PoolCaller:
         max_choices: int = 64,
     ):
         """``backends`` in the pool's model order (name -> backend); ``extractor`` and ``max_choices``: how open-ended
-        samples become candidates (:func:`rlens.models.answers.pool_choices`)."""
+        samples become candidates (:func:`rlens.records.answers.pool_choices`)."""
         self.extractor, self.max_choices = extractor, max_choices
         self.names = list(backends)
         self.backends = list(backends.values())

@@ -150,7 +150,7 @@ def build_backend(model: PoolModel) -> Backend:
         options = dict(model.options)
         return TransformersBackend.load(Path(options.pop("path")).expanduser(), **options)
     if model.backend == "replay":
-        from rlens.evaluation.dataset import load_dataset
+        from rlens.records.dataset import load_dataset
 
         return create_backend(
             "replay", **{**model.options, "dataset": load_dataset(Path(model.options["dataset"]).expanduser())}

@@ -6,7 +6,7 @@ directory gets ``questions.jsonl`` (prompt, choices, family of every row), so re
 questions later. The bundled ``zoo_mc`` dataset (``rlens demo``) is made by this module.
 
 :func:`record_samples` does the same for open-ended tasks (`rlens zoo record --samples N`: those of
-:func:`rlens.zoo.tasks.generation_stream`): every model samples ``n`` texts of each task, saved as a samples directory (:mod:`rlens.evaluation.open_ended`) that
+:func:`rlens.zoo.tasks.generation_stream`): every model samples ``n`` texts of each task, saved as a samples directory (:mod:`rlens.records.open_ended`) that
 ``rlens replay`` replays and the ``replay`` backend serves to the streaming service.
 """
 
@@ -19,10 +19,10 @@ from typing import Callable
 import numpy as np
 
 from rlens.backends.base import ChoiceQuery, GenerationRequest
-from rlens.evaluation.dataset import save_dataset
-from rlens.evaluation.recorded import RecordedDataset
-from rlens.evaluation.open_ended import load_samples, save_samples
-from rlens.evaluation.recorded import SampledTask
+from rlens.records.dataset import save_dataset
+from rlens.records.recorded import RecordedDataset
+from rlens.records.open_ended import load_samples, save_samples
+from rlens.records.recorded import SampledTask
 from rlens.zoo.build import ZooModel, load_backend
 from rlens.zoo.tasks import FAMILIES, N_CHOICES, GenerationTask, Question, block_stream
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rlens.evaluation.dataset import save_dataset
-from rlens.evaluation.recorded import DatasetError, RecordedDataset
+from rlens.records.dataset import save_dataset
+from rlens.records.recorded import DatasetError, RecordedDataset
 
 SAMPLES_NAME = re.compile(r"^samples_(?P<task>.+?)(?:_(?P<stamp>\d{4}-\d{2}-\d{2}T[0-9.\-:]+))?\.jsonl$")
 

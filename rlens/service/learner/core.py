@@ -93,7 +93,7 @@ from rlens.service.common.metrics import (
 )
 from rlens.service.learner.drift_watch import DriftWatch
 from rlens.service.learner.gate import Gate
-from rlens.service.learner.checkpoint import Groups
+from rlens.focal.checkpoint import Groups
 from rlens.service.learner.promotion import Promotion
 from rlens.service.learner.offsets import Offsets
 from rlens.service.learner.ope_log import OpeLog

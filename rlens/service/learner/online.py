@@ -35,11 +35,11 @@ from rlens.focal.engine import Answer as EngineAnswer
 from rlens.focal.engine import Decision, FocalEngine
 from rlens.focal.features import critic_state_dim, decider_obs_dim, fusion_feature_dim
 from rlens.messages import MAX_CHOICES, Experience, Feedback, RLAEExperience
-from rlens.models.answers import Extractor, label_of
+from rlens.records.answers import Extractor, label_of
 from rlens.rlae.agent import Policy, RLAEConfig, Span, update
 from rlens.rlae.observe import obs_dim
 from rlens.service.common.windows import CalibrationRows
-from rlens.service.learner.checkpoint import Groups, load_engine, save_engine
+from rlens.focal.checkpoint import Groups, load_engine, save_engine
 from rlens.zoo.tasks import exact_match
 
 
@@ -259,7 +259,7 @@ class FocalOnlineTrainer(OnlineTrainer[Experience]):
     def warm_start(self, source: Path) -> None:
         """Algorithm 1 on a recorded dataset of the pool's models, or a trained policy of them (an `rlens replay`
         output folder or its ``policy.safetensors``: trained on other tasks)."""
-        from rlens.evaluation.dataset import load_dataset
+        from rlens.records.dataset import load_dataset
         from rlens.focal.policy_file import load_policy, policy_path
         from rlens.focal.schedule import warm_start
 

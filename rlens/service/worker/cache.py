@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 
 from rlens.backends.base import Backend, ChoiceQuery, ChoiceScores, GenerationRequest, Generations
 from rlens.backends.replay import recorded_scores
-from rlens.evaluation.dataset import load_dataset
+from rlens.records.dataset import load_dataset
 
 log = logging.getLogger("rlens.worker")
 

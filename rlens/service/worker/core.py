@@ -40,7 +40,7 @@ import torch
 from redis.exceptions import RedisError
 
 from rlens.backends.base import Backend, ChoiceQuery, GenerationRequest
-from rlens.models.answers import Extractor
+from rlens.records.answers import Extractor
 from rlens.models.ensemble import PoolCaller, PoolQuery
 from rlens.focal.calibration import significant
 from rlens.focal.engine import FocalEngine

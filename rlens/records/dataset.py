@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 import numpy as np
 
-from rlens.evaluation.open_ended import is_samples_dir, load_samples
-from rlens.evaluation.recorded import (
+from rlens.records.open_ended import is_samples_dir, load_samples
+from rlens.records.recorded import (
     PROB_SUM_TOLERANCE,
     DatasetError,
     RecordedDataset,

@@ -2,7 +2,7 @@
 the best static weights found by grid search on the training split, and RL-Focal's selection over the same pool.
 
 RL-Focal needs answer distributions over choices: each model's greedy output is its one sample of an open-ended
-dataset (:mod:`rlens.evaluation.open_ended`): the choices of a task are the union of the pool's answers (first lines,
+dataset (:mod:`rlens.records.open_ended`): the choices of a task are the union of the pool's answers (first lines,
 stripped), each model's distribution one-hot on its own answer, and one extra, never selectable choice holds the
 label when no model produced the reference, so such tasks count as wrong for every method.
 """
@@ -16,9 +16,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rlens.evaluation.recorded import RecordedDataset
-from rlens.evaluation.open_ended import sampled_dataset
-from rlens.evaluation.recorded import SampledTask
+from rlens.records.recorded import RecordedDataset
+from rlens.records.open_ended import sampled_dataset
+from rlens.records.recorded import SampledTask
 from rlens.focal.config import FocalConfig
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import SpanWeightedDecoder, Weights

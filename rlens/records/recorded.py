@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlens.models.answers import Extractor
+from rlens.records.answers import Extractor
 
 PROB_SUM_TOLERANCE = 1e-2
 
@@ -44,7 +44,7 @@ class RecordedDataset:
 
     @property
     def open_ended(self) -> bool:
-        """The choices are the answers the models gave (:mod:`rlens.evaluation.open_ended`)."""
+        """The choices are the answers the models gave (:mod:`rlens.records.open_ended`)."""
         return self.sampled is not None
 
     @property
@@ -72,13 +72,6 @@ class RecordedDataset:
             sampled=None if self.sampled is None else [self.sampled[i] for i in index],
             extractor=self.extractor,
         )
-
-
-def shared_data_dir() -> Path:
-    """Where the shared datasets live: ``$RLENS_SHARED_DATA`` or ``../shared/datasets``."""
-    from rlens.settings import settings
-
-    return settings().shared_data
 
 
 def _load_array(directory: Path, filename: str) -> np.ndarray:

@@ -2,9 +2,9 @@
 
 A samples directory holds ``models.json`` (as in every dataset: names and costs), ``samples.jsonl`` (one task per
 line: ``{"prompt", "reference", "family", "samples": {model name: [texts]}}``) and optionally
-``open_ended.json`` (``{"extractor": "line" | "number"}``, default line). :func:`rlens.evaluation.dataset.load_dataset`
+``open_ended.json`` (``{"extractor": "line" | "number"}``, default line). :func:`rlens.records.dataset.load_dataset`
 reads such a directory as an open-ended :class:`RecordedDataset` (:func:`sampled_dataset`): a question's choices are
-the union of the answers extracted from the models' samples (:func:`rlens.models.answers.pool_choices`), each model's
+the union of the answers extracted from the models' samples (:func:`rlens.records.answers.pool_choices`), each model's
 distribution the frequency of each answer among its samples, plus one last column that no model ever picks, "none of
 these": the label when no model gave the reference (so every model, and any fusion, is wrong there). A model none of
 whose samples holds an answer has a zero row (it counts as not answering). The ``replay`` backend serves the recorded
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 from pydantic import ValidationError
 
-from rlens.evaluation.recorded import DatasetError, RecordedDataset, SampledTask, read_models, write_models
-from rlens.models.answers import Extractor, label_of, pool_choices
+from rlens.records.recorded import DatasetError, RecordedDataset, SampledTask, read_models, write_models
+from rlens.records.answers import Extractor, label_of, pool_choices
 
 SAMPLES_FILE = "samples.jsonl"
 OPTIONS_FILE = "open_ended.json"
