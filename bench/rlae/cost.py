@@ -23,7 +23,7 @@ import torch
 
 from bench.common.machine import machine_facts
 from bench.common.args import arguments
-from rlens.cli.common import quiet_transformers
+from rlens.progress import quiet_transformers
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.rlae.decode import TokenEnsemble
 from rlens.rlae.observe import SentenceEncoder, obs_dim

@@ -32,7 +32,7 @@ from bench.common.args import add_out, arguments, write_json
 from bench.common.machine import machine_facts
 from rlens.backends.base import ChoiceQuery
 from rlens.backends.hf import TransformersBackend
-from rlens.cli.common import quiet_transformers
+from rlens.progress import quiet_transformers
 from rlens.rlae.decode import SpanView, TokenEnsemble
 from rlens.rlae.train import STOP
 from rlens.settings import settings

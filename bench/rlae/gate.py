@@ -42,7 +42,7 @@ from bench.common.machine import machine_facts  # noqa: E402
 from bench.rlae.online import FAMILIES, MODELS, MAX_TOKENS, SPAN, offline_run  # noqa: E402
 from bench.robustness.gate import SIGNER, TOKENS, record  # noqa: E402
 from rlens.checkpoint import CheckpointStore  # noqa: E402
-from rlens.cli.common import quiet_transformers  # noqa: E402
+from rlens.progress import quiet_transformers  # noqa: E402
 from rlens.local.load import open_ended_queries  # noqa: E402
 from rlens.messages import Feedback  # noqa: E402
 from rlens.rlae.agent import make_policy  # noqa: E402

@@ -31,7 +31,7 @@ from rich.console import Console
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, add_seeds, arguments, write_json
 
-from rlens.cli.common import quiet_transformers
+from rlens.progress import quiet_transformers
 from rlens.progress import progress_bar
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.rlae.decode import TokenEnsemble

@@ -40,7 +40,7 @@ from aiokafka import AIOKafkaConsumer
 
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, arguments, write_json
-from rlens.cli.common import quiet_transformers
+from rlens.progress import quiet_transformers
 from rlens.drift import drift_figures
 from rlens.messages import DriftEvent
 from rlens.rlae.agent import RLAEConfig

@@ -30,7 +30,7 @@ from bench.accuracy.ope import spearman
 from bench.common.args import add_out, add_seeds, arguments, write_json
 from bench.common.machine import machine_facts
 from bench.rlae.zoo import FAMILIES, SPECIALISTS
-from rlens.cli.common import quiet_transformers
+from rlens.progress import quiet_transformers
 from rlens.evaluation.ope import Estimate, ips, snips
 from rlens.rlae.agent import RLAEConfig, Span, make_policy
 from rlens.rlae.decode import TokenEnsemble

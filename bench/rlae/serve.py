@@ -22,7 +22,7 @@ from bench.rlae.llm import POOL, SEEN
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, arguments
 from rlens.backends import create_backend
-from rlens.cli.common import quiet_transformers
+from rlens.progress import quiet_transformers
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
 from rlens.evaluation.rlae import correct

@@ -31,7 +31,7 @@ from rich.progress import Progress
 
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, add_seeds, arguments, write_json
-from rlens.cli.common import quiet_transformers
+from rlens.progress import quiet_transformers
 from rlens.rlae.agent import RLAEConfig
 from rlens.rlae.decode import TokenEnsemble
 from rlens.evaluation.rlae import correct, decode, grid_search, rl_focal_correct

@@ -45,19 +45,6 @@ def needs_extra(extra: str, *modules: str) -> None:
         fail(f"this needs the `{extra}` extra ({', '.join(missing)} missing): pip install 'rlens[{extra}]'")
 
 
-def quiet_transformers() -> None:
-    """No transformers progress bars or advisory warnings on the terminal; rlens shows its own progress."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # the service runs without the model extras (the `hf` extra)
-        return
-
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's own tqdm bar
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # processes it starts, too (the zoo's training)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
 def service_settings(pool: Path | None):
     """The settings, with ``--pool`` (if given) as the pool file."""
     return settings().model_copy(update={"pool_file": pool}) if pool else settings()

@@ -7,7 +7,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from rlens.cli.common import console, fail, quiet_transformers
+from rlens.cli.common import console, fail
+from rlens.progress import quiet_transformers
 
 pool_app = typer.Typer(help="Pool configurations: the models a worker ensembles.", no_args_is_help=True)
 

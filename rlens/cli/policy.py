@@ -216,7 +216,7 @@ def policy_show(
 def set_live(s: Settings, history, target, note: str) -> None:
     """``target``'s weights live again under the version after every one in ``history``, signed with the learner's
     key."""
-    from rlens.service.common.kafka import MAX_MESSAGE_BYTES, Topics, client_options
+    from rlens.service.common.kafka import Topics, send_one
     from rlens.service.common.security import SecretsError, policy_signer
 
     try:
@@ -224,19 +224,8 @@ def set_live(s: Settings, history, target, note: str) -> None:
     except SecretsError as exc:
         fail(f"{exc} (an operator's policy is signed with the learner's key)")
     policy = history.republish(target, signer, note)
-
-    async def send() -> None:
-        from aiokafka import AIOKafkaProducer
-
-        producer = AIOKafkaProducer(**client_options(s), acks="all", max_request_size=MAX_MESSAGE_BYTES)
-        await producer.start()
-        try:
-            await producer.send_and_wait(Topics.from_settings(s).policy, policy.model_dump_json().encode())
-        finally:
-            await producer.stop()
-
     try:
-        asyncio.run(send())
+        asyncio.run(send_one(s, Topics.from_settings(s).policy, policy.model_dump_json().encode()))
     except Exception as exc:
         fail(f"could not publish to {s.kafka_bootstrap}: {type(exc).__name__}: {exc}")
     console.print(

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, cast
 
 import typer
 
-from rlens.cli.common import console, fail, needs_extra, quiet_transformers
+from rlens.cli.common import console, fail, needs_extra
+from rlens.progress import quiet_transformers
 from rlens.progress import progress_bar
 from rlens.settings import settings
 

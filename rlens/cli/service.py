@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from rlens.cli.common import CONFIG, POOL, fail, quiet_transformers, service_settings
+from rlens.cli.common import CONFIG, POOL, fail, service_settings
+from rlens.progress import quiet_transformers
 from rlens.records.recorded import DatasetError
 from rlens.settings import settings
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from rlens.cli.common import console, fail, quiet_transformers
+from rlens.cli.common import console, fail
+from rlens.progress import quiet_transformers
 from rlens.progress import progress_bar
 from rlens.settings import settings
 

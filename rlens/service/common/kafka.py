@@ -485,6 +485,19 @@ class BrokerRefused(ValueError):
     to set)."""
 
 
+async def send_one(settings: Settings, topic: str, value: bytes) -> None:
+    """One record to ``topic`` from a producer of its own, acknowledged by every in-sync replica (an operator's
+    command, not a service)."""
+    from aiokafka import AIOKafkaProducer
+
+    producer = AIOKafkaProducer(**client_options(settings), acks="all", max_request_size=MAX_MESSAGE_BYTES)
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, value)
+    finally:
+        await producer.stop()
+
+
 async def settle_idempotence(settings: Settings) -> Settings:
     """``settings`` with ``kafka_idempotence`` true or false: "auto" becomes whether the broker accepts one idempotent
     producer (Apache Kafka does; tansu refuses its InitProducerId), and true is checked the same way, so that a
