@@ -276,17 +276,27 @@ def role_url(gw, role: str) -> str:
     return next(u for name, u in gw["urls"].items() if name.startswith(f"{role}:"))
 
 
+def spend_until_refused(gw, key: str, check=lambda response: None) -> tuple[list[float], httpx.Response]:
+    """Questions 0, 1, ... with ``key`` (on a stream of its name) until one is refused (at most 200), each answer
+    ``check``ed: the answers' costs, and the last response."""
+    charged = []
+    for question in range(200):
+        response = ask(gw, key, question=question, stream=key)
+        if response.status_code == 429:
+            break
+        assert response.status_code == 200, response.text
+        check(response)
+        charged.append(response.json()["rlens"]["cost"])
+    return charged, response
+
+
 def test_each_answer_says_its_cost_and_overhead_and_a_spent_budget_refuses_the_key(gw):
     """Every answer: the pool cost units of the models it called, the models' time, the time rlens added (header,
     as LiteLLM's overhead header). A key with a budget is charged each answer's cost once, and refused past it."""
     pool = json.loads((gw["stack"].workdir / "pool.json").read_text())["models"]
     costs = {m["name"]: m["cost"] for m in pool}
-    charged = []
-    for question in range(200):
-        response = ask(gw, "budget", question=question, stream="budget")
-        if response.status_code == 429:
-            break
-        assert response.status_code == 200, response.text
+
+    def check(response: httpx.Response) -> None:
         body, headers = response.json(), response.headers
         account = body["rlens"]
         assert account["cost"] == pytest.approx(sum(costs[m] for m in account["called_models"]))
@@ -303,7 +313,8 @@ def test_each_answer_says_its_cost_and_overhead_and_a_spent_budget_refuses_the_k
         assert stages["models"] == pytest.approx(account["model_ms"], abs=0.01) and min(stages.values()) >= 0
         assert stages["worker"] + stages["models"] == pytest.approx(account["latency_ms"], abs=0.02)
         assert sum(stages.values()) <= 1000 * response.elapsed.total_seconds() + 1
-        charged.append(account["cost"])
+
+    charged, response = spend_until_refused(gw, "budget", check)
     error = response.json()["error"]
     assert response.status_code == 429 and error["code"] == "budget_exhausted" and "budget of" in error["message"]
     # a budget caps: each query held what it may cost before it was published, its pool cut to what was left, so
@@ -365,13 +376,7 @@ def test_concurrent_requests_cannot_overspend_a_budget_and_a_daily_one_is_counte
 def test_a_spent_budget_stays_spent_after_redis_restarts_empty(gw):
     """Issue 60: a key spends its budget; then Redis loses the key's spending (what an empty restart does to it: its
     spending, holds and restored mark gone). The key is still refused, its spending rebuilt from the spending topic."""
-    charged = []
-    for question in range(200):
-        response = ask(gw, "durable", question=question, stream="durable")
-        if response.status_code == 429:
-            break
-        assert response.status_code == 200, response.text
-        charged.append(response.json()["rlens"]["cost"])
+    charged, response = spend_until_refused(gw, "durable")
     assert response.status_code == 429 and len(charged) >= 2
     settings_ = gw["stack"].settings
     key_id = gw["keys"]["durable"].split("_")[1]

@@ -82,6 +82,16 @@ class PolicyVerifier:
         return True
 
 
+def _mac(key: bytes, message: Answer | Spending) -> str:
+    """A message's MAC under ``key``: over its JSON with its ``signature`` empty."""
+    content = message.model_copy(update={"signature": ""}).model_dump_json().encode()
+    return hmac.new(key, content, hashlib.sha256).hexdigest()
+
+
+def _carries_its_mac(key: bytes, message: Answer | Spending) -> bool:
+    return bool(message.signature) and hmac.compare_digest(_mac(key, message), message.signature)
+
+
 class FeedbackTokens:
     """What the shared feedback secret makes. ``token(query_id)``: what an answer carries and its feedback must
     present (``valid`` checks one in constant time). ``sign(answer)``: an HMAC over the whole answer (query id and
@@ -120,25 +130,17 @@ class FeedbackTokens:
         """Whether ``token`` is the one issued for ``query_id`` on ``stream`` (constant time)."""
         return hmac.compare_digest(self.token(query_id, stream), token)
 
-    def _answer_mac(self, answer: Answer) -> str:
-        content = answer.model_copy(update={"signature": ""}).model_dump_json().encode()
-        return hmac.new(self._answer_key, content, hashlib.sha256).hexdigest()
-
     def sign(self, answer: Answer) -> Answer:
-        return answer.model_copy(update={"signature": self._answer_mac(answer)})
+        return answer.model_copy(update={"signature": _mac(self._answer_key, answer)})
 
     def signed(self, answer: Answer) -> bool:
-        return bool(answer.signature) and hmac.compare_digest(self._answer_mac(answer), answer.signature)
-
-    def _spending_mac(self, record: Spending) -> str:
-        content = record.model_copy(update={"signature": ""}).model_dump_json().encode()
-        return hmac.new(self._spending_key, content, hashlib.sha256).hexdigest()
+        return _carries_its_mac(self._answer_key, answer)
 
     def sign_spending(self, record: Spending) -> Spending:
-        return record.model_copy(update={"signature": self._spending_mac(record)})
+        return record.model_copy(update={"signature": _mac(self._spending_key, record)})
 
     def signed_spending(self, record: Spending) -> bool:
-        return bool(record.signature) and hmac.compare_digest(self._spending_mac(record), record.signature)
+        return _carries_its_mac(self._spending_key, record)
 
     def query_signature(self, query_id: str, stream: str) -> str:
         """What a gateway's query carries: only a holder of the secret may use a tenant's stream key."""

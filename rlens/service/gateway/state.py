@@ -161,14 +161,18 @@ class GatewayState:
                 pipe.get(self._k("q", query_id))
             return [QueryRecord.model_validate_json(raw) if raw else None for raw in await pipe.execute()]
 
+    def _of_key(self, name: str, key_id: str, *rest: str) -> str:
+        """An API key's Redis key ``name``; all of one API key's keys in one hash slot (its id as the hash tag)."""
+        return self._k(name, f"{{{key_id}}}", *rest)
+
     def _budget_keys(self, key_id: str, period: str) -> list[str]:
-        tag = f"{{{key_id}}}"  # one hash slot per key
-        return [self._k("spent", tag, period_stamp(period)), self._k("hold", tag), self._k("restored", tag)]
+        """The current period's spending key, the key's holds and its restored mark."""
+        spent, restored = self._stamp_keys(key_id, period_stamp(period))
+        return [spent, self._of_key("hold", key_id), restored]
 
     def _stamp_keys(self, key_id: str, stamp: str) -> list[str]:
         """A period stamp's spending key and the key's restored mark."""
-        tag = f"{{{key_id}}}"
-        return [self._k("spent", tag, stamp), self._k("restored", tag)]
+        return [self._of_key("spent", key_id, stamp), self._of_key("restored", key_id)]
 
     async def pool_costs(self, strategy: str) -> list[float] | None:
         """The model costs the strategy's workers announce (None before any worker runs)."""
