@@ -37,7 +37,7 @@ import numpy as np
 from bench.common.args import add_out, arguments, write_json
 from bench.common.machine import cpu_seconds, machine_facts, process_tree
 from bench.common.stacks import replay_stack
-from bench.gateway.gateway import request_body
+from bench.gateway.gateway import percentiles, request_body
 from rlens.records.dataset import load_dataset
 from rlens.local.load import queries_of
 from rlens.local.servers import LocalProcess
@@ -131,12 +131,6 @@ class Rlens(System):
 
     def stop(self) -> None:
         self.stack.stop()
-
-
-def percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"p50_ms": None, "p99_ms": None}
-    return {"p50_ms": round(float(np.percentile(values, 50)), 2), "p99_ms": round(float(np.percentile(values, 99)), 2)}
 
 
 async def open_loop(system: System, rate: float, n: int) -> dict:
