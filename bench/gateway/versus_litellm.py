@@ -32,7 +32,6 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 
 from bench.common.args import add_out, arguments, write_json
 from bench.common.machine import cpu_seconds, machine_facts, process_tree
