@@ -96,6 +96,20 @@ class ModelFailureRecord(BaseModel):
     reason: str
 
 
+class ModelCallRecord(BaseModel):
+    """One model's call for a query: when it started (from the worker taking the query's batch), how long it took,
+    and the tokens it read and wrote (``estimated`` from the texts where its backend cannot tell)."""
+
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
+
+    model: str
+    offset_ms: float = Field(ge=0)
+    duration_ms: float = Field(ge=0)
+    prompt_tokens: int = Field(0, ge=0)
+    completion_tokens: int = Field(0, ge=0)
+    estimated: bool = False
+
+
 class Answer(Message):
     query_id: str
     stream: str
@@ -117,6 +131,9 @@ class Answer(Message):
     answered_models: list[str] = Field(description="models of the pool that answered (the Fusion agent used these)")
     called_models: list[str] = Field(description="models asked (the pool, plus the rest on a window-refresh probe)")
     failures: list[ModelFailureRecord] = Field(default_factory=list)
+    model_calls: list[ModelCallRecord] = Field(
+        default_factory=list, description="each model asked, timed, with its tokens (what `usage` adds up)"
+    )
     policy_version: int = Field(ge=0)
     latency_ms: float = Field(ge=0, description="from the worker taking the query to publishing the answer")
     model_ms: float = Field(

@@ -113,7 +113,7 @@ class Settings(BaseSettings):
     otel_endpoint: str | None = Field(
         None,
         description="OpenTelemetry traces to this OTLP/HTTP endpoint (e.g. http://collector:4318/v1/traces; the "
-        "`otel` extra); none: no traces",
+        "`otel` extra); the SDK's own OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_* variables work too; none of them: no traces",
     )
     trace_dir: Path | None = Field(
         None, description="each process's spans as JSON lines in <dir>/<role>-<pid>.jsonl (tests, a quick look)"

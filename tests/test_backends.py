@@ -86,6 +86,26 @@ def test_prefix_shared_scores_match_per_choice_reference(tiny, prompt, choices):
     assert scores.loglikelihoods == pytest.approx([reference_loglikelihood(tiny, prompt, c) for c in choices], abs=1e-4)
 
 
+def test_a_backends_usage_counts_the_tokens_it_read_and_wrote(tiny):
+    """Scoring reads the context once (its cache is shared) and every choice; a generation reads the prompt and
+    writes each sample up to its end of text. Replay's (no tokenizer) is estimated by the pool caller: 4 characters
+    a token, a choice query's prompt with each choice."""
+    from rlens.backends.base import GenerationRequest, estimated_usage
+
+    prompt, choices = "is the sky blue?\nanswer:", [" yes", " no", " it depends"]
+    pairs = [encode_pair(tiny.tokenizer, prompt, c) for c in choices]
+    scores = tiny.score_choices(ChoiceQuery(id="q", prompt=prompt, choices=choices))
+    read = len(pairs[0][0]) + sum(len(c) for _, c in pairs)
+    assert (scores.usage.prompt_tokens, scores.usage.completion_tokens, scores.usage.total_tokens) == (read, 0, read)
+    request = GenerationRequest(id="g", prompt=prompt, n=3, max_tokens=5, temperature=1.0, seed=1)
+    samples, used = tiny.sample(request)
+    assert used.prompt_tokens == len(tiny.prefix + tiny.tokenizer.encode(prompt, add_special_tokens=False))
+    assert len(samples) == 3 and 3 <= used.completion_tokens <= 15
+    assert tiny.generate(request).usage == used
+    estimate = estimated_usage(ChoiceQuery(id="q", prompt="abcd", choices=["e", "fghij"]), scores)
+    assert (estimate.prompt_tokens, estimate.completion_tokens) == (2 + 3, 0)  # "abcde": 2, "abcdfghij": 3
+
+
 def test_long_context_is_cut_from_the_left(tiny):
     prompt = "abcdefghij" * 8  # 80 characters, the window is 64
     choices = ["x", "xyz"]

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import httpx
 import openai
@@ -43,6 +44,7 @@ from rlens.service.common.security import FeedbackTokens
 from rlens.local.stack import write_replay_pool
 from rlens.settings import settings
 from brokers import stack_for_tests
+from otlp import OtlpReceiver
 
 CHOICES = ["A", "B", "C", "D"]  # the bundled stream's questions have four options
 
@@ -224,18 +226,27 @@ def gw(tmp_path_factory):
     keys["crowd"], _ = add_key(workdir / "keys.json", "crowd", ["*"], rate_per_s=1000, burst=1000, budget=2.0)
     keys["daily"], _ = add_key(workdir / "keys.json", "daily", ["*"], budget=BUDGET, budget_period="daily")
     keys["durable"], _ = add_key(workdir / "keys.json", "durable", ["*"], budget=BUDGET)
-    stack.start_learner()
-    stack.start_worker()
-    stack.start_gateway()
+    receiver = OtlpReceiver()  # the processes export their spans over OTLP too, set up by the SDK's own variables
+    otel = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_SERVICE_NAME": "rlens-under-test",
+        "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment.name=test",
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
+    with patch.dict(os.environ, otel):  # the children's environment only
+        stack.start_learner()
+        stack.start_worker()
+        stack.start_gateway()
     try:
         stack.wait_ready(120)
         urls = stack.http_urls()
         url = next(u for name, u in urls.items() if name.startswith("gateway:"))
-        yield {"stack": stack, "url": url, "keys": keys, "urls": urls}
+        yield {"stack": stack, "url": url, "keys": keys, "urls": urls, "otlp": receiver}
     finally:
         for worker in stack.workers:
             worker.send_signal(signal.SIGCONT)
         stack.stop()
+        receiver.close()
 
 
 def auth(gw, who: str = "local") -> dict[str, str]:
@@ -436,6 +447,8 @@ def spans_of(directory: Path) -> list[dict]:
 def test_one_trace_follows_a_request_through_the_gateway_the_worker_its_models_and_the_learners_join(gw):
     """OpenTelemetry: the gateway's span, the worker's answer (its child, through the query record's traceparent
     header), one span per model called, and the learner's join of the feedback (through the experience's header)."""
+    for probe in ("/healthz", "/readyz"):  # polled all day by an orchestrator: never traced
+        assert httpx.get(f"{gw['url']}{probe}", timeout=30).status_code == 200
     response = ask(gw, question=21, stream="traced")
     assert response.status_code == 200, response.text
     query_id = response.json()["id"]
@@ -466,6 +479,35 @@ def test_one_trace_follows_a_request_through_the_gateway_the_worker_its_models_a
     (join,) = [s for s in in_trace if s["name"] == "rlens.learner join"]
     assert join["parent_id"] == answer["context"]["span_id"] and -2.0 <= join["attributes"]["rlens.reward"] <= 1.0
     assert request["attributes"]["gen_ai.operation.name"] == "chat" and request["attributes"]["rlens.cost"] > 0
+    usage = response.json()["usage"]
+    assert request["attributes"]["gen_ai.usage.input_tokens"] == usage["prompt_tokens"] > 0
+    # one HTTP server span per request (FastAPI's, the route's span under it); the feedback's links to the query's
+    (server,) = [s for s in in_trace if s["kind"] == "SpanKind.SERVER"]
+    assert server["name"] == "POST /v1/chat/completions" and request["parent_id"] == server["context"]["span_id"]
+    (feedback,) = [s for s in found if s["name"] == "POST /v1/feedback" and s["kind"] == "SpanKind.SERVER"]
+    assert [link["context"]["span_id"] for link in feedback["links"]] == [request["context"]["span_id"]]
+    assert not [s for s in found if any(probe in s["name"] for probe in ("/readyz", "/healthz", "/metrics"))]
+
+    # the same trace over OTLP, configured only by OTEL_* variables: every model call its own timed span
+    received: list[dict] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(s["name"] == "rlens.learner join" for s in received):
+        received = [s for s in gw["otlp"].received() if s["trace_id"] == trace_id.removeprefix("0x")]
+        time.sleep(0.5)
+    assert {s["name"] for s in received} == {s["name"] for s in in_trace}, received
+    assert {s["resource"]["service.name"] for s in received} == {"rlens-under-test"}
+    assert {s["resource"]["rlens.role"] for s in received} == {"gateway", "worker", "learner"}
+    assert {s["resource"]["deployment.environment.name"] for s in received} == {"test"}
+    model_calls = {c["model"]: c for c in response.json()["rlens"]["model_calls"]}
+    exported = [s for s in received if s["name"].startswith("text_completion ")]
+    assert sorted(s["attributes"]["gen_ai.request.model"] for s in exported) == sorted(called) == sorted(model_calls)
+    for s in exported:
+        call = model_calls[s["attributes"]["gen_ai.request.model"]]
+        assert s["attributes"]["gen_ai.provider.name"] == "replay" and s["attributes"]["gen_ai.response.model"]
+        assert s["attributes"]["gen_ai.usage.input_tokens"] == call["prompt_tokens"] > 0
+        assert abs((s["end_ns"] - s["start_ns"]) / 1e6 - call["duration_ms"]) < 0.01, (s, call)
+    if len(exported) > 1:  # the replay models answer inline, one after the other: no two calls share a start
+        assert len({s["start_ns"] for s in exported}) == len(exported), exported
 
 
 def test_the_official_openai_client_works_unchanged(gw):
@@ -493,6 +535,13 @@ def test_the_official_openai_client_works_unchanged(gw):
         extra_body={**extra, "rlens": {"choices": CHOICES, "reference_id": "4"}},
     )
     assert text.choices[0].text in CHOICES and text.id != chat.id
+    # usage: every model called, its tokens (estimated from the texts: a replay pool has no tokenizer)
+    for reply in (chat, text):
+        calls = reply.model_extra["rlens"]["model_calls"]
+        assert sorted(c["model"] for c in calls) == sorted(reply.model_extra["rlens"]["called_models"])
+        assert reply.usage.prompt_tokens == sum(c["prompt_tokens"] for c in calls) > 0
+        assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+        assert reply.usage.model_extra["cost"] == reply.model_extra["rlens"]["cost"] > 0
     chunks = list(
         client.chat.completions.create(
             model="rlens-focal",
@@ -504,7 +553,19 @@ def test_the_official_openai_client_works_unchanged(gw):
     assert (
         "".join(c.choices[0].delta.content or "" for c in chunks) in CHOICES
         and chunks[-1].choices[0].finish_reason == "stop"
+        and all(c.usage is None for c in chunks)
     )
+    counted = list(
+        client.chat.completions.create(
+            model="rlens-focal",
+            messages=[{"role": "user", "content": "question 6"}],
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={**extra, "rlens": {"choices": CHOICES, "reference_id": "6"}},
+        )
+    )
+    assert all(c.usage is None for c in counted[:-1]) and counted[-1].choices == []
+    assert counted[-1].usage.prompt_tokens > 0 and counted[-2].choices[0].finish_reason == "stop"
     with pytest.raises(openai.NotFoundError, match="this deployment does not run rlens-rlae"):
         client.chat.completions.create(model="rlens-rlae", messages=[{"role": "user", "content": "2+2="}])
     # open-ended: the models are asked for samples, which a pool replaying multiple-choice records cannot give

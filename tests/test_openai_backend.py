@@ -78,11 +78,16 @@ def test_served_smollm2_equals_in_process():
         server.kill()
 
 
-def test_generation_through_the_server(servers):
+def test_generation_through_the_server(servers, zoo_models):
     remote = create_backend("openai", base_url=servers["arith-char"].url, model="arith-char")
     request = GenerationRequest(id="g", prompt=QUESTION.prompt, n=5, max_tokens=6, temperature=1.0, stop=["\n"], seed=3)
-    texts = remote.generate(request).texts
+    served = remote.generate(request)
+    texts = served.texts
     assert len(texts) == 5 and all("\n" not in t for t in texts)
+    # the server's usage comes through: what the model in it counted, the same as in process
+    assert served.usage == load_backend(zoo_models["arith-char"]).generate(request).usage
+    assert served.usage.prompt_tokens > 0 and 5 <= served.usage.completion_tokens <= 30
+    assert remote.score_choices(QUESTION).usage.prompt_tokens > 0
     assert remote.generate(request).texts == texts  # seeded
     greedy = remote.generate(GenerationRequest(id="g", prompt=QUESTION.prompt, max_tokens=4, temperature=0.0)).texts
     assert len(greedy) == 1

@@ -267,6 +267,31 @@ def test_a_batch_subscriber_waits_in_the_clients_poll_and_never_sleeps(monkeypat
     assert polls == [(kafka.POLL_WAIT_MS, 7)] * 2
 
 
+def test_consumer_lag_adds_up_what_each_assigned_partition_holds_beyond_the_position():
+    """Partition 0: end 10, position 4 (6 waiting); 1: end 3, position 3; 2: never fetched (no end known)."""
+    from faststream.kafka import KafkaBroker
+
+    ends, positions = {0: 10, 1: 3, 2: None}, {0: 4, 1: 3, 2: 0}
+
+    class Consumer:
+        def assignment(self):
+            return {TopicPartition("q", p) for p in ends}
+
+        def highwater(self, tp):
+            return ends[tp.partition]
+
+        async def position(self, tp):
+            return positions[tp.partition]
+
+        async def getmany(self, timeout_ms, max_records):
+            return {}
+
+    heard = []
+    subscriber = kafka.woken_by_records(KafkaBroker("x").subscriber("q", batch=True), on_lag=heard.append)
+    asyncio.run(subscriber.get_msg(Consumer()))
+    assert heard == [6]
+
+
 class ListingConsumer:
     """What a broker says of partition rlens.feedback:0's end: by the last fetch (high watermark) and by listing."""
 

@@ -14,6 +14,8 @@ from typing import Callable, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlens.backends.openai_protocol import Usage
+
 
 class ChoiceQuery(BaseModel):
     """One multiple-choice question: the prompt (context) and the continuations to score."""
@@ -30,6 +32,7 @@ class ChoiceScores(BaseModel):
 
     loglikelihoods: list[float]
     is_greedy: list[bool]
+    usage: Usage | None = Field(None, description="the tokens the model read (None: the backend cannot tell)")
 
     def probabilities(self) -> list[float]:
         """The softmax of the log-likelihoods: the model's distribution over the choices."""
@@ -54,6 +57,23 @@ class GenerationRequest(BaseModel):
 
 class Generations(BaseModel):
     texts: list[str]
+    usage: Usage | None = Field(None, description="the tokens the model read and wrote (None: the backend cannot tell)")
+
+
+def estimate_tokens(text: str) -> int:
+    """A text's tokens by the usual rule of thumb (four characters a token), where no tokenizer is at hand."""
+    return max(1, -(-len(text) // 4))
+
+
+def estimated_usage(query: "ChoiceQuery | GenerationRequest", answer: "ChoiceScores | Generations") -> Usage:
+    """What answering ``query`` costs in tokens, estimated from the texts: a choice query reads its prompt with each
+    choice (as an echo-scoring server does); a generation reads its prompt once and writes the texts."""
+    if isinstance(query, ChoiceQuery):
+        prompt, completion = sum(estimate_tokens(query.prompt + c) for c in query.choices), 0
+    else:
+        texts = answer.texts if isinstance(answer, Generations) else []
+        prompt, completion = estimate_tokens(query.prompt), sum(estimate_tokens(t) for t in texts if t)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 class BackendError(RuntimeError):

@@ -34,6 +34,7 @@ from rlens.backends.base import (
     Generations,
     register_backend,
 )
+from rlens.backends.openai_protocol import Usage
 
 
 def bos_prefix(tokenizer) -> list[int]:
@@ -170,7 +171,12 @@ class TransformersBackend(Backend):
                 is_greedy = is_greedy and bool(step.argmax() == c[k])
             loglikelihoods.append(total)
             greedy.append(is_greedy)
-        return ChoiceScores(loglikelihoods=loglikelihoods, is_greedy=greedy)
+        read = len(context) + sum(map(len, continuations))  # the context once (its cache is shared), every choice
+        return ChoiceScores(
+            loglikelihoods=loglikelihoods,
+            is_greedy=greedy,
+            usage=Usage(prompt_tokens=read, completion_tokens=0, total_tokens=read),
+        )
 
     def _window_check(self, n_tokens: int, extra: int, what: str) -> None:
         if n_tokens + extra > self.max_length:
@@ -255,11 +261,13 @@ class TransformersBackend(Backend):
         return results
 
     def generate(self, request: GenerationRequest) -> Generations:
-        return Generations(texts=[text for text, _ in self.sample(request)])
+        samples, usage = self.sample(request)
+        return Generations(texts=[text for text, _ in samples], usage=usage)
 
     @torch.inference_mode()
-    def sample(self, request: GenerationRequest) -> list[tuple[str, str]]:
-        """``request.n`` completions as (text, finish reason: "stop" or "length")."""
+    def sample(self, request: GenerationRequest) -> tuple[list[tuple[str, str]], Usage]:
+        """``request.n`` completions as (text, finish reason: "stop" or "length"), and the tokens read (the prompt)
+        and written (each sequence up to its end of text)."""
         if request.temperature == 0 and request.n > 1:
             raise BackendError(f"query {request.id}: n > 1 needs temperature > 0 (greedy decoding gives one answer)")
         ids = self.prefix + self.tokenizer.encode(request.prompt, add_special_tokens=False) or [
@@ -283,9 +291,11 @@ class TransformersBackend(Backend):
                 eos_token_id=self.tokenizer.eos_token_id,
                 **sampling,
             )
-        results = []
+        results, written = [], 0
         for sequence in out[:, len(ids) :].tolist():
             ended = self.tokenizer.eos_token_id in sequence
+            written += sequence.index(self.tokenizer.eos_token_id) + 1 if ended else len(sequence)
             text, stopped = cut_at_stop(self.tokenizer.decode(sequence, skip_special_tokens=True), request.stop)
             results.append((text, "stop" if stopped or ended else "length"))
-        return results
+        read = len(ids)
+        return results, Usage(prompt_tokens=read, completion_tokens=written, total_tokens=read + written)

@@ -31,7 +31,7 @@ from rlens.backends.base import (
     Generations,
     register_backend,
 )
-from rlens.backends.openai_protocol import CompletionChoice, CompletionRequest, CompletionResponse, ModelList
+from rlens.backends.openai_protocol import CompletionChoice, CompletionRequest, CompletionResponse, ModelList, Usage
 
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
@@ -99,8 +99,9 @@ class OpenAIBackend(Backend):
             return body
         raise BackendError(f"{self._where()}: failed after {self.retries + 1} attempts; last error: {last}")
 
-    def _complete(self, request: CompletionRequest) -> list[CompletionChoice]:
-        """The response's choices in prompt order (``n`` per prompt), checked against the request."""
+    def _complete(self, request: CompletionRequest) -> tuple[list[CompletionChoice], Usage | None]:
+        """The response's choices in prompt order (``n`` per prompt), checked against the request, and the tokens
+        the server says it used."""
         body = self._request("POST", "/completions", request.model_dump(exclude_none=True))
         try:
             response = CompletionResponse.model_validate(body)
@@ -114,7 +115,7 @@ class OpenAIBackend(Backend):
             raise BackendError(
                 f"{self._where()}: malformed completion response: choice indices {[c.index for c in choices]}, expected 0..{expected - 1}"
             )
-        return choices
+        return choices, response.usage
 
     def list_models(self) -> list[str]:
         try:
@@ -133,11 +134,12 @@ class OpenAIBackend(Backend):
             model=self.model, prompt=prompts, max_tokens=1, temperature=0.0, echo=True, logprobs=1
         )
         loglikelihoods, greedy = [], []
-        for text, choice in zip(prompts, self._complete(request)):
+        choices, usage = self._complete(request)
+        for text, choice in zip(prompts, choices):
             total, is_greedy = self._continuation_score(query.id, text, boundary, choice)
             loglikelihoods.append(total)
             greedy.append(is_greedy)
-        return ChoiceScores(loglikelihoods=loglikelihoods, is_greedy=greedy)
+        return ChoiceScores(loglikelihoods=loglikelihoods, is_greedy=greedy, usage=usage)
 
     def _continuation_score(
         self, query_id: str, text: str, boundary: int, choice: CompletionChoice
@@ -170,7 +172,7 @@ class OpenAIBackend(Backend):
         """For each prompt, the server's top ``k`` next tokens (text -> log-probability), from one batched request."""
         request = CompletionRequest(model=self.model, prompt=prompts, max_tokens=1, temperature=0.0, logprobs=k)
         tops = []
-        for choice in self._complete(request):
+        for choice in self._complete(request)[0]:
             lp = choice.logprobs
             if lp is None or not lp.top_logprobs or not lp.top_logprobs[0]:
                 raise BackendError(
@@ -189,4 +191,5 @@ class OpenAIBackend(Backend):
             stop=request.stop or None,
             seed=request.seed,
         )
-        return Generations(texts=[choice.text for choice in self._complete(completion)])
+        choices, usage = self._complete(completion)
+        return Generations(texts=[choice.text for choice in choices], usage=usage)

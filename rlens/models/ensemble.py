@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlens.backends.base import Backend, ChoiceQuery, ChoiceScores, GenerationRequest, Generations
+from rlens.backends.base import Backend, ChoiceQuery, ChoiceScores, GenerationRequest, Generations, estimated_usage
+from rlens.backends.openai_protocol import Usage
 from rlens.records.answers import Extractor, extract_answer, pool_choices
 
 PoolQuery = ChoiceQuery | GenerationRequest
@@ -46,26 +47,29 @@ class PoolAnswers:
     answered: np.ndarray  # bool [M]
     failures: list[ModelFailure] = field(default_factory=list)
     candidates: list[str] | None = None  # open-ended: the extracted answers the columns stand for
+    calls: list[ModelCall] = field(default_factory=list)  # every model asked, in the pool's order
 
 
 @dataclass
-class _Done:
-    """The outcome of an inline call, read like a finished Future (without its locks: this is the hot path)."""
+class ModelCall:
+    """One model's call for one query: when it started (wall clock, ns), how long it took, and the tokens it used
+    (as the backend reports them, or ``estimated`` from the texts where it cannot tell)."""
+
+    model: str
+    started_ns: int
+    duration_s: float
+    usage: Usage | None = None
+    estimated: bool = False
+
+
+@dataclass
+class _Outcome:
+    """A call's value or error and when it ran (what a call in a thread returns; an inline call is one at once)."""
 
     value: ChoiceScores | Generations | None = None
     error: Exception | None = None
-
-    def done(self) -> bool:
-        return True
-
-    def cancel(self) -> bool:
-        return False
-
-    def exception(self) -> Exception | None:
-        return self.error
-
-    def result(self) -> ChoiceScores | Generations | None:
-        return self.value
+    started_ns: int = 0
+    ended_ns: int = 0
 
 
 class CircuitBreaker:
@@ -112,33 +116,34 @@ class _Model:
         self.running: dict[int, float] = {}  # call id -> when it started (monotonic)
         self.lock = threading.Lock()
 
-    def ask(self, query: PoolQuery) -> ChoiceScores | Generations:
-        return self.backend.score_choices(query) if isinstance(query, ChoiceQuery) else self.backend.generate(query)
+    def ask(self, query: PoolQuery) -> _Outcome:
+        """The backend's answer to ``query`` or its error, timed (never raises)."""
+        started = time.time_ns()
+        try:
+            value = (
+                self.backend.score_choices(query) if isinstance(query, ChoiceQuery) else self.backend.generate(query)
+            )
+        except Exception as exc:  # recorded as this model's failure
+            return _Outcome(error=exc, started_ns=started, ended_ns=time.time_ns())
+        return _Outcome(value, started_ns=started, ended_ns=time.time_ns())
 
-    def submit(self, query: PoolQuery) -> "Future | _Done":
+    def submit(self, query: PoolQuery) -> "Future[_Outcome] | _Outcome":
         if not self.breaker.allow():
-            return _Done(
-                error=ModelUnavailable(
-                    f"circuit open after {self.breaker.in_a_row} missed deadlines in a row; next try in {self.breaker.open_until - self.breaker.clock():.0f} s"
-                )
+            return _refused(
+                f"circuit open after {self.breaker.in_a_row} missed deadlines in a row; next try in {self.breaker.open_until - self.breaker.clock():.0f} s"
             )
         if self.executor is None:
-            try:
-                return _Done(self.ask(query))
-            except Exception as exc:  # recorded as this model's failure, like an exception in a thread
-                return _Done(error=exc)
+            return self.ask(query)
         now = time.monotonic()
         with self.lock:
             stuck = sum(now - started > self.deadline_s for started in self.running.values())
         if stuck >= self.concurrency:  # a queued call would never start in time
-            return _Done(
-                error=ModelUnavailable(
-                    f"busy: all {stuck} of its threads have been in one call for over {self.deadline_s:g} s (hung?)"
-                )
+            return _refused(
+                f"busy: all {stuck} of its threads have been in one call for over {self.deadline_s:g} s (hung?)"
             )
         return self.executor.submit(self._call, query)
 
-    def _call(self, query: PoolQuery) -> ChoiceScores | Generations:
+    def _call(self, query: PoolQuery) -> _Outcome:
         call = threading.get_ident()
         with self.lock:
             self.running[call] = time.monotonic()
@@ -151,6 +156,11 @@ class _Model:
 
 class ModelUnavailable(Exception):
     """A call not made: the model's circuit is open, or all its threads are stuck past the deadline."""
+
+
+def _refused(reason: str) -> _Outcome:
+    now = time.time_ns()
+    return _Outcome(error=ModelUnavailable(reason), started_ns=now, ended_ns=now)
 
 
 class PoolCaller:
@@ -196,35 +206,41 @@ class PoolCaller:
 
         Non-blocking backends (``Backend.blocking`` False) are called inline, the others in the thread pool.
         """
+        asked_ns = time.time_ns()
         futures = [{m: self.models[m].submit(q) for m in np.flatnonzero(c)} for q, c in zip(queries, called)]
         wait([f for calls in futures for f in calls.values() if isinstance(f, Future)], timeout=self.deadline_s)
-        return [self._collect(q, calls) for q, calls in zip(queries, futures)]
+        return [self._collect(q, calls, asked_ns) for q, calls in zip(queries, futures)]
 
-    def _collect(self, query: PoolQuery, futures: dict) -> PoolAnswers:
+    def _collect(self, query: PoolQuery, futures: dict, asked_ns: int) -> PoolAnswers:
         width = 0 if isinstance(query, GenerationRequest) else len(query.choices)
         result = PoolAnswers(np.zeros((len(self.names), width)), np.zeros(len(self.names), dtype=bool))
         samples: list[list[str] | None] = [None] * len(self.names)
         for m, future in futures.items():
-            hung = not future.done()  # only a missed deadline counts against the model's circuit (see CircuitBreaker)
-            if not future.done():
+            outcome = future if isinstance(future, _Outcome) else future.result() if future.done() else None
+            if outcome is None:  # only a missed deadline counts against the model's circuit (see CircuitBreaker)
                 future.cancel()
                 reason = f"no answer within the {self.deadline_s:g} s deadline"
-            elif future.exception() is not None:
-                exc = future.exception()
-                reason = f"{exc.__class__.__name__}: {exc}"
-            elif (problem := self._unusable(query, future.result())) is not None:
-                reason = problem
+                result.calls.append(ModelCall(self.names[m], asked_ns, (time.time_ns() - asked_ns) / 1e9))
             else:
-                answer = future.result()
-                if isinstance(answer, Generations):
-                    samples[m] = answer.texts
+                call = ModelCall(self.names[m], outcome.started_ns, (outcome.ended_ns - outcome.started_ns) / 1e9)
+                result.calls.append(call)
+                answer = outcome.value
+                if answer is None:  # the call raised
+                    reason = f"{outcome.error.__class__.__name__}: {outcome.error}"
+                elif (problem := self._unusable(query, answer)) is not None:
+                    reason = problem
                 else:
-                    result.probs[m] = answer.probabilities()
-                result.answered[m] = True
-                self.models[m].breaker.record(ok=True)
-                continue
-            if hung or not isinstance(future.exception(), ModelUnavailable):
-                self.models[m].breaker.record(ok=not hung)  # an error answered in time: the model responds
+                    call.usage = answer.usage or estimated_usage(query, answer)
+                    call.estimated = answer.usage is None
+                    if isinstance(answer, Generations):
+                        samples[m] = answer.texts
+                    else:
+                        result.probs[m] = answer.probabilities()
+                    result.answered[m] = True
+                    self.models[m].breaker.record(ok=True)
+                    continue
+            if outcome is None or not isinstance(outcome.error, ModelUnavailable):
+                self.models[m].breaker.record(ok=outcome is not None)  # an error answered in time: the model responds
             result.failures.append(ModelFailure(self.names[m], reason))
             self.failure_counts[self.names[m]] += 1
         if isinstance(query, GenerationRequest):

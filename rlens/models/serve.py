@@ -135,8 +135,11 @@ def create_app(backend: TransformersBackend, model_name: str) -> FastAPI:
                             stop=request.stops,
                             seed=request.seed,
                         )
-                        for k, (text, reason) in enumerate(backend.sample(generation)):
+                        samples, used = backend.sample(generation)
+                        for k, (text, reason) in enumerate(samples):
                             choices.append(CompletionChoice(index=p * request.n + k, text=text, finish_reason=reason))
+                        prompt_tokens += used.prompt_tokens
+                        completion_tokens += used.completion_tokens
         except BackendError as exc:
             return error(400, str(exc))
         usage = Usage(

@@ -25,7 +25,7 @@ from rlens.service.learner.lease import claim_group
 from rlens.service.common.kafka import settle_idempotence
 from rlens.ports import free_port
 from rlens.service.common.logs import setup_logging
-from rlens.service.common.tracing import setup_tracing
+from rlens.service.common.tracing import model_span_attributes, setup_tracing
 from rlens.service.learner.gate import Gate, GateConfig, default_events
 from rlens.service.learner.ope_log import OPE_LOG, OpeLog
 from rlens.service.learner.online import FocalOnlineTrainer, OnlineTrainer, RLAEOnlineTrainer
@@ -297,7 +297,7 @@ def run_worker(settings: Settings) -> None:
     settings = with_metrics_port(settings)
     worker = build_worker(settings)  # a configuration error first, then the broker
     settings = asyncio.run(settle_idempotence(settings))
-    app = create_worker_app(settings, worker)
+    app = create_worker_app(settings, worker, model_span_attributes(pool_of(settings)))
     freeze_startup_objects()
     run_app(app, settings, "worker")
 

@@ -26,7 +26,7 @@ import ssl
 import time
 from dataclasses import dataclass, fields
 from itertools import chain
-from typing import Any, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from aiokafka.structs import ConsumerRecord
 from faststream.kafka import KafkaBroker, KafkaResponse
@@ -229,19 +229,33 @@ SUBSCRIBER: dict[str, Any] = {"parser": checked_records, "decoder": keep_bytes, 
 POLL_WAIT_MS = 500
 
 
-def woken_by_records(subscriber: Any) -> Any:
+def woken_by_records(subscriber: Any, on_lag: Callable[[int], None] | None = None) -> Any:
     """A FastStream batch subscriber whose poll waits in aiokafka's ``getmany``, which returns as soon as records
     arrive. FastStream's own polls for ``batch_timeout_ms`` and, when that comes back empty, sleeps as long again: a
     record arriving in the sleep waited for its end (up to 20 ms a hop at light load), and an idle subscriber woke
     25 times a second. A busy subscriber's batches are what they were: whatever has arrived, up to
-    ``max_records``."""
+    ``max_records``. ``on_lag`` hears, after each poll, the records of its partitions not yet taken (their high
+    watermarks minus its positions, as of the last fetch): what an autoscaler reads as consumer lag."""
 
     async def get_msg(consumer: Any) -> tuple:
         records = await consumer.getmany(timeout_ms=POLL_WAIT_MS, max_records=subscriber.max_records)
+        if on_lag is not None:
+            on_lag(await consumer_lag(consumer))
         return tuple(chain.from_iterable(records.values()))
 
     subscriber.get_msg = get_msg
     return subscriber
+
+
+async def consumer_lag(consumer: Any) -> int:
+    """The records of ``consumer``'s assigned partitions beyond its positions, by the last fetch's high watermarks
+    (a partition not fetched yet counts 0)."""
+    lag = 0
+    for tp in consumer.assignment():
+        end = consumer.highwater(tp)
+        if end is not None:
+            lag += max(end - await consumer.position(tp), 0)
+    return lag
 
 
 def parse_or_dead_letter(model: type[M], record: Any, consumer: str) -> M | DeadLetter:

@@ -121,6 +121,12 @@ class WorkerMetrics:
             "answers a gateway's reply topic did not take in time (they are on the answers topic)",
             registry=registry,
         )
+        self.queries_lag = Gauge(
+            "rlens_worker_queries_lag",
+            "queries waiting on this worker's partitions of the queries topic (consumer lag, by its last fetch): what "
+            "workers scale on",
+            registry=registry,
+        )
         self.policies_rejected = Counter(
             "rlens_worker_policies_rejected",
             "policies refused (forged, non-finite, not for this pool)",

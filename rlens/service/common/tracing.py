@@ -1,12 +1,19 @@
 """OpenTelemetry traces of every process: a gateway request's span, the worker's answer and each model call, the
 learner's join of its feedback, in one trace. The W3C trace context travels in the query record's Kafka headers
 (``traceparent``), and in the experience message (``trace``: a batch of experience records goes out in one send,
-which has one set of headers). GenAI semantic-convention attributes where they apply
-(``gen_ai.operation.name``, ``gen_ai.request.model``, ``gen_ai.response.id``).
+which has one set of headers). GenAI semantic-convention attributes where they apply: ``gen_ai.operation.name``,
+``gen_ai.provider.name``, ``gen_ai.request.model``, ``gen_ai.response.model``, ``gen_ai.response.id``,
+``gen_ai.usage.input_tokens`` / ``output_tokens``, ``server.address`` / ``server.port`` and ``error.type``; each
+model call is its own span, timed as it ran.
 
-Nothing is recorded unless configured: ``RLENS_OTEL_ENDPOINT`` exports over OTLP/HTTP (the ``otel`` extra), and
-``RLENS_TRACE_DIR`` writes each process's spans as JSON lines to ``<dir>/<role>-<pid>.jsonl`` (what the tests and a
-quick look use). Without either, the API's no-op tracer costs next to nothing.
+A gateway request's trace starts at FastAPI's own HTTP server span (probes untraced: the gateway's app).
+Configured as any OpenTelemetry-instrumented service is, by the SDK's own environment variables:
+``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) exports over OTLP/HTTP (the ``otel``
+extra), ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console``, ``none``), ``OTEL_SERVICE_NAME`` and
+``OTEL_RESOURCE_ATTRIBUTES`` name the process (default ``rlens-<role>``), ``OTEL_TRACES_SAMPLER`` samples,
+``OTEL_SDK_DISABLED`` turns it all off. ``RLENS_OTEL_ENDPOINT`` (a full ``/v1/traces`` URL) does what the OTLP
+endpoint does. ``RLENS_TRACE_DIR`` writes each process's spans as JSON lines to ``<dir>/<role>-<pid>.jsonl`` (what
+the tests and a quick look use). With none of these, the API's no-op tracer costs next to nothing.
 """
 
 from __future__ import annotations
@@ -15,41 +22,100 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
+from urllib.parse import urlsplit
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from rlens.models.pool import PoolConfig
 from rlens.settings import Settings
 
 TRACER = "rlens"
 _enabled = False  # a tracer provider records (setup_tracing configured one)
+PROTOCOLS = ("http/protobuf",)  # OTEL_EXPORTER_OTLP_PROTOCOL values rlens can export with (its `otel` extra)
 
 
-def setup_tracing(settings: Settings, role: str) -> None:
-    """The process's tracer provider, when traces are configured."""
-    if not settings.otel_endpoint and settings.trace_dir is None:
-        return
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-
-    resource = Resource.create({"service.name": f"rlens-{role}", "service.namespace": "rlens", "rlens.role": role})
-    provider = TracerProvider(resource=resource)
+def exporters(settings: Settings, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """Which span exporters the settings and the standard ``OTEL_*`` variables ask for: ``otlp``, ``console``,
+    ``trace_dir``; [] when tracing is off. An OTLP endpoint (``RLENS_OTEL_ENDPOINT`` or the SDK's own) turns OTLP on,
+    unless ``OTEL_TRACES_EXPORTER`` says otherwise; ``OTEL_SDK_DISABLED=true`` turns everything off."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    endpoint = bool(
+        settings.otel_endpoint
+        or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
+    named = [e.strip().lower() for e in environ.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
+    unknown = sorted(set(named) - {"otlp", "console", "none"})
+    if unknown:
+        raise ValueError(
+            f"OTEL_TRACES_EXPORTER: unknown exporter(s) {', '.join(unknown)}; rlens knows otlp, console, none"
+        )
+    chosen = [e for e in named if e != "none"] if named else (["otlp"] if endpoint else [])
     if settings.trace_dir is not None:
-        path = Path(settings.trace_dir) / f"{role}-{os.getpid()}.jsonl"
+        chosen.append("trace_dir")
+    return chosen
+
+
+def setup_tracing(settings: Settings, role: str, environ: Mapping[str, str] = os.environ) -> None:
+    """The process's tracer provider, when traces are configured (:func:`exporters`)."""
+    chosen = exporters(settings, environ)
+    if not chosen:
+        return
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+
+    attributes = {"service.namespace": "rlens", "rlens.role": role}
+    named = environ.get("OTEL_SERVICE_NAME") or "service.name=" in environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    if not named:  # the operator's service name wins (Resource.create merges ours last)
+        attributes[SERVICE_NAME] = f"rlens-{role}"
+    provider = TracerProvider(resource=Resource.create(attributes))  # the sampler from OTEL_TRACES_SAMPLER
+    if "trace_dir" in chosen:
+        path = Path(settings.trace_dir or ".") / f"{role}-{os.getpid()}.jsonl"
         provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(path)))
-    if settings.otel_endpoint:
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        except ImportError:
-            raise ValueError("RLENS_OTEL_ENDPOINT needs the OTLP exporter: pip install 'rlens[otel]'") from None
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=settings.otel_endpoint)))
+    if "console" in chosen:
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    if "otlp" in chosen:
+        provider.add_span_processor(BatchSpanProcessor(otlp_exporter(settings, environ)))
     trace.set_tracer_provider(provider)
     global _enabled
     _enabled = True
+
+
+def otlp_exporter(settings: Settings, environ: Mapping[str, str]) -> SpanExporter:
+    """The OTLP/HTTP span exporter: to ``RLENS_OTEL_ENDPOINT`` if set, else where the SDK's variables say (it reads
+    ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``, ``_HEADERS``, ``_TIMEOUT``, ``_COMPRESSION`` and ``_CERTIFICATE``)."""
+    protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    if protocol and protocol not in PROTOCOLS:
+        raise ValueError(
+            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol}: rlens exports traces over {', '.join(PROTOCOLS)} only"
+        )
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        raise ValueError("exporting traces over OTLP needs the OTLP exporter: pip install 'rlens[otel]'") from None
+    return OTLPSpanExporter(endpoint=settings.otel_endpoint) if settings.otel_endpoint else OTLPSpanExporter()
+
+
+def model_span_attributes(pool: PoolConfig) -> dict[str, dict[str, str | int]]:
+    """Per pool model, the attributes of its call spans that the pool file knows: the provider (its backend), the
+    model the server serves, and the server's address and port (``openai`` models)."""
+    attributes: dict[str, dict[str, str | int]] = {}
+    for m in pool.models:
+        own: dict[str, str | int] = {"gen_ai.provider.name": m.backend, "gen_ai.response.model": m.name}
+        if m.backend == "openai":
+            url = urlsplit(str(m.options.get("base_url", "")))
+            own["gen_ai.response.model"] = str(m.options.get("model", m.name))
+            if url.hostname:
+                own["server.address"] = url.hostname
+                own["server.port"] = url.port or (443 if url.scheme == "https" else 80)
+        attributes[m.name] = own
+    return attributes
 
 
 def tracing() -> bool:
@@ -76,6 +142,13 @@ def context_of(headers: Sequence[tuple[str, bytes]] | None) -> Context:
 
 def context_of_traceparent(value: str | None) -> Context:
     return propagate.extract({"traceparent": value} if value else {})
+
+
+def link_to(traceparent: str) -> None:
+    """Link the current span to the span of ``traceparent`` (a W3C value; nothing without a valid one)."""
+    other = trace.get_current_span(context_of_traceparent(traceparent)).get_span_context()
+    if other.is_valid:
+        trace.get_current_span().add_link(other)
 
 
 class JsonLinesExporter(SpanExporter):

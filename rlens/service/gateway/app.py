@@ -15,6 +15,7 @@ from pathlib import Path
 
 from aiokafka.errors import KafkaError
 from fastapi import FastAPI
+from fastapi.telemetry import TelemetryConfig
 from prometheus_client import CollectorRegistry
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -48,6 +49,9 @@ from rlens.settings import Settings
 
 log = logging.getLogger("rlens.gateway")
 REDIS_CONNECTIONS = 64
+# polled all day by orchestrators and Prometheus: never traced (FastAPI's own telemetry traces every other request,
+# its HTTP server span, without a span per dependency, endpoint and serialization step)
+PROBES = ("/healthz", "/readyz", "/metrics")
 
 
 def redis_pool(settings: Settings) -> Redis:
@@ -161,6 +165,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
         version="1",
         lifespan=lifespan,
         description="OpenAI-compatible front door of an rlens ensemble, with a feedback API. See README.md.",
+        telemetry=TelemetryConfig(operation_spans=False, exclude=lambda scope: scope.get("path") in PROBES),
     )
     app.state.gateway, app.state.broker = gateway, broker
 

@@ -49,6 +49,7 @@ from rlens.service.gateway.openai_api import (
     FeedbackRequest,
 )
 from rlens.service.common.security import FeedbackTokens
+from rlens.service.common.tracing import link_to, trace_carrier
 from rlens.settings import Settings
 
 log = logging.getLogger("rlens.gateway")
@@ -281,6 +282,7 @@ class Gateway:
             n_choices=len(request.rlens.choices or []),
             key_id=key.id,
             budget_period=key.budget_period if key.budget is not None else "",
+            traceparent=trace_carrier().get("traceparent", ""),
         )
         try:
             await self.state.remember_query(query_id, record)
@@ -442,6 +444,7 @@ class Gateway:
 
     async def feedback(self, key: KeyRecord, request: FeedbackRequest) -> FeedbackReceipt:
         record = await self.owned_query(key, request.id)
+        link_to(record.traceparent)  # the feedback's request span links to its query's trace
         if request.label is None and request.reference is None and request.reward is None:
             raise ApiError(
                 400, "feedback needs a label, a reference or a reward", "invalid_request_error", "missing_outcome"

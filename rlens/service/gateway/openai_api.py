@@ -5,7 +5,9 @@ OpenAI sampling parameters (temperature, top_p, max_tokens, ...) are accepted an
 rlens's own fields travel in the extension object ``rlens`` (:class:`RlensRequest`: a multiple-choice query's
 ``choices``; the recorded question id for replay pools; the request's own ``budget``), the stream key in
 ``metadata.stream`` (or the ``X-Rlens-Stream`` header). Responses are OpenAI's, with the ensemble's account in an
-``rlens`` object (:class:`RlensAnswer`: chosen models, failures, policy version, rlae span weights).
+``rlens`` object (:class:`RlensAnswer`: chosen models, failures, each model's call, policy version, rlae span
+weights), and ``usage``: the tokens of every model called, added up (as each backend reports them, or estimated from
+the texts where it cannot tell), with the cost in the pool's units.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rlens.messages import MAX_CHOICES, Answer, ModelFailureRecord, tenant_free
+from rlens.messages import MAX_CHOICES, Answer, ModelCallRecord, ModelFailureRecord, tenant_free
 
 MODELS = {"rlens-focal": "rl_focal", "rlens-rlae": "rlae"}  # API model name -> strategy
 MODEL_OF = {strategy: name for name, strategy in MODELS.items()}
@@ -86,6 +88,10 @@ class ChatMessage(Request):
         return self.content or ""
 
 
+class StreamOptions(Request):
+    include_usage: bool = Field(False, description="a last chunk with `usage` and no choices, before [DONE]")
+
+
 class CommonRequest(Request):
     model: str = Field(
         description="rlens-focal (RL-Focal: multiple choice, or open-ended over sampled answers) or rlens-rlae (open-ended, RLAE)"
@@ -94,6 +100,7 @@ class CommonRequest(Request):
         False,
         description="server-sent events in OpenAI's chunk format (one content chunk: workers do not stream spans yet)",
     )
+    stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="one answer per request")
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
         None, description="metadata.stream: the stream key (default 'default')"
@@ -150,6 +157,7 @@ class RlensAnswer(BaseModel):
     answered_models: list[str]
     called_models: list[str]
     failures: list[ModelFailureRecord]
+    model_calls: list[ModelCallRecord] = Field(description="each model asked: when, how long, its tokens")
     policy_version: int
     span_weights: list[list[float]] = Field(description="rlae: each span's weights, one per model")
     worker: str
@@ -161,6 +169,30 @@ class RlensAnswer(BaseModel):
     def of(cls, answer: Answer) -> "RlensAnswer":
         """The account of an answer, its stream as the tenant named it (the workers saw ``@<tenant>/<stream>``)."""
         return cls(**{**answer.model_dump(include=set(cls.model_fields)), "stream": tenant_free(answer.stream)})
+
+
+class Usage(BaseModel):
+    """OpenAI's ``usage``: the tokens of every model called, added up; ``cost`` in the pool's units (rlens's own)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    cost: float = Field(description="the pool's cost units of the models called (what a key's budget counts)")
+    estimated: bool = Field(
+        description="true when some model's tokens were estimated from the texts (4 characters a token)"
+    )
+
+    @classmethod
+    def of(cls, answer: Answer) -> "Usage":
+        prompt = sum(c.prompt_tokens for c in answer.model_calls)
+        completion = sum(c.completion_tokens for c in answer.model_calls)
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            cost=answer.cost,
+            estimated=any(c.estimated for c in answer.model_calls),
+        )
 
 
 class AssistantMessage(BaseModel):
@@ -188,6 +220,7 @@ class Reply(BaseModel):
     id: str
     created: int
     model: str
+    usage: Usage
     rlens: RlensAnswer
 
 
@@ -269,6 +302,7 @@ def chat_completion(answer: Answer, model: str) -> ChatCompletion:
         id=answer.query_id,
         created=int(time.time()),
         model=model,
+        usage=Usage.of(answer),
         rlens=RlensAnswer.of(answer),
         choices=[ChatChoice(message=AssistantMessage(content=answer.answer), finish_reason=finish_reason(answer))],
     )
@@ -279,44 +313,33 @@ def completion(answer: Answer, model: str) -> Completion:
         id=answer.query_id,
         created=int(time.time()),
         model=model,
+        usage=Usage.of(answer),
         rlens=RlensAnswer.of(answer),
         choices=[CompletionChoice(text=answer.answer, finish_reason=finish_reason(answer))],
     )
 
 
-def stream_chunks(answer: Answer, model: str, chat: bool) -> list[dict[str, Any]]:
-    """The server-sent events of an answer in OpenAI's chunk format: the content, then the finish (with ``rlens``)."""
-    base = {"id": answer.query_id, "created": int(time.time()), "model": model}
+def stream_chunks(answer: Answer, model: str, chat: bool, include_usage: bool = False) -> list[dict[str, Any]]:
+    """The server-sent events of an answer in OpenAI's chunk format: the content, then the finish (with ``rlens``);
+    with ``include_usage``, every chunk's ``usage`` is null and a last chunk without choices carries it."""
+    base: dict[str, Any] = {"id": answer.query_id, "created": int(time.time()), "model": model}
+    if include_usage:
+        base["usage"] = None
     account = RlensAnswer.of(answer).model_dump()
     if chat:
         kind = {**base, "object": "chat.completion.chunk"}
-        return [
-            {
-                **kind,
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": answer.answer},
-                        "finish_reason": None,
-                        "logprobs": None,
-                    }
-                ],
-            },
-            {
-                **kind,
-                "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason(answer), "logprobs": None}],
-                "rlens": account,
-            },
-        ]
-    kind = {**base, "object": "text_completion"}
-    return [
-        {**kind, "choices": [{"index": 0, "text": answer.answer, "finish_reason": None, "logprobs": None}]},
-        {
-            **kind,
-            "choices": [{"index": 0, "text": "", "finish_reason": finish_reason(answer), "logprobs": None}],
-            "rlens": account,
-        },
+        content = {"index": 0, "delta": {"role": "assistant", "content": answer.answer}}
+        finish: dict[str, Any] = {"index": 0, "delta": {}}
+    else:
+        kind = {**base, "object": "text_completion"}
+        content, finish = {"index": 0, "text": answer.answer}, {"index": 0, "text": ""}
+    chunks = [
+        {**kind, "choices": [{**content, "finish_reason": None, "logprobs": None}]},
+        {**kind, "choices": [{**finish, "finish_reason": finish_reason(answer), "logprobs": None}], "rlens": account},
     ]
+    if include_usage:
+        chunks.append({**kind, "choices": [], "usage": Usage.of(answer).model_dump()})
+    return chunks
 
 
 def error_response(error: ApiError) -> JSONResponse:

@@ -35,6 +35,7 @@ from rlens.service.gateway.openai_api import (
     FeedbackRequest,
     ModelCard,
     ModelList,
+    Usage,
     chat_completion,
     completion,
     error_response,
@@ -84,7 +85,13 @@ OVERHEAD_HEADER = "x-rlens-overhead-duration-ms"
 
 
 def answer_response(
-    answer: Answer, model: str, chat: bool, stream: bool, elapsed_s: float | None = None, stages: Stages | None = None
+    answer: Answer,
+    model: str,
+    chat: bool,
+    stream: bool,
+    elapsed_s: float | None = None,
+    stages: Stages | None = None,
+    include_usage: bool = False,
 ) -> Any:
     """An answer as a completion (or its event stream); 502 when no model of the pool answered. With the request's
     time (``elapsed_s``), headers say what rlens added beyond the models' own time and what the answer cost; with
@@ -102,7 +109,8 @@ def answer_response(
     if elapsed_s is not None:
         headers[OVERHEAD_HEADER] = f"{max(1000 * elapsed_s - answer.model_ms, 0.0):.1f}"
     if stream:
-        content = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(answer, model, chat))
+        chunks = stream_chunks(answer, model, chat, include_usage)
+        content = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks)
         content += "data: [DONE]\n\n"
     else:  # validated: skip FastAPI's second pass
         content = (chat_completion(answer, model) if chat else completion(answer, model)).model_dump_json()
@@ -136,15 +144,20 @@ def openai_router(gateway: Gateway) -> APIRouter:
         attributes = {
             "gen_ai.operation.name": operation,
             "gen_ai.request.model": body.model,
+            "gen_ai.provider.name": "rlens",
             "rlens.tenant": key.tenant,
         }
-        with tracer().start_as_current_span(f"{operation} {body.model}", kind=SpanKind.SERVER, attributes=attributes):
+        with tracer().start_as_current_span(f"{operation} {body.model}", kind=SpanKind.INTERNAL, attributes=attributes):
             answer = await gateway.ask(key, body, idempotency_key, stream_key, stages)
             request.state.access.update(query_id=answer.query_id, cost=answer.cost)
             stages.answered(answer)
+            usage = Usage.of(answer)
             trace.get_current_span().set_attributes(
                 {
                     "gen_ai.response.id": answer.query_id,
+                    "gen_ai.response.model": body.model,
+                    "gen_ai.usage.input_tokens": usage.prompt_tokens,
+                    "gen_ai.usage.output_tokens": usage.completion_tokens,
                     "rlens.query_id": answer.query_id,
                     "rlens.cost": answer.cost,
                     "rlens.policy_version": answer.policy_version,
@@ -152,7 +165,8 @@ def openai_router(gateway: Gateway) -> APIRouter:
                 }
             )
             elapsed_s = time.perf_counter() - started
-            response = answer_response(answer, body.model, chat, body.stream, elapsed_s, stages)
+            with_usage = body.stream_options is not None and body.stream_options.include_usage
+            response = answer_response(answer, body.model, chat, body.stream, elapsed_s, stages, with_usage)
             trace.get_current_span().set_attributes(
                 {f"rlens.stage.{k}_ms": 1000 * v for k, v in stages.seconds.items()}
             )

@@ -117,6 +117,7 @@ class QueryRecord(BaseModel):
     published: bool = False
     key_id: str = ""  # the API key that asked it (its answer's cost is charged to it)
     budget_period: str = ""  # the key's budget period, when the query holds part of its budget
+    traceparent: str = ""  # the request's trace (W3C), which its feedback's span links to
 
 
 class GatewayState:

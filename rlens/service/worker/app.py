@@ -33,8 +33,11 @@ from rlens.settings import Settings
 log = logging.getLogger("rlens.worker")
 
 
-def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream:
+def create_worker_app(
+    settings: Settings, core: Worker | None, call_attributes: dict[str, dict] | None = None
+) -> AsgiFastStream:
     """The worker's app: a batch subscriber on ``queries`` (consumer group) and one on ``policy``, and its HTTP side.
+    ``call_attributes``: each model's attributes on its call spans (:func:`model_span_attributes`).
 
     ``core`` None builds the app of ``settings.strategy`` only to generate the AsyncAPI document (no handler runs then).
     """
@@ -62,7 +65,7 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
         role,
         "queries and policies that could not be used, byte for byte, with the reason",
     )
-    batches = QueryBatches(settings, live, broker, dead_letters, metrics, consumer)
+    batches = QueryBatches(settings, live, broker, dead_letters, metrics, consumer, call_attributes or {})
     if core is not None and core.cache is not None and settings.metrics_enabled:
         core.cache.count = lambda model, result: metrics.model_cache.labels(model, result).inc()
 
@@ -78,7 +81,7 @@ def create_worker_app(settings: Settings, core: Worker | None) -> AsgiFastStream
         **group_options(settings),
     )
 
-    @woken_by_records(queries)
+    @woken_by_records(queries, on_lag=metrics.queries_lag.set if settings.metrics_enabled else None)
     async def on_queries(bodies: list[bytes], message: KafkaMessage) -> None:
         await batches.handle(message.raw_message)  # returning acks the batch: its offsets are committed only now
 

@@ -23,7 +23,7 @@ from rlens.service.common.kafka import (
     publish_batch,
     publish_dead_letters,
 )
-from rlens.service.common.metrics import WorkerMetrics
+from rlens.service.common.metrics import WorkerMetrics, failure_kind
 from rlens.service.worker.core import BatchOutput, Worker
 from rlens.settings import Settings
 from rlens.service.common.logs import query_fields
@@ -105,9 +105,12 @@ class QueryBatches:
         dead_letters,
         metrics: WorkerMetrics,
         consumer: str,
+        call_attributes: dict[str, dict] | None = None,
     ):
+        """``call_attributes``: each model's attributes on its call spans (provider, server; the pool's)."""
         self.settings, self.worker, self.broker, self.dead_letters = settings, worker, broker, dead_letters
         self.metrics, self.consumer = metrics, consumer
+        self.call_attributes = call_attributes or {}
         self.topics = Topics.from_settings(settings)
         self.restorer = TopicRestorer(settings)
         self.retries = Retries(PUBLISH_TRIES)
@@ -122,7 +125,7 @@ class QueryBatches:
         began_ns = time.time_ns()
         out = await self.worker.answer(queries) if queries else BatchOutput()
         dead += [dead_letter(batch.records[qid], reason, self.consumer) for qid, reason in out.failed.items()]
-        spans = open_spans(out, batch.records, began_ns) if tracing() else {}
+        spans = open_spans(out, batch.records, began_ns, self.call_attributes) if tracing() else {}
         if spans:  # each experience names its query's span: the learner's join joins the trace
             carriers = {qid: trace_carrier(set_span_in_context(s)).get("traceparent") for qid, s in spans.items()}
             out.experience = [
@@ -228,14 +231,11 @@ class QueryBatches:
         return [(a, topic, r) for (a, topic), r in zip(sent, results) if isinstance(r, BaseException)]
 
 
-def open_spans(out: BatchOutput, records: dict, began_ns: int) -> dict[str, Span]:
+def open_spans(out: BatchOutput, records: dict, began_ns: int, call_attributes: dict[str, dict]) -> dict[str, Span]:
     """Each answer's span, a child of the span in its query record's headers (a gateway request's), from the batch's
-    start, and under it one span per model called, over the batch's pool call (the stages' times); the caller ends
-    the answer spans once the batch is delivered."""
+    start, and under it one span per model called, as that call ran (its start, duration, tokens and failure); the
+    caller ends the answer spans once the batch is delivered."""
     t, spans = tracer(), {}
-    stages = out.stages
-    call_start = began_ns + int(1e9 * (stages.get("window_read", 0.0) + stages.get("decide", 0.0)))
-    call_end = call_start + int(1e9 * stages.get("pool_call", stages.get("decode", 0.0)))
     for answer in out.answers:
         record = records.get(answer.query_id)
         parent = context_of(getattr(record, "headers", None))
@@ -255,16 +255,23 @@ def open_spans(out: BatchOutput, records: dict, began_ns: int) -> dict[str, Span
         )
         failed = {f.model: f.reason for f in answer.failures}
         inside = set_span_in_context(span)
-        for model in answer.called_models:
-            call = t.start_span(
-                f"text_completion {model}",
-                context=inside,
-                kind=SpanKind.CLIENT,
-                start_time=call_start,
-                attributes={"gen_ai.operation.name": "text_completion", "gen_ai.request.model": model},
+        for call in answer.model_calls:
+            start = began_ns + int(1e6 * call.offset_ms)
+            attributes = {
+                "gen_ai.operation.name": "text_completion",
+                "gen_ai.request.model": call.model,
+                **call_attributes.get(call.model, {}),
+                "gen_ai.usage.input_tokens": call.prompt_tokens,
+                "gen_ai.usage.output_tokens": call.completion_tokens,
+                "rlens.tokens_estimated": call.estimated,
+            }
+            model_span = t.start_span(
+                f"text_completion {call.model}", context=inside, kind=SpanKind.CLIENT, start_time=start
             )
-            if model in failed:
-                call.set_status(Status(StatusCode.ERROR, failed[model][:200]))
-            call.end(end_time=call_end)
+            if call.model in failed:
+                attributes["error.type"] = failure_kind(failed[call.model])
+                model_span.set_status(Status(StatusCode.ERROR, failed[call.model][:200]))  # the operator's view
+            model_span.set_attributes(attributes)
+            model_span.end(end_time=start + int(1e6 * call.duration_ms))
         spans[answer.query_id] = span
     return spans

@@ -41,7 +41,7 @@ from redis.exceptions import RedisError
 
 from rlens.backends.base import Backend, ChoiceQuery, GenerationRequest
 from rlens.records.answers import Extractor
-from rlens.models.ensemble import PoolCaller, PoolQuery
+from rlens.models.ensemble import ModelCall, PoolCaller, PoolQuery
 from rlens.focal.calibration import significant
 from rlens.focal.engine import FocalEngine
 from rlens.messages import (
@@ -51,6 +51,7 @@ from rlens.messages import (
     Answer,
     Experience,
     Message,
+    ModelCallRecord,
     ModelFailureRecord,
     Policy,
     Query,
@@ -300,6 +301,7 @@ class FocalWorker(Worker):
         self.swap_policy()
         out = BatchOutput()
         started = lap = time.perf_counter()
+        started_ns = time.time_ns()  # what the model calls' offsets count from
 
         def stage(name: str) -> None:
             nonlocal lap
@@ -369,7 +371,7 @@ class FocalWorker(Worker):
         evidence = self._evidence(answerable, decisions, calls, fused, probes, fused_pools, calibrated)
         stage("evidence")
         latency = 1000 * (time.perf_counter() - started)
-        timing = (latency, 1000 * out.stages["pool_call"])
+        timing = (latency, 1000 * out.stages["pool_call"], started_ns)
         for i, q in enumerate(queries):
             behaviour, shadow = evidence.get(i, (None, None))
             self._outputs(q, decisions[i], calls[i], fused_pools[i], answers.get(i), timing, out, behaviour, shadow)
@@ -450,7 +452,7 @@ class FocalWorker(Worker):
         answers,
         fused_pool: np.ndarray,
         answer,
-        timing: tuple[float, float],
+        timing: tuple[float, float, int],
         out: BatchOutput,
         behaviour: Behaviour | None = None,
         shadow: Shadow | None = None,
@@ -463,6 +465,7 @@ class FocalWorker(Worker):
             "answered_models": names[fused_pool].tolist(),
             "called_models": names[decision.called].tolist(),
             "failures": [ModelFailureRecord(model=f.model, reason=f.reason) for f in answers.failures],
+            "model_calls": call_records(answers.calls, timing[2]),
             "policy_version": self.policy_version,
             "worker": self.name,
             "latency_ms": timing[0],
@@ -581,3 +584,18 @@ def logged_distributions(probs: list[np.ndarray]) -> list:
     flat = significant(np.concatenate([p.ravel() for p in probs])) if probs else np.empty(0)
     ends = np.cumsum([p.size for p in probs])
     return [flat[end - p.size : end].reshape(p.shape).tolist() for p, end in zip(probs, ends)]
+
+
+def call_records(calls: list[ModelCall], started_ns: int) -> list[ModelCallRecord]:
+    """A query's model calls as its answer reports them, timed from ``started_ns`` (the worker taking the batch)."""
+    return [
+        ModelCallRecord(
+            model=c.model,
+            offset_ms=max(c.started_ns - started_ns, 0) / 1e6,
+            duration_ms=1000 * c.duration_s,
+            prompt_tokens=c.usage.prompt_tokens if c.usage else 0,
+            completion_tokens=c.usage.completion_tokens if c.usage else 0,
+            estimated=c.estimated,
+        )
+        for c in calls
+    ]

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rlens.backends.base import BackendError
-from rlens.messages import Answer, ModelFailureRecord, Query, RLAEExperience, SpanDecision, Split
+from rlens.backends.base import BackendError, estimate_tokens
+from rlens.messages import Answer, ModelCallRecord, ModelFailureRecord, Query, RLAEExperience, SpanDecision, Split
 from rlens.rlae.agent import Span
 from rlens.rlae.decode import EnsembleOutput, SpanWeightedDecoder
 from rlens.rlae.train import RLAEAgent
@@ -173,8 +173,20 @@ class RLAEWorker(Worker):
                 )
                 continue
             output, spans = result
+            calls = [
+                ModelCallRecord(
+                    model=model,
+                    offset_ms=0.0,
+                    duration_ms=latency,  # the models decode together, span by span
+                    prompt_tokens=estimate_tokens(q.prompt),
+                    completion_tokens=len(read) or len(output.union_tokens),  # its own tokens where known
+                    estimated=True,  # the prompt's tokens
+                )
+                for model, read in zip(self.models, output.appended)
+            ]
             out.answers.append(
                 Answer(
+                    model_calls=calls,
                     query_id=q.query_id,
                     stream=q.stream,
                     answer=output.text,
