@@ -1,7 +1,9 @@
 """The Helm chart (infra/helm/rlens): `helm template` renders the default values and the two sets in ci/, every
-rendered Kubernetes object validates against the Kubernetes schemas (kubernetes-validate, strict), the rendered
-rlens.toml passes `rlens config check`, the values schema refuses a wrong value, and the PrometheusRule carries the
-alert rules of infra/prometheus/rlens-alerts.yaml."""
+rendered Kubernetes object validates against the Kubernetes schemas (kubernetes-validate, strict) and every custom
+resource against its operator's own CRD schema (the Prometheus Operator's and KEDA's, from their Go modules; unknown
+fields refused), every pod meets Pod Security "restricted", every process is scraped exactly once on the port that
+serves its /metrics, no more workers than partitions, the rendered rlens.toml passes `rlens config check`, the values
+schema refuses a wrong value, and the PrometheusRule carries the alert rules of infra/prometheus/rlens-alerts.yaml."""
 
 from __future__ import annotations
 
@@ -26,7 +28,57 @@ HELM = shutil.which("helm") or next(
 pytestmark = pytest.mark.skipif(
     HELM is None, reason="helm is not installed: go install helm.sh/helm/v3/cmd/helm@v3.22.0 (.ci/run does)"
 )
-OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}  # the Prometheus Operator's CRDs: not in Kubernetes' schemas
+# the operators' CRDs (not in Kubernetes' schemas), from their Go modules: .ci/run downloads them (`go mod download`)
+GOMODCACHE = Path(
+    subprocess.run(["go", "env", "GOMODCACHE"], capture_output=True, text=True).stdout.strip()
+    if shutil.which("go")
+    else Path.home() / "go" / "pkg" / "mod"
+)
+CRD_FILES = {
+    "github.com/prometheus-operator/prometheus-operator@v0.85.0/example/prometheus-operator-crd": (
+        "monitoring.coreos.com_podmonitors.yaml",
+        "monitoring.coreos.com_prometheusrules.yaml",
+    ),
+    "github.com/kedacore/keda/v2@v2.21.0/config/crd/bases": ("keda.sh_scaledobjects.yaml",),
+}
+CRD_KINDS = {"PodMonitor", "PrometheusRule", "ScaledObject"}
+
+
+class CrdLoader(yaml.SafeLoader):
+    """YAML 1.1 reads a lone ``=`` (an enum value in the operators' schemas) as its "value" tag: a string here."""
+
+
+CrdLoader.add_constructor("tag:yaml.org,2002:value", lambda loader, node: loader.construct_scalar(node))
+
+
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> the openAPIV3Schema of every CRD version the modules define."""
+    schemas = {}
+    for folder, files in CRD_FILES.items():
+        directory = GOMODCACHE / folder
+        if not directory.is_dir():
+            module = folder.split("/config/")[0].split("/example/")[0]
+            pytest.skip(f"{module} is not downloaded: go mod download {module} (.ci/run does)")
+        for name in files:
+            for crd in yaml.load_all((directory / name).read_text(), Loader=CrdLoader):
+                if crd and crd.get("kind") == "CustomResourceDefinition":
+                    for version in crd["spec"]["versions"]:
+                        api = f"{crd['spec']['group']}/{version['name']}"
+                        schemas[(api, crd["spec"]["names"]["kind"])] = version["schema"]["openAPIV3Schema"]
+    return schemas
+
+
+def strict(schema: dict) -> dict:
+    """An OpenAPI schema that refuses unknown fields, as the API server's strict field validation does (where the
+    schema does not keep unknown fields itself)."""
+    if isinstance(schema, dict):
+        schema = {k: strict(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema:
+            if not schema.get("x-kubernetes-preserve-unknown-fields"):
+                schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
 
 
 def template(*args: str) -> subprocess.CompletedProcess:
@@ -49,10 +101,14 @@ def kinds(objects: list[dict]) -> Counter:
 def test_the_chart_renders_objects_the_kubernetes_schemas_accept(values, tmp_path, monkeypatch):
     import kubernetes_validate
 
+    import jsonschema
+
     objects = render(*(["-f", str(CHART / "ci" / values)] if values else []))
+    schemas = crd_schemas()
     for obj in objects:
-        if obj["kind"] in OPERATOR_KINDS:
-            assert obj["apiVersion"] == "monitoring.coreos.com/v1" and obj["spec"], obj
+        if obj["kind"] in CRD_KINDS:
+            # not jsonschema.validate: the schemas hold Go regular expressions, which Python's metaschema refuses
+            jsonschema.Draft7Validator(strict(schemas[(obj["apiVersion"], obj["kind"])])).validate(obj)
             continue
         kubernetes_validate.validate(obj, KUBERNETES, strict=True)
     (config,) = [o for o in objects if o["kind"] == "ConfigMap"]
@@ -68,10 +124,11 @@ def test_the_chart_renders_objects_the_kubernetes_schemas_accept(values, tmp_pat
         (workers,) = [o for o in objects if o["kind"] == "Deployment"]
         assert workers["spec"]["replicas"] == 2
     else:
-        assert found["HorizontalPodAutoscaler"] == 1 and found["PodDisruptionBudget"] == 2
-        assert found["NetworkPolicy"] == 2
+        assert found["HorizontalPodAutoscaler"] + found["ScaledObject"] == 1 and found["PodDisruptionBudget"] == 2
+        assert found["NetworkPolicy"] == (3 if values == "production-values.yaml" else 2)
     if values == "production-values.yaml":
-        assert found["ServiceMonitor"] == 1 and found["PrometheusRule"] == 1
+        assert found["PodMonitor"] == 1 and found["PrometheusRule"] == 1
+        assert found["ScaledObject"] == 1 and found["Ingress"] == 1 and "HorizontalPodAutoscaler" not in found
         (rule,) = [o for o in objects if o["kind"] == "PrometheusRule"]
         alerts = yaml.safe_load((ROOT / "infra" / "prometheus" / "rlens-alerts.yaml").read_text())
         assert rule["spec"]["groups"] == alerts["groups"]
@@ -106,3 +163,78 @@ def test_the_charts_alert_rules_are_the_infra_ones():
     assert (CHART / "files" / "rlens-alerts.yaml").read_text() == (
         ROOT / "infra" / "prometheus" / "rlens-alerts.yaml"
     ).read_text()
+
+
+def pod_templates(objects: list[dict]) -> dict[str, dict]:
+    return {
+        o["metadata"]["name"].removeprefix("t-rlens-"): o["spec"]["template"]
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+    }
+
+
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+
+
+@pytest.mark.parametrize("values", [None, "minimal-values.yaml", "production-values.yaml"])
+def test_every_pod_meets_pod_security_restricted_with_a_read_only_root_and_no_api_token(values):
+    """The "restricted" profile's rules (kubernetes.io/docs/concepts/security/pod-security-standards), each checked;
+    and beyond it: a read-only root, only /tmp (an emptyDir) and the learner's checkpoints writable, no API token, a
+    startupProbe."""
+    for role, template in pod_templates(render(*(["-f", str(CHART / "ci" / values)] if values else []))).items():
+        pod = template["spec"]
+        context = pod.get("securityContext", {})
+        assert pod["automountServiceAccountToken"] is False, role
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & {k for k, v in pod.items() if v}, role
+        assert {next(iter(set(v) - {"name"})) for v in pod["volumes"]} <= RESTRICTED_VOLUMES, role
+        for container in pod["containers"]:
+            own = container["securityContext"]
+            assert own["allowPrivilegeEscalation"] is False and not own.get("privileged"), role
+            assert own["capabilities"]["drop"] == ["ALL"] and not own["capabilities"].get("add"), role
+            assert (own.get("runAsNonRoot") or context.get("runAsNonRoot")) is True, role
+            assert own.get("runAsUser", context.get("runAsUser")) not in (0, None), role
+            seccomp = own.get("seccompProfile", context.get("seccompProfile", {}))
+            assert seccomp.get("type") in ("RuntimeDefault", "Localhost"), role
+            assert not [p for p in container.get("ports", []) if p.get("hostPort")], role
+            assert own["readOnlyRootFilesystem"] is True, role
+            writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+            assert writable == ({"/tmp", "/var/lib/rlens"} if role == "learner" else {"/tmp"}), (role, writable)
+            assert container["startupProbe"]["httpGet"]["path"] == "/healthz", role
+
+
+def test_the_pod_monitor_scrapes_every_process_once_on_the_port_serving_its_metrics():
+    """As the Prometheus Operator makes targets of a PodMonitor: each endpoint keeps the selected pods that have a
+    container port of its name. Every process is one target, on the port where it serves /metrics; none is dead."""
+    objects = render("--set", "monitoring.podMonitor.enabled=true")
+    (monitor,) = [o for o in objects if o["kind"] == "PodMonitor"]
+    assert not [o for o in objects if o["kind"] == "ServiceMonitor"]
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    targets: Counter = Counter()
+    for role, template in pod_templates(objects).items():
+        if wanted.items() <= template["metadata"]["labels"].items():
+            ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+            for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+                if endpoint["port"] in ports:
+                    targets[(role, ports[endpoint["port"]], endpoint["path"])] += 1
+    assert targets == Counter(
+        {("worker", 9400, "/metrics"): 1, ("learner", 9400, "/metrics"): 1, ("gateway", 8000, "/metrics"): 1}
+    )
+
+
+def test_no_more_workers_than_partitions():
+    refused = template("--set", "worker.autoscaling.maxReplicas=8")
+    assert refused.returncode != 0 and "exceeds the 4 partitions" in refused.stderr, refused.stderr
+    refused = template("--set", "worker.autoscaling.enabled=false", "--set", "worker.replicas=5")
+    assert refused.returncode != 0 and "worker.replicas 5 exceeds" in refused.stderr, refused.stderr
+    allowed = render("--set", "worker.autoscaling.maxReplicas=8", "--set", "config.kafka.partitions=8")
+    (hpa,) = [o for o in allowed if o["kind"] == "HorizontalPodAutoscaler"]
+    assert hpa["spec"]["maxReplicas"] == 8

@@ -33,7 +33,45 @@ app.kubernetes.io/component: {{ index . 1 }}
 checksum/config: {{ include (print $.Template.BasePath "/configmap.yaml") . | sha256sum }}
 {{- end -}}
 
+{{/* A start (imports, the pool, the broker's topics) may take minutes on a busy node: the startupProbe allows 5,
+and the liveness probe only starts once it passed. */}}
 {{- define "rlens.probes" -}}
+startupProbe: {httpGet: {path: /healthz, port: {{ . }}}, periodSeconds: 5, failureThreshold: 60}
 livenessProbe: {httpGet: {path: /healthz, port: {{ . }}}, periodSeconds: 10, failureThreshold: 3}
 readinessProbe: {httpGet: {path: /readyz, port: {{ . }}}, periodSeconds: 5}
+{{- end -}}
+
+{{/* Pod Security "restricted": no privilege escalation, no capabilities, the runtime's seccomp profile, a read-only
+root (each process writes only /tmp, an emptyDir, and the learner its checkpoint volume). */}}
+{{- define "rlens.containerSecurity" -}}
+securityContext:
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  runAsNonRoot: true
+  capabilities: {drop: [ALL]}
+{{- end -}}
+
+{{/* What every pod spec shares: no API token (rlens never calls the Kubernetes API), the pod's security context,
+node placement. */}}
+{{- define "rlens.podSpec" -}}
+automountServiceAccountToken: false
+securityContext: {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- with .Values.nodeSelector }}
+nodeSelector: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The partitions of the queries topic (config.kafka.partitions, rlens's default 4): no more workers than these
+can take queries, so replicas beyond them would idle. */}}
+{{- define "rlens.partitions" -}}
+{{- dig "kafka" "partitions" 4 .Values.config | int -}}
+{{- end -}}
+
+{{/* The workers' consumer group, as rlens names it (config.worker.group, else the topic prefix's: rlens-workers). */}}
+{{- define "rlens.workersGroup" -}}
+{{- $prefix := regexReplaceAll "[._-]+$" (dig "kafka" "topic_prefix" "rlens." .Values.config) "" | default "rlens" -}}
+{{- dig "worker" "group" (printf "%s-workers" $prefix) .Values.config -}}
 {{- end -}}
