@@ -108,6 +108,9 @@ class ModelCallRecord(BaseModel):
     prompt_tokens: int = Field(0, ge=0)
     completion_tokens: int = Field(0, ge=0)
     estimated: bool = False
+    money: float | None = Field(
+        None, ge=0, description="what the call cost, at the pool's price of the model (none without)"
+    )
 
 
 class Answer(Message):

@@ -193,12 +193,16 @@ MAX_WAITING = 3
 HEADER_TIMEOUT_S = 3.0
 PER_ADDRESS = 100  # connections one client address may hold (the tests' own requests come from 127.0.0.1)
 BUDGET = 1.0  # cost units of the "budget" key (the replay pool's models cost 0.1 to 135 each)
+PRICE = {"input": 3.0, "output": 15.0}  # the first model's, per million tokens
 
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("gateway")
     pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
+    priced = json.loads(pool.read_text())  # one model priced in money: answers say what its calls cost
+    priced["models"][0]["price"] = PRICE
+    pool.write_text(json.dumps(priced))
     config = settings().model_copy(
         update={
             "pool_file": pool,
@@ -542,6 +546,11 @@ def test_the_official_openai_client_works_unchanged(gw):
         assert reply.usage.prompt_tokens == sum(c["prompt_tokens"] for c in calls) > 0
         assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
         assert reply.usage.model_extra["cost"] == reply.model_extra["rlens"]["cost"] > 0
+        priced = [c for c in calls if c["money"] is not None]
+        assert [c["model"] for c in priced] == [c["model"] for c in calls if c["model"] == "smollm2-135m"]
+        for c in priced:
+            assert c["money"] == pytest.approx((3.0 * c["prompt_tokens"] + 15.0 * c["completion_tokens"]) / 1e6)
+        assert reply.usage.model_extra["money"] == (pytest.approx(priced[0]["money"]) if priced else None)
     chunks = list(
         client.chat.completions.create(
             model="rlens-focal",

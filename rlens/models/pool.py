@@ -7,7 +7,9 @@
 ]}
 ```
 
-``backend`` is a registered backend name; ``options`` are its constructor's options. For ``transformers`` they are
+``backend`` is a registered backend name; ``cost`` its cost in the pool's units (what the Decider and budgets count);
+``price`` (optional, ``{"input": 0.15, "output": 0.6}`` per million tokens) what its tokens cost in money, which
+answers report in ``usage``; ``options`` are its constructor's options. For ``transformers`` they are
 ``path`` (and optional ``gguf_file``, ``device``), loaded with :meth:`TransformersBackend.load`; for ``replay``,
 ``dataset`` (a dataset directory) and ``model`` (index or name). ``openai`` options
 not given fall back to the settings (``RLENS_HTTP_*``). The model order of the file is the pool's model order.
@@ -26,10 +28,23 @@ from rlens.backends.base import BACKENDS, Backend, create_backend
 from rlens.settings import settings
 
 
+class Price(BaseModel):
+    """What a model's tokens cost in money (any currency, the same for the whole pool), per million tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: float = Field(ge=0, description="per million tokens the model reads")
+    output: float = Field(ge=0, description="per million tokens the model writes")
+
+    def of(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return (prompt_tokens * self.input + completion_tokens * self.output) / 1e6
+
+
 class PoolModel(BaseModel):
     name: str = Field(min_length=1)
     backend: str
     cost: float = Field(1.0, gt=0)
+    price: Price | None = Field(None, description="its tokens' price in money: answers report what each call cost")
     options: dict = Field(default_factory=dict)
 
     @field_validator("backend")

@@ -17,7 +17,7 @@ from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftConfig, DriftMonitor
-from rlens.models.pool import PoolConfig, build_backend, build_rlae_decoder, load_pool_config, parse_pool_config
+from rlens.models.pool import PoolConfig, Price, build_backend, build_rlae_decoder, load_pool_config, parse_pool_config
 from rlens.rlae.agent import RLAEConfig, make_policy
 from rlens.service.learner.core import LearnerCore
 from rlens.service.learner.app import create_learner_app
@@ -169,6 +169,7 @@ def build_worker(settings: Settings) -> Worker:
             tokens=tokens,
             costs=[m.cost for m in pool.models],
             split=settings.gate_split,
+            prices=prices_of(pool),
         )
     engine = build_engine(settings, pool)
     cache = output_cache(settings, pool)
@@ -190,7 +191,12 @@ def build_worker(settings: Settings) -> Worker:
         tokens=tokens,
         ope_logging=settings.ope_logging,
         cache=cache,
+        prices=prices_of(pool),
     )
+
+
+def prices_of(pool: PoolConfig) -> dict[str, Price]:
+    return {m.name: m.price for m in pool.models if m.price is not None}
 
 
 def output_cache(settings: Settings, pool: PoolConfig) -> OutputCache | None:

@@ -181,6 +181,9 @@ class Usage(BaseModel):
     estimated: bool = Field(
         description="true when some model's tokens were estimated from the texts (4 characters a token)"
     )
+    money: float | None = Field(
+        description="what the calls cost in money at the pool's prices (the priced models'; null when none is priced)"
+    )
 
     @classmethod
     def of(cls, answer: Answer) -> "Usage":
@@ -192,6 +195,7 @@ class Usage(BaseModel):
             total_tokens=prompt + completion,
             cost=answer.cost,
             estimated=any(c.estimated for c in answer.model_calls),
+            money=sum(priced) if (priced := [c.money for c in answer.model_calls if c.money is not None]) else None,
         )
 
 

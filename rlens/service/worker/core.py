@@ -41,7 +41,8 @@ from redis.exceptions import RedisError
 
 from rlens.backends.base import Backend, ChoiceQuery, GenerationRequest
 from rlens.records.answers import Extractor
-from rlens.models.ensemble import ModelCall, PoolCaller, PoolQuery
+from rlens.models.ensemble import PoolCaller, PoolQuery
+from rlens.models.pool import Price
 from rlens.focal.calibration import significant
 from rlens.focal.engine import FocalEngine
 from rlens.messages import (
@@ -106,8 +107,11 @@ class Worker(ABC):
         tokens: FeedbackTokens,
         name: str | None = None,
         costs: list[float] | np.ndarray | None = None,
+        prices: dict[str, Price] | None = None,
     ):
+        """``costs``: each model's cost in the pool's units; ``prices``: what the priced models' tokens cost."""
         self.models, self.windows, self.verifier, self.tokens = models, windows, verifier, tokens
+        self.prices = prices or {}
         self.costs = np.ones(len(models)) if costs is None else np.asarray(costs, dtype=np.float64)  # pool units
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self.policy_epoch, self.policy_version = 0, 0
@@ -116,6 +120,21 @@ class Worker(ABC):
         self._next_candidate: tuple[tuple[int, int], dict, float | None] | None = None
         self.candidate_share: float | None = None  # rlae: the candidate's share of the queries, as its policy says
         self.stats = WorkerStats()
+
+    def call_record(
+        self, model: str, offset_ms: float, duration_ms: float, prompt: int, completion: int, estimated: bool
+    ) -> ModelCallRecord:
+        """One model call as an answer reports it, priced when the pool gives the model a price."""
+        price = self.prices.get(model)
+        return ModelCallRecord(
+            model=model,
+            offset_ms=offset_ms,
+            duration_ms=duration_ms,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            estimated=estimated,
+            money=price.of(prompt, completion) if price is not None else None,
+        )
 
     @abstractmethod
     def rejects(self, query: Query) -> str | None:
@@ -231,10 +250,11 @@ class FocalWorker(Worker):
         extractor: Extractor = "line",
         ope_logging: bool = True,
         cache: OutputCache | None = None,
+        prices: dict[str, Price] | None = None,
     ):
         if list(backends) != models:
             raise ValueError(f"backends {list(backends)} are not the pool's models {models}")
-        super().__init__(models, windows, verifier, tokens, name, engine.model_costs)
+        super().__init__(models, windows, verifier, tokens, name, engine.model_costs, prices)
         self.engine = engine
         self.cache = cache
         self.shadow: FocalEngine | None = None  # the candidate's agents (greedy only), scored beside the engine's
@@ -465,7 +485,17 @@ class FocalWorker(Worker):
             "answered_models": names[fused_pool].tolist(),
             "called_models": names[decision.called].tolist(),
             "failures": [ModelFailureRecord(model=f.model, reason=f.reason) for f in answers.failures],
-            "model_calls": call_records(answers.calls, timing[2]),
+            "model_calls": [
+                self.call_record(
+                    c.model,
+                    max(c.started_ns - timing[2], 0) / 1e6,
+                    1000 * c.duration_s,
+                    c.usage.prompt_tokens if c.usage else 0,
+                    c.usage.completion_tokens if c.usage else 0,
+                    c.estimated,
+                )
+                for c in answers.calls
+            ],
             "policy_version": self.policy_version,
             "worker": self.name,
             "latency_ms": timing[0],
@@ -584,18 +614,3 @@ def logged_distributions(probs: list[np.ndarray]) -> list:
     flat = significant(np.concatenate([p.ravel() for p in probs])) if probs else np.empty(0)
     ends = np.cumsum([p.size for p in probs])
     return [flat[end - p.size : end].reshape(p.shape).tolist() for p, end in zip(probs, ends)]
-
-
-def call_records(calls: list[ModelCall], started_ns: int) -> list[ModelCallRecord]:
-    """A query's model calls as its answer reports them, timed from ``started_ns`` (the worker taking the batch)."""
-    return [
-        ModelCallRecord(
-            model=c.model,
-            offset_ms=max(c.started_ns - started_ns, 0) / 1e6,
-            duration_ms=1000 * c.duration_s,
-            prompt_tokens=c.usage.prompt_tokens if c.usage else 0,
-            completion_tokens=c.usage.completion_tokens if c.usage else 0,
-            estimated=c.estimated,
-        )
-        for c in calls
-    ]

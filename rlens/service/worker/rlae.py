@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from rlens.backends.base import BackendError, estimate_tokens
-from rlens.messages import Answer, ModelCallRecord, ModelFailureRecord, Query, RLAEExperience, SpanDecision, Split
+from rlens.messages import Answer, ModelFailureRecord, Query, RLAEExperience, SpanDecision, Split
+from rlens.models.pool import Price
 from rlens.rlae.agent import Span
 from rlens.rlae.decode import EnsembleOutput, SpanWeightedDecoder
 from rlens.rlae.train import RLAEAgent
@@ -64,12 +65,13 @@ class RLAEWorker(Worker):
         name: str | None = None,
         costs: list[float] | None = None,
         split: float = 0.2,
+        prices: dict[str, Price] | None = None,
     ):
         if decoder.n_models != len(models) or agent.n_models != len(models):
             raise ValueError(
                 f"the decoder has {decoder.n_models} models and the agent {agent.n_models}, the pool {len(models)}"
             )
-        super().__init__(models, windows, verifier, tokens, name, costs)
+        super().__init__(models, windows, verifier, tokens, name, costs, prices)
         if not 0 < split < 1:
             raise ValueError(f"split must be in (0, 1), got {split}")
         self.decoder, self.agent, self.stop, self.explore, self.split = decoder, agent, stop, explore, split
@@ -173,14 +175,9 @@ class RLAEWorker(Worker):
                 )
                 continue
             output, spans = result
-            calls = [
-                ModelCallRecord(
-                    model=model,
-                    offset_ms=0.0,
-                    duration_ms=latency,  # the models decode together, span by span
-                    prompt_tokens=estimate_tokens(q.prompt),
-                    completion_tokens=len(read) or len(output.union_tokens),  # its own tokens where known
-                    estimated=True,  # the prompt's tokens
+            calls = [  # the models decode together, span by span; each wrote its own tokens (where known)
+                self.call_record(
+                    model, 0.0, latency, estimate_tokens(q.prompt), len(read) or len(output.union_tokens), True
                 )
                 for model, read in zip(self.models, output.appended)
             ]
