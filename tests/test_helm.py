@@ -3,7 +3,8 @@ rendered Kubernetes object validates against the Kubernetes schemas (kubernetes-
 resource against its operator's own CRD schema (the Prometheus Operator's and KEDA's, from their Go modules; unknown
 fields refused), every pod meets Pod Security "restricted", every process is scraped exactly once on the port that
 serves its /metrics, no more workers than partitions, the rendered rlens.toml passes `rlens config check`, the values
-schema refuses a wrong value, and the PrometheusRule carries the alert rules of infra/prometheus/rlens-alerts.yaml."""
+schema refuses a wrong value, the production render passes kube-score's checks, and the PrometheusRule carries the
+alert rules of infra/prometheus/rlens-alerts.yaml."""
 
 from __future__ import annotations
 
@@ -238,3 +239,31 @@ def test_no_more_workers_than_partitions():
     allowed = render("--set", "worker.autoscaling.maxReplicas=8", "--set", "config.kafka.partitions=8")
     (hpa,) = [o for o in allowed if o["kind"] == "HorizontalPodAutoscaler"]
     assert hpa["spec"]["maxReplicas"] == 8
+
+
+KUBE_SCORE = shutil.which("kube-score") or next(
+    (str(p) for p in [Path(os.environ.get("GOPATH", Path.home() / "go")) / "bin" / "kube-score"] if p.is_file()), None
+)
+# what the chart does on purpose: no CPU limit (throttling costs latency; requests reserve the CPU), and a pinned
+# image tag pulled IfNotPresent
+KUBE_SCORE_WAIVED = ["--ignore-container-cpu-limit", "--ignore-test", "container-image-pull-policy"]
+
+
+@pytest.mark.skipif(
+    KUBE_SCORE is None, reason="go install github.com/zegl/kube-score/cmd/kube-score@v1.20.0 (.ci/run does)"
+)
+def test_kube_score_finds_nothing_in_the_production_render(tmp_path):
+    """kube-score (a chart linter: probes, resources, network policies, disruption budgets, anti-affinity, security
+    contexts, ...) on the production values: no critical finding, no warning."""
+    rendered = template("-f", str(CHART / "ci" / "production-values.yaml"))
+    assert rendered.returncode == 0, rendered.stderr
+    (tmp_path / "chart.yaml").write_text(rendered.stdout)
+    scored = subprocess.run(
+        [str(KUBE_SCORE), "score", str(tmp_path / "chart.yaml"), "--output-format", "ci", *KUBE_SCORE_WAIVED],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    findings = [line for line in scored.stdout.splitlines() if line.startswith(("[CRITICAL]", "[WARNING]"))]
+    assert scored.returncode == 0 and not findings, scored.stdout + scored.stderr
+    assert "[OK]" in scored.stdout  # it did score the objects

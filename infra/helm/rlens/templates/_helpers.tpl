@@ -52,17 +52,26 @@ securityContext:
 {{- end -}}
 
 {{/* What every pod spec shares: no API token (rlens never calls the Kubernetes API), the pod's security context,
-node placement. */}}
+node placement (replicas of a component on different nodes where the scheduler can). Call with (list . "worker"). */}}
 {{- define "rlens.podSpec" -}}
+{{- $root := index . 0 -}}
 automountServiceAccountToken: false
-securityContext: {{- toYaml .Values.podSecurityContext | nindent 2 }}
-{{- with .Values.nodeSelector }}
+affinity:
+  podAntiAffinity:
+    preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 100
+        podAffinityTerm:
+          topologyKey: kubernetes.io/hostname
+          labelSelector:
+            matchLabels: {{- include "rlens.selector" . | nindent 14 }}
+securityContext: {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
+{{- with $root.Values.nodeSelector }}
 nodeSelector: {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.tolerations }}
+{{- with $root.Values.tolerations }}
 tolerations: {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- end -}}
+{{- end }}
 
 {{/* The partitions of the queries topic (config.kafka.partitions, rlens's default 4): no more workers than these
 can take queries, so replicas beyond them would idle. */}}
