@@ -111,7 +111,14 @@ def sections(fields: list[str]) -> dict[str, dict[str, str]]:
 
 # RLENS_* variables that are not settings: the configuration file's path, and the test and Kafka scripts' own
 OTHER_VARIABLES = frozenset(
-    {"RLENS_CONFIG", "RLENS_KAFKA_RUN", "RLENS_KAFKA_CACHE", "RLENS_TEST_KAFKA_BOOTSTRAP", "RLENS_SKIP_SMOLLM2"}
+    {
+        "RLENS_CONFIG",
+        "RLENS_KAFKA_RUN",
+        "RLENS_KAFKA_CACHE",
+        "RLENS_TEST_KAFKA_BOOTSTRAP",
+        "RLENS_TEST_LITELLM",
+        "RLENS_SKIP_SMOLLM2",
+    }
 )
 
 
