@@ -69,7 +69,9 @@ class Settings(BaseSettings):
     # streaming service: Redis windows
     redis_url: SecretStr = Field(
         SecretStr("redis://127.0.0.1:6379/0"),
-        description="Redis for the sliding windows (redis://user:password@host:port/db, rediss:// for TLS)",
+        description="Redis for the sliding windows, budgets, rate limits, marks and leases: redis://user:password@host:port/db "
+        "(rediss:// TLS), redis+sentinel://[:password@]host:port,host:port/<service>[/db] (the master the Sentinels "
+        "name), or redis+cluster://[:password@]host:port,host:port (a Redis Cluster)",
     )
     redis_prefix: str = Field("rlens", description="prefix of every Redis key")
     window_ttl_s: int = Field(7 * 86400, ge=1, description="a stream's window expires after this long without feedback")
@@ -437,9 +439,15 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, url: SecretStr) -> SecretStr:
-        scheme = url.get_secret_value().partition("://")[0]
-        if scheme not in ("redis", "rediss", "unix"):
-            raise ValueError("not a Redis URL: redis://host:port/db, rediss:// (TLS) or unix://path")
+        from rlens.redis_clients import parse_redis_url
+
+        try:
+            parse_redis_url(url.get_secret_value())
+        except ValueError as exc:  # the message names the scheme or the part that is wrong, never the password
+            raise ValueError(
+                f"{exc}; e.g. redis://host:port/db (rediss:// TLS, unix://path), "
+                "redis+sentinel://host:port,host:port/<service>, redis+cluster://host:port,host:port"
+            ) from None
         return url
 
     @classmethod

@@ -92,7 +92,8 @@ def test_config_check_names_every_bad_address_at_once(tmp_path):
     result = CliRunner().invoke(app, ["config", "check", str(path)])
     assert result.exit_code == 2
     assert "[kafka] bootstrap: 'localhost' is not host:port (e.g. 127.0.0.1:9092" in result.output
-    assert "[redis] url: not a Redis URL: redis://host:port/db" in result.output
+    assert "[redis] url: not a Redis URL (its scheme must be one of redis, rediss" in result.output
+    assert "redis+sentinel://host:port,host:port/<service>" in result.output  # how to write one
     assert "Value error" not in result.output
 
 

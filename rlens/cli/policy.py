@@ -86,10 +86,11 @@ def version_stats(s: Settings, learner: str | None) -> dict[int, dict]:
 
 
 def learner_url(s: Settings) -> str | None:
-    from redis import Redis
     from redis.exceptions import RedisError
 
-    redis = Redis.from_url(s.redis_url.get_secret_value(), socket_timeout=2.0, socket_connect_timeout=2.0)
+    from rlens.redis_clients import sync_redis
+
+    redis = sync_redis(s.redis_url.get_secret_value(), socket_timeout=2.0, socket_connect_timeout=2.0)
     try:
         for key in redis.scan_iter(f"{s.redis_prefix}:ready:learner:*"):
             url = redis.get(key)

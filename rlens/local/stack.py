@@ -140,7 +140,7 @@ def write_zoo_pool(zoo_dir: Path, names: list[str], path: Path, recorded: Path |
 
 def carried_state(settings: Settings, workdir: Path) -> list[str]:
     """What a stack started on ``workdir`` and ``settings.redis_url`` would carry over from earlier runs, in words."""
-    from redis import Redis
+    from rlens.redis_clients import sync_redis
 
     from rlens.checkpoint import CheckpointStore
 
@@ -152,7 +152,7 @@ def carried_state(settings: Settings, workdir: Path) -> list[str]:
         found.append(
             f"the learner resumes its checkpoint v{state['version']} ({state['stats']['joined']} transitions joined) from {directory}"
         )
-    redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_connect_timeout=1)
+    redis = sync_redis(settings.redis_url.get_secret_value(), socket_connect_timeout=1)
     try:
         streams = sum(1 for _ in redis.scan_iter(f"{settings.redis_prefix}:win:*", count=1000))
     finally:
@@ -164,10 +164,10 @@ def carried_state(settings: Settings, workdir: Path) -> list[str]:
 
 def clear_state(settings: Settings, workdir: Path) -> None:
     """Forget what earlier runs left: the learner's checkpoints in ``workdir`` and every Redis key under the prefix."""
-    from redis import Redis
+    from rlens.redis_clients import sync_redis
 
     shutil.rmtree(Path(workdir) / "learner", ignore_errors=True)
-    redis = Redis.from_url(settings.redis_url.get_secret_value(), socket_connect_timeout=1)
+    redis = sync_redis(settings.redis_url.get_secret_value(), socket_connect_timeout=1)
     try:
         for key in redis.scan_iter(f"{settings.redis_prefix}:*", count=1000):
             redis.delete(key)
@@ -323,9 +323,9 @@ class LocalStack:
         import socket
         import time
 
-        from redis import Redis
+        from rlens.redis_clients import sync_redis
 
-        redis = Redis.from_url(self.settings.redis_url.get_secret_value())
+        redis = sync_redis(self.settings.redis_url.get_secret_value())
         host = socket.gethostname()
         start = time.monotonic()
         deadline = start + timeout_s
@@ -358,9 +358,9 @@ class LocalStack:
 
     def http_urls(self) -> dict[str, str]:
         """Each ready process's HTTP side (/metrics, /healthz, /readyz), by its readiness mark's name (role:host-pid)."""
-        from redis import Redis
+        from rlens.redis_clients import sync_redis
 
-        redis = Redis.from_url(self.settings.redis_url.get_secret_value())
+        redis = sync_redis(self.settings.redis_url.get_secret_value())
         prefix = f"{self.settings.redis_prefix}:ready:"
         try:
             urls = {key.decode().removeprefix(prefix): redis.get(key) for key in redis.scan_iter(f"{prefix}*")}

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from redis import Redis
 from redis.exceptions import RedisError
 
+from rlens.redis_clients import sync_redis
 from rlens.records.dataset import load_dataset
 from rlens.records.recorded import DatasetError
 from rlens.local.load import BrokerUnreachable, probe_broker
@@ -57,12 +57,12 @@ def redis_to_use(settings: Settings, env_url: str | None) -> str | None:
     else None (the stack starts its own)."""
     if env_url is None:
         try:
-            Redis.from_url(settings.redis_url.get_secret_value(), socket_connect_timeout=0.5).ping()
+            sync_redis(settings.redis_url.get_secret_value(), socket_connect_timeout=0.5).ping()
             return settings.redis_url.get_secret_value()
         except RedisError:
             return None
     try:
-        Redis.from_url(env_url, socket_connect_timeout=2).ping()
+        sync_redis(env_url, socket_connect_timeout=2).ping()
     except RedisError as exc:
         where = set_by("RLENS_REDIS_URL", "[redis] url")
         raise UpError(

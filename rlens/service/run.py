@@ -9,9 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from redis import Redis as BlockingRedis
-from redis.asyncio import Redis
 
+from rlens.redis_clients import async_redis, sync_redis
 from rlens.focal.budget import lowest_spending
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
@@ -90,7 +89,7 @@ def _engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
 
 
 def build_windows(settings: Settings, n_models: int, size: int, calibration_rows: int = 0) -> RedisWindows:
-    redis = Redis.from_url(
+    redis = async_redis(
         settings.redis_url.get_secret_value(), socket_timeout=5, socket_connect_timeout=2, health_check_interval=10
     )
     return RedisWindows(
@@ -207,7 +206,7 @@ def output_cache(settings: Settings, pool: PoolConfig) -> OutputCache | None:
         return None
     redis = None
     if settings.cache_ttl_s:
-        redis = BlockingRedis.from_url(
+        redis = sync_redis(
             settings.redis_url.get_secret_value(), socket_timeout=2, socket_connect_timeout=1, health_check_interval=10
         )
     return OutputCache(recorded, redis, settings.redis_prefix, settings.cache_ttl_s)

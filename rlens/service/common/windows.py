@@ -48,6 +48,7 @@ from redis.exceptions import RedisError
 from rlens.focal.calibration import StreamCalibration
 from rlens.focal.window import OutcomeWindow
 from rlens.messages import MAX_CHOICES
+from rlens.redis_clients import pipelined
 
 log = logging.getLogger("rlens.windows")
 LEASE_TTL_S = 30
@@ -336,7 +337,7 @@ class RedisWindows:
                         args.append(json.dumps([rows.n_choices, rows.label, *log_probs], separators=(",", ":")))
                     keys.append(self.calibration_key(stream, "labels"))
                     args.append(json.dumps([rows.n_choices, rows.label]))
-                await self._apply(keys=keys, args=args, client=pipe)
+                pipelined(self._apply, pipe, keys, args)
             return [bool(applied) for applied in await pipe.execute()]
 
     def calibration_error(self, rows: CalibrationRows | None = None) -> str | None:

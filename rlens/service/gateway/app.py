@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import socket
+from typing import Any
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from rlens.service.gateway.core import Gateway, gateway_id
 from rlens.service.gateway.middleware import BodyLimit, Contain, Measure
 from rlens.service.gateway.openai_api import MODEL_OF
 from rlens.service.gateway.replies import subscribe_replies
+from rlens.redis_clients import async_redis, parse_redis_url
 from rlens.service.common.tracing import trace_carrier
 from rlens.service.gateway.routes import add_error_handlers, openai_router
 from rlens.service.gateway.spending import SpendingLedger
@@ -55,20 +57,22 @@ PROBES = ("/healthz", "/readyz", "/metrics")
 
 
 def redis_pool(settings: Settings) -> Redis:
-    """The gateway's Redis client: requests wait for a free connection of a bounded pool instead of failing, and a
-    broken connection is replaced (tried again on a connection error only: a command the server may have run is
-    never repeated after a timeout)."""
-    pool = BlockingConnectionPool.from_url(
-        settings.redis_url.get_secret_value(),
-        max_connections=REDIS_CONNECTIONS,
-        timeout=5,
-        socket_timeout=5,
-        socket_connect_timeout=2,
-        health_check_interval=10,
+    """The gateway's Redis client: a bounded pool of connections (on one server, requests wait for a free one
+    instead of failing), and a broken connection is replaced (tried again on a connection error only: a command the
+    server may have run is never repeated after a timeout). A Sentinel's master or a Redis Cluster: the same
+    options, through :func:`rlens.redis_clients.async_redis`."""
+    url = settings.redis_url.get_secret_value()
+    options: dict[str, Any] = {
+        "max_connections": REDIS_CONNECTIONS,
+        "socket_timeout": 5,
+        "socket_connect_timeout": 2,
         # a pooled connection that a Redis restart broke fails once, then connects again: not a 503
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
-        retry_on_error=[RedisConnectionError],
-    )
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        "retry_on_error": [RedisConnectionError],
+    }
+    if parse_redis_url(url).kind != "single":
+        return async_redis(url, **options)
+    pool = BlockingConnectionPool.from_url(url, timeout=5, health_check_interval=10, **options)
     return Redis(connection_pool=pool)
 
 

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from redis.asyncio import Redis
 
 from rlens.messages import Answer
+from rlens.redis_clients import pipelined
 from rlens.service.common.windows import pool_costs_key
 
 # A token bucket refilled at ARGV[1] per second up to ARGV[2]; Redis's own clock, so replicas agree.
@@ -199,7 +200,7 @@ class GatewayState:
         async with self.redis.pipeline(transaction=False) as pipe:
             for key_id, stamp, amount in found:
                 ttl = PERIOD_TTL_S[period_of(stamp)]
-                await self._restore(keys=self._stamp_keys(key_id, stamp), args=[amount, ttl], client=pipe)
+                pipelined(self._restore, pipe, self._stamp_keys(key_id, stamp), [amount, ttl])
             return [float(spent) for spent in await pipe.execute()]
 
     async def legacy_spending(self, key_id: str) -> float:
@@ -219,10 +220,8 @@ class GatewayState:
         async with self.redis.pipeline(transaction=False) as pipe:
             for key_id, period, query_id, cost in charges:
                 period = period or "total"
-                await self._settle(
-                    keys=self._budget_keys(key_id, period)[:2],
-                    args=[query_id, cost, PERIOD_TTL_S[period]],
-                    client=pipe,
+                pipelined(
+                    self._settle, pipe, self._budget_keys(key_id, period)[:2], [query_id, cost, PERIOD_TTL_S[period]]
                 )
             await pipe.execute()
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from rlens.redis_clients import async_redis
 from rlens.service.common.windows import LEASE_TTL_S, RedisWindows
 from rlens.service.learner.core import LearnerCore
 from rlens.settings import Settings
@@ -24,7 +24,7 @@ async def claim_group(settings: Settings, core: LearnerCore) -> None:
     """One learner per consumer group: take the group's lease in Redis, or RuntimeError naming who holds it. A holder
     on our checkpoint directory is gone (we hold that directory's lock): a restart after a crash takes over."""
     windows = RedisWindows(
-        Redis.from_url(settings.redis_url.get_secret_value(), socket_connect_timeout=2),
+        async_redis(settings.redis_url.get_secret_value(), socket_connect_timeout=2),
         core.windows.n_models,
         1,
         settings.redis_prefix,

@@ -1,0 +1,160 @@
+"""Redis beyond one server (issue 58): the service on a real Redis Cluster (6 nodes: 3 masters, 3 replicas) and on a
+real Sentinel set (a master, a replica, three Sentinels), chosen by the URL alone. The whole stack (learner,
+worker, gateway) runs on each: answers, feedback joined into the stream's window, a key's budget that caps, the rate
+limit, the readiness marks and the learner's lease; then the master under the traffic is killed, and the stack
+answers again once the replica took over, every process reconnecting by itself."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.exceptions import RedisError
+
+from brokers import stack_for_tests
+from redis_servers import RedisClusterForTests, RedisSentinelForTests, wait_until
+from rlens.local.stack import write_replay_pool
+from rlens.redis_clients import parse_redis_url, sync_redis
+from rlens.service.gateway.api_keys import add_key
+from rlens.settings import settings
+
+CHOICES = ["A", "B", "C", "D"]
+
+
+def test_redis_urls_name_one_server_a_sentinel_set_or_a_cluster():
+    single = parse_redis_url("redis://:pw@10.0.0.1:6380/2")
+    assert single.kind == "single" and single.url == "redis://:pw@10.0.0.1:6380/2"
+    sentinel = parse_redis_url("redis+sentinel://:s%40cret@s1:26379,s2:26380/mymaster/3")
+    assert (sentinel.kind, sentinel.nodes, sentinel.service, sentinel.db, sentinel.password, sentinel.ssl) == (
+        "sentinel",
+        (("s1", 26379), ("s2", 26380)),
+        "mymaster",
+        3,
+        "s@cret",
+        False,
+    )
+    cluster = parse_redis_url("rediss+cluster://app:pw@n1:7000,n2:7001")
+    assert (cluster.kind, cluster.nodes, cluster.username, cluster.password, cluster.ssl) == (
+        "cluster",
+        (("n1", 7000), ("n2", 7001)),
+        "app",
+        "pw",
+        True,
+    )
+    for bad, reason in [
+        ("http://x:1", "not a Redis URL"),
+        ("redis+sentinel://s1:26379", "service name is missing"),
+        ("redis+cluster://n1:7000/2", "database 0 only"),
+        ("redis+cluster://n1", "not host:port"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            parse_redis_url(bad)
+
+
+def ask(url: str, key: str, question: int, stream: str = "topology") -> httpx.Response:
+    body = {
+        "model": "rlens-focal",
+        "messages": [{"role": "user", "content": f"question {question}"}],
+        "rlens": {"choices": CHOICES, "reference_id": str(question)},
+        "metadata": {"stream": stream},
+    }
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def run_the_service_on(redis_url: str, workdir: Path, kill_master) -> None:
+    """A stack on ``redis_url``: answers, feedback into the window, a budget, the rate limit; ``kill_master(key)``
+    kills the master under the traffic (the one holding ``key``), and the stack must answer again."""
+    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
+    config = settings().model_copy(
+        update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "gateway_port": 0}
+    )
+    stack = stack_for_tests(config, workdir / "stack", redis_url=redis_url)
+    keys = stack.workdir / "keys.json"
+    budget, _ = add_key(keys, "capped", ["*"], budget=0.5)
+    slow, _ = add_key(keys, "slow", ["*"], rate_per_s=0.1, burst=1)
+    try:
+        stack.start_service(workers=1, gateway=True, wait_s=180)
+        url = next(u for name, u in stack.http_urls().items() if name.startswith("gateway:"))
+        key = stack.gateway_key.read_text().strip()
+        redis = sync_redis(redis_url, socket_timeout=5)
+        for question in range(6):
+            answered = ask(url, key, question)
+            assert answered.status_code == 200, answered.text
+            given = httpx.post(
+                f"{url}/v1/feedback",
+                json={"id": answered.json()["id"], "label": question % 4},
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=30,
+            )
+            assert given.status_code == 202, given.text
+        prefix = stack.settings.redis_prefix
+        wait_until(
+            lambda: any(True for _ in redis.scan_iter(f"{prefix}:win:*topology*")), 60, "the stream's window in Redis"
+        )
+        # a budget caps (the pool's cheapest answers cost more than 0.5 units together), the rate limit refuses
+        spent = [ask(url, budget, q, "capped").status_code for q in range(4)]
+        assert 429 in spent and spent[0] == 200, spent
+        assert [ask(url, slow, q, "slow").status_code for q in range(2)] == [200, 429]
+
+        window = f"{prefix}:win:{{@local/topology}}"
+        rows = redis.llen(window)
+        killed = time.monotonic()
+        kill_master(window)  # the master holding the stream's window
+        deadline, last = time.monotonic() + 90, None
+        while time.monotonic() < deadline:
+            last = ask(url, key, 7, f"after-{time.monotonic():.0f}")
+            if last.status_code == 200:
+                break
+            time.sleep(1)
+        assert last is not None and last.status_code == 200, last.text if last is not None else "no answer"
+        # what the failover cost: the seconds without answers, and window rows the replica did not have yet
+        # (replication is asynchronous: the known limit); printed for BENCHMARKS.md, not asserted
+        kept: list[int] = []  # a new client may first meet a node that has not heard of the failover yet
+
+        def read_window() -> bool:
+            try:
+                kept.append(sync_redis(redis_url, socket_timeout=5).llen(window))
+            except RedisError:
+                return False
+            return True
+
+        wait_until(read_window, 60, "the window read after the failover")
+        after = kept[-1]
+        print(
+            f"\n{redis_url.partition(':')[0]}: answered again {time.monotonic() - killed:.1f} s after the kill; "
+            f"window rows {rows} before, {after} after"
+        )
+        assert after <= rows
+        for process in stack.processes():
+            assert process.poll() is None, f"{process.args} exited with {process.returncode}"
+    finally:
+        stack.stop()
+
+
+def test_the_service_on_a_redis_cluster_survives_a_masters_death(tmp_path):
+    cluster = RedisClusterForTests(tmp_path / "cluster")
+    try:
+
+        def kill_master(key: str) -> None:
+            cluster.kill(cluster.master_of(key))
+            wait_until(cluster.healthy, 60, "a replica promoted")
+
+        run_the_service_on(cluster.url, tmp_path, kill_master)
+    finally:
+        cluster.stop()
+
+
+def test_the_service_on_a_sentinel_watched_redis_survives_its_masters_death(tmp_path):
+    sentinels = RedisSentinelForTests(tmp_path / "sentinel")
+    try:
+
+        def kill_master(key: str) -> None:
+            old = sentinels.master()
+            sentinels.kill(old)
+            wait_until(lambda: sentinels.master() != old, 60, "the Sentinels' failover")
+
+        run_the_service_on(sentinels.url, tmp_path, kill_master)
+    finally:
+        sentinels.stop()
