@@ -162,7 +162,10 @@ def test_gated_promotion_through_the_policy_topic(tmp_path, zoo):
     assert gc.get_freeze_count() == 0  # the load generator froze its traffic for the play only
     assert report.answered == N and report.duplicates == 0 and stats["joined"] == N + 100
     assert stats["updates"] >= 4 and stats["promotions"] + stats["dropped_candidates"] >= 1
-    assert len(report.policy_versions - {0}) <= stats["promotions"] + stats["rollbacks"]
+    # v1 is the seeded policy, live from the start (issue 61): every later version served was promoted or rolled to
+    assert len(report.policy_versions - {0, 1}) <= stats["promotions"] + stats["rollbacks"]
+    (seeded,) = [row for row in listed if row["version"] == 1]
+    assert seeded["stage"] == "live" and "seeded" in seeded["note"], seeded
     # the operator's promotion: listed with the learner's figures, served at once, adopted by the learner
     assert any(row["stage"] == "candidate" for row in listed)
     assert any(row["stats"] and row["stats"]["events"] > 0 for row in listed) or stats["promotions"] == 0

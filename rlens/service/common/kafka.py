@@ -247,6 +247,18 @@ def woken_by_records(subscriber: Any, on_lag: Callable[[int], None] | None = Non
     return subscriber
 
 
+async def holds_nothing(consumer: Any, topic: str) -> bool:
+    """Whether ``topic`` has never held a record (every partition's end offset 0); False when its partitions are not
+    known (never publish over what may be there)."""
+    from aiokafka.structs import TopicPartition
+
+    partitions = consumer.partitions_for_topic(topic) or set()
+    if not partitions:
+        return False
+    ends = await consumer.end_offsets([TopicPartition(topic, p) for p in partitions])
+    return all(end == 0 for end in ends.values())
+
+
 async def consumer_lag(consumer: Any) -> int:
     """The records of ``consumer``'s assigned partitions beyond its positions, by the last fetch's high watermarks
     (a partition not fetched yet counts 0)."""

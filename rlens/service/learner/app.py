@@ -22,6 +22,7 @@ from rlens.service.common.kafka import (
     TopicRestorer,
     app_logger,
     SUBSCRIBER,
+    holds_nothing,
     woken_by_records,
     make_broker,
     parse_or_dead_letter,
@@ -101,13 +102,15 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
         await batches.handle(message, Feedback, topics.feedback)
 
-    @broker.subscriber(
+    policy_history = broker.subscriber(
         topics.policy,
         auto_offset_reset="earliest",
         **SUBSCRIBER,
         description="JSON Policy messages: an operator's (rlens policy promote / rollback) are adopted, and a "
         "restarted gated learner learns from the topic's history what the workers serve",
     )
+
+    @policy_history
     async def adopt_policy(body: bytes, message: KafkaMessage) -> None:
         policy = parse_or_dead_letter(Policy, message.raw_message, "learner")
         if isinstance(policy, DeadLetter):
@@ -140,6 +143,8 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         for topic, subscriber in ((topics.experience, experience), (topics.feedback, feedback)):
             batches.watch(topic, subscriber.consumer)  # new logs are looked for before the first batch too
         announced = live.announcement()
+        if announced is None and await holds_nothing(policy_history.consumer, topics.policy):
+            announced = live.first_policy()  # gated and fresh: the seeded policy, live, so there is one to roll back to
         await publish(policies, ([announced] if announced is not None else []) + live.take_policies())
         readiness.start(live.windows)
         log.info(

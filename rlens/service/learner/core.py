@@ -537,6 +537,11 @@ class LearnerCore:
             return self.promotion.announcement()
         return self.current_policy() if self.version > 0 else None
 
+    def first_policy(self) -> Policy | None:
+        """Gated: the seeded policy as the first live one (v1), for a policy topic that holds nothing yet
+        (:meth:`Promotion.first_policy`); None otherwise."""
+        return self.promotion.first_policy() if self.promotion is not None else None
+
     def current_policy(self, note: str = "") -> Policy:
         return encode_policy(
             self.trainer.policy_tensors(),
