@@ -83,14 +83,7 @@ def async_redis(url: str, **options: Any) -> Any:
     from redis.asyncio.cluster import ClusterNode, RedisCluster
     from redis.asyncio.sentinel import Sentinel
 
-    target = parse_redis_url(url)
-    if target.kind == "single":
-        return Redis.from_url(url, **options)
-    auth: dict[str, Any] = {"username": target.username, "password": target.password, "ssl": target.ssl}
-    if target.kind == "cluster":
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], **auth, **options)
-    sentinel = Sentinel(list(target.nodes), sentinel_kwargs=_sentinel_options(options), **auth, **options)
-    return sentinel.master_for(target.service, db=target.db)
+    return _client(url, options, Redis, RedisCluster, ClusterNode, Sentinel)
 
 
 def sync_redis(url: str, **options: Any) -> Any:
@@ -99,14 +92,19 @@ def sync_redis(url: str, **options: Any) -> Any:
     from redis.cluster import ClusterNode, RedisCluster
     from redis.sentinel import Sentinel
 
+    return _client(url, options, Redis, RedisCluster, ClusterNode, Sentinel)
+
+
+def _client(url: str, options: dict, redis: Any, cluster: Any, node: Any, sentinel: Any) -> Any:
+    """The client of ``url`` built from one flavour's classes (asyncio or blocking)."""
     target = parse_redis_url(url)
     if target.kind == "single":
-        return Redis.from_url(url, **options)
+        return redis.from_url(url, **options)
     auth: dict[str, Any] = {"username": target.username, "password": target.password, "ssl": target.ssl}
     if target.kind == "cluster":
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], **auth, **options)
-    sentinel = Sentinel(list(target.nodes), sentinel_kwargs=_sentinel_options(options), **auth, **options)
-    return sentinel.master_for(target.service, db=target.db)
+        return cluster(startup_nodes=[node(h, p) for h, p in target.nodes], **auth, **options)
+    sentinels = sentinel(list(target.nodes), sentinel_kwargs=_sentinel_options(options), **auth, **options)
+    return sentinels.master_for(target.service, db=target.db)
 
 
 def _sentinel_options(options: dict) -> dict:

@@ -50,3 +50,15 @@ def stack_for_tests(config: Settings, workdir: Path, **options) -> LocalStack:
     if EXTERNAL is not None:
         options.setdefault("kafka_bootstrap", EXTERNAL)
     return LocalStack(own_prefixes(config), workdir, **options)
+
+
+def replay_stack_for_tests(workdir: Path, overrides: dict | None = None, **options) -> LocalStack:
+    """:func:`stack_for_tests` in ``workdir/stack`` with the bundled stream's models as replay backends (their pool in
+    ``workdir/pool.json``), short group timeouts and a free gateway port; ``overrides``: other settings; ``options``:
+    LocalStack's (e.g. ``redis_url``)."""
+    from rlens.local.stack import write_replay_pool
+    from rlens.settings import settings
+
+    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
+    update = {"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "gateway_port": 0}
+    return stack_for_tests(settings().model_copy(update=update | (overrides or {})), workdir / "stack", **options)

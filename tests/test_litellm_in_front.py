@@ -13,11 +13,9 @@ import httpx
 import openai
 import pytest
 
-from brokers import stack_for_tests
+from brokers import replay_stack_for_tests
 from rlens.local.servers import LocalProcess
-from rlens.local.stack import write_replay_pool
 from rlens.ports import free_port
-from rlens.settings import settings
 
 LITELLM = os.environ.get("RLENS_TEST_LITELLM") or shutil.which("litellm")
 pytestmark = pytest.mark.skipif(
@@ -47,17 +45,10 @@ def litellm_config(gateway_url: str, rlens_key: str) -> str:
 
 
 def test_litellm_routes_a_model_to_rlens_and_charges_what_rlens_used(tmp_path: Path):
-    pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
-    config = settings().model_copy(
-        update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "gateway_port": 0}
-    )
-    stack = stack_for_tests(config, tmp_path / "stack")
+    stack = replay_stack_for_tests(tmp_path)
     proxy = None
     try:
-        stack.start_learner()
-        stack.start_worker()
-        stack.start_gateway()
-        stack.wait_ready(120)
+        stack.start_service(workers=1, gateway=True, wait_s=120)
         gateway = next(u for name, u in stack.http_urls().items() if name.startswith("gateway:"))
         rlens_key = stack.gateway_key.read_text().strip()
         (tmp_path / "litellm.yaml").write_text(litellm_config(gateway, rlens_key))

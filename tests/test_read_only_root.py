@@ -16,10 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from brokers import stack_for_tests
+from brokers import replay_stack_for_tests
 from rlens.local.servers import die_with_parent
-from rlens.local.stack import LocalStack, write_replay_pool
-from rlens.settings import settings
+from rlens.local.stack import LocalStack
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None,
@@ -65,24 +64,11 @@ def mount_options(pid: int) -> dict[str, str]:
 
 
 def test_the_service_runs_with_a_read_only_root_and_only_its_volumes_writable(tmp_path):
-    pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
-    config = settings().model_copy(
-        update={
-            "pool_file": pool,
-            "kafka_session_timeout_ms": 2000,
-            "kafka_heartbeat_ms": 500,
-            "gateway_port": 0,
-            "checkpoint_every_s": 1.0,
-        }
-    )
-    stack = stack_for_tests(config, tmp_path / "stack")
+    stack = replay_stack_for_tests(tmp_path, {"checkpoint_every_s": 1.0})
     (stack.workdir / "learner").mkdir(exist_ok=True)
     stack._spawn = read_only_spawn(stack)  # type: ignore[method-assign]
     try:
-        stack.start_learner()
-        stack.start_worker()
-        stack.start_gateway()
-        stack.wait_ready(180)
+        stack.start_service(workers=1, gateway=True, wait_s=180)
         gateway = next(u for name, u in stack.http_urls().items() if name.startswith("gateway:"))
         key = {"Authorization": f"Bearer {stack.gateway_key.read_text().strip()}"}
         body = {

@@ -15,12 +15,10 @@ import httpx
 import pytest
 from redis.exceptions import RedisError
 
-from brokers import stack_for_tests
+from brokers import replay_stack_for_tests
 from redis_servers import RedisClusterForTests, RedisSentinelForTests, wait_until
-from rlens.local.stack import write_replay_pool
 from rlens.redis_clients import parse_redis_url, sync_redis
 from rlens.service.gateway.api_keys import add_key
-from rlens.settings import settings
 
 CHOICES = ["A", "B", "C", "D"]
 
@@ -68,11 +66,7 @@ def ask(url: str, key: str, question: int, stream: str = "topology") -> httpx.Re
 def run_the_service_on(redis_url: str, workdir: Path, kill_master) -> None:
     """A stack on ``redis_url``: answers, feedback into the window, a budget, the rate limit; ``kill_master(key)``
     kills the master under the traffic (the one holding ``key``), and the stack must answer again."""
-    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
-    config = settings().model_copy(
-        update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "gateway_port": 0}
-    )
-    stack = stack_for_tests(config, workdir / "stack", redis_url=redis_url)
+    stack = replay_stack_for_tests(workdir, redis_url=redis_url)
     keys = stack.workdir / "keys.json"
     budget, _ = add_key(keys, "capped", ["*"], budget=0.5)
     slow, _ = add_key(keys, "slow", ["*"], rate_per_s=0.1, burst=1)
