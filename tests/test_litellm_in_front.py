@@ -53,12 +53,12 @@ def test_litellm_routes_a_model_to_rlens_and_charges_what_rlens_used(tmp_path: P
         rlens_key = stack.gateway_key.read_text().strip()
         (tmp_path / "litellm.yaml").write_text(litellm_config(gateway, rlens_key))
         port = free_port()
-        os.environ.update(LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR")  # offline: no cost map download
         proxy = LocalProcess(
             [str(LITELLM), "--config", str(tmp_path / "litellm.yaml"), "--port", str(port), "--num_workers", "1"],
             port,
             "LiteLLM",
             300.0,
+            env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"},  # offline: no cost map download
         )
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=MASTER_KEY, max_retries=2, timeout=120)
         raw = client.chat.completions.with_raw_response.create(

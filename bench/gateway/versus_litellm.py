@@ -80,9 +80,12 @@ class LiteLLM(System):
             f"general_settings: {{master_key: {LITELLM_KEY}}}\n"
         )
         port = free_port()
-        os.environ.update(LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR")  # offline; quiet
         self.proxy = LocalProcess(
-            [binary, "--config", str(config), "--port", str(port), "--num_workers", "1"], port, "LiteLLM", 300.0
+            [binary, "--config", str(config), "--port", str(port), "--num_workers", "1"],
+            port,
+            "LiteLLM",
+            300.0,
+            env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"},  # offline; quiet
         )
         self.url, self.prompts = f"http://127.0.0.1:{port}", prompts
         self.headers = {"Authorization": f"Bearer {LITELLM_KEY}"}

@@ -8,6 +8,7 @@ Each process gets a free loopback port and is stopped (SIGTERM, then SIGKILL) by
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import signal
 import socket
@@ -50,14 +51,22 @@ def _wait_for_port(port: int, process: subprocess.Popen, output: IO[bytes], what
 
 
 class LocalProcess:
-    def __init__(self, command: list[str], port: int, what: str, startup_s: float = 20.0):
-        """``command`` started in a session of its own; back once it listens on ``port`` (``startup_s`` at most)."""
+    def __init__(
+        self, command: list[str], port: int, what: str, startup_s: float = 20.0, env: dict[str, str] | None = None
+    ):
+        """``command`` started in a session of its own (``env``: variables added to this process's environment for
+        it); back once it listens on ``port`` (``startup_s`` at most)."""
         self.port, self.what = port, what
         self.output = tempfile.TemporaryFile()  # a file, not a pipe: a pipe nobody reads would block the server
         # a session of its own: Ctrl-C in a terminal reaches the service processes, which drain through this
         # broker and Redis before :meth:`stop` ends them
         self.process = subprocess.Popen(
-            command, stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+            command,
+            stdout=self.output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+            env={**os.environ, **env} if env else None,
         )
         try:
             _wait_for_port(port, self.process, self.output, what, startup_s)
