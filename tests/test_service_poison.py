@@ -523,6 +523,9 @@ def test_secrets_are_not_printed():
     assert redact_url(config.redis_url.get_secret_value()) == "redis://:***@redis.internal:6380/0"
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     assert redact_url("rediss://app:pw@[::1]:6380/2") == "rediss://app:***@[::1]:6380/2"
+    assert redact_url("redis+sentinel://:pw@s1:26379,s2:26379/m") == "redis+sentinel://:***@s1:26379,s2:26379/m"
+    assert redact_url("redis+cluster://app:p@w@n1:7000,n2:7001") == "redis+cluster://app:***@n1:7000,n2:7001"
+    assert redact_url("redis://app@host:6379/0") == "redis://app@host:6379/0"  # a user name alone is no secret
 
 
 def test_the_service_runs_without_the_model_extras():

@@ -190,15 +190,13 @@ def generate_secrets() -> dict[str, str]:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password (if any) replaced by ``***``: ``redis://:pw@host:6379/0`` → ``redis://:***@host:6379/0``."""
+    """``url`` with its password (if any) replaced by ``***``: ``redis://:pw@host:6379/0`` → ``redis://:***@host:6379/0``
+    (several hosts too: ``redis+sentinel://:pw@s1:26379,s2:26379/master``)."""
     parts = urlsplit(url)
-    if parts.password is None:
+    credentials, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in credentials:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host  # IPv6
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    return urlunsplit(parts._replace(netloc=f"{credentials.partition(':')[0]}:***@{hosts}"))
 
 
 REDACTED = "**********"
