@@ -538,9 +538,14 @@ class LearnerCore:
         return self.current_policy() if self.version > 0 else None
 
     def first_policy(self) -> Policy | None:
-        """Gated: the seeded policy as the first live one (v1), for a policy topic that holds nothing yet
-        (:meth:`Promotion.first_policy`); None otherwise."""
-        return self.promotion.first_policy() if self.promotion is not None else None
+        """Gated and fresh (no checkpoint, no warm start): the seeded policy as the first live one, v1, for a policy
+        topic that holds nothing yet (:meth:`Promotion.first_policy`); None otherwise."""
+        if self.promotion is None or self.version != 0:
+            return None
+        policy = self.promotion.first_policy(1)
+        if policy is not None:
+            self.version = 1
+        return policy
 
     def current_policy(self, note: str = "") -> Policy:
         return encode_policy(

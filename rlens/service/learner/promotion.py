@@ -94,18 +94,17 @@ class Promotion:
         log.info("policy v%d (epoch %d), warm-started, is the first champion", core.version, core.epoch)
         self.show()
 
-    def first_policy(self) -> Policy | None:
-        """A fresh learner's seeded policy (no checkpoint, no warm start) published live as v1, as a warm start's
-        is: the weights the workers serve from their start, on the policy topic from the first query, so that an
-        operator always has a version to roll back to. None for a learner that already knows its champion."""
+    def first_policy(self, version: int) -> Policy | None:
+        """The seeded policy (the weights the workers serve from their start) published live as ``version``, as a
+        warm start's is, so that an operator always has a version to roll back to; None for a gate that already
+        knows its champion."""
         gate, core = self.gate, self.core
-        if gate.champion is not None or gate.champion_tensors is None or core.version != 0:
+        if gate.champion is not None or gate.champion_tensors is None:
             return None
-        core.version = 1
-        gate.champion = (core.epoch, core.version)
-        log.info("policy v1 (epoch %d), the seeded policy, is the first champion", core.epoch)
+        gate.champion = (core.epoch, version)
+        log.info("policy v%d (epoch %d), the seeded policy, is the first champion", version, core.epoch)
         self.show()
-        return self.encode(gate.champion_tensors, core.version, "live", note="the seeded policy")
+        return self.encode(gate.champion_tensors, version, "live", note="the seeded policy")
 
     def take(self) -> list[Policy]:
         taken, self.outbox = self.outbox, []
