@@ -363,22 +363,41 @@ class LearnerCore:
     async def _join(
         self, experience: AnyExperience, feedback: Feedback, record: dict, delay_s: float
     ) -> tuple[Policy | None, DeadLetter | None]:
-        """Train on the pair; ``delay_s``: how long after the experience its feedback was written (event time)."""
+        """Train on the pair, stage by stage; ``delay_s``: how long after the experience its feedback was written
+        (event time). A feedback that does not fit its experience is a dead letter and goes no further."""
         self._remember_done(experience.query_id)
         try:
-            if feedback.stream is not None and feedback.stream != experience.stream:
-                raise FeedbackError(
-                    f"feedback for stream {feedback.stream!r}, query {experience.query_id} is on stream {experience.stream!r}"
-                )
-            reward = self.trainer.reward(experience, feedback)
+            reward = self._reward(experience, feedback)
         except FeedbackError as exc:
             self.stats.invalid_feedback += 1
             return None, DeadLetter.model_validate({**record, "reason": str(exc), "at": time.time()})
         row = self.trainer.window_row(experience, feedback)
+        await self._window(experience, row, reward)
+        self.trainer.remember(experience, feedback, reward)
+        self._evidence(experience, row, reward)
+        signals = self._observe(experience, feedback, row, reward, delay_s)
+        await self._drift(experience, signals, row)
+        self.stats.joined += 1
+        if tracing():
+            self._trace_join(experience, reward, delay_s)
+        return (self.update(), None) if self.trainer.update_due() else (None, None)
+
+    def _reward(self, experience: AnyExperience, feedback: Feedback) -> float:
+        """The pair's reward (FeedbackError: feedback for another stream, or one the trainer cannot score)."""
+        if feedback.stream is not None and feedback.stream != experience.stream:
+            raise FeedbackError(
+                f"feedback for stream {feedback.stream!r}, query {experience.query_id} is on stream {experience.stream!r}"
+            )
+        return self.trainer.reward(experience, feedback)
+
+    async def _window(self, experience: AnyExperience, row: tuple[list[int], int] | None, reward: float) -> None:
+        """The outcome's row (and calibration rows) queued for its stream's Redis window, written when due."""
         calibration = self.trainer.calibration_rows(experience, row[1]) if row is not None else None
         if row is not None and self.writer.queue(experience.stream, experience.query_id, row, reward, calibration):
             await self.apply_windows()
-        self.trainer.remember(experience, feedback, reward)
+
+    def _evidence(self, experience: AnyExperience, row: tuple[list[int], int] | None, reward: float) -> None:
+        """What off-policy evaluation and the gate learn from the outcome: the OPE log, the shadow or split evidence."""
         if isinstance(experience, Experience) and row is not None:
             if self.ope_log is not None:
                 self.ope_log.append(experience, int(row[1]))
@@ -386,6 +405,17 @@ class LearnerCore:
                 self.promotion.observe(experience, int(row[1]))
         if isinstance(experience, RLAEExperience) and self.promotion is not None:
             self.promotion.observe_split(experience, reward)
+
+    def _observe(
+        self,
+        experience: AnyExperience,
+        feedback: Feedback,
+        row: tuple[list[int], int] | None,
+        reward: float,
+        delay_s: float,
+    ) -> dict:
+        """The outcome counted where operators look (metrics, the dashboard, the per-version tallies); its signals
+        (the ensemble and each called model right or wrong, the confidence), which drift detection reads next."""
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
         # open-ended rl_focal: the reference's candidate
@@ -402,18 +432,17 @@ class LearnerCore:
         let_go = self.versions.observe(version, reward, bool(signals["outcome"]) if label is not None else None)
         if self.metrics is not None and version in self.versions.tallies:
             self.metrics.observe_version(self.versions.tallies[version].row(version), let_go)
+        return signals
+
+    async def _drift(self, experience: AnyExperience, signals: dict, row: tuple[list[int], int] | None) -> None:
+        """Drift detection on the outcome's signals: a drift restarts the candidate's evidence (``drift_reset``)
+        and, with the trim reaction, cuts the stream's window."""
         drifted = self.drift.observe(experience.stream, signals, experience.query_id, self.metrics)
         if drifted and self.promotion is not None and self.promotion.gate.drifted():
             log.info("drift on stream %s: the candidate's evidence starts again", experience.stream)
         if drifted and self.drift.keep is not None and row is not None:
             await self.apply_windows()  # the queued outcomes first, then the trim
             self.stats.drift_reactions += await self.drift.react(experience.stream, self.windows)
-        self.stats.joined += 1
-        if tracing():
-            self._trace_join(experience, reward, delay_s)
-        if self.trainer.update_due():
-            return self.update(), None
-        return None, None
 
     @staticmethod
     def _trace_join(experience: AnyExperience, reward: float, delay_s: float) -> None:
