@@ -1,8 +1,10 @@
 """The units the worker's and the learner's apps are made of, each alone: which queries a batch admits, the learner's
-offset bookkeeping, its window writer (a real redis-server), its drift watch and its offset commits."""
+offset bookkeeping, its window writer (a real redis-server), its drift watch and its offset commits, the consumer
+lag, and which trace exporters a process sets up."""
 
 import asyncio
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -458,3 +460,25 @@ def test_the_embedded_broker_gets_short_fetch_waits_and_a_real_kafka_kafkas_own(
             assert client is not None and client.kafka_fetch_max_wait_ms == expected
         finally:
             stack.stop()
+
+
+def test_traces_are_set_up_by_the_otel_sdks_own_variables():
+    """Which exporters a process sets up (issue 56): an OTLP endpoint (the SDK's or rlens's) turns OTLP on,
+    OTEL_TRACES_EXPORTER overrides it, OTEL_SDK_DISABLED turns everything off, an unknown exporter is an error."""
+    from rlens.service.common.tracing import exporters
+    from rlens.settings import Settings
+
+    plain, own = (
+        Settings.model_construct(otel_endpoint=None, trace_dir=None),
+        Settings.model_construct(otel_endpoint="http://c:4318/v1/traces", trace_dir=Path("/tmp/t")),
+    )
+    endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}
+    assert exporters(plain, {}) == []
+    assert exporters(plain, endpoint) == ["otlp"]
+    assert exporters(plain, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}) == ["otlp"]
+    assert exporters(plain, {**endpoint, "OTEL_TRACES_EXPORTER": "none"}) == []
+    assert exporters(plain, {"OTEL_TRACES_EXPORTER": "console"}) == ["console"]
+    assert exporters(own, {}) == ["otlp", "trace_dir"]
+    assert exporters(own, {"OTEL_SDK_DISABLED": "true"}) == []
+    with pytest.raises(ValueError, match="unknown exporter"):
+        exporters(plain, {"OTEL_TRACES_EXPORTER": "jaeger"})
