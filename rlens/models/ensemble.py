@@ -68,8 +68,8 @@ class _Outcome:
 
     value: ChoiceScores | Generations | None = None
     error: Exception | None = None
-    started_ns: int = 0
-    ended_ns: int = 0
+    started_ns: int = 0  # wall clock (where the call sits in a trace)
+    duration_s: float = 0.0  # by the monotonic clock (a wall clock set back never makes it negative)
 
 
 class CircuitBreaker:
@@ -118,14 +118,14 @@ class _Model:
 
     def ask(self, query: PoolQuery) -> _Outcome:
         """The backend's answer to ``query`` or its error, timed (never raises)."""
-        started = time.time_ns()
+        started, clock = time.time_ns(), time.perf_counter()
         try:
             value = (
                 self.backend.score_choices(query) if isinstance(query, ChoiceQuery) else self.backend.generate(query)
             )
         except Exception as exc:  # recorded as this model's failure
-            return _Outcome(error=exc, started_ns=started, ended_ns=time.time_ns())
-        return _Outcome(value, started_ns=started, ended_ns=time.time_ns())
+            return _Outcome(error=exc, started_ns=started, duration_s=time.perf_counter() - clock)
+        return _Outcome(value, started_ns=started, duration_s=time.perf_counter() - clock)
 
     def submit(self, query: PoolQuery) -> "Future[_Outcome] | _Outcome":
         if not self.breaker.allow():
@@ -159,8 +159,7 @@ class ModelUnavailable(Exception):
 
 
 def _refused(reason: str) -> _Outcome:
-    now = time.time_ns()
-    return _Outcome(error=ModelUnavailable(reason), started_ns=now, ended_ns=now)
+    return _Outcome(error=ModelUnavailable(reason), started_ns=time.time_ns())
 
 
 class PoolCaller:
@@ -206,12 +205,13 @@ class PoolCaller:
 
         Non-blocking backends (``Backend.blocking`` False) are called inline, the others in the thread pool.
         """
-        asked_ns = time.time_ns()
+        asked = (time.time_ns(), time.perf_counter())
         futures = [{m: self.models[m].submit(q) for m in np.flatnonzero(c)} for q, c in zip(queries, called)]
         wait([f for calls in futures for f in calls.values() if isinstance(f, Future)], timeout=self.deadline_s)
-        return [self._collect(q, calls, asked_ns) for q, calls in zip(queries, futures)]
+        return [self._collect(q, calls, asked) for q, calls in zip(queries, futures)]
 
-    def _collect(self, query: PoolQuery, futures: dict, asked_ns: int) -> PoolAnswers:
+    def _collect(self, query: PoolQuery, futures: dict, asked: tuple[int, float]) -> PoolAnswers:
+        """One query's answers; ``asked``: when the batch was asked (wall clock ns, monotonic s), a hung call's start."""
         width = 0 if isinstance(query, GenerationRequest) else len(query.choices)
         result = PoolAnswers(np.zeros((len(self.names), width)), np.zeros(len(self.names), dtype=bool))
         samples: list[list[str] | None] = [None] * len(self.names)
@@ -220,9 +220,9 @@ class PoolCaller:
             if outcome is None:  # only a missed deadline counts against the model's circuit (see CircuitBreaker)
                 future.cancel()
                 reason = f"no answer within the {self.deadline_s:g} s deadline"
-                result.calls.append(ModelCall(self.names[m], asked_ns, (time.time_ns() - asked_ns) / 1e9))
+                result.calls.append(ModelCall(self.names[m], asked[0], time.perf_counter() - asked[1]))
             else:
-                call = ModelCall(self.names[m], outcome.started_ns, (outcome.ended_ns - outcome.started_ns) / 1e9)
+                call = ModelCall(self.names[m], outcome.started_ns, outcome.duration_s)
                 result.calls.append(call)
                 answer = outcome.value
                 if answer is None:  # the call raised
