@@ -124,9 +124,10 @@ class Worker(ABC):
     def call_record(
         self, model: str, offset_ms: float, duration_ms: float, prompt: int, completion: int, estimated: bool
     ) -> ModelCallRecord:
-        """One model call as an answer reports it, priced when the pool gives the model a price."""
+        """One model call as an answer reports it, priced when the pool gives the model a price. Built without
+        validation (several per query, on the hot path): its values are the worker's own, each non-negative."""
         price = self.prices.get(model)
-        return ModelCallRecord(
+        return ModelCallRecord.model_construct(
             model=model,
             offset_ms=offset_ms,
             duration_ms=duration_ms,
