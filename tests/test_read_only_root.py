@@ -1,8 +1,9 @@
-"""The processes run as the chart runs them: a read-only root, only /tmp (an emptyDir there) and the learner's
-checkpoint folder (its volume) writable, HOME in /tmp, no byte code written. Each process runs in a mount namespace
-of its own (``unshare -m``, as root) where / is remounted read-only and a fresh tmpfs is mounted on /tmp; the
-stack's files (pool, keys) are seen read-only at /mnt. A query through the gateway is answered, its feedback
-joined, and the learner's checkpoint written, while nothing else could be written."""
+"""The processes run as the chart runs them: a read-only root, only a scratch folder (the chart's /tmp emptyDir) and
+the learner's checkpoint folder (its volume) writable, HOME and TMPDIR in the scratch, no byte code written. Each
+process runs in a mount namespace of its own (``unshare -m``, as root) where / (and /tmp, if it is a mount of its
+own: the checkout and the stack's files may live there) is remounted read-only and a fresh tmpfs is mounted on
+/mnt as the scratch. A query through the gateway is answered, its feedback joined, and the learner's checkpoint
+written, while nothing else could be written."""
 
 from __future__ import annotations
 
@@ -24,29 +25,29 @@ pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None,
     reason="needs root and unshare (util-linux) to remount / read-only in a mount namespace",
 )
-VIEW = "/mnt"  # where a process sees the stack's folder (the host's /tmp, read-only)
+SCRATCH = "/mnt"  # the process's one writable folder besides the learner's volume (the chart's /tmp emptyDir)
 
 
 def read_only_spawn(stack: LocalStack):
     """``stack._spawn``, each process in a mount namespace with a read-only root (see the module's docstring)."""
-    workdir = stack.workdir.resolve()
-    assert workdir.is_relative_to("/tmp"), workdir  # pytest's tmp_path
-    seen = Path(VIEW) / workdir.relative_to("/tmp")
+    volume = (stack.workdir / "learner").resolve()
 
     def spawn(command: str, log_name: str, *args: str) -> subprocess.Popen:
         log = open(stack.workdir / log_name, "ab")  # opened here: the process writes through the descriptor
-        env = {k: VIEW + v.removeprefix("/tmp") if v.startswith("/tmp/") else v for k, v in stack.env(command).items()}
-        env |= {"HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "HF_HOME": "/tmp/hf", "MPLCONFIGDIR": "/tmp/mpl"}
-        steps = [f"mount --rbind /tmp {VIEW}"]
-        if command == "learner":  # its checkpoint volume: the one folder it may write besides /tmp
-            steps.append(f"mount --bind {seen / 'learner'} {seen / 'learner'}")
-        steps += ["mount -o remount,bind,ro /", f"mount -o remount,bind,ro {VIEW}"]
-        if command == "learner":
-            steps.append(f"mount -o remount,bind,rw {seen / 'learner'}")
-        steps += ["mount -t tmpfs -o size=256m tmpfs /tmp", 'exec "$@"']
-        script = " && ".join(steps)
+        env = stack.env(command) | {
+            "HOME": SCRATCH,
+            "TMPDIR": SCRATCH,
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "HF_HOME": f"{SCRATCH}/hf",
+            "MPLCONFIGDIR": f"{SCRATCH}/mpl",
+        }
+        steps = [f"mount --bind {volume} {volume}"] if command == "learner" else []
+        steps += ["mount -o remount,bind,ro /", "{ ! mountpoint -q /tmp || mount -o remount,bind,ro /tmp; }"]
+        if command == "learner":  # its checkpoint volume: the one folder it may write besides the scratch
+            steps.append(f"mount -o remount,bind,rw {volume}")
+        steps += [f"mount -t tmpfs -o size=256m tmpfs {SCRATCH}", 'exec "$@"']
         return subprocess.Popen(
-            ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh"]
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", " && ".join(steps), "sh"]
             + [sys.executable, "-m", "rlens.cli", command, *args],
             env=env,
             stdout=log,
@@ -89,10 +90,11 @@ def test_the_service_runs_with_a_read_only_root_and_only_its_volumes_writable(tm
         for process in [stack.learner, stack.gateway, *stack.workers]:
             assert process is not None and process.poll() is None, (stack.workdir / "learner.log").read_text()[-3000:]
             mounts = mount_options(process.pid)
-            assert "ro" in mounts["/"] and "ro" in mounts[VIEW] and "rw" in mounts["/tmp"], mounts
+            assert "ro" in mounts["/"].split(",") and "rw" in mounts[SCRATCH].split(","), mounts
+            assert "/tmp" not in mounts or "ro" in mounts["/tmp"].split(","), mounts
         writable = {m for m, options in mount_options(stack.learner.pid).items() if "rw" in options.split(",")}
-        volume = VIEW + str((stack.workdir / "learner").resolve()).removeprefix("/tmp")  # its checkpoint folder
-        assert {"/tmp", volume} <= writable and not {"/", VIEW} & writable, writable
+        volume = str((stack.workdir / "learner").resolve())  # its checkpoint folder
+        assert {SCRATCH, volume} <= writable and not {"/", "/tmp"} & writable, writable
     finally:
         stack.stop()
     logs = "".join(p.read_text(errors="replace") for p in stack.workdir.glob("*.log"))
