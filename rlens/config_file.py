@@ -79,6 +79,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "gate_delta",
         "gate_split",
         "gate_holdback",
+        "gate_shadow_calls",
         "gate_drift_reset",
         "policy_keep_bytes",
         "ope_log_bytes",

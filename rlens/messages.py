@@ -372,12 +372,22 @@ class Policy(Message):
         description="rlae: the share of the queries a candidate serves itself (the A/B split), set by the learner; "
         "None: the workers' RLENS_GATE_SPLIT",
     )
+    shadow_calls: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="rl_focal: the share of the queries on which workers also call the models a candidate's pool needs "
+        "and the served pool lacks, so that its answer is known exactly beside the served one (the replaced champion "
+        "on probation), set by the learner; None: only the served pool's (and the probes')",
+    )
 
     def signed_bytes(self) -> bytes:
         """What the learner signs: the whole message but the signature and the weights' encoding (their SHA-256 is
         signed): what the weights are, how they may be used (a candidate's stage, so that it cannot be replayed as
-        live; an operator's origin and note; a candidate's share) and when they were published."""
-        fields = self.model_dump(mode="json", exclude={"signature", "weights_b64"})
+        live; an operator's origin and note; a candidate's share and shadow calls) and when they were published. An
+        unset ``shadow_calls`` is left out, so that the policies published before it existed still verify."""
+        unset = {"shadow_calls"} if self.shadow_calls is None else set()
+        fields = self.model_dump(mode="json", exclude={"signature", "weights_b64", *unset})
         return json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
 
 

@@ -218,6 +218,15 @@ class Settings(BaseSettings):
         description="holdback promotion (rlae): the share of the queries the champion keeps serving as the control "
         "(the learner's newest update serves the rest)",
     )
+    gate_shadow_calls: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="guarded promotion, rl_focal: while a promoted policy is on probation, the share of the queries "
+        "on which the workers also call the models that the champion it replaced needs and the served pool lacks, so "
+        "that the two are compared exactly, query by query: a worse policy is rolled back sooner, at the price of "
+        "those calls (BENCHMARKS.md, the safety net); 0: none",
+    )
     gate_drift_reset: bool = Field(
         False,
         description="gated promotion: a drift detection restarts the candidate's evidence (bench.robustness.gate: "

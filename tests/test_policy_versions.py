@@ -34,9 +34,10 @@ def published(seed: int, version: int, epoch: int = 100, stage: str = "live", si
 
 def test_the_whole_policy_is_signed_but_its_weights_encoding():
     """Every field but the signature and the weights' base64 (their SHA-256 is signed): a change to any is a bad
-    signature, the time it was published included (issue 60: a replayed operator's policy with a fresh time)."""
+    signature, the time it was published included (issue 60: a replayed operator's policy with a fresh time). An unset
+    ``shadow_calls`` is not in the signed bytes (a policy signed before the field existed verifies), a set one is."""
     policy = Policy.model_validate_json(published(0, 3))
-    fields = policy.model_dump(mode="json", exclude={"signature", "weights_b64"})
+    fields = policy.model_dump(mode="json", exclude={"signature", "weights_b64", "shadow_calls"})
     assert policy.signed_bytes() == json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
     assert VERIFIER.verify(policy.signed_bytes(), policy.signature)
     for change in (
@@ -47,6 +48,7 @@ def test_the_whole_policy_is_signed_but_its_weights_encoding():
         {"origin": "operator"},
         {"note": "x"},
         {"share": 0.5},
+        {"shadow_calls": 1.0},
         {"models": ["a", "c", "b"]},
         {"sha256": "0" * 64},
     ):

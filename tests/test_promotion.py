@@ -161,7 +161,7 @@ def test_probation_looks_until_it_is_shown_and_rolls_back_however_late():
     anytime-valid bounds: a predecessor better by 30 points is rolled back to at a look after the first (the one look
     it used to get passed it, issue 61), one better by 15 points later still; an equal one is never rolled back to,
     and the new champion passes at max_events. Seeded, synthetic outcomes (20 % probes)."""
-    for better, verdict, at in ((0.3, "roll back", 425), (0.15, "roll back", 825), (0.0, "passed", 1000)):
+    for better, verdict, at in ((0.3, "roll back", 400), (0.15, "roll back", 825), (0.0, "passed", 1000)):
         rng = np.random.default_rng(1)
         gate = Gate(GateConfig(min_events=200, max_events=1000, every=25, delta=0.02), np.full(3, 1 / 3), 0.0)
         gate.propose((1, 2), {}, "probation")

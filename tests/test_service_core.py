@@ -390,6 +390,43 @@ def test_workers_share_each_streams_previous_pool_through_redis(zoo, redis_serve
     asyncio.run(scenario())
 
 
+def test_shadow_calls_score_the_policy_to_roll_back_to_exactly_and_leave_the_served_answers_alone(zoo, redis_server):
+    """A candidate published with ``shadow_calls`` (the learner's policy to roll back to) makes the worker call the
+    models its pool needs beside the served pool's: its answer is known on every query, where without them only the
+    probes knew it; the served answers stay the same."""
+
+    def forced(engine: FocalEngine, models: list[int]) -> dict:
+        with torch.no_grad():  # the Decider calls only these models
+            engine.decider.heads.bias.fill_(-50.0)
+            engine.decider.heads.bias[models] = 50.0
+        return engine.policy_state()
+
+    async def scenario():
+        await Redis.from_url(redis_server.url).flushdb()
+        backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
+        candidate = forced(FocalEngine(5, seed=1), [4])
+        outputs = {}
+        for calls in (None, 1.0):
+            engine = FocalEngine(5, seed=0)
+            forced(engine, [0, 1])
+            worker = FocalWorker(engine, zoo.model_names, backends, windows_for(redis_server.url), VERIFIER, TOKENS)
+            policy = encode_policy(candidate, 1, 1, zoo.model_names, "rl_focal", SIGNER, "candidate", "", None, calls)
+            assert worker.receive_policy(policy) is None
+            stream = f"shadow-calls-{calls}"  # each its own stream: the same cold windows and previous pools
+            queries = [q.model_copy(update={"stream": stream}) for q, _ in queries_of(zoo, None, "c")[:40]]
+            outputs[calls] = await worker.handle(queries)
+        plain, called = outputs[None], outputs[1.0]
+        assert [a.answer_index for a in plain.answers] == [a.answer_index for a in called.answers]
+        assert all(e.shadow is not None and e.shadow.pool == [False] * 4 + [True] for e in called.experience)
+        assert all(e.shadow is not None and e.shadow.answer >= 0 for e in called.experience)
+        assert all(zoo.model_names[4] in a.called_models for a in called.answers)
+        unknown = [e for e in plain.experience if e.shadow is not None and e.shadow.answer < 0]
+        assert len(unknown) >= 30  # all but the probes (5 %)
+        assert all(e.pool == [True, True, False, False, False] for e in called.experience)  # the served pool's
+
+    asyncio.run(scenario())
+
+
 def test_worker_rejects_a_backend_list_that_is_not_the_pool(zoo):
     with pytest.raises(ValueError, match="not the pool's models"):
         FocalWorker(FocalEngine(2), ["a", "b"], {"b": Broken(), "a": Broken()}, None, VERIFIER, TOKENS)

@@ -202,11 +202,14 @@ def test_a_bad_policy_forced_live_is_rolled_back_on_probation(tmp_path, zoo):
         time.sleep(2.0)  # it reaches the worker
         after = asyncio.run(play(stack.settings, traffic(zoo, "after"), rate=60, idle_timeout_s=60))
         joined_at_least(stack, 2 * N)
+        candidates = [p for p in read_history(operator).policies if p.stage == "candidate"]
     finally:
         stack.stop()
     stats = final_learner_state(stack)["stats"]
     served = after.versions.count(forced)
     assert 0 < served < gated["gate_max_events"] and stats["rollbacks"] >= 1, (served, after.accuracy, stats)
+    # a replaced champion on probation is published with the shadow calls (RLENS_GATE_SHADOW_CALLS, 1 by default)
+    assert any(p.shadow_calls == 1.0 for p in candidates) and any(p.shadow_calls is None for p in candidates)
     assert after.versions[-1] != forced  # the champion it replaced serves again
 
 

@@ -2,13 +2,14 @@
 (:class:`rlens.service.learner.gate.Gate`, its replay estimate and its anytime-valid bounds), no service.
 
     python -m bench.robustness.anytime [--seeds 0 ... 49] [--worse 0 0.02 0.05 0.1 0.3] [--gate 400 4000 50]
-        [--out bench/out/anytime.json]
+        [--shadow-calls 1.0] [--out bench/out/anytime.json]
 
 A promoted policy on probation, worse than the one it replaced by ``worse`` of accuracy: per query the replaced
 one is right with probability 0.6, the promoted one with 0.6 − worse; half the queries give both the same draw (a
-question both find easy or hard), the others independent ones. Rewards ±1 (alpha 0), delta 0.02. The replaced
-one's answer is known on the 20 % probes only (the rest is the reward model's: a harder case than the service's,
-where the served pool often holds the models a shadow needs). Per effect: the share of runs rolled back, and the
+question both find easy or hard), the others independent ones. Rewards ±1 (alpha 0), delta 0.02. The replaced one's
+pool needs a model the served pool lacks: its answer is known on the 20 % probes, and on the ``--shadow-calls``
+share of the queries, where the workers call that model too (the service's RLENS_GATE_SHADOW_CALLS, 1 by default;
+0: the probes only, the rest the reward model's). Per effect: the share of runs rolled back, and the
 queries until then (median, 90th percentile), looked at every ``every`` queries through the anytime-valid bounds
 up to ``max_events``, against the one look the gate used to make (the normal 95 % interval at ``min_events``).
 """
@@ -33,6 +34,7 @@ def shadowed_experience(
     probe: bool,
     explore_rate: float = 0.0,
     explored: list[float] | None = None,
+    called: bool = False,
 ) -> Experience:
     pool = [True, True, False]
     behaviour = Behaviour(
@@ -41,11 +43,11 @@ def shadowed_experience(
         greedy_pool=pool,
         greedy_answer=0,
         propensity=1.0,
-        model_probs=[[0.9, 0.1], [0.8, 0.2], [0.5, 0.5] if probe else []],
+        model_probs=[[0.9, 0.1], [0.8, 0.2], [0.5, 0.5] if probe or called else []],
         reliability=[0.7, 0.6, 0.5],
         label_prior=[0.5, 0.5],
     )
-    candidate_pool = [True, False, True]  # needs model 2: known on probes only
+    candidate_pool = [True, False, True]  # needs model 2: known on probes, and where it was ``called`` for it
     answer = (0 if candidate_right else 1) if probe or candidate_right is not None else -1
     return Experience(
         query_id=f"q{i}",
@@ -71,7 +73,7 @@ def shadowed_experience(
     )
 
 
-def probation(worse: float, seed: int, config: GateConfig) -> dict:
+def probation(worse: float, seed: int, config: GateConfig, shadow_calls: float = 1.0) -> dict:
     """One probation: when it was rolled back (or passed), and the one-look verdict at min_events."""
     rng = np.random.default_rng(seed)
     gate = Gate(config, np.full(3, 1 / 3), 0.0)
@@ -81,7 +83,9 @@ def probation(worse: float, seed: int, config: GateConfig) -> dict:
         u = rng.random()
         v = u if rng.random() < 0.5 else rng.random()
         promoted, replaced, probe = bool(u < ACCURACY - worse), bool(v < ACCURACY), bool(rng.random() < PROBES)
-        gate.observe(shadowed_experience(i, promoted, replaced if probe else None, probe), label=0)
+        called = bool(rng.random() < shadow_calls)
+        known = replaced if probe or called else None
+        gate.observe(shadowed_experience(i, promoted, known, probe, called=called), label=0)
         if i + 1 == config.min_events:
             one_look = bool(gate.estimate().low > config.delta)
         verdict = gate.verdict()
@@ -95,13 +99,14 @@ def main() -> None:
     add_seeds(p, list(range(50)))
     p.add_argument("--worse", type=float, nargs="+", default=[0.0, 0.02, 0.05, 0.1, 0.3])
     p.add_argument("--gate", type=int, nargs=3, default=[400, 4000, 50], metavar=("MIN", "MAX", "EVERY"))
+    p.add_argument("--shadow-calls", type=float, default=GateConfig.shadow_calls, help="RLENS_GATE_SHADOW_CALLS")
     add_out(p, "bench/out/anytime.json")
     args = p.parse_args()
     config = GateConfig(min_events=args.gate[0], max_events=args.gate[1], every=args.gate[2], delta=0.02)
     print(machine_facts())
     rows = []
     for worse in args.worse:
-        runs = [probation(worse, seed, config) for seed in args.seeds]
+        runs = [probation(worse, seed, config, args.shadow_calls) for seed in args.seeds]
         delays = [r["at"] for r in runs if r["verdict"] == "roll back"]
         row = {
             "worse": worse,
@@ -109,16 +114,23 @@ def main() -> None:
             "rolled_back": len(delays) / len(runs),
             "delay_median": float(np.median(delays)) if delays else None,
             "delay_p90": float(np.percentile(delays, 90)) if delays else None,
+            "delay_max": max(delays) if delays else None,
             "one_look_rolled_back": sum(bool(r["one_look_rolled_back"]) for r in runs) / len(runs),
             "passed_early": sum(r["verdict"] == "passed" and r["at"] < config.max_events for r in runs) / len(runs),
         }
         rows.append(row)
         print(
             f"{100 * worse:4.0f} points worse: rolled back in {100 * row['rolled_back']:5.1f} % of {len(runs)} runs"
-            + (f" after {row['delay_median']:.0f} queries (p90 {row['delay_p90']:.0f})" if delays else "")
+            + (
+                f" after {row['delay_median']:.0f} queries (p90 {row['delay_p90']:.0f}, max {row['delay_max']})"
+                if delays
+                else ""
+            )
             + f"; one look at {config.min_events}: {100 * row['one_look_rolled_back']:.1f} %"
         )
-    write_json(args.out, {"machine": machine_facts(), "gate": args.gate, "rows": rows})
+    write_json(
+        args.out, {"machine": machine_facts(), "gate": args.gate, "shadow_calls": args.shadow_calls, "rows": rows}
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 reward's sign flipped; the feedback stays honest).
 
     python -m bench.robustness.gate [--data DIR [--tasks tune]] [--queries 2400] [--seeds 0 1 2] [--gate 200 600 25]
-        [--scenarios ...] [--out bench/out/gate.json]
+        [--shadow-calls 1.0] [--scenarios ...] [--out bench/out/gate.json]
 
 No Kafka: a real worker (the bundled stream's models as replay backends, 20 % explored, 20 % probes, an update every
 32 explored joins) and a real learner core share a redis-server; the learner's policies reach the worker as the
@@ -108,8 +108,8 @@ def simulate(
     ``restart_at`` (a multiple of 32): there the learner checkpoints, stops and a new one resumes. ``warm``: the
     learner is warm-started on the paper protocol's warm split; with ``test_split`` the stream is its test split
     (otherwise the whole stream, warm questions included). Returns
-    the worker, the learner core, (served version, right) per query, the versions scored in shadow and the forced
-    version."""
+    the worker, the learner core, (served version, right) per query, the models each query called, whether the
+    shadow's answer was right where known (None elsewhere), the versions scored in shadow and the forced version."""
 
     async def scenario():
         redis = Redis.from_url(url)
@@ -153,7 +153,7 @@ def simulate(
         core = learner()
         if warm:
             core.warm_start(save_dataset(zoo.subset(warm_index), workdir / "warm"))
-        served, shadowed, published, forced = [], set(), [], None
+        served, calls, shadow_right, shadowed, published, forced = [], [], [], set(), [], None
         announced = core.announcement()  # as the learner's app does at its start (a warm start's policy, if any)
         if announced is not None:
             assert worker.receive_policy(announced) is None
@@ -184,8 +184,11 @@ def simulate(
             out = await worker.handle([q for q, _ in batch])
             for i, (experience, answer, (q, label)) in enumerate(zip(out.experience, out.answers, batch)):
                 served.append((worker.policy_version, answer.answer_index == label))
-                if experience.shadow is not None:
-                    shadowed.add(experience.shadow.version)
+                calls.append(len(answer.called_models))
+                shadow = experience.shadow
+                shadow_right.append(shadow.answer == label if shadow is not None and shadow.answer >= 0 else None)
+                if shadow is not None:
+                    shadowed.add(shadow.version)
                 joined = [
                     await core.on_experience(experience, record("rlens.experience", start + i)),
                     await core.on_feedback(
@@ -200,7 +203,13 @@ def simulate(
             await core.apply_windows()
         await redis.aclose()
         return SimpleNamespace(
-            worker=worker, core=core, served=served, shadowed=shadowed, forced=forced.version if forced else None
+            worker=worker,
+            core=core,
+            served=served,
+            calls=calls,
+            shadow_right=shadow_right,
+            shadowed=shadowed,
+            forced=forced.version if forced else None,
         )
 
     return asyncio.run(scenario())
@@ -222,6 +231,9 @@ def main() -> None:
         metavar=("MIN", "MAX", "EVERY"),
         help="the gate's events (200 600 25)",
     )
+    parser.add_argument(
+        "--shadow-calls", type=float, default=GATE.shadow_calls, help="RLENS_GATE_SHADOW_CALLS (probation's evidence)"
+    )
     add_seeds(parser)
     add_out(parser, "bench/out/gate.json")
     args = parser.parse_args()
@@ -242,6 +254,8 @@ def main() -> None:
                 forced_at = args.queries // 2 if case == "forced" else None
                 if gate is not None and args.gate:
                     gate = replace(gate, min_events=args.gate[0], max_events=args.gate[1], every=args.gate[2])
+                if gate is not None:
+                    gate = replace(gate, shadow_calls=args.shadow_calls)
                 with tempfile.TemporaryDirectory() as workdir:
                     one = promotion.endswith("-one")
                     run = simulate(
@@ -275,19 +289,39 @@ def main() -> None:
                     start = versions.index(run.forced)
                     row["forced_served"] = sum(v == run.forced for v in versions)  # queries until it was replaced
                     row["after_forced"] = float(np.mean(ok[start + row["forced_served"] :] or [float("nan")]))
+                    during = range(start, start + row["forced_served"])
+                    # how much worse it was: the replaced champion's accuracy in shadow, where known, minus its own
+                    paired = [(run.shadow_right[i], ok[i]) for i in during if run.shadow_right[i] is not None]
+                    row["forced_worse"] = float(np.mean([a - b for a, b in paired])) if paired else None
+                    row["forced_known"] = len(paired) / max(len(during), 1)
+                    row["calls_before"] = float(np.mean(run.calls[:start]))
+                    row["calls_forced"] = float(np.mean([run.calls[i] for i in during] or [float("nan")]))
                 rows.append(row)
                 print(
                     f"seed {seed} {promotion:6s} {case:9s} served {100 * row['served']:.1f} % "
                     f"(last third {100 * row['last_third']:.1f} %); promoted {row['promotions']}, rolled back "
                     f"{row['rollbacks']}, dropped {row['dropped']} of {row['updates']} updates"
-                    + (f"; the forced policy served {row['forced_served']} queries" if run.forced else ""),
+                    + (
+                        f"; the forced policy served {row['forced_served']} queries, "
+                        f"{100 * row['forced_worse']:.1f} points worse on the {100 * row['forced_known']:.0f} % "
+                        f"where known, {row['calls_forced']:.2f} models called a query ({row['calls_before']:.2f} "
+                        "before)"
+                        if run.forced
+                        else ""
+                    ),
                     flush=True,
                 )
     finally:
         redis.stop()
     write_json(
         args.out,
-        {"machine": machine_facts(), "data": str(args.data or "bundled"), "queries": args.queries, "rows": rows},
+        {
+            "machine": machine_facts(),
+            "data": str(args.data or "bundled"),
+            "queries": args.queries,
+            "shadow_calls": args.shadow_calls,
+            "rows": rows,
+        },
     )
 
 

@@ -252,7 +252,11 @@ def replay_estimate(
     ``probe`` rows where it is known elsewhere, and the model's mean error corrected on the probe rows whose values
     the logged pool did not ``held`` (all probe rows when fewer than MIN_RESIDUALS are), each row's error that of the
     model fitted without it (:func:`loo_residuals`). ``offset`` is subtracted per query (another policy's known
-    values: an estimate of the difference). The estimate and the model's weights."""
+    values: an estimate of the difference), and is one more feature of the reward model (a control variate: two
+    policies' rewards on one query go together, and the difference's modelled rows vary less for it). The estimate
+    and the model's weights."""
+    if offset is not None and len(features):
+        features = np.column_stack([features, offset])
     known_mask = np.array([v is not None for v in known], dtype=bool)
     exact = np.array([0.0 if v is None else v for v in known])
     complete = np.flatnonzero(probe & known_mask)

@@ -239,6 +239,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
         drift_reset=settings.gate_drift_reset,
         split=settings.gate_split,
         holdback=settings.gate_holdback if settings.promotion == "holdback" else None,
+        shadow_calls=settings.gate_shadow_calls,
     )
     if settings.strategy == "rlae":
         trainer = RLAEOnlineTrainer(

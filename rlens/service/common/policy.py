@@ -43,6 +43,7 @@ def encode_policy(
     stage: str = "live",
     note: str = "",
     share: float | None = None,
+    shadow_calls: float | None = None,
 ) -> Policy:
     blob = save_safetensors({k: v.contiguous() for k, v in tensors.items()})
     unsigned = Policy(
@@ -58,6 +59,7 @@ def encode_policy(
         stage=stage,
         note=note,
         share=share,
+        shadow_calls=shadow_calls,
     )
     return unsigned.model_copy(update={"signature": signer.sign(unsigned.signed_bytes())})
 

@@ -16,8 +16,11 @@ good promotions back, so probation used to be one look, which a bad policy could
 
 rl_focal (:class:`ShadowEvidence`): the difference is estimated per query as the replay estimator does
 (:mod:`rlens.evaluation.logged`): exact where the query called every model the candidate's pool needs, a ridge reward
-model of the candidate elsewhere, that model's mean error measured, and corrected, on the probe rows (a random sample
-with every answer known). The candidate's reward is the one it would get serving, under the serving mixture in force
+model of the candidate elsewhere (the champion's reward on the query among its features), that model's mean error
+measured, and corrected, on the probe rows (a random sample with every answer known). A policy the learner would roll
+back to (the replaced champion on probation) is published with ``shadow_calls`` (:attr:`GateConfig.shadow_calls`): on
+that share of the queries the workers also call the models its pool needs, so that its evidence is exact and paired,
+and a worse policy is shown worse sooner (BENCHMARKS.md). The candidate's reward is the one it would get serving, under the serving mixture in force
 (:meth:`Gate.serving_reward`, as ``rlens ope`` judges it): its greedy answer on the greedy share, an answer sampled
 from its Fusion on the explored share (the calibrated vote shields the greedy answers from a Fusion trained to be
 wrong, not the explored ones). The champion's reward is always exact: it served the query.
@@ -116,6 +119,9 @@ class GateConfig:
     drift_reset: bool = False  # a drift detection restarts the candidate's evidence (only what came after counts)
     split: float = 0.2  # rlae: the share of the queries a challenger (or a champion on probation) serves itself
     holdback: float | None = None  # holdback promotion; rlae: the champion's share while the line serves the rest
+    # rl_focal: the share of the queries on which the workers also call what the replaced champion on probation needs:
+    # exact, paired evidence (0: none)
+    shadow_calls: float = 1.0
 
 
 @dataclass
@@ -290,6 +296,14 @@ class Gate:
         if self.kind == "line" and self.config.holdback is not None:
             return 1 - self.config.holdback
         return self.config.split
+
+    def shadow_calls(self) -> float | None:
+        """The share of the queries on which the workers call the models the shadow needs (rl_focal): the replaced
+        champion on probation is scored exactly on those; None for another shadow (a challenger, the champion beside
+        a holdback line), which reads only what the served pool and the probes called."""
+        if self.cost_share is None or self.kind != "probation" or not self.config.shadow_calls:
+            return None
+        return self.config.shadow_calls
 
     def restart(self) -> None:
         """The evidence starts again (an inconclusive look); the line's next queries count from its newest candidate."""

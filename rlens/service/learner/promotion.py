@@ -129,7 +129,10 @@ class Promotion:
         if gate.previous is not None:
             core.version += 1  # a new number: workers score only candidates newer than the champion
             gate.propose((core.epoch, core.version), gate.previous, "probation")
-            self.outbox.append(self.encode(gate.previous, core.version, "candidate", share=gate.share()))
+            calls = gate.shadow_calls()
+            self.outbox.append(
+                self.encode(gate.previous, core.version, "candidate", share=gate.share(), shadow_calls=calls)
+            )
             log.info("the replaced champion, as v%d, is scored against the promoted one", core.version)
             return
         if core.version <= 0 or (gate.champion is not None and (core.epoch, core.version) <= gate.champion):
@@ -267,12 +270,21 @@ class Promotion:
                 )
 
     def encode(
-        self, tensors, version: int, stage: str, epoch: int | None = None, note: str = "", share: float | None = None
+        self,
+        tensors,
+        version: int,
+        stage: str,
+        epoch: int | None = None,
+        note: str = "",
+        share: float | None = None,
+        shadow_calls: float | None = None,
     ) -> Policy:
         core = self.core
         epoch = core.epoch if epoch is None else epoch
         strategy = core.trainer.strategy
-        return encode_policy(tensors, version, epoch, core.models, strategy, core.signer, stage, note, share)
+        return encode_policy(
+            tensors, version, epoch, core.models, strategy, core.signer, stage, note, share, shadow_calls
+        )
 
     def announcement(self) -> Policy | None:
         """The champion this learner promoted, if it knows its weights."""

@@ -117,8 +117,9 @@ class Worker(ABC):
         self.policy_epoch, self.policy_version = 0, 0
         self._next_policy: tuple[tuple[int, int], dict] | None = None
         self.candidate: tuple[int, int] | None = None  # (epoch, version) of the candidate scored in shadow
-        self._next_candidate: tuple[tuple[int, int], dict, float | None] | None = None
+        self._next_candidate: tuple[tuple[int, int], dict, float | None, float | None] | None = None
         self.candidate_share: float | None = None  # rlae: the candidate's share of the queries, as its policy says
+        self.candidate_calls: float | None = None  # rl_focal: the share of queries that call what it needs
         self.stats = WorkerStats()
 
     def call_record(
@@ -194,7 +195,7 @@ class Worker(ABC):
             if order > newest:
                 tensors = decode_policy(policy, self.policy_tensors(), self.models, self.strategy, self.verifier)
                 if policy.stage == "candidate":
-                    self._next_candidate = (order, tensors, policy.share)
+                    self._next_candidate = (order, tensors, policy.share, policy.shadow_calls)
                 else:
                     self._next_policy = (order, tensors)
             elif not self.verifier.verify(policy.signed_bytes(), policy.signature):
@@ -217,7 +218,7 @@ class Worker(ABC):
             self.stats.policies_loaded += 1
             log.info("serving policy v%d (epoch %d)", version, epoch)
         if self._next_candidate is not None:
-            self.candidate, tensors, self.candidate_share = self._next_candidate
+            self.candidate, tensors, self.candidate_share, self.candidate_calls = self._next_candidate
             self._next_candidate = None
             self.load_candidate(tensors)
             log.info("candidate v%d (epoch %d) loaded, judged beside the policy served", *self.candidate[::-1])
@@ -287,16 +288,33 @@ class FocalWorker(Worker):
             self.shadow = FocalEngine(self.engine.n_models, self.engine.model_costs, self.engine.cfg)
         self.shadow.load_policy_state(tensors)
 
-    def _shadows(self, decisions: list, calls: list, served: list, calibrated: list) -> list[Shadow | None]:
-        """The candidate's greedy action on each query, from the same state and the answers the query's calls got
-        (one Decider and one Fusion forward for the batch); ``served``: each query's fused pool and its Fusion
-        observation, reused where the candidate fuses the same models; ``calibrated``: the answers' calibrated rows
-        (the same calibrations)."""
-        if self.shadow is None or self.candidate is None:
-            return [None] * len(decisions)
+    def _shadow_pools(self, decisions: list) -> list[np.ndarray] | None:
+        """The candidate's greedy pool on each query, from the same state and windows (one Decider forward for the
+        batch); None when no candidate is scored. Where its policy names ``shadow_calls`` (a policy the learner
+        would roll back to), that share of the queries also call the models its pool needs and the served pool
+        lacks, so that its answer there is exact: those decisions' ``called`` grows, in the list (not a query
+        with its own budget, which caps what it calls)."""
+        if self.shadow is None or self.candidate is None or not self.ope_logging:
+            return None
         self.shadow.windows = self.engine.windows  # the same windows the champion read
         self.shadow.calibrations = self.engine.calibrations  # and the same calibrations
         pools = self.shadow.greedy_pools(decisions, every=True)
+        share = self.candidate_calls
+        if share:
+            for i, (d, pool) in enumerate(zip(decisions, pools)):
+                if d.cap is None and (pool & ~d.called).any() and (share >= 1 or self.engine.rng.random() < share):
+                    decisions[i] = replace(d, called=d.called | pool)
+        return pools
+
+    def _shadows(
+        self, decisions: list, pools: list | None, calls: list, served: list, calibrated: list
+    ) -> list[Shadow | None]:
+        """The candidate's greedy action on each query, on its ``pools`` (:meth:`_shadow_pools`), from the answers
+        the query's calls got (one Fusion forward for the batch); ``served``: each query's fused pool and its Fusion
+        observation, reused where the candidate fuses the same models; ``calibrated``: the answers' calibrated rows
+        (the same calibrations)."""
+        if self.shadow is None or self.candidate is None or pools is None:
+            return [None] * len(decisions)
         actions = self.shadow.greedy_actions(
             decisions,
             [c.probs for c in calls],
@@ -362,6 +380,7 @@ class FocalWorker(Worker):
             )
         except (RedisError, OSError) as exc:
             log.warning("Redis unreachable (%s): the streams' last pools stay in this worker", exc)
+        shadow_pools = self._shadow_pools(decisions)
         stage("decide")
         pool_queries, called = [self._pool_query(q) for q in queries], [d.called for d in decisions]
         calls = (
@@ -389,7 +408,7 @@ class FocalWorker(Worker):
         )
         stage("fuse")
         answers = dict(zip(answerable, fused))
-        evidence = self._evidence(answerable, decisions, calls, fused, probes, fused_pools, calibrated)
+        evidence = self._evidence(answerable, decisions, calls, fused, probes, fused_pools, calibrated, shadow_pools)
         stage("evidence")
         latency = 1000 * (time.perf_counter() - started)
         timing = (latency, 1000 * out.stages["pool_call"], started_ns)
@@ -408,6 +427,7 @@ class FocalWorker(Worker):
         probes: list[bool],
         fused_pools: list,
         calibrated: list,
+        shadow_pools: list | None,
     ) -> dict:
         """Per answered query (by its index in the batch): what off-policy evaluation needs of it
         (:class:`Behaviour`), and the candidate's greedy action in shadow; one forward per agent for the batch (the
@@ -433,7 +453,8 @@ class FocalWorker(Worker):
             )
             for j, (answer, _) in zip(explored, found):
                 greedy_answers[j] = answer
-        shadows = self._shadows(chosen, called, served, calibrated)
+        pools = None if shadow_pools is None else [shadow_pools[i] for i in answerable]
+        shadows = self._shadows(chosen, pools, called, served, calibrated)
         windows: dict = {}  # each stream's window statistics, once per batch
         logged = logged_distributions([c.probs for c in called])
         calibration_logs = self._calibration_logs(chosen, calibrated)
