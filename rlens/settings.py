@@ -195,7 +195,8 @@ class Settings(BaseSettings):
         None,
         ge=10,
         description="guarded promotion: a candidate not promoted by then is dropped, and a champion on probation not "
-        "shown worse than the one it replaced has passed (rl_focal; an rlae candidate is judged once, after "
+        "shown worse than the one it replaced has passed if its estimate is within RLENS_GATE_DELTA (else it is "
+        "watched on, up to ten times as long) (rl_focal; an rlae candidate is judged once, after "
         "RLENS_GATE_MIN_EVENTS of its own queries); holdback: the line's evidence starts again "
         "after this many of its queries (rlae: the champion's) without a verdict; unset, the strategy's: rl_focal "
         "4,000 (1,200 holdback), rlae 50",

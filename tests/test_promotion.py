@@ -12,7 +12,7 @@ import pytest
 from rlens.evaluation.logged import LoggedQuery
 from rlens.messages import RLAEExperience, SpanDecision, Split
 from rlens.evaluation.ope import Estimate
-from rlens.service.learner.gate import Z95, Gate, GateConfig, anytime_bounds
+from rlens.service.learner.gate import WATCH, Z95, Gate, GateConfig, anytime_bounds
 from bench.robustness.anytime import shadowed_experience
 from bench.robustness.gate import simulate
 
@@ -174,6 +174,27 @@ def test_probation_looks_until_it_is_shown_and_rolls_back_however_late():
             verdicts.append(gate.verdict())
         seen = [(i + 1, v) for i, v in enumerate(verdicts) if v is not None]
         assert seen[0] == (at, verdict), (better, gate.last)
+
+
+def test_a_probation_still_leaning_to_the_replaced_champion_at_max_events_is_watched_on():
+    """A predecessor better by 4 points, its answers known on the 20 % probes only: at max_events (1,000) the bounds
+    decide nothing but the estimate leans to it (above delta), so probation goes on, and rolls back once the bounds
+    show it (seeded: at 3,950 queries), well before the watch's end (WATCH × max_events)."""
+    rng = np.random.default_rng(4)
+    config = GateConfig(min_events=200, max_events=1000, every=25, delta=0.02)
+    gate = Gate(config, np.full(3, 1 / 3), 0.0)
+    gate.propose((1, 2), {}, "probation")
+    found, at_max = None, None
+    for i in range(WATCH * config.max_events):
+        champion, probe, predecessor = bool(rng.random() < 0.5), bool(rng.random() < 0.2), bool(rng.random() < 0.54)
+        gate.observe(shadowed_experience(i, champion, predecessor if probe else None, probe), label=0)
+        found = gate.verdict()
+        if i + 1 == config.max_events:
+            at_max = gate.last
+        if found is not None:
+            break
+    assert at_max is not None and at_max.low <= config.delta < at_max.value
+    assert found == "roll back" and config.max_events < i + 1 < WATCH * config.max_events, (i, gate.last)
 
 
 def line_experience(i: int, served: int, shadow: int, line_right: bool, champion_right: bool | None, probe: bool):

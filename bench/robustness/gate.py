@@ -283,6 +283,7 @@ def main() -> None:
                     "rollbacks": core.stats.rollbacks,
                     "dropped": core.stats.dropped_candidates,
                     "updates": core.stats.updates,
+                    "models_called": float(np.mean(run.calls)),
                 }
                 if run.forced is not None:
                     versions = [version for version, _ in run.served]
@@ -300,7 +301,8 @@ def main() -> None:
                 print(
                     f"seed {seed} {promotion:6s} {case:9s} served {100 * row['served']:.1f} % "
                     f"(last third {100 * row['last_third']:.1f} %); promoted {row['promotions']}, rolled back "
-                    f"{row['rollbacks']}, dropped {row['dropped']} of {row['updates']} updates"
+                    f"{row['rollbacks']}, dropped {row['dropped']} of {row['updates']} updates; "
+                    f"{row['models_called']:.2f} models called a query"
                     + (
                         f"; the forced policy served {row['forced_served']} queries, "
                         f"{100 * row['forced_worse']:.1f} points worse on the {100 * row['forced_known']:.0f} % "

@@ -8,8 +8,10 @@ at least −``delta``, and drops it when the upper bound is below −``delta`` (
 After a promotion the champion it replaced is scored in shadow in its turn (*probation*), looked at the same way:
 as soon as the new champion's reward falls below it by more than ``delta`` with confidence (the lower bound of their
 difference above ``delta``), however late, the learner rolls back to it; as soon as the upper bound is below
-``delta`` (the new champion shown within delta of it), or after ``max_events``, the new champion has passed. Only
-then does the next candidate come. (The two thresholds, −delta to promote and +delta to roll back, keep a candidate
+``delta`` (the new champion shown within delta of it), or after ``max_events`` with the estimate at most ``delta``,
+the new champion has passed. A probation whose estimate still leans to the replaced champion at ``max_events`` is
+watched on, up to ``WATCH`` times as long: a worse policy is rolled back whenever the bounds show it. Only then does
+the next candidate come. (The two thresholds, −delta to promote and +delta to roll back, keep a candidate
 within delta of its predecessor from going back and forth. A fixed 95 % interval looked at again and again rolled
 good promotions back, so probation used to be one look, which a bad policy could survive on one lucky draw, issue
 61; the confidence sequence's error holds over every look.)
@@ -83,6 +85,7 @@ Kind = Literal["challenger", "probation", "line"]
 Z95 = 1.959963984540054  # the normal's 97.5 % quantile
 ALPHA = 0.05  # the anytime-valid bounds' error: the chance that they ever exclude the truth, however often looked at
 TUNED_VARIANCE = 0.25  # the per-query variance of a reward difference the bounds are tightest for, at min_events
+WATCH = 10  # a probation still leaning to the replaced champion at max_events is watched on to WATCH × max_events
 
 
 def anytime_bounds(e: Estimate, tightest_at: int, alpha: float = ALPHA) -> Estimate:
@@ -113,7 +116,8 @@ def default_events(strategy: str, promotion: str) -> tuple[int, int, int]:
 @dataclass(frozen=True)
 class GateConfig:
     min_events: int = 400  # labelled queries scored in shadow before any verdict
-    max_events: int = 4000  # without a promotion by then, the candidate is dropped (probation: one look, at min_events)
+    # without a promotion by then, the candidate is dropped; probation passes then unless it leans to the replaced one
+    max_events: int = 4000
     every: int = 50  # queries between two looks at the evidence
     delta: float = 0.02  # the reward a candidate may lose against the champion, at the lower 95 % bound
     drift_reset: bool = False  # a drift detection restarts the candidate's evidence (only what came after counts)
@@ -386,7 +390,9 @@ class Gate:
         if self.kind == "probation":  # the replaced champion − the promoted one: rolled back to as soon as clear
             if low > delta:
                 return "roll back"
-            return "passed" if high < delta or done else None
+            if high < delta or not sequential or n >= WATCH * self.config.max_events:
+                return "passed"
+            return "passed" if done and self.last.value <= delta else None  # else watched on
         if self.kind == "line":  # looked at every `every` queries up to max_events, then the evidence starts again
             if high < -delta:
                 return "roll back"
