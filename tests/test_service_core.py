@@ -422,6 +422,7 @@ def test_shadow_calls_score_the_policy_to_roll_back_to_exactly_and_leave_the_ser
         assert all(zoo.model_names[4] in a.called_models for a in called.answers)
         unknown = [e for e in plain.experience if e.shadow is not None and e.shadow.answer < 0]
         assert len(unknown) >= 30  # all but the probes (5 %)
+        assert called.shadow_calls == len(unknown) and plain.shadow_calls == 0  # one added call on each of those
         assert all(e.pool == [True, True, False, False, False] for e in called.experience)  # the served pool's
 
     asyncio.run(scenario())

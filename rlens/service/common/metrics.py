@@ -132,6 +132,12 @@ class WorkerMetrics:
             "policies refused (forged, non-finite, not for this pool)",
             registry=registry,
         )
+        self.shadow_calls = Counter(
+            "rlens_worker_shadow_calls",
+            "model calls made only so that the champion a promotion replaced, on probation, is scored exactly "
+            "(RLENS_GATE_SHADOW_CALLS)",
+            registry=registry,
+        )
 
     def count_batch(self, queries, out, dead, worker) -> None:
         """A batch's metrics, summed per label first (one update per label value, not per query): its queries,
@@ -152,6 +158,8 @@ class WorkerMetrics:
             self.models_called.observe(len(a.called_models))
         if unanswered := sum(not a.answered_models for a in out.answers):
             self.no_model_answered.inc(unanswered)
+        if out.shadow_calls:
+            self.shadow_calls.inc(out.shadow_calls)
         for kind, n in Tally(dead_letter_kind(letter.reason) for letter in dead).items():
             self.dead_letters.labels(kind).inc(n)
         self.policy_version.set(worker.policy_version)

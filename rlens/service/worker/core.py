@@ -74,11 +74,13 @@ class BatchOutput:
     failed: dict[str, str] = field(default_factory=dict)  # query id -> why it could not be answered (dead-lettered)
     # seconds spent in each stage (window_read, decide, pool_call, fuse, decode)
     stages: dict[str, float] = field(default_factory=dict)
+    shadow_calls: int = 0  # model calls made only for the candidate on probation (its policy's shadow_calls)
 
     def extend(self, other: "BatchOutput") -> None:
         self.answers += other.answers
         self.experience += other.experience
         self.failed.update(other.failed)
+        self.shadow_calls += other.shadow_calls
         for stage, seconds in other.stages.items():
             self.stages[stage] = self.stages.get(stage, 0.0) + seconds
 
@@ -288,12 +290,12 @@ class FocalWorker(Worker):
             self.shadow = FocalEngine(self.engine.n_models, self.engine.model_costs, self.engine.cfg)
         self.shadow.load_policy_state(tensors)
 
-    def _shadow_pools(self, decisions: list) -> list[np.ndarray] | None:
+    def _shadow_pools(self, decisions: list, out: BatchOutput) -> list[np.ndarray] | None:
         """The candidate's greedy pool on each query, from the same state and windows (one Decider forward for the
         batch); None when no candidate is scored. Where its policy names ``shadow_calls`` (a policy the learner
         would roll back to), that share of the queries also call the models its pool needs and the served pool
         lacks, so that its answer there is exact: those decisions' ``called`` grows, in the list (not a query
-        with its own budget, which caps what it calls)."""
+        with its own budget, which caps what it calls), and ``out`` counts the calls added."""
         if self.shadow is None or self.candidate is None or not self.ope_logging:
             return None
         self.shadow.windows = self.engine.windows  # the same windows the champion read
@@ -302,8 +304,10 @@ class FocalWorker(Worker):
         share = self.candidate_calls
         if share:
             for i, (d, pool) in enumerate(zip(decisions, pools)):
-                if d.cap is None and (pool & ~d.called).any() and (share >= 1 or self.engine.rng.random() < share):
+                added = int((pool & ~d.called).sum())
+                if d.cap is None and added and (share >= 1 or self.engine.rng.random() < share):
                     decisions[i] = replace(d, called=d.called | pool)
+                    out.shadow_calls += added
         return pools
 
     def _shadows(
@@ -380,7 +384,7 @@ class FocalWorker(Worker):
             )
         except (RedisError, OSError) as exc:
             log.warning("Redis unreachable (%s): the streams' last pools stay in this worker", exc)
-        shadow_pools = self._shadow_pools(decisions)
+        shadow_pools = self._shadow_pools(decisions, out)
         stage("decide")
         pool_queries, called = [self._pool_query(q) for q in queries], [d.called for d in decisions]
         calls = (
