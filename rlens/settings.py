@@ -226,7 +226,8 @@ class Settings(BaseSettings):
         description="guarded promotion, rl_focal: while a promoted policy is on probation, the share of the queries "
         "on which the workers also call the models that the champion it replaced needs and the served pool lacks, so "
         "that the two are compared exactly, query by query: a worse policy is rolled back sooner, at the price of "
-        "those calls (BENCHMARKS.md, the safety net); 0: none",
+        "those calls (not counted against a stream's budget; rlens_worker_shadow_calls_total; BENCHMARKS.md, the "
+        "safety net); 0: none",
     )
     gate_drift_reset: bool = Field(
         False,

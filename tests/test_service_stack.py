@@ -177,28 +177,15 @@ def test_a_bad_policy_forced_live_is_rolled_back_on_probation(tmp_path, zoo):
     same weights with the Fusion's scores turned upside down, signed and published as `rlens policy promote`
     publishes); the champion it replaced goes on probation, looked at every 50 queries through anytime-valid bounds,
     and the learner rolls back to it before the probation's end (max_events, the bound this test holds it to)."""
-    import base64
-
-    from rlens.cli.policy import operator_settings, read_history, set_live
-    from safetensors.torch import load as load_safetensors
-
-    from rlens.service.common.policy import encode_policy
-    from rlens.service.common.security import policy_signer
+    from bench.robustness.forced_live import promote_then_force_upside_down
+    from rlens.cli.policy import operator_settings, read_history
 
     gated = {"promotion": "gated", "gate_min_events": 100, "gate_max_events": 1000}
     stack = make_stack(tmp_path, explore=(0.2, 32), service=gated)  # as the service explores, not every query
     try:
         played_and_joined(stack, zoo, "before")
         operator = operator_settings(tmp_path)
-        history = read_history(operator)
-        candidate = max((p for p in history.policies if p.stage == "candidate"), key=lambda p: (p.epoch, p.version))
-        set_live(operator, history, candidate, "promoted by the test")  # the champion the bad policy replaces
-        history = read_history(operator)
-        weights = load_safetensors(base64.b64decode(candidate.weights_b64))
-        upside_down = {k: -v if k.startswith("fusion.") else v for k, v in weights.items()}
-        bad = encode_policy(upside_down, 1, candidate.epoch, candidate.models, "rl_focal", policy_signer(operator))
-        forced = history.next_order()[1]
-        set_live(operator, history, bad, "forced bad by the test")
+        forced = promote_then_force_upside_down(operator, "the test")
         time.sleep(2.0)  # it reaches the worker
         after = asyncio.run(play(stack.settings, traffic(zoo, "after"), rate=60, idle_timeout_s=60))
         joined_at_least(stack, 2 * N)

@@ -36,7 +36,7 @@ from rlens.local.stack import LocalStack, write_replay_pool
 from rlens.records.dataset import load_dataset
 from rlens.service.common.policy import encode_policy
 from rlens.service.common.security import policy_signer
-from rlens.settings import settings
+from rlens.settings import Settings, settings
 
 LEARNING = {"focal_explore_rate": 0.2, "focal_probe_rate": 0.2, "focal_update_period": 32}
 
@@ -49,6 +49,22 @@ def roll_back_line(workdir: Path) -> str | None:
             if message.startswith("rolled back"):
                 return message
     return None
+
+
+def promote_then_force_upside_down(operator: Settings, by: str) -> int:
+    """As an operator would: promote the newest candidate (`rlens policy promote`), then force its weights live with
+    the Fusion's scores turned upside down, signed and published as an operator's policy. The forced version."""
+    history = read_history(operator)
+    candidates = [p for p in history.policies if p.stage == "candidate"]
+    champion = max(candidates or history.policies, key=lambda p: (p.epoch, p.version))
+    set_live(operator, history, champion, f"promoted by {by}")  # the champion the bad policy replaces
+    history = read_history(operator)
+    weights = load_safetensors(base64.b64decode(champion.weights_b64))
+    upside_down = {k: -v if k.startswith("fusion.") else v for k, v in weights.items()}
+    bad = encode_policy(upside_down, 1, champion.epoch, champion.models, "rl_focal", policy_signer(operator))
+    forced = history.next_order()[1]
+    set_live(operator, history, bad, f"forced bad by {by}")
+    return forced
 
 
 def forced_run(data: Path, seed: int, promotion: str, args, workdir: Path) -> dict:
@@ -73,17 +89,7 @@ def forced_run(data: Path, seed: int, promotion: str, args, workdir: Path) -> di
         stack.wait_ready(300)
         asyncio.run(play(stack.settings, before, rate=args.rate, idle_timeout_s=60))
         time.sleep(2.0)  # the last feedback reaches the learner, its newest candidate the topic
-        operator = operator_settings(workdir)
-        history = read_history(operator)
-        candidates = [p for p in history.policies if p.stage == "candidate"]
-        champion = max(candidates or history.policies, key=lambda p: (p.epoch, p.version))
-        set_live(operator, history, champion, "promoted by the benchmark")
-        history = read_history(operator)
-        weights = load_safetensors(base64.b64decode(champion.weights_b64))
-        upside_down = {k: -v if k.startswith("fusion.") else v for k, v in weights.items()}
-        bad = encode_policy(upside_down, 1, champion.epoch, champion.models, "rl_focal", policy_signer(operator))
-        forced = history.next_order()[1]
-        set_live(operator, history, bad, "forced bad by the benchmark")
+        forced = promote_then_force_upside_down(operator_settings(workdir), "the benchmark")
         time.sleep(2.0)  # it reaches the worker
         report = asyncio.run(play(stack.settings, after, rate=args.rate, idle_timeout_s=60))
         time.sleep(2.0)

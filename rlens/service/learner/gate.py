@@ -1,6 +1,6 @@
 """Guarded promotion (``RLENS_PROMOTION=gated``): a policy the learner trains is published as a *candidate*; the
 workers serve the champion and log the candidate's greedy action beside it (:class:`rlens.messages.Shadow`, no extra
-model call). The gate looks at the (candidate − champion) reward every ``every`` labelled queries from
+model call but on probation, below). The gate looks at the (candidate − champion) reward every ``every`` labelled queries from
 ``min_events`` on, through anytime-valid bounds (:func:`anytime_bounds`, a confidence sequence: the chance that the
 truth ever leaves them is 5 %, however often they are looked at). It promotes the candidate when the lower bound is
 at least −``delta``, and drops it when the upper bound is below −``delta`` (shown worse), or after ``max_events``.
@@ -19,11 +19,11 @@ good promotions back, so probation used to be one look, which a bad policy could
 rl_focal (:class:`ShadowEvidence`): the difference is estimated per query as the replay estimator does
 (:mod:`rlens.evaluation.logged`): exact where the query called every model the candidate's pool needs, a ridge reward
 model of the candidate elsewhere (the champion's reward on the query among its features), that model's mean error
-measured, and corrected, on the probe rows (a random sample with every answer known). A policy the learner would roll
-back to (the replaced champion on probation) is published with ``shadow_calls`` (:attr:`GateConfig.shadow_calls`): on
-that share of the queries the workers also call the models its pool needs, so that its evidence is exact and paired,
-and a worse policy is shown worse sooner (BENCHMARKS.md). The candidate's reward is the one it would get serving, under the serving mixture in force
-(:meth:`Gate.serving_reward`, as ``rlens ope`` judges it): its greedy answer on the greedy share, an answer sampled
+measured, and corrected, on the probe rows (a random sample with every answer known). The replaced champion on
+probation is published with ``shadow_calls`` (:attr:`GateConfig.shadow_calls`): on that share of the queries the
+workers also call the models its pool needs, so that its evidence is exact and paired, and a worse policy is shown
+worse sooner (BENCHMARKS.md). The candidate's reward is the one it would get serving, under the serving mixture in
+force (:meth:`Gate.serving_reward`, as ``rlens ope`` judges it): its greedy answer on the greedy share, an answer sampled
 from its Fusion on the explored share (the calibrated vote shields the greedy answers from a Fusion trained to be
 wrong, not the explored ones). The champion's reward is always exact: it served the query.
 
