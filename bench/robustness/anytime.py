@@ -10,8 +10,9 @@ question both find easy or hard), the others independent ones. Rewards ±1 (alph
 pool needs a model the served pool lacks: its answer is known on the 20 % probes, and on the ``--shadow-calls``
 share of the queries, where the workers call that model too (the service's RLENS_GATE_SHADOW_CALLS, 1 by default;
 0: the probes only, the rest the reward model's). Per effect: the share of runs rolled back, and the
-queries until then (median, 90th percentile), looked at every ``every`` queries through the anytime-valid bounds
-up to ``max_events``, against the one look the gate used to make (the normal 95 % interval at ``min_events``).
+queries until then (median, 90th percentile, max), looked at every ``every`` queries through the anytime-valid bounds
+up to ``max_events`` and past it while the probation is watched on (to WATCH × max_events), and the share by
+``max_events``, against the one look the gate used to make (the normal 95 % interval at ``min_events``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from bench.common.args import add_out, add_seeds, arguments, write_json
 from bench.common.machine import machine_facts
 from rlens.messages import Behaviour, Experience, Shadow
-from rlens.service.learner.gate import Gate, GateConfig
+from rlens.service.learner.gate import WATCH, Gate, GateConfig
 
 ACCURACY = 0.6  # the replaced policy's
 PROBES = 0.2
@@ -79,7 +80,7 @@ def probation(worse: float, seed: int, config: GateConfig, shadow_calls: float =
     gate = Gate(config, np.full(3, 1 / 3), 0.0)
     gate.propose((1, 2), {}, "probation")
     one_look = None
-    for i in range(config.max_events):
+    for i in range(WATCH * config.max_events):  # a probation leaning to the replaced one is watched past max_events
         u = rng.random()
         v = u if rng.random() < 0.5 else rng.random()
         promoted, replaced, probe = bool(u < ACCURACY - worse), bool(v < ACCURACY), bool(rng.random() < PROBES)
@@ -91,7 +92,7 @@ def probation(worse: float, seed: int, config: GateConfig, shadow_calls: float =
         verdict = gate.verdict()
         if verdict is not None:
             return {"verdict": verdict, "at": i + 1, "one_look_rolled_back": one_look}
-    return {"verdict": None, "at": config.max_events, "one_look_rolled_back": one_look}
+    return {"verdict": None, "at": WATCH * config.max_events, "one_look_rolled_back": one_look}
 
 
 def main() -> None:
@@ -112,6 +113,7 @@ def main() -> None:
             "worse": worse,
             "runs": len(runs),
             "rolled_back": len(delays) / len(runs),
+            "by_max_events": sum(d <= config.max_events for d in delays) / len(runs),
             "delay_median": float(np.median(delays)) if delays else None,
             "delay_p90": float(np.percentile(delays, 90)) if delays else None,
             "delay_max": max(delays) if delays else None,
@@ -121,6 +123,7 @@ def main() -> None:
         rows.append(row)
         print(
             f"{100 * worse:4.0f} points worse: rolled back in {100 * row['rolled_back']:5.1f} % of {len(runs)} runs"
+            + f" ({100 * row['by_max_events']:.1f} % by {config.max_events})"
             + (
                 f" after {row['delay_median']:.0f} queries (p90 {row['delay_p90']:.0f}, max {row['delay_max']})"
                 if delays
