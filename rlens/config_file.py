@@ -71,6 +71,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "learner": (
         "learner_group",
+        "learner_nice",
         "checkpoint_dir",
         "checkpoint_every_s",
         "promotion",

@@ -107,6 +107,14 @@ class Settings(BaseSettings):
         "", description="the workers' consumer group on the queries topic (default: <topic prefix>-workers)"
     )
     learner_group: str = Field("", description="the learner's consumer group (default: <topic prefix>-learner)")
+    learner_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="the learner lowers its CPU priority by this much at its start (os.nice): on cores it shares with "
+        "workers and a gateway, their requests go first and its updates take what is left (BENCHMARKS.md, the p99 "
+        "with the learner); 0: none, as in a pod of its own",
+    )
     log_format: Literal["auto", "json", "text"] = Field(
         "auto",
         description="the service processes' log records: JSON lines, or text lines; auto: text on a terminal, JSON "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -313,6 +314,8 @@ def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
     check_exposure(settings.metrics_host, admin_token(settings), "RLENS_METRICS_HOST")
     # the learner's MAPPO update: 2.4x faster on one thread on a busy machine (BENCHMARKS.md)
     torch.set_num_threads(settings.torch_threads)
+    if settings.learner_nice:  # on cores it shares with workers and a gateway, their requests go first
+        os.nice(settings.learner_nice)
     settings = with_metrics_port(settings)
     core = build_learner(settings, warm_start)  # a configuration error first, then the broker
     settings = asyncio.run(settle_idempotence(settings))
