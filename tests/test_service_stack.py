@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import base64
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -180,9 +181,11 @@ def test_a_bad_policy_forced_live_is_rolled_back_on_probation(tmp_path, zoo):
     from bench.robustness.forced_live import promote_then_force_upside_down
     from rlens.cli.policy import operator_settings, read_history
 
-    gated = {"promotion": "gated", "gate_min_events": 100, "gate_max_events": 1000}
+    gated = {"promotion": "gated", "gate_min_events": 100, "gate_max_events": 1000, "learner_nice": 3}
     stack = make_stack(tmp_path, explore=(0.2, 32), service=gated)  # as the service explores, not every query
     try:
+        assert stack.learner is not None  # and it lowered its priority by RLENS_LEARNER_NICE
+        assert os.getpriority(os.PRIO_PROCESS, stack.learner.pid) == min(os.getpriority(os.PRIO_PROCESS, 0) + 3, 19)
         played_and_joined(stack, zoo, "before")
         operator = operator_settings(tmp_path)
         forced = promote_then_force_upside_down(operator, "the test")
