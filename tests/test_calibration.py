@@ -161,6 +161,74 @@ def test_the_engines_greedy_answer_follows_the_calibrated_vote():
         assert answers[0, "b"] == answers[64, "b"] == p.argmax()
 
 
+def _copies(n: int, n_choices: int = 3, seed: int = 6) -> tuple[np.ndarray, np.ndarray]:
+    """Two models that are one model twice: right with probability 0.6, confident (0.7) either way, and wrong
+    together. Their naive-Bayes vote counts the same evidence twice; a joint fit does not."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, n_choices, n)
+    top = np.where(rng.random(n) < 0.6, labels, (labels + rng.integers(1, n_choices, n)) % n_choices)
+    probs = np.full((n, n_choices), 0.3 / (n_choices - 1))
+    probs[np.arange(n), top] = 0.7
+    return np.stack([probs, probs], 1), labels
+
+
+def test_a_pools_joint_fit_replaces_the_vote_where_it_predicts_better():
+    """Two copies of one model, the pool of both serving: from 100 rows the pool's joint fit is the multinomial
+    regression on the members' log-probabilities of every row (the same numbers as fit_multinomial on them), because
+    it beat the vote on the newest fifth (the vote of StreamCalibration.votes_of); below 100 rows there is none; the
+    fits are made again once the rows grew by 16 (a tenth of 100 being less)."""
+    probs, labels = _copies(130)
+    calibration = StreamCalibration(2, rows=200, joint_rows=1000)
+    pool = np.array([True, True])
+    for p, label in zip(probs[:99], labels[:99]):
+        calibration.push(p, pool, int(label), pool)
+    assert calibration.joint(probs[99], pool) is None
+    calibration.push(probs[99], pool, int(labels[99]), pool)
+    joint = calibration.joint(probs[100], pool)
+    features = np.log(probs[:100]).reshape(100, -1)
+    theta = fit_multinomial(features, labels[:100], 3)
+    assert joint == pytest.approx(log_softmax(np.log(probs[100]).ravel() @ theta[:-1] + theta[-1]), abs=1e-12)
+    vote = calibration.votes_of(np.log(probs[80:100]), pool)  # each copy calibrated on its 100 rows, counted twice
+    held = np.arange(20), labels[80:100]
+    older = fit_multinomial(features[:80], labels[:80], 3)
+    assert log_softmax(features[80:] @ older[:-1] + older[-1])[held].mean() > vote[held].mean()
+    for p, label in zip(probs[100:115], labels[100:115]):
+        calibration.push(p, pool, int(label), pool)
+    calibration.joint(probs[115], pool)
+    assert calibration.combiner.fitted_at == 100  # 15 more rows: not refitted
+    calibration.push(probs[115], pool, int(labels[115]), pool)
+    calibration.joint(probs[116], pool)
+    assert calibration.combiner.fitted_at == 116
+
+
+def test_a_pool_keeps_its_vote_where_the_joint_fit_predicts_worse_or_is_rarely_served():
+    """Independent models whose calibrated vote is the truth (each right with probability 0.7, wrong answers
+    uniform): on 100 rows the joint fit, with four times the parameters, predicts the newest fifth worse and the vote
+    stays. Only the most served pools get a joint fit, and only from rows where all their members were called."""
+    rng = np.random.default_rng(7)
+    n, n_choices = 100, 3
+    labels = rng.integers(0, n_choices, n)
+    probs = np.full((n, 2, n_choices), 0.15)
+    for m in range(2):
+        top = np.where(rng.random(n) < 0.7, labels, (labels + rng.integers(1, n_choices, n)) % n_choices)
+        probs[np.arange(n), m, top] = 0.7
+    both, first = np.array([True, True]), np.array([True, False])
+    calibration = StreamCalibration(2, rows=200, joint_rows=1000)
+    for p, label in zip(probs, labels):
+        calibration.push(p, both, int(label), both)
+    assert calibration.joint(probs[0], both) is None and calibration.combiner.fitted_at == 100
+    copies = _copies(150)
+    served_alone = StreamCalibration(2, rows=200, joint_rows=1000)
+    for p, label in zip(*copies):
+        served_alone.push(p, both, int(label), first)  # both called, the first alone served
+    assert served_alone.joint(copies[0][0], both) is None
+    assert served_alone.combiner.fitted_at == 150 and (both.tobytes(), 3) not in served_alone.combiner.fits
+    one_called = StreamCalibration(2, rows=200, joint_rows=1000)
+    for p, label in zip(*copies):
+        one_called.push(p, first, int(label), both)  # the pool of both served, yet one model's rows only
+    assert one_called.joint(copies[0][0], both) is None and not one_called.combiner.fits
+
+
 def _shifted(n: int = 96, n_choices: int = 3, seed: int = 5) -> RecordedDataset:
     """Model 0 names the choice after the right one (0.9), model 1 says nothing (uniform)."""
     rng = np.random.default_rng(seed)

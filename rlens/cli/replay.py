@@ -150,6 +150,13 @@ def replay(
         help="the mean share of the whole pool's cost to spend per query, met online (default: alpha alone decides)",
     ),
     window: int = typer.Option(FocalConfig.window, min=1, help="sliding-window length W per stream"),
+    joint_rows: int = typer.Option(
+        FocalConfig.joint_rows,
+        min=0,
+        help="a stream's last labelled queries kept whole, from which each pool gets a joint fit over its members' "
+        "log-probabilities that replaces its vote where it predicts better (0: the vote alone; replay only, the "
+        "service does not carry it yet)",
+    ),
     update_period: int = typer.Option(
         FocalConfig.update_period, min=1, help="online MAPPO update every T explored queries"
     ),
@@ -185,6 +192,7 @@ def replay(
         alpha=alpha,
         budget=budget,
         window=window,
+        joint_rows=joint_rows,
         update_period=update_period,
         explore_rate=explore_rate,
         feedback_delay=feedback_delay,

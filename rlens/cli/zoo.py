@@ -53,6 +53,11 @@ def zoo_record(
     blocks: int = typer.Option(10, min=1, help="task blocks in the stream (the task switches at each block)"),
     block_size: int = typer.Option(120, min=1, help="questions per block"),
     seed: int = typer.Option(0, help="seed of the question stream"),
+    families: str | None = typer.Option(
+        None,
+        help="comma-separated task families the blocks cycle through (default: every family; one family and "
+        "--blocks 1: a long single-task stream)",
+    ),
     models: str | None = typer.Option(None, help="comma-separated zoo models (default: every model of the zoo)"),
     samples: int = typer.Option(
         0,
@@ -68,7 +73,7 @@ def zoo_record(
     from rlens.evaluation.baselines import model_predictions
     from rlens.zoo.build import load_zoo
     from rlens.zoo.record import record_samples, record_stream
-    from rlens.zoo.tasks import GENERATION_FAMILIES, generation_stream
+    from rlens.zoo.tasks import FAMILIES, GENERATION_FAMILIES, generation_stream
 
     quiet_transformers()
     try:
@@ -80,13 +85,19 @@ def zoo_record(
     if unknown:
         fail(f"unknown zoo model(s) {', '.join(unknown)}; the zoo has {', '.join(m.name for m in zoo_models)}")
     chosen = [m for m in zoo_models if m.name in names]
+    family_names = [f.strip() for f in (families or "").split(",") if f.strip()] or None
+    allowed = GENERATION_FAMILIES if samples else list(FAMILIES)
+    if family_names and set(family_names) - set(allowed):
+        fail(
+            f"unknown task famil(ies) {', '.join(sorted(set(family_names) - set(allowed)))}; known: {', '.join(allowed)}"
+        )
     with progress_bar(console) as bar:
         task = bar.add_task("sampling" if samples else "scoring", total=blocks * block_size * len(chosen))
         advance = lambda n: bar.advance(task, n)  # noqa: E731
         if samples:
             dataset = record_samples(
                 chosen,
-                generation_stream(GENERATION_FAMILIES, blocks, block_size, seed),
+                generation_stream(family_names or GENERATION_FAMILIES, blocks, block_size, seed),
                 out,
                 samples,
                 temperature,
@@ -94,7 +105,7 @@ def zoo_record(
                 progress=advance,
             )
         else:
-            dataset = record_stream(chosen, out, blocks, block_size, seed, progress=advance)
+            dataset = record_stream(chosen, out, blocks, block_size, seed, family_names, progress=advance)
     accuracy = (model_predictions(dataset) == dataset.labels[:, None]).mean(0)
     for name, acc in zip(dataset.model_names, accuracy):
         console.print(f"  {name:14s} accuracy {100 * acc:5.1f} %" + (" (its most frequent answer)" if samples else ""))

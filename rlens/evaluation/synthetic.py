@@ -2,7 +2,10 @@
 
 Each model has an accuracy per task (uniform in [0.3, 0.85]); each question a difficulty shared by every model, so
 errors are correlated; a model that is right puts most of its mass on the label, one that is wrong on a wrong
-choice. Tasks come in blocks, in stream order, like bbh_dev.
+choice. Tasks come in blocks, in stream order, like bbh_dev. With ``families``, the models are dealt into that many
+families (model j in family j mod families) and the wrong members of a family name the same wrong choice, drawn per
+question and family: models trained alike make the same mistakes, which a vote that takes them as independent
+counts again and again.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from rlens.records.recorded import RecordedDataset
 
 
 def synthetic_dataset(
-    n_questions: int, n_models: int, n_tasks: int = 1, n_choices: int = 4, seed: int = 0
+    n_questions: int, n_models: int, n_tasks: int = 1, n_choices: int = 4, seed: int = 0, families: int = 0
 ) -> RecordedDataset:
     if n_questions < 1 or n_models < 1 or n_tasks < 1 or n_choices < 2:
         raise ValueError("a synthetic dataset needs at least 1 question, 1 model, 1 task and 2 choices")
@@ -24,14 +27,18 @@ def synthetic_dataset(
     difficulty = rng.normal(0.0, 1.0, n_questions)
     logit = np.log(accuracy[task] / (1 - accuracy[task])) - difficulty[:, None]  # [N, M]
     correct = rng.random((n_questions, n_models)) < 1 / (1 + np.exp(-logit))
-    wrong = (labels[:, None] + rng.integers(1, n_choices, (n_questions, n_models))) % n_choices
+    if families:
+        shared = rng.integers(1, n_choices, (n_questions, families))
+        wrong = (labels[:, None] + shared[:, np.arange(n_models) % families]) % n_choices
+    else:
+        wrong = (labels[:, None] + rng.integers(1, n_choices, (n_questions, n_models))) % n_choices
     top = np.where(correct, labels[:, None], wrong)
     probs = rng.dirichlet(np.ones(n_choices), (n_questions, n_models)).astype(np.float32)
     confidence = rng.uniform(0.4, 0.95, (n_questions, n_models)).astype(np.float32)
     probs *= (1 - confidence)[..., None]
     np.put_along_axis(probs, top[..., None], np.take_along_axis(probs, top[..., None], -1) + confidence[..., None], -1)
     return RecordedDataset(
-        name=f"synthetic_{n_questions}x{n_models}",
+        name=f"synthetic_{n_questions}x{n_models}" + (f"_f{families}" if families else ""),
         probs=probs,
         choice_mask=np.ones((n_questions, n_choices), dtype=bool),
         labels=labels.astype(np.int64),

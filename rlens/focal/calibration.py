@@ -12,11 +12,17 @@ posteriors q_i:
 normalised over the choices. The engine's greedy answers are the Fusion's distribution times this vote
 (:meth:`rlens.focal.greedy.GreedyActor.answers`); a pool with a member not yet calibrated (fewer than ``min_rows``
 rows of that choice count) has no vote.
+
+On a long stream that vote leaves most rows unused and treats the models as independent. With ``joint_rows`` a
+stream also keeps its last labelled queries whole (every called model's log-probabilities) and fits, per pool and
+choice count, a joint multinomial logistic regression over the members' log-probabilities: the per-task stacker,
+restricted to the pool (:class:`PoolCombiner`). It replaces the pool's vote only where it predicted the newest fifth
+of those rows better than the vote did, so on short streams the vote stays.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from typing import Hashable
 
 import numpy as np
@@ -100,7 +106,15 @@ class StreamCalibration:
     """Per model, its last ``rows`` labelled outcomes on one stream and its calibration per choice count, refitted
     once ``refit_every`` new rows of the model have come since the last fit."""
 
-    def __init__(self, n_models: int, rows: int, refit_every: int = 16, min_rows: int = 16, strength: float = 1.0):
+    def __init__(
+        self,
+        n_models: int,
+        rows: int,
+        refit_every: int = 16,
+        min_rows: int = 16,
+        strength: float = 1.0,
+        joint_rows: int = 0,
+    ):
         self.n_models, self.rows, self.refit_every, self.min_rows, self.strength = (
             n_models,
             rows,
@@ -108,15 +122,16 @@ class StreamCalibration:
             min_rows,
             strength,
         )
+        self.combiner = PoolCombiner(joint_rows, strength) if joint_rows else None  # None: the vote alone
         self.history: list[deque] = [deque(maxlen=rows) for _ in range(n_models)]  # (log p [C], label) per model
         self.labels: deque = deque(maxlen=rows)
         self.seen = np.zeros(n_models, dtype=np.int64)  # rows ever pushed per model
         self.fits: dict[tuple[int, int], tuple[int, np.ndarray]] = {}  # (model, C) -> (seen at the fit, theta)
         self._priors: dict[int, np.ndarray] = {}  # per choice count, until the next push
 
-    def push(self, probs: np.ndarray, called: np.ndarray, label: int) -> None:
+    def push(self, probs: np.ndarray, called: np.ndarray, label: int, pool: np.ndarray | None = None) -> None:
         """One answered query: ``probs`` [M, C] (rows of models not called are ignored), ``called`` bool [M], the
-        label (position among the C choices; a label outside them, or -1, adds nothing)."""
+        label (position among the C choices; a label outside them, or -1, adds nothing), the pool that answered."""
         n_choices = probs.shape[1]
         if not 0 <= label < n_choices:
             return
@@ -126,6 +141,8 @@ class StreamCalibration:
         for m in np.flatnonzero(called):
             self.history[m].append((n_choices, log_p[m], label))
             self.seen[m] += 1
+        if self.combiner is not None:
+            self.combiner.push(log_p, called, pool, label)
 
     def _theta(self, model: int, n_choices: int) -> np.ndarray | None:
         fitted = self.fits.get((model, n_choices))
@@ -159,6 +176,22 @@ class StreamCalibration:
         """The pool's calibrated naive-Bayes vote: log-probabilities [C] over the choices of ``probs`` [M, C], or
         None while a member has no calibration for this choice count."""
         return pool_vote(self.calibrated_rows(probs, pool, for_vote=True), pool, self.prior(probs.shape[1]))
+
+    def joint(self, probs: np.ndarray, pool: np.ndarray) -> np.ndarray | None:
+        """The pool's joint log-probabilities [C] (:class:`PoolCombiner`), its fits made again first when due; None
+        where it has none (the pool's vote then)."""
+        if self.combiner is None:
+            return None
+        if self.combiner.due():
+            self.combiner.refit(self.votes_of)
+        return self.combiner.combined(probs, pool)
+
+    def votes_of(self, log_p: np.ndarray, pool: np.ndarray) -> np.ndarray | None:
+        """The pool's vote on each of the queries ``log_p`` [n, M, C] (log-probabilities [n, C]), or None while a
+        member has no calibration for C choices: what a joint fit must beat (:class:`PoolCombiner`)."""
+        probs = np.exp(log_p)
+        votes = [pool_vote(self.calibrated_rows(p, pool, for_vote=True), pool, self.prior(p.shape[1])) for p in probs]
+        return None if any(v is None for v in votes) else np.stack(votes)
 
     def calibrated_rows(self, probs: np.ndarray, models: np.ndarray, for_vote: bool = False) -> np.ndarray:
         """:meth:`calibrated` of each of ``models`` (bool [M]) given ``probs`` [M, C]: [M, C], NaN rows for the other
@@ -217,6 +250,84 @@ class StreamCalibration:
         return calibration
 
 
+class PoolCombiner:
+    """A stream's last ``rows`` labelled queries whole (each called model's log-probabilities, the pool that answered,
+    the label) and a joint fit for each of its ``pools`` most served pools and each choice count: a multinomial
+    logistic regression from the members' log-probabilities (concatenated) to the label (:func:`fit_multinomial`) on
+    the rows where every member was called, from ``min_rows`` of them.
+
+    The fits are made again each time the rows grow by a tenth (at least ``refit_every``, at most ``refit_most``). A
+    fit is kept only where it beat the pool's vote on the newest fifth of its rows (mean log-likelihood, fitted on
+    the older four fifths; the vote there uses the stream's current calibrations, which saw those rows: a comparison
+    that favours the vote)."""
+
+    def __init__(
+        self,
+        rows: int,
+        strength: float = 1.0,
+        pools: int = 8,
+        min_rows: int = 100,
+        refit_every: int = 16,
+        refit_most: int = 256,
+    ):
+        self.rows, self.strength, self.pools, self.min_rows = rows, strength, pools, min_rows
+        self.refit_every, self.refit_most = refit_every, refit_most
+        self.history: deque = deque(maxlen=rows)  # (log p [M, C], called [M], served pool bytes, label)
+        self.seen, self.fitted_at = 0, 0
+        self.fits: dict[tuple[bytes, int], np.ndarray] = {}  # (pool, C) -> theta, where it beat the vote
+
+    def push(self, log_p: np.ndarray, called: np.ndarray, pool: np.ndarray | None, label: int) -> None:
+        """One labelled query: the models' log-probabilities [M, C], which were called, the pool that answered."""
+        served = None if pool is None else np.asarray(pool, dtype=bool).tobytes()
+        self.history.append((log_p, np.asarray(called, dtype=bool), served, label))
+        self.seen += 1
+
+    def due(self) -> bool:
+        grown = self.seen - self.fitted_at
+        return grown >= min(max(self.refit_every, self.fitted_at // 10), self.refit_most)
+
+    def refit(self, votes_of) -> None:
+        """Fit the most served pools again; ``votes_of(log_p [n, M, C], pool)`` gives the vote's log-probabilities
+        [n, C] there (None: no vote yet, and then no joint fit either)."""
+        if len(self.history) < self.min_rows:
+            return  # no pool can have a fit yet
+        self.fitted_at = self.seen
+        served = Counter(pool for _, _, pool, _ in self.history if pool is not None)
+        fits = {}
+        for key, _ in served.most_common(self.pools):
+            pool = np.frombuffer(key, dtype=bool)
+            for n_choices in sorted({x.shape[1] for x, _, _, _ in self.history}):
+                theta = self._fit(pool, n_choices, votes_of)
+                if theta is not None:
+                    fits[key, n_choices] = theta
+        self.fits = fits
+
+    def _fit(self, pool: np.ndarray, n_choices: int, votes_of) -> np.ndarray | None:
+        rows = [(x, y) for x, called, _, y in self.history if x.shape[1] == n_choices and called[pool].all()]
+        if len(rows) < self.min_rows:
+            return None
+        log_p = np.stack([x for x, _ in rows])
+        labels = np.array([y for _, y in rows])
+        features = log_p[:, pool].reshape(len(rows), -1)
+        cut = len(rows) - len(rows) // 5
+        votes = votes_of(log_p[cut:], pool)
+        if votes is None:
+            return None
+        theta = fit_multinomial(features[:cut], labels[:cut], n_choices, self.strength)
+        held = np.arange(len(rows) - cut), labels[cut:]
+        if log_softmax(features[cut:] @ theta[:-1] + theta[-1])[held].mean() <= votes[held].mean():
+            return None
+        return fit_multinomial(features, labels, n_choices, self.strength)
+
+    def combined(self, probs: np.ndarray, pool: np.ndarray) -> np.ndarray | None:
+        """The pool's joint log-probabilities [C] given ``probs`` [M, C], or None (it has no joint fit: its vote)."""
+        theta = self.fits.get((np.asarray(pool, dtype=bool).tobytes(), probs.shape[1]))
+        if theta is None:
+            return None
+        features = np.log(np.maximum(probs[pool], LOG_FLOOR)).ravel()
+        return log_softmax(features @ theta[:-1] + theta[-1])
+
+
 def significant(values: np.ndarray, digits: int = 6) -> np.ndarray:
     """``values`` rounded to ``digits`` significant digits (what a logged distribution or a published fit keeps)."""
     values = np.asarray(values, dtype=np.float64)
@@ -229,13 +340,15 @@ def significant(values: np.ndarray, digits: int = 6) -> np.ndarray:
 class Calibrations:
     """The :class:`StreamCalibration` of each stream key (created on first use)."""
 
-    def __init__(self, n_models: int, rows: int, refit_every: int = 16):
-        self.n_models, self.rows, self.refit_every = n_models, rows, refit_every
+    def __init__(self, n_models: int, rows: int, refit_every: int = 16, joint_rows: int = 0):
+        self.n_models, self.rows, self.refit_every, self.joint_rows = n_models, rows, refit_every, joint_rows
         self.streams: dict[Hashable, StreamCalibration] = {}
 
     def __call__(self, key: Hashable) -> StreamCalibration:
         if key not in self.streams:
-            self.streams[key] = StreamCalibration(self.n_models, self.rows, self.refit_every)
+            self.streams[key] = StreamCalibration(
+                self.n_models, self.rows, self.refit_every, joint_rows=self.joint_rows
+            )
         return self.streams[key]
 
     def clear(self) -> None:

@@ -102,7 +102,7 @@ class FocalEngine:
         self.windows: dict[Hashable, OutcomeWindow] = {}
         # each model's calibration per stream (None: greedy answers without a calibrated vote)
         self.calibrations = (
-            Calibrations(n_models, self.cfg.calibration_rows, self.cfg.calibration_refit)
+            Calibrations(n_models, self.cfg.calibration_rows, self.cfg.calibration_refit, self.cfg.joint_rows)
             if self.cfg.calibration_rows > 0
             else None
         )
@@ -505,6 +505,10 @@ class FocalEngine:
                 np.stack([rows for _, rows in group]), np.stack([pools[i] for i in index]), priors
             )
             votes[index[voted], :width] = found[voted]
+        for i, d in enumerate(decisions):  # a pool's joint fit replaces its vote where it predicts better
+            joint = None if d.open_ended else self.calibrations(d.key).joint(probs[i], pools[i])
+            if joint is not None:
+                votes[i, : len(joint)] = joint
         return votes
 
     def reward(self, pool: np.ndarray, correct: bool) -> float:
@@ -518,17 +522,23 @@ class FocalEngine:
 
     # --- feedback and learning ----------------------------------------------------------------------------
     def observe(
-        self, key: Hashable, predictions: np.ndarray, label: int, reward: float, probs: np.ndarray | None = None
+        self,
+        key: Hashable,
+        predictions: np.ndarray,
+        label: int,
+        reward: float,
+        probs: np.ndarray | None = None,
+        pool: np.ndarray | None = None,
     ) -> None:
         """Feedback for one query of stream ``key``: add its outcome to the window (and, with ``probs``, the called
-        models' distributions [M, C], to the stream's calibrations).
+        models' distributions [M, C], to the stream's calibrations, with ``pool``, the pool that answered).
 
         ``predictions`` int [M] holds each called model's chosen choice and -1 for models not called;
         ``label`` is -1 when the feedback is a bare reward.
         """
         self.window(key).push(predictions, label, reward)
         if self.calibrations is not None and probs is not None:
-            self.calibrations(key).push(probs, np.asarray(predictions) >= 0, label)
+            self.calibrations(key).push(probs, np.asarray(predictions) >= 0, label, pool)
 
     def remember(
         self,

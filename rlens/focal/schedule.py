@@ -122,7 +122,7 @@ def _warm_pass(
                 decision, answer, rewards[-1], engine.fusion_reward(chosen == q.label), critic_input, q.label
             )
         # the window keeps the first rollout's reward
-        engine.observe(q.key, q.predictions, q.label, rewards[0], _calibrating(q))
+        engine.observe(q.key, q.predictions, q.label, rewards[0], _calibrating(q), decisions[0].pool)
         if len(engine.buffer) >= engine.cfg.warm_batch * rollouts:
             engine.update(train_decider, train_fusion, envs=rollouts)
         if progress:
@@ -145,7 +145,12 @@ def _supervised_fusion_pass(engine: FocalEngine, qs: list[Question], progress: P
             labels += [q.label] * rollouts
         members = decisions[0].pool
         engine.observe(
-            q.key, q.predictions, q.label, engine.reward(members, _pool_vote(q, members) == q.label), _calibrating(q)
+            q.key,
+            q.predictions,
+            q.label,
+            engine.reward(members, _pool_vote(q, members) == q.label),
+            _calibrating(q),
+            members,
         )
         if progress:
             progress(1)
@@ -213,7 +218,9 @@ def run_online(
         q = qs[i]
         key = q.key if stream is None else stream
         reward = engine.reward(decision.pool, answer.answer == q.label)
-        engine.observe(key, np.where(decision.called, q.predictions, -1), q.label, reward, _calibrating(q))
+        engine.observe(
+            key, np.where(decision.called, q.predictions, -1), q.label, reward, _calibrating(q), decision.pool
+        )
         engine.remember(decision, answer, reward, engine.fusion_reward(answer.answer == q.label), label=q.label)
         if drift is not None:
             called = np.where(decision.called, q.predictions, -1).tolist()

@@ -35,11 +35,13 @@ def record_stream(
     blocks: int = 10,
     block_size: int = 120,
     seed: int = 0,
+    families: list[str] | None = None,
     progress: Callable[[int], None] = lambda n: None,
 ) -> RecordedDataset:
-    """Ask every model every question of the stream; write and return the dataset."""
-    families = list(FAMILIES)
-    questions = block_stream(families, blocks, block_size, seed)
+    """Ask every model every question of the stream (its blocks cycling through ``families``, default every family);
+    write and return the dataset. Task ids stay the index in :data:`FAMILIES`."""
+    all_families = list(FAMILIES)
+    questions = block_stream(families or all_families, blocks, block_size, seed)
     probs = np.zeros((len(questions), len(models), N_CHOICES), dtype=np.float32)
     for m, model in enumerate(models):
         backend = load_backend(model)
@@ -53,10 +55,10 @@ def record_stream(
         probs=probs,
         choice_mask=np.ones((len(questions), N_CHOICES), dtype=bool),
         labels=np.array([q.label for q in questions], dtype=np.int64),
-        task=np.array([families.index(q.family) for q in questions], dtype=np.int64),
+        task=np.array([all_families.index(q.family) for q in questions], dtype=np.int64),
         model_names=[m.name for m in models],
         model_costs=np.array([m.cost for m in models]),
-        task_names=dict(enumerate(families)),
+        task_names=dict(enumerate(all_families)),
     )
     save_dataset(dataset, out)
     write_questions(questions, out / QUESTIONS_FILE)
