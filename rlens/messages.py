@@ -184,6 +184,17 @@ class Feedback(Message):
         return self
 
 
+class JointVote(BaseModel):
+    """A pool's joint fit on one query (:class:`rlens.focal.calibration.PoolCombiner`): what replaced its vote."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
+
+    pool: list[bool] = Field(max_length=MAX_MODELS)
+    log_probs: list[Annotated[float, Field(le=0)]] = Field(
+        max_length=MAX_CHOICES, description="its log-probabilities over the choices, 6 significant digits"
+    )
+
+
 class Behaviour(BaseModel):
     """What off-policy evaluation needs of one served rl_focal query (:mod:`rlens.focal.propensity`): the serving
     mixture in force, its greedy actions, the probability of what it served, and every called model's answer."""
@@ -225,6 +236,12 @@ class Behaviour(BaseModel):
         default_factory=list,
         max_length=MAX_CHOICES,
         description="with calibrations: the stream's label prior the calibrated vote divides by",
+    )
+    joint: list[JointVote] = Field(
+        default_factory=list,
+        max_length=2,
+        description="with joint fits (RLENS_FOCAL_JOINT_ROWS): the served and the greedy pool's joint "
+        "log-probabilities, where the stream had a joint fit for them (it replaced their vote)",
     )
 
 

@@ -399,6 +399,16 @@ class Settings(BaseSettings):
         "(rlens.focal.calibration); 0: none. Needs RLENS_OPE_LOGGING (the called models' distributions): with "
         "RLENS_OPE_LOGGING=false set it to 0",
     )
+    focal_joint_rows: int = Field(
+        FocalConfig.joint_rows,
+        ge=0,
+        le=16_384,
+        description="rl_focal: a stream's last labelled queries kept whole in Redis (each called model's "
+        "log-probabilities), from which the learner fits, for the stream's 8 most served pools, a joint multinomial "
+        "regression over the members' log-probabilities; a pool's joint fit replaces its calibrated vote where it "
+        "predicted the stream's newest rows better (long streams; rlens.focal.calibration.PoolCombiner); 0: none. "
+        "Needs RLENS_FOCAL_CALIBRATION_ROWS",
+    )
     focal_samples: int = Field(
         5,
         ge=1,

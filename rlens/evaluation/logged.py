@@ -49,6 +49,7 @@ class LoggedQuery:
     budget: float | None = None  # the query's own budget (a cap on its pool's cost share), if it had one
     calibrated: np.ndarray | None = None  # [M, C]: each model's calibrated log-probabilities (NaN where none)
     calibration_prior: np.ndarray | None = None  # [C]: the label prior the calibrated vote divides by
+    joint: tuple[tuple[np.ndarray, np.ndarray], ...] = ()  # (pool bool [M], log-probabilities [C]): joint fits used
     explore_rate: float = 0.0  # the share of queries explored when this one was served
 
     @classmethod
@@ -98,6 +99,7 @@ class LoggedQuery:
             budget=b.budget,
             calibrated=calibrated,
             calibration_prior=np.asarray(b.calibration_prior, dtype=np.float64) if calibrated is not None else None,
+            joint=tuple((np.asarray(j.pool, dtype=bool), np.asarray(j.log_probs, dtype=np.float64)) for j in b.joint),
             explore_rate=b.explore_rate,
         )
 
@@ -164,10 +166,14 @@ class Policy(Protocol):
 def fuse_greedy(engine: FocalEngine, query: LoggedQuery, pool: np.ndarray) -> tuple[int, np.ndarray]:
     """The engine's greedy Fusion answer on the pool's logged answers and the logged window statistics, times the
     pool's calibrated vote where the log has every member's calibration (the deployment voted: a candidate is judged
-    as it would serve there); and the Fusion's own distribution there (an explored answer's, no vote)."""
+    as it would serve there), or its joint fit where the log has the one the deployment used for this pool; and the
+    Fusion's own distribution there (an explored answer's, no vote)."""
     features = fusion_observation(query.probs * pool[:, None], pool, query.reliability, query.label_prior)
     votes = None
-    if query.calibrated is not None and query.calibration_prior is not None:
+    joint = [log_probs for members, log_probs in query.joint if np.array_equal(members, pool)]
+    if joint:
+        votes = joint[0][None]
+    elif query.calibrated is not None and query.calibration_prior is not None:
         members = query.calibrated[pool]
         if len(members) and not np.isnan(members).any():
             votes = naive_bayes_vote(members, query.calibration_prior)[None]

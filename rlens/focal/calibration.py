@@ -31,16 +31,22 @@ LOG_FLOOR = 1e-6
 
 
 def fit_multinomial(
-    x: np.ndarray, y: np.ndarray, n_classes: int, strength: float = 1.0, iterations: int = 50
+    x: np.ndarray,
+    y: np.ndarray,
+    n_classes: int,
+    strength: float = 1.0,
+    iterations: int = 50,
+    start: np.ndarray | None = None,
 ) -> np.ndarray:
     """Multinomial logistic regression by Newton's method with a backtracking line search: minimises
     0.5 |theta|^2 + strength * sum_n cross-entropy(softmax([x_n, 1] theta), y_n) over theta [d + 1, K] (the last
-    row the intercepts, penalised too, so a class never seen stays finite). Deterministic; x [n, d], y int [n]."""
+    row the intercepts, penalised too, so a class never seen stays finite), from ``start`` (default zeros: an
+    earlier fit on similar rows takes fewer steps to the same minimum). Deterministic; x [n, d], y int [n]."""
     n, d = x.shape
     k = n_classes
     features = np.hstack([np.asarray(x, dtype=np.float64), np.ones((n, 1))])
     targets = np.eye(k)[y]
-    theta = np.zeros((d + 1, k))
+    theta = np.zeros((d + 1, k)) if start is None else np.array(start, dtype=np.float64)
 
     def objective(t: np.ndarray) -> float:
         z = features @ t
@@ -187,11 +193,18 @@ class StreamCalibration:
         return self.combiner.combined(probs, pool)
 
     def votes_of(self, log_p: np.ndarray, pool: np.ndarray) -> np.ndarray | None:
-        """The pool's vote on each of the queries ``log_p`` [n, M, C] (log-probabilities [n, C]), or None while a
-        member has no calibration for C choices: what a joint fit must beat (:class:`PoolCombiner`)."""
-        probs = np.exp(log_p)
-        votes = [pool_vote(self.calibrated_rows(p, pool, for_vote=True), pool, self.prior(p.shape[1])) for p in probs]
-        return None if any(v is None for v in votes) else np.stack(votes)
+        """The pool's vote (:func:`naive_bayes_vote`) on each of the queries ``log_p`` [n, M, C] (floored
+        log-probabilities; the vote's log-probabilities [n, C]), or None while a member has no calibration for C
+        choices: what a joint fit must beat (:class:`PoolCombiner`)."""
+        n_choices = log_p.shape[2]
+        members = np.flatnonzero(pool)
+        calibrated = np.zeros(log_p.shape[::2])
+        for m in members:
+            theta = self._theta(int(m), n_choices)
+            if theta is None:
+                return None
+            calibrated += log_softmax(log_p[:, m] @ theta[:-1] + theta[-1])
+        return log_softmax(calibrated - (len(members) - 1) * np.log(self.prior(n_choices)))
 
     def calibrated_rows(self, probs: np.ndarray, models: np.ndarray, for_vote: bool = False) -> np.ndarray:
         """:meth:`calibrated` of each of ``models`` (bool [M]) given ``probs`` [M, C]: [M, C], NaN rows for the other
@@ -224,29 +237,45 @@ class StreamCalibration:
         return log_softmax(np.log(np.maximum(probs, LOG_FLOOR)) @ theta[:-1] + theta[-1])
 
     def fit_all(self) -> None:
-        """Fit every (model, choice count) that has ``min_rows`` rows (the service's learner, before it publishes)."""
+        """Fit every (model, choice count) that has ``min_rows`` rows, then the pools' joint fits where the stream's
+        queries are kept whole (the service's learner, before it publishes)."""
         for model, history in enumerate(self.history):
             for n_choices in sorted({c for c, _, _ in history}):
                 self.fits.pop((model, n_choices), None)
                 self._theta(model, n_choices)
+        if self.combiner is not None and self.combiner.history:
+            self.combiner.refit(self.votes_of)
 
     def state(self) -> dict:
-        """The fits and the label counts (add-one) as JSON-ready lists: what a worker needs to vote
-        (:meth:`restored`), 6 significant digits."""
-        return {
+        """The fits, the label counts (add-one) and the pools' joint fits (``joint``: members, choice count, theta)
+        as JSON-ready lists: what a worker needs to vote (:meth:`restored`), 6 significant digits."""
+        state = {
             "fits": [[m, c, significant(theta).tolist()] for (m, c), (_, theta) in sorted(self.fits.items())],
             "prior": [[c, self._counts(c).astype(int).tolist()] for c in sorted({c for c, _ in self.labels})],
         }
+        if self.combiner is not None and self.combiner.fits:
+            state["joint"] = [
+                [np.flatnonzero(np.frombuffer(pool, dtype=bool)).tolist(), c, significant(theta).tolist()]
+                for (pool, c), theta in sorted(self.combiner.fits.items())
+            ]
+        return state
 
     @classmethod
     def restored(cls, n_models: int, state: dict) -> StreamCalibration:
-        """A calibration that votes with published fits and label counts (:meth:`state`) and keeps no rows."""
+        """A calibration that votes with published fits, label counts and joint fits (:meth:`state`) and keeps no
+        rows."""
         calibration = cls(n_models, rows=1)
         for model, n_choices, theta in state["fits"]:
             calibration.fits[int(model), int(n_choices)] = (0, np.asarray(theta, dtype=np.float64))
         for n_choices, counts in state["prior"]:
             counts = np.asarray(counts, dtype=np.float64)
             calibration._priors[int(n_choices)] = counts / counts.sum()
+        if state.get("joint"):
+            calibration.combiner = PoolCombiner(rows=1)
+            for members, n_choices, theta in state["joint"]:
+                pool = np.zeros(n_models, dtype=bool)
+                pool[list(members)] = True
+                calibration.combiner.fits[pool.tobytes(), int(n_choices)] = np.asarray(theta, dtype=np.float64)
         return calibration
 
 
@@ -254,7 +283,8 @@ class PoolCombiner:
     """A stream's last ``rows`` labelled queries whole (each called model's log-probabilities, the pool that answered,
     the label) and a joint fit for each of its ``pools`` most served pools and each choice count: a multinomial
     logistic regression from the members' log-probabilities (concatenated) to the label (:func:`fit_multinomial`) on
-    the rows where every member was called, from ``min_rows`` of them.
+    the rows where every member was called, from ``min_rows`` of them (default an eighth of ``rows``, at least 100: a
+    joint fit has k times a calibration's parameters, and on short streams it lost to the vote, BENCHMARKS.md).
 
     The fits are made again each time the rows grow by a tenth (at least ``refit_every``, at most ``refit_most``). A
     fit is kept only where it beat the pool's vote on the newest fifth of its rows (mean log-likelihood, fitted on
@@ -266,11 +296,12 @@ class PoolCombiner:
         rows: int,
         strength: float = 1.0,
         pools: int = 8,
-        min_rows: int = 100,
+        min_rows: int | None = None,
         refit_every: int = 16,
         refit_most: int = 256,
     ):
-        self.rows, self.strength, self.pools, self.min_rows = rows, strength, pools, min_rows
+        self.rows, self.strength, self.pools = rows, strength, pools
+        self.min_rows = max(100, rows // 8) if min_rows is None else min_rows
         self.refit_every, self.refit_most = refit_every, refit_most
         self.history: deque = deque(maxlen=rows)  # (log p [M, C], called [M], served pool bytes, label)
         self.seen, self.fitted_at = 0, 0
@@ -297,12 +328,13 @@ class PoolCombiner:
         for key, _ in served.most_common(self.pools):
             pool = np.frombuffer(key, dtype=bool)
             for n_choices in sorted({x.shape[1] for x, _, _, _ in self.history}):
-                theta = self._fit(pool, n_choices, votes_of)
+                theta = self._fit(pool, n_choices, votes_of, self.fits.get((key, n_choices)))
                 if theta is not None:
                     fits[key, n_choices] = theta
         self.fits = fits
 
-    def _fit(self, pool: np.ndarray, n_choices: int, votes_of) -> np.ndarray | None:
+    def _fit(self, pool: np.ndarray, n_choices: int, votes_of, start: np.ndarray | None) -> np.ndarray | None:
+        """The pool's joint fit, or None; ``start``: its last one (fewer Newton steps)."""
         rows = [(x, y) for x, called, _, y in self.history if x.shape[1] == n_choices and called[pool].all()]
         if len(rows) < self.min_rows:
             return None
@@ -313,11 +345,11 @@ class PoolCombiner:
         votes = votes_of(log_p[cut:], pool)
         if votes is None:
             return None
-        theta = fit_multinomial(features[:cut], labels[:cut], n_choices, self.strength)
+        theta = fit_multinomial(features[:cut], labels[:cut], n_choices, self.strength, start=start)
         held = np.arange(len(rows) - cut), labels[cut:]
         if log_softmax(features[cut:] @ theta[:-1] + theta[-1])[held].mean() <= votes[held].mean():
             return None
-        return fit_multinomial(features, labels, n_choices, self.strength)
+        return fit_multinomial(features, labels, n_choices, self.strength, start=theta)
 
     def combined(self, probs: np.ndarray, pool: np.ndarray) -> np.ndarray | None:
         """The pool's joint log-probabilities [C] given ``probs`` [M, C], or None (it has no joint fit: its vote)."""

@@ -82,6 +82,7 @@ def _engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
             alpha=settings.focal_alpha,
             window=settings.focal_window,
             calibration_rows=settings.focal_calibration_rows,
+            joint_rows=settings.focal_joint_rows,
             budget=settings.focal_budget,
             stream_budgets=tuple(sorted(settings.focal_stream_budgets.items())),
         ),
@@ -89,7 +90,9 @@ def _engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
     )
 
 
-def build_windows(settings: Settings, n_models: int, size: int, calibration_rows: int = 0) -> RedisWindows:
+def build_windows(
+    settings: Settings, n_models: int, size: int, calibration_rows: int = 0, joint_rows: int = 0
+) -> RedisWindows:
     redis = async_redis(
         settings.redis_url.get_secret_value(), socket_timeout=5, socket_connect_timeout=2, health_check_interval=10
     )
@@ -101,6 +104,7 @@ def build_windows(settings: Settings, n_models: int, size: int, calibration_rows
         settings.window_ttl_s,
         settings.dedup_ttl_s,
         calibration_rows,
+        joint_rows,
     )
 
 
@@ -255,10 +259,11 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
         if settings.promotion != "direct":  # scored in shadow
             gate = Gate(config, engine.cost_share, engine.cfg.alpha)
     calibration_rows = settings.focal_calibration_rows if settings.strategy == "rl_focal" else 0
+    joint_rows = settings.focal_joint_rows if settings.strategy == "rl_focal" else 0
     core = LearnerCore(
         trainer,
         names,
-        build_windows(settings, len(names), window, calibration_rows),
+        build_windows(settings, len(names), window, calibration_rows, joint_rows),
         CheckpointStore(settings.checkpoint_dir),
         signer,
         tokens,

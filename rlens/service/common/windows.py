@@ -9,7 +9,8 @@ so both keys of one stream live in one slot and the update script may touch both
 | ``{prefix}:applied:{<stream>}:<query id>`` | string | marks a query whose outcome is in the window | one per query | ``dedup_ttl_s`` |
 | ``{prefix}:cal:{<stream>}:<m>`` | list | with ``calibration_rows``: model m's last labelled outcomes, oldest first, each ``[n_choices, label, log p_0, ..., log p_{n_choices-1}]`` (JSON, 6 significant digits), pushed with the window's row by the same script | LTRIM to ``calibration_rows`` | ``window_ttl_s`` |
 | ``{prefix}:cal:{<stream>}:labels`` | list | with ``calibration_rows``: the stream's last labels, each ``[n_choices, label]`` | LTRIM to ``calibration_rows`` | ``window_ttl_s`` |
-| ``{prefix}:fit:{<stream>}`` | string | the stream's calibrations the learner fitted from those rows (:meth:`rlens.focal.calibration.StreamCalibration.state`, JSON), what the workers vote with | one per stream | ``window_ttl_s`` |
+| ``{prefix}:joint:{<stream>}`` | list | with ``joint_rows`` too: the stream's last labelled queries whole, each ``[n_choices, label, [[m, [log p_0, ...]], ...], [served model, ...]]`` (:meth:`CalibrationRows.to_list`), for the pools' joint fits | LTRIM to ``joint_rows`` | ``window_ttl_s`` |
+| ``{prefix}:fit:{<stream>}`` | string | the stream's calibrations (and pools' joint fits) the learner fitted from those rows (:meth:`rlens.focal.calibration.StreamCalibration.state`, JSON), what the workers vote with | one per stream | ``window_ttl_s`` |
 | ``{prefix}:pool:{<stream>}`` | string | the Decider's last pool for the stream, one ``0``/``1`` per model (every worker reads and writes it, so the Decider sees the same previous pool whichever worker serves the stream) | M bytes | ``window_ttl_s`` |
 | ``{prefix}:ready:<role>:<host>-<pid>`` | string | a worker or learner process whose subscribers have joined: the URL of its ``/metrics``, ``/healthz``, ``/readyz`` | one per process | 30 s, renewed every 2 s while the process runs; deleted on clean shutdown |
 | ``{prefix}:replies:<reply topic>`` | string | a live gateway's reply topic: workers reply to no other (a query naming another is dead-lettered, so ``reply_to`` cannot make topics) | one per gateway replica | 30 s, renewed every 2 s while the gateway runs |
@@ -27,7 +28,9 @@ never loaded. The readiness mark is best-effort: a Redis that is down only delay
 Sizing Redis: a window costs about W x (12 + 3M) bytes and a marker about 100 bytes, so one stream with W=128
 and 5 models is about 4 KB, and 1M queries a day keep about 100 MB of markers. Calibrations add about
 M x R x (8 + 10 C) bytes of rows per stream (R rows per model, C choices: 5 models, 200 rows and 6 choices, about
-70 KB) and the fits, about M x 12 C (C + 1) bytes (2.5 KB). Set ``maxmemory`` with
+70 KB) and the fits, about M x 12 C (C + 1) bytes (2.5 KB). Joint rows add about J x (20 + k (6 + 10 C)) bytes
+per stream (J rows, k models called a query: 4,000 rows of 2 models and 4 choices, about 430 KB), and the pools'
+joint fits up to 8 x 12 C (k C + 1) bytes. Set ``maxmemory`` with
 ``maxmemory-policy volatile-ttl`` (every key here has a TTL): under pressure, the keys closest to expiry go first.
 """
 
@@ -45,7 +48,7 @@ import numpy as np
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from rlens.focal.calibration import StreamCalibration
+from rlens.focal.calibration import LOG_FLOOR, StreamCalibration
 from rlens.focal.window import OutcomeWindow
 from rlens.messages import MAX_CHOICES
 from rlens.redis_clients import pipelined
@@ -69,8 +72,8 @@ if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[4]) then
   redis.call('LTRIM', KEYS[1], -tonumber(ARGV[2]), -1)
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   for i = 3, #KEYS do
-    redis.call('RPUSH', KEYS[i], ARGV[i + 3])
-    redis.call('LTRIM', KEYS[i], -tonumber(ARGV[5]), -1)
+    redis.call('RPUSH', KEYS[i], ARGV[2 * i - 1])
+    redis.call('LTRIM', KEYS[i], -tonumber(ARGV[2 * i]), -1)
     redis.call('EXPIRE', KEYS[i], ARGV[3])
   end
   return 1
@@ -89,14 +92,16 @@ class CalibrationRows:
     n_choices: int
     label: int
     log_probs: dict[int, list[float]]
+    pool: tuple[int, ...] = ()  # the models whose answers were served (the pool's joint fits)
 
     def to_list(self) -> list:
-        """JSON-ready (the learner's checkpointed backlog)."""
-        return [self.n_choices, self.label, [[m, p] for m, p in sorted(self.log_probs.items())]]
+        """JSON-ready (the learner's checkpointed backlog, a joint row in Redis)."""
+        return [self.n_choices, self.label, [[m, p] for m, p in sorted(self.log_probs.items())], list(self.pool)]
 
     @classmethod
     def from_list(cls, values: list) -> CalibrationRows:
-        return cls(int(values[0]), int(values[1]), {int(m): list(p) for m, p in values[2]})
+        pool = tuple(int(m) for m in values[3]) if len(values) > 3 else ()  # a backlog checkpointed before pools
+        return cls(int(values[0]), int(values[1]), {int(m): list(p) for m, p in values[2]}, pool)
 
 
 def pool_costs_key(prefix: str, strategy: str) -> str:
@@ -114,10 +119,12 @@ class RedisWindows:
         window_ttl_s: int = 7 * 86400,
         dedup_ttl_s: int = 86400,
         calibration_rows: int = 0,
+        joint_rows: int = 0,
     ):
         self.redis = redis
         self.n_models, self.size, self.prefix = n_models, size, prefix
         self.calibration_rows = calibration_rows  # rows kept per model for its calibration (0: none)
+        self.joint_rows = joint_rows if calibration_rows else 0  # queries kept whole for joint fits (0: none)
         self.window_ttl_s, self.dedup_ttl_s = window_ttl_s, dedup_ttl_s
         self._apply = redis.register_script(APPLY_OUTCOME)
         self._renew = redis.register_script(RENEW_LEASE)
@@ -148,6 +155,9 @@ class RedisWindows:
     def calibration_key(self, stream: str, part: int | str) -> str:
         """Model ``part``'s calibration rows, or (``"labels"``) the stream's labels."""
         return f"{self.prefix}:cal:{{{stream}}}:{part}"
+
+    def joint_key(self, stream: str) -> str:
+        return f"{self.prefix}:joint:{{{stream}}}"
 
     def fit_key(self, stream: str) -> str:
         return f"{self.prefix}:fit:{{{stream}}}"
@@ -210,19 +220,41 @@ class RedisWindows:
             for n_choices, prior in calibration._priors.items():
                 if not (2 <= n_choices <= MAX_CHOICES and prior.shape == (n_choices,) and (prior > 0).all()):
                     raise ValueError("label counts of another shape")
+            joint = calibration.combiner.fits if calibration.combiner is not None else {}
+            for (pool, n_choices), theta in joint.items():
+                members = int(np.frombuffer(pool, dtype=bool).sum())
+                if not 2 <= n_choices <= MAX_CHOICES or theta.shape != (members * n_choices + 1, n_choices):
+                    raise ValueError("a joint fit of another shape")
+                if not np.isfinite(theta).all():
+                    raise ValueError("a joint fit that is not finite")
             return calibration
         except Exception:
             self.skipped_rows += 1
             return None
 
-    async def load_calibration(self, stream: str) -> StreamCalibration:
-        """The stream's calibration rows (every model's and the labels) as a :class:`StreamCalibration` to fit;
-        rows that do not fit are skipped (and counted)."""
+    async def load_calibration(self, stream: str, joint: bool = False) -> StreamCalibration:
+        """The stream's calibration rows (every model's and the labels; with ``joint``, its queries kept whole) as a
+        :class:`StreamCalibration` to fit; rows that do not fit are skipped (and counted)."""
+        joint = joint and self.joint_rows > 0
         async with self.redis.pipeline(transaction=False) as pipe:
             for part in [*range(self.n_models), "labels"]:
                 pipe.lrange(self.calibration_key(stream, part), 0, -1)
+            if joint:
+                pipe.lrange(self.joint_key(stream), 0, -1)
             raw = await pipe.execute()
-        calibration = StreamCalibration(self.n_models, max(self.calibration_rows, 1))
+        calibration = StreamCalibration(
+            self.n_models, max(self.calibration_rows, 1), joint_rows=self.joint_rows if joint else 0
+        )
+        if calibration.combiner is not None:
+            for row in raw.pop():
+                if (whole := self._joint_row(row)) is not None:
+                    log_p = np.full((self.n_models, whole.n_choices), np.log(LOG_FLOOR))
+                    called = np.zeros(self.n_models, dtype=bool)
+                    for model, log_probs in whole.log_probs.items():
+                        log_p[model], called[model] = log_probs, True
+                    pool = np.zeros(self.n_models, dtype=bool)
+                    pool[list(whole.pool)] = True
+                    calibration.combiner.push(log_p, called, pool if pool.any() else None, whole.label)
         for model, rows in enumerate(raw[: self.n_models]):
             for row in rows:
                 values = self._calibration_row(row)
@@ -235,6 +267,20 @@ class RedisWindows:
             if values is not None:
                 calibration.labels.append((int(values[0]), int(values[1])))
         return calibration
+
+    def _joint_row(self, row: bytes) -> CalibrationRows | None:
+        """A joint row, or None (skipped and counted) where it does not fit this pool."""
+        try:
+            values = json.loads(row)
+            rows = CalibrationRows.from_list(values)
+            if len(values) != 4 or self.calibration_error(rows) or not rows.log_probs:
+                raise ValueError
+            if not all(0 <= m < self.n_models for m in rows.pool):
+                raise ValueError
+            return rows
+        except Exception:
+            self.skipped_rows += 1
+            return None
 
     def _calibration_row(self, row: bytes, labels_only: bool = False) -> list | None:
         try:
@@ -329,14 +375,18 @@ class RedisWindows:
             for stream, query_id, predictions, label, reward, *calibration in outcomes:
                 row = json.dumps([int(label), float(reward), *map(int, predictions)], separators=(",", ":"))
                 keys = [self.window_key(stream), self.applied_key(stream, query_id)]
-                args: list[str | int] = [row, self.size, self.window_ttl_s, self.dedup_ttl_s, self.calibration_rows]
+                args: list[str | int] = [row, self.size, self.window_ttl_s, self.dedup_ttl_s]  # then (row, bound)s
                 rows = calibration[0] if calibration and self.calibration_rows else None
                 if rows is not None:
                     for model, log_probs in sorted(rows.log_probs.items()):
                         keys.append(self.calibration_key(stream, model))
-                        args.append(json.dumps([rows.n_choices, rows.label, *log_probs], separators=(",", ":")))
+                        args += [json.dumps([rows.n_choices, rows.label, *log_probs], separators=(",", ":"))]
+                        args += [self.calibration_rows]
                     keys.append(self.calibration_key(stream, "labels"))
-                    args.append(json.dumps([rows.n_choices, rows.label]))
+                    args += [json.dumps([rows.n_choices, rows.label]), self.calibration_rows]
+                    if self.joint_rows:
+                        keys.append(self.joint_key(stream))
+                        args += [json.dumps(rows.to_list(), separators=(",", ":")), self.joint_rows]
                 pipelined(self._apply, pipe, keys, args)
             return [bool(applied) for applied in await pipe.execute()]
 
@@ -346,6 +396,8 @@ class RedisWindows:
             return None
         if not (2 <= rows.n_choices <= MAX_CHOICES and 0 <= rows.label < rows.n_choices):
             return f"calibration rows for label {rows.label} of {rows.n_choices} choices"
+        if not all(0 <= m < self.n_models for m in rows.pool):
+            return f"a served model outside the pool's {self.n_models}"
         for model, log_probs in rows.log_probs.items():
             if not 0 <= model < self.n_models or len(log_probs) != rows.n_choices:
                 return f"calibration row of model {model}: not one of the pool's, or not {rows.n_choices} values"

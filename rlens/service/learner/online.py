@@ -198,7 +198,8 @@ class FocalOnlineTrainer(OnlineTrainer[Experience]):
             for m, p in enumerate(behaviour.model_probs)
             if len(p) == experience.n_choices
         }
-        return CalibrationRows(experience.n_choices, label, rows) if rows else None
+        pool = tuple(int(m) for m in np.flatnonzero(np.asarray(experience.pool, dtype=bool)))
+        return CalibrationRows(experience.n_choices, label, rows, pool) if rows else None
 
     def confidence(self, experience: Experience) -> float:
         """The Fusion agent's probability of the answer it chose."""

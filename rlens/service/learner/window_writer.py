@@ -4,7 +4,10 @@ for at most ``redis_wait_s``, then keeps the outcomes in a bounded backlog (chec
 
 With calibrations (``RLENS_FOCAL_CALIBRATION_ROWS``) an outcome also carries its called models' calibration rows,
 pushed by the same script; once a stream has ``refit_every`` new rows of some model, :meth:`WindowWriter.refit`
-fits the stream's calibrations from its rows in Redis and publishes them for the workers."""
+fits the stream's calibrations from its rows in Redis and publishes them for the workers. With joint rows
+(``RLENS_FOCAL_JOINT_ROWS``) the outcome is also kept whole, and the pools' joint fits are made again with the
+calibrations once the stream's joint rows grew by a tenth since they were last made (at least ``refit_every``, at
+most 256: :class:`rlens.focal.calibration.PoolCombiner`'s cadence); in between, the last ones are published again."""
 
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
+from rlens.focal.calibration import PoolCombiner
 from rlens.focal.config import FocalConfig
 from rlens.service.common.windows import CalibrationRows, RedisWindows
 from rlens.service.common.logs import query_fields
@@ -24,6 +28,7 @@ from rlens.service.common.logs import query_fields
 APPLY_BATCH = 256  # outcomes sent to Redis in one round trip
 RETRY_AFTER_S = 2.0  # after a bounded wait gave up: no new try before this
 MAX_COUNTED = 100_000  # (stream, model) calibration counts kept
+JOINT_STREAMS = 10_000  # streams whose last joint fits the learner keeps between their refits
 log = logging.getLogger("rlens.learner")
 
 
@@ -50,6 +55,8 @@ class WindowWriter:
         self.backlog: deque[list] = deque()
         self._retry_at = 0.0  # monotonic clock
         self.new_rows: Counter[tuple[str, int]] = Counter()  # (stream, model): calibration rows since its last fit
+        # stream -> (joint rows since its joint fits, rows they were made from, the fits), the newest JOINT_STREAMS
+        self.joint: OrderedDict[str, tuple[int, int, PoolCombiner | None]] = OrderedDict()
 
     def queue(
         self, stream: str, query_id: str, row: tuple, reward: float, calibration: CalibrationRows | None = None
@@ -79,6 +86,9 @@ class WindowWriter:
                 for outcome, new in zip(good, applied):
                     if new and outcome[5] is not None and self.windows.calibration_rows:
                         self.new_rows.update((outcome[0], model) for model in outcome[5].log_probs)
+                        if self.windows.joint_rows:
+                            since, rows, fits = self.joint.pop(outcome[0], (0, 0, None))
+                            self.joint[outcome[0]] = (since + 1, rows, fits)
                 done.windows_applied += sum(applied)
             except (RedisError, OSError) as exc:
                 done.redis_retries += 1
@@ -122,10 +132,19 @@ class WindowWriter:
         counts stay)."""
         while len(self.new_rows) > MAX_COUNTED:  # streams seldom fed: the oldest counts go (their rows stay)
             del self.new_rows[next(iter(self.new_rows))]
+        while len(self.joint) > JOINT_STREAMS:  # the oldest go: their next refit makes their joint fits again
+            self.joint.popitem(last=False)
         due = sorted({stream for (stream, _), n in self.new_rows.items() if n >= self.refit_every})
         for stream in due:
-            calibration = await self.windows.load_calibration(stream)
+            since, rows, fits = self.joint.get(stream, (0, 0, None))
+            joint = fits is None or since >= min(max(self.refit_every, rows // 10), 256)
+            calibration = await self.windows.load_calibration(stream, joint=joint)
             calibration.fit_all()
+            if calibration.combiner is not None:  # made again
+                self.joint[stream] = (0, len(calibration.combiner.history), calibration.combiner)
+                calibration.combiner.history.clear()  # only the fits are kept
+            elif fits is not None:
+                calibration.combiner = fits
             await self.windows.save_calibration(stream, calibration)
             for key in [key for key in self.new_rows if key[0] == stream]:
                 del self.new_rows[key]

@@ -47,6 +47,7 @@ from rlens.focal.calibration import significant
 from rlens.focal.engine import FocalEngine
 from rlens.messages import (
     Behaviour,
+    JointVote,
     Shadow,
     MAX_CHOICES,
     Answer,
@@ -600,8 +601,24 @@ class FocalWorker(Worker):
             model_probs=[row if ok else [] for row, ok in zip(probs, answers.answered.tolist())],
             reliability=reliability,
             label_prior=label_prior,
+            joint=self._joint_votes(decision, answers, greedy_pool) if calibration_log else [],
             **calibration_log,
         )
+
+    def _joint_votes(self, decision, answers, greedy_pool: np.ndarray) -> list[JointVote]:
+        """The served and the greedy pool's joint log-probabilities where the stream has a joint fit for them and
+        every member answered (what replaced their votes: off-policy evaluation gives such a pool the same)."""
+        calibrations, found = self.engine.calibrations, list[JointVote]()
+        if calibrations is None:
+            return found
+        calibration = calibrations(decision.key)
+        for pool in (decision.pool, greedy_pool):
+            if any(np.array_equal(pool, j.pool) for j in found) or not answers.answered[pool].all():
+                continue
+            joint = calibration.joint(answers.probs, pool)
+            if joint is not None:
+                found.append(JointVote(pool=pool.tolist(), log_probs=np.minimum(significant(joint), 0.0).tolist()))
+        return found
 
     def _calibration_logs(self, decisions: list, calibrated: list) -> list[dict]:
         """With calibrations, per query: each answering model's calibrated log-probabilities (its ``calibrated``
