@@ -32,6 +32,7 @@ from rlens.messages import MAX_CHOICES, Feedback
 from rlens.service.common.policy import encode_policy
 from rlens.service.common.windows import RedisWindows
 from rlens.service.learner.core import LearnerCore
+from rlens.service.learner import window_writer
 from rlens.service.learner.online import FocalOnlineTrainer
 from rlens.service.worker.core import FocalWorker
 from rlens.settings import settings
@@ -316,13 +317,17 @@ def test_the_learner_publishes_calibrations_and_the_workers_answer_with_their_vo
     asyncio.run(scenario())
 
 
-def test_the_learner_publishes_joint_fits_and_the_workers_and_off_policy_evaluation_use_them(tmp_path, redis_server):
+def test_the_learner_publishes_joint_fits_and_the_workers_and_off_policy_evaluation_use_them(
+    tmp_path, redis_server, monkeypatch
+):
     """Through a real redis-server, with joint rows: the learner keeps each query whole beside the calibration rows,
     makes the served pool's joint fit once 100 queries called its models and publishes it with the calibrations.
     Three copies of one model (right 60 %) and a better one (right 80 %, independent): the vote counts the copies'
     evidence three times and follows them where the two disagree; the joint fit learns to follow the better one. A
     worker then answers with it (the better model's answer on the disagreements), logs the joint log-probabilities
-    its answers used, and off-policy evaluation of the same policy gives the answers served."""
+    its answers used, and off-policy evaluation of the same policy gives the answers served. (The learner makes a
+    stream's joint fits at most every 30 s: here at every 16 rows.)"""
+    monkeypatch.setattr(window_writer, "JOINT_REFIT_S", 0.0)
     copies, labels = _copies(200, copies=3)
     rng = np.random.default_rng(8)
     better = np.where(rng.random(200) < 0.8, labels, (labels + rng.integers(1, 3, 200)) % 3)

@@ -7,7 +7,8 @@ pushed by the same script; once a stream has ``refit_every`` new rows of some mo
 fits the stream's calibrations from its rows in Redis and publishes them for the workers. With joint rows
 (``RLENS_FOCAL_JOINT_ROWS``) the outcome is also kept whole, and the pools' joint fits are made again with the
 calibrations once the stream's joint rows grew by a tenth since they were last made (at least ``refit_every``, at
-most 256: :class:`rlens.focal.calibration.PoolCombiner`'s cadence); in between, the last ones are published again."""
+most 256: :class:`rlens.focal.calibration.PoolCombiner`'s cadence) and :data:`JOINT_REFIT_S` have passed (a busy
+stream's fits cost up to a second of CPU); in between, the last ones are published again."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ APPLY_BATCH = 256  # outcomes sent to Redis in one round trip
 RETRY_AFTER_S = 2.0  # after a bounded wait gave up: no new try before this
 MAX_COUNTED = 100_000  # (stream, model) calibration counts kept
 JOINT_STREAMS = 10_000  # streams whose last joint fits the learner keeps between their refits
+JOINT_REFIT_S = 30.0  # a stream's joint fits are made again at most this often
 log = logging.getLogger("rlens.learner")
 
 
@@ -57,6 +59,7 @@ class WindowWriter:
         self.new_rows: Counter[tuple[str, int]] = Counter()  # (stream, model): calibration rows since its last fit
         # stream -> (joint rows since its joint fits, rows they were made from, the fits), the newest JOINT_STREAMS
         self.joint: OrderedDict[str, tuple[int, int, PoolCombiner | None]] = OrderedDict()
+        self.joint_made: dict[str, float] = {}  # stream -> when its joint fits were last made (monotonic clock)
 
     def queue(
         self, stream: str, query_id: str, row: tuple, reward: float, calibration: CalibrationRows | None = None
@@ -133,16 +136,19 @@ class WindowWriter:
         while len(self.new_rows) > MAX_COUNTED:  # streams seldom fed: the oldest counts go (their rows stay)
             del self.new_rows[next(iter(self.new_rows))]
         while len(self.joint) > JOINT_STREAMS:  # the oldest go: their next refit makes their joint fits again
-            self.joint.popitem(last=False)
+            self.joint_made.pop(self.joint.popitem(last=False)[0], None)
         due = sorted({stream for (stream, _), n in self.new_rows.items() if n >= self.refit_every})
         for stream in due:
             since, rows, fits = self.joint.get(stream, (0, 0, None))
-            joint = fits is None or since >= min(max(self.refit_every, rows // 10), 256)
+            grown = since >= min(max(self.refit_every, rows // 10), 256)
+            joint = fits is None or (grown and time.monotonic() - self.joint_made.get(stream, 0.0) >= JOINT_REFIT_S)
             calibration = await self.windows.load_calibration(stream, joint=joint)
             calibration.fit_all()
-            if calibration.combiner is not None:  # made again
-                self.joint[stream] = (0, len(calibration.combiner.history), calibration.combiner)
-                calibration.combiner.history.clear()  # only the fits are kept
+            if (combiner := calibration.combiner) is not None:  # made again
+                self.joint[stream] = (0, len(combiner.history), combiner)
+                if len(combiner.history) >= combiner.min_rows:  # fits were made (or refused), at a cost
+                    self.joint_made[stream] = time.monotonic()
+                combiner.history.clear()  # only the fits are kept
             elif fits is not None:
                 calibration.combiner = fits
             await self.windows.save_calibration(stream, calibration)
