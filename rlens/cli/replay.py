@@ -153,9 +153,9 @@ def replay(
     joint_rows: int = typer.Option(
         FocalConfig.joint_rows,
         min=0,
-        help="a stream's last labelled queries kept whole, from which each pool gets a joint fit over its members' "
-        "log-probabilities that replaces its vote where it predicts better (0: the vote alone; replay only, the "
-        "service does not carry it yet)",
+        help="a stream's last labelled queries kept whole, from which its most served pools get a joint fit over "
+        "their members' log-probabilities that replaces their vote where it predicts better (0: the vote alone; in "
+        "the service RLENS_FOCAL_JOINT_ROWS)",
     ),
     update_period: int = typer.Option(
         FocalConfig.update_period, min=1, help="online MAPPO update every T explored queries"

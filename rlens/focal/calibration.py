@@ -54,15 +54,12 @@ def fit_multinomial(
         return float(0.5 * (t * t).sum() - strength * (z[np.arange(n), y] - np.log(np.exp(z).sum(1))).sum())
 
     value = objective(theta)
-    eye = np.eye(k)
     for _ in range(iterations):
         z = features @ theta
         p = np.exp(z - z.max(1, keepdims=True))
         p /= p.sum(1, keepdims=True)
         gradient = theta + strength * features.T @ (p - targets)
-        curvature = p[:, :, None] * eye[None] - p[:, :, None] * p[:, None, :]  # [n, K, K]
-        hessian = np.einsum("na,nb,njk->ajbk", features, features, curvature, optimize=True)
-        hessian = strength * hessian.reshape((d + 1) * k, (d + 1) * k) + np.eye((d + 1) * k)
+        hessian = strength * _hessian(features, p) + np.eye((d + 1) * k)
         step = np.linalg.solve(hessian, gradient.ravel()).reshape(d + 1, k)
         size, decrease = 1.0, float((gradient * step).sum())
         while True:
@@ -76,6 +73,19 @@ def fit_multinomial(
         if done:
             break
     return theta
+
+
+def _hessian(features: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """The cross-entropy's Hessian in theta, sum_n kron(f_n f_n^T, diag(p_n) - p_n p_n^T), as [(d + 1) K, (d + 1) K]
+    (rows and columns ordered feature-major, as theta.ravel()), by matrix products: one block per class on the
+    diagonal, less the Gram matrix of the f_n (x) p_n."""
+    n, width = features.shape
+    k = p.shape[1]
+    hessian = np.zeros((width, k, width, k))
+    for j in range(k):
+        hessian[:, j, :, j] = (features * p[:, j : j + 1]).T @ features
+    outer = (features[:, :, None] * p[:, None, :]).reshape(n, width * k)
+    return hessian.reshape(width * k, width * k) - outer.T @ outer
 
 
 def log_softmax(scores: np.ndarray) -> np.ndarray:

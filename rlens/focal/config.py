@@ -25,10 +25,11 @@ class FocalConfig:
     # tuning half, BENCHMARKS.md)
     calibration_rows: int = 200
     calibration_refit: int = 16  # refit a model's calibration once this many new rows have come
-    # with joint_rows, a stream keeps its last joint_rows labelled queries whole, and a pool's joint fit over its
-    # members' log-probabilities replaces the pool's vote where it predicts the stream's newest rows better
-    # (rlens.focal.calibration.PoolCombiner; 0: the vote alone)
-    joint_rows: int = 0
+    # a stream keeps its last joint_rows labelled queries whole, and a pool's joint fit over its members'
+    # log-probabilities replaces the pool's vote where it predicts the stream's newest rows better, from an eighth of
+    # them (rlens.focal.calibration.PoolCombiner; 0: the vote alone; 4000 chosen on the long validation streams and
+    # bbh_dev, BENCHMARKS.md)
+    joint_rows: int = 4000
     # reward
     alpha: float = 0.24  # cost weight: reward = +-1 - alpha * cost(pool) / cost(whole pool); chosen on bbh_dev's tuning half (BENCHMARKS.md)
     # MAPPO

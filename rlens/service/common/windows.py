@@ -29,8 +29,8 @@ Sizing Redis: a window costs about W x (12 + 3M) bytes and a marker about 100 by
 and 5 models is about 4 KB, and 1M queries a day keep about 100 MB of markers. Calibrations add about
 M x R x (8 + 10 C) bytes of rows per stream (R rows per model, C choices: 5 models, 200 rows and 6 choices, about
 70 KB) and the fits, about M x 12 C (C + 1) bytes (2.5 KB). Joint rows add about J x (20 + k (6 + 10 C)) bytes
-per stream (J rows, k models called a query: 4,000 rows of 2 models and 4 choices, about 430 KB), and the pools'
-joint fits up to 8 x 12 C (k C + 1) bytes. Set ``maxmemory`` with
+per stream (J rows, k models called a query: 4,000 rows of 2 models and 4 choices, about 0.4 MB; of 5 models and 6
+choices, 1.3 MB), and the pools' joint fits up to 8 x 12 C (k C + 1) bytes. Set ``maxmemory`` with
 ``maxmemory-policy volatile-ttl`` (every key here has a TTL): under pressure, the keys closest to expiry go first.
 """
 
