@@ -249,6 +249,21 @@ def _shifted(n: int = 96, n_choices: int = 3, seed: int = 5) -> RecordedDataset:
     )
 
 
+async def _serve_and_label(worker: FocalWorker, learner: LearnerCore, pairs: list) -> None:
+    """The worker answers the queries of ``pairs`` (query, label) 8 at a time; the learner joins each answer's
+    experience with its labelled feedback and writes the windows after each batch."""
+    for start in range(0, len(pairs), 8):
+        batch = pairs[start : start + 8]
+        out = await worker.handle([q for q, _ in batch])
+        for i, (experience, (query, label)) in enumerate(zip(out.experience, batch)):
+            await learner.on_experience(experience, Record(start + i))
+            await learner.on_feedback(
+                Feedback(query_id=query.query_id, token=token(query.query_id, query.stream), label=label),
+                Record(start + i),
+            )
+        await learner.apply_windows()
+
+
 def test_the_learner_publishes_calibrations_and_the_workers_answer_with_their_vote(tmp_path, redis_server):
     """Through a real redis-server: the learner keeps each called model's rows with the window's, fits the stream's
     calibrations once 16 new rows came and publishes them; a worker then answers from the Fusion times the vote (right
@@ -284,16 +299,7 @@ def test_the_learner_publishes_calibrations_and_the_workers_answer_with_their_vo
             SIGNER,
             TOKENS,
         )
-        for start in range(0, 48, 8):  # 48 labelled outcomes: fitted at 16, 32 and 48 rows
-            batch = pairs[start : start + 8]
-            out = await worker.handle([q for q, _ in batch])
-            for i, (experience, (query, label)) in enumerate(zip(out.experience, batch)):
-                await learner.on_experience(experience, Record(start + i))
-                await learner.on_feedback(
-                    Feedback(query_id=query.query_id, token=token(query.query_id, query.stream), label=label),
-                    Record(start + i),
-                )
-            await learner.apply_windows()
+        await _serve_and_label(worker, learner, pairs[:48])  # 48 labelled outcomes: fitted at 16, 32 and 48 rows
         assert learner.stats.calibrations_published == 3
         assert await redis.llen(windows.calibration_key("t", 0)) == 48 and 0 < await redis.ttl(windows.fit_key("t"))
         rest = pairs[48:]
@@ -362,16 +368,7 @@ def test_the_learner_publishes_joint_fits_and_the_workers_and_off_policy_evaluat
             SIGNER,
             TOKENS,
         )
-        for start in range(0, 160, 8):
-            batch = pairs[start : start + 8]
-            out = await worker.handle([q for q, _ in batch])
-            for i, (experience, (query, label)) in enumerate(zip(out.experience, batch)):
-                await learner.on_experience(experience, Record(start + i))
-                await learner.on_feedback(
-                    Feedback(query_id=query.query_id, token=token(query.query_id, query.stream), label=label),
-                    Record(start + i),
-                )
-            await learner.apply_windows()
+        await _serve_and_label(worker, learner, pairs[:160])
         assert await redis.llen(windows.joint_key("t")) == 160
         published = json.loads(await redis.get(windows.fit_key("t")))
         assert [members for members, _, _ in published["joint"]] == [[0, 1, 2, 3]]  # the pool served
