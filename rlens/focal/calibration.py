@@ -324,6 +324,7 @@ class PoolCombiner:
         self.seen += 1
 
     def due(self) -> bool:
+        """Whether the rows grew enough since the last fits to make them again (the learner asks it too)."""
         grown = self.seen - self.fitted_at
         return grown >= min(max(self.refit_every, self.fitted_at // 10), self.refit_most)
 

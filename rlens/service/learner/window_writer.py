@@ -6,8 +6,8 @@ With calibrations (``RLENS_FOCAL_CALIBRATION_ROWS``) an outcome also carries its
 pushed by the same script; once a stream has ``refit_every`` new rows of some model, :meth:`WindowWriter.refit`
 fits the stream's calibrations from its rows in Redis and publishes them for the workers. With joint rows
 (``RLENS_FOCAL_JOINT_ROWS``) the outcome is also kept whole, and the pools' joint fits are made again with the
-calibrations once the stream's joint rows grew by a tenth since they were last made (at least ``refit_every``, at
-most 256: :class:`rlens.focal.calibration.PoolCombiner`'s cadence) and :data:`JOINT_REFIT_S` have passed (a busy
+calibrations once the stream's joint rows grew by a tenth since they were last made
+(:meth:`rlens.focal.calibration.PoolCombiner.due`, the replay's cadence) and :data:`JOINT_REFIT_S` have passed (a busy
 stream's fits cost up to a second of CPU); in between, the last ones are published again."""
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ class WindowWriter:
         self.backlog: deque[list] = deque()
         self._retry_at = 0.0  # monotonic clock
         self.new_rows: Counter[tuple[str, int]] = Counter()  # (stream, model): calibration rows since its last fit
-        # stream -> (joint rows since its joint fits, rows they were made from, the fits), the newest JOINT_STREAMS
-        self.joint: OrderedDict[str, tuple[int, int, PoolCombiner | None]] = OrderedDict()
+        # stream -> its last joint fits (their rows dropped; ``seen`` counts on with each new row: ``due``), the newest
+        # JOINT_STREAMS
+        self.joint: OrderedDict[str, PoolCombiner] = OrderedDict()
         self.joint_made: dict[str, float] = {}  # stream -> when its joint fits were last made (monotonic clock)
 
     def queue(
@@ -89,9 +90,9 @@ class WindowWriter:
                 for outcome, new in zip(good, applied):
                     if new and outcome[5] is not None and self.windows.calibration_rows:
                         self.new_rows.update((outcome[0], model) for model in outcome[5].log_probs)
-                        if self.windows.joint_rows:
-                            since, rows, fits = self.joint.pop(outcome[0], (0, 0, None))
-                            self.joint[outcome[0]] = (since + 1, rows, fits)
+                        if (combiner := self.joint.get(outcome[0])) is not None:
+                            combiner.seen += 1
+                            self.joint.move_to_end(outcome[0])
                 done.windows_applied += sum(applied)
             except (RedisError, OSError) as exc:
                 done.redis_retries += 1
@@ -139,18 +140,19 @@ class WindowWriter:
             self.joint_made.pop(self.joint.popitem(last=False)[0], None)
         due = sorted({stream for (stream, _), n in self.new_rows.items() if n >= self.refit_every})
         for stream in due:
-            since, rows, fits = self.joint.get(stream, (0, 0, None))
-            grown = since >= min(max(self.refit_every, rows // 10), 256)
-            joint = fits is None or (grown and time.monotonic() - self.joint_made.get(stream, 0.0) >= JOINT_REFIT_S)
+            last = self.joint.get(stream)
+            joint = last is None or (
+                last.due() and time.monotonic() - self.joint_made.get(stream, 0.0) >= JOINT_REFIT_S
+            )
             calibration = await self.windows.load_calibration(stream, joint=joint)
             calibration.fit_all()
             if (combiner := calibration.combiner) is not None:  # made again
-                self.joint[stream] = (0, len(combiner.history), combiner)
-                if len(combiner.history) >= combiner.min_rows:  # fits were made (or refused), at a cost
+                self.joint[stream] = combiner
+                if combiner.fitted_at:  # fits were made (or refused), at a cost
                     self.joint_made[stream] = time.monotonic()
                 combiner.history.clear()  # only the fits are kept
-            elif fits is not None:
-                calibration.combiner = fits
+            elif last is not None:
+                calibration.combiner = last
             await self.windows.save_calibration(stream, calibration)
             for key in [key for key in self.new_rows if key[0] == stream]:
                 del self.new_rows[key]
