@@ -429,6 +429,35 @@ def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path
     assert stats["joined"] == 300 and stats["new_logs"] == 2 * stack.settings.kafka_partitions
 
 
+@own_broker_only
+def test_policies_published_after_the_broker_restarts_empty_reach_the_workers(tmp_path, zoo):
+    """Issue 60: a policy subscriber had read the policy topic up to some offset when the broker restarted empty.
+    tansu answers a fetch past a log's end with nothing, so a subscriber that kept its old position skipped the new
+    log's first records: the worker served its old policy while the learner published new ones. Each policy
+    subscriber is a consumer group of its own, which loses its position with the broker and reads the new log from
+    its start."""
+    stack = make_stack(tmp_path)
+    try:
+        before = asyncio.run(play(stack.settings, traffic(zoo, "before", 450), rate=60, idle_timeout_s=60))
+        joined_at_least(stack, 450)
+        port = stack.broker.port
+        stack.broker.stop()
+        stack.broker = LocalBroker(port)  # memory storage: every log starts again at offset 0
+        asyncio.run(ensure_topics(stack.settings))
+        after = asyncio.run(play(stack.settings, traffic(zoo, "after", 300), rate=60, idle_timeout_s=120))
+        joined_at_least(stack, 750)
+        time.sleep(2.0)  # the newest policy reaches the worker
+        published = learner_stat(stack, "rlens_learner_policy_version")
+        last = asyncio.run(play(stack.settings, traffic(zoo, "last", 10), rate=20, idle_timeout_s=120))
+    finally:
+        stack.stop()
+    assert before.answered == 450 and after.answered == 300 and after.duplicates == 0
+    assert max(before.versions) >= 6  # the worker had read past the few policies published after the restart
+    assert published >= max(before.versions) + 3, published
+    # 760 joins: the next update (every 64) comes after these
+    assert last.answered == 10 and set(last.versions) == {published}, (published, last.versions)
+
+
 async def topic_partitions(config) -> dict[str, int]:
     """The partitions of each topic under ``config``'s prefix."""
     from aiokafka.admin import AIOKafkaAdminClient

@@ -24,11 +24,13 @@ import logging
 import math
 import ssl
 import time
+import uuid
 from dataclasses import dataclass, fields
 from itertools import chain
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Literal, Sequence, TypeVar
 
 from aiokafka.structs import ConsumerRecord
+from faststream import AckPolicy
 from faststream.kafka import KafkaBroker, KafkaResponse
 from pydantic import ValidationError
 
@@ -316,6 +318,22 @@ def group_options(settings: Settings) -> dict[str, Any]:
         "session_timeout_ms": settings.kafka_session_timeout_ms,
         "heartbeat_interval_ms": settings.kafka_heartbeat_ms,
         "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
+    }
+
+
+def policy_reader(settings: Settings, role: Literal["workers", "learner"]) -> dict[str, Any]:
+    """The subscriber options of a process that reads the whole ``policy`` topic: a consumer group of its own (its
+    role's group, ``-policy-`` and a random suffix) that never commits. It starts at the topic's start and keeps
+    its position while its group lives; a broker that restarted empty loses the group, and the consumer re-joins
+    with no committed offset, so it reads the new log from its start. (A consumer without a group kept its old
+    position, past the new log's first policies: tansu answers a fetch past a log's end with nothing. A committing
+    group commits its old position on re-joining.) Reading the topic again is harmless: a policy not newer than
+    the one in hand is ignored."""
+    return {
+        "group_id": f"{settings.group(role)}-policy-{uuid.uuid4().hex[:12]}",
+        "auto_offset_reset": "earliest",
+        "ack_policy": AckPolicy.MANUAL,
+        **group_options(settings),
     }
 
 

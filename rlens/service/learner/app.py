@@ -26,6 +26,7 @@ from rlens.service.common.kafka import (
     woken_by_records,
     make_broker,
     parse_or_dead_letter,
+    policy_reader,
     publish,
     typed_publisher,
 )
@@ -104,8 +105,8 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
 
     policy_history = broker.subscriber(
         topics.policy,
-        auto_offset_reset="earliest",
         **SUBSCRIBER,
+        **policy_reader(settings, "learner"),
         description="JSON Policy messages: an operator's (rlens policy promote / rollback) are adopted, and a "
         "restarted gated learner learns from the topic's history what the workers serve",
     )

@@ -22,6 +22,7 @@ from rlens.service.common.kafka import (
     woken_by_records,
     make_broker,
     parse_or_dead_letter,
+    policy_reader,
     publish_dead_letters,
     typed_publisher,
 )
@@ -87,10 +88,9 @@ def create_worker_app(
 
     @broker.subscriber(
         topics.policy,
-        auto_offset_reset="earliest",
         **SUBSCRIBER,
-        fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
-        description="JSON Policy messages (schemas/messages/policy.schema.json), read by every worker",
+        **policy_reader(settings, "workers"),
+        description="JSON Policy messages (schemas/messages/policy.schema.json), read whole by every worker",
     )
     async def on_policy(body: bytes, message: KafkaMessage) -> None:
         parsed = parse_or_dead_letter(Policy, message.raw_message, consumer)
