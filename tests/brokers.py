@@ -42,7 +42,7 @@ def own_prefixes(config: Settings) -> Settings:
     if EXTERNAL is None:
         return config
     run = uuid.uuid4().hex[:10]
-    return config.model_copy(update={"topic_prefix": f"t{run}.", "redis_prefix": f"t{run}"})
+    return config.updated({"topic_prefix": f"t{run}.", "redis_prefix": f"t{run}"})
 
 
 def stack_for_tests(config: Settings, workdir: Path, **options) -> LocalStack:
@@ -59,6 +59,6 @@ def replay_stack_for_tests(workdir: Path, overrides: dict | None = None, **optio
     from rlens.local.stack import write_replay_pool
     from rlens.settings import settings
 
-    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
+    pool = write_replay_pool(settings().service.demo_data, workdir / "pool.json")
     update = {"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "gateway_port": 0}
-    return stack_for_tests(settings().model_copy(update=update | (overrides or {})), workdir / "stack", **options)
+    return stack_for_tests(settings().updated(update | (overrides or {})), workdir / "stack", **options)

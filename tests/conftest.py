@@ -21,7 +21,7 @@ NO_BBH = "real dataset not found at"
 
 @pytest.fixture(scope="session")
 def bbh() -> RecordedDataset:
-    path = settings().shared_data / "bbh_dev"
+    path = settings().service.shared_data / "bbh_dev"
     if not path.is_dir():
         pytest.skip(f"{NO_BBH} {path} (set RLENS_SHARED_DATA)")
     return load_dataset(path)
@@ -32,7 +32,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     skipped = [r for r in terminalreporter.stats.get("skipped", []) if NO_BBH in str(r.longrepr)]
     if skipped:
         terminalreporter.write_line(
-            f"{len(skipped)} test{'s' * (len(skipped) > 1)} skipped: they need the recorded dataset bbh_dev at {settings().shared_data / 'bbh_dev'} "
+            f"{len(skipped)} test{'s' * (len(skipped) > 1)} skipped: they need the recorded dataset bbh_dev at {settings().service.shared_data / 'bbh_dev'} "
             "(set RLENS_SHARED_DATA to the folder that holds bbh_dev; docs/reference.md, 'Dataset format')",
             yellow=True,
         )
@@ -64,7 +64,7 @@ def zoo() -> RecordedDataset:
     """The bundled zoo_mc stream (5 models, 1200 questions)."""
     from rlens.settings import settings
 
-    return load_dataset(settings().demo_data)
+    return load_dataset(settings().service.demo_data)
 
 
 @pytest.fixture(scope="session")

@@ -429,7 +429,9 @@ def test_bad_calibration_rows_and_fits_in_redis_are_skipped(redis_server):
 
 def test_calibrations_without_the_logged_distributions_are_a_clear_error(tmp_path):
     pool = tmp_path / "pool.json"
-    pool.write_text(json.dumps({"models": [{"name": "a", "backend": "replay", "path": str(settings().demo_data)}]}))
+    pool.write_text(
+        json.dumps({"models": [{"name": "a", "backend": "replay", "path": str(settings().service.demo_data)}]})
+    )
     env = {"RLENS_FOCAL_CALIBRATION_ROWS": "200", "RLENS_OPE_LOGGING": "false", "RLENS_POOL_FILE": str(pool)}
     for role in ("learner", "worker"):
         result = CliRunner().invoke(app, [role], env=env)

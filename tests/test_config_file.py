@@ -18,11 +18,11 @@ from typer.testing import CliRunner
 
 from brokers import EXTERNAL
 from rlens.cli import app
-from rlens.config_file import GROUPS, PREFIXED, ConfigError, read_config, sections
+from rlens.config_file import ConfigError, read_config
 from rlens.focal.config import FocalConfig
-from rlens.settings import GATED_PROBE_RATE, Settings
+from rlens.settings import GATED_PROBE_RATE, Settings, variables
 
-FIELDS = list(Settings.model_fields)
+GROUPS = Settings.group_keys()
 
 
 @pytest.fixture(autouse=True)
@@ -31,12 +31,36 @@ def no_config_left_behind(monkeypatch):
     monkeypatch.setenv("RLENS_CONFIG", "")
 
 
-def test_every_setting_is_in_exactly_one_group():
-    placed = [name for keys in sections(FIELDS).values() for name in keys.values()]
-    assert sorted(placed) == sorted(f for f in FIELDS if f != "pool")  # the pool's models: [[pool.models]]
-    assert set(GROUPS) >= set(PREFIXED)
-    assert sections(FIELDS)["kafka"]["bootstrap"] == "kafka_bootstrap"
-    assert sections(FIELDS)["worker"]["batch"] == "worker_batch" and sections(FIELDS)["pool"]["file"] == "pool_file"
+def test_each_setting_is_one_field_of_its_group_and_the_algorithm_configs_take_theirs():
+    """Issue 55: a setting is declared once, in its group; its variables and its key in the file follow from it,
+    and RL-Focal's and RLAE's configs are built from their groups' fields."""
+    table = variables()
+    for group, keys in GROUPS.items():
+        for key in keys:  # each setting answers to RLENS_<GROUP>_<KEY>
+            assert table[f"RLENS_{group}_{key}".upper()] == (group, key)
+    assert table["RLENS_KAFKA_BOOTSTRAP"] == ("kafka", "bootstrap") and table["RLENS_WORKER_BATCH"] == (
+        "worker",
+        "batch",
+    )
+    # the names of earlier releases still set the same settings
+    assert table["RLENS_TOPIC_PREFIX"] == ("kafka", "topic_prefix") and table["RLENS_PROMOTION"] == (
+        "learner",
+        "promotion",
+    )
+    assert table["RLENS_POOL_FILE"] == ("pool", "file") and table["RLENS_STRATEGY"] == ("service", "strategy")
+    assert len(table) == sum(map(len, GROUPS.values())) + sum(
+        len(m.SHORT) for m in map(type, (model for _, model in Settings()))
+    )
+    custom = Settings.model_validate(
+        {"focal": {"alpha": 0.5, "joint_rows": 10, "stream_budgets": {"b": 0.3, "a": 0.2}}}
+    )
+    config = custom.focal_config()
+    assert (config.alpha, config.joint_rows, config.stream_budgets) == (0.5, 10, (("a", 0.2), ("b", 0.3)))
+    assert config.window == custom.focal.window and config.explore_rate == custom.focal.explore_rate
+    assert custom.updated(rlae_span=3, focal_window=9).rlae.span == 3
+    assert custom.updated({"focal": {"window": 9}}).focal_config().window == 9
+    with pytest.raises(ValueError, match="no setting is named so"):
+        custom.updated(focal_windw=9)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -51,18 +75,19 @@ def test_nested_keys_become_settings_and_variables_override_them(tmp_path, monke
         '[kafka]\nbootstrap = "k:9093"\n[focal]\nalpha = 0.5\nwindow = 64\n[learner]\ngate_delta = 0.05\n'
         '[[pool.models]]\nname = "a"\nbackend = "openai"\n',
     )
-    values = read_config(path, FIELDS)
-    assert values["kafka_bootstrap"] == "k:9093" and values["focal_alpha"] == 0.5 and values["gate_delta"] == 0.05
+    values = read_config(path, GROUPS)
+    assert values["kafka"]["bootstrap"] == "k:9093" and values["focal"]["alpha"] == 0.5
+    assert values["learner"]["gate_delta"] == 0.05
     assert values["pool"] == {"models": [{"name": "a", "backend": "openai"}]}
     monkeypatch.setenv("RLENS_CONFIG", str(path))
     monkeypatch.setenv("RLENS_FOCAL_ALPHA", "0.1")
     s = Settings()
-    assert (s.kafka_bootstrap, s.focal_alpha, s.focal_window) == ("k:9093", 0.1, 64)
+    assert (s.kafka.bootstrap, s.focal.alpha, s.focal.window) == ("k:9093", 0.1, 64)
     with_streams = write(tmp_path, '[focal]\nbudget = 0.5\nstream_budgets = { support = 0.3, "legal-eu" = 0.8 }\n')
     monkeypatch.setenv("RLENS_CONFIG", str(with_streams))
-    assert Settings().focal_stream_budgets == {"support": 0.3, "legal-eu": 0.8}
+    assert Settings().focal.stream_budgets == {"support": 0.3, "legal-eu": 0.8}
     monkeypatch.setenv("RLENS_FOCAL_STREAM_BUDGETS", '{"support": 0.2}')  # the variable's streams over the file's
-    assert Settings().focal_stream_budgets == {"support": 0.2, "legal-eu": 0.8}
+    assert Settings().focal.stream_budgets == {"support": 0.2, "legal-eu": 0.8}
     monkeypatch.setenv("RLENS_FOCAL_STREAM_BUDGETS", '{"support": 1.5}')
     with pytest.raises(ValueError, match="less than or equal to 1"):
         Settings()
@@ -71,7 +96,7 @@ def test_nested_keys_become_settings_and_variables_override_them(tmp_path, monke
 def test_wrong_keys_are_named_with_the_valid_ones(tmp_path):
     path = write(tmp_path, '[kafka]\nbootstrp = "x"\n[focall]\nalpha = 1\n')
     with pytest.raises(ConfigError) as caught:
-        read_config(path, FIELDS)
+        read_config(path, GROUPS)
     message = str(caught.value)
     assert "[kafka] bootstrp: unknown (did you mean 'bootstrap'?)" in message and "[kafka] takes acks," in message
     assert "unknown group [focall] (did you mean 'focal'?)" in message
@@ -109,9 +134,8 @@ def test_config_show_reads_back_as_the_same_settings_with_secrets_redacted(tmp_p
     shown = tomllib.loads(result.output)
     assert shown["drift"]["reaction"] == "trim" and shown["pool"]["models"][0]["options"]["model"] == "a"
     expected = Settings()  # RLENS_CONFIG was set by --config
-    for group, keys in sections(FIELDS).items():
-        for key, name in keys.items():
-            value = getattr(expected, name)
+    for group, model in expected:
+        for key, value in model:
             if key in shown[group] and not hasattr(value, "get_secret_value"):
                 assert shown[group][key] == json.loads(json.dumps(value, default=str)), (group, key)
     # issue 60: a pool model's key, a password in a model's URL or in the OTLP endpoint, in text and in JSON
@@ -191,11 +215,14 @@ def test_a_newcomers_stack_from_one_file(tmp_path, quick_zoo):
 
 def test_the_probe_rate_defaults_to_more_probes_under_gated_promotion():
     """The gate ranks candidates by evidence the probes give: 20 % of queries unless set (5 % otherwise)."""
-    assert Settings(promotion="direct").probe_rate == FocalConfig.probe_rate == 0.05
-    assert Settings(promotion="gated").probe_rate == Settings(promotion="holdback").probe_rate == GATED_PROBE_RATE
+    base = Settings()
+    assert base.updated(promotion="direct").probe_rate == FocalConfig.probe_rate == 0.05
+    assert (
+        base.updated(promotion="gated").probe_rate == base.updated(promotion="holdback").probe_rate == GATED_PROBE_RATE
+    )
     assert GATED_PROBE_RATE == 0.2
-    assert Settings(promotion="gated", focal_probe_rate=0.02).probe_rate == 0.02
-    assert Settings(promotion="direct", focal_probe_rate=0.0).probe_rate == 0.0
+    assert base.updated(promotion="gated", focal_probe_rate=0.02).probe_rate == 0.02
+    assert base.updated(promotion="direct", focal_probe_rate=0.0).focal_config().probe_rate == 0.0
 
 
 def test_the_example_configuration_is_valid():
@@ -265,10 +292,12 @@ def test_variables_are_as_strict_as_the_file_and_take_the_files_group_names(tmp_
     monkeypatch.setenv("RLENS_REDIS_PREFX", "x")
     monkeypatch.setenv("RLENS_KAFKA_TOPIC_PREFIX", "mine.")
     monkeypatch.setenv("RLENS_CONFIG", str(write(tmp_path, "[kafka]\ntopic_prefix = 'file.'\n")))
-    assert Settings().topic_prefix == "mine."  # the variable over the file, by either name
+    assert Settings().kafka.topic_prefix == "mine."  # the variable over the file, by either name
     monkeypatch.setenv("RLENS_TOPIC_PREFIX", "flat.")
-    assert Settings().topic_prefix == "flat."  # the setting's own name first
-    lines = unknown_variables({"RLENS_REDIS_PREFX": "x", "RLENS_KAFKA_TOPIC_PREFIX": "y", "RLENS_CONFIG": "z"}, FIELDS)
+    assert Settings().kafka.topic_prefix == "flat."  # the setting's own name first
+    lines = unknown_variables(
+        {"RLENS_REDIS_PREFX": "x", "RLENS_KAFKA_TOPIC_PREFIX": "y", "RLENS_CONFIG": "z"}, set(variables())
+    )
     assert lines == [
         "RLENS_REDIS_PREFX is not a setting of rlens and changes nothing (did you mean 'RLENS_REDIS_PREFIX'?)"
     ]

@@ -56,11 +56,11 @@ def wait_for(condition, timeout_s: float = 60.0, what: str = "condition"):
 
 
 def test_the_dashboard_shows_the_played_streams_live_and_marks_the_task_switch(tmp_path, zoo):
-    pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
+    pool = write_replay_pool(settings().service.demo_data, tmp_path / "pool.json")
     # every query explored: an update every 64 joins
     stack = stack_for_tests(
-        settings().model_copy(
-            update={
+        settings().updated(
+            {
                 "pool_file": pool,
                 "kafka_session_timeout_ms": 2000,
                 "kafka_heartbeat_ms": 500,

@@ -74,7 +74,7 @@ def test_the_suite_leaves_the_readme_default_ports_to_a_running_stack():
     """While a README-default `rlens up` holds port 8000, the suite's gateways take free ones (conftest.py)."""
     from rlens.settings import settings
 
-    assert settings().gateway_port == 0 and settings().metrics_port == 0
+    assert settings().gateway.port == 0 and settings().metrics.port == 0
 
 
 def test_no_help_page_shows_a_flag_as_taking_a_value():
@@ -253,7 +253,7 @@ def test_a_default_stack_answers_any_prompt_with_its_models_and_a_recorded_one_f
         open_ended = ask("Q: add: 3+4=\nA:")
         assert open_ended["rlens"]["answered_models"] and open_ended["rlens"]["candidates"], open_ended
         assert open_ended["choices"][0]["message"]["content"] in open_ended["rlens"]["candidates"]
-        recorded = read_questions(settings().demo_data / QUESTIONS_FILE)[0]
+        recorded = read_questions(settings().service.demo_data / QUESTIONS_FILE)[0]
         assert ask(recorded.prompt, recorded.choices)["rlens"]["answered_models"]
         counts: dict[str, float] = {}
         for name, result, value in re.findall(

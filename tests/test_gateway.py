@@ -199,12 +199,12 @@ PRICE = {"input": 3.0, "output": 15.0}  # the first model's, per million tokens
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("gateway")
-    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
+    pool = write_replay_pool(settings().service.demo_data, workdir / "pool.json")
     priced = json.loads(pool.read_text())  # one model priced in money: answers say what its calls cost
     priced["models"][0]["price"] = PRICE
     pool.write_text(json.dumps(priced))
-    config = settings().model_copy(
-        update={
+    config = settings().updated(
+        {
             "pool_file": pool,
             "kafka_session_timeout_ms": 2000,
             "kafka_heartbeat_ms": 500,
@@ -371,7 +371,7 @@ def test_concurrent_requests_cannot_overspend_a_budget_and_a_daily_one_is_counte
 
     async def stored(key_id: str, period: str) -> float:
         settings_ = gw["stack"].settings
-        state = GatewayState(Redis.from_url(settings_.redis_url.get_secret_value()), settings_.redis_prefix, 60)
+        state = GatewayState(Redis.from_url(settings_.redis.url.get_secret_value()), settings_.redis.prefix, 60)
         try:
             return await state.spent(key_id, period)
         finally:
@@ -381,7 +381,7 @@ def test_concurrent_requests_cannot_overspend_a_budget_and_a_daily_one_is_counte
     response = ask(gw, "daily", question=4, stream="daily")
     assert response.status_code == 200, response.text
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    state_key = f"{gw['stack'].settings.redis_prefix}:gw:spent:{{{gw['keys']['daily'].split('_')[1]}}}:{today}"
+    state_key = f"{gw['stack'].settings.redis.prefix}:gw:spent:{{{gw['keys']['daily'].split('_')[1]}}}:{today}"
     assert asyncio.run(redis_float(gw, state_key)) == pytest.approx(response.json()["rlens"]["cost"])
     body = {"model": "rlens-focal", "messages": [{"role": "user", "content": "q"}], "rlens": {"budget": True}}
     refused = httpx.post(f"{gw['url']}/v1/chat/completions", json=body, headers=auth(gw), timeout=60)
@@ -402,9 +402,9 @@ def test_a_spent_budget_stays_spent_after_redis_restarts_empty(gw):
     assert on_topic(seen) == pytest.approx(sum(charged))
 
     async def forget() -> int:
-        redis = Redis.from_url(settings_.redis_url.get_secret_value())
+        redis = Redis.from_url(settings_.redis.url.get_secret_value())
         try:
-            names = [k async for k in redis.scan_iter(f"{settings_.redis_prefix}:gw:*{{{key_id}}}*")]
+            names = [k async for k in redis.scan_iter(f"{settings_.redis.prefix}:gw:*{{{key_id}}}*")]
             return await redis.delete(*names)
         finally:
             await redis.aclose()
@@ -412,13 +412,13 @@ def test_a_spent_budget_stays_spent_after_redis_restarts_empty(gw):
     assert asyncio.run(forget()) >= 2  # its spending and its mark (its holds are settled)
     refused = ask(gw, "durable", question=0, stream="durable")
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "budget_exhausted", refused.text
-    spent = asyncio.run(redis_float(gw, f"{settings_.redis_prefix}:gw:spent:{{{key_id}}}:total"))
+    spent = asyncio.run(redis_float(gw, f"{settings_.redis.prefix}:gw:spent:{{{key_id}}}:total"))
     assert spent == pytest.approx(sum(charged))
     assert "spending of key " + key_id + " restored" in (gw["stack"].workdir / "gateway.log").read_text()
 
 
 async def redis_float(gw, key: str) -> float:
-    redis = Redis.from_url(gw["stack"].settings.redis_url.get_secret_value())
+    redis = Redis.from_url(gw["stack"].settings.redis.url.get_secret_value())
     try:
         return float(await redis.get(key) or 0.0)
     finally:
@@ -773,7 +773,7 @@ def read_topic(settings_, topic: str, model, done, timeout_s: float = 30) -> lis
 
     async def run() -> list:
         consumer = AIOKafkaConsumer(
-            topic, bootstrap_servers=settings_.kafka_bootstrap, group_id=None, auto_offset_reset="earliest"
+            topic, bootstrap_servers=settings_.kafka.bootstrap, group_id=None, auto_offset_reset="earliest"
         )
         await consumer.start()
         found: list = []
@@ -880,7 +880,7 @@ def test_a_forged_reply_never_answers_a_client(gw):
         )
 
         async def send() -> None:
-            producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap)
+            producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka.bootstrap)
             await producer.start()
             try:
                 for fake in (empty, forged):
@@ -928,7 +928,7 @@ def test_a_query_replying_outside_the_reply_topics_is_dead_lettered(gw):
     keys = {base64.b64encode(q.query_id.encode()).decode(): q.query_id for q in [hijack, *spam]}
 
     async def run() -> tuple[dict, list, set]:
-        producer = AIOKafkaProducer(bootstrap_servers=settings_.kafka_bootstrap)
+        producer = AIOKafkaProducer(bootstrap_servers=settings_.kafka.bootstrap)
         await producer.start()
         for query in [hijack, *spam]:
             await producer.send_and_wait(topics.queries, query.model_dump_json().encode(), key=query.query_id.encode())
@@ -936,7 +936,7 @@ def test_a_query_replying_outside_the_reply_topics_is_dead_lettered(gw):
         consumer = AIOKafkaConsumer(
             topics.dead_letter,
             topics.policy,
-            bootstrap_servers=settings_.kafka_bootstrap,
+            bootstrap_servers=settings_.kafka.bootstrap,
             group_id=None,
             auto_offset_reset="earliest",
         )
@@ -1130,7 +1130,7 @@ def test_kafka_attacks_of_round_three_do_no_harm(gw):
     victim = ask(gw, question=60, stream="victim")
     assert victim.status_code == 200
     victim_id = victim.json()["id"]
-    hijack_topic = f"{settings_.topic_prefix}hijack-by-header"
+    hijack_topic = f"{settings_.kafka.topic_prefix}hijack-by-header"
     stolen = Query(query_id=victim_id, stream="evil", prompt="p", choices=CHOICES, reference_id="60")
     valid = [
         Query(query_id=f"hdr-ok-{i}", stream="headers", prompt="p", choices=CHOICES, reference_id=str(61 + i))
@@ -1141,7 +1141,7 @@ def test_kafka_attacks_of_round_three_do_no_harm(gw):
     rpc = valid[0].model_copy(update={"query_id": "hdr-rpc", "reference_id": "70"})
 
     async def attack() -> None:
-        producer = AIOKafkaProducer(bootstrap_servers=settings_.kafka_bootstrap)
+        producer = AIOKafkaProducer(bootstrap_servers=settings_.kafka.bootstrap)
         await producer.start()
         try:
             send = producer.send_and_wait
@@ -1168,7 +1168,7 @@ def test_kafka_attacks_of_round_three_do_no_harm(gw):
         consumer = AIOKafkaConsumer(
             topics.dead_letter,
             topics.answers,
-            bootstrap_servers=settings_.kafka_bootstrap,
+            bootstrap_servers=settings_.kafka.bootstrap,
             group_id=None,
             auto_offset_reset="earliest",
         )

@@ -136,7 +136,7 @@ async def ask_again(url: str, key: str, queries: list, which: list[str]) -> dict
 
 
 def learner_state(stack: LocalStack) -> dict:
-    directory = stack.settings.checkpoint_dir
+    directory = stack.settings.learner.checkpoint_dir
     return json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
 
 
@@ -151,9 +151,9 @@ def checkpointed_joins(stack: LocalStack) -> int:
 def test_a_broker_a_worker_and_the_learner_killed_under_load_lose_no_query_and_no_feedback(cluster, tmp_path, zoo):
     bootstrap, kafka = cluster
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
-    config = settings().model_copy(
-        update={
+    pool = write_replay_pool(settings().service.demo_data, tmp_path / "pool.json")
+    config = settings().updated(
+        {
             "pool_file": pool,
             "kafka_replication": 3,
             "kafka_idempotence": True,

@@ -257,7 +257,7 @@ def test_the_learners_log_round_trips_rotates_and_feeds_rlens_ope(zoo, tmp_path)
     assert len(read_log([writing])) == len(read_log([path]))
 
     save_engine(CheckpointStore(tmp_path / "candidate"), engine, 1, {})
-    pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
+    pool = write_replay_pool(settings().service.demo_data, tmp_path / "pool.json")
     result = CliRunner().invoke(
         app,
         [
@@ -298,7 +298,7 @@ def test_the_learners_log_round_trips_rotates_and_feeds_rlens_ope(zoo, tmp_path)
     (tmp_path / "candidate" / "ope-log.jsonl").write_text(writing.read_text())
     stack = tmp_path / "up"
     stack.mkdir()
-    write_client_env(settings().model_copy(update={"checkpoint_dir": tmp_path / "candidate", "pool_file": pool}), stack)
+    write_client_env(settings().updated({"checkpoint_dir": tmp_path / "candidate", "pool_file": pool}), stack)
     assert (stack / "client.env").stat().st_mode & 0o077 == 0
     beside = CliRunner().invoke(app, ["ope", "--stack", str(stack), "--out", str(tmp_path / "beside")])
     assert beside.exit_code == 0, beside.output

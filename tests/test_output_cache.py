@@ -90,10 +90,10 @@ def test_a_key_is_everything_the_answer_depends_on_and_nothing_else():
 
 
 def test_the_recorded_tier_answers_a_recorded_question_as_the_recording_does(zoo, model):
-    answers = recorded_answers(settings().demo_data, ["arith-char", "not-recorded"])
+    answers = recorded_answers(settings().service.demo_data, ["arith-char", "not-recorded"])
     assert len(answers) == zoo.n_questions  # one model of the two was recorded
     row = 7
-    question = read_questions(settings().demo_data / QUESTIONS_FILE)[row]
+    question = read_questions(settings().service.demo_data / QUESTIONS_FILE)[row]
     query = ChoiceQuery(id="any id", prompt=question.prompt, choices=question.choices)
     cache = OutputCache(answers, None, "t", 60)
     seen = counted(cache)

@@ -102,7 +102,7 @@ def test_pool_check_passes_the_pool_rlens_up_serves(tmp_path):
     from rlens.local.stack import write_replay_pool
     from rlens.settings import settings
 
-    path = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
+    path = write_replay_pool(settings().service.demo_data, tmp_path / "pool.json")
     result = CliRunner().invoke(app, ["pool", "check", str(path)], env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output
     rows = [line for line in result.output.splitlines() if line.count("│") > 3 and "replay" in line]

@@ -102,7 +102,9 @@ def test_without_ope_logging_a_worker_logs_no_behaviour_and_no_shadow_and_gated_
     assert all(e.behaviour is None and e.shadow is None for e in plain.experience)
     assert [a.answer_index for a in plain.answers] == [a.answer_index for a in logged.answers]
     pool = tmp_path / "pool.json"
-    pool.write_text(json.dumps({"models": [{"name": "a", "backend": "replay", "path": str(settings().demo_data)}]}))
+    pool.write_text(
+        json.dumps({"models": [{"name": "a", "backend": "replay", "path": str(settings().service.demo_data)}]})
+    )
     for promotion in ("gated", "holdback"):
         env = {"RLENS_PROMOTION": promotion, "RLENS_OPE_LOGGING": "false", "RLENS_POOL_FILE": str(pool)}
         for role in ("learner", "worker"):

@@ -85,7 +85,7 @@ def run_the_service_on(redis_url: str, workdir: Path, kill_master) -> None:
                 timeout=30,
             )
             assert given.status_code == 202, given.text
-        prefix = stack.settings.redis_prefix
+        prefix = stack.settings.redis.prefix
         wait_until(
             lambda: any(True for _ in redis.scan_iter(f"{prefix}:win:*topology*")), 60, "the stream's window in Redis"
         )

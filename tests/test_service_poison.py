@@ -514,13 +514,13 @@ def test_the_engines_per_stream_state_is_bounded():
 
 # --- secrets ------------------------------------------------------------------------------------------------------------
 def test_secrets_are_not_printed():
-    config = Settings(
+    config = Settings().updated(
         redis_url=SecretStr("redis://:S3cr3t-pw@redis.internal:6380/0"),
         kafka_sasl_password=SecretStr("kafka-pw"),
         feedback_secret=SecretStr("f" * 20),
     )
     assert not any(secret in repr(config) + str(config.model_dump()) for secret in ("S3cr3t-pw", "kafka-pw", "f" * 20))
-    assert redact_url(config.redis_url.get_secret_value()) == "redis://:***@redis.internal:6380/0"
+    assert redact_url(config.redis.url.get_secret_value()) == "redis://:***@redis.internal:6380/0"
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     assert redact_url("rediss://app:pw@[::1]:6380/2") == "rediss://app:***@[::1]:6380/2"
     assert redact_url("redis+sentinel://:pw@s1:26379,s2:26379/m") == "redis+sentinel://:***@s1:26379,s2:26379/m"
@@ -580,7 +580,7 @@ def test_cli_generates_secrets_and_a_process_without_its_secrets_says_which(monk
 def test_up_says_what_earlier_runs_left_and_fresh_clears_it(tmp_path, redis_server):
     from rlens.local.stack import carried_state, clear_state
 
-    config = Settings(redis_url=SecretStr(redis_server.url), redis_prefix="uptest")
+    config = Settings().updated(redis_url=SecretStr(redis_server.url), redis_prefix="uptest")
     assert carried_state(config, tmp_path) == []
     store = CheckpointStore(tmp_path / "learner")
     store.save(21, {"policy": {"w": torch.zeros(2)}}, {"stats": {"joined": 1344}})
@@ -652,14 +652,14 @@ def test_consumer_groups_follow_the_topic_prefix_unless_set():
         "rlens-learner",
         "rlens-gateway-g0",
     ]
-    team = Settings(topic_prefix="team-a.")
+    team = Settings(kafka={"topic_prefix": "team-a."})
     assert [team.group("workers"), team.group("learner"), team.group("gateway", "g0")] == [
         "team-a-workers",
         "team-a-learner",
         "team-a-gateway-g0",
     ]
-    assert default.model_copy(update={"topic_prefix": "b."}).group("workers") == "b-workers"
-    assert Settings(topic_prefix="b.", worker_group="mine").group("workers") == "mine"
+    assert default.updated({"topic_prefix": "b."}).group("workers") == "b-workers"
+    assert Settings(kafka={"topic_prefix": "b."}, worker={"group": "mine"}).group("workers") == "mine"
 
 
 def test_a_readiness_mark_comes_back_after_redis_restarts_empty(redis_server):

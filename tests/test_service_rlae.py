@@ -396,8 +396,8 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
     quick_zoo, tmp_path, variant
 ):
     pool = write_zoo_pool(quick_zoo, MODELS, tmp_path / "pool.json")
-    config = settings().model_copy(
-        update={
+    config = settings().updated(
+        {
             "pool_file": pool,
             "strategy": "rlae",
             "rlae_variant": variant,
@@ -417,7 +417,7 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
     tasks = generation_split(FAMILIES, 52, seed=6)
 
     async def scenario():
-        producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap)
+        producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka.bootstrap)
         await producer.start()
         await producer.send_and_wait(
             topics.queries, Query(query_id="mc", stream="s", prompt="p", choices=["a", "b"]).model_dump_json().encode()
@@ -429,7 +429,7 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
         through_gateway = await ask_the_gateway(stack, tasks[0])
         consumer = AIOKafkaConsumer(
             topics.dead_letter,
-            bootstrap_servers=stack.settings.kafka_bootstrap,
+            bootstrap_servers=stack.settings.kafka.bootstrap,
             group_id=None,
             auto_offset_reset="earliest",
         )
@@ -453,7 +453,7 @@ def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_polici
             time.sleep(0.5)
     finally:
         stack.stop()
-    directory = stack.settings.checkpoint_dir
+    directory = stack.settings.learner.checkpoint_dir
     state = json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
     assert first.answered == 48 and first.duplicates == 0 and first.no_answer == 0 and then.answered == 4
     # 52 + the gateway's rated one; 53 - 3 x 16 not yet trained on

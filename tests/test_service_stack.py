@@ -51,9 +51,9 @@ def make_stack(
     """``explore``: (exploration share, explored joins per update); by default every query is explored, so the
     learner updates every 64 joins, deterministically. ``data``: the dataset the replay pool serves (default: the
     demo's). ``service``: more settings of the service's processes."""
-    pool = write_replay_pool(data or settings().demo_data, tmp_path / "pool.json")
-    config = settings().model_copy(
-        update={
+    pool = write_replay_pool(data or settings().service.demo_data, tmp_path / "pool.json")
+    config = settings().updated(
+        {
             "pool_file": pool,
             "kafka_session_timeout_ms": 2000,
             "kafka_heartbeat_ms": 500,
@@ -86,7 +86,7 @@ def log_records(workdir: Path) -> list[dict]:
 
 def final_learner_state(stack: LocalStack) -> dict:
     """The learner's state as its last checkpoint holds it (written at its clean shutdown)."""
-    directory = stack.settings.checkpoint_dir
+    directory = stack.settings.learner.checkpoint_dir
     return json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
 
 
@@ -113,7 +113,7 @@ def feedback_applied(stack: LocalStack, queries: list[Query], timeout_s: float =
     from rlens.service.common.windows import RedisWindows
 
     windows = RedisWindows(
-        Redis.from_url(stack.settings.redis_url.get_secret_value()), 1, 1, prefix=stack.settings.redis_prefix
+        Redis.from_url(stack.settings.redis.url.get_secret_value()), 1, 1, prefix=stack.settings.redis.prefix
     )
 
     async def wait(i: int) -> None:
@@ -356,8 +356,8 @@ def redis_outcomes(stack: LocalStack) -> tuple[int, int]:
     """(applied-outcome markers, rows in all windows) in the stack's Redis."""
     from redis import Redis
 
-    redis = Redis.from_url(stack.settings.redis_url.get_secret_value())
-    prefix = stack.settings.redis_prefix
+    redis = Redis.from_url(stack.settings.redis.url.get_secret_value())
+    prefix = stack.settings.redis.prefix
     markers = sum(1 for _ in redis.scan_iter(f"{prefix}:applied:*", count=1000))
     rows = sum(redis.llen(key) for key in redis.scan_iter(f"{prefix}:win:*"))
     redis.close()
@@ -368,7 +368,7 @@ def wait_for_checkpoint(stack: LocalStack, joined: int, timeout_s: float = 90.0)
     """Wait for a learner checkpoint with at least ``joined`` transitions (one is written at every update)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if (stack.settings.checkpoint_dir / "LATEST").is_file() and final_learner_state(stack)["stats"][
+        if (stack.settings.learner.checkpoint_dir / "LATEST").is_file() and final_learner_state(stack)["stats"][
             "joined"
         ] >= joined:
             return
@@ -426,7 +426,7 @@ def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path
         stack.stop()
     assert before.answered == 200 and after.answered == 100 and after.duplicates == 0
     stats = final_learner_state(stack)["stats"]
-    assert stats["joined"] == 300 and stats["new_logs"] == 2 * stack.settings.kafka_partitions
+    assert stats["joined"] == 300 and stats["new_logs"] == 2 * stack.settings.kafka.partitions
 
 
 @own_broker_only
@@ -462,10 +462,10 @@ async def topic_partitions(config) -> dict[str, int]:
     """The partitions of each topic under ``config``'s prefix."""
     from aiokafka.admin import AIOKafkaAdminClient
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=config.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=config.kafka.bootstrap)
     await admin.start()
     try:
-        names = [t for t in await admin.list_topics() if t.startswith(config.topic_prefix)]
+        names = [t for t in await admin.list_topics() if t.startswith(config.kafka.topic_prefix)]
         return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(names)}
     finally:
         await admin.close()
@@ -477,8 +477,8 @@ def test_the_topics_are_made_again_and_a_refused_batch_is_retried_within_a_budge
 
     broker = broker_for_tests()
     try:
-        config = settings().model_copy(
-            update={"kafka_bootstrap": broker.bootstrap, "topic_prefix": "again.", "kafka_partitions": 3}
+        config = settings().updated(
+            {"kafka_bootstrap": broker.bootstrap, "topic_prefix": "again.", "kafka_partitions": 3}
         )
         restorer = TopicRestorer(config, every_s=60)
         asyncio.run(restorer.restore())
@@ -498,7 +498,7 @@ def test_per_query_topics_get_the_partitions_and_ordered_topics_keep_one():
     more slowly the more small batches it holds); policies, drift events and spending stay in order on one partition."""
     broker = broker_for_tests()
     try:
-        config = settings().model_copy(update={"kafka_bootstrap": broker.bootstrap, "topic_prefix": "parts."})
+        config = settings().updated({"kafka_bootstrap": broker.bootstrap, "topic_prefix": "parts."})
         asyncio.run(ensure_topics(config, partitions=3, extra=("parts.replies.g1",)))
         deadline = time.monotonic() + 30  # a Kafka cluster's metadata may show new topics a moment later
         while len(found := asyncio.run(topic_partitions(config))) < 9 and time.monotonic() < deadline:
@@ -521,7 +521,7 @@ def test_a_second_learner_on_the_same_group_or_directory_refuses_to_start(tmp_pa
 
     stack = make_stack(tmp_path, workers=0)
     try:
-        for directory in (stack.settings.checkpoint_dir, tmp_path / "other"):
+        for directory in (stack.settings.learner.checkpoint_dir, tmp_path / "other"):
             env = {**stack.env("learner"), "RLENS_CHECKPOINT_DIR": str(directory)}
             second = subprocess.run(
                 [sys.executable, "-m", "rlens.cli", "learner"], env=env, capture_output=True, text=True, timeout=120
@@ -529,7 +529,7 @@ def test_a_second_learner_on_the_same_group_or_directory_refuses_to_start(tmp_pa
             assert second.returncode == 2, second.stderr[-2000:]
             expected = (
                 "is in use by pid"
-                if directory == stack.settings.checkpoint_dir
+                if directory == stack.settings.learner.checkpoint_dir
                 else f"holds consumer group {stack.settings.group('learner')!r}: one learner per group"
             )
             assert expected in second.stderr + second.stdout
@@ -541,9 +541,9 @@ def test_a_second_learner_on_the_same_group_or_directory_refuses_to_start(tmp_pa
 def test_redis_down_at_start_delays_readiness_but_stops_nothing(tmp_path, zoo):
     redis = LocalRedis()
     redis.stop()  # its port, with nothing behind it yet
-    pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
-    config = settings().model_copy(
-        update={"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "worker_batch": 16}
+    pool = write_replay_pool(settings().service.demo_data, tmp_path / "pool.json")
+    config = settings().updated(
+        {"pool_file": pool, "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, "worker_batch": 16}
     )
     stack = stack_for_tests(config, tmp_path, redis_url=redis.url)
     restarted = None
@@ -659,7 +659,7 @@ def test_a_task_switch_on_one_stream_is_published_on_the_drift_topic_and_counted
         async def read_drift() -> list[dict]:
             consumer = AIOKafkaConsumer(
                 Topics.from_settings(stack.settings).drift,
-                bootstrap_servers=stack.settings.kafka_bootstrap,
+                bootstrap_servers=stack.settings.kafka.bootstrap,
                 group_id=None,
                 auto_offset_reset="earliest",
             )
@@ -783,7 +783,7 @@ def test_fuzzed_and_poisoned_messages_on_every_topic_are_dead_lettered_and_the_s
 
     async def scenario():
         producer = AIOKafkaProducer(
-            bootstrap_servers=stack.settings.kafka_bootstrap, linger_ms=20, max_request_size=16 * 2**20
+            bootstrap_servers=stack.settings.kafka.bootstrap, linger_ms=20, max_request_size=16 * 2**20
         )
         await producer.start()
         if EXTERNAL:  # a real Kafka topic takes MAX_RECORD_BYTES at most: the record never reaches a worker
@@ -798,7 +798,7 @@ def test_fuzzed_and_poisoned_messages_on_every_topic_are_dead_lettered_and_the_s
         await producer.stop()
         consumer = AIOKafkaConsumer(
             topics.dead_letter,
-            bootstrap_servers=stack.settings.kafka_bootstrap,
+            bootstrap_servers=stack.settings.kafka.bootstrap,
             group_id=None,
             auto_offset_reset="earliest",
         )
@@ -841,7 +841,7 @@ def test_publish_batch_splits_into_bounded_producer_batches_and_keeps_every_key(
     from rlens.service.common.kafka import BATCH_BYTES, make_broker, publish_batch
 
     broker_process = broker_for_tests()
-    config = settings().model_copy(update={"kafka_bootstrap": broker_process.bootstrap})
+    config = settings().updated({"kafka_bootstrap": broker_process.bootstrap})
     topic = f"batched-{time.time_ns()}"  # its own, on a shared broker
 
     async def scenario() -> list:
@@ -900,7 +900,7 @@ def test_topics_take_the_records_rlens_sends_and_a_smaller_existing_one_is_named
 
     from rlens.service.common.kafka import MAX_MESSAGE_BYTES, MAX_RECORD_BYTES
 
-    config = own_prefixes(settings().model_copy(update={"kafka_bootstrap": EXTERNAL}))
+    config = own_prefixes(settings().updated({"kafka_bootstrap": EXTERNAL}))
     topics = Topics.from_settings(config)
 
     async def scenario() -> dict[str, int]:
@@ -932,20 +932,20 @@ def test_producers_are_idempotent_wherever_the_broker_offers_them():
     service does (it once used aiokafka's defaults, acks=1 and no idempotence, whatever the settings said)."""
     broker = broker_for_tests()
     try:
-        config = settings().model_copy(update={"kafka_bootstrap": broker.bootstrap})
-        assert config.kafka_idempotence == "auto"
-        settled = asyncio.run(settle_idempotence(config)).kafka_idempotence
+        config = settings().updated({"kafka_bootstrap": broker.bootstrap})
+        assert config.kafka.idempotence == "auto"
+        settled = asyncio.run(settle_idempotence(config)).kafka.idempotence
         assert settled is (EXTERNAL is not None)  # on the tests' own tansu: off
-        insisting = config.model_copy(update={"kafka_idempotence": True})
+        insisting = config.updated({"kafka_idempotence": True})
         if EXTERNAL is None:
             with pytest.raises(BrokerRefused, match="refused an idempotent producer"):
                 asyncio.run(settle_idempotence(insisting))
             with pytest.raises(BrokerRefused):
                 asyncio.run(play(insisting, [], rate=1, idle_timeout_s=5))
         else:
-            assert asyncio.run(settle_idempotence(insisting)).kafka_idempotence is True
-        off = config.model_copy(update={"kafka_idempotence": False})
-        assert asyncio.run(settle_idempotence(off)).kafka_idempotence is False
+            assert asyncio.run(settle_idempotence(insisting)).kafka.idempotence is True
+        off = config.updated({"kafka_idempotence": False})
+        assert asyncio.run(settle_idempotence(off)).kafka.idempotence is False
     finally:
         broker.stop()
 
@@ -957,9 +957,9 @@ def test_the_gateway_answers_again_soon_after_the_broker_restarts_empty(tmp_path
     again within 30 s and stay answered. Then Redis restarted empty: no request gets a 503."""
     import httpx
 
-    pool = write_replay_pool(settings().demo_data, tmp_path / "pool.json")
-    config = settings().model_copy(
-        update={
+    pool = write_replay_pool(settings().service.demo_data, tmp_path / "pool.json")
+    config = settings().updated(
+        {
             "pool_file": pool,
             "kafka_session_timeout_ms": 2000,
             "kafka_heartbeat_ms": 500,

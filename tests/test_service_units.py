@@ -4,7 +4,6 @@ lag, and which trace exporters a process sets up."""
 
 import asyncio
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -371,7 +370,7 @@ def test_a_process_without_a_broker_says_so_at_once():
     from rlens.service.common.kafka import BrokerRefused, settle_idempotence
     from rlens.settings import Settings
 
-    nowhere = Settings(_env_file=None, kafka_bootstrap=f"127.0.0.1:{free_port()}")  # type: ignore[call-arg]
+    nowhere = Settings().updated(kafka_bootstrap=f"127.0.0.1:{free_port()}")
     with pytest.raises(BrokerRefused, match="no Kafka broker answers at 127.0.0.1"):
         asyncio.run(settle_idempotence(nowhere))
 
@@ -449,15 +448,15 @@ def test_the_embedded_broker_gets_short_fetch_waits_and_a_real_kafka_kafkas_own(
     from rlens.local.stack import LocalStack, client_settings
     from rlens.settings import Settings
 
-    assert Settings(_env_file=None).kafka_fetch_max_wait_ms == 500  # type: ignore[call-arg]
+    assert Settings(_env_file=None).kafka.fetch_max_wait_ms == 500  # type: ignore[call-arg]
     for update, expected in (({}, LocalBroker.FETCH_MAX_WAIT_MS), ({"kafka_fetch_max_wait_ms": 300}, 300)):
-        config = Settings(_env_file=None, **update)  # type: ignore[call-arg]
+        config = Settings().updated(update)
         stack = LocalStack(config, tmp_path / str(expected), partitions=1)
         try:
-            assert stack.settings.kafka_fetch_max_wait_ms == expected
+            assert stack.settings.kafka.fetch_max_wait_ms == expected
             assert stack.env("worker")["RLENS_KAFKA_FETCH_MAX_WAIT_MS"] == str(expected)
             client = client_settings(stack.workdir)
-            assert client is not None and client.kafka_fetch_max_wait_ms == expected
+            assert client is not None and client.kafka.fetch_max_wait_ms == expected
         finally:
             stack.stop()
 
@@ -469,8 +468,8 @@ def test_traces_are_set_up_by_the_otel_sdks_own_variables():
     from rlens.settings import Settings
 
     plain, own = (
-        Settings.model_construct(otel_endpoint=None, trace_dir=None),
-        Settings.model_construct(otel_endpoint="http://c:4318/v1/traces", trace_dir=Path("/tmp/t")),
+        Settings.model_validate({"service": {"otel_endpoint": None, "trace_dir": None}}),
+        Settings.model_validate({"service": {"otel_endpoint": "http://c:4318/v1/traces", "trace_dir": "/tmp/t"}}),
     )
     endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}
     assert exporters(plain, {}) == []

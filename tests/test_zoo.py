@@ -169,7 +169,7 @@ def test_load_zoo_names_the_build_command(tmp_path):
 
 
 def test_bundled_dataset_is_consistent():
-    directory = settings().demo_data
+    directory = settings().service.demo_data
     dataset = load_dataset(directory)
     questions = read_questions(directory / QUESTIONS_FILE)
     assert len(questions) == dataset.n_questions and dataset.n_models == 5

@@ -138,7 +138,7 @@ def main() -> None:
     add_seeds(parser)
     add_out(parser, "bench/out/budget.json")
     args = parser.parse_args()
-    data = load_dataset(args.data or settings().shared_data / "bbh_dev")
+    data = load_dataset(args.data or settings().service.shared_data / "bbh_dev")
     if args.half != "all":
         data = task_half(data, args.half)
     print(machine_facts(), f"{args.half}: {data.n_questions} questions", flush=True)

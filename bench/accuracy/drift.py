@@ -83,7 +83,10 @@ def main() -> None:
     add_out(parser, "bench/out/drift.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
-    datasets = {"zoo_mc (validation)": settings().demo_data, "bbh_dev (held out)": settings().shared_data / "bbh_dev"}
+    datasets = {
+        "zoo_mc (validation)": settings().service.demo_data,
+        "bbh_dev (held out)": settings().service.shared_data / "bbh_dev",
+    }
     datasets = {name: path for name, path in datasets.items() if name.split()[0] in args.datasets}
     result: dict = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",

@@ -111,8 +111,8 @@ def offline(paths: dict, seed: int) -> dict:
 
 def live(zoo: Path, paths: dict, tasks: list, seed: int, samples: int, rate: float, workdir: Path) -> dict:
     pool = write_zoo_pool(zoo, NAMES, workdir / "pool.json")
-    config = settings().model_copy(
-        update={
+    config = settings().updated(
+        {
             "pool_file": pool.resolve(),
             "seed": seed,
             "focal_samples": samples,
@@ -146,7 +146,7 @@ def live(zoo: Path, paths: dict, tasks: list, seed: int, samples: int, rate: flo
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--zoo", type=Path, default=settings().zoo_dir)
+    parser.add_argument("--zoo", type=Path, default=settings().service.zoo_dir)
     add_seeds(parser)
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--rate", type=float, default=20.0)

@@ -114,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {machine_facts()}", flush=True)
-    data = load_dataset(args.data or settings().shared_data / "bbh_dev")
+    data = load_dataset(args.data or settings().service.shared_data / "bbh_dev")
     if args.tasks != "all":
         data = task_half(data, args.tasks)
     warm_index, test_index = split(data, Protocol.paper)

@@ -44,8 +44,8 @@ def live_run(
     learning: dict | None = None,
 ) -> dict:
     pool = write_replay_pool(data, workdir / "pool.json")
-    config = settings().model_copy(
-        update={
+    config = settings().updated(
+        {
             "pool_file": pool.resolve(),
             "seed": seed,
             "kafka_session_timeout_ms": 2000,
@@ -82,7 +82,7 @@ def live_run(
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--data", type=Path, default=settings().shared_data / "bbh_dev")
+    parser.add_argument("--data", type=Path, default=settings().service.shared_data / "bbh_dev")
     add_seeds(parser)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--rate", type=float, default=50.0)

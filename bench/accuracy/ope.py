@@ -128,7 +128,7 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 def main() -> None:
     parser = arguments(__doc__)
-    default = [str(settings().shared_data / "bbh_dev"), str(settings().demo_data)]
+    default = [str(settings().service.shared_data / "bbh_dev"), str(settings().service.demo_data)]
     parser.add_argument(
         "--data", nargs="+", default=default, help="recorded datasets (default: bbh_dev, the bundled stream)"
     )

@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     config = replace(FocalConfig(), **RL_VARIANTS[args.variant][0])
     torch.set_num_threads(1)
-    data = load_dataset(args.data or settings().shared_data / "bbh_dev")
+    data = load_dataset(args.data or settings().service.shared_data / "bbh_dev")
     tune, holdout = task_half(data, "tune"), task_half(data, "holdout")
     print(machine_facts(), f"tune {tune.n_questions} questions, holdout {holdout.n_questions}", flush=True)
     references = {

@@ -45,7 +45,7 @@ SHOWN = (
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--data", default=str(settings().shared_data / "bbh_dev"))
+    parser.add_argument("--data", default=str(settings().service.shared_data / "bbh_dev"))
     add_seeds(parser, [0, 1, 2, 3, 4])
     parser.add_argument("--protocols", nargs="+", default=["paper", "stream"], choices=[p.value for p in Protocol])
     parser.add_argument("--workers", type=int, default=2)

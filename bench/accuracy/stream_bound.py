@@ -50,7 +50,7 @@ def online_accuracy(data: RecordedDataset, window: int, rule: str) -> float:
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--data", default=str(settings().shared_data / "bbh_dev"))
+    parser.add_argument("--data", default=str(settings().service.shared_data / "bbh_dev"))
     parser.add_argument("--tasks", default="all", choices=["all", "tune", "holdout"])
     parser.add_argument("--windows", type=int, nargs="+", default=[32, 64, 128, 0])
     args = parser.parse_args()

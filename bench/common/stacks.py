@@ -23,11 +23,11 @@ def replay_stack(workdir: Path, partitions: int = 4, kafka: str | None = None, *
     stream's models as `replay` backends, with short group timeouts; ``partitions`` for the per-query topics;
     ``overrides``: other settings."""
     shutil.rmtree(workdir, ignore_errors=True)
-    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
+    pool = write_replay_pool(settings().service.demo_data, workdir / "pool.json")
     update = {"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, **overrides}
     if kafka:
         update["topic_prefix"] = f"b{uuid.uuid4().hex[:8]}."
-    return LocalStack(settings().model_copy(update=update), workdir, partitions, kafka_bootstrap=kafka)
+    return LocalStack(settings().updated(update), workdir, partitions, kafka_bootstrap=kafka)
 
 
 def cycled(stream: list[tuple[Query, Outcome]], prefix: str, n: int) -> list[tuple[Query, Outcome]]:

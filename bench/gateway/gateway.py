@@ -238,12 +238,12 @@ def main() -> None:
     add_out(parser, "bench/out/gateway.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
-    zoo = load_dataset(settings().demo_data)
+    zoo = load_dataset(settings().service.demo_data)
     workdir = args.out.parent / "gateway-stack"
     shutil.rmtree(workdir, ignore_errors=True)
-    pool = write_replay_pool(settings().demo_data, workdir / "pool.json")
-    config = settings().model_copy(
-        update={
+    pool = write_replay_pool(settings().service.demo_data, workdir / "pool.json")
+    config = settings().updated(
+        {
             "pool_file": pool,
             "kafka_session_timeout_ms": 6000,
             "kafka_heartbeat_ms": 1000,
@@ -314,7 +314,7 @@ def main() -> None:
         asyncio.run(run())
     finally:
         stack.stop()
-    directory = stack.settings.checkpoint_dir
+    directory = stack.settings.learner.checkpoint_dir
     state = json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
     result["learner_stats"] = state["stats"]
     write_json(args.out, result, show=True)

@@ -60,7 +60,7 @@ def main() -> None:
     print(f"machine: {facts}", flush=True)
     stack = replay_stack(args.out.parent / "stages-stack", partitions=4, kafka=args.kafka, gateway_port=0)
     results: dict = {"machine": facts, "broker": args.kafka or "tansu", "loads": []}
-    traffic = queries_of(load_dataset(settings().demo_data), None, "stages")
+    traffic = queries_of(load_dataset(settings().service.demo_data), None, "stages")
     try:
         stack.start_service(workers=2, gateway=True)
         url = next(u for name, u in stack.http_urls().items() if name.startswith("gateway:"))

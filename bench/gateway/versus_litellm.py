@@ -116,7 +116,7 @@ class Rlens(System):
         self.url = next(u for name, u in self.stack.http_urls().items() if name.startswith("gateway:"))
         assert self.stack.gateway_key is not None  # the stack's own key (no keys file was configured)
         self.headers = {"Authorization": f"Bearer {self.stack.gateway_key.read_text().strip()}"}
-        self.traffic = [q for q, _ in queries_of(load_dataset(settings().demo_data), None, "versus")]
+        self.traffic = [q for q, _ in queries_of(load_dataset(settings().service.demo_data), None, "versus")]
         self.run, self.sent = uuid.uuid4().hex[:8], 0
 
     def body(self, i: int) -> dict:
@@ -253,7 +253,7 @@ def main() -> None:
     version = subprocess.run([args.litellm, "--version"], capture_output=True, text=True).stdout.strip()
     facts = machine_facts()
     print(f"machine: {facts}; LiteLLM: {version}", flush=True)
-    prompts = [q.prompt for q, _ in queries_of(load_dataset(settings().demo_data), None, "versus")]
+    prompts = [q.prompt for q, _ in queries_of(load_dataset(settings().service.demo_data), None, "versus")]
     upstream_port = free_port()
     upstream = LocalProcess(
         [sys.executable, "-m", "bench.common.upstream", "--port", str(upstream_port)], upstream_port, "the upstream"

@@ -107,7 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     quiet_transformers()
     torch.set_num_threads(2)
-    zoo = {m.name: m for m in load_zoo(args.zoo or settings().zoo_dir)}
+    zoo = {m.name: m for m in load_zoo(args.zoo or settings().service.zoo_dir)}
     encoder = SentenceEncoder()
     print(f"machine: {machine_facts()}; {torch.get_num_threads()} torch threads")
     print(

@@ -100,7 +100,7 @@ def main() -> None:
     facts = {"machine": machine_facts(), "gpu": gpu, "torch": torch.__version__, "threads": torch.get_num_threads()}
     console.print(facts)
     runs = [r for r in args.runs if RUNS[r][0] == "cpu" or torch.cuda.is_available()]
-    zoo = {m.name: m for m in load_zoo(args.zoo or settings().zoo_dir)}
+    zoo = {m.name: m for m in load_zoo(args.zoo or settings().service.zoo_dir)}
     pools = {p: POOLS[p] for p in args.pools if all(name in zoo for name in POOLS[p])}
     missing = sorted(set(args.pools) - set(pools))
     if missing:

@@ -53,7 +53,6 @@ from rlens.service.common.policy import PolicyHistory, encode_policy  # noqa: E4
 from rlens.service.learner.core import LearnerCore  # noqa: E402
 from rlens.service.learner.gate import Gate, GateConfig  # noqa: E402
 from rlens.service.learner.online import RLAEOnlineTrainer  # noqa: E402
-from rlens.service.run import rlae_config  # noqa: E402
 from rlens.service.worker.rlae import RLAEWorker  # noqa: E402
 from rlens.settings import settings  # noqa: E402
 from rlens.zoo.build import load_backend, load_zoo  # noqa: E402
@@ -76,12 +75,12 @@ def simulate(
 ) -> SimpleNamespace:
     """The traffic through a worker and a learner core; ``gate`` None: direct promotion. Returns (served version,
     right, served by a candidate) per query, the learner's stats and the forced version."""
-    cfg = replace(rlae_config(settings()), span=SPAN, max_tokens=MAX_TOKENS)  # the service's, as bench.rlae.online
+    cfg = replace(settings().rlae_config(), span=SPAN, max_tokens=MAX_TOKENS)  # the service's, as bench.rlae.online
     m = len(MODELS)
     agent = RLAEAgent(make_policy(obs_dim(m), m, cfg, seed).eval(), encoder, cfg, m)
     untrained = {k: v.clone() for k, v in agent.policy.state_dict().items()}
     worker = RLAEWorker(ensemble, agent, MODELS, None, SIGNER.verifier(), TOKENS, ["\n"], seed=seed, split=split)
-    trainer = RLAEOnlineTrainer(make_policy(obs_dim(m), m, cfg, seed), cfg, MODELS, seed, settings().rlae_rehearsal)
+    trainer = RLAEOnlineTrainer(make_policy(obs_dim(m), m, cfg, seed), cfg, MODELS, seed, settings().rlae.rehearsal)
     if case == "sabotaged":  # training goes wrong: the reward upside down (the feedback honest)
         honest = trainer.remember
         trainer.remember = lambda experience, feedback, reward: honest(experience, feedback, 1.0 - reward)
@@ -154,7 +153,7 @@ def main() -> None:
     quiet_transformers()
     torch.set_num_threads(2)
     print(f"machine: {machine_facts()}", flush=True)
-    zoo = load_zoo(args.zoo or settings().zoo_dir)
+    zoo = load_zoo(args.zoo or settings().service.zoo_dir)
     models = {m.name: m for m in zoo}
     ensemble, encoder = TokenEnsemble([load_backend(models[n]) for n in MODELS]), SentenceEncoder()
     gates = {
@@ -167,7 +166,7 @@ def main() -> None:
     blocks = -(-args.queries // 100)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        warm = offline_run(args.zoo or settings().zoo_dir, 1024, Path(tmp) / "offline") if args.warm else None
+        warm = offline_run(args.zoo or settings().service.zoo_dir, 1024, Path(tmp) / "offline") if args.warm else None
         for seed in args.seeds:
             tasks = generation_stream(FAMILIES, blocks, 100, seed=args.stream_seed + seed)[: args.queries]
             for scenario in args.scenarios:

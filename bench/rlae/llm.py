@@ -128,7 +128,7 @@ def main() -> None:
     quiet_transformers()
     console = Console()
     console.print(f"machine: {machine_facts()}; {torch.get_num_threads()} torch threads, torch {torch.__version__}")
-    zoo = {m.name: m for m in load_zoo(args.zoo or settings().zoo_dir)}
+    zoo = {m.name: m for m in load_zoo(args.zoo or settings().service.zoo_dir)}
     backends = [load_backend(zoo[name]) for name in POOL]
     ensemble, encoder = TokenEnsemble(backends), SentenceEncoder()
     alone = [TokenEnsemble([b]) for b in backends]

@@ -73,7 +73,7 @@ async def drift_events(settings, idle_s: float = 3.0) -> list[DriftEvent]:
     """Every event on the run's drift topic."""
     consumer = AIOKafkaConsumer(
         Topics.from_settings(settings).drift,
-        bootstrap_servers=settings.kafka_bootstrap,
+        bootstrap_servers=settings.kafka.bootstrap,
         group_id=None,
         auto_offset_reset="earliest",
     )
@@ -96,8 +96,8 @@ def live_run(
     direct)."""
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh learner (no checkpoint of an earlier run to resume)
     pool = write_zoo_pool(zoo, MODELS, workdir / "pool.json")
-    config = settings().model_copy(
-        update={
+    config = settings().updated(
+        {
             "pool_file": pool,
             "strategy": "rlae",
             "rlae_span": SPAN,
@@ -118,7 +118,7 @@ def live_run(
         events = asyncio.run(drift_events(stack.settings))
     finally:
         stack.stop()
-    directory = stack.settings.checkpoint_dir
+    directory = stack.settings.learner.checkpoint_dir
     state = json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
     return report, state, events
 
@@ -264,7 +264,7 @@ def main() -> None:
     args = parser.parse_args()
     quiet_transformers()
     print(f"machine: {machine_facts()}", flush=True)
-    zoo = args.zoo or settings().zoo_dir
+    zoo = args.zoo or settings().service.zoo_dir
     args.out.mkdir(parents=True, exist_ok=True)
     tasks = generation_stream(FAMILIES, args.blocks, args.block_size, seed=args.seed)
     runs = {"cold": None}

@@ -126,7 +126,7 @@ def main() -> None:
     print(f"machine: {machine_facts()}", flush=True)
     torch.set_num_threads(1)
     quiet_transformers()
-    models = {m.name: m for m in load_zoo(args.zoo or settings().zoo_dir)}
+    models = {m.name: m for m in load_zoo(args.zoo or settings().service.zoo_dir)}
     ensemble, encoder = TokenEnsemble([load_backend(models[name]) for name in SPECIALISTS]), SentenceEncoder()
     n_models = len(SPECIALISTS)
     cfg = RLAEConfig(span=4, episodes=args.episodes)

@@ -61,7 +61,7 @@ def main() -> None:
     torch.set_num_threads(2)
     quiet_transformers()
     print(f"machine: {machine_facts()}; 2 torch threads in process, each server its own process", flush=True)
-    zoo = {m.name: m for m in load_zoo(args.zoo or settings().zoo_dir)}
+    zoo = {m.name: m for m in load_zoo(args.zoo or settings().service.zoo_dir)}
     tasks = fewshot_stream(SEEN, 24, seed=7)
     cfg = RLAEConfig(max_tokens=20)
     sources: dict[str, object] = {"uniform (GaC)": np.ones(len(POOL))}

@@ -100,7 +100,7 @@ def main() -> None:
     print(f"machine: {machine_facts()}", flush=True)
     torch.set_num_threads(2)
     quiet_transformers()
-    models = {m.name: m for m in load_zoo(args.zoo or settings().zoo_dir)}
+    models = {m.name: m for m in load_zoo(args.zoo or settings().service.zoo_dir)}
     zoo = [models[name] for name in args.models]
     names = [m.name for m in zoo]
     backends = [load_backend(m) for m in zoo]

@@ -69,8 +69,8 @@ def promote_then_force_upside_down(operator: Settings, by: str) -> int:
 
 def forced_run(data: Path, seed: int, promotion: str, args, workdir: Path) -> dict:
     pool = write_replay_pool(data, workdir / "pool.json")
-    config = settings().model_copy(
-        update={
+    config = settings().updated(
+        {
             "pool_file": pool.resolve(),
             "seed": seed,
             "promotion": promotion,
@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--kafka", default=None, help="bootstrap of an Apache Kafka broker to run on (default: tansu)")
     add_out(parser, "bench/out/forced_live.json")
     args = parser.parse_args()
-    data = args.data or settings().demo_data
+    data = args.data or settings().service.demo_data
     print(machine_facts(), flush=True)
     rows = []
     for seed in args.seeds:

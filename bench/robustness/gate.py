@@ -238,7 +238,7 @@ def main() -> None:
     add_out(parser, "bench/out/gate.json")
     args = parser.parse_args()
     print(machine_facts())
-    zoo = load_dataset(args.data or settings().demo_data)
+    zoo = load_dataset(args.data or settings().service.demo_data)
     if args.tasks != "all":
         zoo = task_half(zoo, args.tasks)
     redis = LocalRedis()

@@ -167,7 +167,7 @@ def valid_query(payload: bytes) -> str | None:
 
 
 async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str], held: int, timeout_s: float) -> dict:
-    topics, prefix = Topics.from_settings(stack.settings), stack.settings.topic_prefix
+    topics, prefix = Topics.from_settings(stack.settings), stack.settings.kafka.topic_prefix
     names = {
         "queries": topics.queries,
         "feedback": topics.feedback,
@@ -175,12 +175,12 @@ async def flood(stack: LocalStack, sent: dict[str, list[bytes]], valid: set[str]
         "policy": topics.policy,
     }
     producer = AIOKafkaProducer(
-        bootstrap_servers=stack.settings.kafka_bootstrap, linger_ms=20, max_request_size=16 * 2**20
+        bootstrap_servers=stack.settings.kafka.bootstrap, linger_ms=20, max_request_size=16 * 2**20
     )
     consumer = AIOKafkaConsumer(
         topics.dead_letter,
         topics.answers,
-        bootstrap_servers=stack.settings.kafka_bootstrap,
+        bootstrap_servers=stack.settings.kafka.bootstrap,
         group_id=None,
         auto_offset_reset="earliest",
         fetch_max_wait_ms=50,
@@ -241,8 +241,8 @@ async def poison_windows(stack: LocalStack, streams: set[str]) -> None:
 
     from rlens.service.common.windows import RedisWindows
 
-    redis = Redis.from_url(stack.settings.redis_url.get_secret_value())
-    windows = RedisWindows(redis, 5, FocalConfig.window, stack.settings.redis_prefix)
+    redis = Redis.from_url(stack.settings.redis.url.get_secret_value())
+    windows = RedisWindows(redis, 5, FocalConfig.window, stack.settings.redis.prefix)
     for stream in streams:
         await redis.rpush(windows.window_key(stream), *poisoned_rows(FocalConfig.window))
     await redis.aclose()
@@ -250,7 +250,7 @@ async def poison_windows(stack: LocalStack, streams: set[str]) -> None:
 
 async def spam_topics(stack: LocalStack) -> int:
     """Topics named by the spam queries' reply_to (none may exist)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=stack.settings.kafka_bootstrap)
+    consumer = AIOKafkaConsumer(bootstrap_servers=stack.settings.kafka.bootstrap)
     await consumer.start()
     try:
         return sum(t.startswith(f"{REPLY_PREFIX}spam-") for t in await consumer.topics())
@@ -265,7 +265,7 @@ async def readable(stack: LocalStack) -> dict[str, int]:
     counts = {}
     for topic in (topics.experience, topics.feedback):
         consumer = AIOKafkaConsumer(
-            topic, bootstrap_servers=stack.settings.kafka_bootstrap, group_id=None, auto_offset_reset="earliest"
+            topic, bootstrap_servers=stack.settings.kafka.bootstrap, group_id=None, auto_offset_reset="earliest"
         )
         await consumer.start()
         try:
@@ -273,7 +273,7 @@ async def readable(stack: LocalStack) -> dict[str, int]:
             while quiet < 4:
                 got = sum(len(records) for records in (await consumer.getmany(timeout_ms=500)).values())
                 n, quiet = n + got, 0 if got else quiet + 1
-            counts[topic.removeprefix(stack.settings.topic_prefix)] = n
+            counts[topic.removeprefix(stack.settings.kafka.topic_prefix)] = n
         finally:
             await consumer.stop()
     return counts
@@ -287,12 +287,12 @@ async def header_attacks(stack: LocalStack, zoo, timeout_s: float) -> dict:
     value or is not UTF-8 (each must be dead-lettered alone), FastStream's ``reply_to`` header on queries and
     feedback (no subscriber may write to the topic it names), and valid queries between them (each answered
     once)."""
-    topics, prefix = Topics.from_settings(stack.settings), stack.settings.topic_prefix
+    topics, prefix = Topics.from_settings(stack.settings), stack.settings.kafka.topic_prefix
     names = [topics.queries, topics.feedback, topics.experience, topics.policy]
-    hijack = f"{stack.settings.topic_prefix}hijacked-by-header"
+    hijack = f"{stack.settings.kafka.topic_prefix}hijacked-by-header"
     bad = [("x-note", None), ("x-note", b"\xff\xfe caf\xe9")]
     valid = [q for q, _ in queries_of(zoo.subset(list(range(100))), None, "headers")]
-    producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka_bootstrap, linger_ms=5)
+    producer = AIOKafkaProducer(bootstrap_servers=stack.settings.kafka.bootstrap, linger_ms=5)
     await producer.start()
     sends = []
     for topic in names:
@@ -311,7 +311,7 @@ async def header_attacks(stack: LocalStack, zoo, timeout_s: float) -> dict:
     consumer = AIOKafkaConsumer(
         topics.dead_letter,
         topics.answers,
-        bootstrap_servers=stack.settings.kafka_bootstrap,
+        bootstrap_servers=stack.settings.kafka.bootstrap,
         group_id=None,
         auto_offset_reset="earliest",
         max_partition_fetch_bytes=16 * 2**20,
@@ -352,7 +352,7 @@ def main() -> None:
     add_out(parser, "bench/out/poison.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
-    zoo = load_dataset(settings().demo_data)
+    zoo = load_dataset(settings().service.demo_data)
     sent = payloads(args.per_topic, args.seed, zoo)
     valid = {qid for qid in map(valid_query, sent["queries"]) if qid}
     trainer = FocalOnlineTrainer(FocalEngine(zoo.n_models, seed=0), zoo.model_names)
@@ -395,7 +395,9 @@ def main() -> None:
         stack.stop()
     state = json.loads(
         (
-            stack.settings.checkpoint_dir / (stack.settings.checkpoint_dir / "LATEST").read_text() / "state.json"
+            stack.settings.learner.checkpoint_dir
+            / (stack.settings.learner.checkpoint_dir / "LATEST").read_text()
+            / "state.json"
         ).read_text()
     )
     result["learner"] = {

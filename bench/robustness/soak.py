@@ -39,7 +39,7 @@ def main() -> None:
     add_out(parser, "bench/out/soak.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
-    zoo = load_dataset(settings().demo_data)
+    zoo = load_dataset(settings().service.demo_data)
     base = queries_of(zoo, None, "soak")
     n = int(args.minutes * 60 * args.rate)
     traffic = [
@@ -80,7 +80,9 @@ def main() -> None:
         stack.stop()
     state = json.loads(
         (
-            stack.settings.checkpoint_dir / (stack.settings.checkpoint_dir / "LATEST").read_text() / "state.json"
+            stack.settings.learner.checkpoint_dir
+            / (stack.settings.learner.checkpoint_dir / "LATEST").read_text()
+            / "state.json"
         ).read_text()
     )
     warm = next((s for s in samples if s["t"] >= 60), samples[0])  # a run shorter than a minute: its first sample

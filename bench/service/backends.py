@@ -51,7 +51,7 @@ def main() -> None:
     add_out(parser, "bench/out/backends.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
-    data = settings().demo_data
+    data = settings().service.demo_data
     queries = [
         ChoiceQuery(id=str(i), prompt=q.prompt, choices=q.choices)
         for i, q in enumerate(read_questions(data / QUESTIONS_FILE)[: args.questions])

@@ -65,7 +65,9 @@ def main() -> None:
     machine = machine_facts()
     print(f"machine: {machine}", flush=True)
     traffic = cycled(
-        queries_of(load_dataset(settings().demo_data), None, "lag"), "lag", int(args.minutes * 60 * args.max_rate)
+        queries_of(load_dataset(settings().service.demo_data), None, "lag"),
+        "lag",
+        int(args.minutes * 60 * args.max_rate),
     )
     stack = replay_stack(args.out.parent / "learner-lag-stack")
     samples: list[dict] = []

@@ -64,7 +64,7 @@ def main() -> None:
     stack = replay_stack(Path("bench/out/message_sizes"))
     try:
         stack.start_service(workers=1)
-        data = load_dataset(settings().demo_data)
+        data = load_dataset(settings().service.demo_data)
         traffic = queries_of(data, None, "sizes")[: args.queries]
         traffic = [(q.model_copy(update={"stream": f"s{i % args.streams}"}), o) for i, (q, o) in enumerate(traffic)]
         report = asyncio.run(play(stack.settings, traffic, rate=50, idle_timeout_s=60))
@@ -73,7 +73,7 @@ def main() -> None:
         while learner_joined(learner) < report.answered and time.monotonic() < deadline:
             time.sleep(0.5)
         topics = Topics.from_settings(stack.settings)
-        bootstrap = stack.settings.kafka_bootstrap
+        bootstrap = stack.settings.kafka.bootstrap
         per_topic = {}
         for name, topic in (
             ("queries", topics.queries),
@@ -89,8 +89,8 @@ def main() -> None:
                 "p99_bytes": sorted(sizes)[int(0.99 * (len(sizes) - 1))] if sizes else 0,
                 "bytes_per_query": round(sum(sizes) / max(report.answered, 1)),
             }
-        redis = sync_redis(stack.settings.redis_url.get_secret_value())
-        prefix = stack.settings.redis_prefix
+        redis = sync_redis(stack.settings.redis.url.get_secret_value())
+        prefix = stack.settings.redis.prefix
         memory: dict[str, int] = defaultdict(int)
         count: dict[str, int] = defaultdict(int)
         for key in redis.scan_iter(f"{prefix}:*", count=1000):

@@ -26,7 +26,7 @@ from rlens.evaluation.protocols import Protocol, split
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--data", default=str(settings().shared_data / "bbh_dev"))
+    parser.add_argument("--data", default=str(settings().service.shared_data / "bbh_dev"))
     parser.add_argument("--repeats", type=int, default=3, help="passes over the test questions")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)

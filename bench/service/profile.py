@@ -205,14 +205,14 @@ def profile_worker(stack: LocalStack, queries: list[Query], out: Path, rate: int
         stack.workers.remove(worker)
     topics = Topics.from_settings(stack.settings)
     asyncio.run(
-        prefill(stack.settings.kafka_bootstrap, topics.queries, [q.model_dump_json().encode() for q in queries])
+        prefill(stack.settings.kafka.bootstrap, topics.queries, [q.model_dump_json().encode() for q in queries])
     )
     worker = stack.start_worker()
     stack.wait_ready(120)  # the import and the group join are not sampled
     sampler, cpu = Sampler(worker.pid, out, rate), cpu_seconds(worker.pid)
     per_s = asyncio.run(
         count_answers(
-            stack.settings.kafka_bootstrap, topics.answers, len(queries), queries[0].query_id.split("-")[0].encode()
+            stack.settings.kafka.bootstrap, topics.answers, len(queries), queries[0].query_id.split("-")[0].encode()
         )
     )
     cpu_ms = 1000 * (cpu_seconds(worker.pid) - cpu) / len(queries)
@@ -235,7 +235,7 @@ def main() -> None:
         parser.error('py-spy not found: pip install -e ".[bench]" (or pip install py-spy)')
     print(f"machine: {machine_facts()}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    data = settings().demo_data
+    data = settings().service.demo_data
     dataset = load_dataset(data)
     stream = queries_of(dataset, None, "profile")
     traffic = [
@@ -245,12 +245,12 @@ def main() -> None:
     labels = {q.query_id: label for q, label in traffic}
     workdir = args.out / "stack"
     pool = write_replay_pool(data, workdir / "pool.json")
-    config = settings().model_copy(
-        update={"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
+    config = settings().updated(
+        {"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
     )
     stack = LocalStack(config, workdir)
     topics = Topics.from_settings(stack.settings)
-    bootstrap = stack.settings.kafka_bootstrap
+    bootstrap = stack.settings.kafka.bootstrap
     results: dict = {"machine": machine_facts(), "queries": args.queries, "sample_rate_hz": args.rate}
     try:
         results["worker"] = profile_worker(stack, [q for q, _ in traffic], args.out / "worker.txt", args.rate)

@@ -123,7 +123,7 @@ def alternate(
     fresh ids (``phase``, the repetition and the state before each id): queries/s per state, and the workers' CPU µs
     per query. ``policies(rep, state, when)``: the policy messages to publish ``"before"`` that state's workers start
     and ``"after"`` they are done."""
-    topics, bootstrap = Topics.from_settings(stack.settings), stack.settings.kafka_bootstrap
+    topics, bootstrap = Topics.from_settings(stack.settings), stack.settings.kafka.bootstrap
     rates: dict[str, list[float]] = {state: [] for state in states}
     cpu: dict[str, list[float]] = {state: [] for state in states}  # the workers' CPU µs per query
     for rep in range(reps):
@@ -132,7 +132,7 @@ def alternate(
                 worker.send_signal(signal.SIGTERM)
                 worker.wait(60)
                 stack.workers.remove(worker)
-            stack.settings = stack.settings.model_copy(update=update)
+            stack.settings = stack.settings.updated(update)
             if policies is not None:
                 asyncio.run(prefill(bootstrap, topics.policy, policies(rep, state, "before")))
             prefix = f"{phase}{rep}{state}-"
@@ -171,12 +171,12 @@ def evidence_phase(args: argparse.Namespace, stack, traffic: list) -> dict:
     from rlens.service.run import build_engine, pool_of
 
     settings_ = stack.settings
-    assert settings_.policy_signing_key is not None
-    signer = PolicySigner(settings_.policy_signing_key.get_secret_value())
+    assert settings_.security.policy_signing_key is not None
+    signer = PolicySigner(settings_.security.policy_signing_key.get_secret_value())
     pool = pool_of(settings_)
     names = [m.name for m in pool.models]
     champion = build_engine(settings_, pool)
-    other = FocalEngine(champion.n_models, champion.model_costs, champion.cfg, seed=settings_.seed + 1)
+    other = FocalEngine(champion.n_models, champion.model_costs, champion.cfg, seed=settings_.service.seed + 1)
 
     def policies(rep: int, state: str, when: str) -> list[bytes]:
         if state != "shadow":
@@ -243,28 +243,28 @@ def main() -> None:
     if args.saturate_s <= 12:
         parser.error("--saturate-s must be above 12: the maximum is measured after the phase's first 10 s")
     print(f"machine: {machine_facts()}", flush=True)
-    data = settings().demo_data
+    data = settings().service.demo_data
     dataset = load_dataset(data)
     stream = queries_of(dataset, None, "bench")  # reference ids index the dataset the replay backends serve
     traffic = cycled(stream, "bench", args.queries)
     stack = replay_stack(Path("bench/out/service-stack"), args.partitions, args.kafka)
     topics = Topics.from_settings(stack.settings)
-    bootstrap = stack.settings.kafka_bootstrap
+    bootstrap = stack.settings.kafka.bootstrap
     results: dict = {
         "broker": f"Apache Kafka at {args.kafka}" if args.kafka else "tansu (memory storage)",
         "queries": args.queries,
         "workers": args.workers,
         "partitions": args.partitions,
-        "worker_batch": stack.settings.worker_batch,
+        "worker_batch": stack.settings.worker.batch,
         "learner": not args.without_learner,
     }
     try:
         payloads = [q.model_dump_json().encode() for q, _ in traffic]
         reply_size = 700  # an Answer of the bundled stream is about this many bytes
-        raw_in, raw_out = f"{stack.settings.topic_prefix}raw.in", f"{stack.settings.topic_prefix}raw.out"
+        raw_in, raw_out = f"{stack.settings.kafka.topic_prefix}raw.in", f"{stack.settings.kafka.topic_prefix}raw.out"
         asyncio.run(prefill(bootstrap, raw_in, payloads))
         results["raw_aiokafka_msgs_per_s"] = asyncio.run(
-            raw_pipe(bootstrap, raw_in, raw_out, len(payloads), b"x" * reply_size, stack.settings.worker_batch)
+            raw_pipe(bootstrap, raw_in, raw_out, len(payloads), b"x" * reply_size, stack.settings.worker.batch)
         )
         print(f"raw aiokafka consume->produce: {results['raw_aiokafka_msgs_per_s']:.0f} msgs/s")
 

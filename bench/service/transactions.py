@@ -81,11 +81,11 @@ def main() -> None:
     parser.add_argument("--kafka", required=True, help="bootstrap of an Apache Kafka broker")
     parser.add_argument("--queries", type=int, default=3000)
     parser.add_argument("--reps", type=int, default=2, help="alternations of the two loops")
-    parser.add_argument("--batch", type=int, default=settings().worker_batch, help="records per batch (the worker's)")
+    parser.add_argument("--batch", type=int, default=settings().worker.batch, help="records per batch (the worker's)")
     add_out(parser, "bench/out/transactions.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
-    stream = queries_of(load_dataset(settings().demo_data), None, "tx")
+    stream = queries_of(load_dataset(settings().service.demo_data), None, "tx")
     payloads = [q.model_dump_json().encode() for q, _ in cycled(stream, "tx", args.queries)]
     rates: dict[str, list[float]] = {"at_least_once": [], "transactional": []}
     for rep in range(args.reps):

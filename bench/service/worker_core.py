@@ -122,7 +122,7 @@ async def make_worker(state: str, redis: Redis, data) -> FocalWorker:
 
 
 async def measure(redis_url: str, passes: int, batch: int) -> dict[str, dict]:
-    data = load_dataset(settings().demo_data)
+    data = load_dataset(settings().service.demo_data)
     redis = Redis.from_url(redis_url)
     await redis.flushdb()
     workers = {state: await make_worker(state, redis, data) for state in STATES}

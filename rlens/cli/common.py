@@ -47,7 +47,7 @@ def needs_extra(extra: str, *modules: str) -> None:
 
 def service_settings(pool: Path | None):
     """The settings, with ``--pool`` (if given) as the pool file."""
-    return settings().model_copy(update={"pool_file": pool}) if pool else settings()
+    return settings().updated({"pool_file": pool}) if pool else settings()
 
 
 POOL = typer.Option(None, "--pool", help="pool file (default: $RLENS_POOL_FILE)")
@@ -69,10 +69,7 @@ def use_config(path: Path | None) -> Path | None:
     except ConfigError as exc:
         fail(str(exc))
     except ValidationError as exc:
-        fields = list(Settings.model_fields)
-        problems = [
-            f"{located(str(e['loc'][0]), fields)}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
-        ]
+        problems = [f"{located(e['loc'])}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()]
         fail(f"{path} (or an RLENS_* variable over it): " + "; ".join(problems))
     return path
 

@@ -22,7 +22,7 @@ def config_check(path: Path = typer.Argument(..., help="the configuration file")
     use_config(path)  # unknown keys and invalid values: one line each, exit 2
     s = Settings()
     pool = ""
-    if s.pool is not None or s.pool_file is not None:
+    if s.pool.models is not None or s.pool.file is not None:
         try:
             models = pool_of(s).models
         except (PoolConfigError, ValueError) as exc:
@@ -37,13 +37,13 @@ def config_show(
     as_json: bool = typer.Option(False, "--json", help="JSON instead of TOML-like groups"),
 ) -> None:
     """The configuration in effect (file, then RLENS_* variables over it, then defaults), secrets redacted."""
-    from rlens.config_file import nested
     from rlens.service.common.security import redact_secrets
     from rlens.settings import Settings
 
     s = Settings()
-    values = {name: getattr(s, name) for name in Settings.model_fields}
-    groups = redact_secrets(nested(values, list(Settings.model_fields)))
+    groups = redact_secrets(
+        {group: {key: getattr(model, key) for key in type(model).model_fields} for group, model in s}
+    )
     plain = json.loads(json.dumps(groups, default=str))
     if as_json:
         print(json.dumps(plain, indent=1))
@@ -53,7 +53,7 @@ def config_show(
         for key, value in keys.items():
             if key != "models":
                 print(f"# {key}: not set" if value is None else f"{key} = {toml_value(value)}")
-        for model in keys.get("models", []):
+        for model in keys.get("models") or []:
             print(f"[[{group}.models]]")
             for k, v in model.items():
                 print(f"{k} = {toml_value(v)}")

@@ -18,7 +18,7 @@ KEYS_FILE = typer.Option(None, "--file", help="keys file (default: $RLENS_GATEWA
 
 
 def keys_file(path: Path | None) -> Path:
-    path = path or settings().gateway_keys_file
+    path = path or settings().gateway.keys_file
     if path is None:
         fail("no keys file: pass --file or set RLENS_GATEWAY_KEYS_FILE")
     return path

@@ -64,41 +64,43 @@ def up(
     """
     import signal
 
-    from rlens.local.up import UpError, UpOptions, open_stack, prepare_state, start_processes, supervise
-
-    base = settings()
-    s = base.model_copy(
-        update={
-            "strategy": strategy or base.strategy,
-            "gateway_port": base.gateway_port if gateway_port is None else gateway_port,
-        }
-    )
-    options = UpOptions(
-        workdir,
-        s.strategy,
-        pool,
-        replay or s.demo_data,
-        recorded_only,
-        [n.strip() for n in zoo_models.split(",")],
-        workers,
-        partitions,
-        broker_port,
-        gateway,
-        warm_start,
-        fresh,
-    )
+    if strategy is not None and strategy not in ("rl_focal", "rlae"):
+        fail(f"--strategy must be rl_focal or rlae, got {strategy!r}")
     stack = None
-    try:
+    try:  # Ctrl-C from the first moment (the imports take seconds): one line, never typer's silent 130
+        from rlens.local.up import UpError, UpOptions, open_stack, prepare_state, start_processes, supervise
+
+        base = settings()
+        s = base.updated(
+            {
+                "strategy": strategy or base.service.strategy,
+                "gateway_port": base.gateway.port if gateway_port is None else gateway_port,
+            }
+        )
+        options = UpOptions(
+            workdir,
+            s.service.strategy,
+            pool,
+            replay or s.service.demo_data,
+            recorded_only,
+            [n.strip() for n in zoo_models.split(",")],
+            workers,
+            partitions,
+            broker_port,
+            gateway,
+            warm_start,
+            fresh,
+        )
         kafka, redis = external_services()
         stack = open_stack(options, s, kafka, redis, build_zoo)
         for line in prepare_state(stack, options):
             console.print(line.replace("carried over:", "[yellow]carried over:[/]", 1))
-    except UpError as exc:
-        fail(str(exc))
-    except KeyboardInterrupt:  # before the processes start (else typer would exit 130 without a word)
+    except KeyboardInterrupt:  # before the processes start; first, as UpError may not be imported yet
         if stack is not None:
             stack.stop(timeout_s=2)
         interrupted("the stack was stopped before it was up")
+    except UpError as exc:
+        fail(str(exc))
     stop: list[int] = []
     ready = False
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -149,10 +151,10 @@ def external_services() -> tuple[str | None, str | None]:
     from rlens.settings import Settings
 
     path = config_path()
-    configured = read_config(path, list(Settings.model_fields)) if path else {}
+    configured = read_config(path, Settings.group_keys()) if path else {}
     return (
-        os.environ.get("RLENS_KAFKA_BOOTSTRAP") or configured.get("kafka_bootstrap"),
-        os.environ.get("RLENS_REDIS_URL") or configured.get("redis_url"),
+        os.environ.get("RLENS_KAFKA_BOOTSTRAP") or configured.get("kafka", {}).get("bootstrap"),
+        os.environ.get("RLENS_REDIS_URL") or configured.get("redis", {}).get("url"),
     )
 
 
@@ -162,14 +164,14 @@ def show_stack(stack, options) -> None:
 
     s = stack.settings
     console.print(
-        f"[bold green]rlens is up[/] ({s.strategy}): Kafka {s.kafka_bootstrap}, Redis {redact_url(s.redis_url.get_secret_value())}, "
-        f"pool {s.pool_file}, {options.workers} workers; logs and secrets.env in {options.workdir}"
+        f"[bold green]rlens is up[/] ({s.service.strategy}): Kafka {s.kafka.bootstrap}, Redis {redact_url(s.redis.url.get_secret_value())}, "
+        f"pool {s.pool.file}, {options.workers} workers; logs and secrets.env in {options.workdir}"
     )
     console.print(
         "send traffic with: rlens load"
         + ("" if options.workdir == DEFAULT_WORKDIR else f" --stack {options.workdir}")
         + " --rate 50"
-        + (" --tasks zoo" if s.strategy == "rlae" else "")
+        + (" --tasks zoo" if s.service.strategy == "rlae" else "")
         + f"  (it reads {stack.client_env}: the address, topics and prefixes)",
         highlight=False,
     )
@@ -185,7 +187,7 @@ def show_stack(stack, options) -> None:
             + (
                 f"its key: export OPENAI_API_KEY=$(cat {stack.gateway_key})"
                 if stack.gateway_key
-                else f"its keys: {s.gateway_keys_file} (rlens keys add --file {s.gateway_keys_file})"
+                else f"its keys: {s.gateway.keys_file} (rlens keys add --file {s.gateway.keys_file})"
             ),
             highlight=False,
         )
@@ -217,7 +219,7 @@ def load(
     from rlens.local.stack import client_settings
 
     try:
-        name, traffic = traffic_of(data or settings().demo_data, tasks, limit)
+        name, traffic = traffic_of(data or settings().service.demo_data, tasks, limit)
     except TrafficError as exc:
         fail(str(exc))
     s = client_settings(stack)
@@ -228,12 +230,12 @@ def load(
         errors.print(f"reaching the stack of {stack / 'client.env'}", highlight=False)
     s = s or settings()
     if bootstrap:
-        s = s.model_copy(update={"kafka_bootstrap": bootstrap})
+        s = s.updated({"kafka_bootstrap": bootstrap})
     try:
         asyncio.run(probe_broker(s))
     except BrokerUnreachable as exc:
         fail(str(exc))
-    title = f"{name} → {s.kafka_bootstrap}: {rate:g} queries/s, feedback after {feedback_delay:g} s"
+    title = f"{name} → {s.kafka.bootstrap}: {rate:g} queries/s, feedback after {feedback_delay:g} s"
     shown = LoadView(title, len(traffic))
     try:
         report = asyncio.run(play(s, traffic, rate, feedback_delay, idle_timeout, on_answer=shown.update))

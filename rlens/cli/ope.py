@@ -52,19 +52,21 @@ def ope(
         found = client_settings(stack)
         if found is None:
             fail(f"no stack in {stack}: no {CLIENT_ENV} there (`rlens up --workdir {stack}` writes it)")
-        s = found.model_copy(update={"pool_file": pool}) if pool else found
-        candidate = candidate or [s.checkpoint_dir]
+        s = found.updated({"pool_file": pool}) if pool else found
+        candidate = candidate or [s.learner.checkpoint_dir]
     if not candidate:
         fail("no candidate: pass --candidate (a learner checkpoint directory), or --stack")
-    if s.pool_file is None:
+    if s.pool.file is None:
         fail("no pool file: pass --pool (the pool the logging service ran) or set RLENS_POOL_FILE")
     try:
-        costs = np.array([m.cost for m in load_pool_config(s.pool_file).models])
+        costs = np.array([m.cost for m in load_pool_config(s.pool.file).models])
     except PoolConfigError as exc:
         fail(str(exc))
-    paths = log or [p for p in (s.checkpoint_dir / (OPE_LOG + ".1"), s.checkpoint_dir / OPE_LOG) if p.is_file()]
+    paths = log or [
+        p for p in (s.learner.checkpoint_dir / (OPE_LOG + ".1"), s.learner.checkpoint_dir / OPE_LOG) if p.is_file()
+    ]
     if not paths:
-        fail(f"no off-policy log in {s.checkpoint_dir} (the learner writes {OPE_LOG} there); pass --log")
+        fail(f"no off-policy log in {s.learner.checkpoint_dir} (the learner writes {OPE_LOG} there); pass --log")
     try:
         queries = read_log(paths)
         policies = [checkpoint_policy(c, costs) for c in candidate]

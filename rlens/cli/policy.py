@@ -39,10 +39,10 @@ def operator_settings(stack: Path) -> Settings:
     s = client_settings(stack) or settings()
     if (stack / SECRETS_ENV).is_file():
         own = workdir_secrets(stack)
-        if s.policy_verify_key is None and "policy_verify_key" in own:
-            s = s.model_copy(update={"policy_verify_key": own["policy_verify_key"]})
-        if s.policy_signing_key is None and "policy_signing_key" in own:
-            s = s.model_copy(update={"policy_signing_key": SecretStr(own["policy_signing_key"])})
+        if s.security.policy_verify_key is None and "policy_verify_key" in own:
+            s = s.updated({"policy_verify_key": own["policy_verify_key"]})
+        if s.security.policy_signing_key is None and "policy_signing_key" in own:
+            s = s.updated({"policy_signing_key": SecretStr(own["policy_signing_key"])})
     return s
 
 
@@ -59,7 +59,7 @@ def read_history(s: Settings):
     try:
         records = asyncio.run(read_topic(s, topic))
     except Exception as exc:  # unreachable broker, no such topic, a timeout: one line
-        fail(f"could not read {topic} at {s.kafka_bootstrap}: {type(exc).__name__}: {exc}")
+        fail(f"could not read {topic} at {s.kafka.bootstrap}: {type(exc).__name__}: {exc}")
     return PolicyHistory.of([r.value for r in records], verifier)
 
 
@@ -71,7 +71,7 @@ def version_stats(s: Settings, learner: str | None) -> dict[int, dict]:
     if url is None:
         errors.print("no learner found (pass --learner URL): reward and accuracy per version are not shown")
         return {}
-    token = s.admin_token.get_secret_value() if s.admin_token else None
+    token = s.security.admin_token.get_secret_value() if s.security.admin_token else None
     try:
         response = httpx.get(
             f"{url.rstrip('/')}/api/dashboard",
@@ -90,9 +90,9 @@ def learner_url(s: Settings) -> str | None:
 
     from rlens.redis_clients import sync_redis
 
-    redis = sync_redis(s.redis_url.get_secret_value(), socket_timeout=2.0, socket_connect_timeout=2.0)
+    redis = sync_redis(s.redis.url.get_secret_value(), socket_timeout=2.0, socket_connect_timeout=2.0)
     try:
-        for key in redis.scan_iter(f"{s.redis_prefix}:ready:learner:*"):
+        for key in redis.scan_iter(f"{s.redis.prefix}:ready:learner:*"):
             url = redis.get(key)
             if isinstance(url, bytes) and url.startswith(b"http"):
                 return url.decode()
@@ -136,7 +136,9 @@ def policy_list(
             row = p.model_dump(exclude={"weights_b64", "signature"}) | {"served": p is served}
             print(json.dumps(row | {"stats": stats.get(p.version)}))
         return
-    table = Table(title=f"{s.topic_prefix}policy: {len(history.policies)} policies, {len(history.rejected)} rejected")
+    table = Table(
+        title=f"{s.kafka.topic_prefix}policy: {len(history.policies)} policies, {len(history.rejected)} rejected"
+    )
     for column in (
         "version",
         "epoch",
@@ -228,7 +230,7 @@ def set_live(s: Settings, history, target, note: str) -> None:
     try:
         asyncio.run(send_one(s, Topics.from_settings(s).policy, policy.model_dump_json().encode()))
     except Exception as exc:
-        fail(f"could not publish to {s.kafka_bootstrap}: {type(exc).__name__}: {exc}")
+        fail(f"could not publish to {s.kafka.bootstrap}: {type(exc).__name__}: {exc}")
     console.print(
         f"published v{policy.version} (epoch {policy.epoch}): the weights of v{target.version} (epoch {target.epoch}), "
         f"live; {note}"

@@ -242,7 +242,7 @@ def demo(
     from rlens.evaluation.replay import DEFAULT_VARIANTS, DriftOptions
 
     run_replay(
-        settings().demo_data,
+        settings().service.demo_data,
         protocol,
         seed,
         out,

@@ -38,7 +38,7 @@ def rlae_decoder(zoo: Path | None, models: str, pool: Path | None, top_k: int) -
         except PoolConfigError as exc:
             fail(f"{pool}: {exc}")
     try:
-        zoo_models = {m.name: m for m in load_zoo(zoo or settings().zoo_dir)}
+        zoo_models = {m.name: m for m in load_zoo(zoo or settings().service.zoo_dir)}
     except FileNotFoundError as exc:
         fail(str(exc))
     names = [n.strip() for n in models.split(",") if n.strip()]

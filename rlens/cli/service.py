@@ -63,9 +63,7 @@ def gateway(
     from rlens.service.common.security import SecretsError
 
     s = settings()
-    s = s.model_copy(
-        update={k: v for k, v in {"gateway_port": port, "gateway_keys_file": keys}.items() if v is not None}
-    )
+    s = s.updated({k: v for k, v in {"gateway_port": port, "gateway_keys_file": keys}.items() if v is not None})
     try:
         run_gateway(s)
     except (KeysError, SecretsError, BrokerRefused) as exc:

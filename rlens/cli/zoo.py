@@ -26,7 +26,7 @@ def zoo_build(
     ),
 ) -> None:
     """Train the zoo's specialists (seeded, a few minutes on CPU), add SmolLM2 and Gemma 3, write the manifest."""
-    build_zoo_here(out or settings().zoo_dir, threads)
+    build_zoo_here(out or settings().service.zoo_dir, threads)
 
 
 def build_zoo_here(out: Path, threads: int = 2) -> None:
@@ -77,7 +77,7 @@ def zoo_record(
 
     quiet_transformers()
     try:
-        zoo_models = load_zoo(zoo or settings().zoo_dir)
+        zoo_models = load_zoo(zoo or settings().service.zoo_dir)
     except FileNotFoundError as exc:
         fail(str(exc))
     names = [n.strip() for n in (models or "").split(",") if n.strip()] or [m.name for m in zoo_models]

@@ -163,17 +163,17 @@ async def play(
     outcomes = {q.query_id: (outcome, q.stream) for q, outcome in traffic}
     sent_at: dict[str, float] = {}
     producer = AIOKafkaProducer(
-        bootstrap_servers=settings.kafka_bootstrap,
+        bootstrap_servers=settings.kafka.bootstrap,
         linger_ms=5,
-        acks=-1 if settings.kafka_acks == "all" else 1,  # as the service's own producers
-        enable_idempotence=settings.kafka_idempotence,
+        acks=-1 if settings.kafka.acks == "all" else 1,  # as the service's own producers
+        enable_idempotence=settings.kafka.idempotence,
     )
     consumer = AIOKafkaConsumer(
         topics.answers,
-        bootstrap_servers=settings.kafka_bootstrap,
+        bootstrap_servers=settings.kafka.bootstrap,
         group_id=None,
         auto_offset_reset="earliest",
-        fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+        fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
     )
     await producer.start()
     await consumer.start()
@@ -277,14 +277,14 @@ async def probe_broker(settings: Settings) -> None:
     """Connect to the broker once; :class:`BrokerUnreachable` with what to do when none answers."""
     from aiokafka.errors import KafkaConnectionError
 
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap, request_timeout_ms=5000)
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka.bootstrap, request_timeout_ms=5000)
     quiet = logging.getLogger("aiokafka")
     level, quiet.level = quiet.level, logging.CRITICAL  # its own "Unable connect" line would precede ours
     try:
         await producer.start()
     except (KafkaConnectionError, OSError):
         raise BrokerUnreachable(
-            f"no Kafka broker answers at {settings.kafka_bootstrap}: start the service with `rlens up` (it prints the address to use), "
+            f"no Kafka broker answers at {settings.kafka.bootstrap}: start the service with `rlens up` (it prints the address to use), "
             "or point RLENS_KAFKA_BOOTSTRAP at a running one"
         ) from None
     finally:

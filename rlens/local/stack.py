@@ -25,7 +25,7 @@ from rlens.records.dataset import load_dataset
 from rlens.service.common.kafka import ensure_topics
 from rlens.local.servers import LocalBroker, LocalRedis, die_with_parent
 from rlens.service.common.security import generate_secrets
-from rlens.settings import Settings
+from rlens.settings import Settings, variables
 
 SECRETS = ("feedback_secret", "policy_signing_key", "policy_verify_key")
 ASKED_TO_STOP = (-signal.SIGTERM, -signal.SIGINT)  # exit codes of a process stopped on purpose (not restarted)
@@ -56,6 +56,7 @@ CLIENT_SETTINGS = (  # what a client (`rlens load`) or an operator command (`rle
     "kafka_idempotence",
     "kafka_fetch_max_wait_ms",
     "topic_prefix",
+    "redis_url",
     "redis_prefix",
     "checkpoint_dir",  # the learner's checkpoints and its off-policy log
     "pool_file",
@@ -65,13 +66,12 @@ CLIENT_SETTINGS = (  # what a client (`rlens load`) or an operator command (`rle
 def write_client_env(settings: Settings, workdir: Path) -> Path:
     """``<workdir>/client.env`` (mode 0600: a Redis URL may hold a password): the RLENS_* lines a second terminal
     needs to reach this stack (`rlens load --stack`, `rlens policy --stack`, `rlens ope --stack`)."""
-    values = settings.model_dump(mode="json", include=set(CLIENT_SETTINGS), exclude_none=True)
-    values["redis_url"] = settings.redis_url.get_secret_value()
-    values["checkpoint_dir"] = str(settings.checkpoint_dir.resolve())  # read from any folder
+    checkpoints = settings.learner.checkpoint_dir.resolve()  # read from any folder
+    values = settings.updated(checkpoint_dir=checkpoints).as_variables(CLIENT_SETTINGS)
     path = Path(workdir) / CLIENT_ENV
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.writelines(f"RLENS_{k.upper()}={v}\n" for k, v in values.items())
+        f.writelines(f"{k}={v}\n" for k, v in values.items())
     os.chmod(path, 0o600)  # a file of an earlier version kept its mode
     return path
 
@@ -152,13 +152,13 @@ def carried_state(settings: Settings, workdir: Path) -> list[str]:
         found.append(
             f"the learner resumes its checkpoint v{state['version']} ({state['stats']['joined']} transitions joined) from {directory}"
         )
-    redis = sync_redis(settings.redis_url.get_secret_value(), socket_connect_timeout=1)
+    redis = sync_redis(settings.redis.url.get_secret_value(), socket_connect_timeout=1)
     try:
-        streams = sum(1 for _ in redis.scan_iter(f"{settings.redis_prefix}:win:*", count=1000))
+        streams = sum(1 for _ in redis.scan_iter(f"{settings.redis.prefix}:win:*", count=1000))
     finally:
         redis.close()
     if streams:
-        found.append(f"Redis holds the windows of {streams} streams under the prefix {settings.redis_prefix!r}")
+        found.append(f"Redis holds the windows of {streams} streams under the prefix {settings.redis.prefix!r}")
     return found
 
 
@@ -167,9 +167,9 @@ def clear_state(settings: Settings, workdir: Path) -> None:
     from rlens.redis_clients import sync_redis
 
     shutil.rmtree(Path(workdir) / "learner", ignore_errors=True)
-    redis = sync_redis(settings.redis_url.get_secret_value(), socket_connect_timeout=1)
+    redis = sync_redis(settings.redis.url.get_secret_value(), socket_connect_timeout=1)
     try:
-        for key in redis.scan_iter(f"{settings.redis_prefix}:*", count=1000):
+        for key in redis.scan_iter(f"{settings.redis.prefix}:*", count=1000):
             redis.delete(key)
     finally:
         redis.close()
@@ -227,18 +227,18 @@ class LocalStack:
         secrets = {
             k: (own[k] if k == "policy_verify_key" else SecretStr(own[k]))
             for k in SECRETS
-            if getattr(settings, k) is None
+            if getattr(settings.security, k) is None
         }
-        configured_keys = "gateway_keys_file" in settings.model_fields_set  # the operator's own keys file
-        waits = self.broker is not None and "kafka_fetch_max_wait_ms" not in settings.model_fields_set
-        self.settings = settings.model_copy(
-            update={
+        configured_keys = "keys_file" in settings.gateway.model_fields_set  # the operator's own keys file
+        waits = self.broker is not None and "fetch_max_wait_ms" not in settings.kafka.model_fields_set
+        self.settings = settings.updated(
+            {
                 "kafka_bootstrap": kafka_bootstrap,
-                "kafka_fetch_max_wait_ms": LocalBroker.FETCH_MAX_WAIT_MS if waits else settings.kafka_fetch_max_wait_ms,
+                "kafka_fetch_max_wait_ms": LocalBroker.FETCH_MAX_WAIT_MS if waits else settings.kafka.fetch_max_wait_ms,
                 "kafka_partitions": partitions,
                 "redis_url": SecretStr(redis_url),
                 "checkpoint_dir": self.workdir / "learner",
-                "gateway_keys_file": settings.gateway_keys_file if configured_keys else self.workdir / "keys.json",
+                "gateway_keys_file": settings.gateway.keys_file if configured_keys else self.workdir / "keys.json",
                 **secrets,
             }
         )
@@ -250,15 +250,8 @@ class LocalStack:
     def env(self, command: str) -> dict[str, str]:
         """The environment of the child process running ``rlens <command>``: the stack's settings as RLENS_*
         variables, with only its own secrets (the policy signing key goes to the learner alone)."""
-        values = self.settings.model_dump(mode="json", exclude_none=True)
-        values.update({k: v.get_secret_value() for k, v in self.settings if isinstance(v, SecretStr)})
-        env = {
-            **os.environ,
-            **{
-                f"RLENS_{k.upper()}": json.dumps(v) if isinstance(v, (list, dict)) else str(v)
-                for k, v in values.items()
-            },
-        }
+        known = variables()  # the stack's settings replace the parent's, whichever name the parent used
+        env = {**{k: v for k, v in os.environ.items() if k.upper() not in known}, **self.settings.as_variables()}
         if command != "learner":
             env.pop("RLENS_POLICY_SIGNING_KEY", None)
         return env
@@ -325,7 +318,7 @@ class LocalStack:
 
         from rlens.redis_clients import sync_redis
 
-        redis = sync_redis(self.settings.redis_url.get_secret_value())
+        redis = sync_redis(self.settings.redis.url.get_secret_value())
         host = socket.gethostname()
         start = time.monotonic()
         deadline = start + timeout_s
@@ -336,7 +329,7 @@ class LocalStack:
                     raise RuntimeError(
                         f"service process `rlens {cast(list[str], dead[0].args)[3]}` exited with {dead[0].returncode}; see its log in {self.workdir}"
                     )
-                prefix = f"{self.settings.redis_prefix}:ready"
+                prefix = f"{self.settings.redis.prefix}:ready"
                 waiting = [
                     p
                     for p in self.processes()
@@ -360,8 +353,8 @@ class LocalStack:
         """Each ready process's HTTP side (/metrics, /healthz, /readyz), by its readiness mark's name (role:host-pid)."""
         from rlens.redis_clients import sync_redis
 
-        redis = sync_redis(self.settings.redis_url.get_secret_value())
-        prefix = f"{self.settings.redis_prefix}:ready:"
+        redis = sync_redis(self.settings.redis.url.get_secret_value())
+        prefix = f"{self.settings.redis.prefix}:ready:"
         try:
             urls = {key.decode().removeprefix(prefix): redis.get(key) for key in redis.scan_iter(f"{prefix}*")}
             # a mark may expire in between

@@ -57,8 +57,8 @@ def redis_to_use(settings: Settings, env_url: str | None) -> str | None:
     else None (the stack starts its own)."""
     if env_url is None:
         try:
-            sync_redis(settings.redis_url.get_secret_value(), socket_connect_timeout=0.5).ping()
-            return settings.redis_url.get_secret_value()
+            sync_redis(settings.redis.url.get_secret_value(), socket_connect_timeout=0.5).ping()
+            return settings.redis.url.get_secret_value()
         except RedisError:
             return None
     try:
@@ -74,7 +74,7 @@ def redis_to_use(settings: Settings, env_url: str | None) -> str | None:
 
 def check_broker(settings: Settings, bootstrap: str) -> None:
     try:
-        asyncio.run(probe_broker(settings.model_copy(update={"kafka_bootstrap": bootstrap})))
+        asyncio.run(probe_broker(settings.updated({"kafka_bootstrap": bootstrap})))
     except BrokerUnreachable:
         where = set_by("RLENS_KAFKA_BOOTSTRAP", "[kafka] bootstrap")
         raise UpError(
@@ -94,26 +94,27 @@ def pool_file(options: UpOptions, settings: Settings, build_zoo: Callable[[Path]
     if options.pool is not None:
         load_pool_config(options.pool)
         return options.pool
-    if settings.pool is not None:  # the configuration file's [[pool.models]]
+    if settings.pool.models is not None:  # the configuration file's [[pool.models]]
         path = options.workdir / "pool.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         pool = parse_pool_config(
-            settings.pool, f"[[pool.models]] in {config_path()}" if config_path() else "RLENS_POOL"
+            {"models": settings.pool.models},
+            f"[[pool.models]] in {config_path()}" if config_path() else "RLENS_POOL_MODELS",
         )
         path.write_text(pool.model_dump_json(indent=1))
         return path
-    if settings.pool_file is not None:
-        load_pool_config(settings.pool_file)
-        return settings.pool_file
+    if settings.pool.file is not None:
+        load_pool_config(settings.pool.file)
+        return settings.pool.file
     if options.strategy == "rlae":
-        return write_zoo_pool(settings.zoo_dir, options.zoo_models, options.workdir / "pool.json")
+        return write_zoo_pool(settings.service.zoo_dir, options.zoo_models, options.workdir / "pool.json")
     if options.recorded_only:
         return write_replay_pool(options.replay, options.workdir / "pool.json")
     names = load_dataset(options.replay).model_names
-    if not (settings.zoo_dir / MANIFEST).is_file():
-        build_zoo(settings.zoo_dir)
+    if not (settings.service.zoo_dir / MANIFEST).is_file():
+        build_zoo(settings.service.zoo_dir)
     try:
-        return write_zoo_pool(settings.zoo_dir, names, options.workdir / "pool.json", recorded=options.replay)
+        return write_zoo_pool(settings.service.zoo_dir, names, options.workdir / "pool.json", recorded=options.replay)
     except FileNotFoundError as exc:
         raise UpError(f"{exc}: the models of {options.replay} must be zoo models, or pass --recorded-only") from None
 
@@ -127,11 +128,9 @@ def open_stack(
 ) -> LocalStack:
     """Checks, the pool file (the zoo built by ``build_zoo`` first, when the pool needs it and it is not), the stack's
     broker and Redis (started or reached), its idempotence check."""
-    if options.strategy not in ("rl_focal", "rlae"):
-        raise UpError(f"--strategy must be rl_focal or rlae, got {options.strategy!r}")
-    if options.gateway and settings.gateway_port and port_taken(settings.gateway_port):
+    if options.gateway and settings.gateway.port and port_taken(settings.gateway.port):
         raise UpError(
-            f"port {settings.gateway_port} is taken (another `rlens up`, or another program): pass --gateway-port, "
+            f"port {settings.gateway.port} is taken (another `rlens up`, or another program): pass --gateway-port, "
             "or --no-gateway"
         )
     redis_url = redis_to_use(settings, redis_env)
@@ -142,7 +141,7 @@ def open_stack(
     try:
         pool = pool_file(options, settings, build_zoo)
         stack = LocalStack(
-            settings.model_copy(update={"pool_file": pool.resolve()}),
+            settings.updated({"pool_file": pool.resolve()}),
             options.workdir,
             options.partitions,
             kafka,
@@ -172,14 +171,14 @@ def prepare_state(stack: LocalStack, options: UpOptions) -> list[str]:
             clear_state(stack.settings, options.workdir)
             lines.append(
                 f"fresh start: no learner checkpoint in {options.workdir}, no Redis keys under "
-                f"{stack.settings.redis_prefix!r}"
+                f"{stack.settings.redis.prefix!r}"
             )
         return lines + [
             f"carried over: {line} (--fresh starts clean)" for line in carried_state(stack.settings, options.workdir)
         ]
     except RedisError as exc:
         stack.stop()
-        raise UpError(f"Redis at {redact_url(stack.settings.redis_url.get_secret_value())} failed: {exc}") from None
+        raise UpError(f"Redis at {redact_url(stack.settings.redis.url.get_secret_value())} failed: {exc}") from None
 
 
 def start_processes(

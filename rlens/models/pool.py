@@ -172,7 +172,7 @@ def build_backend(model: PoolModel) -> Backend:
         )
     if model.backend == "openai":
         s = settings()
-        defaults = {"timeout_s": s.http_timeout_s, "retries": s.http_retries, "max_concurrency": s.http_max_concurrency}
+        defaults = {"timeout_s": s.http.timeout_s, "retries": s.http.retries, "max_concurrency": s.http.max_concurrency}
         return create_backend("openai", **{**defaults, **model.options})
     return create_backend(model.backend, **model.options)
 

@@ -24,10 +24,10 @@ ASYNCAPI_PATH = Path(__file__).resolve().parents[2] / "schemas" / "asyncapi.json
 
 def asyncapi_document() -> dict:
     # defaults only: the document must not depend on the environment
-    settings = Settings(_env_file=None, kafka_bootstrap="kafka:9092")
-    rlae = settings.model_copy(update={"strategy": "rlae"})
-    gateway = settings.model_copy(
-        update={"gateway_id": "gateway-id", "gateway_keys": "[]", "feedback_secret": SecretStr("x" * 32)}
+    settings = Settings.model_validate({"kafka": {"bootstrap": "kafka:9092"}})
+    rlae = settings.updated({"strategy": "rlae"})
+    gateway = settings.updated(
+        {"gateway_id": "gateway-id", "gateway_keys": "[]", "feedback_secret": SecretStr("x" * 32)}
     )
     brokers = [
         create_worker_app(settings, None).broker,

@@ -13,12 +13,11 @@ import torch
 
 from rlens.redis_clients import async_redis, sync_redis
 from rlens.focal.budget import lowest_spending
-from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftConfig, DriftMonitor
 from rlens.models.pool import PoolConfig, Price, build_backend, build_rlae_decoder, load_pool_config, parse_pool_config
-from rlens.rlae.agent import RLAEConfig, make_policy
+from rlens.rlae.agent import make_policy
 from rlens.service.learner.core import LearnerCore
 from rlens.service.learner.app import create_learner_app
 from rlens.service.learner.lease import claim_group
@@ -43,13 +42,14 @@ log = logging.getLogger("rlens.service")
 
 def pool_of(settings: Settings) -> PoolConfig:
     """The pool the settings give: inline (the configuration file's [[pool.models]]), or a pool file."""
-    if settings.pool is not None:
+    if settings.pool.models is not None:
         return parse_pool_config(
-            settings.pool, f"[[pool.models]] in {config_path()}" if config_path() else "RLENS_POOL"
+            {"models": settings.pool.models},
+            f"[[pool.models]] in {config_path()}" if config_path() else "RLENS_POOL_MODELS",
         )
-    if settings.pool_file is None:
+    if settings.pool.file is None:
         raise ValueError("no pool: set RLENS_POOL_FILE (or pass --pool), or [[pool.models]] in the configuration file")
-    return load_pool_config(settings.pool_file)
+    return load_pool_config(settings.pool.file)
 
 
 def build_engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
@@ -75,18 +75,8 @@ def _engine(settings: Settings, pool: PoolConfig) -> FocalEngine:
     return FocalEngine(
         len(pool.models),
         np.array([m.cost for m in pool.models]),
-        FocalConfig(
-            explore_rate=settings.focal_explore_rate,
-            update_period=settings.focal_update_period,
-            probe_rate=settings.probe_rate,
-            alpha=settings.focal_alpha,
-            window=settings.focal_window,
-            calibration_rows=settings.focal_calibration_rows,
-            joint_rows=settings.focal_joint_rows,
-            budget=settings.focal_budget,
-            stream_budgets=tuple(sorted(settings.focal_stream_budgets.items())),
-        ),
-        seed=settings.seed,
+        settings.focal_config(),
+        seed=settings.service.seed,
     )
 
 
@@ -94,28 +84,17 @@ def build_windows(
     settings: Settings, n_models: int, size: int, calibration_rows: int = 0, joint_rows: int = 0
 ) -> RedisWindows:
     redis = async_redis(
-        settings.redis_url.get_secret_value(), socket_timeout=5, socket_connect_timeout=2, health_check_interval=10
+        settings.redis.url.get_secret_value(), socket_timeout=5, socket_connect_timeout=2, health_check_interval=10
     )
     return RedisWindows(
         redis,
         n_models,
         size,
-        settings.redis_prefix,
-        settings.window_ttl_s,
-        settings.dedup_ttl_s,
+        settings.redis.prefix,
+        settings.redis.window_ttl_s,
+        settings.redis.dedup_ttl_s,
         calibration_rows,
         joint_rows,
-    )
-
-
-def rlae_config(settings: Settings) -> RLAEConfig:
-    return RLAEConfig(
-        variant=settings.rlae_variant,
-        span=settings.rlae_span,
-        max_tokens=settings.rlae_max_tokens,
-        episodes_per_update=settings.rlae_update_episodes,
-        lr=settings.rlae_lr,
-        observe=settings.rlae_observe,
     )
 
 
@@ -123,14 +102,18 @@ def rlae_policy(settings: Settings, n_models: int):
     """The RLAE policy every worker and the learner start from (the same weights, from the seed)."""
     from rlens.rlae.observe import obs_dim
 
-    return make_policy(obs_dim(n_models), n_models, rlae_config(settings), settings.seed)
+    return make_policy(obs_dim(n_models), n_models, settings.rlae_config(), settings.service.seed)
 
 
 def gated_without_evidence(settings: Settings) -> None:
     """rl_focal's gate judges candidates on the evidence the workers log: a clear error where they would log none."""
-    if settings.promotion != "direct" and settings.strategy == "rl_focal" and not settings.ope_logging:
+    if (
+        settings.learner.promotion != "direct"
+        and settings.service.strategy == "rl_focal"
+        and not settings.worker.ope_logging
+    ):
         raise ValueError(
-            f"RLENS_PROMOTION={settings.promotion} scores each candidate on the evidence rl_focal workers log with "
+            f"RLENS_PROMOTION={settings.learner.promotion} scores each candidate on the evidence rl_focal workers log with "
             "each query: RLENS_OPE_LOGGING must stay true (or promote directly)"
         )
 
@@ -138,7 +121,7 @@ def gated_without_evidence(settings: Settings) -> None:
 def calibration_conflicts(settings: Settings) -> None:
     """rl_focal's calibrations are fitted on the called models' distributions the workers log: a clear error where
     they would log none."""
-    if settings.strategy == "rl_focal" and settings.focal_calibration_rows and not settings.ope_logging:
+    if settings.service.strategy == "rl_focal" and settings.focal.calibration_rows and not settings.worker.ope_logging:
         raise ValueError(
             "RLENS_FOCAL_CALIBRATION_ROWS fits each model's calibration on the distributions rl_focal workers log "
             "with each query: RLENS_OPE_LOGGING must stay true (or set RLENS_FOCAL_CALIBRATION_ROWS=0)"
@@ -152,27 +135,27 @@ def build_worker(settings: Settings) -> Worker:
     pool = pool_of(settings)
     names = [m.name for m in pool.models]
     verifier, tokens = policy_verifier(settings), feedback_tokens(settings)
-    if settings.strategy == "rlae":
+    if settings.service.strategy == "rlae":
         from rlens.rlae.observe import SentenceEncoder
         from rlens.rlae.train import RLAEAgent
         from rlens.service.worker.rlae import RLAEWorker
 
         agent = RLAEAgent(
-            rlae_policy(settings, len(names)).eval(), SentenceEncoder(), rlae_config(settings), len(names)
+            rlae_policy(settings, len(names)).eval(), SentenceEncoder(), settings.rlae_config(), len(names)
         )
         windows = build_windows(settings, len(names), 1)  # only its readiness mark: rlae keeps no outcome windows
         return RLAEWorker(
-            build_rlae_decoder(pool, settings.rlae_top_k),
+            build_rlae_decoder(pool, settings.rlae.top_k),
             agent,
             names,
             windows,
-            stop=settings.rlae_stop,
-            explore=settings.rlae_explore,
-            seed=settings.seed,
+            stop=settings.rlae.stop,
+            explore=settings.rlae.explore,
+            seed=settings.service.seed,
             verifier=verifier,
             tokens=tokens,
             costs=[m.cost for m in pool.models],
-            split=settings.gate_split,
+            split=settings.learner.gate_split,
             prices=prices_of(pool),
         )
     engine = build_engine(settings, pool)
@@ -185,15 +168,15 @@ def build_worker(settings: Settings) -> Worker:
         names,
         backends,
         build_windows(settings, len(names), engine.cfg.window, engine.cfg.calibration_rows),
-        deadline_s=settings.worker_deadline_s,
-        model_concurrency=settings.model_concurrency,
-        circuit_failures=settings.circuit_failures,
-        circuit_cooldown_s=settings.circuit_cooldown_s,
-        sampling=settings.focal_sampling(),
-        extractor=settings.focal_extractor,
+        deadline_s=settings.worker.deadline_s,
+        model_concurrency=settings.worker.model_concurrency,
+        circuit_failures=settings.worker.circuit_failures,
+        circuit_cooldown_s=settings.worker.circuit_cooldown_s,
+        sampling=settings.focal.sampling(),
+        extractor=settings.focal.extractor,
         verifier=verifier,
         tokens=tokens,
-        ope_logging=settings.ope_logging,
+        ope_logging=settings.worker.ope_logging,
         cache=cache,
         prices=prices_of(pool),
     )
@@ -207,22 +190,20 @@ def output_cache(settings: Settings, pool: PoolConfig) -> OutputCache | None:
     """The workers' model-output cache: the pool's recorded answers, and Redis unless RLENS_CACHE_TTL_S is 0; None
     when it has neither. Its Redis client is a blocking one: the backends run in threads."""
     recorded = recorded_answers(pool.recorded, [m.name for m in pool.models]) if pool.recorded else {}
-    if not recorded and settings.cache_ttl_s == 0:
+    if not recorded and settings.cache.ttl_s == 0:
         return None
     redis = None
-    if settings.cache_ttl_s:
+    if settings.cache.ttl_s:
         redis = sync_redis(
-            settings.redis_url.get_secret_value(), socket_timeout=2, socket_connect_timeout=1, health_check_interval=10
+            settings.redis.url.get_secret_value(), socket_timeout=2, socket_connect_timeout=1, health_check_interval=10
         )
-    return OutputCache(recorded, redis, settings.redis_prefix, settings.cache_ttl_s)
+    return OutputCache(recorded, redis, settings.redis.prefix, settings.cache.ttl_s)
 
 
 def drift_monitor(settings: Settings) -> DriftMonitor | None:
-    if settings.drift_detector == "off":
+    if settings.drift.detector == "off":
         return None
-    return DriftMonitor(
-        DriftConfig(detector=settings.drift_detector, delta=settings.drift_delta, min_gap=settings.drift_min_gap)
-    )
+    return DriftMonitor(DriftConfig(**settings.drift.config_fields(DriftConfig)))
 
 
 def build_learner(settings: Settings, warm_start: Path | None = None) -> LearnerCore:
@@ -235,46 +216,54 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
     signer, tokens = policy_signer(settings), feedback_tokens(settings)
     trainer: OnlineTrainer
     gate = None
-    min_events, max_events, every = default_events(settings.strategy, settings.promotion)
+    min_events, max_events, every = default_events(settings.service.strategy, settings.learner.promotion)
     config = GateConfig(
-        settings.gate_min_events or min_events,
-        settings.gate_max_events or max_events,
-        every=min(every, settings.gate_min_events or min_events),
-        delta=settings.gate_delta,
-        drift_reset=settings.gate_drift_reset,
-        split=settings.gate_split,
-        holdback=settings.gate_holdback if settings.promotion == "holdback" else None,
-        shadow_calls=settings.gate_shadow_calls,
+        settings.learner.gate_min_events or min_events,
+        settings.learner.gate_max_events or max_events,
+        every=min(every, settings.learner.gate_min_events or min_events),
+        delta=settings.learner.gate_delta,
+        drift_reset=settings.learner.gate_drift_reset,
+        split=settings.learner.gate_split,
+        holdback=settings.learner.gate_holdback if settings.learner.promotion == "holdback" else None,
+        shadow_calls=settings.learner.gate_shadow_calls,
     )
-    if settings.strategy == "rlae":
+    if settings.service.strategy == "rlae":
         trainer = RLAEOnlineTrainer(
-            rlae_policy(settings, len(names)), rlae_config(settings), names, settings.seed, settings.rlae_rehearsal
+            rlae_policy(settings, len(names)),
+            settings.rlae_config(),
+            names,
+            settings.service.seed,
+            settings.rlae.rehearsal,
         )
         window = 1
-        if settings.promotion != "direct":  # an A/B split: the workers draw the share each candidate's policy names
+        if (
+            settings.learner.promotion != "direct"
+        ):  # an A/B split: the workers draw the share each candidate's policy names
             gate = Gate(config)
     else:
         engine = build_engine(settings, pool)
-        trainer, window = FocalOnlineTrainer(engine, names, settings.focal_extractor), engine.cfg.window
-        if settings.promotion != "direct":  # scored in shadow
+        trainer, window = FocalOnlineTrainer(engine, names, settings.focal.extractor), engine.cfg.window
+        if settings.learner.promotion != "direct":  # scored in shadow
             gate = Gate(config, engine.cost_share, engine.cfg.alpha)
-    calibration_rows = settings.focal_calibration_rows if settings.strategy == "rl_focal" else 0
-    joint_rows = settings.focal_joint_rows if settings.strategy == "rl_focal" else 0
+    calibration_rows = settings.focal.calibration_rows if settings.service.strategy == "rl_focal" else 0
+    joint_rows = settings.focal.joint_rows if settings.service.strategy == "rl_focal" else 0
     core = LearnerCore(
         trainer,
         names,
         build_windows(settings, len(names), window, calibration_rows, joint_rows),
-        CheckpointStore(settings.checkpoint_dir),
+        CheckpointStore(settings.learner.checkpoint_dir),
         signer,
         tokens,
-        pending_limit=settings.pending_limit,
-        pending_ttl_s=settings.pending_ttl_s,
-        pending_bytes=settings.pending_bytes,
-        pending_per_stream=settings.pending_per_stream,
-        checkpoint_every_s=settings.checkpoint_every_s,
+        pending_limit=settings.learner.pending_limit,
+        pending_ttl_s=settings.learner.pending_ttl_s,
+        pending_bytes=settings.learner.pending_bytes,
+        pending_per_stream=settings.learner.pending_per_stream,
+        checkpoint_every_s=settings.learner.checkpoint_every_s,
         drift=drift_monitor(settings),
-        drift_keep=settings.drift_keep if settings.drift_reaction == "trim" else None,
-        ope_log=OpeLog(settings.checkpoint_dir / OPE_LOG, settings.ope_log_bytes) if settings.ope_log_bytes else None,
+        drift_keep=settings.drift.keep if settings.drift.reaction == "trim" else None,
+        ope_log=OpeLog(settings.learner.checkpoint_dir / OPE_LOG, settings.learner.ope_log_bytes)
+        if settings.learner.ope_log_bytes
+        else None,
         gate=gate,
     )
     if warm_start is not None:
@@ -284,7 +273,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
 
 def with_metrics_port(settings: Settings) -> Settings:
     """The settings with a concrete port for the process's HTTP side (a free one for port 0)."""
-    return settings if settings.metrics_port else settings.model_copy(update={"metrics_port": free_port()})
+    return settings if settings.metrics.port else settings.updated({"metrics_port": free_port()})
 
 
 def freeze_startup_objects() -> None:
@@ -298,14 +287,16 @@ def freeze_startup_objects() -> None:
 def run_app(app, settings: Settings, role: str) -> None:
     """Run a worker's or learner's app: its subscribers and, on ``settings.metrics_host:metrics_port``, its HTTP side."""
     setup_tracing(settings, role)
-    http = {"host": settings.metrics_host, "port": settings.metrics_port, "log_config": None}  # uvicorn's records too
+    http = {"host": settings.metrics.host, "port": settings.metrics.port, "log_config": None}  # uvicorn's records too
     asyncio.run(app.run(log_level=logging.WARNING, run_extra_options=http))
 
 
 def run_worker(settings: Settings) -> None:
-    setup_logging("worker", settings.strategy, settings.log_format)  # first: what the start does is logged too
-    check_exposure(settings.metrics_host, admin_token(settings), "RLENS_METRICS_HOST")
-    torch.set_num_threads(settings.torch_threads)
+    setup_logging(
+        "worker", settings.service.strategy, settings.service.log_format
+    )  # first: what the start does is logged too
+    check_exposure(settings.metrics.host, admin_token(settings), "RLENS_METRICS_HOST")
+    torch.set_num_threads(settings.service.torch_threads)
     settings = with_metrics_port(settings)
     worker = build_worker(settings)  # a configuration error first, then the broker
     settings = asyncio.run(settle_idempotence(settings))
@@ -315,12 +306,14 @@ def run_worker(settings: Settings) -> None:
 
 
 def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
-    setup_logging("learner", settings.strategy, settings.log_format)  # first: what the start does is logged too
-    check_exposure(settings.metrics_host, admin_token(settings), "RLENS_METRICS_HOST")
+    setup_logging(
+        "learner", settings.service.strategy, settings.service.log_format
+    )  # first: what the start does is logged too
+    check_exposure(settings.metrics.host, admin_token(settings), "RLENS_METRICS_HOST")
     # the learner's MAPPO update: 2.4x faster on one thread on a busy machine (BENCHMARKS.md)
-    torch.set_num_threads(settings.torch_threads)
-    if settings.learner_nice:  # on cores it shares with workers and a gateway, their requests go first
-        os.nice(settings.learner_nice)
+    torch.set_num_threads(settings.service.torch_threads)
+    if settings.learner.nice:  # on cores it shares with workers and a gateway, their requests go first
+        os.nice(settings.learner.nice)
     settings = with_metrics_port(settings)
     core = build_learner(settings, warm_start)  # a configuration error first, then the broker
     settings = asyncio.run(settle_idempotence(settings))
@@ -336,21 +329,21 @@ def run_gateway(settings: Settings) -> None:
     from rlens.service.gateway.app import create_gateway_app
     from rlens.service.gateway.connections import guarded_protocol
 
-    setup_logging("gateway", settings.strategy, settings.log_format)
-    check_exposure(settings.gateway_host, admin_token(settings), "RLENS_GATEWAY_HOST")
+    setup_logging("gateway", settings.service.strategy, settings.service.log_format)
+    check_exposure(settings.gateway.host, admin_token(settings), "RLENS_GATEWAY_HOST")
     settings = asyncio.run(settle_idempotence(settings))
-    if not settings.gateway_port:
-        settings = settings.model_copy(update={"gateway_port": free_port()})
+    if not settings.gateway.port:
+        settings = settings.updated({"gateway_port": free_port()})
     setup_tracing(settings, "gateway")
     app = create_gateway_app(settings)
     freeze_startup_objects()
     uvicorn.run(
         app,
-        host=settings.gateway_host,
-        port=settings.gateway_port,
+        host=settings.gateway.host,
+        port=settings.gateway.port,
         log_level="warning",
         log_config=None,  # its records go through the process's one handler
-        limit_concurrency=settings.gateway_max_connections,
-        timeout_keep_alive=max(1, round(settings.gateway_idle_timeout_s)),
-        http=guarded_protocol(settings.gateway_header_timeout_s, settings.gateway_max_connections_per_address),
+        limit_concurrency=settings.gateway.max_connections,
+        timeout_keep_alive=max(1, round(settings.gateway.idle_timeout_s)),
+        http=guarded_protocol(settings.gateway.header_timeout_s, settings.gateway.max_connections_per_address),
     )

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def settings_url(settings: "Settings") -> str:
     """Where a process's HTTP side answers (announced in its readiness mark)."""
-    return f"http://{settings.metrics_host}:{settings.metrics_port}"
+    return f"http://{settings.metrics.host}:{settings.metrics.port}"
 
 
 class Readiness:
@@ -60,7 +60,7 @@ class Readiness:
 
 
 def admin_token(settings: Settings) -> str | None:
-    return settings.admin_token.get_secret_value() if settings.admin_token else None
+    return settings.security.admin_token.get_secret_value() if settings.security.admin_token else None
 
 
 def admin_only(app: ASGIApp, token: str | None) -> ASGIApp:

@@ -69,7 +69,7 @@ class Topics:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Topics":
-        p = settings.topic_prefix
+        p = settings.kafka.topic_prefix
         return cls(
             f"{p}queries",
             f"{p}answers",
@@ -87,20 +87,20 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
     from faststream.security import SASLPlaintext, SASLScram256, SASLScram512
 
     security = None
-    protocol = settings.kafka_security_protocol.upper()
+    protocol = settings.kafka.security_protocol.upper()
     context = (
-        ssl.create_default_context(cafile=str(settings.kafka_ssl_cafile) if settings.kafka_ssl_cafile else None)
+        ssl.create_default_context(cafile=str(settings.kafka.ssl_cafile) if settings.kafka.ssl_cafile else None)
         if "SSL" in protocol
         else None
     )
     if protocol.startswith("SASL"):
         mechanism = {"PLAIN": SASLPlaintext, "SCRAM-SHA-256": SASLScram256, "SCRAM-SHA-512": SASLScram512}.get(
-            (settings.kafka_sasl_mechanism or "PLAIN").upper()
+            (settings.kafka.sasl_mechanism or "PLAIN").upper()
         )
         if mechanism is None:
-            raise ValueError(f"unsupported RLENS_KAFKA_SASL_MECHANISM {settings.kafka_sasl_mechanism!r}")
-        password = settings.kafka_sasl_password.get_secret_value() if settings.kafka_sasl_password else ""
-        security = mechanism(username=settings.kafka_sasl_username or "", password=password, ssl_context=context)
+            raise ValueError(f"unsupported RLENS_KAFKA_SASL_MECHANISM {settings.kafka.sasl_mechanism!r}")
+        password = settings.kafka.sasl_password.get_secret_value() if settings.kafka.sasl_password else ""
+        security = mechanism(username=settings.kafka.sasl_username or "", password=password, ssl_context=context)
     elif protocol == "SSL":
         from faststream.security import BaseSecurity
 
@@ -116,28 +116,28 @@ def make_broker(settings: Settings, log_level: int = logging.WARNING) -> KafkaBr
         # default topic limit (1 MB); a larger record goes alone
         max_batch_size=2 * BATCH_BYTES,
         max_request_size=MAX_MESSAGE_BYTES,
-        acks=-1 if settings.kafka_acks == "all" else 1,
-        enable_idempotence=settings.kafka_idempotence is True,  # "auto" that no one settled: off
+        acks=-1 if settings.kafka.acks == "all" else 1,
+        enable_idempotence=settings.kafka.idempotence is True,  # "auto" that no one settled: off
     )
 
 
 def bootstrap_servers(settings: Settings) -> list[str]:
     """``RLENS_KAFKA_BOOTSTRAP``'s comma-separated addresses."""
-    return [address.strip() for address in settings.kafka_bootstrap.split(",") if address.strip()]
+    return [address.strip() for address in settings.kafka.bootstrap.split(",") if address.strip()]
 
 
 def client_options(settings: Settings) -> dict[str, Any]:
     """aiokafka's connection arguments for ``settings`` (bootstrap, SASL / TLS), for a plain client beside the
     processes' FastStream brokers (:func:`make_broker`)."""
-    protocol = settings.kafka_security_protocol.upper()
+    protocol = settings.kafka.security_protocol.upper()
     options: dict[str, Any] = {"bootstrap_servers": bootstrap_servers(settings), "security_protocol": protocol}
     if "SSL" in protocol:
-        cafile = str(settings.kafka_ssl_cafile) if settings.kafka_ssl_cafile else None
+        cafile = str(settings.kafka.ssl_cafile) if settings.kafka.ssl_cafile else None
         options["ssl_context"] = ssl.create_default_context(cafile=cafile)
     if protocol.startswith("SASL"):
-        options["sasl_mechanism"] = (settings.kafka_sasl_mechanism or "PLAIN").upper()
-        options["sasl_plain_username"] = settings.kafka_sasl_username or ""
-        password = settings.kafka_sasl_password
+        options["sasl_mechanism"] = (settings.kafka.sasl_mechanism or "PLAIN").upper()
+        options["sasl_plain_username"] = settings.kafka.sasl_username or ""
+        password = settings.kafka.sasl_password
         options["sasl_plain_password"] = password.get_secret_value() if password else ""
     return options
 
@@ -315,9 +315,9 @@ def dead_letter(record: Any, reason: str, consumer: str) -> DeadLetter:
 def group_options(settings: Settings) -> dict[str, Any]:
     """A consumer group member's timings from the settings (every subscriber in a group)."""
     return {
-        "session_timeout_ms": settings.kafka_session_timeout_ms,
-        "heartbeat_interval_ms": settings.kafka_heartbeat_ms,
-        "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
+        "session_timeout_ms": settings.kafka.session_timeout_ms,
+        "heartbeat_interval_ms": settings.kafka.heartbeat_ms,
+        "fetch_max_wait_ms": settings.kafka.fetch_max_wait_ms,
     }
 
 
@@ -416,14 +416,14 @@ async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[st
     await admin.start()
     try:
         existing = set(await admin.list_topics())
-        replication = settings.kafka_replication
+        replication = settings.kafka.replication
         wanted = [
             NewTopic(
                 t,
                 1 if t in (topics.policy, topics.drift, topics.spending, *extra) else partitions,
                 replication,
                 topic_configs=topic_configs(
-                    t == topics.policy, replication, settings.policy_keep_bytes, t == topics.spending
+                    t == topics.policy, replication, settings.learner.policy_keep_bytes, t == topics.spending
                 ),
             )
             for t in (*vars(topics).values(), *extra)
@@ -485,7 +485,7 @@ class TopicRestorer:
             return
         self._last.update(dict.fromkeys(names, now))
         try:
-            await ensure_topics(self.settings, self.settings.kafka_partitions, extra=names[1:])
+            await ensure_topics(self.settings, self.settings.kafka.partitions, extra=names[1:])
         except Exception as exc:  # the broker is down: the next failure tries again
             log.warning("could not ensure the topics: %s", exc)
 
@@ -513,7 +513,7 @@ async def keep_topics(
                         "topics %s are gone (the broker restarted empty?): making them again",
                         ", ".join(sorted(missing)),
                     )
-                    await ensure_topics(settings, settings.kafka_partitions, extra=extra)
+                    await ensure_topics(settings, settings.kafka.partitions, extra=extra)
             except Exception as exc:  # the broker is down: the next look tries again
                 log.debug("topics not checked: %r", exc)
                 if admin is not None:
@@ -546,7 +546,7 @@ async def settle_idempotence(settings: Settings) -> Settings:
     """``settings`` with ``kafka_idempotence`` true or false: "auto" becomes whether the broker accepts one idempotent
     producer (Apache Kafka does; tansu refuses its InitProducerId), and true is checked the same way, so that a
     process fails at its start, saying why, instead of at its first publish."""
-    if settings.kafka_idempotence is False:
+    if settings.kafka.idempotence is False:
         return settings
     from aiokafka import AIOKafkaProducer
     from aiokafka.errors import KafkaConnectionError, KafkaError
@@ -558,18 +558,18 @@ async def settle_idempotence(settings: Settings) -> Settings:
         await producer.start()
     except KafkaConnectionError:  # no broker answered: that, not idempotence, is what to say
         raise BrokerRefused(
-            f"no Kafka broker answers at {settings.kafka_bootstrap}: start one, or set RLENS_KAFKA_BOOTSTRAP "
+            f"no Kafka broker answers at {settings.kafka.bootstrap}: start one, or set RLENS_KAFKA_BOOTSTRAP "
             "(`rlens up` runs one of its own)"
         ) from None
     except KafkaError as exc:
-        if settings.kafka_idempotence == "auto":
+        if settings.kafka.idempotence == "auto":
             log.info("the broker refused an idempotent producer (%s): producers are not idempotent", type(exc).__name__)
-            return settings.model_copy(update={"kafka_idempotence": False})
+            return settings.updated({"kafka_idempotence": False})
         raise BrokerRefused(
-            f"the broker at {settings.kafka_bootstrap} refused an idempotent producer ({type(exc).__name__}): it does "
+            f"the broker at {settings.kafka.bootstrap} refused an idempotent producer ({type(exc).__name__}): it does "
             "not support them (tansu does not); set RLENS_KAFKA_IDEMPOTENCE=auto or false"
         ) from None
     finally:
         quiet.setLevel(level)
         await producer.stop()
-    return settings.model_copy(update={"kafka_idempotence": True})
+    return settings.updated({"kafka_idempotence": True})

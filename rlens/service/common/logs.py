@@ -82,9 +82,9 @@ def warn_unknown_variables(warn) -> None:
     import os
 
     from rlens.config_file import unknown_variables
-    from rlens.settings import Settings
+    from rlens.settings import variables
 
-    for line in unknown_variables(os.environ, list(Settings.model_fields)):
+    for line in unknown_variables(os.environ, set(variables())):
         warn(line)
 
 

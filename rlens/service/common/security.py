@@ -221,7 +221,7 @@ def redact_secrets(value: Any, name: str = "") -> Any:
 
 
 def _secret(settings: Settings, name: str) -> str:
-    value = getattr(settings, name)
+    value = getattr(settings.security, name)
     if value is None:
         raise SecretsError(
             f"RLENS_{name.upper()} is not set: generate the service's secrets with `rlens secrets` (`rlens up` makes its own)"

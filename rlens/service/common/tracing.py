@@ -45,7 +45,7 @@ def exporters(settings: Settings, environ: Mapping[str, str] = os.environ) -> li
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return []
     endpoint = bool(
-        settings.otel_endpoint
+        settings.service.otel_endpoint
         or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     )
@@ -56,7 +56,7 @@ def exporters(settings: Settings, environ: Mapping[str, str] = os.environ) -> li
             f"OTEL_TRACES_EXPORTER: unknown exporter(s) {', '.join(unknown)}; rlens knows otlp, console, none"
         )
     chosen = [e for e in named if e != "none"] if named else (["otlp"] if endpoint else [])
-    if settings.trace_dir is not None:
+    if settings.service.trace_dir is not None:
         chosen.append("trace_dir")
     return chosen
 
@@ -76,7 +76,7 @@ def setup_tracing(settings: Settings, role: str, environ: Mapping[str, str] = os
         attributes[SERVICE_NAME] = f"rlens-{role}"
     provider = TracerProvider(resource=Resource.create(attributes))  # the sampler from OTEL_TRACES_SAMPLER
     if "trace_dir" in chosen:
-        path = Path(settings.trace_dir or ".") / f"{role}-{os.getpid()}.jsonl"
+        path = Path(settings.service.trace_dir or ".") / f"{role}-{os.getpid()}.jsonl"
         provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(path)))
     if "console" in chosen:
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
@@ -99,7 +99,11 @@ def otlp_exporter(settings: Settings, environ: Mapping[str, str]) -> SpanExporte
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError:
         raise ValueError("exporting traces over OTLP needs the OTLP exporter: pip install 'rlens[otel]'") from None
-    return OTLPSpanExporter(endpoint=settings.otel_endpoint) if settings.otel_endpoint else OTLPSpanExporter()
+    return (
+        OTLPSpanExporter(endpoint=settings.service.otel_endpoint)
+        if settings.service.otel_endpoint
+        else OTLPSpanExporter()
+    )
 
 
 def model_span_attributes(pool: PoolConfig) -> dict[str, dict[str, str | int]]:

@@ -61,7 +61,7 @@ def redis_pool(settings: Settings) -> Redis:
     instead of failing), and a broken connection is replaced (tried again on a connection error only: a command the
     server may have run is never repeated after a timeout). A Sentinel's master or a Redis Cluster: the same
     options, through :func:`rlens.redis_clients.async_redis`."""
-    url = settings.redis_url.get_secret_value()
+    url = settings.redis.url.get_secret_value()
     options: dict[str, Any] = {
         "max_connections": REDIS_CONNECTIONS,
         "socket_timeout": 5,
@@ -79,7 +79,7 @@ def redis_pool(settings: Settings) -> Redis:
 def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> FastAPI:
     """The gateway's ASGI app: the OpenAI routes, feedback and answers, and /metrics, /healthz, /readyz."""
     keys = keys or KeyStore(
-        settings.gateway_keys_file if settings.gateway_keys is None else None, settings.gateway_keys
+        settings.gateway.keys_file if settings.gateway.keys is None else None, settings.gateway.keys
     )
     topics = Topics.from_settings(settings)
     name = gateway_id(settings)
@@ -98,7 +98,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
         broker, topics.spending, Spending, "gateway", "each gateway process's running total per API key and period"
     )
     redis = redis_pool(settings)
-    marks = RedisWindows(redis, 1, 1, settings.redis_prefix)  # only its readiness mark
+    marks = RedisWindows(redis, 1, 1, settings.redis.prefix)  # only its readiness mark
 
     restorer = TopicRestorer(settings, every_s=1.0, extra=(reply_topic,))
 
@@ -117,7 +117,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
                     raise
                 await restorer.restore()
 
-    state = GatewayState(redis, settings.redis_prefix, settings.gateway_retention_s)
+    state = GatewayState(redis, settings.redis.prefix, settings.gateway.retention_s)
     tokens = feedback_tokens(settings)
 
     async def publish_spending(record: Spending) -> None:
@@ -140,7 +140,7 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     )
     subscribe_replies(broker, settings, gateway, metrics, dead_letters, reply_topic, name)
 
-    url = f"http://{settings.gateway_host}:{settings.gateway_port}"
+    url = f"http://{settings.gateway.host}:{settings.gateway.port}"
     readiness = Readiness("gateway", f"{socket.gethostname()}-{os.getpid()}", url, "Kafka not connected yet")
 
     @asynccontextmanager
@@ -175,8 +175,8 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
 
     add_error_handlers(app)
     app.add_middleware(Contain)
-    app.add_middleware(BodyLimit, limit=settings.gateway_max_body_bytes, timeout_s=settings.gateway_body_timeout_s)
-    app.add_middleware(Measure, metrics=metrics, access_sample=settings.gateway_access_log_sample)
+    app.add_middleware(BodyLimit, limit=settings.gateway.max_body_bytes, timeout_s=settings.gateway.body_timeout_s)
+    app.add_middleware(Measure, metrics=metrics, access_sample=settings.gateway.access_log_sample)
     app.include_router(openai_router(gateway))
 
     add_http_routes(app, http_routes(registry, readiness.not_ready, admin_token(settings)))
@@ -190,7 +190,9 @@ def openapi_document() -> dict:
     """The gateway's OpenAPI document (what it serves at /openapi.json)."""
     from pydantic import SecretStr
 
-    settings = Settings(_env_file=None, feedback_secret=SecretStr("x" * 32), gateway_keys="[]")  # defaults only
+    settings = Settings.model_validate(  # defaults only: no variable, no file
+        {"security": {"feedback_secret": SecretStr("x" * 32)}, "gateway": {"keys": "[]"}}
+    )
     return create_gateway_app(settings).openapi()
 
 

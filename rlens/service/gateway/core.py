@@ -57,7 +57,7 @@ POLL_S = 0.5  # how often a request whose answer goes to another replica (an ide
 
 
 def gateway_id(settings: Settings) -> str:
-    return settings.gateway_id or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:100]
+    return settings.gateway.id or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:100]
 
 
 class Gateway:
@@ -80,9 +80,9 @@ class Gateway:
         self.settings, self.keys, self.state, self.tokens, self.metrics = settings, keys, state, tokens, metrics
         self.spending = spending
         self.publish_query, self.publish_feedback, self.reply_topic = publish_query, publish_feedback, reply_topic
-        self.strategies = settings.gateway_strategies or [settings.strategy]
+        self.strategies = settings.gateway.strategies or [settings.service.strategy]
         self.waiting = 0
-        self.auth_failures = FailedAuth(settings.gateway_auth_failures_per_s)
+        self.auth_failures = FailedAuth(settings.gateway.auth_failures_per_s)
         self._answers: dict[str, asyncio.Future] = {}  # query id -> its answer, for requests waiting on this replica
         self._waiters: Counter[str] = Counter()  # query id -> requests waiting for it here
 
@@ -160,10 +160,10 @@ class Gateway:
                 "stream_not_allowed",
                 "metadata.stream",
             )
-        if len(prompt) > min(self.settings.gateway_max_prompt_chars, MAX_TEXT):
+        if len(prompt) > min(self.settings.gateway.max_prompt_chars, MAX_TEXT):
             raise ApiError(
                 413,
-                f"the prompt has {len(prompt)} characters; the limit is {self.settings.gateway_max_prompt_chars}",
+                f"the prompt has {len(prompt)} characters; the limit is {self.settings.gateway.max_prompt_chars}",
                 "invalid_request_error",
                 "prompt_too_long",
                 "messages",
@@ -252,7 +252,7 @@ class Gateway:
         prompt = request.prompt() if isinstance(request, ChatCompletionRequest) else request.text()
         stream = self._check(key, request, prompt, stream_header)
         await self.take_token(key)
-        if self.waiting >= self.settings.gateway_max_waiting:  # before any wait, an idempotent retry's included
+        if self.waiting >= self.settings.gateway.max_waiting:  # before any wait, an idempotent retry's included
             raise ApiError(
                 503,
                 f"{self.waiting} requests are waiting for answers on this gateway; retry shortly",
@@ -366,7 +366,7 @@ class Gateway:
         every POLL_S (a retry of a query another replica asked)."""
         future = self._answers.setdefault(query_id, asyncio.get_running_loop().create_future())
         self._waiters[query_id] += 1
-        deadline = time.monotonic() + self.settings.gateway_timeout_s
+        deadline = time.monotonic() + self.settings.gateway.timeout_s
         self.waiting += 1
         self.metrics.waiting.set(self.waiting)
         try:
@@ -380,7 +380,7 @@ class Gateway:
                     self.metrics.timeouts.inc()
                     raise ApiError(
                         504,
-                        f"no answer within {self.settings.gateway_timeout_s:g} s; fetch it later at /v1/answers/{query_id}",
+                        f"no answer within {self.settings.gateway.timeout_s:g} s; fetch it later at /v1/answers/{query_id}",
                         "timeout",
                         "answer_timeout",
                         query_id=query_id,
@@ -435,7 +435,7 @@ class Gateway:
         if record is None or record.tenant != key.tenant or not key.allows(record.stream):
             raise ApiError(
                 404,
-                f"no query {query_id!r} for this API key's tenant (unknown, or older than {self.settings.gateway_retention_s} s)",
+                f"no query {query_id!r} for this API key's tenant (unknown, or older than {self.settings.gateway.retention_s} s)",
                 "invalid_request_error",
                 "query_not_found",
                 "id",

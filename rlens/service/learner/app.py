@@ -48,8 +48,8 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     """
     live = cast(LearnerCore, core)  # what the handlers use: they run only in a real learner
     registry = CollectorRegistry()
-    metrics = LearnerMetrics(registry, StreamLabels(settings.metrics_streams))
-    if core is not None and settings.metrics_enabled:
+    metrics = LearnerMetrics(registry, StreamLabels(settings.metrics.streams))
+    if core is not None and settings.metrics.enabled:
         core.metrics = metrics
         metrics.checkpoint_age.set_function(lambda: time.monotonic() - core.last_checkpoint)
     topics = Topics.from_settings(settings)
@@ -77,13 +77,13 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         **SUBSCRIBER,
         **group_options(settings),
     }
-    experience_model = core.trainer.experience if core else EXPERIENCE[settings.strategy]
+    experience_model = core.trainer.experience if core else EXPERIENCE[settings.service.strategy]
     background: list[asyncio.Task] = []  # the lease's renewal, idle checkpoints, the log-end watch
 
     experience = woken_by_records(
         broker.subscriber(
             topics.experience,
-            description=f"JSON {experience_model.__name__} messages from the {settings.strategy} workers",
+            description=f"JSON {experience_model.__name__} messages from the {settings.service.strategy} workers",
             **options,
         )
     )
@@ -151,7 +151,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         log.info(
             "learner %s ready (%s): policy v%d, epoch %d; metrics, health and the dashboard on %s",
             live.name,
-            settings.strategy,
+            settings.service.strategy,
             live.version,
             live.epoch,
             readiness.url,

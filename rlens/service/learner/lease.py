@@ -24,10 +24,10 @@ async def claim_group(settings: Settings, core: LearnerCore) -> None:
     """One learner per consumer group: take the group's lease in Redis, or RuntimeError naming who holds it. A holder
     on our checkpoint directory is gone (we hold that directory's lock): a restart after a crash takes over."""
     windows = RedisWindows(
-        async_redis(settings.redis_url.get_secret_value(), socket_connect_timeout=2),
+        async_redis(settings.redis.url.get_secret_value(), socket_connect_timeout=2),
         core.windows.n_models,
         1,
-        settings.redis_prefix,
+        settings.redis.prefix,
     )
     me = lease_holder(core)
     try:

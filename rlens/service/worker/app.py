@@ -44,18 +44,18 @@ def create_worker_app(
     """
     live = cast(Worker, core)  # what the handlers use: they run only in a real worker
     registry = CollectorRegistry()
-    metrics = WorkerMetrics(registry, StreamLabels(settings.metrics_streams))
+    metrics = WorkerMetrics(registry, StreamLabels(settings.metrics.streams))
     topics = Topics.from_settings(settings)
     broker = make_broker(settings)
     consumer = f"worker {core.name}" if core else "worker"
-    role = f"worker ({settings.strategy})"
+    role = f"worker ({settings.service.strategy})"
     typed_publisher(
         broker, topics.answers, Answer, role, "one answer per query (at least once; idempotent by query id)"
     )
     typed_publisher(
         broker,
         topics.experience,
-        EXPERIENCE[settings.strategy],
+        EXPERIENCE[settings.service.strategy],
         role,
         "what the learner needs to train on an answered query",
     )
@@ -67,14 +67,14 @@ def create_worker_app(
         "queries and policies that could not be used, byte for byte, with the reason",
     )
     batches = QueryBatches(settings, live, broker, dead_letters, metrics, consumer, call_attributes or {})
-    if core is not None and core.cache is not None and settings.metrics_enabled:
+    if core is not None and core.cache is not None and settings.metrics.enabled:
         core.cache.count = lambda model, result: metrics.model_cache.labels(model, result).inc()
 
     queries = broker.subscriber(
         topics.queries,
         group_id=settings.group("workers"),
         batch=True,
-        max_records=settings.worker_batch,
+        max_records=settings.worker.batch,
         auto_offset_reset="earliest",
         ack_policy=AckPolicy.NACK_ON_ERROR,
         **SUBSCRIBER,
@@ -82,7 +82,7 @@ def create_worker_app(
         **group_options(settings),
     )
 
-    @woken_by_records(queries, on_lag=metrics.queries_lag.set if settings.metrics_enabled else None)
+    @woken_by_records(queries, on_lag=metrics.queries_lag.set if settings.metrics.enabled else None)
     async def on_queries(bodies: list[bytes], message: KafkaMessage) -> None:
         await batches.handle(message.raw_message)  # returning acks the batch: its offsets are committed only now
 
@@ -108,11 +108,13 @@ def create_worker_app(
 
     @app.after_startup
     async def ready() -> None:
-        readiness.start(live.windows, live.windows.keep_pool_costs(settings.strategy, live.models, live.costs.tolist()))
+        readiness.start(
+            live.windows, live.windows.keep_pool_costs(settings.service.strategy, live.models, live.costs.tolist())
+        )
         log.info(
             "worker %s ready (%s): consumer group %s joined; metrics and health on %s",
             live.name,
-            settings.strategy,
+            settings.service.strategy,
             settings.group("workers"),
             readiness.url,
         )

@@ -150,7 +150,7 @@ class QueryBatches:
         self.worker.stats.dead_lettered += len(dead)
         await publish_dead_letters(self.dead_letters, dead)
         out.stages["publish"] = time.perf_counter() - started
-        if self.settings.metrics_enabled:
+        if self.settings.metrics.enabled:
             self.metrics.count_batch(queries, out, dead, self.worker)
 
     async def drop_unregistered(self, batch: Admitted) -> None:

@@ -62,7 +62,7 @@ from rlens.service.common.policy import PolicyError, decode_policy
 from rlens.service.common.security import FeedbackTokens, PolicyVerifier
 from rlens.service.common.windows import RedisWindows
 from rlens.service.worker.cache import OutputCache
-from rlens.settings import Settings
+from rlens.settings import FocalSettings
 from rlens.service.common.logs import log_unanswered, query_fields
 
 log = logging.getLogger("rlens.worker")
@@ -265,7 +265,7 @@ class FocalWorker(Worker):
         self.shadow: FocalEngine | None = None  # the candidate's agents (greedy only), scored beside the engine's
         self.ope_logging = ope_logging  # False: no behaviour and no shadow in the experience (RLENS_OPE_LOGGING)
         self.names = np.array(models)
-        self.sampling = sampling or Settings.model_construct().focal_sampling()  # None: the settings' defaults
+        self.sampling = sampling or FocalSettings().sampling()  # None: the settings' defaults
         # at most MAX_CHOICES - 1 candidates: "none of them" (n_choices) must stay a valid window label
         self.caller = PoolCaller(
             backends, deadline_s, model_concurrency, circuit_failures, circuit_cooldown_s, extractor, MAX_CHOICES - 1
