@@ -84,3 +84,23 @@ def test_padded_choices_pads_only_where_widths_differ():
     assert mask.tolist() == [[True, True, True], [True, True, False]]
     (one,), (one_mask,) = padded_choices([c])
     assert np.array_equal(one, c) and one_mask.all()
+
+
+def test_coins_are_drawn_the_probes_first_then_the_explorations_and_a_capped_query_gets_neither():
+    """One place draws the exploration coins, for the worker's batches and the replay's queries alike (one query at
+    a time: its probe coin, then its exploration coin)."""
+    from dataclasses import replace
+
+    from rlens.focal.config import FocalConfig
+
+    engine = FocalEngine(3, config=replace(FocalConfig(), probe_rate=0.5, explore_rate=0.85), seed=7)
+    draws = np.random.default_rng(7).random(8)  # the engine's generator, seeded alike: 4 probe coins, 4 explorations
+    probes, explored = engine.coins([None, None, 0.5, None])
+    assert probes == [draws[0] < 0.5, draws[1] < 0.5, False, draws[3] < 0.5] == [False, False, False, True]
+    assert explored == [draws[4] < 0.85, draws[5] < 0.85, False, draws[7] < 0.85] == [True, False, False, True]
+    assert draws[6] < 0.85  # the capped query's exploration coin said yes
+    assert engine.rng.random() == np.random.default_rng(7).random(9)[8]  # and were drawn all the same
+    assert FocalEngine(3, config=replace(FocalConfig(), probe_rate=0.0, explore_rate=0.0)).coins([None]) == (
+        [False],
+        [False],
+    )

@@ -273,7 +273,7 @@ def test_shadow_answers_reusing_the_served_observations_equal_those_computed_afr
     answered = [d.called & (rng.random(zoo.n_models) > 0.1) for d in decisions]  # a failed model here and there
     fused_pools = [d.pool & a if (d.pool & a).any() else a for d, a in zip(decisions, answered)]
     served = champion.fuse_batch([replace(d, pool=p) for d, p in zip(decisions, fused_pools)], probs)
-    candidate.windows = champion.windows
+    candidate.follow(champion)
     pools = candidate.greedy_pools(decisions, every=True)
     args = (decisions, probs, [d.called for d in decisions], answered, pools)
 

@@ -14,6 +14,7 @@ buffer (:meth:`FocalEngine.remember`); :meth:`FocalEngine.update` runs MAPPO on 
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -124,6 +125,32 @@ class FocalEngine:
         if key not in self.windows:
             self.windows[key] = OutcomeWindow(self.n_models, self.cfg.window)
         return self.windows[key]
+
+    def load_state(self, windows: dict, pools: dict, fits: dict) -> None:
+        """A batch's state as the service keeps it (Redis), handed in: its streams' windows (replacing every other
+        stream's), their last pools, and the calibration fits the learner last published (kept with calibrations)."""
+        self.windows = dict(windows)
+        if self.calibrations is not None:
+            self.calibrations.streams = dict(fits)
+        for key, pool in pools.items():
+            self.remember_pool(key, pool)
+
+    def follow(self, served: FocalEngine) -> None:
+        """Read the windows and calibrations of the engine that serves (a candidate's agents, scored in shadow)."""
+        self.windows = served.windows
+        self.calibrations = served.calibrations
+
+    def coins(self, caps: list[float | None]) -> tuple[list[bool], list[bool]]:
+        """The queries' coins, each query's own: is it a probe (every model called, ``probe_rate``), is it explored
+        (``explore_rate``); the probes' coins are drawn first, then the explorations'. A query with a budget of its
+        own (its ``cap`` not None) is neither, though its coins are drawn."""
+        cfg, rng = self.cfg, self.rng
+        probes = [cfg.probe_rate > 0 and rng.random() < cfg.probe_rate for _ in caps]
+        explored = [cfg.explore_rate > 0 and rng.random() < cfg.explore_rate for _ in caps]
+        return (
+            [probe and cap is None for probe, cap in zip(probes, caps)],
+            [explore and cap is None for explore, cap in zip(explored, caps)],
+        )
 
     def reset_windows(self) -> None:
         self.windows.clear()
@@ -415,7 +442,7 @@ class FocalEngine:
         decisions: list[Decision],
         probs: list[np.ndarray],
         called: list[np.ndarray],
-        answered: list[np.ndarray | None],
+        answered: Sequence[np.ndarray | None],
         pools: list[np.ndarray] | None = None,
         known: list[tuple[np.ndarray, np.ndarray]] | None = None,
         calibrated: list[np.ndarray | None] | None = None,

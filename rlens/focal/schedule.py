@@ -238,8 +238,7 @@ def run_online(
             engine.update()
 
     for i, q in enumerate(qs):
-        probe = cfg.probe_rate > 0 and engine.rng.random() < cfg.probe_rate
-        explore = cfg.explore_rate > 0 and engine.rng.random() < cfg.explore_rate and cap is None
+        (probe,), (explore,) = engine.coins([cap])
         (decision,) = engine.decide(
             q.key if stream is None else stream, q.decider_choices, greedy=not explore, probe=probe, cap=cap
         )

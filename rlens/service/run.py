@@ -31,7 +31,8 @@ from rlens.service.learner.online import FocalOnlineTrainer, OnlineTrainer, RLAE
 from rlens.service.common.health import admin_token
 from rlens.service.common.security import check_exposure, feedback_tokens, policy_signer, policy_verifier
 from rlens.service.common.windows import RedisWindows
-from rlens.service.worker.core import FocalWorker, Worker
+from rlens.service.worker.base import Worker
+from rlens.service.worker.core import FocalWorker
 from rlens.service.worker.app import create_worker_app
 from rlens.service.worker.cache import CachedBackend, OutputCache, recorded_answers
 from rlens.config_file import config_path

@@ -28,7 +28,7 @@ from rlens.service.common.kafka import (
 )
 from rlens.service.common.metrics import StreamLabels, WorkerMetrics, dead_letter_kind
 from rlens.service.worker.batches import QueryBatches
-from rlens.service.worker.core import Worker
+from rlens.service.worker.base import Worker
 from rlens.settings import Settings
 
 log = logging.getLogger("rlens.worker")

@@ -24,7 +24,7 @@ from rlens.service.common.kafka import (
     publish_dead_letters,
 )
 from rlens.service.common.metrics import WorkerMetrics, failure_kind
-from rlens.service.worker.core import BatchOutput, Worker
+from rlens.service.worker.base import BatchOutput, Worker
 from rlens.settings import Settings
 from rlens.service.common.logs import query_fields
 from rlens.service.common.tracing import context_of, trace_carrier, tracer, tracing

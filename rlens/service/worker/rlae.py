@@ -32,7 +32,7 @@ from rlens.rlae.train import RLAEAgent
 from rlens.service.common.logs import log_unanswered
 from rlens.service.common.security import FeedbackTokens, PolicyVerifier
 from rlens.service.common.windows import RedisWindows
-from rlens.service.worker.core import BatchOutput, Worker
+from rlens.service.worker.base import BatchOutput, Worker
 
 log = logging.getLogger("rlens.worker")
 
