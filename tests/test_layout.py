@@ -1,14 +1,20 @@
 """The layout's rules (ARCHITECTURE.md): no import cycle among rlens's modules, and the dependency arrows one way:
-what a production image runs (rlens.service and below) imports neither the command line nor the local stack."""
+what a production image runs (rlens.service and below) imports neither the command line nor the local stack; and
+ARCHITECTURE.md names no module that is gone, and its module map is the modules' own docstrings
+(``python tests/test_layout.py`` writes it again)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import rlens
 
 ROOT = Path(rlens.__file__).parent
+ARCHITECTURE = ROOT.parent / "ARCHITECTURE.md"
+MAP_START = "<!-- module map: written by `python tests/test_layout.py` from each module's docstring -->"
+MAP_END = "<!-- end of the module map -->"
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -112,3 +118,46 @@ def test_records_and_the_algorithms_import_nothing_above_them():
         "rlens.focal": [],
         "rlens.rlae": [],
     }
+
+
+def summary(path: Path) -> str:
+    """A module docstring's first paragraph on one line, its reST roles as Markdown code."""
+    paragraph = " ".join((ast.get_docstring(ast.parse(path.read_text())) or "").split("\n\n")[0].split())
+    return re.sub(r"(?::[a-z]+:)?``?([^`]+)``?", r"`\1`", paragraph)
+
+
+def module_map() -> str:
+    """Every module of rlens, folder by folder, with its docstring's first paragraph."""
+    lines = [MAP_START]
+    folders: dict[Path, list[Path]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        folders.setdefault(path.parent, []).append(path)
+    for folder, paths in sorted(folders.items()):
+        lines += ["", f"**`{folder.relative_to(ROOT.parent)}/`**", ""]
+        lines += [f"- `{path.name}`: {summary(path) or '(no docstring)'}" for path in paths]
+    return "\n".join([*lines, "", MAP_END])
+
+
+def written_map(text: str) -> str:
+    start, end = text.index(MAP_START), text.index(MAP_END)
+    return text[start : end + len(MAP_END)]
+
+
+def test_architecture_md_maps_every_module_as_its_docstring_says():
+    """Issue 55: the map in ARCHITECTURE.md is the code's (a module added, moved or described anew: run
+    ``python tests/test_layout.py``)."""
+    assert written_map(ARCHITECTURE.read_text()) == module_map(), "run `python tests/test_layout.py`"
+
+
+def test_architecture_md_names_no_module_that_is_gone():
+    named = set(re.findall(r"\brlens/[\w/]+\.py\b", ARCHITECTURE.read_text()))
+    assert sorted(p for p in named if not (ROOT.parent / p).exists()) == []
+
+
+def test_every_module_says_what_it_is():
+    assert [str(p) for p in sorted(ROOT.rglob("*.py")) if not summary(p)] == []
+
+
+if __name__ == "__main__":
+    text = ARCHITECTURE.read_text()
+    ARCHITECTURE.write_text(text.replace(written_map(text), module_map()))
