@@ -118,6 +118,8 @@ class FocalWorker(Worker):
 
     # --- queries ----------------------------------------------------------------------------------------------
     async def handle(self, queries: list[Query]) -> BatchOutput:
+        """The batch stage by stage (each stage's seconds in ``out.stages``): the streams' state from Redis, the
+        engine's pools, the models called, the answers fused, their evidence, the messages."""
         self.swap_policy()
         out = BatchOutput()
         started = lap = time.perf_counter()
@@ -130,29 +132,12 @@ class FocalWorker(Worker):
             lap = now
 
         streams = sorted({q.stream for q in queries})
-        engine = self.engine
-        try:
-            engine.load_state(*await self.windows.load_with_pools(streams, fits=engine.calibrations is not None))
-        except (RedisError, OSError) as exc:
-            self.stats.cold_window_batches += 1
-            log.warning("Redis unreachable (%s): answering with cold windows", exc)
-            engine.reset_windows()
+        await self._load_state(streams)
         stage("window_read")
-        caps = [q.budget for q in queries]
-        probes, explored = engine.coins(caps)
-        decisions = engine.decide_batch(
-            [(q.stream, len(q.choices) if q.choices else 0, p, not e) for q, p, e in zip(queries, probes, explored)],
-            caps if any(cap is not None for cap in caps) else None,
-        )
-        try:
-            await self.windows.save_pools(
-                {stream: engine.previous_pool[stream] for stream in streams if stream in engine.previous_pool}
-            )
-        except (RedisError, OSError) as exc:
-            log.warning("Redis unreachable (%s): the streams' last pools stay in this worker", exc)
+        probes, decisions = await self._decide(queries, streams)
         candidate, candidate_pools = self._candidate(), None
         if candidate is not None:
-            candidate_pools, out.shadow_calls = shadow_pools(engine, candidate, decisions)
+            candidate_pools, out.shadow_calls = shadow_pools(self.engine, candidate, decisions)
         stage("decide")
         pool_queries, called = [self._pool_query(q) for q in queries], [d.called for d in decisions]
         calls = (
@@ -166,19 +151,20 @@ class FocalWorker(Worker):
         chosen, probs = [decisions[i] for i in answerable], [calls[i].probs for i in answerable]
         answered = [calls[i].answered for i in answerable]
         # every answer's calibrations, once: the served vote, the greedy and shadow votes and the log read them
-        calibrated = engine.calibrated_rows(
+        calibrated = self.engine.calibrated_rows(
             chosen, probs, answered if self.ope_logging else [fused_pools[i] for i in answerable]
         )
         fused = (
-            engine.fuse_batch([replace(d, pool=fused_pools[i]) for d, i in zip(chosen, answerable)], probs, calibrated)
+            self.engine.fuse_batch(
+                [replace(d, pool=fused_pools[i]) for d, i in zip(chosen, answerable)], probs, calibrated
+            )
             if answerable
             else []
         )
         stage("fuse")
-        answers = dict(zip(answerable, fused))
         found = (
             evidence(
-                engine,
+                self.engine,
                 chosen,
                 probs,
                 answered,
@@ -192,15 +178,43 @@ class FocalWorker(Worker):
             if self.ope_logging
             else []
         )
-        logged = dict(zip(answerable, found))
         stage("evidence")
-        latency = 1000 * (time.perf_counter() - started)
-        timing = (latency, 1000 * out.stages["pool_call"], started_ns)
+        answers, logged = dict(zip(answerable, fused)), dict(zip(answerable, found))
+        timing = (1000 * (time.perf_counter() - started), 1000 * out.stages["pool_call"], started_ns)
         for i, q in enumerate(queries):
             behaviour, shadow = logged.get(i, (None, None))
             self._outputs(q, decisions[i], calls[i], fused_pools[i], answers.get(i), timing, out, behaviour, shadow)
         stage("messages")
         return out
+
+    async def _load_state(self, streams: list[str]) -> None:
+        """The streams' windows, last pools and calibration fits from Redis into the engine (cold windows, and the
+        worker answering on, while Redis is unreachable)."""
+        try:
+            self.engine.load_state(
+                *await self.windows.load_with_pools(streams, fits=self.engine.calibrations is not None)
+            )
+        except (RedisError, OSError) as exc:
+            self.stats.cold_window_batches += 1
+            log.warning("Redis unreachable (%s): answering with cold windows", exc)
+            self.engine.reset_windows()
+
+    async def _decide(self, queries: list[Query], streams: list[str]) -> tuple[list[bool], list]:
+        """The engine's coins and pools for the batch (each query's budget a cap), and the streams' last pools saved
+        for the next batch, whichever worker takes it. Returns each query's probe coin and its decision."""
+        engine, caps = self.engine, [q.budget for q in queries]
+        probes, explored = engine.coins(caps)
+        decisions = engine.decide_batch(
+            [(q.stream, len(q.choices) if q.choices else 0, p, not e) for q, p, e in zip(queries, probes, explored)],
+            caps if any(cap is not None for cap in caps) else None,
+        )
+        try:
+            await self.windows.save_pools(
+                {stream: engine.previous_pool[stream] for stream in streams if stream in engine.previous_pool}
+            )
+        except (RedisError, OSError) as exc:
+            log.warning("Redis unreachable (%s): the streams' last pools stay in this worker", exc)
+        return probes, decisions
 
     def _pool_query(self, q: Query) -> PoolQuery:
         if q.choices is None:
