@@ -215,7 +215,7 @@ def load(
     """Play a dataset (or open-ended tasks) as live traffic through a running service and print live accuracy."""
     import asyncio
 
-    from rlens.local.load import BrokerUnreachable, TrafficError, play, probe_broker, traffic_of
+    from rlens.local.load import SEND_TRIES, BrokerUnreachable, TrafficError, play, probe_broker, traffic_of
     from rlens.local.stack import client_settings
 
     try:
@@ -253,7 +253,9 @@ def load(
     console.print(
         f"answered {report.answered} of {len(traffic)} in {report.elapsed_s:.1f} s; accuracy {100 * report.accuracy:.1f} %; {report.duplicates} duplicate answers"
     )
-    if report.answered < len(traffic):
+    if report.send_failures:
+        console.print(f"{report.send_failures} queries or feedback the broker refused {SEND_TRIES} times (logged)")
+    if report.answered < len(traffic) or report.send_failures:
         raise typer.Exit(1)
 
 

@@ -9,12 +9,15 @@ text is exactly the reference. Queries go out at ``rate`` per second.
 When a query's first answer arrives, its feedback (the label, or the reference text, with the answer's feedback
 token) is sent ``feedback_delay_s`` later.
 Answers are counted once per query id (duplicates are counted apart). The run ends when every query is answered
-and every feedback sent, or when no answer came for ``idle_timeout_s``.
+and every feedback sent, or when no answer came for ``idle_timeout_s``. A query or feedback the broker refuses (one
+restarted empty refuses the first records of a topic it makes again) is sent again, :data:`SEND_TRIES` times in
+all; one refused every time is counted (``send_failures``) and logged, never dropped unseen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import time
@@ -25,6 +28,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
 from rlens.records.recorded import RecordedDataset
@@ -34,6 +38,8 @@ from rlens.settings import Settings
 from rlens.zoo.tasks import GenerationTask, exact_match
 
 Outcome = int | str  # the correct choice's position, or the reference text of an open-ended query
+SEND_TRIES = 5  # tries of a record the broker refuses, 0.2 s apart and doubling
+log = logging.getLogger("rlens.load")
 
 
 @dataclass
@@ -44,6 +50,7 @@ class LoadReport:
     duplicates: int = 0
     no_answer: int = 0  # answers with failures and nothing answered
     feedback_sent: int = 0
+    send_failures: int = 0  # queries and feedback the broker refused SEND_TRIES times (logged)
     latencies_ms: list[float] = field(default_factory=list)  # send -> answer received
     answered_at: list[float] = field(default_factory=list)  # seconds from the start of play to each answer
     outcomes: list[bool] = field(default_factory=list)  # in arrival order
@@ -141,6 +148,28 @@ def feedback_for(answer: Answer, outcome: Outcome) -> Feedback:
     return Feedback(**common, reference=outcome) if isinstance(outcome, str) else Feedback(**common, label=outcome)
 
 
+async def send_surely(
+    producer: AIOKafkaProducer,
+    topic: str,
+    value: bytes,
+    key: bytes,
+    report: LoadReport,
+    first_error: BaseException | None = None,
+) -> bool:
+    """One record, tried until the broker has it (SEND_TRIES in all; ``first_error``: the first try failed already).
+    False, logged and counted in ``report``, when every try failed."""
+    for attempt in range(1 if first_error else 0, SEND_TRIES):
+        await asyncio.sleep(0.2 * 2 ** (attempt - 1) if attempt else 0)
+        try:
+            await producer.send_and_wait(topic, value, key=key)
+            return True
+        except KafkaError as exc:
+            first_error = exc
+    report.send_failures += 1
+    log.warning("%s: record %s refused %d times: %r", topic, key.decode(), SEND_TRIES, first_error)
+    return False
+
+
 async def play(
     settings: Settings,
     traffic: list[tuple[Query, Outcome]],
@@ -180,12 +209,19 @@ async def play(
     feedback_tasks: set[asyncio.Task] = set()  # those not done yet
     start = time.perf_counter()
 
+    resends: set[asyncio.Task] = set()  # queries the broker refused, being sent again
+
+    def resend_if_refused(topic: str, value: bytes, key: bytes, sent: asyncio.Future) -> None:
+        if not sent.cancelled() and isinstance(error := sent.exception(), KafkaError):
+            task = asyncio.ensure_future(send_surely(producer, topic, value, key, report, error))
+            resends.add(task)
+            task.add_done_callback(resends.discard)
+
     async def send_feedback(answer: Answer, outcome: Outcome) -> None:
         await asyncio.sleep(feedback_delay_s)
-        await producer.send_and_wait(
-            topics.feedback, feedback_for(answer, outcome).model_dump_json().encode(), key=answer.query_id.encode()
-        )
-        report.feedback_sent += 1
+        body = feedback_for(answer, outcome).model_dump_json().encode()
+        if await send_surely(producer, topics.feedback, body, answer.query_id.encode(), report):
+            report.feedback_sent += 1
 
     async def send_queries() -> None:
         for i, (query, _) in enumerate(traffic):
@@ -200,11 +236,9 @@ async def play(
                 await asyncio.sleep(delay)
             now = time.time()
             sent_at[query.query_id] = time.perf_counter()
-            await producer.send(
-                topics.queries,
-                query.model_copy(update={"sent_at": now}).model_dump_json().encode(),
-                key=query.query_id.encode(),
-            )
+            body, key = query.model_copy(update={"sent_at": now}).model_dump_json().encode(), query.query_id.encode()
+            sent = await producer.send(topics.queries, body, key=key)  # not awaited: the producer batches them
+            sent.add_done_callback(functools.partial(resend_if_refused, topics.queries, body, key))
             report.sent += 1
         await producer.flush()
 
@@ -244,7 +278,7 @@ async def play(
             if sender.done() and (error := sender.exception()) is not None:
                 raise error
         await sender
-        await asyncio.gather(*feedback_tasks)
+        await asyncio.gather(*feedback_tasks, *resends)
     finally:
         gc.callbacks.remove(pauses)
         gc.unfreeze()
