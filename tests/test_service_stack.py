@@ -430,6 +430,51 @@ def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path
 
 
 @own_broker_only
+def test_rlens_load_sends_a_record_the_broker_refused_again():
+    """Issue 60: tansu restarted empty refuses a producer's second record to a topic it knew before the restart
+    (UnknownError), and `rlens load` dropped such a feedback without a word (its task's error was never read): the
+    learner then held an experience whose feedback never came. A refused record is sent again, and one refused
+    every time is counted."""
+    from aiokafka.errors import UnknownError
+
+    from rlens.local.load import LoadReport, send_surely
+
+    broker = LocalBroker()
+
+    async def scenario() -> tuple[list[str], LoadReport]:
+        nonlocal broker
+        producer = AIOKafkaProducer(bootstrap_servers=broker.bootstrap)
+        await producer.start()
+        try:
+            await producer.send_and_wait("fb", b"before", key=b"k")
+            port = broker.port
+            broker.stop()
+            broker = LocalBroker(port)  # memory storage: the topic is gone
+            plain = []
+            for value in (b"a", b"b"):
+                try:
+                    await producer.send_and_wait("fb", value, key=b"k")
+                    plain.append("ok")
+                except UnknownError:
+                    plain.append("refused")
+            broker.stop()
+            broker = LocalBroker(port)  # the same again, each record tried until the broker has it
+            report = LoadReport()
+            sent = [await send_surely(producer, "fb", value, b"k", report) for value in (b"a", b"b")]
+            assert sent == [True, True]
+            return plain, report
+        finally:
+            await producer.stop()
+
+    try:
+        plain, report = asyncio.run(scenario())
+    finally:
+        broker.stop()
+    assert plain == ["ok", "refused"]  # what a single try meets (the second record to the same partition)
+    assert report.send_failures == 0
+
+
+@own_broker_only
 def test_policies_published_after_the_broker_restarts_empty_reach_the_workers(tmp_path, zoo):
     """Issue 60: a policy subscriber had read the policy topic up to some offset when the broker restarted empty.
     tansu answers a fetch past a log's end with nothing, so a subscriber that kept its old position skipped the new
@@ -924,6 +969,36 @@ def test_topics_take_the_records_rlens_sends_and_a_smaller_existing_one_is_named
     assert limits[topics.policy] == MAX_MESSAGE_BYTES and limits[topics.answers] == MAX_RECORD_BYTES
     assert limits[topics.drift] < MAX_RECORD_BYTES
     assert f"topic {topics.drift} takes records of at most {limits[topics.drift]} bytes" in caplog.text
+
+
+@pytest.mark.skipif(EXTERNAL is None, reason="tansu keeps no topic settings: a real Kafka test")
+def test_topics_a_producer_made_with_the_brokers_defaults_are_named_once(caplog):
+    """Issue 60: a broker that lost its topics makes them again on a producer's first record, with its own defaults
+    (Apache Kafka: one partition, records deleted with age). The service names such topics, once per process: a
+    worker beyond their partitions takes no queries, and a spending topic that is not compacted loses what keys
+    spent."""
+    config = own_prefixes(settings().updated({"kafka_bootstrap": EXTERNAL}))
+    topics = Topics.from_settings(config)
+
+    async def scenario() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=EXTERNAL)
+        await producer.start()
+        try:
+            for topic in (topics.experience, topics.spending):
+                await producer.send_and_wait(topic, b"{}")  # the broker makes it, with its defaults
+        finally:
+            await producer.stop()
+        await ensure_topics(config, partitions=4)
+        await ensure_topics(config, partitions=4)
+
+    with caplog.at_level("WARNING", logger="rlens.kafka"):
+        asyncio.run(scenario())
+    named = [r.getMessage() for r in caplog.records if r.name == "rlens.kafka"]
+    assert [m for m in named if m.startswith(f"topic {topics.experience} has 1 partition(s)")], named
+    assert [m for m in named if m.startswith(f"topic {topics.spending} is not compacted")], named
+    # once each (the second look names nothing again), and no other topic: the service made the rest itself
+    assert len(named) == len(set(named)) and {m.split()[1] for m in named} == {topics.experience, topics.spending}
+    assert asyncio.run(topic_partitions(config))[topics.answers] == 4
 
 
 def test_producers_are_idempotent_wherever_the_broker_offers_them():

@@ -412,6 +412,7 @@ async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[st
     from aiokafka.errors import TopicAlreadyExistsError
 
     topics = Topics.from_settings(settings)
+    one_partition = (topics.policy, topics.drift, topics.spending, *extra)
     admin = AIOKafkaAdminClient(**client_options(settings))
     await admin.start()
     try:
@@ -420,7 +421,7 @@ async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[st
         wanted = [
             NewTopic(
                 t,
-                1 if t in (topics.policy, topics.drift, topics.spending, *extra) else partitions,
+                1 if t in one_partition else partitions,
                 replication,
                 topic_configs=topic_configs(
                     t == topics.policy, replication, settings.learner.policy_keep_bytes, t == topics.spending
@@ -434,35 +435,92 @@ async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[st
                 await admin.create_topics(wanted)
             except TopicAlreadyExistsError:
                 pass
-        await _check_limits(admin, [t for t in (*vars(topics).values(), *extra) if t in existing], topics.policy)
+        found = [t for t in (*vars(topics).values(), *extra) if t in existing]
+        await _check_partitions(admin, [t for t in found if t not in one_partition], partitions)
+        await _check_limits(admin, found, topics.policy, topics.spending)
     finally:
         await admin.close()
 
 
-async def _check_limits(admin: Any, names: list[str], policy: str) -> None:
+_warned: set[tuple[str, str]] = set()  # (topic, what): each found wrong once per process, not at every look
+
+
+def _warn_once(topic: str, what: str, line: str, *args: Any) -> None:
+    if (topic, what) not in _warned:
+        _warned.add((topic, what))
+        log.warning(line, *args)
+
+
+async def _check_partitions(admin: Any, names: list[str], partitions: int) -> None:
+    """Warn about per-query topics that existed already with fewer partitions than rlens makes them with: a worker
+    beyond their count takes no queries. A broker that lost its topics makes them again, on a producer's first
+    record, with its own default (Apache Kafka's ``num.partitions`` is 1)."""
+    if not names:
+        return
+    try:
+        described = await admin.describe_topics(names)
+    except Exception as exc:  # an ACL without Describe
+        log.debug("topic partitions not checked: %s", exc)
+        return
+    for topic in described:
+        count = len(topic.get("partitions") or [])
+        if topic.get("error_code") == 0 and 0 < count < partitions:
+            _warn_once(
+                topic["topic"],
+                "partitions",
+                "topic %s has %d partition(s), fewer than the %d rlens makes (RLENS_KAFKA_PARTITIONS): workers beyond "
+                "%d take no queries (a broker that lost its topics makes them again, on a producer's first record, "
+                "with its own default); raise them: kafka-topics.sh --alter --topic %s --partitions %d",
+                topic["topic"],
+                count,
+                partitions,
+                count,
+                topic["topic"],
+                partitions,
+            )
+
+
+async def _check_limits(admin: Any, names: list[str], policy: str, spending: str) -> None:
     """Warn about topics that existed already and take smaller records than rlens sends (a real cluster's default
-    is 1 MB; RLAE-MAPPO policies are up to 3.3 MB). Brokers that do not describe topic settings are not checked."""
+    is 1 MB; RLAE-MAPPO policies are up to 3.3 MB), and about a spending topic that is not compacted (its records
+    would be deleted with age, and with them what API keys spent). Brokers that do not describe topic settings are
+    not checked."""
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
     if not names:
         return
     try:
         described = await admin.describe_configs(
-            [ConfigResource(ConfigResourceType.TOPIC, n, configs={"max.message.bytes": None}) for n in names]
+            [
+                ConfigResource(ConfigResourceType.TOPIC, n, configs={"max.message.bytes": None, "cleanup.policy": None})
+                for n in names
+            ]
         )
     except Exception as exc:  # tansu, or an ACL without DescribeConfigs
         log.debug("topic settings not checked: %s", exc)
         return
     for response in described:
         for _, _, _, name, entries in response.resources:
-            limit = next((int(value) for key, value, *_ in entries if key == "max.message.bytes"), None)
+            values = {key: value for key, value, *_ in entries}
+            limit = int(values["max.message.bytes"]) if values.get("max.message.bytes") else None
             needed = MAX_MESSAGE_BYTES if name == policy else MAX_RECORD_BYTES
             if limit is not None and limit < needed:
-                log.warning(
+                _warn_once(
+                    name,
+                    "max.message.bytes",
                     "topic %s takes records of at most %d bytes; rlens sends up to %d there: raise its max.message.bytes",
                     name,
                     limit,
                     needed,
+                )
+            if name == spending and values.get("cleanup.policy") not in (None, "compact"):
+                _warn_once(
+                    name,
+                    "cleanup.policy",
+                    "topic %s is not compacted (cleanup.policy=%s): what API keys spent is deleted with age; set "
+                    "cleanup.policy=compact and retention.ms=-1",
+                    name,
+                    values["cleanup.policy"],
                 )
 
 
@@ -491,15 +549,21 @@ class TopicRestorer:
 
 
 async def keep_topics(
-    settings: Settings, names: tuple[str, ...], extra: tuple[str, ...] = (), every_s: float = 2.0
+    settings: Settings,
+    names: tuple[str, ...],
+    extra: tuple[str, ...] = (),
+    every_s: float = 2.0,
+    check_every_s: float = 60.0,
 ) -> None:
     """A task: every ``every_s``, whether ``names`` (and the ``extra`` one-partition topics) still exist; when one is
     gone (a broker restarted empty), the service's topics and the ``extra`` ones are made again, so a process that
     only reads its own topic (a gateway's reply topic) or publishes to one is not left waiting on a topic nobody
-    makes."""
+    makes. Every ``check_every_s`` the topics are ensured anyway, which names any a producer's first record made
+    again with the broker's defaults (fewer partitions, smaller records: :func:`ensure_topics`)."""
     from aiokafka.admin import AIOKafkaAdminClient
 
     admin: AIOKafkaAdminClient | None = None
+    checked = time.monotonic()
     try:
         while True:
             await asyncio.sleep(every_s)
@@ -513,6 +577,8 @@ async def keep_topics(
                         "topics %s are gone (the broker restarted empty?): making them again",
                         ", ".join(sorted(missing)),
                     )
+                if missing or time.monotonic() - checked >= check_every_s:
+                    checked = time.monotonic()
                     await ensure_topics(settings, settings.kafka.partitions, extra=extra)
             except Exception as exc:  # the broker is down: the next look tries again
                 log.debug("topics not checked: %r", exc)

@@ -23,6 +23,7 @@ from rlens.service.common.kafka import (
     app_logger,
     SUBSCRIBER,
     holds_nothing,
+    keep_topics,
     woken_by_records,
     make_broker,
     parse_or_dead_letter,
@@ -78,7 +79,7 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         **group_options(settings),
     }
     experience_model = core.trainer.experience if core else EXPERIENCE[settings.service.strategy]
-    background: list[asyncio.Task] = []  # the lease's renewal, idle checkpoints, the log-end watch
+    background: list[asyncio.Task] = []  # the lease's renewal, idle checkpoints, the log-end watch, the topics
 
     experience = woken_by_records(
         broker.subscriber(
@@ -136,6 +137,8 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
                 asyncio.create_task(keep_lease(settings, live)),
                 asyncio.create_task(batches.checkpoint_when_idle()),
                 asyncio.create_task(batches.watch_logs()),
+                # a broker that lost its topics: made again, and named if a producer made them with its defaults
+                asyncio.create_task(keep_topics(settings, (topics.experience, topics.feedback, topics.policy))),
             ]
         )
 
