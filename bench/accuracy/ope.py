@@ -1,12 +1,13 @@
 """How well off-policy evaluation estimates policies it did not log, where the truth is known (issue 35, item 2).
 
-    python -m bench.accuracy.ope [--data DIR ...] [--seeds 0 1 2] [--calibration-rows 200] [--greedy]
-        [--probe-rate 0.05] [--out bench/out/ope.json]
+    python -m bench.accuracy.ope [--data DIR|synthetic-plain|synthetic-families ...] [--seeds 0 1 2]
+        [--calibration-rows 200] [--greedy] [--probe-rate 0.05] [--out bench/out/ope.json]
 
 Recorded data holds every model's answer to every question, so a stream can be logged under one policy and, on the
 very same contexts, every other policy's reward and accuracy computed exactly. Per dataset: the candidate policies are
-trained (warm start, Algorithm 1) on the tuning half of the tasks (:func:`rlens.evaluation.protocols.task_half`);
-the logging policy, RL-Focal warm-started there with the seed, then serves the other half online (Algorithm 2: 5 %
+trained (warm start, Algorithm 1) on the tuning half of the tasks (:func:`rlens.evaluation.protocols.task_half`),
+or, on a stream of one task, on its first third (:func:`halves`); the logging policy, RL-Focal warm-started there
+with the seed, then serves the rest online (Algorithm 2: 5 %
 of queries explored, 5 % probes or ``--probe-rate``, feedback at once) and logs what a worker logs (its pool, answer and propensity,
 the answers of the models it called, the window statistics). Each candidate is then estimated from that log alone,
 and its true value computed with every answer known. Candidates (21 with 5 models): RL-Focal warm-started with seeds
@@ -17,7 +18,9 @@ interval coverage over candidates and seeds, and the Spearman correlation of est
 (``RLENS_FOCAL_CALIBRATION_ROWS``), and logs each called model's calibrated distribution; every candidate is then
 judged as it would serve there, with the vote. Candidates are judged as they would serve (the estimates and the truth
 alike: their greedy action on the greedy share, a sample of their Fusion on the explored share, as the gate judges
-them); ``--greedy``: on their greedy actions alone.
+them); ``--greedy``: on their greedy actions alone. ``synthetic-plain`` and ``synthetic-families`` are issue 57's long
+single-task validation sets (10,000 questions, 11 models, seed 0; the second with the models in 3 families that share
+their mistakes: :mod:`bench.accuracy.long_streams`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from bench.common.machine import machine_facts  # noqa: E402
 from rlens.records.dataset import load_dataset  # noqa: E402
 from rlens.evaluation.logged import FixedPool, FocalPolicy, LoggedQuery, Policy, evaluate, true_value  # noqa: E402
 from rlens.evaluation.protocols import task_half  # noqa: E402
+from rlens.evaluation.synthetic import synthetic_dataset  # noqa: E402
 from rlens.records.recorded import RecordedDataset  # noqa: E402
 from rlens.focal.config import FocalConfig  # noqa: E402
 from rlens.focal.engine import FocalEngine  # noqa: E402
@@ -46,6 +50,26 @@ from rlens.focal.schedule import questions, run_online, warm_start  # noqa: E402
 from rlens.settings import settings  # noqa: E402
 
 ESTIMATORS = ("exact", "replay", "ips", "snips", "dr")
+
+
+SYNTHETIC = {
+    "synthetic-plain": lambda: synthetic_dataset(10_000, 11, seed=0),
+    "synthetic-families": lambda: synthetic_dataset(10_000, 11, seed=0, families=3),
+}
+
+
+def dataset(name: str) -> RecordedDataset:
+    """A recorded dataset directory, or one of the synthetic long single-task streams by name."""
+    return SYNTHETIC[name]() if name in SYNTHETIC else load_dataset(Path(name))
+
+
+def halves(data: RecordedDataset) -> tuple[RecordedDataset, RecordedDataset]:
+    """(what the candidates and the logging policy are trained on, what is logged): the tuning and the holdout
+    half of the tasks; a stream of one task, its first third and the rest, in stream order."""
+    if len(np.unique(data.task)) > 1:
+        return task_half(data, "tune"), task_half(data, "holdout")
+    third = data.n_questions // 3
+    return data.subset(np.arange(third)), data.subset(np.arange(third, data.n_questions))
 
 
 def trained(data: RecordedDataset, seed: int, **config) -> FocalEngine:
@@ -130,7 +154,10 @@ def main() -> None:
     parser = arguments(__doc__)
     default = [str(settings().service.shared_data / "bbh_dev"), str(settings().service.demo_data)]
     parser.add_argument(
-        "--data", nargs="+", default=default, help="recorded datasets (default: bbh_dev, the bundled stream)"
+        "--data",
+        nargs="+",
+        default=default,
+        help=f"recorded datasets, or {' / '.join(SYNTHETIC)} (default: bbh_dev, the bundled stream)",
     )
     parser.add_argument(
         "--calibration-rows",
@@ -152,8 +179,8 @@ def main() -> None:
     print(machine_facts())
     rows, summary = [], {}
     for path in args.data:
-        data = load_dataset(Path(path))
-        train, test = task_half(data, "tune"), task_half(data, "holdout")
+        data = dataset(path)
+        train, test = halves(data)
         started = time.perf_counter()
         policies = candidates(train)
         print(
