@@ -11,7 +11,7 @@ from typing import Any, cast
 
 from faststream import AckPolicy
 from faststream.asgi import AsgiFastStream
-from faststream.kafka import KafkaMessage
+from faststream.kafka import KafkaBroker, KafkaMessage
 from prometheus_client import CollectorRegistry
 
 from rlens.messages import EXPERIENCE, DeadLetter, DriftEvent, Feedback, Policy
@@ -41,34 +41,28 @@ from rlens.settings import Settings
 log = logging.getLogger("rlens.learner")
 
 
-def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFastStream:
-    """Subscribers on ``experience`` and ``feedback`` (one group, manual commits up to the checkpointed offsets), and
-    the HTTP side.
+def publishers(broker: KafkaBroker, topics: Topics) -> tuple[Any, Any, Any]:
+    """The learner's publishers: policies, dead letters, drift events."""
+    return (
+        typed_publisher(
+            broker, topics.policy, Policy, "learner", "a new version of every agent's weights after each update"
+        ),
+        typed_publisher(
+            broker,
+            topics.dead_letter,
+            DeadLetter,
+            "learner",
+            "feedback and experience that could not be used, with the reason",
+        ),
+        typed_publisher(
+            broker, topics.drift, DriftEvent, "learner", "a change found in one signal of one stream (rlens.drift)"
+        ),
+    )
 
-    ``core`` None builds the app only to generate the AsyncAPI document (no handler runs then).
-    """
-    live = cast(LearnerCore, core)  # what the handlers use: they run only in a real learner
-    registry = CollectorRegistry()
-    metrics = LearnerMetrics(registry, StreamLabels(settings.metrics.streams))
-    if core is not None and settings.metrics.enabled:
-        core.metrics = metrics
-        metrics.checkpoint_age.set_function(lambda: time.monotonic() - core.last_checkpoint)
-    topics = Topics.from_settings(settings)
-    broker = make_broker(settings)
-    policies = typed_publisher(
-        broker, topics.policy, Policy, "learner", "a new version of every agent's weights after each update"
-    )
-    dead_letters = typed_publisher(
-        broker,
-        topics.dead_letter,
-        DeadLetter,
-        "learner",
-        "feedback and experience that could not be used, with the reason",
-    )
-    drift_events = typed_publisher(
-        broker, topics.drift, DriftEvent, "learner", "a change found in one signal of one stream (rlens.drift)"
-    )
-    batches = RecordBatches(live, metrics, (policies, dead_letters, drift_events), TopicRestorer(settings))
+
+def record_subscribers(broker: KafkaBroker, settings: Settings, topics: Topics, experience: str) -> tuple[Any, Any]:
+    """The subscribers on ``experience`` (whose messages are the model named ``experience``) and ``feedback``: one
+    consumer group, batches of up to 256 records, offsets committed by hand (up to the checkpointed ones)."""
     options: dict[str, Any] = {
         "group_id": settings.group("learner"),
         "batch": True,
@@ -78,32 +72,29 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         **SUBSCRIBER,
         **group_options(settings),
     }
-    experience_model = core.trainer.experience if core else EXPERIENCE[settings.service.strategy]
-    background: list[asyncio.Task] = []  # the lease's renewal, idle checkpoints, the log-end watch, the topics
-
-    experience = woken_by_records(
-        broker.subscriber(
-            topics.experience,
-            description=f"JSON {experience_model.__name__} messages from the {settings.service.strategy} workers",
-            **options,
-        )
+    return (
+        woken_by_records(
+            broker.subscriber(
+                topics.experience,
+                description=f"JSON {experience} messages from the {settings.service.strategy} workers",
+                **options,
+            )
+        ),
+        woken_by_records(
+            broker.subscriber(
+                topics.feedback,
+                description="JSON Feedback messages: label, reference or reward per query id, any delay, duplicates allowed (schemas/messages/feedback.schema.json)",
+                **options,
+            )
+        ),
     )
-    feedback = woken_by_records(
-        broker.subscriber(
-            topics.feedback,
-            description="JSON Feedback messages: label, reference or reward per query id, any delay, duplicates allowed (schemas/messages/feedback.schema.json)",
-            **options,
-        )
-    )
 
-    @experience
-    async def on_experience(bodies: list[bytes], message: KafkaMessage) -> None:
-        await batches.handle(message, experience_model, topics.experience)
 
-    @feedback
-    async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
-        await batches.handle(message, Feedback, topics.feedback)
-
+def policy_subscriber(
+    broker: KafkaBroker, settings: Settings, topics: Topics, batches: RecordBatches, policies: Any
+) -> Any:
+    """The subscriber on the whole ``policy`` topic (:func:`policy_reader`): each policy to the core, under the
+    batches' lock, and what it answers published."""
     policy_history = broker.subscriber(
         topics.policy,
         **SUBSCRIBER,
@@ -118,8 +109,41 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         if isinstance(policy, DeadLetter):
             return  # the workers dead-letter it
         async with batches.lock:
-            replies = live.on_policy(policy) + live.take_policies()
+            replies = batches.core.on_policy(policy) + batches.core.take_policies()
         await publish(policies, replies)
+
+    return policy_history
+
+
+def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFastStream:
+    """Subscribers on ``experience`` and ``feedback`` (one group, manual commits up to the checkpointed offsets), and
+    the HTTP side.
+
+    ``core`` None builds the app only to generate the AsyncAPI document (no handler runs then).
+    """
+    live = cast(LearnerCore, core)  # what the handlers use: they run only in a real learner
+    registry = CollectorRegistry()
+    metrics = LearnerMetrics(registry, StreamLabels(settings.metrics.streams))
+    if core is not None and settings.metrics.enabled:
+        core.metrics = metrics
+        metrics.checkpoint_age.set_function(lambda: time.monotonic() - core.last_checkpoint)
+    topics = Topics.from_settings(settings)
+    broker = make_broker(settings)
+    policies, dead_letters, drift_events = publishers(broker, topics)
+    batches = RecordBatches(live, metrics, (policies, dead_letters, drift_events), TopicRestorer(settings))
+    experience_model = core.trainer.experience if core else EXPERIENCE[settings.service.strategy]
+    experience, feedback = record_subscribers(broker, settings, topics, experience_model.__name__)
+    background: list[asyncio.Task] = []  # the lease's renewal, idle checkpoints, the log-end watch, the topics
+
+    @experience
+    async def on_experience(bodies: list[bytes], message: KafkaMessage) -> None:
+        await batches.handle(message, experience_model, topics.experience)
+
+    @feedback
+    async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
+        await batches.handle(message, Feedback, topics.feedback)
+
+    policy_history = policy_subscriber(broker, settings, topics, batches, policies)
 
     readiness = Readiness("learner", core.name if core else "", settings_url(settings))
     routes = http_routes(
