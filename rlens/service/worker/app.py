@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import logging
-from typing import cast
+from typing import Any, cast
 
 from faststream import AckPolicy
 from faststream.asgi import AsgiFastStream
-from faststream.kafka import KafkaMessage
+from faststream.kafka import KafkaBroker, KafkaMessage
 from prometheus_client import CollectorRegistry
 
 from rlens.messages import EXPERIENCE, Answer, DeadLetter, Policy
@@ -34,6 +34,25 @@ from rlens.settings import Settings
 log = logging.getLogger("rlens.worker")
 
 
+def declare_publishers(broker: KafkaBroker, topics: Topics, strategy: str) -> Any:
+    """The worker's publishers as the AsyncAPI document shows them (answers and experience go out through
+    :func:`rlens.service.common.kafka.publish_batch`); returns the dead letters' one."""
+    role = f"worker ({strategy})"
+    typed_publisher(
+        broker, topics.answers, Answer, role, "one answer per query (at least once; idempotent by query id)"
+    )
+    typed_publisher(
+        broker, topics.experience, EXPERIENCE[strategy], role, "what the learner needs to train on an answered query"
+    )
+    return typed_publisher(
+        broker,
+        topics.dead_letter,
+        DeadLetter,
+        role,
+        "queries and policies that could not be used, byte for byte, with the reason",
+    )
+
+
 def create_worker_app(
     settings: Settings, core: Worker | None, call_attributes: dict[str, dict] | None = None
 ) -> AsgiFastStream:
@@ -48,24 +67,7 @@ def create_worker_app(
     topics = Topics.from_settings(settings)
     broker = make_broker(settings)
     consumer = f"worker {core.name}" if core else "worker"
-    role = f"worker ({settings.service.strategy})"
-    typed_publisher(
-        broker, topics.answers, Answer, role, "one answer per query (at least once; idempotent by query id)"
-    )
-    typed_publisher(
-        broker,
-        topics.experience,
-        EXPERIENCE[settings.service.strategy],
-        role,
-        "what the learner needs to train on an answered query",
-    )
-    dead_letters = typed_publisher(
-        broker,
-        topics.dead_letter,
-        DeadLetter,
-        role,
-        "queries and policies that could not be used, byte for byte, with the reason",
-    )
+    dead_letters = declare_publishers(broker, topics, settings.service.strategy)
     batches = QueryBatches(settings, live, broker, dead_letters, metrics, consumer, call_attributes or {})
     if core is not None and core.cache is not None and settings.metrics.enabled:
         core.cache.count = lambda model, result: metrics.model_cache.labels(model, result).inc()
