@@ -17,6 +17,7 @@ from pathlib import Path
 from aiokafka.errors import KafkaError
 from fastapi import FastAPI
 from fastapi.telemetry import TelemetryConfig
+from faststream.kafka import KafkaBroker
 from prometheus_client import CollectorRegistry
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -76,6 +77,38 @@ def redis_pool(settings: Settings) -> Redis:
     return Redis(connection_pool=pool)
 
 
+def publishers(broker: KafkaBroker, topics: Topics) -> tuple[Any, Any, Any, Any]:
+    """The gateway's publishers: queries, feedback, dead letters, spending."""
+    return (
+        typed_publisher(
+            broker, topics.queries, Query, "gateway", "the requests, each with reply_to = the replica's reply topic"
+        ),
+        typed_publisher(broker, topics.feedback, Feedback, "gateway", "feedback given through POST /v1/feedback"),
+        typed_publisher(
+            broker, topics.dead_letter, DeadLetter, "gateway", "replies that could not be used, with the reason"
+        ),
+        typed_publisher(
+            broker, topics.spending, Spending, "gateway", "each gateway process's running total per API key and period"
+        ),
+    )
+
+
+async def publish_one(publisher: Any, message: Query | Feedback, restorer: TopicRestorer) -> None:
+    """One message, with the request's trace context in the record's headers (W3C traceparent: the worker's spans
+    join its trace); a publish the broker refuses is tried once more after the topics are made again (a broker
+    restarted empty)."""
+    for last in (False, True):
+        try:
+            await publisher.publish(
+                message.model_dump_json().encode(), key=message.query_id.encode(), headers=trace_carrier() or None
+            )
+            return
+        except KafkaError:
+            if last:
+                raise
+            await restorer.restore()
+
+
 def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> FastAPI:
     """The gateway's ASGI app: the OpenAI routes, feedback and answers, and /metrics, /healthz, /readyz."""
     keys = keys or KeyStore(
@@ -87,36 +120,11 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
     broker = make_broker(settings)
-    queries = typed_publisher(
-        broker, topics.queries, Query, "gateway", "the requests, each with reply_to = the replica's reply topic"
-    )
-    feedback = typed_publisher(broker, topics.feedback, Feedback, "gateway", "feedback given through POST /v1/feedback")
-    dead_letters = typed_publisher(
-        broker, topics.dead_letter, DeadLetter, "gateway", "replies that could not be used, with the reason"
-    )
-    spending = typed_publisher(
-        broker, topics.spending, Spending, "gateway", "each gateway process's running total per API key and period"
-    )
+    queries, feedback, dead_letters, spending = publishers(broker, topics)
     redis = redis_pool(settings)
     marks = RedisWindows(redis, 1, 1, settings.redis.prefix)  # only its readiness mark
 
     restorer = TopicRestorer(settings, every_s=1.0, extra=(reply_topic,))
-
-    async def publish_one(publisher, message) -> None:
-        """One message, with the request's trace context in the record's headers (W3C traceparent: the worker's
-        spans join its trace); a publish the broker refuses is tried once more after the topics are made again
-        (a broker restarted empty)."""
-        for last in (False, True):
-            try:
-                await publisher.publish(
-                    message.model_dump_json().encode(), key=message.query_id.encode(), headers=trace_carrier() or None
-                )
-                return
-            except KafkaError:
-                if last:
-                    raise
-                await restorer.restore()
-
     state = GatewayState(redis, settings.redis.prefix, settings.gateway.retention_s)
     tokens = feedback_tokens(settings)
 
@@ -134,8 +142,8 @@ def create_gateway_app(settings: Settings, keys: KeyStore | None = None) -> Fast
         tokens,
         metrics,
         ledger,
-        lambda q: publish_one(queries, q),
-        lambda f: publish_one(feedback, f),
+        lambda q: publish_one(queries, q, restorer),
+        lambda f: publish_one(feedback, f, restorer),
         reply_topic,
     )
     subscribe_replies(broker, settings, gateway, metrics, dead_letters, reply_topic, name)
