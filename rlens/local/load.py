@@ -9,9 +9,9 @@ text is exactly the reference. Queries go out at ``rate`` per second.
 When a query's first answer arrives, its feedback (the label, or the reference text, with the answer's feedback
 token) is sent ``feedback_delay_s`` later.
 Answers are counted once per query id (duplicates are counted apart). The run ends when every query is answered
-and every feedback sent, or when no answer came for ``idle_timeout_s``. A query or feedback the broker refuses (one
-restarted empty refuses the first records of a topic it makes again) is sent again, :data:`SEND_TRIES` times in
-all; one refused every time is counted (``send_failures``) and logged, never dropped unseen.
+and every feedback sent, or when no answer came for ``idle_timeout_s``. A query or feedback the broker refuses (tansu
+restarted empty refuses a record now and then) is sent again, :data:`SEND_TRIES` times in all; one refused every
+time is counted (``send_failures``) and logged, never dropped unseen.
 """
 
 from __future__ import annotations

@@ -401,17 +401,19 @@ def topic_configs(
     return configs
 
 
-async def ensure_topics(settings: Settings, partitions: int = 4, extra: tuple[str, ...] = ()) -> None:
+async def ensure_topics(settings: Settings, partitions: int | None = None, extra: tuple[str, ...] = ()) -> None:
     """Create the service's topics and the ``extra`` ones (one partition each: a gateway's reply topic).
 
-    The per-query topics (queries, answers, feedback, experience, dead letters) get ``partitions`` partitions: workers
-    share the queries, and the local broker's reads slow down sharply as one partition's log holds more small
-    batches (BENCHMARKS.md, issue 17). The policy, drift and spending topics keep one partition, so their order
-    holds."""
+    The per-query topics (queries, answers, feedback, experience, dead letters) get ``partitions`` partitions (the
+    settings' ``kafka.partitions`` unless given): workers share the queries, and the local broker's reads slow down
+    sharply as one partition's log holds more small batches (BENCHMARKS.md, issue 17). The policy, drift and
+    spending topics keep one partition, so their order holds. Topics that existed already with fewer partitions,
+    smaller records or a spending topic not compacted are named (a warning, once per process)."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import TopicAlreadyExistsError
 
     topics = Topics.from_settings(settings)
+    partitions = settings.kafka.partitions if partitions is None else partitions
     one_partition = (topics.policy, topics.drift, topics.spending, *extra)
     admin = AIOKafkaAdminClient(**client_options(settings))
     await admin.start()
@@ -543,7 +545,7 @@ class TopicRestorer:
             return
         self._last.update(dict.fromkeys(names, now))
         try:
-            await ensure_topics(self.settings, self.settings.kafka.partitions, extra=names[1:])
+            await ensure_topics(self.settings, extra=names[1:])
         except Exception as exc:  # the broker is down: the next failure tries again
             log.warning("could not ensure the topics: %s", exc)
 
@@ -579,7 +581,7 @@ async def keep_topics(
                     )
                 if missing or time.monotonic() - checked >= check_every_s:
                     checked = time.monotonic()
-                    await ensure_topics(settings, settings.kafka.partitions, extra=extra)
+                    await ensure_topics(settings, extra=extra)
             except Exception as exc:  # the broker is down: the next look tries again
                 log.debug("topics not checked: %r", exc)
                 if admin is not None:
