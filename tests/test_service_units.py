@@ -220,7 +220,7 @@ def test_topics_are_made_again_at_most_once_per_pause_each(monkeypatch):
     batch; a topic failing for the first time is made at once."""
     made: list[tuple[str, ...]] = []
 
-    async def ensure(settings, partitions, extra=()):
+    async def ensure(settings, partitions=None, extra=()):
         made.append(extra)
 
     monkeypatch.setattr(kafka, "ensure_topics", ensure)
