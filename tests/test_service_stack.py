@@ -433,8 +433,7 @@ def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path
 def test_rlens_load_sends_a_record_the_broker_refused_again():
     """Issue 60: tansu restarted empty refuses a producer's second record to a topic it knew before the restart
     (UnknownError), and `rlens load` dropped such a feedback without a word (its task's error was never read): the
-    learner then held an experience whose feedback never came. A refused record is sent again, and one refused
-    every time is counted."""
+    learner then held an experience whose feedback never came. A refused record is now sent again."""
     from aiokafka.errors import UnknownError
 
     from rlens.local.load import LoadReport, send_surely
