@@ -187,106 +187,136 @@ async def play(
     service always has that backlog: its maximum rate). ``duration_s``: stop sending after that many seconds, and
     wait for the answers of what was sent."""
     settings = await settle_idempotence(settings)  # as the service's own processes do
-    topics = Topics.from_settings(settings)
-    report = LoadReport()
-    outcomes = {q.query_id: (outcome, q.stream) for q, outcome in traffic}
-    sent_at: dict[str, float] = {}
-    producer = AIOKafkaProducer(
-        bootstrap_servers=settings.kafka.bootstrap,
-        linger_ms=5,
-        acks=-1 if settings.kafka.acks == "all" else 1,  # as the service's own producers
-        enable_idempotence=settings.kafka.idempotence,
-    )
-    consumer = AIOKafkaConsumer(
-        topics.answers,
-        bootstrap_servers=settings.kafka.bootstrap,
-        group_id=None,
-        auto_offset_reset="earliest",
-        fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
-    )
-    await producer.start()
-    await consumer.start()
-    feedback_tasks: set[asyncio.Task] = set()  # those not done yet
-    start = time.perf_counter()
-
-    resends: set[asyncio.Task] = set()  # queries the broker refused, being sent again
-
-    def resend_if_refused(topic: str, value: bytes, key: bytes, sent: asyncio.Future) -> None:
-        if not sent.cancelled() and isinstance(error := sent.exception(), KafkaError):
-            task = asyncio.ensure_future(send_surely(producer, topic, value, key, report, error))
-            resends.add(task)
-            task.add_done_callback(resends.discard)
-
-    async def send_feedback(answer: Answer, outcome: Outcome) -> None:
-        await asyncio.sleep(feedback_delay_s)
-        body = feedback_for(answer, outcome).model_dump_json().encode()
-        if await send_surely(producer, topics.feedback, body, answer.query_id.encode(), report):
-            report.feedback_sent += 1
-
-    async def send_queries() -> None:
-        for i, (query, _) in enumerate(traffic):
-            if duration_s is not None and time.perf_counter() - start >= duration_s:
-                break
-            if before_send is not None:
-                await before_send(i)
-            while max_in_flight is not None and i - report.answered >= max_in_flight:
-                await asyncio.sleep(0.005)
-            delay = start + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            now = time.time()
-            sent_at[query.query_id] = time.perf_counter()
-            body, key = query.model_copy(update={"sent_at": now}).model_dump_json().encode(), query.query_id.encode()
-            sent = await producer.send(topics.queries, body, key=key)  # not awaited: the producer batches them
-            sent.add_done_callback(functools.partial(resend_if_refused, topics.queries, body, key))
-            report.sent += 1
-        await producer.flush()
-
-    sender = asyncio.create_task(send_queries())
-    answered: set[str] = set()
+    player = _Player(settings, traffic, feedback_delay_s, on_answer)
+    await player.producer.start()
+    await player.consumer.start()
+    player.start = time.perf_counter()
+    sender = asyncio.create_task(player.send_queries(rate, before_send, max_in_flight, duration_s))
     gc.freeze()  # the traffic lives to the end: no full collection scans it (0.5 s each for 450,000 queries)
-    gc.callbacks.append(pauses := GcPauses(report.gc_pauses_ms))
-    last_progress = time.perf_counter()
+    gc.callbacks.append(pauses := GcPauses(player.report.gc_pauses_ms))
     try:
-        while (
-            len(answered) < (report.sent if sender.done() else len(traffic))
-            and time.perf_counter() - last_progress < idle_timeout_s
-        ):
-            batch = await consumer.getmany(timeout_ms=200)
-            for records in batch.values():
-                for record in records:
-                    try:
-                        answer = Answer.model_validate_json(record.value)
-                    except ValidationError:
-                        continue
-                    if answer.query_id not in outcomes:
-                        continue  # another run's answer
-                    if answer.query_id in answered:
-                        report.duplicates += 1
-                        continue
-                    answered.add(answer.query_id)
-                    last_progress = time.perf_counter()
-                    outcome, stream = outcomes[answer.query_id]
-                    now = time.perf_counter()
-                    latency_ms = 1000 * (now - sent_at.get(answer.query_id, now))
-                    report.count(answer, is_correct(answer, outcome), stream, latency_ms, now - start)
-                    if answer.feedback_token:  # an answer with no model behind it has nothing to rate
-                        task = asyncio.create_task(send_feedback(answer, outcome))
-                        feedback_tasks.add(task)
-                        task.add_done_callback(feedback_tasks.discard)
-                    on_answer(report)
-            if sender.done() and (error := sender.exception()) is not None:
-                raise error
+        await player.read_answers(sender, idle_timeout_s)
         await sender
-        await asyncio.gather(*feedback_tasks, *resends)
+        await asyncio.gather(*player.feedback_tasks, *player.resends)
     finally:
         gc.callbacks.remove(pauses)
         gc.unfreeze()
         sender.cancel()
-        await consumer.stop()
-        await producer.stop()
-    report.elapsed_s = time.perf_counter() - start
-    return report
+        await player.consumer.stop()
+        await player.producer.stop()
+    player.report.elapsed_s = time.perf_counter() - player.start
+    return player.report
+
+
+class _Player:
+    """One :func:`play`: its producer (queries and feedback) and its consumer of ``answers``, what was sent when,
+    and the report."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        traffic: list[tuple[Query, Outcome]],
+        feedback_delay_s: float,
+        on_answer: Callable[[LoadReport], None],
+    ):
+        self.topics, self.traffic = Topics.from_settings(settings), traffic
+        self.feedback_delay_s, self.on_answer = feedback_delay_s, on_answer
+        self.report = LoadReport()
+        self.outcomes = {q.query_id: (outcome, q.stream) for q, outcome in traffic}
+        self.sent_at: dict[str, float] = {}
+        self.answered: set[str] = set()
+        self.feedback_tasks: set[asyncio.Task] = set()  # those not done yet
+        self.resends: set[asyncio.Task] = set()  # queries the broker refused, being sent again
+        self.start = time.perf_counter()
+        self.producer = AIOKafkaProducer(
+            bootstrap_servers=settings.kafka.bootstrap,
+            linger_ms=5,
+            acks=-1 if settings.kafka.acks == "all" else 1,  # as the service's own producers
+            enable_idempotence=settings.kafka.idempotence,
+        )
+        self.consumer = AIOKafkaConsumer(
+            self.topics.answers,
+            bootstrap_servers=settings.kafka.bootstrap,
+            group_id=None,
+            auto_offset_reset="earliest",
+            fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
+        )
+
+    async def send_queries(
+        self,
+        rate: float,
+        before_send: Callable[[int], Awaitable[None]] | None,
+        max_in_flight: int | None,
+        duration_s: float | None,
+    ) -> None:
+        for i, (query, _) in enumerate(self.traffic):
+            if duration_s is not None and time.perf_counter() - self.start >= duration_s:
+                break
+            if before_send is not None:
+                await before_send(i)
+            while max_in_flight is not None and i - self.report.answered >= max_in_flight:
+                await asyncio.sleep(0.005)
+            delay = self.start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            now = time.time()
+            self.sent_at[query.query_id] = time.perf_counter()
+            body, key = query.model_copy(update={"sent_at": now}).model_dump_json().encode(), query.query_id.encode()
+            sent = await self.producer.send(self.topics.queries, body, key=key)  # not awaited: the producer batches
+            sent.add_done_callback(functools.partial(self._resend_if_refused, self.topics.queries, body, key))
+            self.report.sent += 1
+        await self.producer.flush()
+
+    def _resend_if_refused(self, topic: str, value: bytes, key: bytes, sent: asyncio.Future) -> None:
+        if not sent.cancelled() and isinstance(error := sent.exception(), KafkaError):
+            task = asyncio.ensure_future(send_surely(self.producer, topic, value, key, self.report, error))
+            self.resends.add(task)
+            task.add_done_callback(self.resends.discard)
+
+    async def read_answers(self, sender: asyncio.Task, idle_timeout_s: float) -> None:
+        """Every query's first answer, until every query sent is answered (all of them while ``sender`` still
+        sends) or none came for ``idle_timeout_s``; a failed ``sender`` raises here."""
+        last_progress = time.perf_counter()
+        while (
+            len(self.answered) < (self.report.sent if sender.done() else len(self.traffic))
+            and time.perf_counter() - last_progress < idle_timeout_s
+        ):
+            batch = await self.consumer.getmany(timeout_ms=200)
+            for records in batch.values():
+                for record in records:
+                    if self._take(record.value):
+                        last_progress = time.perf_counter()
+            if sender.done() and (error := sender.exception()) is not None:
+                raise error
+
+    def _take(self, value: bytes) -> bool:
+        """Count a record of ``answers``, and send its feedback; False when it is no first answer of this play."""
+        try:
+            answer = Answer.model_validate_json(value)
+        except ValidationError:
+            return False
+        if answer.query_id not in self.outcomes:
+            return False  # another run's answer
+        if answer.query_id in self.answered:
+            self.report.duplicates += 1
+            return False
+        self.answered.add(answer.query_id)
+        outcome, stream = self.outcomes[answer.query_id]
+        now = time.perf_counter()
+        latency_ms = 1000 * (now - self.sent_at.get(answer.query_id, now))
+        self.report.count(answer, is_correct(answer, outcome), stream, latency_ms, now - self.start)
+        if answer.feedback_token:  # an answer with no model behind it has nothing to rate
+            task = asyncio.create_task(self._send_feedback(answer, outcome))
+            self.feedback_tasks.add(task)
+            task.add_done_callback(self.feedback_tasks.discard)
+        self.on_answer(self.report)
+        return True
+
+    async def _send_feedback(self, answer: Answer, outcome: Outcome) -> None:
+        await asyncio.sleep(self.feedback_delay_s)
+        body = feedback_for(answer, outcome).model_dump_json().encode()
+        if await send_surely(self.producer, self.topics.feedback, body, answer.query_id.encode(), self.report):
+            self.report.feedback_sent += 1
 
 
 class GcPauses:
