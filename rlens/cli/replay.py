@@ -20,6 +20,7 @@ from rlens.settings import settings
 
 if TYPE_CHECKING:
     from rlens.evaluation.replay import Numerics
+    from rlens.evaluation.results import ReplayResults
     from rlens.focal.schedule import Reaction
 
 
@@ -56,14 +57,7 @@ def run_replay(
         f"[bold]{dataset.name}[/]: {dataset.n_questions} questions, {dataset.n_models} models, {len(dataset.task_names)} tasks; protocol {protocol.value}, seed {seed}"
     )
     if config.budget is not None:
-        from rlens.focal.budget import lowest_spending
-
-        floor = lowest_spending(dataset.model_costs / dataset.model_costs.sum(), config.probe_rate)
-        if config.budget < floor:
-            errors.print(
-                f"note: --budget {config.budget:g} is below the least this pool can spend ({floor:.3f}: its cheapest "
-                "model alone, and the probes); RL-Focal will spend about that"
-            )
+        _note_a_budget_below_the_floor(config.budget, config.probe_rate, dataset.model_costs)
     try:
         with progress_bar(console) as bar:
             stages = "warm start + online" if protocol == Protocol.paper else "online from a cold start"
@@ -93,25 +87,41 @@ def run_replay(
     if saving.is_file():
         paths.append(saving.replace(out / POLICY_FILE))
 
-    table = Table(title=f"{dataset.name} — {protocol.value} protocol, {result.results.n_test} test questions")
+    _print_results(result.results, dataset.name, protocol, one_stream=bool(drift and drift.one_stream))
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+
+
+def _note_a_budget_below_the_floor(budget: float, probe_rate: float, costs) -> None:
+    from rlens.focal.budget import lowest_spending
+
+    floor = lowest_spending(costs / costs.sum(), probe_rate)
+    if budget < floor:
+        errors.print(
+            f"note: --budget {budget:g} is below the least this pool can spend ({floor:.3f}: its cheapest "
+            "model alone, and the probes); RL-Focal will spend about that"
+        )
+
+
+def _print_results(results: ReplayResults, name: str, protocol: Protocol, one_stream: bool) -> None:
+    """Every method's accuracy and calls, best first, and what drift detection found at the task switches."""
+    table = Table(title=f"{name} — {protocol.value} protocol, {results.n_test} test questions")
     table.add_column("method")
     table.add_column("accuracy %", justify="right")
     table.add_column("calls / query", justify="right")
-    for name, method in sorted(result.results.methods.items(), key=lambda item: -item[1].accuracy):
-        style = "bold green" if name == "rl_focal" else None
-        table.add_row(name, f"{100 * method.accuracy:.1f}", f"{method.mean_models_called:.2f}", style=style)
+    for method_name, method in sorted(results.methods.items(), key=lambda item: -item[1].accuracy):
+        style = "bold green" if method_name == "rl_focal" else None
+        table.add_row(method_name, f"{100 * method.accuracy:.1f}", f"{method.mean_models_called:.2f}", style=style)
     console.print(table)
-    if (found := result.results.drift) is not None and found.switches:
+    if (found := results.drift) is not None and found.switches:
         console.print(
             f"drift: {len(found.detections)} detections, {found.switches - found.missed_switches} of {found.switches} task switches detected, "
             f"{found.false_alarms_per_1000:.1f} false alarms per 1,000 questions (report.md)"
         )
-        if not (drift and drift.one_stream):
+        if not one_stream:
             console.print(
                 "  (each task had its own window, so a switch was known, not drift to detect; --one-stream plays the "
                 "stream under one key, as the service does when it is not told the task)"
             )
-    console.print("wrote " + ", ".join(str(p) for p in paths))
 
 
 WORKERS = typer.Option(min(2, os.cpu_count() or 1), min=1, help="processes for the RL-Focal variants")

@@ -255,18 +255,41 @@ def replay(
     )
 
     valid_positions = [np.flatnonzero(row) for row in test.choice_mask]
-    answers: dict[str, np.ndarray] = {}
-    calls: dict[str, float] = {}
-    descriptions: dict[str, str] = {}
-    for variant in variants:
-        trace = traces[variant]
-        answers[variant] = np.array([valid_positions[i][a] for i, a in enumerate(trace.answers)])
-        calls[variant] = float(trace.models_called.mean())
-        descriptions[variant] = RL_VARIANTS[variant][1]
+    found = {
+        variant: (
+            np.array([valid_positions[i][a] for i, a in enumerate(traces[variant].answers)]),
+            float(traces[variant].models_called.mean()),
+            RL_VARIANTS[variant][1],
+        )
+        for variant in variants
+    }
+    found.update(_baselines(data, warm, test, protocol))
+    main = traces.get("rl_focal") or next(iter(traces.values()))
+    results = ReplayResults(
+        protocol=protocol.value,
+        seed=seed,
+        n_test=len(test_index),
+        dataset=data.name,
+        models=data.model_names,
+        methods=_method_results(data, test, found, traces),
+        config=config.to_dict(),
+        elapsed_s=round(time.perf_counter() - started, 2),
+        numerics=numerics,
+        drift=_drift_result(main, drift, test),
+    )
+    answers = {name: predicted for name, (predicted, _, _) in found.items()}
+    return ReplayRun(results, test, answers, main.pool_size, main.models_called)
+
+
+def _baselines(
+    data: RecordedDataset, warm: RecordedDataset, test: RecordedDataset, protocol: Protocol
+) -> dict[str, tuple[np.ndarray, float, str]]:
+    """Every baseline's answers on the test stream, models called per query, and description."""
+    found: dict[str, tuple[np.ndarray, float, str]] = {}
 
     def add(name: str, run: baselines.BaselineRun | None, description: str) -> None:
         if run is not None:
-            answers[name], calls[name], descriptions[name] = run.answers, run.models_called, description
+            found[name] = (run.answers, run.models_called, description)
 
     hindsight = (
         " (chosen in hindsight on the test stream: no warm split)"
@@ -293,10 +316,20 @@ def replay(
         "per-task logistic stacking on log-probabilities, fit on the warm-start split",
     )
     add("oracle", baselines.oracle(test), "any model correct (upper bound)")
+    return found
 
+
+def _method_results(
+    data: RecordedDataset,
+    test: RecordedDataset,
+    found: dict[str, tuple[np.ndarray, float, str]],
+    traces: dict[str, OnlineTrace],
+) -> dict[str, MethodResult]:
+    """Each method's accuracy, overall and per task, its calls, and (RL-Focal's variants) how often it explored
+    and how its greedy answers did."""
     task_names = {int(t): data.task_name(t) for t in np.unique(test.task)}
     methods = {}
-    for name, predicted in answers.items():
+    for name, (predicted, calls, description) in found.items():
         correct = predicted == test.labels
         per_task = {task_names[t]: float(correct[test.task == t].mean()) for t in task_names}
         exploration = (
@@ -310,14 +343,18 @@ def replay(
         methods[name] = MethodResult(
             accuracy=float(correct.mean()),
             per_task=per_task,
-            mean_models_called=calls[name],
-            description=descriptions[name],
+            mean_models_called=calls,
+            description=description,
             **exploration,
         )
-    main = traces.get("rl_focal") or next(iter(traces.values()))
+    return methods
+
+
+def _drift_result(main: OnlineTrace, drift: DriftOptions, test: RecordedDataset) -> DriftResult:
+    """RL-Focal's drift detections on the test stream, and their delays and recovery at the task switches."""
     detections = [i for i, _ in main.detections]
     figures = drift_figures(main.correct, detections, test.task)
-    drift_result = DriftResult(
+    return DriftResult(
         one_stream=drift.one_stream,
         detector="adwin",
         reaction=drift.reaction,
@@ -329,16 +366,3 @@ def replay(
         false_alarms_per_1000=figures.false_alarms_per_1000,
         recovery=figures.recovery,
     )
-    results = ReplayResults(
-        protocol=protocol.value,
-        seed=seed,
-        n_test=len(test_index),
-        dataset=data.name,
-        models=data.model_names,
-        methods=methods,
-        config=config.to_dict(),
-        elapsed_s=round(time.perf_counter() - started, 2),
-        numerics=numerics,
-        drift=drift_result,
-    )
-    return ReplayRun(results, test, answers, main.pool_size, main.models_called)
