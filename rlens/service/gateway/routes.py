@@ -122,6 +122,52 @@ def answer_response(
     return Response(content, media_type="application/json", headers=headers)
 
 
+async def ask(
+    gateway: Gateway,
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    key: KeyRecord,
+    idempotency_key: str | None,
+    stream_key: str | None,
+) -> Response:
+    """A completion through the stream, in a GenAI span (its usage, cost and stages as attributes), with the
+    overhead and each stage's seconds observed."""
+    started, stages = time.perf_counter(), Stages()
+    chat = isinstance(body, ChatCompletionRequest)
+    operation = "chat" if chat else "text_completion"
+    attributes = {
+        "gen_ai.operation.name": operation,
+        "gen_ai.request.model": body.model,
+        "gen_ai.provider.name": "rlens",
+        "rlens.tenant": key.tenant,
+    }
+    with tracer().start_as_current_span(f"{operation} {body.model}", kind=SpanKind.INTERNAL, attributes=attributes):
+        answer = await gateway.ask(key, body, idempotency_key, stream_key, stages)
+        request.state.access.update(query_id=answer.query_id, cost=answer.cost)
+        stages.answered(answer)
+        usage = Usage.of(answer)
+        trace.get_current_span().set_attributes(
+            {
+                "gen_ai.response.id": answer.query_id,
+                "gen_ai.response.model": body.model,
+                "gen_ai.usage.input_tokens": usage.prompt_tokens,
+                "gen_ai.usage.output_tokens": usage.completion_tokens,
+                "rlens.query_id": answer.query_id,
+                "rlens.cost": answer.cost,
+                "rlens.policy_version": answer.policy_version,
+                "rlens.models_called": len(answer.called_models),
+            }
+        )
+        elapsed_s = time.perf_counter() - started
+        with_usage = body.stream_options is not None and body.stream_options.include_usage
+        response = answer_response(answer, body.model, chat, body.stream, elapsed_s, stages, with_usage)
+        trace.get_current_span().set_attributes({f"rlens.stage.{k}_ms": 1000 * v for k, v in stages.seconds.items()})
+    gateway.metrics.overhead_seconds.observe(max(elapsed_s - answer.model_ms / 1000, 0.0))
+    for stage, seconds in stages.seconds.items():
+        gateway.metrics.stage_seconds.labels(stage).observe(seconds)
+    return response
+
+
 def openai_router(gateway: Gateway) -> APIRouter:
     """``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``, ``/v1/answers/{id}``, ``/v1/feedback``."""
     router = APIRouter()
@@ -130,50 +176,6 @@ def openai_router(gateway: Gateway) -> APIRouter:
         key = gateway.authorize(authorization, request.client.host if request.client else "")
         request.state.access = {"key_id": key.id, "tenant": key.tenant}  # for the access log (middleware.Measure)
         return key
-
-    async def ask(
-        request: Request,
-        body: ChatCompletionRequest | CompletionRequest,
-        key: KeyRecord,
-        idempotency_key: str | None,
-        stream_key: str | None,
-    ):
-        started, stages = time.perf_counter(), Stages()
-        chat = isinstance(body, ChatCompletionRequest)
-        operation = "chat" if chat else "text_completion"
-        attributes = {
-            "gen_ai.operation.name": operation,
-            "gen_ai.request.model": body.model,
-            "gen_ai.provider.name": "rlens",
-            "rlens.tenant": key.tenant,
-        }
-        with tracer().start_as_current_span(f"{operation} {body.model}", kind=SpanKind.INTERNAL, attributes=attributes):
-            answer = await gateway.ask(key, body, idempotency_key, stream_key, stages)
-            request.state.access.update(query_id=answer.query_id, cost=answer.cost)
-            stages.answered(answer)
-            usage = Usage.of(answer)
-            trace.get_current_span().set_attributes(
-                {
-                    "gen_ai.response.id": answer.query_id,
-                    "gen_ai.response.model": body.model,
-                    "gen_ai.usage.input_tokens": usage.prompt_tokens,
-                    "gen_ai.usage.output_tokens": usage.completion_tokens,
-                    "rlens.query_id": answer.query_id,
-                    "rlens.cost": answer.cost,
-                    "rlens.policy_version": answer.policy_version,
-                    "rlens.models_called": len(answer.called_models),
-                }
-            )
-            elapsed_s = time.perf_counter() - started
-            with_usage = body.stream_options is not None and body.stream_options.include_usage
-            response = answer_response(answer, body.model, chat, body.stream, elapsed_s, stages, with_usage)
-            trace.get_current_span().set_attributes(
-                {f"rlens.stage.{k}_ms": 1000 * v for k, v in stages.seconds.items()}
-            )
-        gateway.metrics.overhead_seconds.observe(max(elapsed_s - answer.model_ms / 1000, 0.0))
-        for stage, seconds in stages.seconds.items():
-            gateway.metrics.stage_seconds.labels(stage).observe(seconds)
-        return response
 
     @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models(key: KeyRecord = Depends(key_of)) -> ModelList:
@@ -189,7 +191,7 @@ def openai_router(gateway: Gateway) -> APIRouter:
         x_rlens_stream: str | None = Header(None),
     ):
         """Answer a conversation (multiple choice with rlens.choices, model rlens-focal; open-ended: rlens-rlae, or rlens-focal over sampled answers)."""
-        return await ask(request, body, key, idempotency_key, x_rlens_stream)
+        return await ask(gateway, request, body, key, idempotency_key, x_rlens_stream)
 
     @router.post("/v1/completions", response_model=Completion, responses=ERRORS)
     async def completions(
@@ -200,7 +202,7 @@ def openai_router(gateway: Gateway) -> APIRouter:
         x_rlens_stream: str | None = Header(None),
     ):
         """Answer a prompt (multiple choice with rlens.choices, model rlens-focal; open-ended: rlens-rlae, or rlens-focal over sampled answers)."""
-        return await ask(request, body, key, idempotency_key, x_rlens_stream)
+        return await ask(gateway, request, body, key, idempotency_key, x_rlens_stream)
 
     @router.get(
         "/v1/answers/{query_id}",
