@@ -62,13 +62,11 @@ def up(
     RLENS_KAFKA_BOOTSTRAP and RLENS_REDIS_URL point it at real ones instead of starting them. Without RLENS_REDIS_URL
     it uses the Redis at 127.0.0.1:6379 if one answers, else starts its own.
     """
-    import signal
-
     if strategy is not None and strategy not in ("rl_focal", "rlae"):
         fail(f"--strategy must be rl_focal or rlae, got {strategy!r}")
     stack = None
     try:  # Ctrl-C from the first moment (the imports take seconds): one line, never typer's silent 130
-        from rlens.local.up import UpError, UpOptions, open_stack, prepare_state, start_processes, supervise
+        from rlens.local.up import UpError, UpOptions, open_stack, prepare_state
 
         base = settings()
         s = base.updated(
@@ -101,6 +99,16 @@ def up(
         interrupted("the stack was stopped before it was up")
     except UpError as exc:
         fail(str(exc))
+    _run_until_stopped(stack, options)
+
+
+def _run_until_stopped(stack, options) -> None:
+    """Start the learner and workers (a status line names who is still starting), then supervise them until
+    Ctrl-C or SIGTERM; a stack stopped before it was up stops at once, a running one drains."""
+    import signal
+
+    from rlens.local.up import start_processes, supervise  # imported by `up` already
+
     stop: list[int] = []
     ready = False
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
