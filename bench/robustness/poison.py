@@ -2,7 +2,8 @@
 then record-header attacks (issue 60: a header without a value or not UTF-8 on every topic, FastStream's ``reply_to``
 header on queries and feedback, valid queries between them).
 
-    python -m bench.robustness.poison [--per-topic 10000] [--seed 0] [--kafka HOST:PORT] [--out bench/out/poison.json]
+    python -m bench.robustness.poison [--per-topic 10000] [--seed 0] [--kafka HOST:PORT [--restart-kafka]]
+        [--out bench/out/poison.json]
 
 Half of each topic's messages are random bytes (0-2,000 of them), half are schema-shaped messages with extreme
 values: a valid message of the topic with one field replaced by NaN, infinity, 1e300, 50,000, an empty or
@@ -12,7 +13,8 @@ values: a valid message of the topic with one field replaced by NaN, infinity, 1
 feedback and dead-lettered only when it expires (``RLENS_PENDING_TTL_S``), so it is counted apart. The stack (tansu, redis-server, 1 learner, 1 worker, replay backends) gets them all,
 then 200 legitimate queries with feedback, after their streams' Redis windows got rows that do not parse (deep nesting,
 huge numbers, wrong types) and the broker was restarted empty (memory storage; nobody makes the topics again by
-hand; on Apache Kafka, ``--kafka``, the broker is not restarted). Among the queries: 30 that reply to topics no gateway registered and 30 on a gateway tenant's stream key
+hand; on Apache Kafka, ``--kafka``, the broker is restarted empty only with ``--restart-kafka``: one that
+``infra/kafka/kafka.sh start PORT`` started, stopped with its data deleted and started again on its port). Among the queries: 30 that reply to topics no gateway registered and 30 on a gateway tenant's stream key
 without a gateway's signature, all to be dead-lettered (and no topic made). Reported: whether every process is alive, every valid query answered
 exactly once, every bad message dead-lettered (per topic), the reasons' kinds, the seconds from the first message
 sent to the last dead letter read, and whether the learner learned from the legitimate traffic afterwards.
@@ -23,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import subprocess
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -344,13 +348,29 @@ async def header_attacks(stack: LocalStack, zoo, timeout_s: float) -> dict:
     }
 
 
+def restart_kafka_empty(bootstrap: str) -> None:
+    """Stop the Apache Kafka ``infra/kafka/kafka.sh`` started (its data deleted) and start it again on its port."""
+    script = Path(__file__).resolve().parents[2] / "infra" / "kafka" / "kafka.sh"
+    port = bootstrap.rsplit(":", 1)[1]
+    subprocess.run([str(script), "stop"], check=True)
+    subprocess.run([str(script), "start", port], check=True, stdout=subprocess.DEVNULL)
+
+
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--per-topic", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kafka", default=None, help="bootstrap of an Apache Kafka broker to run on (default: tansu)")
+    parser.add_argument(
+        "--restart-kafka",
+        action="store_true",
+        help="restart the --kafka broker empty before the legitimate traffic (one infra/kafka/kafka.sh started; "
+        "its data is deleted)",
+    )
     add_out(parser, "bench/out/poison.json")
     args = parser.parse_args()
+    if args.restart_kafka and not args.kafka:
+        parser.error("--restart-kafka restarts the broker --kafka names: give --kafka too")
     print(f"machine: {machine_facts()}", flush=True)
     zoo = load_dataset(settings().service.demo_data)
     sent = payloads(args.per_topic, args.seed, zoo)
@@ -372,7 +392,9 @@ def main() -> None:
             port = stack.broker.port
             stack.broker.stop()
             stack.broker = LocalBroker(port)
-        result["broker_restarted_empty"] = stack.broker is not None
+        elif args.restart_kafka:
+            restart_kafka_empty(args.kafka)
+        result["broker_restarted_empty"] = stack.broker is not None or args.restart_kafka
         learner = next(u for name, u in stack.http_urls().items() if name.startswith("learner"))
         joined_before = learner_joined(learner)
         after = asyncio.run(play(stack.settings, after_traffic, rate=50, idle_timeout_s=90))
