@@ -11,6 +11,7 @@ whatever policy reached it, but a greedy action has no sampling probability to w
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,27 @@ def _normalised(adv: torch.Tensor) -> torch.Tensor:
     return (adv - adv.mean()) / (adv.std() + 1e-8) if len(adv) > 1 else adv
 
 
+def _returns_and_advantages(
+    critic: CentralCritic, critic_states: torch.Tensor, batch: list[Transition], envs: int, cfg: FocalConfig
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Each critic head's GAE returns [N, 2] and advantages (head 0: the Decider's rewards, 1: the Fusion's), from
+    the critic's values now; each environment's last value bootstraps its GAE."""
+    with torch.no_grad():
+        values = critic(critic_states).numpy()  # [N, 2]
+    returns_of, advantages_of = {}, {}
+    for head, rewards in ((0, [t.reward for t in batch]), (1, [t.fusion_reward for t in batch])):
+        v = values[:, head].reshape(-1, envs)
+        adv, ret = gae(np.array(rewards, dtype=np.float32).reshape(-1, envs), v, v[-1], cfg.gamma, cfg.gae_lambda)
+        advantages_of[head], returns_of[head] = torch.from_numpy(adv.reshape(-1)), torch.from_numpy(ret.reshape(-1))
+    return torch.stack([returns_of[0], returns_of[1]], -1), advantages_of
+
+
+def _clipped_surrogate(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, clip: float) -> torch.Tensor:
+    """PPO's clipped policy loss."""
+    ratio = (logp - old).exp()
+    return torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)).mean()
+
+
 def mappo_update(
     decider: Decider,
     fusion: Fusion,
@@ -91,15 +113,7 @@ def mappo_update(
         raise ValueError(f"{len(batch)} transitions do not split into {envs} environments")
     states = torch.from_numpy(np.stack([t.state for t in batch]))
     critic_states = torch.from_numpy(np.stack([t.critic_state for t in batch]))
-    with torch.no_grad():
-        values = critic(critic_states).numpy()  # [N, 2]
-    returns_of = {}
-    advantages_of = {}
-    for head, rewards in ((0, [t.reward for t in batch]), (1, [t.fusion_reward for t in batch])):
-        v = values[:, head].reshape(-1, envs)
-        adv, ret = gae(np.array(rewards, dtype=np.float32).reshape(-1, envs), v, v[-1], cfg.gamma, cfg.gae_lambda)
-        advantages_of[head], returns_of[head] = torch.from_numpy(adv.reshape(-1)), torch.from_numpy(ret.reshape(-1))
-    returns = torch.stack([returns_of[0], returns_of[1]], -1)
+    returns, advantages_of = _returns_and_advantages(critic, critic_states, batch, envs, cfg)
     explored = torch.tensor([t.explored for t in batch])
     acted = torch.tensor([t.fusion_features is not None for t in batch])
     pools = torch.from_numpy(np.stack([t.pool for t in batch]).astype(np.float32))
@@ -113,17 +127,10 @@ def mappo_update(
         labels = torch.tensor([max(t.label, 0) for t in batch])
         old_answer_logp = torch.tensor([t.answer_logp for t in batch])
 
-    def clipped_surrogate(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-        ratio = (logp - old).exp()
-        return torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.clip, 1 + cfg.clip)).mean()
-
     networks = [decider, fusion, critic]
     # the sums over the agents, and each trained agent's own
-    stats = {
-        "policy_loss": 0.0,
-        "value_loss": 0.0,
-        "entropy": 0.0,
-    }
+    stats = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0}
+    surrogate = functools.partial(_clipped_surrogate, clip=cfg.clip)
     n_steps = 0
     for _ in range(cfg.update_epochs):
         order = torch.randperm(len(batch), generator=generator)
@@ -135,7 +142,7 @@ def mappo_update(
                 # of the draws: a regulariser
                 entropy_d = Bernoulli(logits=logits, validate_args=False).entropy().sum(-1).mean()
                 per_agent["decider"] = (
-                    clipped_surrogate(
+                    surrogate(
                         decider.log_prob(logits, pools[mb_d]), old_pool_logp[mb_d], _normalised(advantages_of[0][mb_d])
                     ),
                     entropy_d,
@@ -143,9 +150,7 @@ def mappo_update(
             if train_fusion and (mb_f := mb[explored[mb] & acted[mb]]).numel():
                 dist = fusion.distribution(features[mb_f], choice_mask[mb_f])
                 per_agent["fusion"] = (
-                    clipped_surrogate(
-                        dist.log_prob(answers[mb_f]), old_answer_logp[mb_f], _normalised(advantages_of[1][mb_f])
-                    ),
+                    surrogate(dist.log_prob(answers[mb_f]), old_answer_logp[mb_f], _normalised(advantages_of[1][mb_f])),
                     dist.entropy().mean(),
                 )
             # off-policy-safe: a label is right whatever was answered
