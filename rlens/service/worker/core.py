@@ -2,9 +2,10 @@
 ``answers`` + ``experience``.
 
 :class:`FocalWorker` hands its batch's windows to the engine (:meth:`FocalEngine.load_state`; if Redis is down the
-windows are cold and the worker keeps answering), which draws the coins and chooses the pools; every query's pool is
-called concurrently (:class:`rlens.models.ensemble.PoolCaller`: failures become records), the answers are fused,
-and :mod:`rlens.focal.evidence` says what off-policy evaluation needs of them; the worker turns them into messages.
+windows are cold and the worker keeps answering), and :mod:`rlens.focal.serving` runs the policy in two halves:
+``decide_batch`` (the coins, the pools, a candidate's pools in shadow), then, once every query's pool was called
+concurrently (:class:`rlens.models.ensemble.PoolCaller`: failures become records), ``answer_batch`` (the answers
+fused, and what off-policy evaluation needs of them); the worker turns them into messages.
 A multiple-choice query has each chosen model score its choices; an open-ended one has each sample ``n`` texts, and
 the Fusion agent picks one of the answers extracted from them (the answer's ``candidates``). What every strategy's
 worker shares (the policy slot, the bisection of a batch that raises, counters) is
@@ -19,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -30,7 +30,8 @@ from rlens.records.answers import Extractor
 from rlens.models.ensemble import PoolCaller, PoolQuery
 from rlens.models.pool import Price
 from rlens.focal.engine import FocalEngine
-from rlens.focal.evidence import Candidate, evidence, shadow_pools
+from rlens.focal.evidence import Candidate
+from rlens.focal.serving import Decided, answer_batch, decide_batch
 from rlens.messages import (
     Behaviour,
     Shadow,
@@ -134,56 +135,36 @@ class FocalWorker(Worker):
         streams = sorted({q.stream for q in queries})
         await self._load_state(streams)
         stage("window_read")
-        probes, decisions = await self._decide(queries, streams)
-        candidate, candidate_pools = self._candidate(), None
-        if candidate is not None:
-            candidate_pools, out.shadow_calls = shadow_pools(self.engine, candidate, decisions)
+        candidate = self._candidate()
+        decided = await self._decide(queries, streams, candidate)
+        out.shadow_calls = decided.shadow_calls
         stage("decide")
-        pool_queries, called = [self._pool_query(q) for q in queries], [d.called for d in decisions]
+        pool_queries, called = [self._pool_query(q) for q in queries], [d.called for d in decided.decisions]
         calls = (
             await asyncio.to_thread(self.caller.ask_batch, pool_queries, called)
             if self.caller.blocking
             else self.caller.ask_batch(pool_queries, called)
         )
         stage("pool_call")
-        fused_pools = [self._fused_pool(d, c) for d, c in zip(decisions, calls)]
-        answerable = [i for i, pool in enumerate(fused_pools) if pool.any()]
-        chosen, probs = [decisions[i] for i in answerable], [calls[i].probs for i in answerable]
-        answered = [calls[i].answered for i in answerable]
-        # every answer's calibrations, once: the served vote, the greedy and shadow votes and the log read them
-        calibrated = self.engine.calibrated_rows(
-            chosen, probs, answered if self.ope_logging else [fused_pools[i] for i in answerable]
-        )
-        fused = (
-            self.engine.fuse_batch(
-                [replace(d, pool=fused_pools[i]) for d, i in zip(chosen, answerable)], probs, calibrated
-            )
-            if answerable
-            else []
+        served = answer_batch(
+            self.engine, decided, [c.probs for c in calls], [c.answered for c in calls], self.ope_logging, candidate
         )
         stage("fuse")
-        found = (
-            evidence(
-                self.engine,
-                chosen,
-                probs,
-                answered,
-                fused,
-                [fused_pools[i] for i in answerable],
-                [probes[i] for i in answerable],
-                calibrated,
-                candidate,
-                None if candidate_pools is None else [candidate_pools[i] for i in answerable],
-            )
-            if self.ope_logging
-            else []
-        )
-        stage("evidence")
-        answers, logged = dict(zip(answerable, fused)), dict(zip(answerable, found))
+        out.stages.update(served.seconds)  # the fusion's and the evidence's seconds, as answer_batch measured them
         timing = (1000 * (time.perf_counter() - started), 1000 * out.stages["pool_call"], started_ns)
         for i, q in enumerate(queries):
-            behaviour, shadow = logged.get(i, (None, None))
-            self._outputs(q, decisions[i], calls[i], fused_pools[i], answers.get(i), timing, out, behaviour, shadow)
+            behaviour, shadow = served.evidence[i] or (None, None)
+            self._outputs(
+                q,
+                decided.decisions[i],
+                calls[i],
+                served.fused_pools[i],
+                served.answers[i],
+                timing,
+                out,
+                behaviour,
+                shadow,
+            )
         stage("messages")
         return out
 
@@ -199,14 +180,12 @@ class FocalWorker(Worker):
             log.warning("Redis unreachable (%s): answering with cold windows", exc)
             self.engine.reset_windows()
 
-    async def _decide(self, queries: list[Query], streams: list[str]) -> tuple[list[bool], list]:
-        """The engine's coins and pools for the batch (each query's budget a cap), and the streams' last pools saved
-        for the next batch, whichever worker takes it. Returns each query's probe coin and its decision."""
-        engine, caps = self.engine, [q.budget for q in queries]
-        probes, explored = engine.coins(caps)
-        decisions = engine.decide_batch(
-            [(q.stream, len(q.choices) if q.choices else 0, p, not e) for q, p, e in zip(queries, probes, explored)],
-            caps if any(cap is not None for cap in caps) else None,
+    async def _decide(self, queries: list[Query], streams: list[str], candidate: Candidate | None) -> Decided:
+        """The engine's coins and pools for the batch (each query's budget a cap; the candidate's in shadow), and the
+        streams' last pools saved for the next batch, whichever worker takes it."""
+        engine = self.engine
+        decided = decide_batch(
+            engine, [(q.stream, len(q.choices) if q.choices else 0, q.budget) for q in queries], candidate
         )
         try:
             await self.windows.save_pools(
@@ -214,18 +193,12 @@ class FocalWorker(Worker):
             )
         except (RedisError, OSError) as exc:
             log.warning("Redis unreachable (%s): the streams' last pools stay in this worker", exc)
-        return probes, decisions
+        return decided
 
     def _pool_query(self, q: Query) -> PoolQuery:
         if q.choices is None:
             return self.sampling.model_copy(update={"id": q.reference_id or q.query_id, "prompt": q.prompt})
         return ChoiceQuery(id=q.reference_id or q.query_id, prompt=q.prompt, choices=q.choices)
-
-    @staticmethod
-    def _fused_pool(decision, answers) -> np.ndarray:
-        """The models whose answers the Fusion agent uses: the pool's that answered; if none, any that answered."""
-        pool = decision.pool & answers.answered
-        return pool if pool.any() else answers.answered.copy()
 
     def _outputs(
         self,
