@@ -135,6 +135,21 @@ def test_task_labels_on_the_plot_are_short_and_still_tell_the_tasks_apart():
     assert short_labels(["a" * 30 + "b", "a" * 30 + "c"], width=10) == ["aaaaaaaa…b", "aaaaaaaa…c"]
 
 
+def test_the_cost_panel_gives_points_that_nearly_coincide_one_label():
+    from rlens.evaluation.report import shared_labels
+
+    points = [("a", 1.5, 86.0), ("b", 1.6, 85.5), ("c", 1.5, 80.0), ("d", 5.0, 85.9), ("e", 1.75, 86.0)]
+    # b is within 0.3 and 1.0 of a; c is 6 points below; d is 3.5 models right; e is 0.25 right of a but joins
+    # a's label, whose point stays where a is
+    assert shared_labels(points, near=1.0) == [(1.5, 86.0, ["a", "b", "e"]), (1.5, 80.0, ["c"]), (5.0, 85.9, ["d"])]
+    assert shared_labels(points, near=0.4) == [
+        (1.5, 86.0, ["a", "e"]),
+        (1.6, 85.5, ["b"]),
+        (1.5, 80.0, ["c"]),
+        (5.0, 85.9, ["d"]),
+    ]
+
+
 def test_the_online_stacker_by_hand():
     """Two models, two choices, one task: it starts as the product of the models' distributions, and one wrong
     answer moves its weights by one SGD step on the cross-entropy."""

@@ -48,9 +48,83 @@ def short_labels(names: list[str], width: int = 20) -> list[str]:
     return [label(name) for name in names]
 
 
+def shared_labels(points: list[tuple[str, float, float]], near: float) -> list[tuple[float, float, list[str]]]:
+    """One label per group of (name, x, y) points, in their order: a point within 0.3 in x and ``near`` in y of a
+    label's point joins that label's names; the label stays at its first point."""
+    labels: list[tuple[float, float, list[str]]] = []
+    for name, x, y in points:
+        shared = next((label for label in labels if abs(label[0] - x) < 0.3 and abs(label[1] - y) < near), None)
+        if shared is None:
+            labels.append((x, y, [name]))
+        else:
+            shared[2].append(name)
+    return labels
+
+
+def _accuracy_against_cost(axis, run: ReplayRun) -> None:
+    """Every method's accuracy against the models it called per query: RL-Focal's variants in black, the stacker
+    and the other ensembles of every model in colour, each model alone in grey (the oracle, an upper bound, left
+    out); points that nearly coincide share one label, best first."""
+    methods = {name: m for name, m in run.results.methods.items() if name != "oracle"}
+    singles = [m for name, m in methods.items() if name.startswith("single:")]
+    axis.scatter(
+        [m.mean_models_called for m in singles],
+        [100 * m.accuracy for m in singles],
+        color="silver",
+        s=18,
+        label="each model alone",
+    )
+    shown = sorted(
+        ((name, m) for name, m in methods.items() if not name.startswith("single:")),
+        key=lambda item: -item[1].accuracy,
+    )
+    accuracies = [100 * m.accuracy for m in methods.values()]
+    near = max(max(accuracies) - min(accuracies), 10.0) / 30  # points closer than this share one label
+    for name, method in shown:
+        ours = name.startswith("rl_focal")
+        x, y = method.mean_models_called, 100 * method.accuracy
+        axis.scatter(
+            x,
+            y,
+            color="black" if ours else ("tab:blue" if "stacking" in name else "tab:orange"),
+            marker="o" if ours else "s",
+            s=36 if name in ("rl_focal", "stacking") else 20,
+            zorder=3,
+        )
+    points = [
+        (
+            name.removeprefix("rl_focal_") if name.startswith("rl_focal_") else name,
+            m.mean_models_called,
+            100 * m.accuracy,
+        )
+        for name, m in shown
+    ]
+    for x, y, names in shared_labels(points, near):
+        axis.annotate(
+            ", ".join(names),
+            (x, y),
+            xytext=(5, 0),
+            textcoords="offset points",
+            fontsize=7,
+            va="center",
+            fontweight="bold" if {"rl_focal", "stacking"} & set(names) else "normal",
+        )
+    axis.set_xlim(0, len(run.results.models) + 1.2)
+    axis.set_xlabel("models called per query (mean)")
+    axis.set_ylabel("accuracy (%)")
+    axis.set_title("accuracy against cost (black: RL-Focal's variants)", fontsize=9)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="lower right", fontsize=7, frameon=False)
+
+
 def write_plot(run: ReplayRun, path: Path) -> None:
     test, results = run.test, run.results
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]})
+    fig = plt.figure(figsize=(16, 7))
+    grid = fig.add_gridspec(2, 2, height_ratios=[3, 1.3], width_ratios=[3, 1.25])
+    top = fig.add_subplot(grid[0, 0])
+    bottom = fig.add_subplot(grid[1, 0], sharex=top)
+    top.tick_params(labelbottom=False)
+    _accuracy_against_cost(fig.add_subplot(grid[:, 1]), run)
     x = np.arange(results.n_test)
     for name in PLOTTED:
         if name in run.answers:
