@@ -113,13 +113,26 @@ def test_demo_is_the_main_job_on_the_bundled_stream(tmp_path):
     assert rl["accuracy"] > methods["soft_vote"]["accuracy"] + 0.1
     assert rl["mean_models_called"] < 2.5
     assert "each task had its own window" in result.output  # why nothing drifted
+    # the accuracy against cost: as run, then under each of the demo's budgets, each met within 0.05 of the pool
+    curve = json.loads((tmp_path / "results.json").read_text())["cost_curve"]
+    assert [p["budget"] for p in curve] == [None, 0.2, 0.3, 0.5]
+    assert curve[0]["accuracy"] == rl["accuracy"] and curve[0]["cost_share"] == rl["cost_share"]
+    assert all(abs(p["cost_share"] - p["budget"]) < 0.05 for p in curve[1:]), curve
+    assert "Accuracy against cost" in (tmp_path / "report.md").read_text() and "cost share spent" in result.output
+
+
+def test_bad_budgets_are_one_line_errors(tmp_path):
+    for value, words in (("0.2,abc", "'abc' is not a number"), ("0.5,1.5", "1.5 is outside 0.001-1")):
+        result = runner.invoke(app, ["demo", "--out", str(tmp_path), "--budgets", value])
+        assert result.exit_code == 2 and words in result.output, result.output
+        assert "Traceback" not in result.output and not (tmp_path / "results.json").exists()
 
 
 def test_demo_as_one_stream_detects_the_task_switches(tmp_path):
     """`rlens demo --one-stream`: the task unknown (one window), the learner's detector finds most task switches."""
     import json
 
-    result = runner.invoke(app, ["demo", "--one-stream", "--out", str(tmp_path), "--workers", "1"])
+    result = runner.invoke(app, ["demo", "--one-stream", "--out", str(tmp_path), "--workers", "1", "--budgets", ""])
     assert result.exit_code == 0, result.output
     drift = json.loads((tmp_path / "results.json").read_text())["drift"]
     assert drift["switches"] == 9 and drift["switches"] - drift["missed_switches"] >= 6

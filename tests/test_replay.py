@@ -150,6 +150,31 @@ def test_the_cost_panel_gives_points_that_nearly_coincide_one_label():
     ]
 
 
+def test_the_baselines_cost_shares_by_hand():
+    """Model a costs 1, b costs 3 (shares 0.25 and 0.75). Task 0 has three questions that a gets right and b wrong,
+    task 1 one that b gets right and a wrong: the best single model is a (3 of 4), the best per task a, then b."""
+    import numpy as np
+
+    from rlens.evaluation.baselines import best_single, best_single_per_task, single_models, soft_voting
+    from rlens.records.recorded import RecordedDataset
+
+    probs = np.array([[[0.9, 0.1], [0.2, 0.8]]] * 4, dtype=np.float32)  # a says choice 0, b says 1, every time
+    data = RecordedDataset(
+        "hand",
+        probs,
+        np.ones((4, 2), bool),
+        np.array([0, 0, 0, 1]),
+        np.array([0, 0, 0, 1]),
+        ["a", "b"],
+        np.array([1.0, 3.0]),
+        {0: "t0", 1: "t1"},
+    )
+    assert [run.cost_share for run in single_models(data).values()] == [0.25, 0.75]
+    assert best_single(data, data).cost_share == 0.25
+    assert best_single_per_task(data, data).cost_share == (3 * 0.25 + 0.75) / 4  # a on 3 questions, b on 1
+    assert soft_voting(data).cost_share == 1.0
+
+
 def test_the_online_stacker_by_hand():
     """Two models, two choices, one task: it starts as the product of the models' distributions, and one wrong
     answer moves its weights by one SGD step on the cross-entropy."""

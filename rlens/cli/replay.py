@@ -35,9 +35,11 @@ def run_replay(
     drift=None,
     numerics: Numerics = "portable",
     pretrained: Path | None = None,
+    budgets: tuple[float, ...] = (),
 ) -> None:
     """Replay a dataset through RL-Focal and the baselines with a progress bar; print the table, write the report
-    and the run's final policy (``policy.safetensors``)."""
+    and the run's final policy (``policy.safetensors``); with ``budgets``, RL-Focal under each too (the report's
+    accuracy against cost)."""
     from rlens.evaluation.replay import DriftOptions, PolicyFiles, replay as run, total_steps
     from rlens.evaluation.report import write_outputs
     from rlens.focal.policy_file import POLICY_FILE, policy_path
@@ -63,7 +65,9 @@ def run_replay(
             stages = "warm start + online" if protocol == Protocol.paper else "online from a cold start"
             if start is not None:
                 stages = f"online from the policy {start}"
-            steps = total_steps(dataset, protocol, config, variants, pretrained=start is not None)
+            if budgets:
+                stages += f", and under the budgets {', '.join(f'{b:g}' for b in budgets)}"
+            steps = total_steps(dataset, protocol, config, variants, pretrained=start is not None, budgets=budgets)
             task = bar.add_task(f"RL-Focal {stages}", total=steps)
             result = run(
                 dataset,
@@ -76,6 +80,7 @@ def run_replay(
                 drift=drift or DriftOptions(),
                 numerics=numerics,
                 policies=PolicyFiles(start, saving),
+                budgets=budgets,
             )
     except ValueError as exc:
         saving.unlink(missing_ok=True)
@@ -112,6 +117,14 @@ def _print_results(results: ReplayResults, name: str, protocol: Protocol, one_st
         style = "bold green" if method_name == "rl_focal" else None
         table.add_row(method_name, f"{100 * method.accuracy:.1f}", f"{method.mean_models_called:.2f}", style=style)
     console.print(table)
+    if results.cost_curve:
+        curve = Table(title="RL-Focal's accuracy against cost (report.md, report.png)")
+        for column in ("budget", "cost share spent", "calls / query", "accuracy %"):
+            curve.add_column(column, justify="right")
+        for p in results.cost_curve:
+            budget = "none (alpha)" if p.budget is None else f"{p.budget:g}"
+            curve.add_row(budget, f"{p.cost_share:.3f}", f"{p.mean_models_called:.2f}", f"{100 * p.accuracy:.1f}")
+        console.print(curve)
     if (found := results.drift) is not None and found.switches:
         console.print(
             f"drift: {len(found.detections)} detections, {found.switches - found.missed_switches} of {found.switches} task switches detected, "
@@ -125,6 +138,25 @@ def _print_results(results: ReplayResults, name: str, protocol: Protocol, one_st
 
 
 WORKERS = typer.Option(min(2, os.cpu_count() or 1), min=1, help="processes for the RL-Focal variants")
+DEMO_BUDGETS = "0.2,0.3,0.5"
+
+
+def budget_values(option: str) -> tuple[float, ...]:
+    """``--budgets``: comma-separated shares of the pool's cost in (0, 1], or empty for none."""
+    values = []
+    for part in (p.strip() for p in option.split(",")):
+        if not part:
+            continue
+        try:
+            value = float(part)
+        except ValueError:
+            fail(f"--budgets: {part!r} is not a number (shares of the pool's cost, e.g. 0.2,0.3,0.5)")
+        if not 0.001 <= value <= 1.0:
+            fail(f"--budgets: {part} is outside 0.001-1 (a share of the whole pool's cost per query)")
+        values.append(value)
+    return tuple(sorted(set(values)))
+
+
 ONE_STREAM = typer.Option(
     False,
     "--one-stream",
@@ -158,6 +190,11 @@ def replay(
         min=0.001,
         max=1.0,
         help="the mean share of the whole pool's cost to spend per query, met online (default: alpha alone decides)",
+    ),
+    budgets: str = typer.Option(
+        "",
+        help="also run RL-Focal under each of these budgets (comma-separated shares of the pool's cost, e.g. "
+        "0.2,0.3,0.5): its accuracy against cost, beside the stackers, in the report",
     ),
     window: int = typer.Option(FocalConfig.window, min=1, help="sliding-window length W per stream"),
     joint_rows: int = typer.Option(
@@ -219,6 +256,7 @@ def replay(
         drift,
         cast("Numerics", numerics),
         pretrained,
+        budget_values(budgets),
     )
 
 
@@ -246,6 +284,11 @@ def demo(
     seed: int = typer.Option(0, help="random seed"),
     workers: int = WORKERS,
     one_stream: bool = ONE_STREAM,
+    budgets: str = typer.Option(
+        DEMO_BUDGETS,
+        help="RL-Focal also under each of these budgets (shares of the pool's cost), for its accuracy against cost "
+        "beside the stackers; empty: none",
+    ),
 ) -> None:
     """Replay the bundled zoo stream (5 real small models, 5 task families in blocks) through RL-Focal; no network."""
     needs_extra("eval", "matplotlib", "sklearn")
@@ -260,4 +303,5 @@ def demo(
         workers,
         FocalConfig(),
         DriftOptions(one_stream),
+        budgets=budget_values(budgets),
     )

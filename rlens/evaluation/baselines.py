@@ -25,6 +25,12 @@ LOG_FLOOR = 1e-6
 class BaselineRun:
     answers: np.ndarray  # [n_test] choice index
     models_called: float  # per question
+    cost_share: float = 1.0  # the share of the whole pool's cost per question (mean); 1.0: every model called
+
+
+def cost_shares(data: RecordedDataset) -> np.ndarray:
+    """Each model's share of the whole pool's cost [M]."""
+    return data.model_costs / data.model_costs.sum()
 
 
 def model_predictions(data: RecordedDataset) -> np.ndarray:
@@ -35,13 +41,14 @@ def model_predictions(data: RecordedDataset) -> np.ndarray:
 
 def single_models(test: RecordedDataset) -> dict[int, BaselineRun]:
     predictions = model_predictions(test)
-    return {j: BaselineRun(predictions[:, j], 1.0) for j in range(test.n_models)}
+    shares = cost_shares(test)
+    return {j: BaselineRun(predictions[:, j], 1.0, float(shares[j])) for j in range(test.n_models)}
 
 
 def best_single(warm: RecordedDataset, test: RecordedDataset) -> BaselineRun:
     reference = warm if warm.n_questions else test
     j = int((model_predictions(reference) == reference.labels[:, None]).mean(0).argmax())
-    return BaselineRun(model_predictions(test)[:, j], 1.0)
+    return BaselineRun(model_predictions(test)[:, j], 1.0, float(cost_shares(test)[j]))
 
 
 def best_single_per_task(warm: RecordedDataset, test: RecordedDataset) -> BaselineRun:
@@ -50,11 +57,13 @@ def best_single_per_task(warm: RecordedDataset, test: RecordedDataset) -> Baseli
     overall = int(ref_correct.mean(0).argmax())
     predictions = model_predictions(test)
     answers = predictions[:, overall].copy()
+    shares, spent = cost_shares(test), np.zeros(test.n_questions)
     for task_id in np.unique(test.task):
         rows = reference.task == task_id
         best = int(ref_correct[rows].mean(0).argmax()) if rows.any() else overall
         answers[test.task == task_id] = predictions[test.task == task_id, best]
-    return BaselineRun(answers, 1.0)
+        spent[test.task == task_id] = shares[best]
+    return BaselineRun(answers, 1.0, float(spent.mean()) if len(spent) else 0.0)
 
 
 def plurality(test: RecordedDataset) -> BaselineRun:

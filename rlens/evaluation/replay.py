@@ -33,7 +33,7 @@ from rlens.focal.policy_file import load_policy, save_policy
 from rlens.drift import DriftMonitor, drift_figures
 from rlens.focal.schedule import OnlineTrace, Reaction, run_online, warm_start, warm_start_steps
 from rlens.evaluation.protocols import Protocol, split
-from rlens.evaluation.results import DriftResult, MethodResult, ReplayResults
+from rlens.evaluation.results import CostPoint, DriftResult, MethodResult, ReplayResults
 from rlens.numerics import PORTABLE_NUMERICS, environment
 
 # name -> (changes to the configuration, description)
@@ -68,6 +68,7 @@ class ReplayRun:
     answers: dict[str, np.ndarray]  # method -> answer (choice index) per test question
     pool_size: np.ndarray  # RL-Focal's pool per test question
     models_called: np.ndarray  # RL-Focal's calls per test question (probes included)
+    cost_share: np.ndarray  # RL-Focal's share of the whole pool's cost per test question (probes included)
 
 
 def variant_steps(config: FocalConfig, n_warm: int, n_test: int, variant: str) -> int:
@@ -167,25 +168,36 @@ def _sigint_ignored() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _variant_in_worker(variant, data, warm_index, test_index, config, seed, drift, policies) -> tuple[str, OnlineTrace]:
+@dataclass(frozen=True)
+class _Job:
+    """One RL-Focal run of a replay: a variant under a configuration, with its policy files."""
+
+    variant: str
+    config: FocalConfig
+    policies: PolicyFiles
+
+
+def _job_in_worker(job: _Job, data, warm_index, test_index, seed, drift) -> OnlineTrace:
     report = _Batched(_progress_queue.put) if _progress_queue is not None else None
-    trace = run_variant(variant, data, warm_index, test_index, config, seed, report, drift, policies)
+    trace = run_variant(job.variant, data, warm_index, test_index, job.config, seed, report, drift, job.policies)
     if report:
         report.flush()
-    return variant, trace
+    return trace
 
 
-def _run_variants(
-    variants, data, warm_index, test_index, config, seed, workers, progress, drift, numerics: Numerics, policies
-) -> dict[str, OnlineTrace]:
-    """Each variant's trace; in this process only for native numerics with one worker (or one variant).
+def _run_jobs(
+    jobs: list[_Job], data, warm_index, test_index, seed, workers, progress, drift, numerics: Numerics
+) -> list[OnlineTrace]:
+    """Each job's trace, in order; in this process only for native numerics with one worker (or one job).
 
-    On KeyboardInterrupt (Ctrl-C) the variant processes are terminated at once and the interrupt goes on up."""
-    if numerics == "native" and (workers <= 1 or len(variants) == 1):
-        traces = {}
-        for variant in variants:
+    On KeyboardInterrupt (Ctrl-C) the job processes are terminated at once and the interrupt goes on up."""
+    if numerics == "native" and (workers <= 1 or len(jobs) == 1):
+        traces = []
+        for job in jobs:
             report = _Batched(progress) if progress else None
-            traces[variant] = run_variant(variant, data, warm_index, test_index, config, seed, report, drift, policies)
+            traces.append(
+                run_variant(job.variant, data, warm_index, test_index, job.config, seed, report, drift, job.policies)
+            )
             if report:
                 report.flush()
         return traces
@@ -199,17 +211,14 @@ def _run_variants(
                 progress(n)
 
     with environment(PORTABLE_NUMERICS if numerics == "portable" else {}), _sigint_ignored():
-        pool = context.Pool(max(1, min(workers, len(variants))), _init_worker, (progress_queue,))
+        pool = context.Pool(max(1, min(workers, len(jobs))), _init_worker, (progress_queue,))
     try:
-        pending = [
-            pool.apply_async(_variant_in_worker, (v, data, warm_index, test_index, config, seed, drift, policies))
-            for v in variants
-        ]
+        pending = [pool.apply_async(_job_in_worker, (job, data, warm_index, test_index, seed, drift)) for job in jobs]
         while not all(r.ready() for r in pending):
             drain()
             time.sleep(0.1)
         drain()
-        traces = dict(r.get() for r in pending)
+        traces = [r.get() for r in pending]
         pool.close()
         return traces
     finally:
@@ -218,12 +227,18 @@ def _run_variants(
 
 
 def total_steps(
-    data: RecordedDataset, protocol: Protocol, config: FocalConfig, variants: list[str], pretrained: bool = False
+    data: RecordedDataset,
+    protocol: Protocol,
+    config: FocalConfig,
+    variants: list[str],
+    pretrained: bool = False,
+    budgets: tuple[float, ...] = (),
 ) -> int:
-    """The progress steps of a replay (no warm start from a pre-trained policy)."""
+    """The progress steps of a replay (no warm start from a pre-trained policy), its budgets' runs included."""
     warm_index, test_index = split(data, protocol)
     n_warm = 0 if pretrained else len(warm_index)
-    return sum(variant_steps(config, n_warm, len(test_index), v) for v in variants)
+    runs = [*variants, *["rl_focal"] * len(budgets)]
+    return sum(variant_steps(config, n_warm, len(test_index), v) for v in runs)
 
 
 def replay(
@@ -237,9 +252,11 @@ def replay(
     drift: DriftOptions = DriftOptions(),
     numerics: Numerics = "portable",
     policies: PolicyFiles = PolicyFiles(),
+    budgets: tuple[float, ...] = (),
 ) -> ReplayRun:
     """Run every method on the test stream of ``protocol`` and collect results.json's content (with RL-Focal's
-    drift detections and recovery figures). ``numerics``: see the module docstring."""
+    drift detections and recovery figures). ``numerics``: see the module docstring. ``budgets``: RL-Focal also runs
+    under each (``FocalConfig.budget``), for its accuracy against cost (``cost_curve``)."""
     started = time.perf_counter()
     config = config or FocalConfig()
     variants = list(DEFAULT_VARIANTS) if variants is None else variants
@@ -250,9 +267,10 @@ def replay(
     if len(test_index) == 0:
         raise ValueError("the test stream is empty: every task has too few questions for this protocol")
     warm, test = data.subset(warm_index), data.subset(test_index)
-    traces = _run_variants(
-        variants, data, warm_index, test_index, config, seed, workers, progress, drift, numerics, policies
-    )
+    jobs = [_Job(v, config, policies) for v in variants]
+    jobs += [_Job("rl_focal", replace(config, budget=b), PolicyFiles(policies.start)) for b in budgets]
+    found_traces = _run_jobs(jobs, data, warm_index, test_index, seed, workers, progress, drift, numerics)
+    traces = dict(zip(variants, found_traces))
 
     valid_positions = [np.flatnonzero(row) for row in test.choice_mask]
     found = {
@@ -260,6 +278,7 @@ def replay(
             np.array([valid_positions[i][a] for i, a in enumerate(traces[variant].answers)]),
             float(traces[variant].models_called.mean()),
             RL_VARIANTS[variant][1],
+            float(traces[variant].cost_share.mean()),
         )
         for variant in variants
     }
@@ -276,20 +295,22 @@ def replay(
         elapsed_s=round(time.perf_counter() - started, 2),
         numerics=numerics,
         drift=_drift_result(main, drift, test),
+        cost_curve=_cost_curve(traces, config, dict(zip(budgets, found_traces[len(variants) :])), data) or None,
     )
-    answers = {name: predicted for name, (predicted, _, _) in found.items()}
-    return ReplayRun(results, test, answers, main.pool_size, main.models_called)
+    answers = {name: predicted for name, (predicted, *_) in found.items()}
+    return ReplayRun(results, test, answers, main.pool_size, main.models_called, main.cost_share)
 
 
 def _baselines(
     data: RecordedDataset, warm: RecordedDataset, test: RecordedDataset, protocol: Protocol
-) -> dict[str, tuple[np.ndarray, float, str]]:
-    """Every baseline's answers on the test stream, models called per query, and description."""
-    found: dict[str, tuple[np.ndarray, float, str]] = {}
+) -> dict[str, tuple[np.ndarray, float, str, float]]:
+    """Every baseline's answers on the test stream, models called per query, description and share of the pool's
+    cost per query."""
+    found: dict[str, tuple[np.ndarray, float, str, float]] = {}
 
     def add(name: str, run: baselines.BaselineRun | None, description: str) -> None:
         if run is not None:
-            found[name] = (run.answers, run.models_called, description)
+            found[name] = (run.answers, run.models_called, description, run.cost_share)
 
     hindsight = (
         " (chosen in hindsight on the test stream: no warm split)"
@@ -322,14 +343,14 @@ def _baselines(
 def _method_results(
     data: RecordedDataset,
     test: RecordedDataset,
-    found: dict[str, tuple[np.ndarray, float, str]],
+    found: dict[str, tuple[np.ndarray, float, str, float]],
     traces: dict[str, OnlineTrace],
 ) -> dict[str, MethodResult]:
     """Each method's accuracy, overall and per task, its calls, and (RL-Focal's variants) how often it explored
     and how its greedy answers did."""
     task_names = {int(t): data.task_name(t) for t in np.unique(test.task)}
     methods = {}
-    for name, (predicted, calls, description) in found.items():
+    for name, (predicted, calls, description, cost_share) in found.items():
         correct = predicted == test.labels
         per_task = {task_names[t]: float(correct[test.task == t].mean()) for t in task_names}
         exploration = (
@@ -344,10 +365,30 @@ def _method_results(
             accuracy=float(correct.mean()),
             per_task=per_task,
             mean_models_called=calls,
+            cost_share=round(cost_share, 6),
             description=description,
             **exploration,
         )
     return methods
+
+
+def _cost_curve(
+    traces: dict[str, OnlineTrace], config: FocalConfig, budgeted: dict[float, OnlineTrace], data: RecordedDataset
+) -> list[CostPoint]:
+    """RL-Focal's accuracy against the share of the pool's cost it spent: as run (``config``'s budget, or the cost
+    weight alone), then under each budget in ``budgeted``, lowest first; empty without budgets."""
+    if not budgeted or "rl_focal" not in traces:
+        return []
+    runs = [(config.budget, traces["rl_focal"]), *sorted(budgeted.items())]
+    return [
+        CostPoint(
+            budget=budget,
+            cost_share=round(float(trace.cost_share.mean()), 6),
+            accuracy=float(trace.correct.mean()),
+            mean_models_called=float(trace.models_called.mean()),
+        )
+        for budget, trace in runs
+    ]
 
 
 def _drift_result(main: OnlineTrace, drift: DriftOptions, test: RecordedDataset) -> DriftResult:

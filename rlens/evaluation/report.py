@@ -48,12 +48,14 @@ def short_labels(names: list[str], width: int = 20) -> list[str]:
     return [label(name) for name in names]
 
 
-def shared_labels(points: list[tuple[str, float, float]], near: float) -> list[tuple[float, float, list[str]]]:
-    """One label per group of (name, x, y) points, in their order: a point within 0.3 in x and ``near`` in y of a
-    label's point joins that label's names; the label stays at its first point."""
+def shared_labels(
+    points: list[tuple[str, float, float]], near: float, near_x: float = 0.3
+) -> list[tuple[float, float, list[str]]]:
+    """One label per group of (name, x, y) points, in their order: a point within ``near_x`` in x and ``near`` in y
+    of a label's point joins that label's names; the label stays at its first point."""
     labels: list[tuple[float, float, list[str]]] = []
     for name, x, y in points:
-        shared = next((label for label in labels if abs(label[0] - x) < 0.3 and abs(label[1] - y) < near), None)
+        shared = next((label for label in labels if abs(label[0] - x) < near_x and abs(label[1] - y) < near), None)
         if shared is None:
             labels.append((x, y, [name]))
         else:
@@ -62,13 +64,19 @@ def shared_labels(points: list[tuple[str, float, float]], near: float) -> list[t
 
 
 def _accuracy_against_cost(axis, run: ReplayRun) -> None:
-    """Every method's accuracy against the models it called per query: RL-Focal's variants in black, the stacker
+    """Every method's accuracy against the share of the pool's cost it spent per query: RL-Focal's variants in black, the stacker
     and the other ensembles of every model in colour, each model alone in grey (the oracle, an upper bound, left
-    out); points that nearly coincide share one label, best first."""
+    out); points that nearly coincide share one label, best first. With a cost curve, RL-Focal under each budget
+    (dashed, each point's budget beneath it)."""
     methods = {name: m for name, m in run.results.methods.items() if name != "oracle"}
     singles = [m for name, m in methods.items() if name.startswith("single:")]
+    n_models = len(run.results.models)
+
+    def cost(m) -> float:  # results written before the cost share was: the calls' share
+        return m.cost_share if m.cost_share is not None else m.mean_models_called / n_models
+
     axis.scatter(
-        [m.mean_models_called for m in singles],
+        [cost(m) for m in singles],
         [100 * m.accuracy for m in singles],
         color="silver",
         s=18,
@@ -82,7 +90,7 @@ def _accuracy_against_cost(axis, run: ReplayRun) -> None:
     near = max(max(accuracies) - min(accuracies), 10.0) / 30  # points closer than this share one label
     for name, method in shown:
         ours = name.startswith("rl_focal")
-        x, y = method.mean_models_called, 100 * method.accuracy
+        x, y = cost(method), 100 * method.accuracy
         axis.scatter(
             x,
             y,
@@ -94,23 +102,45 @@ def _accuracy_against_cost(axis, run: ReplayRun) -> None:
     points = [
         (
             name.removeprefix("rl_focal_") if name.startswith("rl_focal_") else name,
-            m.mean_models_called,
+            cost(m),
             100 * m.accuracy,
         )
         for name, m in shown
     ]
-    for x, y, names in shared_labels(points, near):
+    for x, y, names in shared_labels(points, near, near_x=0.03):
+        right = x > 0.6  # labels of the costly points go to their left
         axis.annotate(
             ", ".join(names),
             (x, y),
-            xytext=(5, 0),
+            xytext=(-5 if right else 5, 0),
             textcoords="offset points",
             fontsize=7,
             va="center",
+            ha="right" if right else "left",
             fontweight="bold" if {"rl_focal", "stacking"} & set(names) else "normal",
         )
-    axis.set_xlim(0, len(run.results.models) + 1.2)
-    axis.set_xlabel("models called per query (mean)")
+    curve = sorted((p for p in run.results.cost_curve or [] if p.budget is not None), key=lambda p: p.cost_share)
+    if curve:
+        axis.plot(
+            [p.cost_share for p in curve],
+            [100 * p.accuracy for p in curve],
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            marker="D",
+            markersize=4,
+            label="rl_focal under each budget",
+        )
+        for p in curve:
+            axis.annotate(
+                f"{p.budget:g}",
+                (p.cost_share, 100 * p.accuracy),
+                xytext=(0, -10),
+                textcoords="offset points",
+                fontsize=6,
+            )
+    axis.set_xlim(0, 1.05)
+    axis.set_xlabel("share of the whole pool's cost per query (mean)")
     axis.set_ylabel("accuracy (%)")
     axis.set_title("accuracy against cost (black: RL-Focal's variants)", fontsize=9)
     axis.grid(alpha=0.3)
@@ -234,8 +264,37 @@ def markdown(run: ReplayRun) -> str:
             "Delay: questions from a switch to its first detection. Recovery: questions from a switch until the rolling accuracy over",
             "the last 20 answers is within 2 points of the block's second half. Detections are the red marks on the plot.",
         ]
+    lines += _cost_lines(run)
     lines += ["", "![rolling accuracy and pool size](report.png)", ""]
     return "\n".join(lines)
+
+
+def _cost_lines(run: ReplayRun) -> list[str]:
+    """report.md's accuracy against cost: RL-Focal as run and under each budget, beside the stackers."""
+    results = run.results
+    if not results.cost_curve:
+        return []
+    lines = [
+        "",
+        "## Accuracy against cost (RL-Focal under each budget)",
+        "",
+        "| budget | share of the pool's cost spent | models called / query | accuracy % |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {'none (the cost weight)' if p.budget is None else f'{p.budget:g}'} | {p.cost_share:.3f} | "
+        f"{p.mean_models_called:.2f} | {100 * p.accuracy:.1f} |"
+        for p in results.cost_curve
+    ]
+    references = [name for name in ("stacking", "online_stacking", "soft_vote") if name in results.methods]
+    if references:
+        lines += [
+            "",
+            "Every model, each query: "
+            + ", ".join(f"{name} {100 * results.methods[name].accuracy:.1f} %" for name in references)
+            + " (share 1.0).",
+        ]
+    return lines
 
 
 def write_per_query(run: ReplayRun, path: Path) -> None:

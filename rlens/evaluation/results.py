@@ -20,6 +20,9 @@ class MethodResult(BaseModel):
     accuracy: float = Field(ge=0, le=1, description="fraction of the test questions answered correctly")
     per_task: dict[str, float] = Field(description="accuracy per task, keyed by task name")
     mean_models_called: float = Field(ge=0, description="models called per test question, on average")
+    cost_share: float | None = Field(
+        None, ge=0, description="the share of the whole pool's cost spent per test question, on average"
+    )
     description: str = ""
     explored: float | None = Field(
         None, ge=0, le=1, description="RL-Focal: share of the test questions on which both agents sampled (and learned)"
@@ -57,6 +60,19 @@ class DriftResult(BaseModel):
     )
 
 
+class CostPoint(BaseModel):
+    """RL-Focal on the test stream under one budget: what it spent and how it did."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    budget: float | None = Field(
+        description="the mean share of the whole pool's cost per query it was held to; null: the cost weight alone"
+    )
+    cost_share: float = Field(ge=0, description="the share of the whole pool's cost it spent per test question (mean)")
+    accuracy: float = Field(ge=0, le=1)
+    mean_models_called: float = Field(ge=0)
+
+
 class ReplayResults(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -76,6 +92,10 @@ class ReplayResults(BaseModel):
         description="portable: the same figures on any x86-64 CPU; native: this CPU's fastest kernels (rlens.evaluation.replay)",
     )
     drift: DriftResult | None = Field(None, description="RL-Focal's drift detections and recovery after task switches")
+    cost_curve: list[CostPoint] | None = Field(
+        None,
+        description="with --budgets: RL-Focal as run, then under each budget (same seed and protocol), lowest first",
+    )
 
 
 def write_schema(path: Path = SCHEMA_PATH) -> Path:
