@@ -376,10 +376,12 @@ def _cost_curve(
     traces: dict[str, OnlineTrace], config: FocalConfig, budgeted: dict[float, OnlineTrace], data: RecordedDataset
 ) -> list[CostPoint]:
     """RL-Focal's accuracy against the share of the pool's cost it spent: as run (``config``'s budget, or the cost
-    weight alone), then under each budget in ``budgeted``, lowest first; empty without budgets."""
-    if not budgeted or "rl_focal" not in traces:
+    weight alone; when ``rl_focal`` was among the variants), then under each budget in ``budgeted``, lowest first;
+    empty without budgets."""
+    if not budgeted:
         return []
-    runs = [(config.budget, traces["rl_focal"]), *sorted(budgeted.items())]
+    runs = [(config.budget, traces["rl_focal"])] if "rl_focal" in traces else []
+    runs += sorted(budgeted.items())
     return [
         CostPoint(
             budget=budget,
