@@ -54,7 +54,7 @@ def soft_vote_of(test: RecordedDataset, pools: np.ndarray) -> np.ndarray:
 
 def pruned(warm: RecordedDataset, test: RecordedDataset, budget: float, seed: int) -> dict[str, tuple[float, float]]:
     """(accuracy, cost share) of the random and the reliability pruning at ``budget``, soft-voted."""
-    share = test.model_costs / test.model_costs.sum()
+    share = baselines.cost_shares(test)
     rng = np.random.default_rng(seed)
     random_pools = rng.random((test.n_questions, test.n_models)) < budget
     empty = ~random_pools.any(1)
@@ -89,7 +89,7 @@ def stacking_best_k(warm: RecordedDataset, test: RecordedDataset) -> tuple[float
         cut = (2 * len(rows)) // 3
         fit += list(rows[:cut])
         check += list(rows[cut:])
-    share = test.model_costs / test.model_costs.sum()
+    share = baselines.cost_shares(test)
 
     def run(k: int, train: RecordedDataset, target: RecordedDataset) -> np.ndarray:
         keep = sorted(order[:k])
@@ -144,7 +144,7 @@ def main() -> None:
     print(machine_facts(), f"{args.half}: {data.n_questions} questions", flush=True)
     warm_index, test_index = split(data, Protocol.paper)
     warm, test = data.subset(warm_index), data.subset(test_index)
-    share = data.model_costs / data.model_costs.sum()
+    share = baselines.cost_shares(data)
     best = baselines.best_single(warm, test)
     best_model = int((baselines.model_predictions(warm) == warm.labels[:, None]).mean(0).argmax())
     stacked = baselines.stacking(warm, test)

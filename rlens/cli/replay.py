@@ -118,12 +118,15 @@ def _print_results(results: ReplayResults, name: str, protocol: Protocol, one_st
         table.add_row(method_name, f"{100 * method.accuracy:.1f}", f"{method.mean_models_called:.2f}", style=style)
     console.print(table)
     if results.cost_curve:
+        from rlens.evaluation.report import budget_label
+
         curve = Table(title="RL-Focal's accuracy against cost (report.md, report.png)")
         for column in ("budget", "cost share spent", "calls / query", "accuracy %"):
             curve.add_column(column, justify="right")
         for p in results.cost_curve:
-            budget = "none (alpha)" if p.budget is None else f"{p.budget:g}"
-            curve.add_row(budget, f"{p.cost_share:.3f}", f"{p.mean_models_called:.2f}", f"{100 * p.accuracy:.1f}")
+            curve.add_row(
+                budget_label(p), f"{p.cost_share:.3f}", f"{p.mean_models_called:.2f}", f"{100 * p.accuracy:.1f}"
+            )
         console.print(curve)
     if (found := results.drift) is not None and found.switches:
         console.print(
@@ -142,7 +145,7 @@ DEMO_BUDGETS = "0.2,0.3,0.5"
 
 
 def budget_values(option: str) -> tuple[float, ...]:
-    """``--budgets``: comma-separated shares of the pool's cost in (0, 1], or empty for none."""
+    """``--budgets``: comma-separated shares of the pool's cost in [0.001, 1], or empty for none."""
     values = []
     for part in (p.strip() for p in option.split(",")):
         if not part:

@@ -14,6 +14,7 @@ import numpy as np  # noqa: E402
 
 from rlens.drift import task_blocks  # noqa: E402
 from rlens.evaluation.replay import ReplayRun  # noqa: E402
+from rlens.evaluation.results import CostPoint, MethodResult  # noqa: E402
 
 PLOTTED = ("rl_focal", "best_single", "best_single_per_task", "soft_vote", "stacking", "hedge")
 ROLLING = 50
@@ -70,10 +71,9 @@ def _accuracy_against_cost(axis, run: ReplayRun) -> None:
     (dashed, each point's budget beneath it)."""
     methods = {name: m for name, m in run.results.methods.items() if name != "oracle"}
     singles = [m for name, m in methods.items() if name.startswith("single:")]
-    n_models = len(run.results.models)
 
-    def cost(m) -> float:  # results written before the cost share was: the calls' share
-        return m.cost_share if m.cost_share is not None else m.mean_models_called / n_models
+    def cost(m: MethodResult) -> float:
+        return m.cost_share or 0.0  # set for every method of a replay
 
     axis.scatter(
         [cost(m) for m in singles],
@@ -269,6 +269,11 @@ def markdown(run: ReplayRun) -> str:
     return "\n".join(lines)
 
 
+def budget_label(point: CostPoint) -> str:
+    """A cost curve point's budget as the report and the terminal show it."""
+    return "none (the cost weight alone)" if point.budget is None else f"{point.budget:g}"
+
+
 def _cost_lines(run: ReplayRun) -> list[str]:
     """report.md's accuracy against cost: RL-Focal as run and under each budget, beside the stackers."""
     results = run.results
@@ -282,8 +287,7 @@ def _cost_lines(run: ReplayRun) -> list[str]:
         "|---|---:|---:|---:|",
     ]
     lines += [
-        f"| {'none (the cost weight)' if p.budget is None else f'{p.budget:g}'} | {p.cost_share:.3f} | "
-        f"{p.mean_models_called:.2f} | {100 * p.accuracy:.1f} |"
+        f"| {budget_label(p)} | {p.cost_share:.3f} | {p.mean_models_called:.2f} | {100 * p.accuracy:.1f} |"
         for p in results.cost_curve
     ]
     references = [name for name in ("stacking", "online_stacking", "soft_vote") if name in results.methods]
