@@ -318,7 +318,7 @@ def test_a_restarted_learner_judges_on_where_its_checkpoint_left_off(tmp_path):
     gate = core.promotion.gate
     seeded = gate.champion_tensors  # what the workers start from
     gate.trusted = False  # after a roll back: its updates are challengers
-    core.version = 1
+    core.numbers.next()  # an update: v1
     core.promotion.updated()
     (candidate,) = core.take_policies()
     assert candidate.share == 0.5 and gate.kind == "challenger"
@@ -354,7 +354,7 @@ def test_a_restarted_gated_learner_puts_a_champion_whose_promotion_it_missed_on_
     config = GateConfig(min_events=50, max_events=50, every=25, split=0.5)
     core = new_learner(tmp_path, Gate(config))
     seeded = core.promotion.gate.champion_tensors
-    core.version = 1
+    core.numbers.next()  # an update: v1
     core.promotion.updated()
     core.take_policies()
     core.checkpoint()

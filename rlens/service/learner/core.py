@@ -35,8 +35,9 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   are counted. With ``drift_keep`` set (``RLENS_DRIFT_REACTION=trim``), a detection on a labelled signal trims the
   stream's Redis window to its last ``drift_keep`` outcomes. The detectors' state is in the checkpoint, and
   :class:`rlens.service.learner.dashboard.Dashboard` keeps what ``/dashboard`` shows.
-- **Policies** are signed (:class:`rlens.service.common.security.PolicySigner`) and ordered by (epoch, version); the epoch
-  is the learner's start time in milliseconds, so a restarted learner's policies supersede its predecessor's. The
+- **Policies** are signed (:class:`rlens.service.common.security.PolicySigner`) and ordered by (epoch, version)
+  (:class:`rlens.service.learner.numbers.PolicyNumbers` gives them); the epoch is the learner's start time in
+  milliseconds, so a restarted learner's policies supersede its predecessor's. The
   learner reads the policy topic too (:meth:`LearnerCore.on_policy`): a policy an operator set live (``rlens
   policy promote`` / ``rollback``) is trained on from then on (gated: the champion it replaced goes on probation,
   and comes back if the operator's is worse), and a restarted gated learner learns there of a verdict it published
@@ -95,6 +96,7 @@ from rlens.service.learner.drift_watch import DriftWatch
 from rlens.service.learner.gate import Gate
 from rlens.focal.checkpoint import Groups
 from rlens.service.learner.promotion import Promotion
+from rlens.service.learner.numbers import PolicyNumbers
 from rlens.service.learner.offsets import Offsets
 from rlens.service.learner.ope_log import OpeLog
 from rlens.service.learner.journal import Journal, Journaled
@@ -140,6 +142,12 @@ class LearnerStats:
     rollbacks: int = 0  # promoted champions rolled back to the one they replaced
     last_update: dict | None = None
 
+    def count_verdict(self, verdict: str) -> None:
+        """One of the gate's verdicts (an inconclusive look counts nowhere)."""
+        counter = {"promote": "promotions", "roll back": "rollbacks", "drop": "dropped_candidates", "resume": "resumed"}
+        if verdict in counter:
+            setattr(self, counter[verdict], getattr(self, counter[verdict]) + 1)
+
 
 class LearnerCore:
     def __init__(
@@ -166,8 +174,7 @@ class LearnerCore:
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.signer, self.tokens, self.verifier = signer, tokens, signer.verifier()
         self.pending_limit, self.pending_ttl_s = pending_limit, pending_ttl_s
-        self.epoch = time.time_ns() // 1_000_000
-        self.version = 0
+        self.numbers = PolicyNumbers()
         self.operator_seen = (0, 0)  # (epoch, version) of the newest operator's policy adopted (signed, never a clock)
         self.offsets = Offsets()
         self.experience: PendingHalves[AnyExperience] = PendingHalves(pending_limit, pending_bytes, pending_per_stream)
@@ -198,8 +205,17 @@ class LearnerCore:
             self._restore(*restored)
 
     # --- state ------------------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.numbers.epoch
+
+    @property
+    def version(self) -> int:
+        """The newest version given (:class:`PolicyNumbers` gives them)."""
+        return self.numbers.version
+
     def _restore(self, state: dict, tensors: Groups) -> None:
-        self.version = state["version"]
+        self.numbers.at_least(state["version"])
         self.offsets = Offsets(state["offsets"])
         if "journals" in state:
             marks = state["journals"]
@@ -298,7 +314,7 @@ class LearnerCore:
         gated, the warm-started policy is the first champion (:meth:`Promotion.warm_started`)."""
         if self.version == 0:
             self.trainer.warm_start(source)
-            self.version = 1
+            self.numbers.next()
             self.checkpoint()
             if self.promotion is not None:
                 self.promotion.warm_started()
@@ -501,7 +517,7 @@ class LearnerCore:
         if self.metrics is not None:
             for name, value in stats.items():
                 self.metrics.last_update.labels(name).set(value)
-        self.version += 1
+        self.numbers.next()
         self.dashboard.observe_policy(self.version)
         if self.promotion is not None:
             self.promotion.updated()
@@ -536,7 +552,7 @@ class LearnerCore:
             self.operator_seen = (policy.epoch, policy.version)
             self.trainer.load_policy(tensors)
             if policy.epoch == self.epoch:
-                self.version = max(self.version, policy.version)
+                self.numbers.at_least(policy.version)
         if self.promotion is not None:
             self.promotion.served((policy.epoch, policy.version), tensors, operator)
         if not operator:
@@ -550,7 +566,7 @@ class LearnerCore:
         self.dashboard.observe_policy(policy.version, policy.note or "set live by an operator")
         published = []
         if self.promotion is None and (self.epoch, self.version) > (policy.epoch, policy.version):
-            self.version += 1  # the workers serve this learner's newer versions: the operator's, renumbered
+            self.numbers.next()  # the workers serve this learner's newer versions: the operator's, renumbered
             published.append(self.current_policy(f"v{policy.version} of epoch {policy.epoch}, set live by an operator"))
         self.checkpoint()
         return published
@@ -571,10 +587,7 @@ class LearnerCore:
         topic that holds nothing yet (:meth:`Promotion.first_policy`); None otherwise."""
         if self.promotion is None or self.version != 0:
             return None
-        policy = self.promotion.first_policy(1)
-        if policy is not None:
-            self.version = 1
-        return policy
+        return self.promotion.first_policy()
 
     def current_policy(self, note: str = "") -> Policy:
         return encode_policy(

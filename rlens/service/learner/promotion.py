@@ -12,6 +12,7 @@ from rlens.service.common.policy import encode_policy
 from rlens.service.common.security import PolicySigner
 from rlens.service.learner.dashboard import Dashboard
 from rlens.service.learner.gate import Gate
+from rlens.service.learner.numbers import PolicyNumbers
 
 log = logging.getLogger("rlens.learner")
 
@@ -20,8 +21,7 @@ class Learner(Protocol):
     """What promotion reads and moves of the learner (:class:`rlens.service.learner.core.LearnerCore`)."""
 
     trainer: Any
-    version: int
-    epoch: int
+    numbers: PolicyNumbers
     models: list[str]
     signer: PolicySigner
     stats: Any
@@ -89,20 +89,21 @@ class Promotion:
         is judged. (As the first candidate, behind the untrained policy, it cost RLAE 6.6 points of served exact
         match on clean streams and 10 on sabotaged ones: docs/benchmarks-history.md.)"""
         gate, core = self.gate, self.core
-        gate.champion, gate.champion_tensors = (core.epoch, core.version), core.trainer.policy_tensors()
-        self.outbox.append(self.encode(gate.champion_tensors, core.version, "live", note="warm start"))
-        log.info("policy v%d (epoch %d), warm-started, is the first champion", core.version, core.epoch)
+        gate.champion, gate.champion_tensors = core.numbers.newest, core.trainer.policy_tensors()
+        self.outbox.append(self.encode(gate.champion_tensors, core.numbers.version, "live", note="warm start"))
+        log.info("policy v%d (epoch %d), warm-started, is the first champion", core.numbers.version, core.numbers.epoch)
         self.show()
 
-    def first_policy(self, version: int) -> Policy | None:
-        """The seeded policy (the weights the workers serve from their start) published live as ``version``, as a
-        warm start's is, so that an operator always has a version to roll back to; None for a gate that already
+    def first_policy(self) -> Policy | None:
+        """The seeded policy (the weights the workers serve from their start) published live under the next number,
+        as a warm start's is, so that an operator always has a version to roll back to; None for a gate that already
         knows its champion."""
-        gate, core = self.gate, self.core
+        gate, numbers = self.gate, self.core.numbers
         if gate.champion is not None or gate.champion_tensors is None:
             return None
-        gate.champion = (core.epoch, version)
-        log.info("policy v%d (epoch %d), the seeded policy, is the first champion", version, core.epoch)
+        version = numbers.next()
+        gate.champion = numbers.newest
+        log.info("policy v%d (epoch %d), the seeded policy, is the first champion", version, numbers.epoch)
         self.show()
         return self.encode(gate.champion_tensors, version, "live", note="the seeded policy")
 
@@ -127,18 +128,16 @@ class Promotion:
         if gate.candidate is not None:
             return
         if gate.previous is not None:
-            core.version += 1  # a new number: workers score only candidates newer than the champion
-            gate.propose((core.epoch, core.version), gate.previous, "probation")
+            version = core.numbers.next()  # a new number: workers score only candidates newer than the champion
+            gate.propose(core.numbers.newest, gate.previous, "probation")
             calls = gate.shadow_calls()
-            self.outbox.append(
-                self.encode(gate.previous, core.version, "candidate", share=gate.share(), shadow_calls=calls)
-            )
-            log.info("the replaced champion, as v%d, is scored against the promoted one", core.version)
+            self.outbox.append(self.encode(gate.previous, version, "candidate", share=gate.share(), shadow_calls=calls))
+            log.info("the replaced champion, as v%d, is scored against the promoted one", version)
             return
-        if core.version <= 0 or (gate.champion is not None and (core.epoch, core.version) <= gate.champion):
+        if core.numbers.version <= 0 or (gate.champion is not None and core.numbers.newest <= gate.champion):
             return
         tensors = core.trainer.policy_tensors()
-        gate.propose((core.epoch, core.version), tensors)
+        gate.propose(core.numbers.newest, tensors)
         self._published_candidate()
 
     def advance(self) -> None:
@@ -147,9 +146,9 @@ class Promotion:
         gate, core = self.gate, self.core
         if gate.candidate is not None and gate.kind != "line":
             return
-        if gate.champion is not None and (core.epoch, core.version) <= gate.champion:
+        if gate.champion is not None and core.numbers.newest <= gate.champion:
             return
-        gate.advance((core.epoch, core.version), core.trainer.policy_tensors())
+        gate.advance(core.numbers.newest, core.trainer.policy_tensors())
         if gate.share() is None:
             self._published_line()
         else:
@@ -160,12 +159,13 @@ class Promotion:
         (the workers score only candidates newer than what they serve): scored in shadow beside the line."""
         gate, core = self.gate, self.core
         assert gate.candidate_tensors is not None and gate.champion_tensors is not None
-        self.outbox.append(self.encode(gate.candidate_tensors, core.version, "live", note="the learner's line"))
-        core.version += 1
+        line = core.numbers.version
+        self.outbox.append(self.encode(gate.candidate_tensors, line, "live", note="the learner's line"))
+        champion = core.numbers.next()
         self.outbox.append(
-            self.encode(gate.champion_tensors, core.version, "candidate", note="the champion, scored beside the line")
+            self.encode(gate.champion_tensors, champion, "candidate", note="the champion, scored beside the line")
         )
-        log.info("policy v%d (epoch %d) serves, the champion scored beside it", core.version - 1, core.epoch)
+        log.info("policy v%d (epoch %d) serves, the champion scored beside it", line, core.numbers.epoch)
 
     def updated(self) -> None:
         """The learner made an update: the next candidate (gated), or the line's newest (holdback, trusted)."""
@@ -177,9 +177,11 @@ class Promotion:
     def _published_candidate(self) -> None:
         gate, core = self.gate, self.core
         assert gate.candidate_tensors is not None
-        self.outbox.append(self.encode(gate.candidate_tensors, core.version, "candidate", share=gate.share()))
+        self.outbox.append(self.encode(gate.candidate_tensors, core.numbers.version, "candidate", share=gate.share()))
         log.info(
-            "policy v%d (epoch %d) published as a candidate, scored against the champion", core.version, core.epoch
+            "policy v%d (epoch %d) published as a candidate, scored against the champion",
+            core.numbers.version,
+            core.numbers.epoch,
         )
 
     def judge(self) -> None:
@@ -205,20 +207,13 @@ class Promotion:
         elif verdict in ("promote", "roll back"):
             note = f"rolled back: {shown}" if verdict == "roll back" else f"promoted: {shown}"
             if line and gate.share() is None:  # a line already serves: a new number, and the workers stop scoring
-                core.version += 1
-                epoch, version = gate.candidate = (core.epoch, core.version)
+                core.numbers.next()
+                epoch, version = gate.candidate = core.numbers.newest
             self.outbox.append(self.encode(gate.candidate_tensors, version, "live", epoch, note))
             gate.promoted()
         else:
             gate.dropped()
-        counter = {
-            "promote": "promotions",
-            "roll back": "rollbacks",
-            "drop": "dropped_candidates",
-            "resume": "resumed",
-        }.get(verdict)
-        if counter:
-            setattr(core.stats, counter, getattr(core.stats, counter) + 1)
+        core.stats.count_verdict(verdict)
         if gate.config.holdback is not None:
             if verdict == "roll back":  # what was rolled back is not trained on further
                 assert gate.champion_tensors is not None
@@ -247,12 +242,10 @@ class Promotion:
         published."""
         gate, core = self.gate, self.core
         assert gate.champion_tensors is not None
-        core.version += 1
-        self.outbox.append(
-            self.encode(gate.champion_tensors, core.version, "live", core.epoch, f"line rolled back: {shown}")
-        )
+        version = core.numbers.next()
+        self.outbox.append(self.encode(gate.champion_tensors, version, "live", note=f"line rolled back: {shown}"))
         gate.candidate = gate.candidate_tensors = None
-        gate.champion = (core.epoch, core.version)
+        gate.champion = core.numbers.newest
         return gate.champion
 
     def show(self) -> None:
@@ -280,7 +273,7 @@ class Promotion:
         shadow_calls: float | None = None,
     ) -> Policy:
         core = self.core
-        epoch = core.epoch if epoch is None else epoch
+        epoch = core.numbers.epoch if epoch is None else epoch
         strategy = core.trainer.strategy
         return encode_policy(
             tensors, version, epoch, core.models, strategy, core.signer, stage, note, share, shadow_calls
