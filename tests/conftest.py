@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# one torch (OpenMP) thread in each test process and in each process a test starts: the two test processes, each
+# with a thread per core, spin against each other on a 2-core machine (a warm start took 112 s beside another one
+# instead of 23 s); set before numpy and torch are loaded
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import numpy as np
 import pytest
 
@@ -69,13 +74,21 @@ def zoo() -> RecordedDataset:
 
 @pytest.fixture(scope="session")
 def quick_zoo(tmp_path_factory) -> Path:
-    """The zoo's specialists built by the real builder, with 25 training steps each (same tokenizers, same shapes)."""
+    """The zoo's specialists built by the real builder, with 25 training steps each (same tokenizers, same shapes):
+    built once for the whole run, by whichever test process asks first (the others wait for it)."""
     from dataclasses import replace
 
-    from rlens.zoo.build import SPECIALISTS, build_zoo
+    from filelock import FileLock
 
-    out = tmp_path_factory.mktemp("zoo")
-    build_zoo(out, [replace(spec, steps=25) for spec in SPECIALISTS])
+    from rlens.zoo.build import MANIFEST, SPECIALISTS, build_zoo
+
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent  # the run's folder, above every xdist worker's own
+    out = shared / "quick-zoo"
+    with FileLock(shared / "quick-zoo.lock"):
+        if not (out / MANIFEST).is_file():  # the manifest is written last
+            build_zoo(out, [replace(spec, steps=25) for spec in SPECIALISTS])
     return out
 
 

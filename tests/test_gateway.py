@@ -448,6 +448,7 @@ def spans_of(directory: Path) -> list[dict]:
     return [json.loads(line) for path in directory.glob("*.jsonl") for line in path.read_text().splitlines() if line]
 
 
+@pytest.mark.kafka
 def test_one_trace_follows_a_request_through_the_gateway_the_worker_its_models_and_the_learners_join(gw):
     """OpenTelemetry: the gateway's span, the worker's answer (its child, through the query record's traceparent
     header), one span per model called, and the learner's join of the feedback (through the experience's header)."""
@@ -631,6 +632,7 @@ def test_each_request_has_one_access_log_line_that_never_holds_the_prompt(gw):
     assert "question 11" not in log.read_text()  # the prompt is never logged
 
 
+@pytest.mark.kafka
 def test_feedback_is_checked_against_its_query_applied_once_and_joined_by_the_learner(gw):
     answer = ask(gw, question=7, stream="fb").json()
     url = f"{gw['url']}/v1/feedback"
@@ -712,6 +714,7 @@ def test_keys_streams_tenants_sizes_and_rates_are_enforced(gw, tmp_path):
     assert int(codes[2].headers["retry-after"]) >= 1 and codes[2].json()["error"]["type"] == "rate_limit_error"
 
 
+@pytest.mark.kafka
 def test_an_idempotent_retry_gets_the_same_answer_without_asking_twice(gw):
     worker = role_url(gw, "worker")
     key = {"Idempotency-Key": f"order-{time.time()}"}
@@ -811,6 +814,7 @@ def read_answers(settings_, query_id: str) -> Answer:
     return answers[0]
 
 
+@pytest.mark.kafka
 def test_a_stalled_worker_gives_504_with_the_query_id_503_when_full_and_the_late_answer_is_kept(gw):
     worker = gw["stack"].workers[0]
     worker.send_signal(signal.SIGSTOP)
@@ -848,6 +852,7 @@ def test_a_stalled_worker_gives_504_with_the_query_id_503_when_full_and_the_late
     )
 
 
+@pytest.mark.kafka
 def test_a_forged_reply_never_answers_a_client(gw):
     stack, worker = gw["stack"], gw["stack"].workers[0]
     before = all_query_ids(stack.settings)
@@ -908,6 +913,7 @@ def test_a_forged_reply_never_answers_a_client(gw):
     assert shared.answered_models and shared.feedback_token == ""
 
 
+@pytest.mark.kafka
 def test_a_query_replying_outside_the_reply_topics_is_dead_lettered(gw):
     """A reply topic must be a live gateway's: neither another topic nor a made-up name under the reply prefix
     (thirty of those used to make thirty topics)."""
@@ -1119,6 +1125,7 @@ def test_malformed_unicode_in_any_field_is_a_4xx_never_a_500(gw, field, text):
     assert response.status_code < 500, response.text
 
 
+@pytest.mark.kafka
 def test_kafka_attacks_of_round_three_do_no_harm(gw):
     """Issue 60, from outside the processes with a plain Kafka client: (1) a gateway query's id asked again on
     another stream is dead-lettered, never answered (its token would rate the tenant's query); (2) FastStream's

@@ -28,9 +28,12 @@ from rlens.settings import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 KAFKA = ROOT / "infra" / "kafka" / "kafka.sh"
-pytestmark = pytest.mark.skipif(
-    EXTERNAL is None, reason="a real Kafka cluster: runs with RLENS_TEST_KAFKA_BOOTSTRAP set (CI's Kafka phase)"
-)
+pytestmark = [
+    pytest.mark.kafka,
+    pytest.mark.skipif(
+        EXTERNAL is None, reason="a real Kafka cluster: runs with RLENS_TEST_KAFKA_BOOTSTRAP set (CI's Kafka phase)"
+    ),
+]
 RATE = 20.0  # requests per second through the gateway
 DURATION_S = 60.0  # the load; a broker is killed at a third of it and restarted at two thirds
 KILLS_S = (2.0, 4.0, 8.0)  # after the broker's kill: a worker killed, the learner killed, both started again

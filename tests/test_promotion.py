@@ -61,13 +61,19 @@ def test_a_learner_restarted_while_it_judges_serves_what_one_never_stopped_serve
     serves the same policies, query for query (when the evidence was not kept, the candidate judged at the stop lost
     it and was promoted 256 queries later)."""
     gate = GateConfig(min_events=200, max_events=2000, every=25, delta=0.02, holdback=holdback)
-    until = simulate(zoo, redis_server.url, tmp_path / "until", gate, warm=True, sabotage=False, n=restart_at)
-    judged = until.core.promotion.gate
-    assert judged.kind == kind and judged.candidate is not None and len(judged.evidence) >= 100
     whole = simulate(zoo, redis_server.url, tmp_path / "whole", gate, warm=True, sabotage=False, n=1200)
     restarted = simulate(
-        zoo, redis_server.url, tmp_path / "restarted", gate, warm=True, sabotage=False, n=1200, restart_at=restart_at
+        zoo,
+        redis_server.url,
+        tmp_path / "restarted",
+        gate,
+        warm=True,
+        sabotage=False,
+        n=1200,
+        restart_at=restart_at,
     )
+    judged = restarted.stopped.promotion.gate  # at the stop
+    assert judged.kind == kind and judged.candidate is not None and len(judged.evidence) >= 100
     assert restarted.served == whole.served
     assert restarted.core.stats.promotions == whole.core.stats.promotions
     assert len(restarted.core.promotion.gate.evidence) == len(whole.core.promotion.gate.evidence)

@@ -126,6 +126,7 @@ def greedy_tokens(backend: TransformersBackend, prompt: str, n: int) -> list[int
 
 
 def test_one_hot_weights_reproduce_each_models_greedy_output(quick_zoo, smollm2, gemma3):
+    """In a batch (one prompt alone decodes what its batch row does: the next test)."""
     backends = [
         TransformersBackend.load(quick_zoo / "arith-char"),
         TransformersBackend.load(quick_zoo / "count-bpe"),
@@ -138,16 +139,11 @@ def test_one_hot_weights_reproduce_each_models_greedy_output(quick_zoo, smollm2,
         for batched, prompt in zip(
             ensemble.generate_batch(prompts, np.eye(len(backends))[m], max_tokens=12, span=4), prompts
         ):
-            alone = ensemble.generate(prompt, np.eye(len(backends))[m], max_tokens=12, span=4)
             expected = greedy_tokens(backend, prompt, 12)
-            for out in (alone, batched):
-                assert [
-                    ensemble.vocab.single[m][u] for u in out.union_tokens
-                ] == expected  # token for token, same length
-                assert out.text == backend.tokenizer.decode(expected)
-                # the last token of a cut-off output is not read
-                read = expected if out.finish_reason == "stop" else expected[:-1]
-                assert out.appended[m] == read
+            assert [ensemble.vocab.single[m][u] for u in batched.union_tokens] == expected  # token for token
+            assert batched.text == backend.tokenizer.decode(expected)
+            # the last token of a cut-off output is not read
+            assert batched.appended[m] == (expected if batched.finish_reason == "stop" else expected[:-1])
 
 
 def read_text(ensemble: TokenEnsemble, out) -> str:

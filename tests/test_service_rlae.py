@@ -391,6 +391,7 @@ def test_learner_warm_starts_from_an_offline_run_of_the_same_models_and_settings
 
 
 # a MAPPO policy (1.4 MB here) exceeds Kafka's default 1 MB message size
+@pytest.mark.kafka
 @pytest.mark.parametrize("variant", ["ppo", "mappo"])
 def test_on_the_wire_open_ended_queries_are_answered_learned_from_and_new_policies_reach_the_workers(
     quick_zoo, tmp_path, variant

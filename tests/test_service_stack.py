@@ -145,6 +145,7 @@ def joined_at_least(stack: LocalStack, n: int, timeout_s: float = 300.0) -> None
         time.sleep(0.5)
 
 
+@pytest.mark.kafka
 def test_gated_promotion_through_the_policy_topic(tmp_path, zoo):
     """RLENS_PROMOTION=gated: candidates travel the policy topic, the worker scores each in shadow, the learner
     promotes or drops it on that evidence, and the worker serves nothing but promoted policies."""
@@ -173,6 +174,7 @@ def test_gated_promotion_through_the_policy_topic(tmp_path, zoo):
     assert promoted in after.policy_versions and state["operator_seen"] > [0, 0]
 
 
+@pytest.mark.kafka
 def test_a_bad_policy_forced_live_is_rolled_back_on_probation(tmp_path, zoo):
     """Issue 61, live: on a gated stack an operator promotes the newest candidate, then forces a bad policy live (the
     same weights with the Fusion's scores turned upside down, signed and published as `rlens policy promote`
@@ -244,6 +246,7 @@ def operator_promotes_the_newest_candidate(stack: LocalStack, workdir: Path) -> 
     return rows, int(published.group(1))
 
 
+@pytest.mark.kafka
 def test_end_to_end_learns_as_well_as_the_offline_loop(tmp_path, zoo):
     """In a closed loop (each query waits until the previous one's feedback is in its window, as offline), so the
     comparison does not depend on how fast the machine is; only the policy's trip to the worker may lag a little."""
@@ -310,6 +313,7 @@ def test_open_ended_queries_end_to_end_learn_as_well_as_the_offline_loop(tmp_pat
     assert final_learner_state(stack)["stats"]["joined"] == 300
 
 
+@pytest.mark.kafka
 def test_a_worker_killed_mid_stream_loses_no_query(tmp_path, zoo):
     stack = make_stack(tmp_path, workers=2)
     killed = []
@@ -329,6 +333,7 @@ def test_a_worker_killed_mid_stream_loses_no_query(tmp_path, zoo):
     assert report.duplicates <= 4 * 16  # only the killed worker's in-flight batches are answered twice
 
 
+@pytest.mark.kafka
 def test_a_learner_killed_mid_stream_resumes_without_losing_or_repeating_a_transition(tmp_path, zoo):
     stack = make_stack(tmp_path)
     restarted = []
@@ -403,6 +408,7 @@ def test_redis_restarted_empty_keeps_the_service_answering(tmp_path, zoo):
     assert stats["joined"] == N and stats["windows_applied"] == N  # every outcome reached the new Redis
 
 
+@pytest.mark.kafka
 @own_broker_only
 def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path, zoo):
     """tansu's memory storage: a restarted broker has empty logs. Its topics are made before the traffic resumes
@@ -429,6 +435,7 @@ def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path
     assert stats["joined"] == 300 and stats["new_logs"] == 2 * stack.settings.kafka.partitions
 
 
+@pytest.mark.kafka
 @own_broker_only
 def test_rlens_load_sends_a_record_the_broker_refused_again():
     """Issue 60: tansu restarted empty refuses a producer's second record to a topic it knew before the restart
@@ -473,6 +480,7 @@ def test_rlens_load_sends_a_record_the_broker_refused_again():
     assert report.send_failures == 0
 
 
+@pytest.mark.kafka
 @own_broker_only
 def test_policies_published_after_the_broker_restarts_empty_reach_the_workers(tmp_path, zoo):
     """Issue 60: a policy subscriber had read the policy topic up to some offset when the broker restarted empty.
@@ -515,6 +523,7 @@ async def topic_partitions(config) -> dict[str, int]:
         await admin.close()
 
 
+@pytest.mark.kafka
 def test_the_topics_are_made_again_and_a_refused_batch_is_retried_within_a_budget():
     from rlens.service.common.kafka import TopicRestorer
     from rlens.service.worker.batches import Retries
@@ -537,6 +546,7 @@ def test_the_topics_are_made_again_and_a_refused_batch_is_retried_within_a_budge
     assert not retries.spent(batch) and not retries._counts.keys() - {("q", 0, 0), ("q", 0, 1)}
 
 
+@pytest.mark.kafka
 def test_per_query_topics_get_the_partitions_and_ordered_topics_keep_one():
     """Answers, feedback, experience and dead letters are spread like the queries (the local broker reads a partition
     more slowly the more small batches it holds); policies, drift events and spending stay in order on one partition."""
@@ -559,6 +569,7 @@ def test_per_query_topics_get_the_partitions_and_ordered_topics_keep_one():
     }
 
 
+@pytest.mark.kafka
 def test_a_second_learner_on_the_same_group_or_directory_refuses_to_start(tmp_path):
     import subprocess
     import sys
@@ -807,6 +818,7 @@ def schema_valid_poison(zoo) -> dict[str, list[bytes]]:
     }
 
 
+@pytest.mark.kafka
 def test_fuzzed_and_poisoned_messages_on_every_topic_are_dead_lettered_and_the_service_keeps_its_policy(tmp_path, zoo):
     payloads = fuzzed_payloads(10_000)
     assert len(payloads) >= 9_000
@@ -878,6 +890,7 @@ def test_fuzzed_and_poisoned_messages_on_every_topic_are_dead_lettered_and_the_s
     )
 
 
+@pytest.mark.kafka
 def test_publish_batch_splits_into_bounded_producer_batches_and_keeps_every_key():
     """700 answers of about 2.7 KB each (about 1.9 MB) go out in several batches under BATCH_BYTES; every one
     arrives once, keyed by its query id."""
@@ -937,6 +950,7 @@ def test_publish_batch_splits_into_bounded_producer_batches_and_keeps_every_key(
     assert all(json.loads(r.value)["query_id"] == r.key.decode() for r in records)
 
 
+@pytest.mark.kafka
 @pytest.mark.skipif(EXTERNAL is None, reason="tansu keeps no topic settings: a real Kafka test")
 def test_topics_take_the_records_rlens_sends_and_a_smaller_existing_one_is_named(caplog):
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -970,6 +984,7 @@ def test_topics_take_the_records_rlens_sends_and_a_smaller_existing_one_is_named
     assert f"topic {topics.drift} takes records of at most {limits[topics.drift]} bytes" in caplog.text
 
 
+@pytest.mark.kafka
 @pytest.mark.skipif(EXTERNAL is None, reason="tansu keeps no topic settings: a real Kafka test")
 def test_topics_a_producer_made_with_the_brokers_defaults_are_named_once(caplog):
     """Issue 60: a broker that lost its topics makes them again on a producer's first record, with its own defaults
@@ -1000,6 +1015,7 @@ def test_topics_a_producer_made_with_the_brokers_defaults_are_named_once(caplog)
     assert asyncio.run(topic_partitions(config))[topics.answers] == 4
 
 
+@pytest.mark.kafka
 def test_producers_are_idempotent_wherever_the_broker_offers_them():
     """``kafka_idempotence``: "auto" (the default) settles on whether the broker accepts an idempotent producer
     (Apache Kafka does, tansu does not), true refuses a broker without them, and `rlens load` settles it as the
@@ -1024,6 +1040,7 @@ def test_producers_are_idempotent_wherever_the_broker_offers_them():
         broker.stop()
 
 
+@pytest.mark.kafka
 @own_broker_only
 def test_the_gateway_answers_again_soon_after_the_broker_restarts_empty(tmp_path):
     """Issue 60: tansu's memory storage restarted, and nobody makes the topics again by hand. The gateway's queries

@@ -108,7 +108,7 @@ def simulate(
     ``restart_at`` (a multiple of 32): there the learner checkpoints, stops and a new one resumes. ``warm``: the
     learner is warm-started on the paper protocol's warm split; with ``test_split`` the stream is its test split
     (otherwise the whole stream, warm questions included). Returns
-    the worker, the learner core, (served version, right) per query, the models each query called, whether the
+    the worker, the learner core (and the one ``restart_at`` stopped), (served version, right) per query, the models each query called, whether the
     shadow's answer was right where known (None elsewhere), the versions scored in shadow and the forced version."""
 
     async def scenario():
@@ -153,7 +153,7 @@ def simulate(
         core = learner()
         if warm:
             core.warm_start(save_dataset(zoo.subset(warm_index), workdir / "warm"))
-        served, calls, shadow_right, shadowed, published, forced = [], [], [], set(), [], None
+        served, calls, shadow_right, shadowed, published, forced, stopped = [], [], [], set(), [], None, None
         announced = core.announcement()  # as the learner's app does at its start (a warm start's policy, if any)
         if announced is not None:
             assert worker.receive_policy(announced) is None
@@ -168,7 +168,7 @@ def simulate(
             if restart_at is not None and start == restart_at:  # the learner stops (a checkpoint) and starts again
                 core.checkpoint()  # after what it produced was published, as the service's record batches do
                 core.checkpoints.close()
-                core = learner()
+                stopped, core = core, learner()
             if forced_at is not None and forced is None and start >= forced_at:
                 upside_down = {k: -v if k.startswith("fusion.") else v for k, v in worker.policy_tensors().items()}
                 bad = encode_policy(upside_down, 1, core.epoch, names, "rl_focal", SIGNER)
@@ -205,6 +205,7 @@ def simulate(
         return SimpleNamespace(
             worker=worker,
             core=core,
+            stopped=stopped,
             served=served,
             calls=calls,
             shadow_right=shadow_right,
