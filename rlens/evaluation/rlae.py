@@ -42,11 +42,12 @@ def decode(
     texts: list[str] = []
     for start in range(0, len(tasks), batch):
         prompts = [t.prompt for t in tasks[start : start + batch]]
-        source = weights.weights_fn(prompts, greedy=True) if isinstance(weights, RLAEAgent) else weights
-        texts += [
-            o.text
-            for o in ensemble.generate_batch(prompts, source, max_tokens=cfg.max_tokens, span=cfg.span, stop=STOP)
-        ]
+        outputs = (
+            weights.decode(ensemble, prompts, greedy=True)[0]
+            if isinstance(weights, RLAEAgent)
+            else ensemble.generate_batch(prompts, weights, max_tokens=cfg.max_tokens, span=cfg.span, stop=STOP)
+        )
+        texts += [o.text for o in outputs]
         progress(len(prompts))
     return texts
 

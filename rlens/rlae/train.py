@@ -61,6 +61,21 @@ class RLAEAgent:
 
         return weights
 
+    def decode(
+        self,
+        decoder: SpanWeightedDecoder,
+        prompts: list[str],
+        greedy: bool,
+        generator: torch.Generator | None = None,
+        stop: list[str] = STOP,
+    ) -> tuple[list[EnsembleOutput], list[list[Span]]]:
+        """A batch decoded under this agent's weights, its span and token budget: each prompt's output and the span
+        decisions it took (what training, evaluation and the workers run)."""
+        record: list[list[Span]] = [[] for _ in prompts]
+        weights = self.weights_fn(prompts, greedy, generator, record)
+        cfg = self.cfg
+        return decoder.generate_batch(prompts, weights, max_tokens=cfg.max_tokens, span=cfg.span, stop=stop), record
+
 
 def rollout(
     ensemble: SpanWeightedDecoder,
@@ -70,16 +85,7 @@ def rollout(
     generator: torch.Generator | None = None,
 ) -> tuple[list[EnsembleOutput], list[list[Span]], np.ndarray]:
     """Decode ``tasks`` with the agent's weights; (outputs, each episode's spans with its reward, rewards)."""
-    prompts = [t.prompt for t in tasks]
-    record: list[list[Span]] = [[] for _ in tasks]
-    cfg = agent.cfg
-    outputs = ensemble.generate_batch(
-        prompts,
-        agent.weights_fn(prompts, greedy, generator, record),
-        max_tokens=cfg.max_tokens,
-        span=cfg.span,
-        stop=STOP,
-    )
+    outputs, record = agent.decode(ensemble, [t.prompt for t in tasks], greedy, generator)
     rewards = np.array([float(exact_match(o.text, t.reference)) for o, t in zip(outputs, tasks)])
     for spans, reward in zip(record, rewards):
         spans[-1].reward, spans[-1].last = float(reward), True

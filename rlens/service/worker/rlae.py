@@ -115,18 +115,10 @@ class RLAEWorker(Worker):
         arms = [(champion, np.flatnonzero(~drawn).tolist()), (candidate, np.flatnonzero(drawn).tolist())]
         return [(arm, rows) for arm, rows in arms if rows]
 
-    def _decode(self, agent: RLAEAgent, prompts: list[str]) -> tuple[list[EnsembleOutput], list[list[Span]]]:
-        record: list[list[Span]] = [[] for _ in prompts]
-        weights = agent.weights_fn(prompts, greedy=not self.explore, generator=self.generator, record=record)
-        cfg = self.agent.cfg
-        return self.decoder.generate_batch(
-            prompts, weights, max_tokens=cfg.max_tokens, span=cfg.span, stop=self.stop
-        ), record
-
     def _decode_each(self, agent: RLAEAgent, prompts: list[str]) -> list[tuple[EnsembleOutput, list[Span]] | str]:
         """Every prompt's (output, spans), decoded as one batch or, if the batch fails, one by one; a failure's reason."""
         try:
-            return list(zip(*self._decode(agent, prompts)))
+            return list(zip(*agent.decode(self.decoder, prompts, not self.explore, self.generator, self.stop)))
         except (BackendError, ValueError) as exc:
             if len(prompts) == 1:
                 return [f"{type(exc).__name__}: {exc}"]
