@@ -143,6 +143,23 @@ def test_smollm2_gguf_scores_match_reference():
     assert int(np.argmax(scores.loglikelihoods)) == 0
 
 
+def test_a_gguf_model_is_converted_once_and_read_back_to_the_last_bit(tmp_path):
+    """The first load keeps the converted model (``~/.cache/rlens/gguf``); a load reads it back in seconds, with the
+    same numbers as the first. Where nothing can be kept the model is still served."""
+    from rlens.backends import hf
+
+    first = TransformersBackend.load(smollm2_dir(), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    kept = hf.converted_gguf(smollm2_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf", torch.float32)
+    assert (kept / "model.safetensors").is_file() and (kept / "tokenizer.json").is_file()
+    again = TransformersBackend.load(smollm2_dir(), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    query = ChoiceQuery(id="fr", prompt="Q: The capital of France?\nA:", choices=[" Paris", " Lyon", " a city"])
+    assert again.score_choices(query).loglikelihoods == first.score_choices(query).loglikelihoods
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # no folder can be made under it
+    assert not hf._keep_converted(first.model, first.tokenizer, blocked / "model")
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
 def test_gemma3_reads_its_bos_first_in_scores_and_prompt_logprobs(gemma3):
     """Gemma 3 is trained with a BOS before every text: choice scores, prompt log-probabilities (the server's echo
     path) and the tokenizer's own encoding agree on it."""

@@ -44,7 +44,7 @@ def test_ctrl_c_stops_the_replay_and_its_worker_processes_with_one_line(tmp_path
         time.sleep(0.5)
     assert process.poll() is None, "".join(seen)
     os.killpg(process.pid, signal.SIGINT)
-    rest, _ = process.communicate(timeout=60)
+    rest, _ = process.communicate(timeout=180)
     output = "".join(seen) + rest
     assert process.returncode == 130, output
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
@@ -222,7 +222,7 @@ def test_a_default_stack_answers_any_prompt_refuses_a_second_one_feeds_load_and_
         assert out[border + 1] == "" and out[border + 2].startswith("  "), load.stdout  # not glued to the table
     finally:
         os.killpg(up.pid, signal.SIGINT)
-        rest, _ = up.communicate(timeout=90)
+        rest, _ = up.communicate(timeout=180)
     assert up.returncode == 0, rest
     assert "stopping (workers drain and commit" in rest
     logs = "".join(p.read_text() for p in workdir.glob("*.log"))
@@ -240,7 +240,7 @@ def test_ctrl_c_while_the_stack_starts_stops_it_at_once_with_one_line(tmp_path):
     time.sleep(4.0)  # the broker is up, the service processes are starting
     assert up.poll() is None
     os.killpg(up.pid, signal.SIGINT)
-    output, _ = up.communicate(timeout=60)
+    output, _ = up.communicate(timeout=180)
     assert up.returncode == 130, output
     assert output.strip().splitlines()[-1] == "interrupted: the stack was stopped before it was up"
     assert "Traceback" not in output and not port_taken(port)

@@ -11,6 +11,10 @@ Every text a model reads starts with its BOS token when its tokenizer puts one f
 The context is run once and its KV cache is shared by every choice, whose remaining tokens go through in one
 batch. A context too long for the model window is cut from the left, keeping the longest choice whole.
 
+A GGUF file is converted once (its tensors dequantized, its vocabulary made a tokenizer: 40 s for SmolLM2 on one
+core) and kept as a model directory under ``~/.cache/rlens/gguf`` (:func:`converted_gguf`); later loads read that
+(seconds). Where the cache cannot be written (a read-only root) every load converts.
+
 Generation samples ``n`` continuations (greedy at temperature 0), seeded when the request gives a seed.
 :meth:`TransformersBackend.prompt_logprobs` gives every prompt token's log-probability and top tokens, which is
 what ``rlens serve-model`` answers to OpenAI ``echo`` + ``logprobs`` requests.
@@ -18,7 +22,12 @@ what ``rlens serve-model`` answers to OpenAI ``echo`` + ``logprobs`` requests.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
+import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +100,42 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+log = logging.getLogger("rlens.backends")
+GGUF_CACHE = Path.home() / ".cache" / "rlens" / "gguf"
+
+
+def converted_gguf(gguf: Path, dtype: torch.dtype) -> Path:
+    """Where the model directory converted from ``gguf`` (this file, as it is now, with this transformers and dtype)
+    is kept."""
+    import transformers
+
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{dtype}"
+    return GGUF_CACHE / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _keep_converted(model, tokenizer, where: Path) -> bool:
+    """Save a converted model for later loads (written beside, then renamed, so a reader never sees half of one);
+    whether it is there now."""
+    from safetensors.torch import save_model
+
+    partial = where.with_name(f"{where.name}.partial-{os.getpid()}")
+    try:
+        partial.mkdir(parents=True)
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # dequantized: transformers will not save a GGUF-loaded model itself
+        (partial / "config.json").write_text(json.dumps(config, indent=1))
+        save_model(model, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save_pretrained(partial)
+        partial.rename(where)
+    except OSError as exc:  # read-only, full, or another process kept it first
+        if not where.is_dir():
+            log.info("the converted model is not kept (%s): the next load converts the GGUF file again", exc)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return where.is_dir()
+
+
 @register_backend("transformers")
 class TransformersBackend(Backend):
     def __init__(self, model, tokenizer, device: str = "cpu", max_length: int | None = None):
@@ -111,18 +156,24 @@ class TransformersBackend(Backend):
     def load(
         cls, path: str | Path, gguf_file: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32
     ) -> "TransformersBackend":
-        """Load a local model directory (or a GGUF file inside it; a ``tokenizer.json`` beside it is read instead of
-        converting the GGUF file's vocabulary); never touches the network."""
+        """Load a local model directory (or a GGUF file inside it, converted once: :func:`converted_gguf`; a
+        ``tokenizer.json`` beside it is read instead of converting the GGUF file's vocabulary); never touches the
+        network."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(path)
         if not path.is_dir():
             raise BackendError(f"transformers backend: {path} is not a model directory")
+        converted = converted_gguf(path / gguf_file, dtype) if gguf_file and (path / gguf_file).is_file() else None
+        if converted is not None and converted.is_dir():
+            path, gguf_file = converted, None
         options = {"gguf_file": gguf_file} if gguf_file else {}
         tokenizer = AutoTokenizer.from_pretrained(
             path, local_files_only=True, **({} if (path / "tokenizer.json").is_file() else options)
         )
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **options)
+        if gguf_file and converted is not None and _keep_converted(model, tokenizer, converted):
+            return cls.load(converted, None, device, dtype)  # as every later load reads it, to the last bit
         return cls(model, tokenizer, device)
 
     @torch.inference_mode()
