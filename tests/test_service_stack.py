@@ -408,7 +408,6 @@ def test_redis_restarted_empty_keeps_the_service_answering(tmp_path, zoo):
     assert stats["joined"] == N and stats["windows_applied"] == N  # every outcome reached the new Redis
 
 
-@pytest.mark.kafka
 @own_broker_only
 def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path, zoo):
     """tansu's memory storage: a restarted broker has empty logs. Its topics are made before the traffic resumes
@@ -435,7 +434,6 @@ def test_a_broker_restarted_empty_loses_no_later_experience_or_feedback(tmp_path
     assert stats["joined"] == 300 and stats["new_logs"] == 2 * stack.settings.kafka.partitions
 
 
-@pytest.mark.kafka
 @own_broker_only
 def test_rlens_load_sends_a_record_the_broker_refused_again():
     """Issue 60: tansu restarted empty refuses a producer's second record to a topic it knew before the restart
@@ -480,7 +478,6 @@ def test_rlens_load_sends_a_record_the_broker_refused_again():
     assert report.send_failures == 0
 
 
-@pytest.mark.kafka
 @own_broker_only
 def test_policies_published_after_the_broker_restarts_empty_reach_the_workers(tmp_path, zoo):
     """Issue 60: a policy subscriber had read the policy topic up to some offset when the broker restarted empty.
@@ -1040,7 +1037,6 @@ def test_producers_are_idempotent_wherever_the_broker_offers_them():
         broker.stop()
 
 
-@pytest.mark.kafka
 @own_broker_only
 def test_the_gateway_answers_again_soon_after_the_broker_restarts_empty(tmp_path):
     """Issue 60: tansu's memory storage restarted, and nobody makes the topics again by hand. The gateway's queries
