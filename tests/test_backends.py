@@ -143,21 +143,24 @@ def test_smollm2_gguf_scores_match_reference():
     assert int(np.argmax(scores.loglikelihoods)) == 0
 
 
-def test_a_gguf_model_is_converted_once_and_read_back_to_the_last_bit(tmp_path):
-    """The first load keeps the converted model (``~/.cache/rlens/gguf``); a load reads it back in seconds, with the
-    same numbers as the first. Where nothing can be kept the model is still served."""
+def test_a_gguf_model_is_converted_once_and_read_back_to_the_last_bit(tmp_path, monkeypatch):
+    """The first load keeps the converted model (``~/.cache/rlens/gguf``, here an empty one); a load reads it back in
+    seconds, with the same numbers as the first. Where nothing can be kept the model is still served."""
     from rlens.backends import hf
 
-    first = TransformersBackend.load(smollm2_dir(), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    monkeypatch.setattr(hf, "GGUF_CACHE", tmp_path / "cache")
     kept = hf.converted_gguf(smollm2_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf", torch.float32)
+    assert not kept.exists()
+    first = TransformersBackend.load(smollm2_dir(), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     assert (kept / "model.safetensors").is_file() and (kept / "tokenizer.json").is_file()
+    assert [p.name for p in kept.parent.iterdir()] == [kept.name]  # no partial copy left
     again = TransformersBackend.load(smollm2_dir(), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     query = ChoiceQuery(id="fr", prompt="Q: The capital of France?\nA:", choices=[" Paris", " Lyon", " a city"])
     assert again.score_choices(query).loglikelihoods == first.score_choices(query).loglikelihoods
     blocked = tmp_path / "a-file"
     blocked.write_text("")  # no folder can be made under it
     assert not hf._keep_converted(first.model, first.tokenizer, blocked / "model")
-    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "cache"]
 
 
 def test_gemma3_reads_its_bos_first_in_scores_and_prompt_logprobs(gemma3):

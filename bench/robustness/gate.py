@@ -108,8 +108,9 @@ def simulate(
     ``restart_at`` (a multiple of 32): there the learner checkpoints, stops and a new one resumes. ``warm``: the
     learner is warm-started on the paper protocol's warm split; with ``test_split`` the stream is its test split
     (otherwise the whole stream, warm questions included). Returns
-    the worker, the learner core (and the one ``restart_at`` stopped), (served version, right) per query, the models each query called, whether the
-    shadow's answer was right where known (None elsewhere), the versions scored in shadow and the forced version."""
+    the worker, the learner core (and the one ``restart_at`` stopped), (served version, right) per query, the models
+    each query called, whether the shadow's answer was right where known (None elsewhere), the versions scored in
+    shadow and the forced version."""
 
     async def scenario():
         redis = Redis.from_url(url)
