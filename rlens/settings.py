@@ -491,11 +491,16 @@ class FocalSettings(Group):
         "candidates well with 20 %, not with 5 %: BENCHMARKS.md, Off-policy evaluation)",
     )
     budget: float | None = Field(
-        None,
+        FocalConfig.budget,
         gt=0,
         le=1,
         description="rl_focal: the mean share of the whole pool's cost spent per query, met online by each worker "
         "(an offset on the Decider's logits; rlens.focal.budget); none: the cost weight alone decides",
+    )
+    budget_cap: bool = Field(
+        FocalConfig.budget_cap,
+        description="rl_focal: the budgets as caps: only spending above a budget is pushed down, spending under it is "
+        "left to the cost weight (alpha); false: each budget is met on average, spending under it pushed up too",
     )
     stream_budgets: dict[str, Annotated[float, Field(gt=0, le=1)]] = Field(
         default_factory=dict,
@@ -549,6 +554,12 @@ class FocalSettings(Group):
         "line",
         description="rl_focal, open-ended queries: the answer in a sample (and in a feedback reference): its first line, or its first number",
     )
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _none(cls, value: object) -> object:
+        """``none`` (any case) for no budget: the configuration file has no null, a variable no None."""
+        return None if isinstance(value, str) and value.strip().lower() == "none" else value
 
     def sampling(self) -> GenerationRequest:
         """How the rl_focal worker asks each chosen model about an open-ended query (id and prompt filled per query)."""

@@ -29,6 +29,23 @@ def test_the_offset_moves_by_rate_times_the_spending_against_the_budget():
         BudgetController(budget=1.5)
 
 
+def test_a_cap_is_a_token_bucket_that_starts_full_and_shifts_only_once_empty():
+    cap = BudgetController(budget=0.5, rate=0.1, cap=True, saving=0.004)  # 0.4 % of 500: 2 queries of the pool
+    assert cap.bucket == pytest.approx(2.0) and cap.offset == pytest.approx(0.2) and cap.shift == 0.0  # full
+    cap.observe(0.2)  # 0.3 below: it cannot save more than 2
+    assert cap.offset == pytest.approx(0.2)
+    for _ in range(5):  # 2.5 above: 0.5 more than was saved
+        cap.observe(1.0)
+    assert cap.offset == pytest.approx(-0.05) and cap.shift == pytest.approx(-0.05)
+    cap.observe(0.3)  # 0.2 below: 0.02 back, still in debt
+    assert cap.offset == pytest.approx(-0.03) and cap.shift == pytest.approx(-0.03)
+    cap.observe(0.0)  # 0.5 below: the debt paid, 0.2 saved again
+    assert cap.offset == pytest.approx(0.02) and cap.shift == 0.0
+    mean = BudgetController(budget=0.5, rate=0.1)  # a mean budget starts at 0 and shifts both ways
+    mean.observe(0.2)
+    assert mean.shift == mean.offset == pytest.approx(0.03)
+
+
 def test_the_offset_adds_to_every_logit_of_the_greedy_decider():
     engine = FocalEngine(5, seed=0)
     with torch.no_grad():  # distinct logits (an untrained Decider gives every model the same)
@@ -48,9 +65,9 @@ def test_the_shift_is_the_offset_times_each_models_price():
     prices = np.array([4.0, 0.5, 0.5])
     assert logit_shift(-0.5, prices) == pytest.approx([-2.0, -0.25, -0.25])
     assert np.allclose(logit_shift(np.array([1.0, -1.0]), prices), [[4.0, 0.5, 0.5], [-4.0, -0.5, -0.5]])
-    engine = FocalEngine(3, np.array([8.0, 1.0, 1.0]), replace(FocalConfig(), budget=0.5), seed=0)
+    engine = FocalEngine(3, np.array([8.0, 1.0, 1.0]), replace(FocalConfig(), budget=0.5, budget_cap=False), seed=0)
     assert engine.prices == pytest.approx([2.4, 0.3, 0.3])  # cost share times M
-    assert FocalEngine(3, seed=0).shift(-1.0) == 0.0  # no budget: no shift
+    assert FocalEngine(3, config=replace(FocalConfig(), budget=None), seed=0).shift(-1.0) == 0.0  # no budget: no shift
     with torch.no_grad():
         engine.decider.heads.bias += torch.tensor([3.0, 1.0, 1.0])  # the priciest model the most likely
     state = engine._state("s", 4)[None]
@@ -67,11 +84,28 @@ def test_an_engine_meets_its_budget_online(zoo):
     likely, and 0.3 spent 0.38.)"""
     spent = {}
     for budget in (0.3, 0.6):
-        engine = FocalEngine(zoo.n_models, zoo.model_costs, replace(FocalConfig(), budget=budget), seed=0)
+        engine = FocalEngine(
+            zoo.n_models, zoo.model_costs, replace(FocalConfig(), budget=budget, budget_cap=False), seed=0
+        )
         trace = run_online(engine, zoo)
         spent[budget] = float(trace.cost_share[len(trace.cost_share) // 2 :].mean())
         assert abs(spent[budget] - budget) < 0.03, (budget, spent[budget])
     assert spent[0.3] < spent[0.6]
+
+
+def test_a_cap_never_pushes_spending_up_and_holds_it_under_the_cap(zoo):
+    """The bundled stream, where the cost weight alone spends about a quarter of the pool's cost (some tasks call the
+    costly model on nearly every query, others almost never): under a cap of 0.6, which a mean budget meets at 0.6,
+    spending stays at most the cost weight's own; under a cap of 0.15 the second half spends at most 0.15 (+0.02)."""
+    free = run_online(FocalEngine(zoo.n_models, zoo.model_costs, replace(FocalConfig(), budget=None), seed=0), zoo)
+    spent = {}
+    for cap in (0.6, 0.15):
+        config = replace(FocalConfig(), budget=cap, budget_cap=True)
+        spent[cap] = run_online(FocalEngine(zoo.n_models, zoo.model_costs, config, seed=0), zoo).cost_share
+    assert 0.15 < free.cost_share.mean() < 0.4
+    assert 0.15 < spent[0.6].mean() <= free.cost_share.mean() + 0.005, spent[0.6].mean()
+    half = len(free.cost_share) // 2
+    assert spent[0.15][half:].mean() <= 0.17 and spent[0.15][half:].mean() < free.cost_share[half:].mean() - 0.05
 
 
 def test_streams_with_budgets_of_their_own_meet_each_online(zoo):
@@ -80,7 +114,7 @@ def test_streams_with_budgets_of_their_own_meet_each_online(zoo):
     together within 0.04 of 0.5; a stream's queries move only its own controller."""
     names = sorted({int(t) for t in zoo.task})
     own = {str(names[0]): 0.3, str(names[1]): 0.8}
-    config = replace(FocalConfig(), budget=0.5, stream_budgets=tuple(own.items()))
+    config = replace(FocalConfig(), budget=0.5, budget_cap=False, stream_budgets=tuple(own.items()))
     engine = FocalEngine(zoo.n_models, zoo.model_costs, config, seed=0)
     assert engine.budget_of(names[0]) is engine.stream_budgets[str(names[0])]
     assert engine.budget_of(names[2]) is engine.budget
@@ -100,7 +134,7 @@ def test_streams_with_budgets_of_their_own_meet_each_online(zoo):
 
 
 def test_a_decision_keeps_its_offset_and_its_greedy_pool_uses_it():
-    engine = FocalEngine(5, config=replace(FocalConfig(), budget=0.2, budget_rate=5.0), seed=0)
+    engine = FocalEngine(5, config=replace(FocalConfig(), budget=0.2, budget_cap=False, budget_rate=5.0), seed=0)
     first = engine.decide_batch([("s", 4, False, True)])[0]
     assert first.offset == 0.0 and engine.budget is not None and engine.budget.offset < 0  # it spent above 0.2
     before = engine.budget.offset

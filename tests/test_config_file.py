@@ -91,6 +91,14 @@ def test_nested_keys_become_settings_and_variables_override_them(tmp_path, monke
     monkeypatch.setenv("RLENS_FOCAL_STREAM_BUDGETS", '{"support": 1.5}')
     with pytest.raises(ValueError, match="less than or equal to 1"):
         Settings()
+    monkeypatch.delenv("RLENS_FOCAL_STREAM_BUDGETS")
+    no_budget = write(tmp_path, '[focal]\nbudget = "none"\nbudget_cap = false\n')  # TOML has no null
+    monkeypatch.setenv("RLENS_CONFIG", str(no_budget))
+    assert (Settings().focal.budget, Settings().focal_config().budget_cap) == (None, False)
+    monkeypatch.setenv("RLENS_FOCAL_BUDGET", "0.4")
+    assert Settings().focal_config().budget == 0.4
+    monkeypatch.setenv("RLENS_FOCAL_BUDGET", "None")
+    assert Settings().focal_config().budget is None
 
 
 def test_wrong_keys_are_named_with_the_valid_ones(tmp_path):

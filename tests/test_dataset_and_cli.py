@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from rlens.cli import app
 from rlens.records.dataset import load_dataset
 from rlens.records.recorded import DatasetError
+from rlens.settings import settings
 
 runner = CliRunner()
 
@@ -115,7 +116,7 @@ def test_demo_is_the_main_job_on_the_bundled_stream(tmp_path):
     assert "each task had its own window" in result.output  # why nothing drifted
     # the accuracy against cost: as run, then under each of the demo's budgets, each met within 0.05 of the pool
     curve = json.loads((tmp_path / "results.json").read_text())["cost_curve"]
-    assert [p["budget"] for p in curve] == [None, 0.2, 0.3, 0.5]
+    assert [(p["budget"], p["cap"]) for p in curve] == [(None, False), (0.2, False), (0.3, False), (0.5, False)]
     assert curve[0]["accuracy"] == rl["accuracy"] and curve[0]["cost_share"] == rl["cost_share"]
     assert all(abs(p["cost_share"] - p["budget"]) < 0.05 for p in curve[1:]), curve
     assert "Accuracy against cost" in (tmp_path / "report.md").read_text() and "cost share spent" in result.output
@@ -124,6 +125,11 @@ def test_demo_is_the_main_job_on_the_bundled_stream(tmp_path):
 def test_bad_budgets_are_one_line_errors(tmp_path):
     for value, words in (("0.2,abc", "'abc' is not a number"), ("0.5,1.5", "1.5 is outside 0.001-1")):
         result = runner.invoke(app, ["demo", "--out", str(tmp_path), "--budgets", value])
+        assert result.exit_code == 2 and words in result.output, result.output
+        assert "Traceback" not in result.output and not (tmp_path / "results.json").exists()
+    data = str(settings().service.demo_data)
+    for value, words in (("abc", "'abc' is not a number"), ("0.3,0.4", "is not one share"), ("2", "2 is outside")):
+        result = runner.invoke(app, ["replay", "--data", data, "--out", str(tmp_path), "--budget", value])
         assert result.exit_code == 2 and words in result.output, result.output
         assert "Traceback" not in result.output and not (tmp_path / "results.json").exists()
 

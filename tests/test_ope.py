@@ -84,12 +84,13 @@ def test_the_estimators_cover_a_simulated_bandits_truth():
 
 
 def served_experience(zoo, n: int = 600) -> tuple[list[tuple[Experience, int]], FocalEngine]:
-    """What a real worker logs for ``n`` queries of the bundled stream (explore 0.3, probe 0.3), with the labels."""
+    """What a real worker logs for ``n`` queries of the bundled stream (explore 0.3, probe 0.3, no budget: the
+    candidates act without its offset), with the labels."""
 
     async def scenario():
         backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
         dead = RedisWindows(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2), 5, 128)
-        engine = FocalEngine(5, config=FocalConfig(explore_rate=0.3, probe_rate=0.3), seed=1)
+        engine = FocalEngine(5, config=FocalConfig(explore_rate=0.3, probe_rate=0.3, budget=None), seed=1)
         worker = FocalWorker(engine, zoo.model_names, backends, dead, VERIFIER, TOKENS)
         traffic = queries_of(zoo, None, "t")[:n]
         out = []

@@ -33,13 +33,13 @@ def test_serving_propensity_by_hand():
 
 
 def test_logged_propensities_match_the_frequencies_of_served_actions(zoo):
-    """4,000 queries of one question, each on a stream of its own (cold windows, no previous pool: one state), half
-    explored: each served (pool, answer) comes up as often as its logged propensity says."""
+    """4,000 queries of one question, each on a stream of its own (cold windows, no previous pool, no budget: one
+    state), half explored: each served (pool, answer) comes up as often as its logged propensity says."""
 
     async def scenario():
         backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
         dead = RedisWindows(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2), 5, 128)
-        engine = FocalEngine(5, config=FocalConfig(explore_rate=0.5, probe_rate=0.0), seed=3)
+        engine = FocalEngine(5, config=FocalConfig(explore_rate=0.5, probe_rate=0.0, budget=None), seed=3)
         worker = FocalWorker(engine, zoo.model_names, backends, dead, VERIFIER, TOKENS)
         template = queries_of(zoo, None, "t")[7][0]
         n = 4000

@@ -35,7 +35,7 @@ def run_replay(
     drift=None,
     numerics: Numerics = "portable",
     pretrained: Path | None = None,
-    budgets: tuple[float, ...] = (),
+    budgets: tuple[float | None, ...] = (),
 ) -> None:
     """Replay a dataset through RL-Focal and the baselines with a progress bar; print the table, write the report
     and the run's final policy (``policy.safetensors``); with ``budgets``, RL-Focal under each too (the report's
@@ -66,7 +66,7 @@ def run_replay(
             if start is not None:
                 stages = f"online from the policy {start}"
             if budgets:
-                stages += f", and under the budgets {', '.join(f'{b:g}' for b in budgets)}"
+                stages += f", and under the budgets {', '.join('none' if b is None else f'{b:g}' for b in budgets)}"
             steps = total_steps(dataset, protocol, config, variants, pretrained=start is not None, budgets=budgets)
             task = bar.add_task(f"RL-Focal {stages}", total=steps)
             result = run(
@@ -144,20 +144,32 @@ WORKERS = typer.Option(min(2, os.cpu_count() or 1), min=1, help="processes for t
 DEMO_BUDGETS = "0.2,0.3,0.5"
 
 
-def budget_values(option: str) -> tuple[float, ...]:
-    """``--budgets``: comma-separated shares of the pool's cost in [0.001, 1], or empty for none."""
-    values = []
+def budget_value(option: str) -> float | None:
+    """``--budget``: a share of the pool's cost in [0.001, 1], or none."""
+    values = () if "," in option else budget_values(option, "--budget", "0.5")
+    if len(values) != 1:
+        fail(f"--budget: {option!r} is not one share of the pool's cost (e.g. 0.5) or none")
+    return values[0]
+
+
+def budget_values(option: str, name: str = "--budgets", example: str = "0.2,0.3,0.5") -> tuple[float | None, ...]:
+    """``--budgets``: comma-separated shares of the pool's cost in [0.001, 1] or ``none`` (the cost weight alone), or
+    empty for no other run."""
+    values: list[float | None] = []
     for part in (p.strip() for p in option.split(",")):
         if not part:
+            continue
+        if part.lower() == "none":
+            values.append(None)
             continue
         try:
             value = float(part)
         except ValueError:
-            fail(f"--budgets: {part!r} is not a number (shares of the pool's cost, e.g. 0.2,0.3,0.5)")
+            fail(f"{name}: {part!r} is not a number (shares of the pool's cost, e.g. {example})")
         if not 0.001 <= value <= 1.0:
-            fail(f"--budgets: {part} is outside 0.001-1 (a share of the whole pool's cost per query)")
+            fail(f"{name}: {part} is outside 0.001-1 (a share of the whole pool's cost per query)")
         values.append(value)
-    return tuple(sorted(set(values)))
+    return tuple(dict.fromkeys(values))
 
 
 ONE_STREAM = typer.Option(
@@ -188,16 +200,20 @@ def replay(
         "portable", help="portable: the same figures for a seed on any x86-64 CPU; native: this CPU's fastest kernels"
     ),
     alpha: float = typer.Option(FocalConfig.alpha, min=0.0, help="cost weight in the reward"),
-    budget: float | None = typer.Option(
-        None,
-        min=0.001,
-        max=1.0,
-        help="the mean share of the whole pool's cost to spend per query, met online (default: alpha alone decides)",
+    budget: str = typer.Option(
+        "none" if FocalConfig.budget is None else f"{FocalConfig.budget:g}",
+        help="the mean share of the whole pool's cost to spend per query, met online; none: alpha alone decides",
+    ),
+    budget_cap: bool = typer.Option(
+        FocalConfig.budget_cap,
+        "--budget-cap/--budget-mean",
+        help="the budget as a cap (spending under it is left to alpha) or met on average (spending under it is pushed "
+        "up too)",
     ),
     budgets: str = typer.Option(
         "",
         help="also run RL-Focal under each of these budgets (comma-separated shares of the pool's cost, e.g. "
-        "0.2,0.3,0.5): its accuracy against cost, beside the stackers, in the report",
+        "none,0.2,0.3; none: the cost weight alone): its accuracy against cost, beside the stackers, in the report",
     ),
     window: int = typer.Option(FocalConfig.window, min=1, help="sliding-window length W per stream"),
     joint_rows: int = typer.Option(
@@ -240,7 +256,8 @@ def replay(
     config = replace(
         FocalConfig(),
         alpha=alpha,
-        budget=budget,
+        budget=budget_value(budget),
+        budget_cap=budget_cap,
         window=window,
         joint_rows=joint_rows,
         update_period=update_period,
@@ -289,8 +306,8 @@ def demo(
     one_stream: bool = ONE_STREAM,
     budgets: str = typer.Option(
         DEMO_BUDGETS,
-        help="RL-Focal also under each of these budgets (shares of the pool's cost), for its accuracy against cost "
-        "beside the stackers; empty: none",
+        help="RL-Focal also under each of these budgets (shares of the pool's cost; none: the cost weight alone), for "
+        "its accuracy against cost beside the stackers; empty: no other run",
     ),
 ) -> None:
     """Replay the bundled zoo stream (5 real small models, 5 task families in blocks) through RL-Focal; no network."""

@@ -232,12 +232,12 @@ def total_steps(
     config: FocalConfig,
     variants: list[str],
     pretrained: bool = False,
-    budgets: tuple[float, ...] = (),
+    budgets: tuple[float | None, ...] = (),
 ) -> int:
     """The progress steps of a replay (no warm start from a pre-trained policy), its budgets' runs included."""
     warm_index, test_index = split(data, protocol)
     n_warm = 0 if pretrained else len(warm_index)
-    runs = [*variants, *["rl_focal"] * len(budgets)]
+    runs = [*variants, *["rl_focal"] * len(other_budgets(config, budgets))]
     return sum(variant_steps(config, n_warm, len(test_index), v) for v in runs)
 
 
@@ -252,11 +252,11 @@ def replay(
     drift: DriftOptions = DriftOptions(),
     numerics: Numerics = "portable",
     policies: PolicyFiles = PolicyFiles(),
-    budgets: tuple[float, ...] = (),
+    budgets: tuple[float | None, ...] = (),
 ) -> ReplayRun:
     """Run every method on the test stream of ``protocol`` and collect results.json's content (with RL-Focal's
     drift detections and recovery figures). ``numerics``: see the module docstring. ``budgets``: RL-Focal also runs
-    under each (``FocalConfig.budget``), for its accuracy against cost (``cost_curve``)."""
+    under each (``FocalConfig.budget``; None: the cost weight alone), for its accuracy against cost (``cost_curve``)."""
     started = time.perf_counter()
     config = config or FocalConfig()
     variants = list(DEFAULT_VARIANTS) if variants is None else variants
@@ -268,6 +268,7 @@ def replay(
         raise ValueError("the test stream is empty: every task has too few questions for this protocol")
     warm, test = data.subset(warm_index), data.subset(test_index)
     jobs = [_Job(v, config, policies) for v in variants]
+    budgets = other_budgets(config, budgets)
     jobs += [_Job("rl_focal", replace(config, budget=b), PolicyFiles(policies.start)) for b in budgets]
     found_traces = _run_jobs(jobs, data, warm_index, test_index, seed, workers, progress, drift, numerics)
     traces = dict(zip(variants, found_traces))
@@ -372,19 +373,28 @@ def _method_results(
     return methods
 
 
+def other_budgets(config: FocalConfig, budgets: tuple[float | None, ...]) -> tuple[float | None, ...]:
+    """The budgets to run besides ``config``'s own: once each, the cost weight alone (None) first, then lowest first."""
+    return tuple(sorted({b for b in budgets if b != config.budget}, key=lambda b: -1.0 if b is None else b))
+
+
 def _cost_curve(
-    traces: dict[str, OnlineTrace], config: FocalConfig, budgeted: dict[float, OnlineTrace], data: RecordedDataset
+    traces: dict[str, OnlineTrace],
+    config: FocalConfig,
+    budgeted: dict[float | None, OnlineTrace],
+    data: RecordedDataset,
 ) -> list[CostPoint]:
     """RL-Focal's accuracy against the share of the pool's cost it spent: as run (``config``'s budget, or the cost
-    weight alone; when ``rl_focal`` was among the variants), then under each budget in ``budgeted``, lowest first;
-    empty without budgets."""
+    weight alone; when ``rl_focal`` was among the variants), then under each budget in ``budgeted`` (None: the cost
+    weight alone; as caps when ``config``'s are), in order; empty without budgets."""
     if not budgeted:
         return []
     runs = [(config.budget, traces["rl_focal"])] if "rl_focal" in traces else []
-    runs += sorted(budgeted.items())
+    runs += list(budgeted.items())
     return [
         CostPoint(
             budget=budget,
+            cap=config.budget_cap and budget is not None,
             cost_share=round(float(trace.cost_share.mean()), 6),
             accuracy=float(trace.correct.mean()),
             mean_models_called=float(trace.models_called.mean()),

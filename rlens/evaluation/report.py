@@ -271,7 +271,9 @@ def markdown(run: ReplayRun) -> str:
 
 def budget_label(point: CostPoint) -> str:
     """A cost curve point's budget as the report and the terminal show it."""
-    return "none (the cost weight alone)" if point.budget is None else f"{point.budget:g}"
+    if point.budget is None:
+        return "none (the cost weight alone)"
+    return f"{point.budget:g} (a cap)" if point.cap else f"{point.budget:g}"
 
 
 def _cost_lines(run: ReplayRun) -> list[str]:

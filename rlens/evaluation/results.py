@@ -68,6 +68,7 @@ class CostPoint(BaseModel):
     budget: float | None = Field(
         description="the mean share of the whole pool's cost per query it was held to; null: the cost weight alone"
     )
+    cap: bool = Field(False, description="the budget was a cap: spending under it was left to the cost weight")
     cost_share: float = Field(ge=0, description="the share of the whole pool's cost it spent per test question (mean)")
     accuracy: float = Field(ge=0, le=1)
     mean_models_called: float = Field(ge=0)

@@ -8,7 +8,11 @@ to a share of strong-model calls. Pricing the shift makes an expensive model lea
 shift would leave the most likely model alone in the pool however expensive it is. The offset is the sum of the past
 errors, so what a run of n queries spent above the budget in all is the offset's change over them divided by
 ``rate``: a larger rate holds every window closer to the budget, at the price of a pool that moves more from query to
-query. A deployment sets one budget, and may give some streams their own: each has its own controller. Pure and
+query. As a *cap* (``cap``) the logits get only the offset's part under 0 (:attr:`BudgetController.shift`): what is
+spent under the budget is left to the cost weight alone and saved, up to ``saving`` of what the budget allows over
+1,000 queries (5 %: 25 queries of the whole pool under a cap of 0.5), and spending is pushed down only once what was
+saved is used up: a token bucket, like a rate limit's, that starts full, so a run of costly queries is not cut at
+once. A deployment sets one budget, and may give some streams their own: each has its own controller. Pure and
 deterministic; the engine applies and feeds it.
 
 A query may also carry its own budget, a cap on what that query alone spends: :func:`fit_pool` cuts the greedy pool
@@ -26,16 +30,31 @@ import numpy as np
 class BudgetController:
     budget: float  # target mean share of the whole pool's cost per query, in (0, 1]
     rate: float = 0.5  # offset change per unit of cost share off the budget (chosen on bbh_dev's tuning half)
-    limit: float = 10.0  # the offset stays within [-limit, limit]
+    limit: float = 10.0  # the offset stays within [-limit, limit] (a cap's: [-limit, rate * bucket])
     offset: float = 0.0
+    cap: bool = False  # at most the budget on average (only the offset's part under 0 shifts); False: on average
+    saving: float = 0.05  # as a cap, what it may save (and starts with): this share of the budget over 1,000 queries
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= 1:
             raise ValueError(f"a budget is a share of the pool's cost per query, in (0, 1]; got {self.budget}")
+        if self.cap:
+            self.offset = self.rate * self.bucket  # it starts full
 
     def observe(self, cost_share: float) -> None:
         """One query's spending (the called models' share of the pool's cost)."""
-        self.offset = min(self.limit, max(-self.limit, self.offset - self.rate * (cost_share - self.budget)))
+        ceiling = self.rate * self.bucket if self.cap else self.limit
+        self.offset = min(ceiling, max(-self.limit, self.offset - self.rate * (cost_share - self.budget)))
+
+    @property
+    def bucket(self) -> float:
+        """What a cap may save, in queries of the whole pool."""
+        return self.saving * self.budget * 1000
+
+    @property
+    def shift(self) -> float:
+        """What the greedy Decider's logits get per unit of a model's price: the offset, or as a cap its part under 0."""
+        return min(self.offset, 0.0) if self.cap else self.offset
 
 
 def logit_shift(offsets: float | np.ndarray, prices: np.ndarray) -> np.ndarray:

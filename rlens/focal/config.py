@@ -62,6 +62,7 @@ class FocalConfig:
     # met by an offset on the greedy Decider's logits (rlens.focal.budget)
     budget: float | None = None
     stream_budgets: tuple[tuple[str, float], ...] = ()  # (stream, budget): streams met on their own; others: budget
+    budget_cap: bool = False  # the budgets as caps: spending under them is left to alpha; False: met on average
     budget_rate: float = 0.5  # the offset's step per unit of cost share off the budget (rlens.focal.budget)
     explore_rate: float = 0.05  # online: share of queries on which both agents sample (and train); the rest are greedy
     probe_rate: float = 0.05  # online: fraction of queries that also call the rest of the pool to refresh windows

@@ -53,7 +53,7 @@ class Decision:
     state: np.ndarray  # Decider observation
     pool_logp: float  # log-probability of ``pool`` under the Decider
     explored: bool  # the pool was sampled (and the Fusion agent will sample its answer); False: greedy
-    offset: float = 0.0  # the budget's offset (its dual variable) when it was taken: FocalEngine.shift
+    offset: float = 0.0  # the budget's offset when it was taken (a cap's part under 0): FocalEngine.shift
     cap: float | None = None  # the query's own budget (a share of the pool's cost): greedy, cut to fit (fit_pool)
     open_ended: bool = False  # its choices are the models' own answers: no calibrated vote
 
@@ -109,9 +109,14 @@ class FocalEngine:
         )
         self.previous_pool: OrderedDict[Hashable, np.ndarray] = OrderedDict()  # at most cfg.max_streams, LRU
         # the cost the user sets (None: the cost weight alone)
-        self.budget = BudgetController(self.cfg.budget, self.cfg.budget_rate) if self.cfg.budget is not None else None
+        self.budget = (
+            BudgetController(self.cfg.budget, self.cfg.budget_rate, cap=self.cfg.budget_cap)
+            if self.cfg.budget is not None
+            else None
+        )
         self.stream_budgets = {  # streams with a budget of their own (keys as strings)
-            str(stream): BudgetController(budget, self.cfg.budget_rate) for stream, budget in self.cfg.stream_budgets
+            str(stream): BudgetController(budget, self.cfg.budget_rate, cap=self.cfg.budget_cap)
+            for stream, budget in self.cfg.stream_budgets
         }
         self.prices = self.cost_share * n_models  # what a budget's offset is multiplied by, per model
         self.everyone = np.ones(n_models, dtype=bool)  # the whole pool (read-only: decisions share it)
@@ -183,7 +188,7 @@ class FocalEngine:
 
     def _offset(self, key: Hashable) -> float:
         budget = self.budget_of(key)
-        return budget.offset if budget is not None else 0.0
+        return budget.shift if budget is not None else 0.0
 
     def decide(
         self,
