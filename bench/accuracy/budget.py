@@ -161,7 +161,7 @@ def main() -> None:
     rows = []
     for budget in args.budgets:
         for seed in args.seeds:
-            config = replace(FocalConfig(), budget=budget)
+            config = replace(FocalConfig(), budget=budget, budget_cap=False)
             paper = run_variant(args.variant, data, warm_index, test_index, config, seed, None)
             stream = run_variant(
                 args.variant, data, np.array([], dtype=int), np.arange(data.n_questions), config, seed, None
