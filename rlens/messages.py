@@ -1,7 +1,7 @@
 """The streaming service's wire messages: versioned pydantic models, JSON on Kafka (one model per topic).
 
 Topics (names from the settings, prefix ``rlens.``): ``queries`` → worker → ``answers`` and ``experience``;
-``feedback`` → learner; learner → ``policy`` → workers; learner → ``drift`` (changes found per stream); gateway → ``spending`` (what API keys spent); anything unreadable → ``dead-letter``. Every message has
+``feedback`` → learner; learner → ``policy`` → workers; learner → ``drift`` (changes found per stream); gateway → ``spending`` (what API keys spent); a learner shard → ``transitions`` → the trainer (sharded learners); anything unreadable → ``dead-letter``. Every message has
 ``schema_version``; fields are only ever added. A deployment runs one strategy: ``rl_focal`` (multiple-choice
 queries, and open-ended ones through the models' sampled answers; :class:`Experience`) or ``rlae`` (open-ended
 queries; :class:`RLAEExperience`), on the same topics. ``python -m rlens.messages`` writes their JSON schemas to
@@ -463,6 +463,30 @@ class Spending(Message):
         return f"{self.key_id}/{self.period}/{self.process}".encode()
 
 
+class Transition(Message):
+    """One joined rl_focal query, from the learner shard that joined it to the trainer (on ``transitions``): the
+    experience, its feedback, the reward the shard computed and the outcome's label (what the gate scores). The
+    trainer trains on each query id once, so a shard that re-joins after a crash hands nothing on twice."""
+
+    query_id: Key
+    experience: Experience
+    feedback: Feedback
+    reward: float = Field(ge=-MAX_ABS, le=MAX_ABS)
+    label: Choice | None = Field(None, description="the outcome's choice (open-ended: the reference's candidate)")
+    shard: int = Field(ge=0, description="the learner shard that joined it")
+
+
+class RLAETransition(Message):
+    """:class:`Transition`'s rlae form."""
+
+    query_id: Key
+    experience: RLAEExperience
+    feedback: Feedback
+    reward: float = Field(ge=-MAX_ABS, le=MAX_ABS)
+    label: Choice | None = None
+    shard: int = Field(ge=0)
+
+
 MESSAGES: dict[str, type[Message]] = {
     "query": Query,
     "answer": Answer,
@@ -473,6 +497,8 @@ MESSAGES: dict[str, type[Message]] = {
     "drift_event": DriftEvent,
     "dead_letter": DeadLetter,
     "spending": Spending,
+    "transition": Transition,
+    "rlae_transition": RLAETransition,
 }
 
 AnyExperience = Experience | RLAEExperience
@@ -481,6 +507,7 @@ EXPERIENCE: dict[str, type[Experience] | type[RLAEExperience]] = {
     "rl_focal": Experience,
     "rlae": RLAEExperience,
 }
+TRANSITION: dict[str, type[Transition] | type[RLAETransition]] = {"rl_focal": Transition, "rlae": RLAETransition}
 
 
 def write_schemas(directory: Path = SCHEMA_DIR) -> list[Path]:

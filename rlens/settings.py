@@ -13,7 +13,7 @@ from pathlib import Path
 from types import UnionType
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from rlens.focal.config import FocalConfig
@@ -279,7 +279,22 @@ class LearnerSettings(Group):
         }
     )
 
-    group: str = Field("", description="the learner's consumer group (default: <topic prefix>-learner)")
+    group: str = Field(
+        "",
+        description="the learner's consumer group (default: <topic prefix>-learner); a shard's is this with "
+        "-shard-<index>, the trainer's with -trainer",
+    )
+    role: Literal["all", "shard", "trainer"] = Field(
+        "all",
+        description="all, one learner does everything; shard, it joins the experience and feedback partitions p with "
+        "p mod RLENS_LEARNER_SHARDS = RLENS_LEARNER_SHARD (the Redis windows, calibrations, drift, the OPE log and "
+        "the metrics of those queries) and hands each joined query to the trainer on the transitions topic; "
+        "trainer, it trains on the transitions (each query once), runs the gate and publishes the policies",
+    )
+    shards: int = Field(
+        1, ge=1, le=256, description="learner shards (RLENS_LEARNER_ROLE=shard): how many processes share the joins"
+    )
+    shard: int = Field(0, ge=0, description="this shard's index, from 0 to RLENS_LEARNER_SHARDS - 1")
     nice: int = Field(
         0,
         ge=0,
@@ -384,6 +399,25 @@ class LearnerSettings(Group):
     pending_per_stream: int = Field(
         10_000, ge=1, description="unmatched halves one stream key may hold (past that, its own oldest is dropped)"
     )
+
+    @model_validator(mode="after")
+    def _one_shard_each(self) -> "LearnerSettings":
+        if self.shard >= self.shards:
+            raise ValueError(
+                f"RLENS_LEARNER_SHARD={self.shard} is not below RLENS_LEARNER_SHARDS={self.shards}: shards are "
+                f"numbered from 0"
+            )
+        if self.shards > 1 and self.role != "shard":
+            raise ValueError(
+                f"RLENS_LEARNER_SHARDS={self.shards} with RLENS_LEARNER_ROLE={self.role}: run one process per shard "
+                "with RLENS_LEARNER_ROLE=shard and RLENS_LEARNER_SHARD=<index>, and one with RLENS_LEARNER_ROLE=trainer"
+            )
+        if self.role != "all" and self.gate_drift_reset:
+            raise ValueError(
+                "RLENS_GATE_DRIFT_RESET needs RLENS_LEARNER_ROLE=all: the shards detect drift, the trainer's gate "
+                "does not hear of it"
+            )
+        return self
 
 
 class GatewaySettings(Group):
@@ -705,6 +739,12 @@ class Settings(BaseSettings):
         """The consumer group of a role: ``[worker] group`` / ``[learner] group`` when set, else the topic prefix's
         (``rlens.`` gives ``rlens-workers``, ``rlens-learner``, ``rlens-gateway-<name>``)."""
         explicit = {"workers": self.worker.group, "learner": self.learner.group}.get(role)
+        if (
+            role == "learner" and self.learner.role != "all"
+        ):  # each shard and the trainer: a group (and lease) of its own
+            name = f"shard-{self.learner.shard}" if self.learner.role == "shard" else "trainer"
+            if explicit:
+                return f"{explicit}-{name}"
         return explicit or f"{self.kafka.topic_prefix.rstrip('.-_') or 'rlens'}-{role}" + (f"-{name}" if name else "")
 
 

@@ -119,13 +119,16 @@ def test_the_chart_renders_objects_the_kubernetes_schemas_accept(values, tmp_pat
     checked = CliRunner().invoke(app, ["config", "check", str(path)])
     assert checked.exit_code == 0 and "a pool of 3 models" in checked.output, checked.output
     found = kinds(objects)
-    assert found["StatefulSet"] == 2 and found["Deployment"] == 1  # learner and gateway; workers
+    # the learner (and in production, its shards) and the gateway; the workers
+    assert found["StatefulSet"] == (3 if values == "production-values.yaml" else 2) and found["Deployment"] == 1
     if values == "minimal-values.yaml":
         assert not {"HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy"} & set(found)
         (workers,) = [o for o in objects if o["kind"] == "Deployment"]
         assert workers["spec"]["replicas"] == 2
     else:
-        assert found["HorizontalPodAutoscaler"] + found["ScaledObject"] == 1 and found["PodDisruptionBudget"] == 2
+        shards = values == "production-values.yaml"  # their own disruption budget
+        assert found["HorizontalPodAutoscaler"] + found["ScaledObject"] == 1
+        assert found["PodDisruptionBudget"] == 2 + shards
         assert found["NetworkPolicy"] == (3 if values == "production-values.yaml" else 2)
     if values == "production-values.yaml":
         assert found["PodMonitor"] == 1 and found["PrometheusRule"] == 1
@@ -208,7 +211,8 @@ def test_every_pod_meets_pod_security_restricted_with_a_read_only_root_and_no_ap
             assert not [p for p in container.get("ports", []) if p.get("hostPort")], role
             assert own["readOnlyRootFilesystem"] is True, role
             writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
-            assert writable == ({"/tmp", "/var/lib/rlens"} if role == "learner" else {"/tmp"}), (role, writable)
+            learner = role in ("learner", "learner-shard")
+            assert writable == ({"/tmp", "/var/lib/rlens"} if learner else {"/tmp"}), (role, writable)
             assert container["startupProbe"]["httpGet"]["path"] == "/healthz", role
 
 
@@ -229,6 +233,23 @@ def test_the_pod_monitor_scrapes_every_process_once_on_the_port_serving_its_metr
     assert targets == Counter(
         {("worker", 9400, "/metrics"): 1, ("learner", 9400, "/metrics"): 1, ("gateway", 8000, "/metrics"): 1}
     )
+
+
+def test_learner_shards_one_per_pod_index_beside_the_trainer_and_no_more_than_partitions():
+    objects = render("--set", "learner.shards=3")
+    workloads = {o["metadata"]["name"].removeprefix("t-rlens-"): o for o in objects if o["kind"] == "StatefulSet"}
+    shards, trainer = workloads["learner-shard"]["spec"], workloads["learner"]["spec"]
+    assert shards["replicas"] == 3 and shards["volumeClaimTemplates"][0]["metadata"]["name"] == "checkpoints"
+    (container,) = shards["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") or e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env["RLENS_LEARNER_ROLE"] == "shard" and env["RLENS_LEARNER_SHARDS"] == "3"
+    assert env["RLENS_LEARNER_SHARD"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    (container,) = trainer["template"]["spec"]["containers"]
+    assert {"name": "RLENS_LEARNER_ROLE", "value": "trainer"} in container["env"]
+    (one,) = [o for o in render() if o["kind"] == "StatefulSet" and "learner" in o["metadata"]["name"]]
+    assert "RLENS_LEARNER_ROLE" not in {e["name"] for e in one["spec"]["template"]["spec"]["containers"][0]["env"]}
+    refused = template("--set", "learner.shards=5")
+    assert refused.returncode != 0 and "learner.shards 5 exceeds the 4 partitions" in refused.stderr, refused.stderr
 
 
 def test_no_more_workers_than_partitions():

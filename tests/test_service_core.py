@@ -179,6 +179,47 @@ def test_an_update_every_T_checkpoints_and_publishes_a_verified_policy(tmp_path,
     asyncio.run(scenario())
 
 
+def test_a_shard_hands_each_join_on_and_the_trainer_trains_on_each_query_once_as_one_learner_would(
+    tmp_path, redis_server
+):
+    """The same 64 pairs through one learner, and through a shard and a trainer with every transition handed on
+    twice (a shard's re-join after a crash): the same rewards in the buffer, the same policy after the update."""
+
+    async def scenario():
+        await Redis.from_url(redis_server.url).flushdb()
+        one = learner(tmp_path / "one", redis_server.url)
+        shard = learner(tmp_path / "shard", redis_server.url, role="shard", shard=1)
+        trainer = learner(tmp_path / "trainer", redis_server.url, role="trainer")
+        engine = FocalEngine(5, seed=0)
+        policies = []
+        for i in range(one.trainer.engine.cfg.update_period):
+            e, f = experience(engine, f"q{i}"), fb(f"q{i}", label=i % 4)
+            await one.on_experience(e, Record(0))
+            policies += [(await one.on_feedback(f, Record(i)))[0]]
+            await shard.on_experience(e, Record(0))
+            assert await shard.on_feedback(f, Record(i)) == (None, None)  # a shard never updates
+            if i == 2:
+                rewards = [t.reward for t in one.trainer.engine.buffer]
+        assert not shard.trainer.engine.buffer and shard.stats.joined == 64 and not shard.checkpoint_due()
+        handed = shard.take_handed()
+        assert [t.query_id for t in handed] == [f"q{i}" for i in range(64)] and {t.shard for t in handed} == {1}
+        assert [t.label for t in handed] == [i % 4 for i in range(64)]
+        assert [t.reward for t in handed[:3]] == rewards
+        trained = []
+        for i, t in enumerate(handed + handed[:10]):  # the first ten handed on again
+            trained += [(await trainer.on_transition(t, Record(i)))[0]]
+        assert trainer.stats.joined == 64 and trainer.stats.duplicates == 10 and trainer.stats.updates == 1
+        mine, theirs = [p for p in policies if p], [p for p in trained if p]
+        assert len(mine) == len(theirs) == 1
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(one.trainer.engine.policy_state().values(), trainer.trainer.engine.policy_state().values())
+        )
+        assert trainer.versions.tallies[0].row(0)["events"] == 64
+
+    asyncio.run(scenario())
+
+
 def test_checkpoint_round_trip_resumes_exactly(tmp_path, redis_server):
     async def scenario():
         core = learner(tmp_path, redis_server.url)
@@ -471,4 +512,5 @@ def test_asyncapi_document_and_message_schemas_are_in_sync():
         "rlens.replies.gateway-id",
         "rlens.drift",
         "rlens.spending",
+        "rlens.transitions",
     }

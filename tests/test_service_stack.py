@@ -1102,3 +1102,67 @@ def test_the_gateway_answers_again_soon_after_the_broker_restarts_empty(tmp_path
     assert first_ok is not None and first_ok <= 30, first_ok
     assert later == [200] * 5, later
     assert after_redis.count(503) == 0, after_redis
+
+
+@pytest.mark.kafka
+def test_learner_shards_join_each_query_once_across_a_shard_killed_mid_stream(tmp_path, zoo):
+    """Two learner shards and a trainer; shard 1 killed with SIGKILL half-way and started again: every query is
+    joined by the shard that owns its partition, in the Redis windows once, and trained on once."""
+    pool = write_replay_pool(settings().service.demo_data, tmp_path / "pool.json")
+    config = settings().updated(
+        {
+            "pool_file": pool,
+            "kafka_session_timeout_ms": 2000,
+            "kafka_heartbeat_ms": 500,
+            "worker_batch": 16,
+            "focal_explore_rate": 1.0,
+            "focal_update_period": 64,
+        }
+    )
+    stack = stack_for_tests(config, tmp_path, partitions=4)
+    stack.start_learner_shards(2)
+    stack.start_worker()
+    stack.wait_ready(180)
+    restarted = []
+
+    def kill_shard(report) -> None:
+        if report.answered >= N // 2 and not restarted:
+            stack.kill(stack.shards[1])
+            restarted.append(stack.start_shard(1, 2))
+
+    try:
+        report = asyncio.run(
+            play(stack.settings, traffic(zoo, "shards"), rate=60, idle_timeout_s=60, on_answer=kill_shard)
+        )
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and (redis_outcomes(stack)[0] < N or trainer_joined(stack) < N):
+            time.sleep(0.5)
+        markers, rows = redis_outcomes(stack)
+    finally:
+        stack.stop()
+    directory = stack.settings.learner.checkpoint_dir
+    trainer, *shards = (final_state(directory / name) for name in ("trainer", "shard-0", "shard-1"))
+    assert restarted and report.answered == N
+    assert markers == N and rows == N  # each outcome in the Redis windows exactly once
+    assert trainer["stats"]["joined"] == N  # trained on each query once: none lost, a re-join dropped
+    assert trainer["stats"]["updates"] == N // 64  # every 64 explored joins, as one learner does
+    assert all(s["stats"]["joined"] > 0 for s in shards) and sum(s["stats"]["joined"] for s in shards) == N
+    owned = [{key.split(":")[1] for key in s["offsets"]} for s in shards]
+    assert owned == [{"0", "2"}, {"1", "3"}]  # partition p to shard p mod 2, on both topics
+
+
+def final_state(directory: Path) -> dict:
+    """A learner's (or shard's, or trainer's) newest checkpointed state."""
+    return json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
+
+
+def trainer_joined(stack: LocalStack) -> float:
+    """The transitions the trainer of a sharded learner has trained on (0 while it cannot be read)."""
+    import httpx
+
+    assert stack.learner is not None
+    url = next((u for n, u in stack.http_urls().items() if n.endswith(f"-{stack.learner.pid}")), None)
+    try:
+        return scrape(url).get("rlens_learner_joined_total", 0.0) if url else 0.0
+    except httpx.HTTPError:
+        return 0.0

@@ -324,7 +324,7 @@ def test_a_new_log_is_one_whose_fetched_and_listed_ends_are_both_below_the_offse
         core = SimpleNamespace(offsets=Offsets({"rlens.feedback:0": 7}), found=[])
         core.new_logs = lambda ends, core=core: (core.offsets.new_logs(ends), core.found.extend(ends))
         consumer = ListingConsumer(fetched_end, listed_end)
-        records = RecordBatches(core, None, (None, None, None), Restorer())
+        records = RecordBatches(core, None, (None, None, None, None), Restorer())
         asyncio.run(records.new_logs(consumer, {"rlens.feedback:0"}, in_batch))
         assert core.found == (["rlens.feedback:0"] if new else [])
         assert core.offsets.read["rlens.feedback:0"] == (0 if new else 7)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from rlens.focal.engine import FocalEngine
-from rlens.messages import Experience, Query
+from rlens.messages import Behaviour, Experience, Query
 from rlens.local.load import Outcome
 from rlens.local.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
@@ -38,12 +38,25 @@ def cycled(stream: list[tuple[Query, Outcome]], prefix: str, n: int) -> list[tup
     ]
 
 
-def uniform_experience(query_id: str = "q", stream: str = "s", explored: bool = False) -> Experience:
+def uniform_experience(
+    query_id: str = "q", stream: str = "s", explored: bool = False, behaviour: bool = False
+) -> Experience:
     """A valid 5-model, 4-choice experience record: a fresh engine's decision over uniform answers, the models all
-    voting choice 1 (the learner benchmarks' and the fuzzer's template)."""
+    voting choice 1 (the learner benchmarks' and the fuzzer's template); with ``behaviour``, the called models'
+    distributions logged as a worker logs them (what the learner writes calibration rows and the OPE log from)."""
     engine = FocalEngine(5, seed=0)
     decision = engine.decide(stream, 4, greedy=not explored)[0]
     fused = engine.fuse(decision, np.full((5, 4), 0.25))
+    logged = Behaviour(
+        explore_rate=0.05,
+        probe=False,
+        greedy_pool=decision.pool.tolist(),
+        greedy_answer=1,
+        propensity=0.5,
+        model_probs=[[0.1, 0.6, 0.2, 0.1] if called else [] for called in decision.pool.tolist()],
+        reliability=[0.7] * 5,
+        label_prior=[0.25] * 4,
+    )
     return Experience(
         query_id=query_id,
         stream=stream,
@@ -58,6 +71,7 @@ def uniform_experience(query_id: str = "q", stream: str = "s", explored: bool = 
         answer_index=1,
         answer_logp=fused.answer_logp,
         explored=explored,
+        behaviour=logged if behaviour else None,
     )
 
 

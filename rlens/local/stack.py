@@ -25,7 +25,7 @@ from rlens.records.dataset import load_dataset
 from rlens.service.common.kafka import ensure_topics
 from rlens.local.servers import LocalBroker, LocalRedis, die_with_parent
 from rlens.service.common.security import generate_secrets
-from rlens.settings import Settings, variables
+from rlens.settings import Settings, variable_of, variables
 
 SECRETS = ("feedback_secret", "policy_signing_key", "policy_verify_key")
 ASKED_TO_STOP = (-signal.SIGTERM, -signal.SIGINT)  # exit codes of a process stopped on purpose (not restarted)
@@ -190,6 +190,7 @@ class LocalStack:
         self.workers: list[subprocess.Popen] = []
         self.workers_started = 0  # each new worker logs to worker-<n>.log
         self.learner: subprocess.Popen | None = None
+        self.shards: dict[int, subprocess.Popen] = {}  # a sharded learner's shards by index (the learner: its trainer)
         self.gateway: subprocess.Popen | None = None
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -256,11 +257,11 @@ class LocalStack:
             env.pop("RLENS_POLICY_SIGNING_KEY", None)
         return env
 
-    def _spawn(self, command: str, log_name: str, *args: str) -> subprocess.Popen:
+    def _spawn(self, command: str, log_name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.workdir / log_name, "ab")
         return subprocess.Popen(
             [sys.executable, "-m", "rlens.cli", command, *args],
-            env=self.env(command),
+            env=self.env(command) | (env or {}),
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent,  # none outlives the process that started it
@@ -276,6 +277,35 @@ class LocalStack:
         self.learner_args = args
         self.learner = self._spawn("learner", "learner.log", *args)
         return self.learner
+
+    def start_learner_shards(self, shards: int) -> None:
+        """The learner as ``shards`` shards and a trainer (``RLENS_LEARNER_ROLE``), each checkpointing in a folder
+        of its own under the learner's; the trainer is :attr:`learner`."""
+        self.start_trainer()
+        for shard in range(shards):
+            self.start_shard(shard, shards)
+
+    def start_trainer(self) -> subprocess.Popen:
+        """The trainer of a sharded learner (:attr:`learner`): it trains on what the shards hand on."""
+        self.learner = self._spawn("learner", "trainer.log", env=self._learner_role("trainer", 1))
+        return self.learner
+
+    def start_shard(self, shard: int, shards: int) -> subprocess.Popen:
+        """Learner shard ``shard`` of ``shards`` (again, after a crash: it resumes from its checkpoints)."""
+        self.shards[shard] = self._spawn(
+            "learner", f"shard-{shard}.log", env=self._learner_role("shard", shards, shard)
+        )
+        return self.shards[shard]
+
+    def _learner_role(self, role: str, shards: int, shard: int = 0) -> dict[str, str]:
+        name = f"shard-{shard}" if role == "shard" else role
+        values = {
+            "role": role,
+            "shards": shards if role == "shard" else 1,
+            "shard": shard,
+            "checkpoint_dir": self.settings.learner.checkpoint_dir / name,
+        }
+        return {variable_of("learner", key): str(value) for key, value in values.items()}
 
     def start_gateway(self) -> subprocess.Popen:
         self.gateway = self._spawn("gateway", "gateway.log")
@@ -368,13 +398,15 @@ class LocalStack:
         process.wait()
         if process is self.learner:
             self.learner = None
+        elif process in self.shards.values():
+            self.shards = {i: p for i, p in self.shards.items() if p is not process}
         elif process is self.gateway:
             self.gateway = None
         else:
             self.workers.remove(process)
 
     def processes(self) -> list[subprocess.Popen]:
-        return [p for p in [self.learner, *self.workers, self.gateway] if p is not None]
+        return [p for p in [self.learner, *self.shards.values(), *self.workers, self.gateway] if p is not None]
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM every service process (they drain, commit and leave their groups), then stop broker and Redis."""

@@ -33,6 +33,9 @@ def asyncapi_document() -> dict:
         create_worker_app(settings, None).broker,
         create_worker_app(rlae, None).broker,
         create_learner_app(settings, None).broker,
+        # a learner shard (what it hands on) and the trainer (what it reads)
+        create_learner_app(settings.updated({"learner": {"role": "shard"}}), None, settings.kafka.partitions).broker,
+        create_learner_app(settings.updated({"learner": {"role": "trainer"}}), None).broker,
         create_gateway_app(gateway).state.broker,
     ]
     spec = AsyncAPI(

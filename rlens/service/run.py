@@ -21,7 +21,7 @@ from rlens.rlae.agent import make_policy
 from rlens.service.learner.core import LearnerCore
 from rlens.service.learner.app import create_learner_app
 from rlens.service.learner.lease import claim_group
-from rlens.service.common.kafka import settle_idempotence
+from rlens.service.common.kafka import settle_idempotence, shard_topics
 from rlens.ports import free_port
 from rlens.service.common.logs import setup_logging
 from rlens.service.common.tracing import model_span_attributes, setup_tracing
@@ -248,6 +248,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
             gate = Gate(config, engine.cost_share, engine.cfg.alpha)
     calibration_rows = settings.focal.calibration_rows if settings.service.strategy == "rl_focal" else 0
     joint_rows = settings.focal.joint_rows if settings.service.strategy == "rl_focal" else 0
+    role = settings.learner.role
     core = LearnerCore(
         trainer,
         names,
@@ -263,11 +264,13 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
         drift=drift_monitor(settings),
         drift_keep=settings.drift.keep if settings.drift.reaction == "trim" else None,
         ope_log=OpeLog(settings.learner.checkpoint_dir / OPE_LOG, settings.learner.ope_log_bytes)
-        if settings.learner.ope_log_bytes
+        if settings.learner.ope_log_bytes and role != "trainer"  # the joins' log: where they are made
         else None,
-        gate=gate,
+        gate=gate if role != "shard" else None,  # the gate is the trainer's
+        role=role,
+        shard=settings.learner.shard,
     )
-    if warm_start is not None:
+    if warm_start is not None and role != "shard":
         core.warm_start(warm_start)
     return core
 
@@ -319,7 +322,8 @@ def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
     core = build_learner(settings, warm_start)  # a configuration error first, then the broker
     settings = asyncio.run(settle_idempotence(settings))
     asyncio.run(claim_group(settings, core))  # before the app starts: a refused learner never joins the group
-    app = create_learner_app(settings, core)
+    partitions = asyncio.run(shard_topics(settings)) if settings.learner.role == "shard" else 0
+    app = create_learner_app(settings, core, partitions)
     freeze_startup_objects()
     run_app(app, settings, "learner")
 

@@ -27,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass, fields
 from itertools import chain
-from typing import Any, Callable, Literal, Sequence, TypeVar
+from typing import Any, Callable, Literal, Sequence, TypeVar, cast
 
 from aiokafka.structs import ConsumerRecord
 from faststream import AckPolicy
@@ -58,6 +58,7 @@ class Topics:
     dead_letter: str
     drift: str
     spending: str
+    transitions: str  # learner shards → the trainer
 
     @property
     def reply_prefix(self) -> str:
@@ -79,6 +80,7 @@ class Topics:
             f"{p}dead-letter",
             f"{p}drift",
             f"{p}spending",
+            f"{p}transitions",
         )
 
 
@@ -347,20 +349,46 @@ async def publish(publisher: Any, messages: Sequence[Message]) -> None:
     await asyncio.gather(*(publisher.publish(m.model_dump_json().encode(), key=_key(m)) for m in messages))
 
 
-async def publish_batch(broker: KafkaBroker, topic: str, messages: Sequence[Message]) -> None:
+async def publish_batch(broker: KafkaBroker, topic: str, messages: Sequence[Message], by_key: bool = False) -> None:
     """Publish ``messages`` to ``topic`` in producer batches of at most :data:`BATCH_BYTES` (each message keyed by
-    its query id; a batch goes to one partition, the partitioner's choice) and wait until the broker confirmed them
-    all: one send per batch instead of one per message (the worker's answers and experience)."""
-    chunks: list[list[KafkaResponse]] = [[]]
-    size = 0
+    its query id) and wait until the broker confirmed them all: one send per batch instead of one per message (the
+    worker's answers and experience). A batch goes to one partition: the partitioner's choice, or with ``by_key``
+    its messages' key partition (:func:`key_partitions`: the experience, which a learner shard joins with the
+    feedback of the same partition number)."""
+    groups: dict[int | None, list[Message]] = {None: list(messages)}
+    if by_key and messages:
+        groups = await key_partitions(broker, topic, messages)
+    sends = []
+    for partition, group in groups.items():
+        chunks: list[list[KafkaResponse]] = [[]]
+        size = 0
+        for m in group:
+            body = m.model_dump_json().encode()
+            if chunks[-1] and size + len(body) > BATCH_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(KafkaResponse(body, key=_key(m)))
+            size += len(body)
+        sends += [broker.publish_batch(*chunk, topic=topic, partition=partition) for chunk in chunks if chunk]
+    await asyncio.gather(*sends)
+
+
+async def key_partitions(
+    broker: KafkaBroker, topic: str, messages: Sequence[Message]
+) -> dict[int | None, list[Message]]:
+    """``messages`` by the partition of ``topic`` that Kafka's default partitioner gives their key (murmur2, as
+    every client's default puts a keyed record: the gateway's feedback, a Java producer's), from the partitions the
+    broker's producer knows of the topic."""
+    from aiokafka.partitioner import DefaultPartitioner
+
+    producer = cast(Any, broker.config.producer)._producer.producer  # the aiokafka producer FastStream publishes with
+    partitions, partitioner = sorted(await producer.partitions_for(topic)), DefaultPartitioner()
+    groups: dict[int | None, list[Message]] = {}
     for m in messages:
-        body = m.model_dump_json().encode()
-        if chunks[-1] and size + len(body) > BATCH_BYTES:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(KafkaResponse(body, key=_key(m)))
-        size += len(body)
-    await asyncio.gather(*(broker.publish_batch(*chunk, topic=topic) for chunk in chunks if chunk))
+        key = _key(m)
+        partition = partitioner(key, partitions, partitions) if key is not None else None
+        groups.setdefault(partition, []).append(m)
+    return groups
 
 
 async def publish_dead_letters(publisher: Any, letters: list[DeadLetter]) -> None:
@@ -404,7 +432,7 @@ def topic_configs(
 async def ensure_topics(settings: Settings, partitions: int | None = None, extra: tuple[str, ...] = ()) -> None:
     """Create the service's topics and the ``extra`` ones (one partition each: a gateway's reply topic).
 
-    The per-query topics (queries, answers, feedback, experience, dead letters) get ``partitions`` partitions (the
+    The per-query topics (queries, answers, feedback, experience, transitions, dead letters) get ``partitions`` partitions (the
     settings' ``kafka.partitions`` unless given): workers share the queries, and the local broker's reads slow down
     sharply as one partition's log holds more small batches (BENCHMARKS.md, issue 17). The policy, drift and
     spending topics keep one partition, so their order holds. Topics that existed already with fewer partitions,
@@ -442,6 +470,36 @@ async def ensure_topics(settings: Settings, partitions: int | None = None, extra
         await _check_limits(admin, found, topics.policy, topics.spending)
     finally:
         await admin.close()
+
+
+async def shard_topics(settings: Settings) -> int:
+    """The partition count of ``experience`` and ``feedback`` (made first if need be), which learner shards split
+    between them; a clear error when the two differ (a query's halves would not meet in one shard)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    await ensure_topics(settings)
+    topics = Topics.from_settings(settings)
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    await admin.start()
+    try:
+        described = await admin.describe_topics([topics.experience, topics.feedback])
+    finally:
+        await admin.close()
+    counts = {t["topic"]: len(t.get("partitions") or []) for t in described}
+    if len(set(counts.values())) != 1 or not all(counts.values()):
+        raise BrokerRefused(
+            f"learner shards need {topics.experience} and {topics.feedback} with the same number of partitions (a "
+            f"query's two halves, keyed by its id, then share a partition number); the broker has {counts}"
+        )
+    partitions = counts[topics.experience]
+    if partitions < settings.learner.shards:
+        log.warning(
+            "%d learner shards for %d partitions: shards %d and above join nothing (RLENS_KAFKA_PARTITIONS)",
+            settings.learner.shards,
+            partitions,
+            partitions,
+        )
+    return partitions
 
 
 _warned: set[tuple[str, str]] = set()  # (topic, what): each found wrong once per process, not at every look

@@ -174,7 +174,10 @@ class LearnerMetrics:
     def __init__(self, registry: CollectorRegistry, streams: StreamLabels):
         self.stream = streams
         self.records = Counter(
-            "rlens_learner_records", "experience and feedback records read, by topic kind", ["kind"], registry=registry
+            "rlens_learner_records",
+            "experience, feedback and (the trainer) transitions records read, by topic kind",
+            ["kind"],
+            registry=registry,
         )
         self.joined = Counter(
             "rlens_learner_joined",

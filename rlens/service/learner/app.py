@@ -1,6 +1,6 @@
-"""The learner process's app: FastStream subscribers on ``experience`` and ``feedback`` (each batch to
-:class:`RecordBatches`) around a :class:`LearnerCore`, and the HTTP side (``/metrics``, ``/healthz``, ``/readyz``,
-the dashboard)."""
+"""The learner process's app: FastStream subscribers on ``experience`` and ``feedback`` (a shard: its partitions of
+them; the trainer: on ``transitions`` instead), each batch to :class:`RecordBatches`, around a :class:`LearnerCore`,
+and the HTTP side (``/metrics``, ``/healthz``, ``/readyz``, the dashboard)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any, cast
 
 from faststream import AckPolicy
 from faststream.asgi import AsgiFastStream
-from faststream.kafka import KafkaBroker, KafkaMessage
+from faststream.kafka import KafkaBroker, KafkaMessage, TopicPartition
 from prometheus_client import CollectorRegistry
 
-from rlens.messages import EXPERIENCE, DeadLetter, DriftEvent, Feedback, Policy
+from rlens.messages import EXPERIENCE, TRANSITION, DeadLetter, DriftEvent, Feedback, Policy
 from rlens.service.common.health import Readiness, admin_token, http_routes, settings_url
 from rlens.service.common.kafka import (
     group_options,
@@ -41,8 +41,17 @@ from rlens.settings import Settings
 log = logging.getLogger("rlens.learner")
 
 
-def publishers(broker: KafkaBroker, topics: Topics) -> tuple[Any, Any, Any]:
-    """The learner's publishers: policies, dead letters, drift events."""
+def publishers(broker: KafkaBroker, settings: Settings, topics: Topics) -> tuple[Any, Any, Any, Any]:
+    """The learner's publishers: policies, dead letters, drift events, and a shard's transitions (else None)."""
+    transitions = None
+    if settings.learner.role == "shard":
+        transitions = typed_publisher(
+            broker,
+            topics.transitions,
+            TRANSITION[settings.service.strategy],
+            "learner shard",
+            "each query the shard joined, for the trainer",
+        )
     return (
         typed_publisher(
             broker, topics.policy, Policy, "learner", "a new version of every agent's weights after each update"
@@ -57,13 +66,20 @@ def publishers(broker: KafkaBroker, topics: Topics) -> tuple[Any, Any, Any]:
         typed_publisher(
             broker, topics.drift, DriftEvent, "learner", "a change found in one signal of one stream (rlens.drift)"
         ),
+        transitions,
     )
 
 
-def record_subscribers(broker: KafkaBroker, settings: Settings, topics: Topics, experience: str) -> tuple[Any, Any]:
-    """The subscribers on ``experience`` (whose messages are the model named ``experience``) and ``feedback``: one
-    consumer group, batches of up to 256 records, offsets committed by hand (up to the checkpointed ones)."""
-    options: dict[str, Any] = {
+def shard_partitions(partitions: int, shards: int, shard: int) -> list[int]:
+    """The partitions of ``experience`` and ``feedback`` a shard joins: p mod ``shards`` = ``shard``. Both topics
+    are keyed by query id and have the same count, so a query's two halves are in the same partition number."""
+    return [p for p in range(partitions) if p % shards == shard]
+
+
+def record_options(settings: Settings) -> dict[str, Any]:
+    """The learner's subscribers: its consumer group, batches of up to 256 records, offsets committed by hand (up to
+    the checkpointed ones)."""
+    return {
         "group_id": settings.group("learner"),
         "batch": True,
         "max_records": 256,
@@ -72,20 +88,28 @@ def record_subscribers(broker: KafkaBroker, settings: Settings, topics: Topics, 
         **SUBSCRIBER,
         **group_options(settings),
     }
+
+
+def record_subscribers(
+    broker: KafkaBroker, settings: Settings, topics: Topics, experience: str, partitions: int
+) -> tuple[Any, Any]:
+    """The subscribers on ``experience`` (whose messages are the model named ``experience``) and ``feedback``
+    (:func:`record_options`); a shard's are assigned its partitions (:func:`shard_partitions` of ``partitions``)."""
+    options = record_options(settings)
+
+    def subscriber(topic: str, description: str) -> Any:
+        if settings.learner.role == "shard":
+            owned = shard_partitions(partitions, settings.learner.shards, settings.learner.shard)
+            assigned = [TopicPartition(topic, p, declare=False) for p in owned]
+            return woken_by_records(broker.subscriber(partitions=assigned, description=description, **options))
+        return woken_by_records(broker.subscriber(topic, description=description, **options))
+
     return (
-        woken_by_records(
-            broker.subscriber(
-                topics.experience,
-                description=f"JSON {experience} messages from the {settings.service.strategy} workers",
-                **options,
-            )
-        ),
-        woken_by_records(
-            broker.subscriber(
-                topics.feedback,
-                description="JSON Feedback messages: label, reference or reward per query id, any delay, duplicates allowed (schemas/messages/feedback.schema.json)",
-                **options,
-            )
+        subscriber(topics.experience, f"JSON {experience} messages from the {settings.service.strategy} workers"),
+        subscriber(
+            topics.feedback,
+            "JSON Feedback messages: label, reference or reward per query id, any delay, duplicates allowed "
+            "(schemas/messages/feedback.schema.json)",
         ),
     )
 
@@ -115,9 +139,9 @@ def policy_subscriber(
     return policy_history
 
 
-def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFastStream:
-    """Subscribers on ``experience`` and ``feedback`` (one group, manual commits up to the checkpointed offsets), and
-    the HTTP side.
+def create_learner_app(settings: Settings, core: LearnerCore | None, partitions: int = 0) -> AsgiFastStream:
+    """Subscribers on ``experience`` and ``feedback`` (one group, manual commits up to the checkpointed offsets; a
+    shard: its share of their ``partitions``), or the trainer's on ``transitions``, and the HTTP side.
 
     ``core`` None builds the app only to generate the AsyncAPI document (no handler runs then).
     """
@@ -129,21 +153,40 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
         metrics.checkpoint_age.set_function(lambda: time.monotonic() - core.last_checkpoint)
     topics = Topics.from_settings(settings)
     broker = make_broker(settings)
-    policies, dead_letters, drift_events = publishers(broker, topics)
-    batches = RecordBatches(live, metrics, (policies, dead_letters, drift_events), TopicRestorer(settings))
-    experience_model = core.trainer.experience if core else EXPERIENCE[settings.service.strategy]
-    experience, feedback = record_subscribers(broker, settings, topics, experience_model.__name__)
+    policies, dead_letters, drift_events, transitions = publishers(broker, settings, topics)
+    batches = RecordBatches(live, metrics, (policies, dead_letters, drift_events, transitions), TopicRestorer(settings))
+    role = settings.learner.role
+    read: dict[str, Any] = {}  # topic -> its subscriber
+    if role == "trainer":
+        transition_model = TRANSITION[settings.service.strategy]
+        read[topics.transitions] = woken_by_records(
+            broker.subscriber(
+                topics.transitions,
+                description=f"JSON {transition_model.__name__} messages: the queries the learner shards joined",
+                **record_options(settings),
+            )
+        )
+
+        @read[topics.transitions]
+        async def on_transitions(bodies: list[bytes], message: KafkaMessage) -> None:
+            await batches.handle(message, transition_model, topics.transitions)
+
+    else:
+        experience_model = core.trainer.experience if core else EXPERIENCE[settings.service.strategy]
+        experience, feedback = record_subscribers(broker, settings, topics, experience_model.__name__, partitions)
+        read |= {topics.experience: experience, topics.feedback: feedback}
+
+        @experience
+        async def on_experience(bodies: list[bytes], message: KafkaMessage) -> None:
+            await batches.handle(message, experience_model, topics.experience)
+
+        @feedback
+        async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
+            await batches.handle(message, Feedback, topics.feedback)
+
     background: list[asyncio.Task] = []  # the lease's renewal, idle checkpoints, the log-end watch, the topics
-
-    @experience
-    async def on_experience(bodies: list[bytes], message: KafkaMessage) -> None:
-        await batches.handle(message, experience_model, topics.experience)
-
-    @feedback
-    async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
-        await batches.handle(message, Feedback, topics.feedback)
-
-    policy_history = policy_subscriber(broker, settings, topics, batches, policies)
+    # a shard trains nothing: the trainer (or the one learner) reads the policy topic and publishes policies
+    policy_history = policy_subscriber(broker, settings, topics, batches, policies) if role != "shard" else None
 
     readiness = Readiness("learner", core.name if core else "", settings_url(settings))
     routes = http_routes(
@@ -162,14 +205,27 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
                 asyncio.create_task(batches.checkpoint_when_idle()),
                 asyncio.create_task(batches.watch_logs()),
                 # a broker that lost its topics: made again, and named if a producer made them with its defaults
-                asyncio.create_task(keep_topics(settings, (topics.experience, topics.feedback, topics.policy))),
+                asyncio.create_task(keep_topics(settings, (*read, topics.policy))),
             ]
         )
 
     @app.after_startup
     async def announce() -> None:  # workers that start after a learner restart get the current policy at once
-        for topic, subscriber in ((topics.experience, experience), (topics.feedback, feedback)):
+        for topic, subscriber in read.items():
             batches.watch(topic, subscriber.consumer)  # new logs are looked for before the first batch too
+        if policy_history is None:  # a shard
+            readiness.start(live.windows)
+            log.info(
+                "learner shard %d of %d (%s) ready: partitions %s of %s and %s; metrics, health and the dashboard on %s",
+                settings.learner.shard,
+                settings.learner.shards,
+                live.name,
+                shard_partitions(partitions, settings.learner.shards, settings.learner.shard),
+                topics.experience,
+                topics.feedback,
+                readiness.url,
+            )
+            return
         announced = live.announcement()
         if announced is None and await holds_nothing(policy_history.consumer, topics.policy):
             announced = live.first_policy()  # gated and fresh: the seeded policy, live, so there is one to roll back to
@@ -187,7 +243,8 @@ def create_learner_app(settings: Settings, core: LearnerCore | None) -> AsgiFast
     @app.on_shutdown
     async def final_checkpoint() -> None:
         async with batches.lock:
-            live.checkpoint()
+            if not live.handed:  # a shard's joins not handed on: the checkpoint before them is where to resume
+                live.checkpoint()
         await readiness.stop()
         await live.windows.release(settings.group("learner"), lease_holder(live))
 

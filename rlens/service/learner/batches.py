@@ -1,6 +1,7 @@
 """One batch of ``experience`` or ``feedback`` records, start to end: a new log detected, each record parsed and
 handed to the :class:`LearnerCore` (one record's failure dead-letters that record only), what it produced published
-(dead letters, drift events, policies), the windows written, a checkpoint when due, and the offsets committed up to
+(dead letters, drift events, policies), the windows written, a shard's joined queries handed to the trainer, a
+checkpoint when due, and the offsets committed up to
 the newest checkpoint's (:class:`Commits`)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import cast
 from aiokafka import AIOKafkaConsumer
 from faststream.kafka import KafkaMessage
 
-from rlens.messages import DeadLetter, Feedback
+from rlens.messages import DeadLetter, Feedback, RLAETransition, Transition
 from rlens.service.common.kafka import (
     TopicRestorer,
     dead_letter,
@@ -87,9 +88,9 @@ class RecordBatches:
     core is not re-entrant: ``lock``)."""
 
     def __init__(self, core: LearnerCore, metrics: LearnerMetrics, publishers, restorer: TopicRestorer):
-        """``publishers``: (policies, dead letters, drift events)."""
+        """``publishers``: (policies, dead letters, drift events, transitions: a shard's, else None)."""
         self.core, self.metrics, self.restorer = core, metrics, restorer
-        self.policies, self.dead_letters, self.drift_events = publishers
+        self.policies, self.dead_letters, self.drift_events, self.transitions = publishers
         self.commits = Commits(core, restorer)
         self.lock = asyncio.Lock()
         self.consumers: dict[str, AIOKafkaConsumer] = {}  # topic -> the consumer its batches came from
@@ -102,7 +103,14 @@ class RecordBatches:
             raise
 
     async def _handle(self, message: KafkaMessage, model: type, topic: str) -> None:
-        core, kind = self.core, "feedback" if model is Feedback else "experience"
+        core = self.core
+        kind = (
+            "feedback"
+            if model is Feedback
+            else "transitions"
+            if model in (Transition, RLAETransition)
+            else "experience"
+        )
         async with self.lock:
             await self.detect_new_logs(message, topic)
             await core.apply_windows()  # what a Redis outage left in the backlog
@@ -111,6 +119,7 @@ class RecordBatches:
                     self.metrics.records.labels(kind).inc()
                     await self.record(record, model)
             await core.apply_windows()  # the batch's outcomes, in one round trip
+            await self.hand_on()
             self.show_state()
             if core.checkpoint_due():
                 await asyncio.to_thread(core.checkpoint)  # off the event loop (the lock keeps the state still)
@@ -124,9 +133,12 @@ class RecordBatches:
             return
         core = self.core
         try:
-            policy, rejected = await (
-                core.on_feedback(parsed, record) if model is Feedback else core.on_experience(parsed, record)
-            )
+            if model is Feedback:
+                policy, rejected = await core.on_feedback(parsed, record)
+            elif model in (Transition, RLAETransition):
+                policy, rejected = await core.on_transition(parsed, record)
+            else:
+                policy, rejected = await core.on_experience(parsed, record)
         except Exception as exc:  # one record's failure must not stop the others
             log.exception("record %s:%d@%d failed", record.topic, record.partition, record.offset)
             core.stats.failed_records += 1
@@ -135,6 +147,13 @@ class RecordBatches:
         await self.dead_letter(([rejected] if rejected else []) + core.take_dead_letters())
         await publish(self.drift_events, core.take_drift_events())
         await publish(self.policies, ([policy] if policy else []) + core.take_policies())
+
+    async def hand_on(self) -> None:
+        """A shard's joined queries to the trainer, confirmed by the broker before any checkpoint covers them (a
+        refused publish keeps them, and the checkpoint, for the next batch)."""
+        if self.core.handed:
+            await publish(self.transitions, self.core.handed)
+            self.core.take_handed()
 
     async def dead_letter(self, letters: list[DeadLetter]) -> None:
         for letter in letters:

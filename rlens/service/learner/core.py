@@ -53,6 +53,11 @@ update every so many joined transitions, checkpoints, and publishes each new ``p
   while the learner is idle) and on shutdown, so their cost does not grow with the update rate. A policy may be
   published before the checkpoint that holds it; after a crash the learner re-learns from that checkpoint's
   offsets under a new epoch, whose versions supersede what it published before.
+- **Shards.** ``role`` shard: the join's stages up to the windows, the OPE log, the metrics and drift, for the
+  partitions the shard is assigned; each joined query is handed on (``handed``, a :class:`Transition`) and
+  published before any checkpoint covers it, so a crash re-joins it and hands it on again. ``role`` trainer:
+  :meth:`on_transition` trains on each query id once (``done``), feeds the gate and the version tallies, and
+  updates. A shard detects drift on its share of each stream's outcomes.
 - **Fencing.** One learner per checkpoint directory (:class:`rlens.checkpoint.CheckpointStore` locks it) and per
   consumer group (a lease in Redis, renewed every ``LEASE_TTL_S`` / 3 s); a second one refuses to start. A learner
   restarted on the directory of one that died takes its lease over at once (holding the directory's lock proves the
@@ -83,7 +88,19 @@ from redis.exceptions import RedisError
 
 from rlens.checkpoint import CheckpointStore
 from rlens.drift import DriftMonitor, signals_of_outcome
-from rlens.messages import AnyExperience, DeadLetter, DriftEvent, Experience, Feedback, Message, Policy, RLAEExperience
+from rlens.messages import (
+    TRANSITION,
+    AnyExperience,
+    DeadLetter,
+    DriftEvent,
+    Experience,
+    Feedback,
+    Message,
+    Policy,
+    RLAEExperience,
+    RLAETransition,
+    Transition,
+)
 from rlens.service.learner.dashboard import Dashboard
 from rlens.service.common.kafka import (
     dead_letter,
@@ -170,7 +187,13 @@ class LearnerCore:
         drift_keep: int | None = None,
         ope_log: OpeLog | None = None,
         gate: Gate | None = None,
+        role: str = "all",
+        shard: int = 0,
     ):
+        """``role``: all (joins and trains), shard (joins; each joined query handed to the trainer: ``handed``) or
+        trainer (trains on the shards' transitions, :meth:`on_transition`); ``shard``: a shard's index."""
+        self.role, self.shard = role, shard
+        self.handed: list[Transition | RLAETransition] = []  # a shard's joined queries, until the app publishes them
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.signer, self.tokens, self.verifier = signer, tokens, signer.verifier()
         self.pending_limit, self.pending_ttl_s = pending_limit, pending_ttl_s
@@ -264,7 +287,8 @@ class LearnerCore:
     def checkpoint_due(self) -> bool:
         """Whether the state moved on since the newest checkpoint and that one is ``checkpoint_every_s`` old."""
         moved = self.offsets.moved() or self.version != self.checkpointed_version
-        return moved and time.monotonic() - self.last_checkpoint >= self.checkpoint_every_s
+        # a shard's checkpoint never covers a join not yet handed on: a crash re-joins it (the trainer drops repeats)
+        return moved and not self.handed and time.monotonic() - self.last_checkpoint >= self.checkpoint_every_s
 
     @property
     def window_backlog(self):
@@ -388,15 +412,66 @@ class LearnerCore:
             self.stats.invalid_feedback += 1
             return None, DeadLetter.model_validate({**record, "reason": str(exc), "at": time.time()})
         row = self.trainer.window_row(experience, feedback)
+        label = int(row[1]) if row is not None else None
         await self._window(experience, row, reward)
-        self.trainer.remember(experience, feedback, reward)
-        self._evidence(experience, row, reward)
+        if self.role == "shard":
+            self.handed.append(
+                TRANSITION[self.trainer.strategy].model_validate(
+                    {
+                        "query_id": experience.query_id,
+                        "experience": experience,
+                        "feedback": feedback,
+                        "reward": reward,
+                        "label": label,
+                        "shard": self.shard,
+                    }
+                )
+            )
+        else:
+            self.trainer.remember(experience, feedback, reward)
+        self._evidence(experience, label, reward)
         signals = self._observe(experience, feedback, row, reward, delay_s)
+        if self.role == "all":
+            self._tally(experience.policy_version, reward, signals, label, feedback)
         await self._drift(experience, signals, row)
         self.stats.joined += 1
         if tracing():
             self._trace_join(experience, reward, delay_s)
+        return (self.update(), None) if self.role == "all" and self.trainer.update_due() else (None, None)
+
+    async def on_transition(
+        self, transition: Transition | RLAETransition, record
+    ) -> tuple[Policy | None, DeadLetter | None]:
+        """(The trainer) One query a shard joined: trained on once (a shard that re-joins after a crash hands it
+        on again), its evidence to the gate, counted for its policy version; an update when one is due."""
+        experience = transition.experience
+        if experience.query_id in self.done:
+            self.stats.duplicates += 1
+            return None, None
+        if reason := self.trainer.check(experience):
+            self.stats.invalid_experience += 1
+            return None, dead_letter(record, f"experience does not fit the pool: {reason}", "learner")
+        self._remember_done(experience.query_id)
+        self.clock = max(self.clock, event_time(record))
+        self.trainer.remember(experience, transition.feedback, transition.reward)
+        self._evidence(experience, transition.label, transition.reward)
+        signals = signals_of_outcome(
+            getattr(experience, "answer_index", None),
+            self._label_of(transition.label, transition.feedback),
+            transition.reward,
+            getattr(experience, "predictions", None),
+            self.models,
+        )
+        self._tally(experience.policy_version, transition.reward, signals, transition.label, transition.feedback)
+        self.stats.joined += 1
+        if self.metrics is not None:
+            self.metrics.joined.labels(self.metrics.stream(experience.stream)).inc()
         return (self.update(), None) if self.trainer.update_due() else (None, None)
+
+    def take_handed(self) -> list[Transition | RLAETransition]:
+        """(A shard) The joined queries to hand to the trainer since the last call."""
+        taken, self.handed = self.handed, []
+        return taken
 
     def _reward(self, experience: AnyExperience, feedback: Feedback) -> float:
         """The pair's reward (FeedbackError: feedback for another stream, or one the trainer cannot score)."""
@@ -412,13 +487,14 @@ class LearnerCore:
         if row is not None and self.writer.queue(experience.stream, experience.query_id, row, reward, calibration):
             await self.apply_windows()
 
-    def _evidence(self, experience: AnyExperience, row: tuple[list[int], int] | None, reward: float) -> None:
-        """What off-policy evaluation and the gate learn from the outcome: the OPE log, the shadow or split evidence."""
-        if isinstance(experience, Experience) and row is not None:
+    def _evidence(self, experience: AnyExperience, label: int | None, reward: float) -> None:
+        """What off-policy evaluation and the gate learn from the outcome (``label``: its window row's): the OPE log,
+        the shadow or split evidence."""
+        if isinstance(experience, Experience) and label is not None:
             if self.ope_log is not None:
-                self.ope_log.append(experience, int(row[1]))
+                self.ope_log.append(experience, label)
             if self.promotion is not None:
-                self.promotion.observe(experience, int(row[1]))
+                self.promotion.observe(experience, label)
         if isinstance(experience, RLAEExperience) and self.promotion is not None:
             self.promotion.observe_split(experience, reward)
 
@@ -430,25 +506,32 @@ class LearnerCore:
         reward: float,
         delay_s: float,
     ) -> dict:
-        """The outcome counted where operators look (metrics, the dashboard, the per-version tallies); its signals
-        (the ensemble and each called model right or wrong, the confidence), which drift detection reads next."""
+        """The outcome counted where operators look (metrics, the dashboard); its signals (the ensemble and each
+        called model right or wrong, the confidence), which drift detection reads next."""
         if self.metrics is not None:
             self.metrics.observe_join(experience.stream, reward, delay_s)
-        # open-ended rl_focal: the reference's candidate
-        label = (row[1] if row[1] >= 0 else None) if row is not None else feedback.label
         signals = signals_of_outcome(
             getattr(experience, "answer_index", None),
-            label,
+            self._label_of(row[1] if row is not None else None, feedback),
             reward,
             getattr(experience, "predictions", None),
             self.models,
         )
         self.dashboard.observe_join(experience.stream, signals, reward, delay_s)
-        version = experience.policy_version
-        let_go = self.versions.observe(version, reward, bool(signals["outcome"]) if label is not None else None)
+        return signals
+
+    @staticmethod
+    def _label_of(row_label: int | None, feedback: Feedback) -> int | None:
+        """The outcome's label: its window row's (open-ended rl_focal: the reference's candidate, None when no model
+        gave it), else the feedback's."""
+        return (row_label if row_label >= 0 else None) if row_label is not None else feedback.label
+
+    def _tally(self, version: int, reward: float, signals: dict, row_label: int | None, feedback: Feedback) -> None:
+        """The outcome in its policy version's tallies (where the trainer is: the versions are its)."""
+        labelled = self._label_of(row_label, feedback) is not None
+        let_go = self.versions.observe(version, reward, bool(signals["outcome"]) if labelled else None)
         if self.metrics is not None and version in self.versions.tallies:
             self.metrics.observe_version(self.versions.tallies[version].row(version), let_go)
-        return signals
 
     async def _drift(self, experience: AnyExperience, signals: dict, row: tuple[list[int], int] | None) -> None:
         """Drift detection on the outcome's signals: a drift restarts the candidate's evidence (``drift_reset``)

@@ -190,7 +190,8 @@ class QueryBatches:
         """The experience first, then the answers: a retry after a failure in between repeats only experience
         (which the learner joins once), never an answer a client already got."""
         reply_to = {q.query_id: q.reply_to for q in queries if q.reply_to}
-        await publish_batch(self.broker, self.topics.experience, out.experience)
+        # in its key's partition: a learner shard finds a query's feedback under the same partition number
+        await publish_batch(self.broker, self.topics.experience, out.experience, by_key=True)
         # a gateway's query, or any on a tenant's stream: its feedback token goes to the gateway's reply topic alone,
         # never to the shared topic
         shared = [

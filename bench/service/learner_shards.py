@@ -1,0 +1,171 @@
+"""Learner shards: joins per second with 1, 2 and 4 shards on the same data, through the real path (tansu, a
+redis-server, each shard a `rlens learner` process with ``RLENS_LEARNER_ROLE=shard``).
+
+    python -m bench.service.learner_shards [--pairs 20000] [--shards 1 2 4] [--explored 0.05] [--no-behaviour]
+        [--out bench/out/learner_shards.json]
+
+For each shard count, a fresh stack (its own broker and Redis, 4 partitions, the bundled stream's 5-model pool):
+``--pairs`` experience records (5 models, 4 choices, a share ``--explored`` explored, each with its behaviour: the
+calibration rows and the OPE log are written; 1,000 streams) and their feedback are published first, keyed by query
+id as workers and gateways key them, then the shards start and join them. Each shard's ``/metrics``
+is read every 0.1 s. Reported per shard count: the total rate (pairs over the time from the first join to the last),
+each shard's own rate (its joins over its time from its first join to its last), and the CPU seconds of the shards,
+the broker and Redis over the run. No trainer runs beside them: the shards' cost is the join (the token check, the
+shape check, the Redis windows, calibration rows and fits, drift, the OPE log, the transitions handed on). After the first count's shards
+are done, the trainer alone is started on what they handed on, and its rate reported (MAPPO every 64 explored
+transitions: with every query explored, an update every 64 transitions; at the default 0.05, every 1,280).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from pathlib import Path
+
+from aiokafka import AIOKafkaProducer
+
+from bench.common.args import add_out, arguments, write_json
+from bench.common.machine import cpu_seconds, machine_facts
+from bench.common.stacks import learner_joined, replay_stack, uniform_experience
+from rlens.messages import Feedback
+from rlens.service.common.kafka import Topics, client_options, ensure_topics
+from rlens.service.common.security import feedback_tokens
+from rlens.settings import Settings
+
+
+async def publish_pairs(settings: Settings, pairs: int, explored: float, behaviour: bool) -> None:
+    """``pairs`` experience records (one in every 1 / ``explored`` explored; ``behaviour``: each with its logged
+    behaviour), then their feedback, keyed by query id."""
+    await ensure_topics(settings)
+    topics, tokens = Topics.from_settings(settings), feedback_tokens(settings)
+    every = max(1, round(1 / explored)) if explored > 0 else pairs + 1
+    templates = [uniform_experience(explored=e, behaviour=behaviour) for e in (False, True)]
+    producer = AIOKafkaProducer(**client_options(settings), linger_ms=20, max_request_size=2**20)
+    await producer.start()
+    try:
+        for i in range(pairs):
+            qid, stream = f"q{i}", f"s{i % 1000}"
+            template = templates[i % every == 0]
+            body = template.model_copy(update={"query_id": qid, "stream": stream}).model_dump_json().encode()
+            await producer.send(topics.experience, body, key=qid.encode())
+        for i in range(pairs):
+            qid, stream = f"q{i}", f"s{i % 1000}"
+            feedback = Feedback(query_id=qid, token=tokens.token(qid, stream), label=i % 4)
+            await producer.send(topics.feedback, feedback.model_dump_json().encode(), key=qid.encode())
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+def trainer_rate(stack, pairs: int) -> int:
+    """The trainer started on the transitions the shards handed on: the ones it trains on per second (MAPPO every
+    64, the policies signed and published), from its first to its last."""
+    stack.start_trainer()
+    stack.wait_ready(300)
+    url = next(u for n, u in stack.http_urls().items() if n.endswith(f"-{stack.learner.pid}"))
+    first = last = None
+    done = 0.0
+    deadline = time.monotonic() + 1800
+    while done < pairs and time.monotonic() < deadline:
+        now, joined = time.monotonic(), learner_joined(url)
+        if joined > 0 and first is None:
+            first = now
+        if joined > done:
+            last, done = now, joined
+        time.sleep(0.1)
+    return round(done / max(last - first, 0.1)) if first is not None and last is not None else 0
+
+
+def run(workdir: Path, pairs: int, shards: int, explored: float, behaviour: bool, with_trainer: bool) -> dict:
+    stack = replay_stack(workdir, partitions=4)
+    try:
+        asyncio.run(publish_pairs(stack.settings, pairs, explored, behaviour))
+        for shard in range(shards):
+            stack.start_shard(shard, shards)
+        stack.wait_ready(300)
+        pids = {p.pid for p in stack.processes()}
+        infra = [p for p in (stack.broker, stack.redis) if p is not None]
+        urls = {name.rsplit("-", 1)[-1]: url for name, url in stack.http_urls().items()}
+        shard_urls = [urls[str(stack.shards[i].pid)] for i in range(shards)]
+        cpu_before = cpu_seconds(pids | {p.process.pid for p in infra})
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        counts = [0.0] * shards
+        deadline = time.monotonic() + 1800
+        while sum(counts) < pairs and time.monotonic() < deadline:
+            now = time.monotonic()
+            for i, url in enumerate(shard_urls):
+                joined = learner_joined(url)
+                if joined > 0:
+                    first.setdefault(i, now)
+                if joined > counts[i]:
+                    last[i] = now
+                counts[i] = joined
+            time.sleep(0.1)
+        cpu = cpu_seconds(pids | {p.process.pid for p in infra}) - cpu_before
+        trained = trainer_rate(stack, pairs) if with_trainer else None
+    finally:
+        stack.stop()
+    elapsed = max(last.values()) - min(first.values())
+    return {
+        "trainer_per_s": trained,
+        "shards": shards,
+        "joined": int(sum(counts)),
+        "seconds": round(elapsed, 2),
+        "joins_per_s": round(sum(counts) / elapsed),
+        "per_shard_joins_per_s": [round(counts[i] / max(last[i] - first[i], 0.1)) for i in range(shards)],
+        "per_shard_joined": [int(c) for c in counts],
+        "cpu_seconds": round(cpu, 1),
+    }
+
+
+def main() -> None:
+    parser = arguments(__doc__)
+    parser.add_argument("--pairs", type=int, default=20_000)
+    parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument(
+        "--explored", type=float, default=0.05, help="share of explored queries (the service's default: 0.05)"
+    )
+    parser.add_argument("--workdir", type=Path, default=Path("bench/out/learner_shards"))
+    parser.add_argument(
+        "--behaviour",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="experiences with their behaviour (calibration rows and fits, the OPE log); --no-behaviour: the join alone",
+    )
+    add_out(parser, "bench/out/learner_shards.json")
+    args = parser.parse_args()
+    results = {
+        "machine": machine_facts(),
+        "load_1min": os.getloadavg()[0],
+        "pairs": args.pairs,
+        "explored": args.explored,
+        "behaviour": args.behaviour,
+        "runs": [],
+    }
+    for shards in args.shards:
+        result = run(
+            args.workdir / f"shards-{shards}",
+            args.pairs,
+            shards,
+            args.explored,
+            args.behaviour,
+            with_trainer=shards == args.shards[0],
+        )
+        results["runs"].append(result)
+        print(
+            f"{shards} shard(s): {result['joins_per_s']} joins/s in all, per shard {result['per_shard_joins_per_s']}"
+            f" ({result['per_shard_joined']} joined), {result['cpu_seconds']} CPU s"
+            + (f"; then the trainer: {result['trainer_per_s']} transitions/s" if result["trainer_per_s"] else ""),
+            flush=True,
+        )
+    one = results["runs"][0]["joins_per_s"]
+    for result in results["runs"]:
+        result["ratio_to_the_first"] = round(result["joins_per_s"] / one, 2)
+    write_json(args.out, results)
+
+
+if __name__ == "__main__":
+    main()
