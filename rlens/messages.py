@@ -223,6 +223,13 @@ class Behaviour(BaseModel):
     label_prior: list[Annotated[float, Field(ge=0, le=1)]] = Field(
         max_length=MAX_CHOICES, description="the stream window's label frequencies the Fusion agent read"
     )
+    offset: float = Field(
+        0.0,
+        ge=-MAX_ABS,
+        le=MAX_ABS,
+        description="the deployment's or the stream's budget: its offset when this query was served, which shifted "
+        "the greedy Decider's logits by offset times each model's price (rlens.focal.budget.logit_shift); 0: none",
+    )
     budget: float | None = Field(
         None, gt=0, le=1, description="the query's own budget, if it had one: its greedy pool was cut to fit"
     )

@@ -83,14 +83,17 @@ def test_the_estimators_cover_a_simulated_bandits_truth():
         assert 0.9 <= coverage <= 0.99, (name, coverage)
 
 
-def served_experience(zoo, n: int = 600) -> tuple[list[tuple[Experience, int]], FocalEngine]:
-    """What a real worker logs for ``n`` queries of the bundled stream (explore 0.3, probe 0.3, no budget: the
-    candidates act without its offset), with the labels."""
+def served_experience(
+    zoo, n: int = 600, budget: float | None = None
+) -> tuple[list[tuple[Experience, int]], FocalEngine]:
+    """What a real worker logs for ``n`` queries of the bundled stream (explore 0.3, probe 0.3, ``budget`` met on
+    average, or none), with the labels."""
 
     async def scenario():
         backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
         dead = RedisWindows(Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2), 5, 128)
-        engine = FocalEngine(5, config=FocalConfig(explore_rate=0.3, probe_rate=0.3, budget=None), seed=1)
+        config = FocalConfig(explore_rate=0.3, probe_rate=0.3, budget=budget, budget_cap=False)
+        engine = FocalEngine(5, config=config, seed=1)
         worker = FocalWorker(engine, zoo.model_names, backends, dead, VERIFIER, TOKENS)
         traffic = queries_of(zoo, None, "t")[:n]
         out = []
@@ -103,16 +106,21 @@ def served_experience(zoo, n: int = 600) -> tuple[list[tuple[Experience, int]], 
     return asyncio.run(scenario())
 
 
-def logged_queries(zoo, n: int = 600) -> tuple[list[LoggedQuery], FocalEngine]:
-    served, engine = served_experience(zoo, n)
+def logged_queries(zoo, n: int = 600, budget: float | None = None) -> tuple[list[LoggedQuery], FocalEngine]:
+    served, engine = served_experience(zoo, n, budget)
     return [LoggedQuery.from_experience(e, label) for e, label in served], engine
 
 
-def test_candidates_act_on_what_a_worker_logged(zoo):
-    queries, engine = logged_queries(zoo)
+@pytest.mark.parametrize("budget", [None, 0.3])
+def test_candidates_act_on_what_a_worker_logged(zoo, budget):
+    """The logging policy's greedy actions, replayed on its log, are what it served (under a budget: with the
+    offset each query was served under, which the log keeps)."""
+    queries, engine = logged_queries(zoo, budget=budget)
     policy = FocalPolicy("logging greedy", engine)
     greedy_logged = [q for q in queries if q.propensity > 0.5]  # the greedy action (0.7 of the mixture at least)
     assert greedy_logged
+    shifted = [q for q in greedy_logged if q.offset != 0]
+    assert (len(shifted) > len(greedy_logged) // 2) if budget else not shifted
     for q in greedy_logged:
         pool, answer, explored = policy.act(q)
         assert (pool == q.pool).all() and answer == q.answer

@@ -22,7 +22,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlens.evaluation.ope import Estimate, corrected_replay, direct, doubly_robust, ips, snips
-from rlens.focal.budget import fit_pool
+from rlens.focal.budget import fit_pool, logit_shift
 from rlens.focal.calibration import naive_bayes_vote
 from rlens.focal.engine import FocalEngine
 from rlens.focal.features import fusion_observation
@@ -47,6 +47,7 @@ class LoggedQuery:
     probe: bool  # every model was called
     query_id: str = ""
     budget: float | None = None  # the query's own budget (a cap on its pool's cost share), if it had one
+    offset: float = 0.0  # the budget's offset on the greedy Decider's logits when it was served (0: no budget)
     calibrated: np.ndarray | None = None  # [M, C]: each model's calibrated log-probabilities (NaN where none)
     calibration_prior: np.ndarray | None = None  # [C]: the label prior the calibrated vote divides by
     joint: tuple[tuple[np.ndarray, np.ndarray], ...] = ()  # (pool bool [M], log-probabilities [C]): joint fits used
@@ -97,6 +98,7 @@ class LoggedQuery:
             probe=b.probe,
             query_id=query_id,
             budget=b.budget,
+            offset=b.offset,
             calibrated=calibrated,
             calibration_prior=np.asarray(b.calibration_prior, dtype=np.float64) if calibrated is not None else None,
             joint=tuple((np.asarray(j.pool, dtype=bool), np.asarray(j.log_probs, dtype=np.float64)) for j in b.joint),
@@ -190,13 +192,20 @@ class FocalPolicy:
     engine: FocalEngine
 
     def act(self, query: LoggedQuery) -> Action:
+        """Its greedy pool and answer, under the budget's shift the query was served under (as the worker's greedy
+        Decider was), cut to the query's own budget if it had one."""
         engine = self.engine
+        shift = logit_shift(query.offset, engine.prices) if query.offset else 0.0
         if engine.cfg.use_decider:
-            pool = engine.greedy.pools(query.state[None])[0][0]
+            pool = engine.greedy.pools(query.state[None], shift)[0][0]
         else:
             pool = np.ones(len(query.known), dtype=bool)
         if query.budget is not None:  # cut to the query's own budget, as the worker does
-            logits = engine.greedy.decider_logits(query.state[None])[0] if engine.cfg.use_decider else engine.no_logits
+            logits = (
+                engine.greedy.decider_logits(query.state[None])[0] + shift
+                if engine.cfg.use_decider
+                else engine.no_logits
+            )
             pool = fit_pool(pool, logits, engine.cost_share, query.budget)
         if (pool & ~query.known).any():
             return Action(pool, None)

@@ -167,6 +167,7 @@ def _behaviour(
         greedy_pool=greedy_pool.tolist(),
         greedy_answer=greedy,
         propensity=min(propensity, 1.0),
+        offset=decision.offset,
         budget=decision.cap,
         model_probs=[row if ok else [] for row, ok in zip(logged, answered.tolist())],
         reliability=reliability,
