@@ -10,7 +10,7 @@ calibration rows and the OPE log are written; 1,000 streams) and their feedback 
 id as workers and gateways key them, then the shards start and join them. Each shard's ``/metrics``
 is read every 0.1 s. Reported per shard count: the total rate (pairs over the time from the first join to the last),
 each shard's own rate (its joins over its time from its first join to its last), and the CPU seconds of the shards,
-the broker and Redis over the run. No trainer runs beside them: the shards' cost is the join (the token check, the
+of the broker and of Redis over the run. No trainer runs beside them: the shards' cost is the join (the token check, the
 shape check, the Redis windows, calibration rows and fits, drift, the OPE log, the transitions handed on). After the first count's shards
 are done, the trainer alone is started on what they handed on, and its rate reported (MAPPO every 64 explored
 transitions: with every query explored, an update every 64 transitions; at the default 0.05, every 1,280).
@@ -89,7 +89,8 @@ def run(workdir: Path, pairs: int, shards: int, explored: float, behaviour: bool
         infra = [p for p in (stack.broker, stack.redis) if p is not None]
         urls = {name.rsplit("-", 1)[-1]: url for name, url in stack.http_urls().items()}
         shard_urls = [urls[str(stack.shards[i].pid)] for i in range(shards)]
-        cpu_before = cpu_seconds(pids | {p.process.pid for p in infra})
+        parts = {"shards": pids, "broker": {infra[0].process.pid}, "redis": {infra[1].process.pid}}
+        cpu_before = {name: cpu_seconds(ids) for name, ids in parts.items()}
         first: dict[int, float] = {}
         last: dict[int, float] = {}
         counts = [0.0] * shards
@@ -104,7 +105,7 @@ def run(workdir: Path, pairs: int, shards: int, explored: float, behaviour: bool
                     last[i] = now
                 counts[i] = joined
             time.sleep(0.1)
-        cpu = cpu_seconds(pids | {p.process.pid for p in infra}) - cpu_before
+        cpu = {name: round(cpu_seconds(ids) - cpu_before[name], 1) for name, ids in parts.items()}
         trained = trainer_rate(stack, pairs) if with_trainer else None
     finally:
         stack.stop()
@@ -117,7 +118,7 @@ def run(workdir: Path, pairs: int, shards: int, explored: float, behaviour: bool
         "joins_per_s": round(sum(counts) / elapsed),
         "per_shard_joins_per_s": [round(counts[i] / max(last[i] - first[i], 0.1)) for i in range(shards)],
         "per_shard_joined": [int(c) for c in counts],
-        "cpu_seconds": round(cpu, 1),
+        "cpu_seconds": cpu,
     }
 
 

@@ -38,6 +38,9 @@ def up(
         DEFAULT_RLAE_MODELS, help="rlae without --pool: these zoo models, in process (needs `rlens zoo build`)"
     ),
     workers: int = typer.Option(2, min=1, help="worker processes (one consumer group)"),
+    learner_shards: int = typer.Option(
+        1, min=1, help="more than 1: that many learner shards join and one trainer trains (at most --partitions)"
+    ),
     partitions: int = typer.Option(
         4, min=1, help="partitions of the per-query topics (queries, answers, feedback, experience, dead letters)"
     ),
@@ -84,6 +87,7 @@ def up(
             [n.strip() for n in zoo_models.split(",")],
             workers,
             partitions,
+            learner_shards,
             broker_port,
             gateway,
             warm_start,

@@ -191,6 +191,7 @@ class LocalStack:
         self.workers_started = 0  # each new worker logs to worker-<n>.log
         self.learner: subprocess.Popen | None = None
         self.shards: dict[int, subprocess.Popen] = {}  # a sharded learner's shards by index (the learner: its trainer)
+        self.shard_count = 0
         self.gateway: subprocess.Popen | None = None
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -278,20 +279,22 @@ class LocalStack:
         self.learner = self._spawn("learner", "learner.log", *args)
         return self.learner
 
-    def start_learner_shards(self, shards: int) -> None:
-        """The learner as ``shards`` shards and a trainer (``RLENS_LEARNER_ROLE``), each checkpointing in a folder
-        of its own under the learner's; the trainer is :attr:`learner`."""
-        self.start_trainer()
+    def start_learner_shards(self, shards: int, *args: str) -> None:
+        """The learner as ``shards`` shards and a trainer (``RLENS_LEARNER_ROLE``; ``args``: the trainer's), each
+        checkpointing in a folder of its own under the learner's; the trainer is :attr:`learner`."""
+        self.start_trainer(*args)
         for shard in range(shards):
             self.start_shard(shard, shards)
 
-    def start_trainer(self) -> subprocess.Popen:
+    def start_trainer(self, *args: str) -> subprocess.Popen:
         """The trainer of a sharded learner (:attr:`learner`): it trains on what the shards hand on."""
-        self.learner = self._spawn("learner", "trainer.log", env=self._learner_role("trainer", 1))
+        self.learner_args = args
+        self.learner = self._spawn("learner", "trainer.log", *args, env=self._learner_role("trainer", 1))
         return self.learner
 
     def start_shard(self, shard: int, shards: int) -> subprocess.Popen:
         """Learner shard ``shard`` of ``shards`` (again, after a crash: it resumes from its checkpoints)."""
+        self.shard_count = shards
         self.shards[shard] = self._spawn(
             "learner", f"shard-{shard}.log", env=self._learner_role("shard", shards, shard)
         )
@@ -330,7 +333,14 @@ class LocalStack:
 
         if crashed(self.learner):
             restarted.append(f"learner (exit {self.learner.returncode})")
-            self.start_learner(*self.learner_args)
+            if self.shards:
+                self.start_trainer(*self.learner_args)
+            else:
+                self.start_learner(*self.learner_args)
+        for shard, process in list(self.shards.items()):
+            if crashed(process):
+                restarted.append(f"learner shard {shard} (exit {process.returncode})")
+                self.start_shard(shard, self.shard_count)
         if crashed(self.gateway):
             restarted.append(f"gateway (exit {self.gateway.returncode})")
             self.start_gateway()

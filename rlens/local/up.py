@@ -46,6 +46,7 @@ class UpOptions:
     zoo_models: list[str]
     workers: int
     partitions: int
+    learner_shards: int  # 1: one learner; more: that many shards and a trainer
     broker_port: int
     gateway: bool
     warm_start: Path | None
@@ -128,6 +129,11 @@ def open_stack(
 ) -> LocalStack:
     """Checks, the pool file (the zoo built by ``build_zoo`` first, when the pool needs it and it is not), the stack's
     broker and Redis (started or reached), its idempotence check."""
+    if options.learner_shards > options.partitions:
+        raise UpError(
+            f"--learner-shards {options.learner_shards} exceeds --partitions {options.partitions}: the shards beyond "
+            "them would join nothing"
+        )
     if options.gateway and settings.gateway.port and port_taken(settings.gateway.port):
         raise UpError(
             f"port {settings.gateway.port} is taken (another `rlens up`, or another program): pass --gateway-port, "
@@ -186,7 +192,11 @@ def start_processes(
 ) -> None:
     """The learner, the workers and the gateway, until every one is ready (TimeoutError or RuntimeError if not);
     ``progress`` hears which are still starting. A warm start trains first: it is waited for far longer."""
-    stack.start_learner(*(["--warm-start", str(options.warm_start)] if options.warm_start else []))
+    warm = ["--warm-start", str(options.warm_start)] if options.warm_start else []
+    if options.learner_shards > 1:
+        stack.start_learner_shards(options.learner_shards, *warm)
+    else:
+        stack.start_learner(*warm)
     for _ in range(options.workers):
         stack.start_worker()
     if options.gateway:
