@@ -269,3 +269,15 @@ def test_an_unreachable_redis_or_broker_or_a_missing_feature_is_one_line(tmp_pat
         )
         lines = (result.stdout + result.stderr).strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and words in lines[0] and variable in lines[0], lines
+
+
+def test_more_learner_shards_than_partitions_is_one_line_before_anything_starts(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "rlens.cli", "up", "--workdir", str(tmp_path / "up"), "--learner-shards", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, lines
+    assert "--learner-shards 5 exceeds --partitions 4" in lines[0] and not (tmp_path / "up" / "learner").exists()
