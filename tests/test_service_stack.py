@@ -46,11 +46,13 @@ def make_stack(
     explore: tuple[float, int] = (1.0, 64),
     data: Path | None = None,
     service: dict | None = None,
+    learner_shards: int = 1,
     **options,
 ) -> LocalStack:
     """``explore``: (exploration share, explored joins per update); by default every query is explored, so the
     learner updates every 64 joins, deterministically. ``data``: the dataset the replay pool serves (default: the
-    demo's). ``service``: more settings of the service's processes."""
+    demo's). ``service``: more settings of the service's processes. ``learner_shards`` > 1: the learner as that
+    many shards and a trainer."""
     pool = write_replay_pool(data or settings().service.demo_data, tmp_path / "pool.json")
     config = settings().updated(
         {
@@ -64,10 +66,13 @@ def make_stack(
         }
     )
     stack = stack_for_tests(config, tmp_path, **options)
-    stack.start_learner()
+    if learner_shards > 1:
+        stack.start_learner_shards(learner_shards)
+    else:
+        stack.start_learner()
     for _ in range(workers):
         stack.start_worker()
-    stack.wait_ready(120)
+    stack.wait_ready(180)
     return stack
 
 
@@ -1108,21 +1113,7 @@ def test_the_gateway_answers_again_soon_after_the_broker_restarts_empty(tmp_path
 def test_learner_shards_join_each_query_once_across_a_shard_killed_mid_stream(tmp_path, zoo):
     """Two learner shards and a trainer; shard 1 killed with SIGKILL half-way and started again: every query is
     joined by the shard that owns its partition, in the Redis windows once, and trained on once."""
-    pool = write_replay_pool(settings().service.demo_data, tmp_path / "pool.json")
-    config = settings().updated(
-        {
-            "pool_file": pool,
-            "kafka_session_timeout_ms": 2000,
-            "kafka_heartbeat_ms": 500,
-            "worker_batch": 16,
-            "focal_explore_rate": 1.0,
-            "focal_update_period": 64,
-        }
-    )
-    stack = stack_for_tests(config, tmp_path, partitions=4)
-    stack.start_learner_shards(2)
-    stack.start_worker()
-    stack.wait_ready(180)
+    stack = make_stack(tmp_path, learner_shards=2, partitions=4)
     restarted = []
 
     def kill_shard(report) -> None:
