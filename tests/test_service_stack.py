@@ -557,13 +557,23 @@ def test_per_query_topics_get_the_partitions_and_ordered_topics_keep_one():
         config = settings().updated({"kafka_bootstrap": broker.bootstrap, "topic_prefix": "parts."})
         asyncio.run(ensure_topics(config, partitions=3, extra=("parts.replies.g1",)))
         deadline = time.monotonic() + 30  # a Kafka cluster's metadata may show new topics a moment later
-        while len(found := asyncio.run(topic_partitions(config))) < 9 and time.monotonic() < deadline:
+        while len(found := asyncio.run(topic_partitions(config))) < 10 and time.monotonic() < deadline:
             time.sleep(0.5)
     finally:
         broker.stop()
     topics = Topics.from_settings(config)
     assert found == {
-        **{t: 3 for t in (topics.queries, topics.answers, topics.feedback, topics.experience, topics.dead_letter)},
+        **{
+            t: 3
+            for t in (
+                topics.queries,
+                topics.answers,
+                topics.feedback,
+                topics.experience,
+                topics.transitions,
+                topics.dead_letter,
+            )
+        },
         topics.policy: 1,
         topics.drift: 1,
         topics.spending: 1,
