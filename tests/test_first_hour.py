@@ -237,8 +237,11 @@ def test_ctrl_c_while_the_stack_starts_stops_it_at_once_with_one_line(tmp_path):
 
     port = free_port()
     up = start(["up", "--workdir", str(tmp_path / "up"), "--gateway-port", "0", "--broker-port", str(port)])
-    time.sleep(4.0)  # the broker is up, the service processes are starting
-    assert up.poll() is None
+    deadline = time.monotonic() + 120  # on a loaded machine the imports alone may take seconds
+    while not port_taken(port) and up.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # the broker is up, the service processes are starting
+    assert up.poll() is None and port_taken(port)
     os.killpg(up.pid, signal.SIGINT)
     output, _ = up.communicate(timeout=180)
     assert up.returncode == 130, output
