@@ -7,13 +7,13 @@ redis-server, each shard a `rlens learner` process with ``RLENS_LEARNER_ROLE=sha
 For each shard count, a fresh stack (its own broker and Redis, 4 partitions, the bundled stream's 5-model pool):
 ``--pairs`` experience records (5 models, 4 choices, a share ``--explored`` explored, each with its behaviour: the
 calibration rows and the OPE log are written; 1,000 streams) and their feedback are published first, keyed by query
-id as workers and gateways key them, then the shards start and join them. Each shard's ``/metrics``
-is read every 0.1 s. Reported per shard count: the total rate (pairs over the time from the first join to the last),
-each shard's own rate (its joins over its time from its first join to its last), and the CPU seconds of the shards,
-of the broker and of Redis over the run. No trainer runs beside them: the shards' cost is the join (the token check, the
-shape check, the Redis windows, calibration rows and fits, drift, the OPE log, the transitions handed on). After the first count's shards
-are done, the trainer alone is started on what they handed on, and its rate reported (MAPPO every 64 explored
-transitions: with every query explored, an update every 64 transitions; at the default 0.05, every 1,280).
+id as workers and gateways key them, then the shards start and join them. Each shard's ``/metrics`` is read every
+0.1 s. Reported per shard count: the total rate (pairs over the time from the first join to the last), each shard's
+own rate (its joins over its time from its first join to its last), and the CPU seconds of the shards, of the broker
+and of Redis over the run. No trainer runs beside them: the shards' cost is the join (the token check, the shape
+check, the Redis windows, calibration rows and fits, drift, the OPE log, the transitions handed on). After the first
+count's shards are done, the trainer alone is started on what they handed on, and its rate reported (MAPPO every 64
+explored transitions: with every query explored, an update every 64 transitions; at the default 0.05, every 1,280).
 """
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ def main() -> None:
         "--behaviour",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="experiences with their behaviour (calibration rows and fits, the OPE log); --no-behaviour: the join alone",
+        help="experiences with their behaviour (calibration rows and fits, the OPE log); --no-behaviour: the join "
+        "alone",
     )
     add_out(parser, "bench/out/learner_shards.json")
     args = parser.parse_args()

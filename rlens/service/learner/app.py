@@ -216,7 +216,8 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, partitions:
         if policy_history is None:  # a shard
             readiness.start(live.windows)
             log.info(
-                "learner shard %d of %d (%s) ready: partitions %s of %s and %s; metrics, health and the dashboard on %s",
+                "learner shard %d of %d (%s) ready: partitions %s of %s and %s; metrics, health and the dashboard "
+                "on %s",
                 settings.learner.shard,
                 settings.learner.shards,
                 live.name,
