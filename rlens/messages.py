@@ -483,15 +483,10 @@ class Transition(Message):
     shard: int = Field(ge=0, description="the learner shard that joined it")
 
 
-class RLAETransition(Message):
+class RLAETransition(Transition):
     """:class:`Transition`'s rlae form."""
 
-    query_id: Key
-    experience: RLAEExperience
-    feedback: Feedback
-    reward: float = Field(ge=-MAX_ABS, le=MAX_ABS)
-    label: Choice | None = None
-    shard: int = Field(ge=0)
+    experience: RLAEExperience  # type: ignore[assignment]
 
 
 MESSAGES: dict[str, type[Message]] = {
@@ -514,7 +509,7 @@ EXPERIENCE: dict[str, type[Experience] | type[RLAEExperience]] = {
     "rl_focal": Experience,
     "rlae": RLAEExperience,
 }
-TRANSITION: dict[str, type[Transition] | type[RLAETransition]] = {"rl_focal": Transition, "rlae": RLAETransition}
+TRANSITION: dict[str, type[Transition]] = {"rl_focal": Transition, "rlae": RLAETransition}
 
 
 def write_schemas(directory: Path = SCHEMA_DIR) -> list[Path]:

@@ -739,9 +739,8 @@ class Settings(BaseSettings):
         """The consumer group of a role: ``[worker] group`` / ``[learner] group`` when set, else the topic prefix's
         (``rlens.`` gives ``rlens-workers``, ``rlens-learner``, ``rlens-gateway-<name>``)."""
         explicit = {"workers": self.worker.group, "learner": self.learner.group}.get(role)
-        if (
-            role == "learner" and self.learner.role != "all"
-        ):  # each shard and the trainer: a group (and lease) of its own
+        # each learner shard and the trainer: a group (and a lease) of its own
+        if role == "learner" and self.learner.role != "all":
             name = f"shard-{self.learner.shard}" if self.learner.role == "shard" else "trainer"
             if explicit:
                 return f"{explicit}-{name}"

@@ -47,15 +47,19 @@ def uniform_experience(
     engine = FocalEngine(5, seed=0)
     decision = engine.decide(stream, 4, greedy=not explored)[0]
     fused = engine.fuse(decision, np.full((5, 4), 0.25))
-    logged = Behaviour(
-        explore_rate=0.05,
-        probe=False,
-        greedy_pool=decision.pool.tolist(),
-        greedy_answer=1,
-        propensity=0.5,
-        model_probs=[[0.1, 0.6, 0.2, 0.1] if called else [] for called in decision.pool.tolist()],
-        reliability=[0.7] * 5,
-        label_prior=[0.25] * 4,
+    logged = (
+        Behaviour(
+            explore_rate=0.05,
+            probe=False,
+            greedy_pool=decision.pool.tolist(),
+            greedy_answer=1,
+            propensity=0.5,
+            model_probs=[[0.1, 0.6, 0.2, 0.1] if called else [] for called in decision.pool.tolist()],
+            reliability=[0.7] * 5,
+            label_prior=[0.25] * 4,
+        )
+        if behaviour
+        else None
     )
     return Experience(
         query_id=query_id,
@@ -71,7 +75,7 @@ def uniform_experience(
         answer_index=1,
         answer_logp=fused.answer_logp,
         explored=explored,
-        behaviour=logged if behaviour else None,
+        behaviour=logged,
     )
 
 

@@ -14,7 +14,7 @@ from typing import cast
 from aiokafka import AIOKafkaConsumer
 from faststream.kafka import KafkaMessage
 
-from rlens.messages import DeadLetter, Feedback, RLAETransition, Transition
+from rlens.messages import DeadLetter, Feedback, Transition
 from rlens.service.common.kafka import (
     TopicRestorer,
     dead_letter,
@@ -104,13 +104,7 @@ class RecordBatches:
 
     async def _handle(self, message: KafkaMessage, model: type, topic: str) -> None:
         core = self.core
-        kind = (
-            "feedback"
-            if model is Feedback
-            else "transitions"
-            if model in (Transition, RLAETransition)
-            else "experience"
-        )
+        kind = "feedback" if model is Feedback else "transitions" if issubclass(model, Transition) else "experience"
         async with self.lock:
             await self.detect_new_logs(message, topic)
             await core.apply_windows()  # what a Redis outage left in the backlog
@@ -135,7 +129,7 @@ class RecordBatches:
         try:
             if model is Feedback:
                 policy, rejected = await core.on_feedback(parsed, record)
-            elif model in (Transition, RLAETransition):
+            elif issubclass(model, Transition):
                 policy, rejected = await core.on_transition(parsed, record)
             else:
                 policy, rejected = await core.on_experience(parsed, record)

@@ -98,7 +98,6 @@ from rlens.messages import (
     Message,
     Policy,
     RLAEExperience,
-    RLAETransition,
     Transition,
 )
 from rlens.service.learner.dashboard import Dashboard
@@ -193,7 +192,7 @@ class LearnerCore:
         """``role``: all (joins and trains), shard (joins; each joined query handed to the trainer: ``handed``) or
         trainer (trains on the shards' transitions, :meth:`on_transition`); ``shard``: a shard's index."""
         self.role, self.shard = role, shard
-        self.handed: list[Transition | RLAETransition] = []  # a shard's joined queries, until the app publishes them
+        self.handed: list[Transition] = []  # a shard's joined queries, until the app publishes them
         self.trainer, self.models, self.windows, self.checkpoints = trainer, models, windows, checkpoints
         self.signer, self.tokens, self.verifier = signer, tokens, signer.verifier()
         self.pending_limit, self.pending_ttl_s = pending_limit, pending_ttl_s
@@ -439,9 +438,7 @@ class LearnerCore:
             self._trace_join(experience, reward, delay_s)
         return (self.update(), None) if self.role == "all" and self.trainer.update_due() else (None, None)
 
-    async def on_transition(
-        self, transition: Transition | RLAETransition, record
-    ) -> tuple[Policy | None, DeadLetter | None]:
+    async def on_transition(self, transition: Transition, record) -> tuple[Policy | None, DeadLetter | None]:
         """(The trainer) One query a shard joined: trained on once (a shard that re-joins after a crash hands it
         on again), its evidence to the gate, counted for its policy version; an update when one is due."""
         experience = transition.experience
@@ -468,7 +465,7 @@ class LearnerCore:
             self.metrics.joined.labels(self.metrics.stream(experience.stream)).inc()
         return (self.update(), None) if self.trainer.update_due() else (None, None)
 
-    def take_handed(self) -> list[Transition | RLAETransition]:
+    def take_handed(self) -> list[Transition]:
         """(A shard) The joined queries to hand to the trainer since the last call."""
         taken, self.handed = self.handed, []
         return taken
