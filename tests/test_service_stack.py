@@ -91,15 +91,27 @@ def log_records(workdir: Path) -> list[dict]:
 
 def final_learner_state(stack: LocalStack) -> dict:
     """The learner's state as its last checkpoint holds it (written at its clean shutdown)."""
-    directory = stack.settings.learner.checkpoint_dir
+    return final_state(stack.settings.learner.checkpoint_dir)
+
+
+def final_state(directory: Path) -> dict:
+    """A learner's (or shard's, or trainer's) newest checkpointed state in ``directory``."""
     return json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
 
 
-def learner_stat(stack: LocalStack, name: str) -> float:
-    """One of the learner's metrics now (0 while it cannot be read)."""
+def learner_stat(stack: LocalStack, name: str, pid: int | None = None) -> float:
+    """One of the learner's metrics now (``pid``: of that learner process, a sharded one's trainer say; 0 while it
+    cannot be read)."""
     import httpx
 
-    url = next((u for n, u in stack.http_urls().items() if n.startswith("learner:")), None)
+    url = next(
+        (
+            u
+            for n, u in stack.http_urls().items()
+            if n.startswith("learner:") and (pid is None or n.endswith(f"-{pid}"))
+        ),
+        None,
+    )
     try:
         return scrape(url).get(name, 0.0) if url else 0.0
     except httpx.HTTPError:
@@ -1137,7 +1149,11 @@ def test_learner_shards_join_each_query_once_across_a_shard_killed_mid_stream(tm
             play(stack.settings, traffic(zoo, "shards"), rate=60, idle_timeout_s=60, on_answer=kill_shard)
         )
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and (redis_outcomes(stack)[0] < N or trainer_joined(stack) < N):
+        assert stack.learner is not None
+        trainer_pid = stack.learner.pid
+        while time.monotonic() < deadline and (
+            redis_outcomes(stack)[0] < N or learner_stat(stack, "rlens_learner_joined_total", trainer_pid) < N
+        ):
             time.sleep(0.5)
         markers, rows = redis_outcomes(stack)
     finally:
@@ -1151,20 +1167,3 @@ def test_learner_shards_join_each_query_once_across_a_shard_killed_mid_stream(tm
     assert all(s["stats"]["joined"] > 0 for s in shards) and sum(s["stats"]["joined"] for s in shards) == N
     owned = [{key.split(":")[1] for key in s["offsets"]} for s in shards]
     assert owned == [{"0", "2"}, {"1", "3"}]  # partition p to shard p mod 2, on both topics
-
-
-def final_state(directory: Path) -> dict:
-    """A learner's (or shard's, or trainer's) newest checkpointed state."""
-    return json.loads((directory / (directory / "LATEST").read_text() / "state.json").read_text())
-
-
-def trainer_joined(stack: LocalStack) -> float:
-    """The transitions the trainer of a sharded learner has trained on (0 while it cannot be read)."""
-    import httpx
-
-    assert stack.learner is not None
-    url = next((u for n, u in stack.http_urls().items() if n.endswith(f"-{stack.learner.pid}")), None)
-    try:
-        return scrape(url).get("rlens_learner_joined_total", 0.0) if url else 0.0
-    except httpx.HTTPError:
-        return 0.0

@@ -68,3 +68,11 @@ def process_tree(pid: int) -> list[int]:
         tree.append(todo.pop())
         todo.extend(parents.get(tree[-1], []))
     return tree
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` in MB (Linux: /proc/<pid>/status); NaN when it is not there."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")

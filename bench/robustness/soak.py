@@ -14,21 +14,13 @@ import asyncio
 import json
 import threading
 import time
-from pathlib import Path
 
-from bench.common.machine import machine_facts
+from bench.common.machine import rss_mb, machine_facts
 from bench.common.stacks import replay_stack
 from bench.common.args import add_out, arguments, write_json
 from rlens.records.dataset import load_dataset
 from rlens.local.load import play, queries_of
 from rlens.settings import settings
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def main() -> None:

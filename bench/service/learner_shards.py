@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
@@ -59,23 +61,44 @@ async def publish_pairs(settings: Settings, pairs: int, explored: float, behavio
         await producer.stop()
 
 
+@dataclass
+class Joins:
+    """What each followed process joined, and when its first and its last join were seen."""
+
+    counts: list[float]
+    first: list[float]
+    last: list[float]
+
+    def rate(self, i: int) -> int:
+        return round(self.counts[i] / max(self.last[i] - self.first[i], 0.1))
+
+
+def follow(urls: list[str], total: int, timeout_s: float = 1800) -> Joins:
+    """Each process's ``rlens_learner_joined_total`` every 0.1 s, until they have joined ``total`` in all."""
+    joins = Joins([0.0] * len(urls), [math.inf] * len(urls), [0.0] * len(urls))
+    deadline = time.monotonic() + timeout_s
+    while sum(joins.counts) < total and time.monotonic() < deadline:
+        now = time.monotonic()
+        for i, url in enumerate(urls):
+            joined = learner_joined(url)
+            if joined > 0:
+                joins.first[i] = min(joins.first[i], now)
+            if joined > joins.counts[i]:
+                joins.last[i], joins.counts[i] = now, joined
+        time.sleep(0.1)
+    return joins
+
+
+def url_of(stack, pid: int) -> str:
+    return next(u for n, u in stack.http_urls().items() if n.endswith(f"-{pid}"))
+
+
 def trainer_rate(stack, pairs: int) -> int:
     """The trainer started on the transitions the shards handed on: the ones it trains on per second (MAPPO every
     64, the policies signed and published), from its first to its last."""
     stack.start_trainer()
     stack.wait_ready(300)
-    url = next(u for n, u in stack.http_urls().items() if n.endswith(f"-{stack.learner.pid}"))
-    first = last = None
-    done = 0.0
-    deadline = time.monotonic() + 1800
-    while done < pairs and time.monotonic() < deadline:
-        now, joined = time.monotonic(), learner_joined(url)
-        if joined > 0 and first is None:
-            first = now
-        if joined > done:
-            last, done = now, joined
-        time.sleep(0.1)
-    return round(done / max(last - first, 0.1)) if first is not None and last is not None else 0
+    return follow([url_of(stack, stack.learner.pid)], pairs).rate(0)
 
 
 def run(workdir: Path, pairs: int, shards: int, explored: float, behaviour: bool, with_trainer: bool) -> dict:
@@ -85,39 +108,27 @@ def run(workdir: Path, pairs: int, shards: int, explored: float, behaviour: bool
         for shard in range(shards):
             stack.start_shard(shard, shards)
         stack.wait_ready(300)
-        pids = {p.pid for p in stack.processes()}
         infra = [p for p in (stack.broker, stack.redis) if p is not None]
-        urls = {name.rsplit("-", 1)[-1]: url for name, url in stack.http_urls().items()}
-        shard_urls = [urls[str(stack.shards[i].pid)] for i in range(shards)]
-        parts = {"shards": pids, "broker": {infra[0].process.pid}, "redis": {infra[1].process.pid}}
+        parts = {
+            "shards": {p.pid for p in stack.processes()},
+            "broker": {infra[0].process.pid},
+            "redis": {infra[1].process.pid},
+        }
         cpu_before = {name: cpu_seconds(ids) for name, ids in parts.items()}
-        first: dict[int, float] = {}
-        last: dict[int, float] = {}
-        counts = [0.0] * shards
-        deadline = time.monotonic() + 1800
-        while sum(counts) < pairs and time.monotonic() < deadline:
-            now = time.monotonic()
-            for i, url in enumerate(shard_urls):
-                joined = learner_joined(url)
-                if joined > 0:
-                    first.setdefault(i, now)
-                if joined > counts[i]:
-                    last[i] = now
-                counts[i] = joined
-            time.sleep(0.1)
+        joins = follow([url_of(stack, stack.shards[i].pid) for i in range(shards)], pairs)
         cpu = {name: round(cpu_seconds(ids) - cpu_before[name], 1) for name, ids in parts.items()}
         trained = trainer_rate(stack, pairs) if with_trainer else None
     finally:
         stack.stop()
-    elapsed = max(last.values()) - min(first.values())
+    elapsed = max(joins.last) - min(joins.first)
     return {
         "trainer_per_s": trained,
         "shards": shards,
-        "joined": int(sum(counts)),
+        "joined": int(sum(joins.counts)),
         "seconds": round(elapsed, 2),
-        "joins_per_s": round(sum(counts) / elapsed),
-        "per_shard_joins_per_s": [round(counts[i] / max(last[i] - first[i], 0.1)) for i in range(shards)],
-        "per_shard_joined": [int(c) for c in counts],
+        "joins_per_s": round(sum(joins.counts) / elapsed),
+        "per_shard_joins_per_s": [joins.rate(i) for i in range(shards)],
+        "per_shard_joined": [int(c) for c in joins.counts],
         "cpu_seconds": cpu,
     }
 

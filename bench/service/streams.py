@@ -31,8 +31,9 @@ import numpy as np
 from redis.asyncio import Redis
 
 from bench.common.args import add_out, arguments, write_json
-from bench.common.machine import machine_facts
+from bench.common.machine import machine_facts, rss_mb
 from bench.common.stacks import uniform_experience
+from bench.service.learner import Record
 from rlens.checkpoint import CheckpointStore
 from rlens.focal.engine import FocalEngine
 from rlens.local.servers import LocalRedis
@@ -110,19 +111,6 @@ async def lookups(windows: RedisWindows, streams: int, rng: random.Random) -> di
     }
 
 
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-class Record:
-    def __init__(self, topic: str, offset: int, value: bytes):
-        self.topic, self.partition, self.offset, self.key, self.value = topic, 0, offset, b"k", value
-        self.timestamp = int(time.time() * 1000)
-
-
 async def learner_joins(core: LearnerCore, tokens: FeedbackTokens, streams: int, n: int, rng: random.Random) -> float:
     """``n`` joins on random streams among ``streams``; joins per second."""
     templates = [uniform_experience(explored=e, behaviour=True) for e in (False, True)]
@@ -173,7 +161,7 @@ async def measure(url: str, steps: list[int], outcomes: int, joins: int) -> list
         }
         added = step
         row["learner_joins_per_s"] = round(await learner_joins(core, tokens, step, joins, rng))
-        row["learner_rss_mb"] = round(rss_mb())
+        row["learner_rss_mb"] = round(rss_mb(os.getpid()))
         rows.append(row)
         print(row, flush=True)
     await redis.aclose()
