@@ -524,15 +524,21 @@ def test_policies_published_after_the_broker_restarts_empty_reach_the_workers(tm
     assert last.answered == 10 and set(last.versions) == {published}, (published, last.versions)
 
 
-async def topic_partitions(config) -> dict[str, int]:
-    """The partitions of each topic under ``config``'s prefix."""
+async def topic_partitions(config, expect: int = 1, wait_s: float = 30) -> dict[str, int]:
+    """The partitions of each topic under ``config``'s prefix, once ``expect`` of them show: a Kafka cluster's
+    metadata may show new topics a moment after they were made."""
     from aiokafka.admin import AIOKafkaAdminClient
 
     admin = AIOKafkaAdminClient(bootstrap_servers=config.kafka.bootstrap)
     await admin.start()
     try:
-        names = [t for t in await admin.list_topics() if t.startswith(config.kafka.topic_prefix)]
-        return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(names)}
+        deadline = time.monotonic() + wait_s
+        while True:
+            names = [t for t in await admin.list_topics() if t.startswith(config.kafka.topic_prefix)]
+            found = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(names)}
+            if len(found) >= expect or time.monotonic() > deadline:
+                return found
+            await asyncio.sleep(0.5)
     finally:
         await admin.close()
 
@@ -549,7 +555,7 @@ def test_the_topics_are_made_again_and_a_refused_batch_is_retried_within_a_budge
         )
         restorer = TopicRestorer(config, every_s=60)
         asyncio.run(restorer.restore())
-        made = asyncio.run(topic_partitions(config))
+        made = asyncio.run(topic_partitions(config, expect=len(vars(Topics.from_settings(config)))))
         assert made[Topics.from_settings(config).experience] == 3 and made[Topics.from_settings(config).policy] == 1
     finally:
         broker.stop()
@@ -568,9 +574,7 @@ def test_per_query_topics_get_the_partitions_and_ordered_topics_keep_one():
     try:
         config = settings().updated({"kafka_bootstrap": broker.bootstrap, "topic_prefix": "parts."})
         asyncio.run(ensure_topics(config, partitions=3, extra=("parts.replies.g1",)))
-        deadline = time.monotonic() + 30  # a Kafka cluster's metadata may show new topics a moment later
-        while len(found := asyncio.run(topic_partitions(config))) < 10 and time.monotonic() < deadline:
-            time.sleep(0.5)
+        found = asyncio.run(topic_partitions(config, expect=10))
     finally:
         broker.stop()
     topics = Topics.from_settings(config)
@@ -1036,7 +1040,7 @@ def test_topics_a_producer_made_with_the_brokers_defaults_are_named_once(caplog)
     assert [m for m in named if m.startswith(f"topic {topics.spending} is not compacted")], named
     # once each (the second look names nothing again), and no other topic: the service made the rest itself
     assert len(named) == len(set(named)) and {m.split()[1] for m in named} == {topics.experience, topics.spending}
-    assert asyncio.run(topic_partitions(config))[topics.answers] == 4
+    assert asyncio.run(topic_partitions(config, expect=len(vars(topics))))[topics.answers] == 4
 
 
 @pytest.mark.kafka
