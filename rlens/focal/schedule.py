@@ -6,7 +6,8 @@
   agents learn from the Fusion agent's final answers.
 * :func:`run_online` (Algorithm 2): each query is answered before its label is seen, greedily or, on a share
   ``explore_rate`` of them, with both agents sampling; its feedback arrives ``feedback_delay`` queries later; both
-  agents are updated once ``update_period`` explored queries have their feedback.
+  agents are updated once ``update_period`` explored queries have their feedback. Each query is served by
+  :mod:`rlens.focal.serving`, the worker's own code (a batch of one).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rlens.drift import DriftMonitor, signals_of_outcome
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import Answer, Decision, FocalEngine
 from rlens.focal.features import critic_states
+from rlens.focal.serving import answer_batch, decide_batch
 from rlens.focal.voting import plurality_vote
 
 Progress = Callable[[int], None]
@@ -238,11 +240,10 @@ def run_online(
             engine.update()
 
     for i, q in enumerate(qs):
-        (probe,), (explore,) = engine.coins([cap])
-        (decision,) = engine.decide(
-            q.key if stream is None else stream, q.decider_choices, greedy=not explore, probe=probe, cap=cap
-        )
-        answer = engine.fuse(decision, q.probs)
+        decided = decide_batch(engine, [(q.key if stream is None else stream, q.decider_choices, cap)])
+        (decision,), explore = decided.decisions, decided.decisions[0].explored
+        # recorded data holds every called model's answer
+        (answer,) = answer_batch(engine, decided, [q.probs], [decision.called], log=False).answers
         if served is not None:
             served(i, decision, answer)
         trace.answers[i], trace.correct[i], trace.explored[i] = answer.answer, answer.answer == q.label, explore

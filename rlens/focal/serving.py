@@ -82,9 +82,8 @@ def answer_batch(
     answerable = [i for i, pool in enumerate(fused_pools) if pool.any()]
     chosen, chosen_probs = [decisions[i] for i in answerable], [probs[i] for i in answerable]
     chosen_answered = [answered[i] for i in answerable]
-    calibrated = engine.calibrated_rows(
-        chosen, chosen_probs, chosen_answered if log else [fused_pools[i] for i in answerable]
-    )
+    # the log's rows cover every answering model; without it the greedy votes compute their own (FocalEngine._votes)
+    calibrated = engine.calibrated_rows(chosen, chosen_probs, chosen_answered) if log else None
     fused = (
         engine.fuse_batch(
             [replace(d, pool=fused_pools[i]) for d, i in zip(chosen, answerable)], chosen_probs, calibrated
