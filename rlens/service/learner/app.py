@@ -139,25 +139,18 @@ def policy_subscriber(
     return policy_history
 
 
-def create_learner_app(settings: Settings, core: LearnerCore | None, partitions: int = 0) -> AsgiFastStream:
-    """Subscribers on ``experience`` and ``feedback`` (one group, manual commits up to the checkpointed offsets; a
-    shard: its share of their ``partitions``), or the trainer's on ``transitions``, and the HTTP side.
-
-    ``core`` None builds the app only to generate the AsyncAPI document (no handler runs then).
-    """
-    live = cast(LearnerCore, core)  # what the handlers use: they run only in a real learner
-    registry = CollectorRegistry()
-    metrics = LearnerMetrics(registry, StreamLabels(settings.metrics.streams))
-    if core is not None and settings.metrics.enabled:
-        core.metrics = metrics
-        metrics.checkpoint_age.set_function(lambda: time.monotonic() - core.last_checkpoint)
-    topics = Topics.from_settings(settings)
-    broker = make_broker(settings)
-    policies, dead_letters, drift_events, transitions = publishers(broker, settings, topics)
-    batches = RecordBatches(live, metrics, (policies, dead_letters, drift_events, transitions), TopicRestorer(settings))
-    role = settings.learner.role
-    read: dict[str, Any] = {}  # topic -> its subscriber
-    if role == "trainer":
+def record_handlers(
+    broker: KafkaBroker,
+    settings: Settings,
+    topics: Topics,
+    batches: RecordBatches,
+    core: LearnerCore | None,
+    partitions: int,
+) -> dict[str, Any]:
+    """The role's subscribers by topic, each handing its batches to ``batches``: the trainer's on ``transitions``,
+    the others' on ``experience`` and ``feedback`` (a shard: its share of their ``partitions``)."""
+    read: dict[str, Any] = {}
+    if settings.learner.role == "trainer":
         transition_model = TRANSITION[settings.service.strategy]
         read[topics.transitions] = woken_by_records(
             broker.subscriber(
@@ -184,6 +177,27 @@ def create_learner_app(settings: Settings, core: LearnerCore | None, partitions:
         async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
             await batches.handle(message, Feedback, topics.feedback)
 
+    return read
+
+
+def create_learner_app(settings: Settings, core: LearnerCore | None, partitions: int = 0) -> AsgiFastStream:
+    """Subscribers on ``experience`` and ``feedback`` (one group, manual commits up to the checkpointed offsets; a
+    shard: its share of their ``partitions``), or the trainer's on ``transitions``, and the HTTP side.
+
+    ``core`` None builds the app only to generate the AsyncAPI document (no handler runs then).
+    """
+    live = cast(LearnerCore, core)  # what the handlers use: they run only in a real learner
+    registry = CollectorRegistry()
+    metrics = LearnerMetrics(registry, StreamLabels(settings.metrics.streams))
+    if core is not None and settings.metrics.enabled:
+        core.metrics = metrics
+        metrics.checkpoint_age.set_function(lambda: time.monotonic() - core.last_checkpoint)
+    topics = Topics.from_settings(settings)
+    broker = make_broker(settings)
+    policies, dead_letters, drift_events, transitions = publishers(broker, settings, topics)
+    batches = RecordBatches(live, metrics, (policies, dead_letters, drift_events, transitions), TopicRestorer(settings))
+    role = settings.learner.role
+    read = record_handlers(broker, settings, topics, batches, core, partitions)  # topic -> its subscriber
     background: list[asyncio.Task] = []  # the lease's renewal, idle checkpoints, the log-end watch, the topics
     # a shard trains nothing: the trainer (or the one learner) reads the policy topic and publishes policies
     policy_history = policy_subscriber(broker, settings, topics, batches, policies) if role != "shard" else None
