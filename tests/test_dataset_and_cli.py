@@ -114,11 +114,12 @@ def test_demo_is_the_main_job_on_the_bundled_stream(tmp_path):
     assert rl["accuracy"] > methods["soft_vote"]["accuracy"] + 0.1
     assert rl["mean_models_called"] < 2.5
     assert "each task had its own window" in result.output  # why nothing drifted
-    # the accuracy against cost: as run, then under each of the demo's budgets, each met within 0.05 of the pool
+    # the accuracy against cost: as run (the default, a cap of half the pool's cost), then with the cost weight alone
+    # and under the demo's tighter caps, each held under its budget (within what its bucket lets a short stream save)
     curve = json.loads((tmp_path / "results.json").read_text())["cost_curve"]
-    assert [(p["budget"], p["cap"]) for p in curve] == [(None, False), (0.2, False), (0.3, False), (0.5, False)]
+    assert [(p["budget"], p["cap"]) for p in curve] == [(0.5, True), (None, False), (0.2, True), (0.3, True)]
     assert curve[0]["accuracy"] == rl["accuracy"] and curve[0]["cost_share"] == rl["cost_share"]
-    assert all(abs(p["cost_share"] - p["budget"]) < 0.05 for p in curve[1:]), curve
+    assert all(p["cost_share"] < p["budget"] + 0.05 for p in curve if p["budget"] is not None), curve
     assert "Accuracy against cost" in (tmp_path / "report.md").read_text() and "cost share spent" in result.output
 
 

@@ -141,7 +141,7 @@ def _print_results(results: ReplayResults, name: str, protocol: Protocol, one_st
 
 
 WORKERS = typer.Option(min(2, os.cpu_count() or 1), min=1, help="processes for the RL-Focal variants")
-DEMO_BUDGETS = "0.2,0.3,0.5"
+DEMO_BUDGETS = "none,0.2,0.3"  # beside the default cap of 0.5: the cost weight alone and two tighter caps
 
 
 def budget_value(option: str) -> float | None:

@@ -58,11 +58,12 @@ class FocalConfig:
         1  # passes over the warm-start split (Algorithm 1, Fusion phase, after the supervised start)
     )
     joint_warm_passes: int = 2  # then passes updating both agents on the Fusion agent's reward
-    # the cost the user sets: the mean share of the whole pool's cost per query (None: the cost weight alpha alone),
-    # met by an offset on the greedy Decider's logits (rlens.focal.budget)
-    budget: float | None = None
+    # the cost the user sets: a share of the whole pool's cost per query (None: the cost weight alpha alone), met by
+    # an offset on the greedy Decider's logits (rlens.focal.budget); by default a cap of half the pool's cost, chosen
+    # on the validation sets (BENCHMARKS.md, "A budget as a cap")
+    budget: float | None = 0.5
     stream_budgets: tuple[tuple[str, float], ...] = ()  # (stream, budget): streams met on their own; others: budget
-    budget_cap: bool = False  # the budgets as caps: spending under them is left to alpha; False: met on average
+    budget_cap: bool = True  # the budgets as caps: spending under them is left to alpha; False: met on average
     budget_rate: float = 0.5  # the offset's step per unit of cost share off the budget (rlens.focal.budget)
     explore_rate: float = 0.05  # online: share of queries on which both agents sample (and train); the rest are greedy
     probe_rate: float = 0.05  # online: fraction of queries that also call the rest of the pool to refresh windows
