@@ -201,7 +201,7 @@ def run_online(
     ``outcome`` and each called model's ``model:<index>``) and each answer's confidence as it is given (label-free);
     its detections are in the trace, and ``reaction`` applies on each question whose outcome completed one: ``trim`` the stream's window to its last ``keep``
     outcomes, ``reset`` it, or ``none``. ``served(i, decision, answer)`` sees each answer as it is given, before its
-    feedback (what a worker would log). ``cap``: every query's own budget (greedy, no probe: :meth:`FocalEngine.decide`)."""
+    feedback (what a worker would log). ``cap``: every query's own budget (greedy, no probe: :func:`decide_batch`)."""
     qs = questions(data)
     cfg = engine.cfg
     n = len(qs)
