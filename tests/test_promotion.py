@@ -5,6 +5,7 @@ honest) is kept from serving. The Gate alone: its verdicts on evidence whose tru
 ``bench.robustness.gate``'s."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,9 +18,19 @@ from bench.robustness.anytime import shadowed_experience
 from bench.robustness.gate import simulate
 
 
-def test_a_good_candidate_is_scored_in_shadow_then_promoted(zoo, redis_server, tmp_path):
-    gate = GateConfig(min_events=200, max_events=2000, every=25, delta=0.02)
-    run = simulate(zoo, redis_server.url, tmp_path, gate, warm=True, sabotage=False, n=1200)
+WARM_GATE = GateConfig(min_events=200, max_events=2000, every=25, delta=0.02)
+
+
+@pytest.fixture(scope="module")
+def warm_run(zoo, redis_server, tmp_path_factory):
+    """1,200 queries from a warm start under ``WARM_GATE``, run once for the tests that read it."""
+    return simulate(
+        zoo, redis_server.url, tmp_path_factory.mktemp("warm"), WARM_GATE, warm=True, sabotage=False, n=1200
+    )
+
+
+def test_a_good_candidate_is_scored_in_shadow_then_promoted(warm_run):
+    run = warm_run
     worker, core, served, shadowed = run.worker, run.core, run.served, run.shadowed
     assert served[0][0] == 1 and 1 not in shadowed  # the warm start is the first champion, live at once
     assert shadowed and min(shadowed) >= 2  # what the learner learned online was scored in shadow first
@@ -30,7 +41,7 @@ def test_a_good_candidate_is_scored_in_shadow_then_promoted(zoo, redis_server, t
     snapshot = core.dashboard.snapshot()  # what the dashboard shows of it
     assert any(v["verdict"] == "promote" for v in snapshot["verdicts"]) and snapshot["gate"]["champion"] >= 2
     first_live = next(i for i, (version, _) in enumerate(served) if version >= 2)
-    assert first_live >= gate.min_events  # not before the evidence
+    assert first_live >= WARM_GATE.min_events  # not before the evidence
     before = np.mean([ok for version, ok in served[:first_live]])
     after = np.mean([ok for version, ok in served[first_live:]])
     assert after > before - 0.05  # not worse than what it replaced, beyond the gate's tolerance and the noise
@@ -54,14 +65,18 @@ def test_a_learner_whose_training_goes_wrong_is_kept_from_serving(zoo, redis_ser
     "restart_at, kind, holdback", [(352, "challenger", None), (672, "probation", None), (352, "line", 0.2)]
 )
 def test_a_learner_restarted_while_it_judges_serves_what_one_never_stopped_serves(
-    zoo, redis_server, tmp_path, restart_at, kind, holdback
+    zoo, redis_server, tmp_path, warm_run, restart_at, kind, holdback
 ):
     """The gate is in the learner's checkpoint: stopped and resumed while a candidate is judged, while a promotion
     is on probation, or while its line serves (holdback), the learner goes on with the same evidence, and the worker
     serves the same policies, query for query (when the evidence was not kept, the candidate judged at the stop lost
     it and was promoted 256 queries later)."""
-    gate = GateConfig(min_events=200, max_events=2000, every=25, delta=0.02, holdback=holdback)
-    whole = simulate(zoo, redis_server.url, tmp_path / "whole", gate, warm=True, sabotage=False, n=1200)
+    gate = replace(WARM_GATE, holdback=holdback)
+    whole = (
+        warm_run
+        if holdback is None
+        else simulate(zoo, redis_server.url, tmp_path / "whole", gate, warm=True, sabotage=False, n=1200)
+    )
     restarted = simulate(
         zoo,
         redis_server.url,

@@ -242,8 +242,9 @@ def run_online(
     for i, q in enumerate(qs):
         decided = decide_batch(engine, [(q.key if stream is None else stream, q.decider_choices, cap)])
         (decision,), explore = decided.decisions, decided.decisions[0].explored
-        # recorded data holds every called model's answer
+        # recorded data holds every called model's answer, so the pool always answers
         (answer,) = answer_batch(engine, decided, [q.probs], [decision.called], log=False).answers
+        assert answer is not None
         if served is not None:
             served(i, decision, answer)
         trace.answers[i], trace.correct[i], trace.explored[i] = answer.answer, answer.answer == q.label, explore

@@ -106,7 +106,7 @@ def answer_batch(
             candidate,
             None if candidate_pools is None else [candidate_pools[i] for i in answerable],
         )
-        if log
+        if calibrated is not None  # with the log
         else []
     )
     answers: list[Answer | None] = [None] * len(decisions)
