@@ -12,8 +12,9 @@ query. As a *cap* (``cap``) the logits get only the offset's part under 0 (:attr
 spent under the budget is left to the cost weight alone and saved, up to ``saving`` of what the budget allows over
 1,000 queries (25 %: 125 queries of the whole pool under a cap of 0.5; 5 % cut a cold start's costly task blocks on
 the bundled stream, BENCHMARKS.md), and spending is pushed down only once what was saved is used up: a token bucket,
-like a rate limit's, that starts full, so a run of costly queries is not cut at once. A deployment sets one budget, and may give some streams their own: each has its own controller. Pure and
-deterministic; the engine applies and feeds it.
+like a rate limit's, that starts full, so a run of costly queries is not cut at once. A deployment sets one budget,
+and may give some streams their own: each has its own controller. Pure and deterministic; the engine applies and
+feeds it.
 
 A query may also carry its own budget, a cap on what that query alone spends: :func:`fit_pool` cuts the greedy pool
 to it (no exploration and no probe on such a query).

@@ -241,7 +241,8 @@ def run_online(
 
     for i, q in enumerate(qs):
         decided = decide_batch(engine, [(q.key if stream is None else stream, q.decider_choices, cap)])
-        (decision,), explore = decided.decisions, decided.decisions[0].explored
+        (decision,) = decided.decisions
+        explore = decision.explored
         # recorded data holds every called model's answer, so the pool always answers
         (answer,) = answer_batch(engine, decided, [q.probs], [decision.called], log=False).answers
         assert answer is not None
