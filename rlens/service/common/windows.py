@@ -40,6 +40,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
@@ -132,6 +133,10 @@ class RedisWindows:
         # each stream's last published calibrations as read and as restored, the newest RESTORED_STREAMS streams: a
         # worker reads them with every batch, and they change only when the learner publishes new fits
         self._restored: OrderedDict[str, tuple[bytes, StreamCalibration | None]] = OrderedDict()
+        # each stream's pool as the last load found it, and when this process last wrote it (the newest
+        # RESTORED_STREAMS streams): a pool the Decider keeps is written again only to renew its expiry
+        self._pools_read: dict[str, bytes | None] = {}
+        self._pools_written: OrderedDict[str, float] = OrderedDict()
 
     def row_error(self, predictions: list[int], label: int, reward: float) -> str | None:
         """Why a row cannot enter a window of this pool, or None."""
@@ -181,6 +186,8 @@ class RedisWindows:
             raw = await pipe.execute()
         step = 1 + pools + fits
         last_pools = {}
+        if pools:
+            self._pools_read = dict(zip(streams, raw[1::step]))
         for stream, value in zip(streams, raw[1::step] if pools else []):
             if isinstance(value, bytes) and len(value) == self.n_models and set(value) <= {48, 49} and 49 in value:
                 last_pools[stream] = np.frombuffer(value, dtype=np.uint8) == 49
@@ -303,13 +310,27 @@ class RedisWindows:
         await self.redis.set(self.fit_key(stream), state, ex=self.window_ttl_s)
 
     async def save_pools(self, pools: dict[str, np.ndarray]) -> None:
-        """Each stream's latest pool (one round trip; the last writer wins)."""
+        """Each stream's latest pool (one round trip; the last writer wins). A pool the last load found already
+        stored is not written, unless this process last wrote it more than half its expiry ago."""
+        now, renew_s = time.monotonic(), self.window_ttl_s / 2
+        written = self._pools_written
+        values = {stream: "".join("1" if chosen else "0" for chosen in pool).encode() for stream, pool in pools.items()}
+        values = {
+            stream: value
+            for stream, value in values.items()
+            if value != self._pools_read.get(stream) or now - written.get(stream, -renew_s) >= renew_s
+        }
+        if not values:
+            return
         async with self.redis.pipeline(transaction=False) as pipe:
-            for stream, pool in pools.items():
-                pipe.set(
-                    self.pool_key(stream), "".join("1" if chosen else "0" for chosen in pool), ex=self.window_ttl_s
-                )
+            for stream, value in values.items():
+                pipe.set(self.pool_key(stream), value, ex=self.window_ttl_s)
             await pipe.execute()
+        for stream in values:
+            written[stream] = now
+            written.move_to_end(stream)
+        while len(written) > RESTORED_STREAMS:
+            written.popitem(last=False)
 
     def _windows(self, streams: list[str], raw: list) -> dict[str, OutcomeWindow]:
         return {stream: self._window(rows) for stream, rows in zip(streams, raw)}

@@ -85,6 +85,7 @@ class Gateway:
         self.auth_failures = FailedAuth(settings.gateway.auth_failures_per_s)
         self._answers: dict[str, asyncio.Future] = {}  # query id -> its answer, for requests waiting on this replica
         self._waiters: Counter[str] = Counter()  # query id -> requests waiting for it here
+        self._asked: dict[str, QueryRecord] = {}  # query id -> its record, for queries this replica published
 
     def authorize(self, authorization: str | None, client: str) -> KeyRecord:
         """The key's record; 401 for a missing or wrong key, 429 instead once ``client`` (an address) has failed
@@ -284,18 +285,23 @@ class Gateway:
             budget_period=key.budget_period if key.budget is not None else "",
             traceparent=trace_carrier().get("traceparent", ""),
         )
+        # expected before it is published: a reply that comes before the wait begins wakes it, with no Redis read
+        self._answers.setdefault(query_id, asyncio.get_running_loop().create_future())
+        self._asked[query_id] = record
         try:
             await self.state.remember_query(query_id, record)
             stages.mark("state")
             await self._publish(query_id, tenant_stream(key.tenant, stream), prompt, request, budget)
             stages.mark("publish")
         except Exception:
+            self._forget(query_id)
             if key.budget is not None:
                 await self.state.release(key.id, query_id)
             raise
-        await self.state.mark_published(query_id, record)
-        stages.mark("state")
-        return await self._wait(query_id)
+        if idempotency_key:  # only a retry with the same key reads it (:meth:`_earlier`)
+            await self.state.mark_published(query_id, record)
+            stages.mark("state")
+        return await self._wait(query_id, look_first=False)
 
     async def _earlier(
         self, key: KeyRecord, idempotency_key: str, request_digest: str, query_id: str
@@ -360,10 +366,11 @@ class Gateway:
                 headers={"Retry-After": "1"},
             ) from exc
 
-    async def _wait(self, query_id: str, poll: bool = False) -> Answer:
+    async def _wait(self, query_id: str, poll: bool = False, look_first: bool = True) -> Answer:
         """The query's answer: from this replica's replies (:meth:`on_replies` keeps each answer in Redis before it
-        wakes the waiters, so one that came before this wait began is found there), or, with ``poll``, from Redis
-        every POLL_S (a retry of a query another replica asked)."""
+        wakes the waiters, so one that came before this wait began is found there; not looked for first where
+        ``look_first`` is False: the query was expected here before it was published), or, with ``poll``, from
+        Redis every POLL_S (a retry of a query another replica asked)."""
         future = self._answers.setdefault(query_id, asyncio.get_running_loop().create_future())
         self._waiters[query_id] += 1
         deadline = time.monotonic() + self.settings.gateway.timeout_s
@@ -373,8 +380,9 @@ class Gateway:
             while True:
                 if future.done():
                     return future.result()
-                if (answer := await self.state.answer(query_id)) is not None:
+                if look_first and (answer := await self.state.answer(query_id)) is not None:
                     return answer
+                look_first = True
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.metrics.timeouts.inc()
@@ -393,16 +401,26 @@ class Gateway:
             self.waiting -= 1
             self.metrics.waiting.set(self.waiting)
             self._waiters[query_id] -= 1
-            if self._waiters[query_id] <= 0:  # the last waiter of this id forgets its future
-                del self._waiters[query_id]
-                self._answers.pop(query_id, None)
+            self._forget(query_id)
+
+    def _forget(self, query_id: str) -> None:
+        """Once no request waits for the query here, its future and record."""
+        if self._waiters[query_id] <= 0:
+            del self._waiters[query_id]
+            self._answers.pop(query_id, None)
+            self._asked.pop(query_id, None)
 
     async def on_replies(self, answers: list[Answer]) -> list[str]:
         """Take answers from the reply topic; what became of each (stored, duplicate, unknown, forged)."""
         # only a worker (holding the feedback secret) can sign an answer, an empty one included
         outcomes = ["" if self.tokens.signed(answer) else "forged" for answer in answers]
         candidates = [i for i, outcome in enumerate(outcomes) if not outcome]
-        records = dict(zip(candidates, await self.state.records([answers[i].query_id for i in candidates])))
+        records: dict[int, QueryRecord | None] = {
+            i: self._asked[answers[i].query_id] for i in candidates if answers[i].query_id in self._asked
+        }
+        others = [i for i in candidates if i not in records]  # asked before a restart, or by a retry's replica
+        if others:
+            records.update(zip(others, await self.state.records([answers[i].query_id for i in others])))
         for i, record in records.items():
             outcomes[i] = "" if record is not None else "unknown"  # not ours, or past retention
         kept = [i for i, outcome in enumerate(outcomes) if not outcome]

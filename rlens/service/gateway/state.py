@@ -217,6 +217,11 @@ class GatewayState:
     async def settle(self, charges: list[tuple[str, str, str, float]]) -> None:
         """Each answer's (key id, budget period, query id, cost): its hold released and its cost spent, in one round
         trip (a key without a budget: its spending counted in ``total``)."""
+        if len(charges) == 1:  # the script by its digest alone (a pipeline asks the server whether it has it first)
+            key_id, period, query_id, cost = charges[0]
+            period = period or "total"
+            await self._settle(self._budget_keys(key_id, period)[:2], [query_id, cost, PERIOD_TTL_S[period]])
+            return
         async with self.redis.pipeline(transaction=False) as pipe:
             for key_id, period, query_id, cost in charges:
                 period = period or "total"

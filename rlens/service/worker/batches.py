@@ -188,7 +188,8 @@ class QueryBatches:
 
     async def deliver(self, queries: list[Query], out: BatchOutput) -> None:
         """The experience first, then the answers: a retry after a failure in between repeats only experience
-        (which the learner joins once), never an answer a client already got."""
+        (which the learner joins once), never an answer a client already got. The answers and the gateways'
+        replies go together (the producer sends them in one request); a failure of either raises once both ended."""
         reply_to = {q.query_id: q.reply_to for q in queries if q.reply_to}
         # in its key's partition: a learner shard finds a query's feedback under the same partition number
         await publish_batch(self.broker, self.topics.experience, out.experience, by_key=True)
@@ -200,8 +201,13 @@ class QueryBatches:
             else a
             for a in out.answers
         ]
-        await publish_batch(self.broker, self.topics.answers, shared)
-        await self.reply(out.answers, reply_to)
+        for result in await asyncio.gather(
+            publish_batch(self.broker, self.topics.answers, shared),
+            self.reply(out.answers, reply_to),
+            return_exceptions=True,
+        ):
+            if isinstance(result, BaseException):
+                raise result
 
     async def reply(self, answers: list[Answer], reply_to: dict[str, str]) -> None:
         """Each answer also to its gateway's reply topic. Replies the broker refuses are tried once more after the
