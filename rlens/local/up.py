@@ -15,6 +15,8 @@ from redis.exceptions import RedisError
 from rlens.redis_clients import sync_redis
 from rlens.records.dataset import load_dataset
 from rlens.records.recorded import DatasetError
+from rlens.local import kafka as apache_kafka
+from rlens.local.kafka import LocalKafka
 from rlens.local.load import BrokerUnreachable, probe_broker
 from rlens.local.servers import broker_port_taken
 from rlens.local.stack import LocalStack, carried_state, clear_state, write_replay_pool, write_zoo_pool
@@ -48,6 +50,7 @@ class UpOptions:
     partitions: int
     learner_shards: int  # 1: one learner; more: that many shards and a trainer
     broker_port: int
+    broker: str  # auto, kafka or tansu: the broker to start (when none is set)
     gateway: bool
     warm_start: Path | None
     fresh: bool
@@ -126,9 +129,10 @@ def open_stack(
     kafka: str | None,
     redis_env: str | None,
     build_zoo: Callable[[Path], None],
+    say: Callable[[str], None] = print,
 ) -> LocalStack:
     """Checks, the pool file (the zoo built by ``build_zoo`` first, when the pool needs it and it is not), the stack's
-    broker and Redis (started or reached), its idempotence check."""
+    broker and Redis (started or reached), its idempotence check; ``say`` tells which broker it started."""
     if options.learner_shards > options.partitions:
         raise UpError(
             f"--learner-shards {options.learner_shards} exceeds --partitions {options.partitions}: the shards beyond "
@@ -140,10 +144,13 @@ def open_stack(
             "or --no-gateway"
         )
     redis_url = redis_to_use(settings, redis_env)
+    broker, which = "tansu", ""
     if kafka is not None:
         check_broker(settings, kafka)
     elif port_taken(options.broker_port):  # before a zoo is built
         raise UpError(broker_port_taken(options.broker_port))
+    else:
+        broker, which = broker_to_start(options.broker, options.workdir, say)
     try:
         pool = pool_file(options, settings, build_zoo)
         stack = LocalStack(
@@ -154,6 +161,8 @@ def open_stack(
             redis_url,
             options.broker_port,
             redis_dir=options.workdir / "redis",  # a second `rlens up` on the folder has the windows of the first
+            broker=broker,
+            fresh=options.fresh,
         )
     except (DatasetError, PoolConfigError, RuntimeError, FileNotFoundError) as exc:
         raise UpError(str(exc)) from None
@@ -165,7 +174,36 @@ def open_stack(
     except KeyboardInterrupt:  # Ctrl-C here: nothing of the stack outlives it
         stack.stop(timeout_s=2)
         raise
+    if which:
+        say(which)
     return stack
+
+
+def broker_to_start(choice: str, workdir: Path, say: Callable[[str], None]) -> tuple[str, str]:
+    """kafka or tansu for ``choice`` (auto: Apache Kafka where Java and its jars are here), and the line that says
+    which; Apache Kafka's jars fetched first when it is asked for by name."""
+    problem, version = apache_kafka.java_problem(), apache_kafka.VERSION
+    if choice == "kafka":
+        if problem is not None:
+            raise UpError(f"--broker kafka: {problem}")
+        if not apache_kafka.fetched():
+            say(f"fetching Apache Kafka {version} from Maven Central into {apache_kafka.jars()} (once, about 100 MB)")
+            try:
+                apache_kafka.fetch()
+            except RuntimeError as exc:
+                raise UpError(str(exc)) from None
+    elif choice == "auto":
+        choice = "kafka" if problem is None and apache_kafka.fetched() else "tansu"
+    if choice == "kafka":
+        return choice, f"broker: Apache Kafka {version}, its data in {workdir / 'kafka'} (--broker tansu: in memory)"
+    if problem is not None:
+        return choice, f"broker: tansu, in memory ({problem}: no Apache Kafka)"
+    if not apache_kafka.fetched():
+        return choice, (
+            f"broker: tansu, in memory (Java is here: --broker kafka fetches Apache Kafka {version} once and runs it "
+            "instead, its latency steady under load and its topics kept across restarts)"
+        )
+    return choice, "broker: tansu, in memory"
 
 
 def prepare_state(stack: LocalStack, options: UpOptions) -> list[str]:
@@ -178,6 +216,7 @@ def prepare_state(stack: LocalStack, options: UpOptions) -> list[str]:
             lines.append(
                 f"fresh start: no learner checkpoint in {options.workdir}, no Redis keys under "
                 f"{stack.settings.redis.prefix!r}"
+                + (", no topics in its Apache Kafka" if isinstance(stack.broker, LocalKafka) else "")
             )
         return lines + [
             f"carried over: {line} (--fresh starts clean)" for line in carried_state(stack.settings, options.workdir)
