@@ -21,33 +21,16 @@ it misses), and ``keeps_up`` when the slope of the total lag is under 1 % of the
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
-import time
 
-import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common.machine import cpu_seconds, machine_facts
+from bench.common.machine import machine_facts
+from bench.common.sampling import StackSampler
 from bench.common.stacks import cycled, replay_stack
 from bench.common.args import add_out, arguments, write_json
 from rlens.records.dataset import load_dataset
 from rlens.local.load import LoadReport, play, queries_of
 from rlens.settings import settings
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Every sample of a process's /metrics summed over its labels except ``kind`` and ``outcome``:
-    {name, or name{kind or outcome}: value}."""
-    text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            kept = [sample.labels[label] for label in ("kind", "outcome") if label in sample.labels]
-            key = f"{sample.name}{{{kept[0]}}}" if kept else sample.name
-            totals[key] = totals.get(key, 0.0) + sample.value
-    return totals
 
 
 def slope(times: list[float], values: list[float]) -> float:
@@ -70,44 +53,7 @@ def main() -> None:
         int(args.minutes * 60 * args.max_rate),
     )
     stack = replay_stack(args.out.parent / "learner-lag-stack")
-    samples: list[dict] = []
-    stop = threading.Event()
     seen = LoadReport()
-
-    def sample() -> None:
-        urls = stack.http_urls()
-        worker = next(url for name, url in urls.items() if name.startswith("worker"))
-        learner = next(url for name, url in urls.items() if name.startswith("learner"))
-        pids = {
-            "worker": stack.workers[0].pid,
-            "learner": stack.learner.pid,
-            "broker": stack.broker.process.pid,
-            "redis": stack.redis.process.pid,
-            "load": os.getpid(),
-        }
-        start = time.monotonic()
-        cpu, last = {role: cpu_seconds([pid]) for role, pid in pids.items()}, start
-        while not stop.wait(10.0):
-            w, ell = scrape(worker), scrape(learner)
-            now, at = {role: cpu_seconds([pid]) for role, pid in pids.items()}, time.monotonic()
-            row = {
-                "t": round(time.monotonic() - start, 1),
-                "answers": w.get("rlens_worker_answers_total", 0.0),
-                "feedback_sent": seen.feedback_sent,
-                "experience_read": ell.get("rlens_learner_records_total{experience}", 0.0),
-                "feedback_read": ell.get("rlens_learner_records_total{feedback}", 0.0),
-                "pending": ell.get("rlens_learner_pending{experience}", 0.0)
-                + ell.get("rlens_learner_pending{feedback}", 0.0),
-                "joined": ell.get("rlens_learner_joined_total", 0.0),
-                "updates": ell.get("rlens_learner_updates_total{applied}", 0.0),
-                "policy_version": ell.get("rlens_learner_policy_version", 0.0),
-            }
-            row["cpu_share"] = {role: round((now[role] - cpu[role]) / (at - last), 2) for role in pids}
-            cpu, last = now, at
-            row["experience_lag"] = row["answers"] - row["experience_read"]
-            row["feedback_lag"] = row["feedback_sent"] - row["feedback_read"]
-            samples.append(row)
-            print(row, flush=True)
 
     def on_answer(report: LoadReport) -> None:
         nonlocal seen
@@ -117,24 +63,21 @@ def main() -> None:
         stack.start_learner()
         stack.start_worker()
         stack.wait_ready(120)
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        asyncio.run(
-            play(
-                stack.settings,
-                traffic,
-                rate=1e9,
-                idle_timeout_s=60,
-                on_answer=on_answer,
-                max_in_flight=args.in_flight,
-                duration_s=60 * args.minutes,
+        with StackSampler(stack, lambda: seen.feedback_sent) as sampler:
+            asyncio.run(
+                play(
+                    stack.settings,
+                    traffic,
+                    rate=1e9,
+                    idle_timeout_s=60,
+                    on_answer=on_answer,
+                    max_in_flight=args.in_flight,
+                    duration_s=60 * args.minutes,
+                )
             )
-        )
-        stop.set()
-        sampler.join()
     finally:
-        stop.set()
         stack.stop()
+    samples = sampler.rows
     steady = [s for s in samples if s["t"] >= 60]
     steady = steady if len(steady) >= 2 else samples  # a run too short for two samples after its first minute
     times = [s["t"] for s in steady]

@@ -16,12 +16,18 @@ topics and consumer groups of its own, the yardstick (1) included.
    scored in shadow: what logging and shadow scoring cost the whole worker (:func:`evidence_phase`).
 3. Latency, on a fresh stack (its own broker and Redis, so the learner has no earlier phase's records to read):
    learner + W workers. First the stack's own maximum: for ``--saturate-s`` seconds the load generator keeps 2,000
-   queries unanswered (the learner, the broker and the load generator share the machine with the workers, so this
-   is below (2)). Then ``--load-s`` seconds of traffic at ``--load-share`` (default 0.8) of that rate, feedback
-   sent as each answer arrives: p50 / p99 from sending a query to receiving its answer, over the answers after the
-   phase's first 5 s and per 10 s, the accuracy served, and the load generator's own garbage-collection pauses
-   (longest and total), which count in the latencies it measures. ``--load-s 0`` skips this phase. ``--without-learner``:
-   the same with no learner (no updates taking the cores): whether the p99 is the learner's.
+   queries unanswered (the learner, the broker and the load generator share the machine with the workers, so this is
+   below (2)), and how long the learner then takes to read what the saturation left it: the stack's sustained maximum
+   is the queries answered over the time from the first answer to the learner's catching up (a rate the workers
+   answer but the learner cannot learn from only grows its lag). Then ``--load-s`` seconds of traffic at
+   ``--load-share`` (default 0.8) of the sustained maximum, feedback sent as each answer arrives: p50 / p99 from
+   sending a query to receiving its answer, over the answers after the phase's first 5 s and per 10 s, the accuracy
+   served, and the load generator's own garbage-collection pauses (longest and total), which count in the latencies
+   it measures. The wait for the learner (at most ``--catch-up-s``) also starts the latency phase from a stack that
+   keeps up; every 10 s of that phase the bench samples the learner's lag and each process's share of a core
+   (:class:`bench.common.sampling.StackSampler`). ``--load-s 0`` skips this phase, ``--queries 0`` phases 1 and 2.
+   ``--without-learner``: the same with no learner (no updates taking the cores): whether the p99 is the learner's.
+   ``--learner-nice N``: the learner lowers its priority by N (``RLENS_LEARNER_NICE``).
 """
 
 from __future__ import annotations
@@ -37,11 +43,12 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from bench.common.machine import cpu_seconds, machine_facts
+from bench.common.sampling import StackSampler, wait_for_learner
 from bench.common.stacks import cycled, replay_stack
 from bench.common.args import add_out, arguments, write_json
 from rlens.records.dataset import load_dataset
 from rlens.service.common.kafka import Topics
-from rlens.local.load import play, queries_of
+from rlens.local.load import LoadReport, play, queries_of
 from rlens.settings import settings
 
 
@@ -238,6 +245,10 @@ def main() -> None:
     parser.add_argument(
         "--without-learner", action="store_true", help="the latency phase without a learner (no policy updates)"
     )
+    parser.add_argument(
+        "--catch-up-s", type=float, default=300.0, help="the longest wait for the learner between the two phases"
+    )
+    parser.add_argument("--learner-nice", type=int, default=0, help="RLENS_LEARNER_NICE for the latency phase")
     add_out(parser, "bench/out/service.json")
     args = parser.parse_args()
     if args.saturate_s <= 12:
@@ -246,18 +257,31 @@ def main() -> None:
     data = settings().service.demo_data
     dataset = load_dataset(data)
     stream = queries_of(dataset, None, "bench")  # reference ids index the dataset the replay backends serve
-    traffic = cycled(stream, "bench", args.queries)
-    stack = replay_stack(Path("bench/out/service-stack"), args.partitions, args.kafka)
-    topics = Topics.from_settings(stack.settings)
-    bootstrap = stack.settings.kafka.bootstrap
     results: dict = {
         "broker": f"Apache Kafka at {args.kafka}" if args.kafka else "tansu (memory storage)",
         "queries": args.queries,
         "workers": args.workers,
         "partitions": args.partitions,
-        "worker_batch": stack.settings.worker.batch,
         "learner": not args.without_learner,
+        "learner_nice": args.learner_nice,
     }
+    if args.queries:
+        throughput_phases(args, stream, results)
+    if args.load_s > 0:
+        latency_phase(args, stream, results)
+    write_json(
+        args.out,
+        results,
+    )
+
+
+def throughput_phases(args: argparse.Namespace, stream: list, results: dict) -> None:
+    """Phases 1 and 2 (the raw loop, the worker, metrics on and off, evidence) on ``--queries`` queries."""
+    traffic = cycled(stream, "bench", args.queries)
+    stack = replay_stack(Path("bench/out/service-stack"), args.partitions, args.kafka)
+    topics = Topics.from_settings(stack.settings)
+    bootstrap = stack.settings.kafka.bootstrap
+    results["worker_batch"] = stack.settings.worker.batch
     try:
         payloads = [q.model_dump_json().encode() for q, _ in traffic]
         reply_size = 700  # an Answer of the bundled stream is about this many bytes
@@ -288,17 +312,12 @@ def main() -> None:
             results["evidence"] = evidence_phase(args, stack, traffic)
     finally:
         stack.stop()
-    if args.load_s > 0:
-        latency_phase(args, stream, results)
-    write_json(
-        args.out,
-        results,
-    )
 
 
 def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None:
     """The whole stack on a fresh broker and Redis: its maximum rate, then latency at ``--load-share`` of it."""
-    stack = replay_stack(Path("bench/out/service-latency-stack"), args.partitions, args.kafka)
+    nice = {"learner": {"nice": args.learner_nice}}
+    stack = replay_stack(Path("bench/out/service-latency-stack"), args.partitions, args.kafka, **nice)
     try:
         if not args.without_learner:
             stack.start_learner()
@@ -318,10 +337,27 @@ def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None
         after = [t for t in saturated.answered_at if t >= saturated.answered_at[0] + 10.0]
         results["stack_queries_per_s"] = (len(after) - 1) / (after[-1] - after[0])
         print(f"the stack at its maximum: {results['stack_queries_per_s']:.0f} queries/s")
-        rate = results["stack_queries_per_s"] * args.load_share
-        report = asyncio.run(
-            play(stack.settings, cycled(stream, "latency", int(args.load_s * rate)), rate=rate, idle_timeout_s=60)
-        )
+        results["sustained_queries_per_s"] = results["stack_queries_per_s"]
+        if not args.without_learner:
+            results["learner_catch_up_s"] = caught_up = wait_for_learner(
+                stack, saturated.feedback_sent, args.catch_up_s
+            )
+            span = saturated.answered_at[-1] - saturated.answered_at[0]
+            results["sustained_queries_per_s"] = saturated.answered / (span + caught_up)
+            print(
+                f"the learner caught up on the saturation's records in {caught_up:.0f} s: the stack answers and "
+                f"learns from {results['sustained_queries_per_s']:.0f} queries/s"
+            )
+        rate = results["sustained_queries_per_s"] * args.load_share
+        report = LoadReport()
+
+        def seen(latest: LoadReport) -> None:
+            nonlocal report
+            report = latest
+
+        traffic = cycled(stream, "latency", int(args.load_s * rate))
+        with StackSampler(stack, lambda: saturated.feedback_sent + report.feedback_sent) as sampler:
+            report = asyncio.run(play(stack.settings, traffic, rate=rate, idle_timeout_s=60, on_answer=seen))
         steady = [ms for ms, t in zip(report.latencies_ms, report.answered_at) if t >= 5.0]
         results.update(
             latency_rate=rate,
@@ -332,6 +368,7 @@ def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None
             # the load generator's own pauses count in the latencies it measures
             load_generator_gc_max_ms=max(report.gc_pauses_ms, default=0.0),
             load_generator_gc_total_ms=sum(report.gc_pauses_ms),
+            samples=sampler.rows,
             latency_by_10s=[  # [start s, answers, p50 ms, p99 ms] per 10 s of the phase: does the backlog grow?
                 [start, len(chunk), round(float(np.percentile(chunk, 50))), round(float(np.percentile(chunk, 99)))]
                 for start in range(0, int(report.answered_at[-1]) + 1, 10)
