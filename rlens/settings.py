@@ -307,6 +307,12 @@ class LearnerSettings(Group):
         "workers and a gateway, their requests go first and its updates take what is left (BENCHMARKS.md, the p99 "
         "with the learner); 0: none, as in a pod of its own",
     )
+    refit_interval_s: float = Field(
+        2.0,
+        ge=0,
+        description="a stream's calibrations are fitted again at most this often (once 16 new rows came): a fit costs "
+        "about 15 ms of CPU, which a busy stream would otherwise pay every few queries; 0: every 16 rows",
+    )
     checkpoint_dir: Path = Field(Path("out/learner"), description="the learner's checkpoints")
     checkpoint_every_s: float = Field(
         5.0,
@@ -559,7 +565,7 @@ class FocalSettings(Group):
         ge=0,
         le=4096,
         description="rl_focal: each model's last labelled outcomes per stream kept in Redis, from which the learner fits "
-        "its calibration (refitted every 16 new rows) and the workers' greedy answers take the pool's calibrated vote "
+        "its calibration (refitted every 16 new rows, at most every RLENS_LEARNER_REFIT_INTERVAL_S) and the workers' greedy answers take the pool's calibrated vote "
         "(rlens.focal.calibration); 0: none. Needs RLENS_OPE_LOGGING (the called models' distributions): with "
         "RLENS_OPE_LOGGING=false set it to 0",
     )

@@ -455,3 +455,34 @@ def test_bad_calibration_rows_are_dropped_and_the_outcome_still_reaches_the_wind
         await redis.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_busy_streams_calibrations_are_fitted_at_most_once_per_interval(redis_server):
+    """16 new rows make a fit; 16 more within ``refit_interval_s`` wait (counted, not lost) and are fitted once the
+    interval has passed; a stream fitted long ago is not held back by another's fit."""
+    from rlens.service.common.windows import CalibrationRows
+    from rlens.service.learner.window_writer import WindowWriter
+
+    async def scenario():
+        redis = Redis.from_url(redis_server.url)
+        await redis.flushdb()
+        writer = WindowWriter(RedisWindows(redis, 2, 128, calibration_rows=64), refit_interval_s=60.0)
+
+        async def rows(stream: str, start: int, n: int) -> None:
+            for i in range(start, start + n):
+                rows = CalibrationRows(2, i % 2, {0: [-0.1, -2.3], 1: [-0.7, -0.7]})
+                writer.queue(stream, f"{stream}{i}", ([0, 1], i % 2), 1.0, rows)
+            await writer.apply()
+
+        await rows("a", 0, 16)
+        assert await writer.refit() == 1 and not writer.new_rows
+        await rows("a", 16, 16)
+        await rows("b", 0, 16)
+        assert await writer.refit() == 1  # b only: a was fitted within the interval
+        assert dict(writer.new_rows) == {("a", 0): 16, ("a", 1): 16}
+        writer.fitted_at["a"] -= 60.0  # the interval has passed
+        assert await writer.refit() == 1 and not writer.new_rows
+        assert await redis.llen(writer.windows.calibration_key("a", 0)) == 32
+        await redis.aclose()
+
+    asyncio.run(scenario())

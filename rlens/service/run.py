@@ -260,6 +260,7 @@ def build_learner(settings: Settings, warm_start: Path | None = None) -> Learner
         pending_ttl_s=settings.learner.pending_ttl_s,
         pending_bytes=settings.learner.pending_bytes,
         pending_per_stream=settings.learner.pending_per_stream,
+        refit_interval_s=settings.learner.refit_interval_s,
         checkpoint_every_s=settings.learner.checkpoint_every_s,
         drift=drift_monitor(settings),
         drift_keep=settings.drift.keep if settings.drift.reaction == "trim" else None,

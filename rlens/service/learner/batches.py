@@ -217,9 +217,11 @@ class RecordBatches:
         metrics.policy_version.set(core.version)
 
     async def checkpoint_when_idle(self) -> None:
-        """What the last batches did reaches a checkpoint even when no further record comes."""
+        """What the last batches did reaches a checkpoint, and the calibrations a refit held back reach the workers,
+        even when no further record comes."""
         while True:
             await asyncio.sleep(self.core.checkpoint_every_s)
             async with self.lock:
+                await self.core.apply_windows()
                 if self.core.checkpoint_due():
                     await asyncio.to_thread(self.core.checkpoint)

@@ -181,6 +181,7 @@ class LearnerCore:
         done_limit: int = 200_000,
         redis_wait_s: float = 10.0,
         backlog_limit: int = 100_000,
+        refit_interval_s: float = 0.0,
         checkpoint_every_s: float = 5.0,
         drift: DriftMonitor | None = None,
         drift_keep: int | None = None,
@@ -210,7 +211,7 @@ class LearnerCore:
             name: Journal(journals, name, keep=checkpoints.keep) for name in ("experience", "feedback", "done")
         }
         self.stats = LearnerStats()
-        self.writer = WindowWriter(windows, redis_wait_s, backlog_limit)
+        self.writer = WindowWriter(windows, redis_wait_s, backlog_limit, refit_interval_s=refit_interval_s)
         self.name = f"{socket.gethostname()}-{os.getpid()}"
         self.checkpoint_every_s = checkpoint_every_s
         self.last_checkpoint = float("-inf")  # monotonic time of the newest checkpoint
@@ -260,6 +261,8 @@ class LearnerCore:
         log.info("resumed from checkpoint v%d (%d joined)", self.version, self.stats.joined)
 
     def checkpoint(self) -> None:
+        if self.ope_log is not None:  # before the checkpoint covers the joins it logged
+            self.ope_log.flush()
         state = {
             "offsets": self.offsets.read,
             "journals": self._write_journals(),

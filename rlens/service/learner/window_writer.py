@@ -3,8 +3,10 @@ pipelined round trips of :data:`APPLY_BATCH`, once per query id. While Redis is 
 for at most ``redis_wait_s``, then keeps the outcomes in a bounded backlog (checkpointed) for the next call.
 
 With calibrations (``RLENS_FOCAL_CALIBRATION_ROWS``) an outcome also carries its called models' calibration rows,
-pushed by the same script; once a stream has ``refit_every`` new rows of some model, :meth:`WindowWriter.refit`
-fits the stream's calibrations from its rows in Redis and publishes them for the workers. With joint rows
+pushed by the same script; once a stream has ``refit_every`` new rows of some model, and its calibrations were last
+fitted ``refit_interval_s`` ago or more (a busy stream's rows would otherwise call a fit every few queries: about
+15 ms of CPU each), :meth:`WindowWriter.refit` fits the stream's calibrations from its rows in Redis and publishes them
+for the workers. With joint rows
 (``RLENS_FOCAL_JOINT_ROWS``) the outcome is also kept whole, and the pools' joint fits are made again with the
 calibrations once the stream's joint rows grew by a tenth since they were last made
 (:meth:`rlens.focal.calibration.PoolCombiner.due`, the replay's cadence) and :data:`JOINT_REFIT_S` have passed (a busy
@@ -50,9 +52,12 @@ class WindowWriter:
         redis_wait_s: float = 10.0,
         backlog_limit: int = 100_000,
         refit_every: int = FocalConfig.calibration_refit,
+        refit_interval_s: float = 0.0,
     ):
         self.windows = windows
         self.redis_wait_s, self.backlog_limit, self.refit_every = redis_wait_s, backlog_limit, refit_every
+        self.refit_interval_s = refit_interval_s
+        self.fitted_at: dict[str, float] = {}  # stream -> when its calibrations were last fitted (monotonic clock)
         # [stream, query id, predictions, label, reward, calibration rows (CalibrationRows.to_list) or None]
         self.backlog: deque[list] = deque()
         self._retry_at = 0.0  # monotonic clock
@@ -132,13 +137,23 @@ class WindowWriter:
 
     async def refit(self) -> int:
         """Fit and publish the calibrations of each stream with ``refit_every`` new rows of some model (from its
-        rows in Redis); the number of streams published. Redis errors propagate (the caller tries again later: the
-        counts stay)."""
+        rows in Redis) and none fitted within ``refit_interval_s``; the number of streams published. Redis errors
+        propagate (the caller tries again later: the counts stay)."""
         while len(self.new_rows) > MAX_COUNTED:  # streams seldom fed: the oldest counts go (their rows stay)
             del self.new_rows[next(iter(self.new_rows))]
         while len(self.joint) > JOINT_STREAMS:  # the oldest go: their next refit makes their joint fits again
             self.joint_made.pop(self.joint.popitem(last=False)[0], None)
-        due = sorted({stream for (stream, _), n in self.new_rows.items() if n >= self.refit_every})
+        now = time.monotonic()
+        if len(self.fitted_at) > MAX_COUNTED:  # only the fits within the interval hold a stream back
+            self.fitted_at = {s: at for s, at in self.fitted_at.items() if now - at < self.refit_interval_s}
+        due = sorted(
+            {
+                stream
+                for (stream, _), n in self.new_rows.items()
+                if n >= self.refit_every
+                and now - self.fitted_at.get(stream, -self.refit_interval_s) >= self.refit_interval_s
+            }
+        )
         for stream in due:
             last = self.joint.get(stream)
             joint = last is None or (
@@ -154,6 +169,7 @@ class WindowWriter:
             elif last is not None:
                 calibration.combiner = last
             await self.windows.save_calibration(stream, calibration)
+            self.fitted_at[stream] = time.monotonic()
             for key in [key for key in self.new_rows if key[0] == stream]:
                 del self.new_rows[key]
         return len(due)
