@@ -244,11 +244,14 @@ def test_the_learners_log_round_trips_rotates_and_feeds_rlens_ope(zoo, tmp_path)
     served, engine = served_experience(zoo, 300)
     path = tmp_path / "ope-log.jsonl"
     log = OpeLog(path, max_bytes=60_000)
-    for e, label in served:
+    for i, (e, label) in enumerate(served):
         log.append(e, label)
+        if i % 3 == 2:
+            log.flush()  # the learner's checkpoint, here one per three joins
     log.append(served[0][0], served[0][1])  # a join after a crash, before its checkpoint: logged twice
+    log.flush()
     rotated = path.with_name(path.name + ".1")
-    assert rotated.is_file() and path.is_file() and path.stat().st_size < 60_000 + 2_000
+    assert rotated.is_file() and path.is_file() and path.stat().st_size < 60_000 + 4_000
     queries = read_log([rotated, path])
     ids = [e.query_id for e, _ in served]
     assert 60 < len(queries) < 300  # bounded: the newest file and the one before it
