@@ -481,3 +481,34 @@ def test_traces_are_set_up_by_the_otel_sdks_own_variables():
     assert exporters(own, {"OTEL_SDK_DISABLED": "true"}) == []
     with pytest.raises(ValueError, match="unknown exporter"):
         exporters(plain, {"OTEL_TRACES_EXPORTER": "jaeger"})
+
+
+def test_a_handlers_message_is_resolved_on_the_event_loop_not_in_a_thread():
+    """FastStream's ``KafkaMessage`` annotation resolves the message in one of anyio's worker threads, a thread hop
+    per batch; the service's handlers declare :data:`kafka.RawMessage`, resolved on the loop. (FastStream's test
+    broker: what is tested is its dependency injection, not Kafka.)"""
+    import threading
+
+    from faststream.kafka import KafkaBroker, KafkaMessage, TestKafkaBroker
+
+    def workers() -> int:
+        return sum(thread.name.startswith("AnyIO worker thread") for thread in threading.enumerate())
+
+    async def threads_after(annotation) -> tuple[int, int]:
+        broker, seen = KafkaBroker(), []
+
+        @broker.subscriber("t", **kafka.SUBSCRIBER)
+        async def handler(body: bytes, message: annotation) -> None:
+            seen.append(message.raw_message.value)
+
+        before = workers()
+        async with TestKafkaBroker(broker) as test:
+            await test.publish(b"x", "t")
+        assert seen == [b"x"]
+        return before, workers()
+
+    # fresh loops: anyio's idle worker threads belong to the loop that made them
+    before, after = asyncio.run(threads_after(kafka.RawMessage))
+    assert after == before
+    before, after = asyncio.run(threads_after(KafkaMessage))
+    assert after > before  # FastStream's own annotation: the hop this avoids

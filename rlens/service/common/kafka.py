@@ -27,11 +27,12 @@ import time
 import uuid
 from dataclasses import dataclass, fields
 from itertools import chain
-from typing import Any, Callable, Literal, Sequence, TypeVar, cast
+from typing import Annotated, Any, Callable, Literal, Sequence, TypeVar, cast
 
 from aiokafka.structs import ConsumerRecord
-from faststream import AckPolicy
+from faststream import AckPolicy, Context
 from faststream.kafka import KafkaBroker, KafkaResponse
+from faststream.kafka.message import KafkaMessage
 from pydantic import ValidationError
 
 from rlens.messages import DeadLetter, Message
@@ -228,6 +229,20 @@ async def checked_records(message: Any, original: Any) -> Any:
 
 # what every subscriber of the service passes: checked headers, raw bytes, and no FastStream reply
 SUBSCRIBER: dict[str, Any] = {"parser": checked_records, "decoder": keep_bytes, "no_reply": True}
+
+
+class _OnTheLoop(type(Context())):  # type: ignore[misc]  # the class behind FastStream's Context()
+    """FastStream's ``Context``, resolved on the event loop: fast_depends runs a custom field's synchronous ``use``
+    in a worker thread (anyio's ``to_thread``), a thread hop and two handovers of the GIL for a dictionary lookup,
+    on every message or batch."""
+
+    async def use(self, /, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return super().use(**kwargs)
+
+
+# what a handler declares to get its message (a batch's records: ``message.raw_message``); FastStream's
+# ``KafkaMessage`` annotation would resolve it in a thread
+RawMessage = Annotated[KafkaMessage, _OnTheLoop("message")]
 
 # how long a batch subscriber's poll waits for records before it polls again (it returns as soon as any arrive)
 POLL_WAIT_MS = 500

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from faststream import AckPolicy
-from faststream.kafka import KafkaBroker, KafkaMessage
+from faststream.kafka import KafkaBroker
 
 from rlens.messages import Answer, DeadLetter
 from rlens.service.common.kafka import (
+    RawMessage,
     group_options,
     dead_letter,
     SUBSCRIBER,
@@ -45,7 +46,7 @@ def subscribe_replies(
     )
 
     @woken_by_records(replies)
-    async def on_replies(bodies: list[bytes], message: KafkaMessage) -> None:
+    async def on_replies(bodies: list[bytes], message: RawMessage) -> None:
         parsed = [(record, parse_or_dead_letter(Answer, record, consumer)) for record in message.raw_message]
         answers = [(record, p) for record, p in parsed if not isinstance(p, DeadLetter)]
         dead = [p for _, p in parsed if isinstance(p, DeadLetter)]

@@ -11,12 +11,13 @@ from typing import Any, cast
 
 from faststream import AckPolicy
 from faststream.asgi import AsgiFastStream
-from faststream.kafka import KafkaBroker, KafkaMessage, TopicPartition
+from faststream.kafka import KafkaBroker, TopicPartition
 from prometheus_client import CollectorRegistry
 
 from rlens.messages import EXPERIENCE, TRANSITION, DeadLetter, DriftEvent, Feedback, Policy
 from rlens.service.common.health import Readiness, admin_token, http_routes, settings_url
 from rlens.service.common.kafka import (
+    RawMessage,
     group_options,
     Topics,
     TopicRestorer,
@@ -128,7 +129,7 @@ def policy_subscriber(
     )
 
     @policy_history
-    async def adopt_policy(body: bytes, message: KafkaMessage) -> None:
+    async def adopt_policy(body: bytes, message: RawMessage) -> None:
         policy = parse_or_dead_letter(Policy, message.raw_message, "learner")
         if isinstance(policy, DeadLetter):
             return  # the workers dead-letter it
@@ -161,7 +162,7 @@ def record_handlers(
         )
 
         @read[topics.transitions]
-        async def on_transitions(bodies: list[bytes], message: KafkaMessage) -> None:
+        async def on_transitions(bodies: list[bytes], message: RawMessage) -> None:
             await batches.handle(message, transition_model, topics.transitions)
 
     else:
@@ -170,11 +171,11 @@ def record_handlers(
         read |= {topics.experience: experience, topics.feedback: feedback}
 
         @experience
-        async def on_experience(bodies: list[bytes], message: KafkaMessage) -> None:
+        async def on_experience(bodies: list[bytes], message: RawMessage) -> None:
             await batches.handle(message, experience_model, topics.experience)
 
         @feedback
-        async def on_feedback(bodies: list[bytes], message: KafkaMessage) -> None:
+        async def on_feedback(bodies: list[bytes], message: RawMessage) -> None:
             await batches.handle(message, Feedback, topics.feedback)
 
     return read

@@ -8,12 +8,13 @@ from typing import Any, cast
 
 from faststream import AckPolicy
 from faststream.asgi import AsgiFastStream
-from faststream.kafka import KafkaBroker, KafkaMessage
+from faststream.kafka import KafkaBroker
 from prometheus_client import CollectorRegistry
 
 from rlens.messages import EXPERIENCE, Answer, DeadLetter, Policy
 from rlens.service.common.health import Readiness, admin_token, http_routes, settings_url
 from rlens.service.common.kafka import (
+    RawMessage,
     group_options,
     Topics,
     app_logger,
@@ -85,7 +86,7 @@ def create_worker_app(
     )
 
     @woken_by_records(queries, on_lag=metrics.queries_lag.set if settings.metrics.enabled else None)
-    async def on_queries(bodies: list[bytes], message: KafkaMessage) -> None:
+    async def on_queries(bodies: list[bytes], message: RawMessage) -> None:
         await batches.handle(message.raw_message)  # returning acks the batch: its offsets are committed only now
 
     @broker.subscriber(
@@ -94,7 +95,7 @@ def create_worker_app(
         **policy_reader(settings, "workers"),
         description="JSON Policy messages (schemas/messages/policy.schema.json), read whole by every worker",
     )
-    async def on_policy(body: bytes, message: KafkaMessage) -> None:
+    async def on_policy(body: bytes, message: RawMessage) -> None:
         parsed = parse_or_dead_letter(Policy, message.raw_message, consumer)
         if not isinstance(parsed, DeadLetter) and (reason := live.receive_policy(parsed)):
             parsed = dead_letter(message.raw_message, reason, consumer)
