@@ -2,12 +2,15 @@
 state of a stack whose clients send no feedback) and N recent query ids, then 100 new experiences and 100 joins
 since the checkpoint before (5 s of traffic at 40 queries/s); and what restoring that state costs.
 
-    python -m bench.service.checkpoint [--held 1000 10000 100000] [--repeats 5] [--out bench/out/checkpoint.json]
+    python -m bench.service.checkpoint [--held 1000 10000 100000] [--repeats 5] [--no-restore]
+        [--out bench/out/checkpoint.json]
 
 Each checkpoint is the learner's own (``LearnerCore.checkpoint``: weights, optimizer, state, fsynced), on the local
 disk; a fresh engine (empty experience buffer). Seconds are the median of ``--repeats`` checkpoints, beside the
 first one, which writes everything held (as a compaction of the journals does, once per as many changes as are
 held); the bytes are what the checkpoint directory holds afterwards; peak RSS is the process's so far.
+``--no-restore`` skips the restore, which holds a second learner as large as the first (1,000,000 held then fits
+in 24 GB).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def directory_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
-async def measure(held: int, repeats: int) -> dict:
+async def measure(held: int, repeats: int, restore: bool = True) -> dict:
     secrets = generate_secrets()
     template = uniform_experience()
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,11 +91,13 @@ async def measure(held: int, repeats: int) -> dict:
             seconds.append(time.perf_counter() - started)
         size = directory_bytes(directory)
         core.checkpoints.close()
-        started = time.perf_counter()
-        restored = learner(directory, secrets, held)
-        restore_s = time.perf_counter() - started
-        assert len(restored.experience) == len(core.experience) and len(restored.done) == len(core.done)
-        restored.checkpoints.close()
+        restore_s = None
+        if restore:
+            started = time.perf_counter()
+            restored = learner(directory, secrets, held)
+            restore_s = time.perf_counter() - started
+            assert len(restored.experience) == len(core.experience) and len(restored.done) == len(core.done)
+            restored.checkpoints.close()
     return {
         "held": held,
         "checkpoint_s": statistics.median(seconds),
@@ -108,17 +113,19 @@ def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--held", type=int, nargs="+", default=[1000, 10_000, 100_000])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-restore", action="store_true", help="skip the restore (a second learner in memory)")
     add_out(parser, "bench/out/checkpoint.json")
     args = parser.parse_args()
     results: dict = {"machine": machine_facts(), "pid": os.getpid(), "runs": []}
     print(f"machine: {results['machine']}", flush=True)
     for held in args.held:
-        run = asyncio.run(measure(held, args.repeats))
+        run = asyncio.run(measure(held, args.repeats, not args.no_restore))
         results["runs"].append(run)
         print(
             f"held {held:>9,}: checkpoint {1000 * run['checkpoint_s']:8.1f} ms (max {1000 * run['checkpoint_s_max']:.1f}),"
-            f" the first (everything) {run['first_checkpoint_s']:6.2f} s, restore {run['restore_s']:6.2f} s,"
-            f" on disk {run['directory_mb']:7.1f} MB, peak RSS {run['max_rss_gb']:.1f} GB",
+            f" the first (everything) {run['first_checkpoint_s']:6.2f} s,"
+            + (f" restore {run['restore_s']:6.2f} s," if run["restore_s"] is not None else "")
+            + f" on disk {run['directory_mb']:7.1f} MB, peak RSS {run['max_rss_gb']:.1f} GB",
             flush=True,
         )
     write_json(args.out, results)

@@ -10,8 +10,10 @@ with 64 labelled queries, as the learner's refit saves them). At each step:
 
 * Redis: what the streams added at the step grew ``used_memory`` and the key count by, per stream;
 * the worker's read of a batch of 32 random streams (each window, last pool and published fits: one
-  ``load_with_pools`` round trip), p50 and p99 over 300 batches, and the learner's write of 256 outcomes to
-  random streams (``apply_many``), p50 over 50 pipelines;
+  ``load_with_pools`` round trip), p50 and p99 over 300 batches; beside it, alternated, the same read with an empty
+  cache of restored calibrations (the worker keeps the newest 1,024 streams': among 10,000 random streams some hit,
+  among 1,000,000 almost none) and the round trip alone (nothing restored); and the learner's write of 256 outcomes
+  to random streams (``apply_many``), p50 over 50 pipelines;
 * the learner: 5,000 joins (``LearnerCore``, experience + feedback with behaviour: windows, calibration rows,
   drift, the dashboard) on random streams among all, its joins per second and its resident memory, whose
   per-stream parts (drift detectors, dashboard series, calibration bookkeeping) are bounded by count.
@@ -92,12 +94,26 @@ async def add_streams(
 
 
 async def lookups(windows: RedisWindows, streams: int, rng: random.Random) -> dict:
-    reads = []
-    for _ in range(300):
+    """Per batch of 32 random streams, alternately: the worker's read (``load_with_pools``, its cache of restored
+    calibrations warm from the batches before), the same with an empty cache (a fresh ``RedisWindows``: every
+    stream's fits parsed), and the round trip alone (the same commands in one pipeline, nothing restored)."""
+    reads: dict[str, list[float]] = {"read": [], "cold": [], "redis": []}
+    for i in range(300):
         batch = [f"s{rng.randrange(streams)}" for _ in range(32)]
-        started = time.perf_counter()
-        await windows.load_with_pools(batch, pools=True, fits=True)
-        reads.append(time.perf_counter() - started)
+        kinds = list(reads)
+        for kind in kinds[i % 3 :] + kinds[: i % 3]:  # the order rotates from batch to batch
+            reader = windows if kind != "cold" else RedisWindows(windows.redis, MODELS, 128, calibration_rows=200)
+            started = time.perf_counter()
+            if kind == "redis":
+                async with windows.redis.pipeline(transaction=False) as pipe:
+                    for stream in batch:
+                        pipe.lrange(windows.window_key(stream), 0, -1)
+                        pipe.get(windows.pool_key(stream))
+                        pipe.get(windows.fit_key(stream))
+                    await pipe.execute()
+            else:
+                await reader.load_with_pools(batch, pools=True, fits=True)
+            reads[kind].append(time.perf_counter() - started)
     writes = []
     for i in range(50):
         batch = [outcome(f"s{rng.randrange(streams)}", f"w{streams}-{i}-{k}", rng) for k in range(BATCH)]
@@ -105,8 +121,10 @@ async def lookups(windows: RedisWindows, streams: int, rng: random.Random) -> di
         await windows.apply_many(batch)
         writes.append(time.perf_counter() - started)
     return {
-        "read_32_streams_ms_p50": round(1000 * float(np.percentile(reads, 50)), 3),
-        "read_32_streams_ms_p99": round(1000 * float(np.percentile(reads, 99)), 3),
+        "read_32_streams_ms_p50": round(1000 * float(np.percentile(reads["read"], 50)), 3),
+        "read_32_streams_ms_p99": round(1000 * float(np.percentile(reads["read"], 99)), 3),
+        "read_32_streams_cold_ms_p50": round(1000 * float(np.percentile(reads["cold"], 50)), 3),
+        "redis_round_trip_32_streams_ms_p50": round(1000 * float(np.percentile(reads["redis"], 50)), 3),
         "write_256_outcomes_ms_p50": round(1000 * float(np.percentile(writes, 50)), 3),
     }
 
@@ -182,7 +200,13 @@ def main() -> None:
         server.stop()
     first = rows[0]
     for row in rows:
-        for name in ("redis_bytes_per_stream", "read_32_streams_ms_p50", "write_256_outcomes_ms_p50"):
+        for name in (
+            "redis_bytes_per_stream",
+            "read_32_streams_ms_p50",
+            "read_32_streams_cold_ms_p50",
+            "redis_round_trip_32_streams_ms_p50",
+            "write_256_outcomes_ms_p50",
+        ):
             row[f"{name}_to_the_first"] = round(row[name] / first[name], 2)
     write_json(
         args.out,

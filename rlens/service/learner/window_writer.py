@@ -2,13 +2,12 @@
 pipelined round trips of :data:`APPLY_BATCH`, once per query id. While Redis is unreachable it retries with backoff
 for at most ``redis_wait_s``, then keeps the outcomes in a bounded backlog (checkpointed) for the next call.
 
-With calibrations (``RLENS_FOCAL_CALIBRATION_ROWS``) an outcome also carries its called models' calibration rows,
-pushed by the same script; once a stream has ``refit_every`` new rows of some model, and its calibrations were last
-fitted ``refit_interval_s`` ago or more (a busy stream's rows would otherwise call a fit every few queries: about
-15 ms of CPU each), :meth:`WindowWriter.refit` fits the stream's calibrations from its rows in Redis and publishes them
-for the workers. With joint rows
-(``RLENS_FOCAL_JOINT_ROWS``) the outcome is also kept whole, and the pools' joint fits are made again with the
-calibrations once the stream's joint rows grew by a tenth since they were last made
+With calibrations (``RLENS_FOCAL_CALIBRATION_ROWS``) an outcome also carries its called models' calibration rows, pushed
+by the same script; once a stream has ``refit_every`` new rows of some model, and its calibrations were last fitted
+``refit_interval_s`` ago or more (a busy stream's rows would otherwise call a fit every few queries: about 15 ms of CPU
+each), :meth:`WindowWriter.refit` fits the stream's calibrations from its rows in Redis and publishes them for the
+workers. With joint rows (``RLENS_FOCAL_JOINT_ROWS``) the outcome is also kept whole, and the pools' joint fits are made
+again with the calibrations once the stream's joint rows grew by a tenth since they were last made
 (:meth:`rlens.focal.calibration.PoolCombiner.due`, the replay's cadence) and :data:`JOINT_REFIT_S` have passed (a busy
 stream's fits cost up to a second of CPU); in between, the last ones are published again."""
 
