@@ -46,6 +46,7 @@ MAX_RECORD_BYTES = 4 * 1024 * 1024
 # a producer batch of :func:`publish_batch` stays under a broker's default message limit (1 MB)
 BATCH_BYTES = 512 * 1024
 DEAD_LETTER_VALUE_BYTES = 4096  # a dead letter keeps this much of the value (its size and hash say the rest)
+UNKNOWN_TOPIC = 3  # Kafka's error code UNKNOWN_TOPIC_OR_PARTITION
 log = logging.getLogger("rlens.kafka")
 
 
@@ -444,6 +445,18 @@ def topic_configs(
     return configs
 
 
+async def missing_topics(admin: Any, names: Sequence[str]) -> set[str]:
+    """Which of ``names`` the cluster lacks, from a metadata request for those topics alone that may not make them.
+    A whole cluster's metadata (``list_topics``: every team's topics) costs its size at every look; aiokafka's
+    ``describe_topics`` lets a broker with ``auto.create.topics.enable`` (Kafka's default) make a missing topic with
+    its own defaults. aiokafka's admin client has no public call for this request (``_send_request``, pinned in
+    constraints.txt)."""
+    from aiokafka.protocol.metadata import MetadataRequest
+
+    response = await admin._send_request(MetadataRequest(sorted(set(names)), allow_auto_topic_creation=False))
+    return {t["topic"] for t in response.to_object()["topics"] if t["error_code"] == UNKNOWN_TOPIC}
+
+
 async def ensure_topics(settings: Settings, partitions: int | None = None, extra: tuple[str, ...] = ()) -> None:
     """Create the service's topics and the ``extra`` ones (one partition each: a gateway's reply topic).
 
@@ -461,7 +474,8 @@ async def ensure_topics(settings: Settings, partitions: int | None = None, extra
     admin = AIOKafkaAdminClient(**client_options(settings))
     await admin.start()
     try:
-        existing = set(await admin.list_topics())
+        names = (*vars(topics).values(), *extra)
+        existing = set(names) - await missing_topics(admin, names)
         replication = settings.kafka.replication
         wanted = [
             NewTopic(
@@ -472,7 +486,7 @@ async def ensure_topics(settings: Settings, partitions: int | None = None, extra
                     t == topics.policy, replication, settings.learner.policy_keep_bytes, t == topics.spending
                 ),
             )
-            for t in (*vars(topics).values(), *extra)
+            for t in names
             if t not in existing
         ]
         if wanted:
@@ -480,7 +494,7 @@ async def ensure_topics(settings: Settings, partitions: int | None = None, extra
                 await admin.create_topics(wanted)
             except TopicAlreadyExistsError:
                 pass
-        found = [t for t in (*vars(topics).values(), *extra) if t in existing]
+        found = [t for t in names if t in existing]
         await _check_partitions(admin, [t for t in found if t not in one_partition], partitions)
         await _check_limits(admin, found, topics.policy, topics.spending)
     finally:
@@ -646,7 +660,7 @@ async def keep_topics(
                 if admin is None:
                     admin = AIOKafkaAdminClient(**client_options(settings))
                     await admin.start()
-                missing = set(names + extra) - set(await asyncio.wait_for(admin.list_topics(), every_s * 5))
+                missing = await asyncio.wait_for(missing_topics(admin, names + extra), every_s * 5)
                 if missing:
                     log.warning(
                         "topics %s are gone (the broker restarted empty?): making them again",
