@@ -376,7 +376,7 @@ def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None
             ],
         )
         print(
-            f"at {rate:.0f} queries/s ({args.load_share:g} of the stack's maximum): p50 {results['latency_p50_ms']:.1f} ms, p99 {results['latency_p99_ms']:.1f} ms ({report.answered} answered, accuracy {100 * report.accuracy:.1f} %)"
+            f"at {rate:.0f} queries/s ({args.load_share:g} of the stack's sustained maximum): p50 {results['latency_p50_ms']:.1f} ms, p99 {results['latency_p99_ms']:.1f} ms ({report.answered} answered, accuracy {100 * report.accuracy:.1f} %)"
         )
     finally:
         stack.stop()
