@@ -101,13 +101,13 @@ class StackSampler:
             print(row, flush=True)
 
 
-def wait_for_learner(stack: LocalStack, feedback_sent: int, timeout_s: float, within: int = 100) -> float:
+def wait_for_learner(stack: LocalStack, feedback_sent: int, timeout_s: float, within: int = 100) -> float | None:
     """Seconds until the learner has read all but ``within`` of the workers' experience and of ``feedback_sent``
-    feedback records (it catches up on a backlog); ``timeout_s`` at most."""
+    feedback records (it catches up on a backlog); None when it has not within ``timeout_s``."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         row = sample_stack(stack, lambda: feedback_sent)
         if row["experience_lag"] <= within and row["feedback_lag"] <= within:
-            break
+            return time.monotonic() - start
         time.sleep(1.0)
-    return time.monotonic() - start
+    return None

@@ -339,9 +339,13 @@ def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None
         print(f"the stack at its maximum: {results['stack_queries_per_s']:.0f} queries/s")
         results["sustained_queries_per_s"] = results["stack_queries_per_s"]
         if not args.without_learner:
-            results["learner_catch_up_s"] = caught_up = wait_for_learner(
-                stack, saturated.feedback_sent, args.catch_up_s
-            )
+            caught_up = wait_for_learner(stack, saturated.feedback_sent, args.catch_up_s)
+            if caught_up is None:
+                raise SystemExit(
+                    f"the learner did not catch up on the saturation's records within {args.catch_up_s:g} s: no "
+                    "sustained maximum to load at (raise --catch-up-s)"
+                )
+            results["learner_catch_up_s"] = caught_up
             span = saturated.answered_at[-1] - saturated.answered_at[0]
             results["sustained_queries_per_s"] = saturated.answered / (span + caught_up)
             print(
