@@ -7,8 +7,9 @@ since the checkpoint before (5 s of traffic at 40 queries/s); and what restoring
 
 Each checkpoint is the learner's own (``LearnerCore.checkpoint``: weights, optimizer, state, fsynced), on the local
 disk; a fresh engine (empty experience buffer). Seconds are the median of ``--repeats`` checkpoints, beside the
-first one, which writes everything held (as a compaction of the journals does, once per as many changes as are
-held); the bytes are what the checkpoint directory holds afterwards; peak RSS is the process's so far.
+first one, which writes everything held on the learner's thread, and a compaction of the journals (everything
+held written again, once per as many changes as are held, in a thread of its own): the checkpoint that starts it,
+those during it (each after the same traffic), its time, and the checkpoint after it; the bytes are what the checkpoint directory holds afterwards; peak RSS is the process's so far.
 ``--no-restore`` skips the restore, which holds a second learner as large as the first (1,000,000 held then fits
 in 24 GB).
 """
@@ -63,6 +64,49 @@ async def hold(core: LearnerCore, template: Experience, first: int, n: int, offs
         await core.on_experience(message, Record("rlens.experience", offset + i, message.model_dump_json().encode()))
 
 
+async def traffic(core: LearnerCore, template: Experience, next_id: int) -> int:
+    """200 new experiences and 100 joins (the trainer aside); the next free id."""
+    await hold(core, template, next_id, 200, 0)
+    for i in range(next_id, next_id + 100):
+        core.experience.pop(f"q{i}")
+        core.done.add(f"q{i}", time.time())  # the oldest recent id goes: they stay at `held`
+    return next_id + 200
+
+
+async def compact(core: LearnerCore, template: Experience, next_id: int) -> dict:
+    """A compaction of the journals in their threads: the checkpoint that starts it (the snapshot), the checkpoints
+    meanwhile (each after the same traffic as above), the time until they have finished, and the checkpoint that
+    then records the new generations."""
+    floors = {name: journal.floor for name, journal in core.journals.items()}
+    for journal in core.journals.values():
+        journal.floor = -(2**62)  # due now
+    started = time.perf_counter()
+    core.checkpoint()
+    start_s = time.perf_counter() - started
+    for name, journal in core.journals.items():
+        journal.floor = floors[name]
+    meanwhile = []
+    while not all(j.compaction is None or j.compaction.done.is_set() for j in core.journals.values()):
+        next_id = await traffic(core, template, next_id)
+        tick = time.perf_counter()
+        core.checkpoint()
+        meanwhile.append(time.perf_counter() - tick)
+        await asyncio.sleep(0.2)
+    compaction_s = time.perf_counter() - started
+    next_id = await traffic(core, template, next_id)
+    tick = time.perf_counter()
+    core.checkpoint()
+    assert all(j.compaction is None for j in core.journals.values())
+    return {
+        "compaction_start_s": start_s,
+        "compaction_s": compaction_s,
+        "checkpoints_during": len(meanwhile),
+        "checkpoint_during_s": statistics.median(meanwhile) if meanwhile else None,
+        "checkpoint_during_s_max": max(meanwhile, default=None),
+        "compaction_switch_s": time.perf_counter() - tick,
+    }
+
+
 def directory_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
@@ -81,14 +125,11 @@ async def measure(held: int, repeats: int, restore: bool = True) -> dict:
         first_s = time.perf_counter() - started
         seconds, next_id = [], held
         for _ in range(repeats):
-            await hold(core, template, next_id, 200, 0)
-            for i in range(next_id, next_id + 100):  # what 100 joins do to what is held (the trainer aside)
-                core.experience.pop(f"q{i}")
-                core.done.add(f"q{i}", time.time())  # the oldest recent id goes: they stay at `held`
-            next_id += 200
+            next_id = await traffic(core, template, next_id)
             started = time.perf_counter()
             core.checkpoint()
             seconds.append(time.perf_counter() - started)
+        compaction = await compact(core, template, next_id)
         size = directory_bytes(directory)
         core.checkpoints.close()
         restore_s = None
@@ -103,6 +144,7 @@ async def measure(held: int, repeats: int, restore: bool = True) -> dict:
         "checkpoint_s": statistics.median(seconds),
         "checkpoint_s_max": max(seconds),
         "first_checkpoint_s": first_s,
+        **compaction,
         "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "restore_s": restore_s,
         "directory_mb": size / 2**20,
@@ -125,7 +167,15 @@ def main() -> None:
             f"held {held:>9,}: checkpoint {1000 * run['checkpoint_s']:8.1f} ms (max {1000 * run['checkpoint_s_max']:.1f}),"
             f" the first (everything) {run['first_checkpoint_s']:6.2f} s,"
             + (f" restore {run['restore_s']:6.2f} s," if run["restore_s"] is not None else "")
-            + f" on disk {run['directory_mb']:7.1f} MB, peak RSS {run['max_rss_gb']:.1f} GB",
+            + f" on disk {run['directory_mb']:7.1f} MB, peak RSS {run['max_rss_gb']:.1f} GB;"
+            f" a compaction: started in {1000 * run['compaction_start_s']:.0f} ms, done in"
+            f" {run['compaction_s']:.2f} s, {run['checkpoints_during']} checkpoints meanwhile"
+            + (
+                f" ({1000 * run['checkpoint_during_s']:.1f} ms, max {1000 * run['checkpoint_during_s_max']:.1f})"
+                if run["checkpoints_during"]
+                else ""
+            )
+            + f", the one after {1000 * run['compaction_switch_s']:.0f} ms",
             flush=True,
         )
     write_json(args.out, results)

@@ -5,10 +5,16 @@ A :class:`Journal` is one append-only file per generation, ``journal/{name}-{gen
 checkpoints, each line one change: ``["+", key, value]`` (set) or ``["-", key]`` (delete). A checkpoint appends
 the changes since the one before, fsyncs, and records the mark ``[generation, bytes]`` in its ``state.json``;
 restoring replays the file up to the mark, and cuts off what a later checkpoint that never completed wrote after
-it (the records behind those changes are read again from Kafka, from the checkpoint's offsets). Once a file holds
-more than twice as many changes as there are live keys (plus ``floor``), the next checkpoint starts a new
-generation holding only the live keys: a cost that grows with what is held, paid once per as many changes. The
-files of the newest ``keep`` + 1 generations stay, for the older checkpoints that still refer to them.
+it (the records behind those changes are read again from Kafka, from the checkpoint's offsets).
+
+Once a file holds more than twice as many changes as there are live keys (plus ``floor``), a compaction writes
+the next generation with only the live keys: a cost that grows with what is held (67 s at a million halves,
+BENCHMARKS.md), so it runs in a thread of its own, from a snapshot of the live keys taken on the caller's thread.
+Meanwhile checkpoints go on appending to the current generation (whose marks stay valid) and keep their lines; the
+first checkpoint after the thread has finished appends those lines to the new generation and records its mark. A
+learner that dies during a compaction restores from the older generation (the new file, which no mark names, is
+written over by the next compaction). The files of the newest ``keep`` + 1 generations stay, for the older
+checkpoints that still refer to them.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import json
 import logging
 import os
 import re
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 from rlens.checkpoint import fsync_dir
 
@@ -31,24 +39,54 @@ Mark = list[int]  # [generation, bytes]
 class Journaled(Protocol):
     """A keyed collection that keeps its changes since the last checkpoint."""
 
-    changes: list
+    changes: list  # since the last checkpoint, as the collection holds them
 
     def __len__(self) -> int: ...
 
-    def changes_as_json(self) -> Iterable[Change]: ...
+    def as_json(self, changes: Iterable[list]) -> Iterator[Change]:
+        """Changes as the collection holds them, as JSON values."""
+        ...
 
-    def live(self) -> Iterable[Change]:
-        """Every live key as a change that sets it, oldest first."""
+    def live(self) -> list[list]:
+        """Every live key as a change that sets it, oldest first (a snapshot: the values are never changed later)."""
         ...
 
 
+def encoded(changes: Iterable[Change]) -> list[bytes]:
+    return [json.dumps(c, separators=(",", ":")).encode() + b"\n" for c in changes]
+
+
+def in_a_thread(work: Callable[[], None]) -> None:
+    """How a compaction runs: a daemon thread (a learner that exits meanwhile leaves a file no mark names)."""
+    threading.Thread(target=work, name="journal-compaction", daemon=True).start()
+
+
+@dataclass
+class Compaction:
+    """A generation being written from a snapshot of the live keys, and the lines appended since."""
+
+    generation: int
+    done: threading.Event = field(default_factory=threading.Event)
+    lines: int = 0  # the snapshot's
+    since: list[bytes] = field(default_factory=list)  # the changes after the snapshot, encoded
+    error: BaseException | None = None
+
+
 class Journal:
-    def __init__(self, directory: Path, name: str, keep: int = 3, floor: int = 10_000):
-        self.directory, self.name, self.keep, self.floor = Path(directory), name, keep, floor
+    def __init__(
+        self,
+        directory: Path,
+        name: str,
+        keep: int = 3,
+        floor: int = 10_000,
+        run: Callable[[Callable[[], None]], None] = in_a_thread,
+    ):
+        self.directory, self.name, self.keep, self.floor, self.run = Path(directory), name, keep, floor, run
         self.directory.mkdir(parents=True, exist_ok=True)
         self.generation = max(self._generations(), default=0)  # a fresh learner's first write starts the next
         self.lines = 0  # changes in the current generation's file
         self.fresh = True  # nothing written or restored yet: the next write starts a generation
+        self.compaction: Compaction | None = None
 
     def _path(self, generation: int) -> Path:
         return self.directory / f"{self.name}-{generation:06d}.jsonl"
@@ -80,27 +118,62 @@ class Journal:
             yield json.loads(line)
 
     def write(self, held: Journaled) -> Mark:
-        """Append ``held``'s changes, or start a new generation with every live key of it when the file has grown
-        past twice as many changes as live keys, plus ``floor``; fsynced; then ``held``'s changes are cleared. The
-        mark a checkpoint records."""
-        compact = self.fresh or self.lines + len(held.changes) > 2 * len(held) + self.floor
-        if compact:
+        """Append ``held``'s changes (then cleared), fsynced, and return the mark a checkpoint records: to the new
+        generation if a compaction has finished, else to the current one, and then start a compaction if the file
+        has grown past twice as many changes as live keys, plus ``floor``. The first write (nothing restored)
+        starts a generation with every live key, on the caller's thread."""
+        lines = encoded(held.as_json(held.changes))
+        held.changes.clear()
+        if self.fresh:
             self.generation, self.lines, self.fresh = self.generation + 1, 0, False
-        path = self._path(self.generation)
-        lines = [
-            json.dumps(c, separators=(",", ":")).encode() + b"\n"
-            for c in (held.live() if compact else held.changes_as_json())
-        ]
-        with path.open("wb" if compact else "ab") as f:
+            return self._append(self.generation, encoded(held.as_json(held.live())), truncate=True)
+        compaction = self.compaction
+        if compaction is not None and compaction.done.is_set():
+            self.compaction = None
+            if compaction.error is None:
+                self.generation, self.lines = compaction.generation, compaction.lines
+                return self._append(self.generation, compaction.since + lines, new=True)
+            log.error(
+                "journal %s: a compaction failed (%r); the next checkpoint tries again", self.name, compaction.error
+            )
+        mark = self._append(self.generation, lines)
+        if self.compaction is not None:
+            self.compaction.since.extend(lines)
+        elif self.lines > 2 * len(held) + self.floor:
+            self._compact(held.live(), held)
+        return mark
+
+    def _append(self, generation: int, lines: list[bytes], truncate: bool = False, new: bool = False) -> Mark:
+        """``lines`` at the end of ``generation``'s file (``truncate``: as its whole), fsynced; ``new``: the
+        generation was just made (its directory entry fsynced, the generations past ``keep`` deleted)."""
+        with self._path(generation).open("wb" if truncate else "ab") as f:
             f.write(b"".join(lines))
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()
         self.lines += len(lines)
-        held.changes.clear()
-        if compact:
+        if truncate or new:
             fsync_dir(self.directory)
             for old in self._generations():
-                if old < self.generation - self.keep:
+                if old < generation - self.keep:
                     self._path(old).unlink(missing_ok=True)
-        return [self.generation, size]
+        return [generation, size]
+
+    def _compact(self, snapshot: list[list], held: Journaled) -> None:
+        """Write the next generation from ``snapshot`` (``held``'s live keys) through ``self.run``."""
+        compaction = self.compaction = Compaction(self.generation + 1)
+
+        def work() -> None:
+            try:
+                with self._path(compaction.generation).open("wb") as f:
+                    for start in range(0, len(snapshot), 10_000):  # a bounded buffer
+                        f.write(b"".join(encoded(held.as_json(snapshot[start : start + 10_000]))))
+                    f.flush()
+                    os.fsync(f.fileno())
+                compaction.lines = len(snapshot)
+            except BaseException as error:  # reported by the next write, which goes on with the current generation
+                compaction.error = error
+            finally:
+                compaction.done.set()
+
+        self.run(work)

@@ -101,13 +101,13 @@ class PendingHalves(Generic[M]):
     def _row(pending: Pending) -> list:
         return [pending.at, pending.size, pending.message.model_dump_json(), pending.record]
 
-    def changes_as_json(self) -> list[list]:
-        """The changes since the last checkpoint as JSON (``["+", query id, row]`` or ``["-", query id]``)."""
-        return [[c[0], c[1], self._row(c[2])] if c[0] == "+" else c for c in self.changes]
+    def as_json(self, changes: Iterable[list]) -> Iterator[list]:
+        """``changes`` as JSON (``["+", query id, row]`` or ``["-", query id]``)."""
+        return ([c[0], c[1], self._row(c[2])] if c[0] == "+" else c for c in changes)
 
-    def live(self) -> Iterator[list]:
-        """Every held half as a change that sets it, oldest first."""
-        return (["+", query_id, self._row(p)] for query_id, p in self.items.items())
+    def live(self) -> list[list]:
+        """Every held half as a change that sets it, oldest first (a half is never changed once held)."""
+        return [["+", query_id, p] for query_id, p in self.items.items()]
 
     def replay(self, changes: Iterable[list], model: type[M]) -> None:
         """Apply a journal's changes (the bounds were applied when they were made)."""
@@ -144,11 +144,11 @@ class RecentIds:
         while len(self.items) > self.limit:
             self.changes.append(["-", self.items.popitem(last=False)[0]])
 
-    def changes_as_json(self) -> list[list]:
-        return self.changes
+    def as_json(self, changes: Iterable[list]) -> Iterable[list]:
+        return changes
 
-    def live(self) -> Iterator[list]:
-        return (["+", query_id, at] for query_id, at in self.items.items())
+    def live(self) -> list[list]:
+        return [["+", query_id, at] for query_id, at in self.items.items()]
 
     def replay(self, changes: Iterable[list]) -> None:
         for change in changes:
