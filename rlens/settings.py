@@ -49,6 +49,7 @@ class ServiceSettings(Group):
             "trace_dir",
             "seed",
             "torch_threads",
+            "event_loop",
             "shared_data",
             "zoo_dir",
             "demo_data",
@@ -77,6 +78,11 @@ class ServiceSettings(Group):
         1,
         ge=1,
         description="torch threads of a worker or learner process: one is fastest for the agents' tiny networks on a busy machine (raise it for in-process LLMs on an idle one)",
+    )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto",
+        description="the service processes' event loop: uvloop (less CPU a request, BENCHMARKS.md) or Python's own; "
+        "auto: uvloop where it is installed (Linux, macOS)",
     )
     shared_data: Path = Field(Path("../shared/datasets"), description="where the shared recorded datasets live")
     zoo_dir: Path = Field(

@@ -697,6 +697,8 @@ def test_every_process_serves_metrics_and_health_and_the_counts_follow_the_traff
                 httpx.get(f"{url}/healthz", timeout=10).status_code == 200
                 and httpx.get(f"{url}/readyz", timeout=10).status_code == 200
             )
+        for process in stack.processes():  # each on uvloop, a dependency of rlens on Linux
+            assert "uvloop" in Path(f"/proc/{process.pid}/maps").read_text()
         report = asyncio.run(play(stack.settings, traffic(zoo, "metrics", 150), rate=50, idle_timeout_s=60))
         time.sleep(3.0)  # the last feedback reaches the learner
         worker = scrape(next(u for n, u in urls.items() if n.startswith("worker")))

@@ -512,3 +512,11 @@ def test_a_handlers_message_is_resolved_on_the_event_loop_not_in_a_thread():
     assert after == before
     before, after = asyncio.run(threads_after(KafkaMessage))
     assert after > before  # FastStream's own annotation: the hop this avoids
+
+
+def test_the_event_loop_is_uvloop_unless_set_to_pythons_own():
+    from rlens.service.run import uses_uvloop
+    from rlens.settings import Settings
+
+    assert uses_uvloop(Settings()) and uses_uvloop(Settings().updated({"event_loop": "uvloop"}))
+    assert not uses_uvloop(Settings().updated({"event_loop": "asyncio"}))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -289,11 +290,26 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def uses_uvloop(settings: Settings) -> bool:
+    """Whether the process runs on uvloop (``settings.service.event_loop``; auto: where it is installed)."""
+    if settings.service.event_loop == "asyncio":
+        return False
+    if settings.service.event_loop == "uvloop":
+        return True
+    return importlib.util.find_spec("uvloop") is not None
+
+
 def run_app(app, settings: Settings, role: str) -> None:
     """Run a worker's or learner's app: its subscribers and, on ``settings.metrics_host:metrics_port``, its HTTP side."""
     setup_tracing(settings, role)
     http = {"host": settings.metrics.host, "port": settings.metrics.port, "log_config": None}  # uvicorn's records too
-    asyncio.run(app.run(log_level=logging.WARNING, run_extra_options=http))
+    factory = None
+    if uses_uvloop(settings):
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(app.run(log_level=logging.WARNING, run_extra_options=http))
 
 
 def run_worker(settings: Settings) -> None:
@@ -351,5 +367,6 @@ def run_gateway(settings: Settings) -> None:
         log_config=None,  # its records go through the process's one handler
         limit_concurrency=settings.gateway.max_connections,
         timeout_keep_alive=max(1, round(settings.gateway.idle_timeout_s)),
+        loop="uvloop" if uses_uvloop(settings) else "asyncio",
         http=guarded_protocol(settings.gateway.header_timeout_s, settings.gateway.max_connections_per_address),
     )
