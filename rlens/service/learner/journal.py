@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol
@@ -43,13 +44,19 @@ class Journaled(Protocol):
 
     def __len__(self) -> int: ...
 
-    def as_json(self, changes: Iterable[list]) -> Iterator[Change]:
+    def as_json(self, changes: Iterable[list]) -> Iterable[Change]:
         """Changes as the collection holds them, as JSON values."""
         ...
 
-    def live(self) -> list[list]:
-        """Every live key as a change that sets it, oldest first (a snapshot: the values are never changed later)."""
+    def live(self) -> tuple[list, list]:
+        """Every live key and its value, oldest first: two lists, so that a snapshot makes no object per key (which
+        would wake the garbage collector over everything held); a value is never changed once held."""
         ...
+
+
+def sets(keys: list, values: list) -> Iterator[Change]:
+    """The changes that set ``keys`` to ``values``, as a collection holds them."""
+    return (["+", key, value] for key, value in zip(keys, values))
 
 
 def encoded(changes: Iterable[Change]) -> list[bytes]:
@@ -126,7 +133,7 @@ class Journal:
         held.changes.clear()
         if self.fresh:
             self.generation, self.lines, self.fresh = self.generation + 1, 0, False
-            return self._append(self.generation, encoded(held.as_json(held.live())), truncate=True)
+            return self._append(self.generation, encoded(held.as_json(sets(*held.live()))), truncate=True)
         compaction = self.compaction
         if compaction is not None and compaction.done.is_set():
             self.compaction = None
@@ -140,7 +147,7 @@ class Journal:
         if self.compaction is not None:
             self.compaction.since.extend(lines)
         elif self.lines > 2 * len(held) + self.floor:
-            self._compact(held.live(), held)
+            self._compact(*held.live(), held)
         return mark
 
     def _append(self, generation: int, lines: list[bytes], truncate: bool = False, new: bool = False) -> Mark:
@@ -159,18 +166,19 @@ class Journal:
                     self._path(old).unlink(missing_ok=True)
         return [generation, size]
 
-    def _compact(self, snapshot: list[list], held: Journaled) -> None:
-        """Write the next generation from ``snapshot`` (``held``'s live keys) through ``self.run``."""
+    def _compact(self, keys: list, values: list, held: Journaled) -> None:
+        """Write the next generation from a snapshot of ``held``'s live keys and values through ``self.run``."""
         compaction = self.compaction = Compaction(self.generation + 1)
 
         def work() -> None:
             try:
-                with self._path(compaction.generation).open("wb") as f:
-                    for start in range(0, len(snapshot), 10_000):  # a bounded buffer
-                        f.write(b"".join(encoded(held.as_json(snapshot[start : start + 10_000]))))
+                with self._path(compaction.generation).open("wb", buffering=1 << 20) as f:
+                    for start in range(0, len(keys), 10):
+                        f.writelines(encoded(held.as_json(sets(keys[start : start + 10], values[start : start + 10]))))
+                        time.sleep(0)  # hands the GIL back every 10 keys: the learner's loop waits at most that long
                     f.flush()
                     os.fsync(f.fileno())
-                compaction.lines = len(snapshot)
+                compaction.lines = len(keys)
             except BaseException as error:  # reported by the next write, which goes on with the current generation
                 compaction.error = error
             finally:

@@ -105,9 +105,9 @@ class PendingHalves(Generic[M]):
         """``changes`` as JSON (``["+", query id, row]`` or ``["-", query id]``)."""
         return ([c[0], c[1], self._row(c[2])] if c[0] == "+" else c for c in changes)
 
-    def live(self) -> list[list]:
-        """Every held half as a change that sets it, oldest first (a half is never changed once held)."""
-        return [["+", query_id, p] for query_id, p in self.items.items()]
+    def live(self) -> tuple[list, list]:
+        """Every held half's query id and the half, oldest first (a half is never changed once held)."""
+        return list(self.items), list(self.items.values())
 
     def replay(self, changes: Iterable[list], model: type[M]) -> None:
         """Apply a journal's changes (the bounds were applied when they were made)."""
@@ -147,8 +147,8 @@ class RecentIds:
     def as_json(self, changes: Iterable[list]) -> Iterable[list]:
         return changes
 
-    def live(self) -> list[list]:
-        return [["+", query_id, at] for query_id, at in self.items.items()]
+    def live(self) -> tuple[list, list]:
+        return list(self.items), list(self.items.values())
 
     def replay(self, changes: Iterable[list]) -> None:
         for change in changes:
