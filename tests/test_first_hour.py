@@ -1,5 +1,5 @@
 """What a new user meets first, on real processes: Ctrl-C in `rlens replay` stops it and every worker process at
-once with one line; tests skipped for want of the shared dataset say what they need."""
+once with one line, and Ctrl-C while rlens loads is quiet; tests skipped for want of the shared dataset say what they need."""
 
 from __future__ import annotations
 
@@ -54,6 +54,24 @@ def test_ctrl_c_stops_the_replay_and_its_worker_processes_with_one_line(tmp_path
         time.sleep(0.1)
     assert not group_alive(process.pid), "a worker process outlived the replay"
     assert not (tmp_path / "results.json").exists()
+
+
+def test_ctrl_c_while_the_command_line_loads_exits_quietly():
+    """Ctrl-C while rlens loads its modules (once pydantic's library is loaded, a third of the way) ends with 130 and
+    no traceback; a command that finished first ends with 0."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rlens.cli", "--help"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a shell's background jobs ignore it
+    )
+    maps, deadline = Path(f"/proc/{process.pid}/maps"), time.monotonic() + 120
+    while process.poll() is None and time.monotonic() < deadline and "pydantic_core" not in maps.read_text():
+        time.sleep(0.005)
+    process.send_signal(signal.SIGINT)
+    _, errors = process.communicate(timeout=120)
+    assert process.returncode in (0, 130) and "Traceback" not in errors, errors
 
 
 def test_tests_skipped_without_the_shared_dataset_say_what_they_need(tmp_path):

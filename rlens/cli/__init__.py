@@ -3,9 +3,12 @@ calling the package code that does the work."""
 
 from __future__ import annotations
 
-import typer
+try:
+    import typer
 
-from rlens.cli import config, importers, keys, local, models, ope, policy, replay, rlae, service, zoo
+    from rlens.cli import config, importers, keys, local, models, ope, policy, replay, rlae, service, zoo
+except KeyboardInterrupt:  # Ctrl-C while the command line loads: a quiet exit, as Ctrl-C in a command gets
+    raise SystemExit(130) from None
 
 app = typer.Typer(help="rlens: LLM ensembles that learn from feedback.", no_args_is_help=True, add_completion=False)
 LOGGING_COMMANDS = ("worker", "learner", "gateway")  # their processes log the same warnings as records
