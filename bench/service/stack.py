@@ -19,7 +19,9 @@ topics and consumer groups of its own, the yardstick (1) included.
    queries unanswered (the learner, the broker and the load generator share the machine with the workers, so this is
    below (2)), and how long the learner then takes to read what the saturation left it: the stack's sustained maximum
    is the queries answered over the time from the first answer to the learner's catching up (a rate the workers
-   answer but the learner cannot learn from only grows its lag). Then ``--load-s`` seconds of traffic at
+   answer but the learner cannot learn from only grows its lag). The learner caught up with the workers idle, so
+   ``--probe-s`` seconds at that rate follow (:func:`probe_learner`): where the learner reads fewer experiences a
+   second there, that is the sustained maximum. Then ``--load-s`` seconds of traffic at
    ``--load-share`` (default 0.8) of the sustained maximum, feedback sent as each answer arrives: p50 / p99 from
    sending a query to receiving its answer, over the answers after the phase's first 5 s and per 10 s, the accuracy
    served, and the load generator's own garbage-collection pauses (longest and total), which count in the latencies
@@ -43,7 +45,7 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from bench.common.machine import cpu_seconds, machine_facts
-from bench.common.sampling import StackSampler, wait_for_learner
+from bench.common.sampling import StackSampler, sample_stack, wait_for_learner
 from bench.common.stacks import cycled, replay_stack
 from bench.common.args import add_out, arguments, write_json
 from rlens.records.dataset import load_dataset
@@ -248,6 +250,12 @@ def main() -> None:
     parser.add_argument(
         "--catch-up-s", type=float, default=300.0, help="the longest wait for the learner between the two phases"
     )
+    parser.add_argument(
+        "--probe-s",
+        type=float,
+        default=60.0,
+        help="seconds at the estimated sustained maximum, to see whether the learner keeps up there (0: no probe)",
+    )
     parser.add_argument("--learner-nice", type=int, default=0, help="RLENS_LEARNER_NICE for the latency phase")
     add_out(parser, "bench/out/service.json")
     args = parser.parse_args()
@@ -314,6 +322,29 @@ def throughput_phases(args: argparse.Namespace, stream: list, results: dict) -> 
         stack.stop()
 
 
+def probe_learner(args: argparse.Namespace, stack, stream: list, sent: int, results: dict) -> int:
+    """``--probe-s`` seconds at the estimated sustained maximum, the workers busy: the learner's reads a second
+    there, which lower the estimate where they fall short of it (the catch-up after the saturation ran with the
+    workers idle); then the wait for the learner again. The feedback the probe sent."""
+    estimate = results["sustained_queries_per_s"]
+    before, start = sample_stack(stack, lambda: sent), time.monotonic()
+    probed = asyncio.run(
+        play(stack.settings, cycled(stream, "probe", int(args.probe_s * estimate)), rate=estimate, idle_timeout_s=60)
+    )
+    after = sample_stack(stack, lambda: sent + probed.feedback_sent)
+    reads = (after["experience_read"] - before["experience_read"]) / (time.monotonic() - start)
+    results["learner_reads_per_s_under_load"] = reads
+    results["sustained_queries_per_s"] = min(estimate, reads)
+    print(
+        f"at {estimate:.0f} queries/s for {args.probe_s:g} s the learner read {reads:.0f} experiences a second: the "
+        f"sustained maximum is {results['sustained_queries_per_s']:.0f} queries/s",
+        flush=True,
+    )
+    if wait_for_learner(stack, sent + probed.feedback_sent, args.catch_up_s) is None:
+        raise SystemExit(f"the learner did not catch up on the probe's records within {args.catch_up_s:g} s")
+    return probed.feedback_sent
+
+
 def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None:
     """The whole stack on a fresh broker and Redis: its maximum rate, then latency at ``--load-share`` of it."""
     nice = {"learner": {"nice": args.learner_nice}}
@@ -338,6 +369,7 @@ def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None
         results["stack_queries_per_s"] = (len(after) - 1) / (after[-1] - after[0])
         print(f"the stack at its maximum: {results['stack_queries_per_s']:.0f} queries/s")
         results["sustained_queries_per_s"] = results["stack_queries_per_s"]
+        sent = saturated.feedback_sent  # feedback sent so far, for the learner's lag
         if not args.without_learner:
             caught_up = wait_for_learner(stack, saturated.feedback_sent, args.catch_up_s)
             if caught_up is None:
@@ -352,6 +384,8 @@ def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None
                 f"the learner caught up on the saturation's records in {caught_up:.0f} s: the stack answers and "
                 f"learns from {results['sustained_queries_per_s']:.0f} queries/s"
             )
+            if args.probe_s:
+                sent += probe_learner(args, stack, stream, sent, results)
         rate = results["sustained_queries_per_s"] * args.load_share
         report = LoadReport()
 
@@ -360,7 +394,7 @@ def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None
             report = latest
 
         traffic = cycled(stream, "latency", int(args.load_s * rate))
-        with StackSampler(stack, lambda: saturated.feedback_sent + report.feedback_sent) as sampler:
+        with StackSampler(stack, lambda: sent + report.feedback_sent) as sampler:
             report = asyncio.run(play(stack.settings, traffic, rate=rate, idle_timeout_s=60, on_answer=seen))
         steady = [ms for ms, t in zip(report.latencies_ms, report.answered_at) if t >= 5.0]
         results.update(
