@@ -14,7 +14,9 @@ alone) and the default; the machine is printed first.
 
 from __future__ import annotations
 
+import argparse
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -26,12 +28,29 @@ from rlens.evaluation.replay import replay
 from rlens.evaluation.synthetic import synthetic_dataset
 from rlens.focal.config import FocalConfig
 from rlens.records.dataset import load_dataset
+from rlens.records.recorded import RecordedDataset
+
+
+def add_sets(parser: argparse.ArgumentParser) -> None:
+    """The options that choose the validation sets (``--sets``, ``--zoo-data``)."""
+    parser.add_argument("--sets", nargs="+", default=["plain", "families", "zoo"], choices=["plain", "families", "zoo"])
+    parser.add_argument("--zoo-data", default=None, help="the recorded long zoo stream (bench.accuracy.long_streams)")
+
+
+def validation_sets(args: argparse.Namespace) -> Iterator[tuple[str, RecordedDataset]]:
+    """Each chosen set by name, made or loaded when its turn comes; the zoo's skipped (with a line) without its data."""
+    for name in args.sets:
+        if name == "zoo" and args.zoo_data is None:
+            print("zoo: skipped (no --zoo-data)", flush=True)
+        elif name == "zoo":
+            yield name, load_dataset(args.zoo_data)
+        else:
+            yield name, synthetic_dataset(10_000, 11, seed=0, families=3 if name == "families" else 0)
 
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--sets", nargs="+", default=["plain", "families", "zoo"], choices=["plain", "families", "zoo"])
-    parser.add_argument("--zoo-data", default=None, help="the recorded long zoo stream (see above)")
+    add_sets(parser)
     add_seeds(parser)
     parser.add_argument(
         "--budgets", nargs="+", default=["none"], help="none (alpha alone) or shares of the pool's cost"
@@ -39,17 +58,8 @@ def main() -> None:
     add_out(parser, "bench/out/long_streams.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
-    sets = {
-        "plain": lambda: synthetic_dataset(10_000, 11, seed=0),
-        "families": lambda: synthetic_dataset(10_000, 11, seed=0, families=3),
-        "zoo": lambda: load_dataset(args.zoo_data),
-    }
     rows = []
-    for name in args.sets:
-        if name == "zoo" and args.zoo_data is None:
-            print("zoo: skipped (no --zoo-data)", flush=True)
-            continue
-        data = sets[name]()
+    for name, data in validation_sets(args):
         for budget in args.budgets:
             cell = {"set": name, "budget": None if budget == "none" else float(budget)}
             for joint_rows in (0, FocalConfig.joint_rows):

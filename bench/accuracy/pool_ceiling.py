@@ -20,11 +20,10 @@ import itertools
 import numpy as np
 
 from bench.common.args import add_out, arguments, write_json
+from bench.accuracy.long_streams import add_sets, validation_sets
 from bench.common.machine import machine_facts
 from rlens.evaluation.baselines import stacking
 from rlens.evaluation.protocols import Protocol, split
-from rlens.evaluation.synthetic import synthetic_dataset
-from rlens.records.dataset import load_dataset
 from rlens.records.recorded import RecordedDataset
 
 
@@ -90,23 +89,12 @@ def ceiling(data: RecordedDataset, sizes: list[int]) -> dict:
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--sets", nargs="+", default=["plain", "families", "zoo"], choices=["plain", "families", "zoo"])
-    parser.add_argument("--zoo-data", default=None, help="the recorded long zoo stream (bench.accuracy.long_streams)")
+    add_sets(parser)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     add_out(parser, "bench/out/pool_ceiling.json")
     args = parser.parse_args()
     print(f"machine: {machine_facts()}", flush=True)
-    sets = {
-        "plain": lambda: synthetic_dataset(10_000, 11, seed=0),
-        "families": lambda: synthetic_dataset(10_000, 11, seed=0, families=3),
-        "zoo": lambda: load_dataset(args.zoo_data),
-    }
-    results = []
-    for name in args.sets:
-        if name == "zoo" and args.zoo_data is None:
-            print("zoo: skipped (no --zoo-data)", flush=True)
-            continue
-        results.append(ceiling(sets[name](), args.sizes))
+    results = [ceiling(data, args.sizes) for _, data in validation_sets(args)]
     write_json(args.out, {"machine": machine_facts(), "sets": results})
 
 
