@@ -514,9 +514,16 @@ def test_a_handlers_message_is_resolved_on_the_event_loop_not_in_a_thread():
     assert after > before  # FastStream's own annotation: the hop this avoids
 
 
-def test_the_event_loop_is_uvloop_unless_set_to_pythons_own():
+def test_the_event_loop_is_uvloop_unless_set_to_pythons_own_or_missing(monkeypatch):
+    import importlib.util
+
     from rlens.service.run import uses_uvloop
     from rlens.settings import Settings
 
     assert uses_uvloop(Settings()) and uses_uvloop(Settings().updated({"event_loop": "uvloop"}))
     assert not uses_uvloop(Settings().updated({"event_loop": "asyncio"}))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "uvloop" else find_spec(name))
+    assert not uses_uvloop(Settings())  # auto: Python's own where uvloop is missing
+    with pytest.raises(ValueError, match="uvloop is not installed"):
+        uses_uvloop(Settings().updated({"event_loop": "uvloop"}))

@@ -292,11 +292,10 @@ def freeze_startup_objects() -> None:
 
 def uses_uvloop(settings: Settings) -> bool:
     """Whether the process runs on uvloop (``settings.service.event_loop``; auto: where it is installed)."""
-    if settings.service.event_loop == "asyncio":
-        return False
-    if settings.service.event_loop == "uvloop":
-        return True
-    return importlib.util.find_spec("uvloop") is not None
+    installed = importlib.util.find_spec("uvloop") is not None
+    if settings.service.event_loop == "uvloop" and not installed:
+        raise ValueError("RLENS_EVENT_LOOP=uvloop, but uvloop is not installed (pip install uvloop, or unset it)")
+    return settings.service.event_loop != "asyncio" and installed
 
 
 def run_app(app, settings: Settings, role: str) -> None:
