@@ -22,7 +22,7 @@ import numpy as np
 from bench.common.args import add_out, arguments, write_json
 from bench.accuracy.long_streams import add_sets, validation_sets
 from bench.common.machine import machine_facts
-from rlens.evaluation.baselines import stacking
+from rlens.focal.features import LOG_FLOOR
 from rlens.evaluation.protocols import Protocol, split
 from rlens.records.recorded import RecordedDataset
 
@@ -31,7 +31,7 @@ def stacker(warm: RecordedDataset, test: RecordedDataset, pool: tuple[int, ...])
     """The pool's stacker on the test split: (its answers, its probability of them)."""
     from sklearn.linear_model import LogisticRegression
 
-    features = lambda d: np.log(np.maximum(d.probs[:, list(pool)], 1e-6)).reshape(d.n_questions, -1)  # noqa: E731
+    features = lambda d: np.log(np.maximum(d.probs[:, list(pool)], LOG_FLOOR)).reshape(d.n_questions, -1)  # noqa: E731
     fitted = LogisticRegression(C=1.0, max_iter=2000).fit(features(warm), warm.labels)
     proba = fitted.predict_proba(features(test))
     return fitted.classes_[proba.argmax(1)], proba.max(1)
@@ -45,11 +45,10 @@ def ceiling(data: RecordedDataset, sizes: list[int]) -> dict:
     share = lambda pool: float(data.model_costs[list(pool)].sum() / data.model_costs.sum())  # noqa: E731
     accuracy = lambda pool: float((stacker(warm, test, pool)[0] == test.labels).mean())  # noqa: E731
     every = tuple(range(data.n_models))
-    run = stacking(warm, test)
-    assert run is not None
+    whole = stacker(warm, test, every)[0]  # the stacking baseline (one task): every model
     result: dict = {
         "set": data.name,
-        "stacking_all": float((run.answers == test.labels).mean()),
+        "stacking_all": float((whole == test.labels).mean()),
         "pools": [],
         "cascade": [],
     }
@@ -70,7 +69,6 @@ def ceiling(data: RecordedDataset, sizes: list[int]) -> dict:
     if 2 in best:
         pair = best[2][1]
         first, confidence = stacker(warm, test, pair)
-        whole = stacker(warm, test, every)[0]
         for tau in (0.5, 0.6, 0.7, 0.8, 0.9):
             escalated = confidence < tau
             answers = np.where(escalated, whole, first)

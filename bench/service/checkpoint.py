@@ -9,7 +9,8 @@ Each checkpoint is the learner's own (``LearnerCore.checkpoint``: weights, optim
 disk; a fresh engine (empty experience buffer). Seconds are the median of ``--repeats`` checkpoints, beside the
 first one, which writes everything held on the learner's thread, and a compaction of the journals (everything
 held written again, once per as many changes as are held, in a thread of its own): the checkpoint that starts it,
-those during it (each after the same traffic), its time, and the checkpoint after it; the bytes are what the checkpoint directory holds afterwards; peak RSS is the process's so far.
+those during it (each after the same traffic), its time, and the checkpoint after it. The bytes are what the
+checkpoint directory holds afterwards; peak RSS is the process's so far.
 ``--no-restore`` skips the restore, which holds a second learner as large as the first (1,000,000 held then fits
 in 24 GB).
 """

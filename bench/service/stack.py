@@ -371,7 +371,7 @@ def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None
         results["sustained_queries_per_s"] = results["stack_queries_per_s"]
         sent = saturated.feedback_sent  # feedback sent so far, for the learner's lag
         if not args.without_learner:
-            caught_up = wait_for_learner(stack, saturated.feedback_sent, args.catch_up_s)
+            caught_up = wait_for_learner(stack, sent, args.catch_up_s)
             if caught_up is None:
                 raise SystemExit(
                     f"the learner did not catch up on the saturation's records within {args.catch_up_s:g} s: no "
