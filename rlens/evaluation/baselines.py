@@ -15,10 +15,9 @@ import numpy as np
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 
-from rlens.records.recorded import RecordedDataset
+from rlens.focal.features import LOG_FLOOR
 from rlens.focal.voting import plurality_vote, soft_vote
-
-LOG_FLOOR = 1e-6
+from rlens.records.recorded import RecordedDataset
 
 
 @dataclass

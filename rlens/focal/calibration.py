@@ -27,7 +27,7 @@ from typing import Hashable
 
 import numpy as np
 
-LOG_FLOOR = 1e-6
+from rlens.focal.features import LOG_FLOOR
 
 
 def fit_multinomial(

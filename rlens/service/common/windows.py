@@ -49,7 +49,8 @@ import numpy as np
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from rlens.focal.calibration import LOG_FLOOR, StreamCalibration
+from rlens.focal.calibration import StreamCalibration
+from rlens.focal.features import LOG_FLOOR
 from rlens.focal.window import OutcomeWindow
 from rlens.messages import MAX_CHOICES
 from rlens.redis_clients import pipelined

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from rlens.checkpoint import CheckpointStore, load_optimizer, optimizer_tensors
-from rlens.focal.calibration import LOG_FLOOR, significant
+from rlens.focal.calibration import significant
+from rlens.focal.features import LOG_FLOOR
 from rlens.focal.engine import Answer as EngineAnswer
 from rlens.focal.engine import Decision, FocalEngine
 from rlens.focal.features import critic_state_dim, decider_obs_dim, fusion_feature_dim
