@@ -160,7 +160,9 @@ class StreamCalibration:
         if self.combiner is not None:
             self.combiner.push(log_p, called, pool, label)
 
-    def _theta(self, model: int, n_choices: int) -> np.ndarray | None:
+    def _theta(self, model: int, n_choices: int, start: np.ndarray | None = None) -> np.ndarray | None:
+        """The model's calibration over ``n_choices`` choices, fitted again once ``refit_every`` new rows came, from
+        the last fit (or ``start``: fewer Newton steps to the same minimum); None before ``min_rows`` rows."""
         fitted = self.fits.get((model, n_choices))
         if fitted is not None and self.seen[model] - fitted[0] < self.refit_every:
             return fitted[1]
@@ -168,7 +170,11 @@ class StreamCalibration:
         if len(rows) < self.min_rows:
             return None if fitted is None else fitted[1]
         theta = fit_multinomial(
-            np.stack([x for x, _ in rows]), np.array([y for _, y in rows]), n_choices, self.strength
+            np.stack([x for x, _ in rows]),
+            np.array([y for _, y in rows]),
+            n_choices,
+            self.strength,
+            start=start if fitted is None else fitted[1],
         )
         self.fits[model, n_choices] = (int(self.seen[model]), theta)
         return theta
@@ -246,15 +252,19 @@ class StreamCalibration:
             return None
         return log_softmax(np.log(np.maximum(probs, LOG_FLOOR)) @ theta[:-1] + theta[-1])
 
-    def fit_all(self) -> None:
+    def fit_all(self, starts: dict | None = None, joint_starts: dict | None = None) -> None:
         """Fit every (model, choice count) that has ``min_rows`` rows, then the pools' joint fits where the stream's
-        queries are kept whole (the service's learner, before it publishes)."""
+        queries are kept whole (the service's learner, before it publishes). Each fit starts from the last one
+        (fewer Newton steps to the same minimum): this one's :attr:`fits` and its combiner's, or ``starts`` and
+        ``joint_starts`` (the learner's last fits of a stream it loaded afresh)."""
+        starts = dict(self.fits if starts is None else starts)
+        self.fits = {}
         for model, history in enumerate(self.history):
             for n_choices in sorted({c for c, _, _ in history}):
-                self.fits.pop((model, n_choices), None)
-                self._theta(model, n_choices)
+                last = starts.get((model, n_choices))
+                self._theta(model, n_choices, start=None if last is None else last[1])
         if self.combiner is not None and self.combiner.history:
-            self.combiner.refit(self.votes_of)
+            self.combiner.refit(self.votes_of, joint_starts)
 
     def state(self) -> dict:
         """The fits, the label counts (add-one) and the pools' joint fits (``joint``: members, choice count, theta)
@@ -328,36 +338,47 @@ class PoolCombiner:
         grown = self.seen - self.fitted_at
         return grown >= min(max(self.refit_every, self.fitted_at // 10), self.refit_most)
 
-    def refit(self, votes_of) -> None:
-        """Fit the most served pools again; ``votes_of(log_p [n, M, C], pool)`` gives the vote's log-probabilities
-        [n, C] there (None: no vote yet, and then no joint fit either)."""
+    def refit(self, votes_of, starts: dict | None = None) -> None:
+        """Fit the most served pools again, each from its last fit (or ``starts``'); ``votes_of(log_p [n, M, C],
+        pool)`` gives the vote's log-probabilities [n, C] there (None: no vote yet, and then no joint fit either)."""
         if len(self.history) < self.min_rows:
             return  # no pool can have a fit yet
+        starts = self.fits if starts is None else starts
         self.fitted_at = self.seen
         served = Counter(pool for _, _, pool, _ in self.history if pool is not None)
+        by_choices = {}  # C -> the rows over C choices: log p [n, M, C], called [n, M], labels [n]
+        for n_choices in sorted({x.shape[1] for x, _, _, _ in self.history}):
+            rows = [row for row in self.history if row[0].shape[1] == n_choices]
+            by_choices[n_choices] = (
+                np.stack([x for x, _, _, _ in rows]),
+                np.stack([called for _, called, _, _ in rows]),
+                np.array([y for _, _, _, y in rows]),
+            )
         fits = {}
         for key, _ in served.most_common(self.pools):
             pool = np.frombuffer(key, dtype=bool)
-            for n_choices in sorted({x.shape[1] for x, _, _, _ in self.history}):
-                theta = self._fit(pool, n_choices, votes_of, self.fits.get((key, n_choices)))
+            for n_choices, (log_p, called, labels) in by_choices.items():
+                members = called[:, pool].all(1)  # the rows where every member was called
+                theta = self._fit(pool, log_p[members], labels[members], votes_of, starts.get((key, n_choices)))
                 if theta is not None:
                     fits[key, n_choices] = theta
         self.fits = fits
 
-    def _fit(self, pool: np.ndarray, n_choices: int, votes_of, start: np.ndarray | None) -> np.ndarray | None:
-        """The pool's joint fit, or None; ``start``: its last one (fewer Newton steps)."""
-        rows = [(x, y) for x, called, _, y in self.history if x.shape[1] == n_choices and called[pool].all()]
-        if len(rows) < self.min_rows:
+    def _fit(
+        self, pool: np.ndarray, log_p: np.ndarray, labels: np.ndarray, votes_of, start: np.ndarray | None
+    ) -> np.ndarray | None:
+        """The pool's joint fit on the rows ``log_p`` [n, M, C] where every member was called, or None; ``start``:
+        its last one (fewer Newton steps)."""
+        n, n_choices = len(labels), log_p.shape[2]
+        if n < self.min_rows:
             return None
-        log_p = np.stack([x for x, _ in rows])
-        labels = np.array([y for _, y in rows])
-        features = log_p[:, pool].reshape(len(rows), -1)
-        cut = len(rows) - len(rows) // 5
+        features = log_p[:, pool].reshape(n, -1)
+        cut = n - n // 5
         votes = votes_of(log_p[cut:], pool)
         if votes is None:
             return None
         theta = fit_multinomial(features[:cut], labels[:cut], n_choices, self.strength, start=start)
-        held = np.arange(len(rows) - cut), labels[cut:]
+        held = np.arange(n - cut), labels[cut:]
         if log_softmax(features[cut:] @ theta[:-1] + theta[-1])[held].mean() <= votes[held].mean():
             return None
         return fit_multinomial(features, labels, n_choices, self.strength, start=theta)

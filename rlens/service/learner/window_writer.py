@@ -9,7 +9,8 @@ each), :meth:`WindowWriter.refit` fits the stream's calibrations from its rows i
 workers. With joint rows (``RLENS_FOCAL_JOINT_ROWS``) the outcome is also kept whole, and the pools' joint fits are made
 again with the calibrations once the stream's joint rows grew by a tenth since they were last made
 (:meth:`rlens.focal.calibration.PoolCombiner.due`, the replay's cadence) and :data:`JOINT_REFIT_S` have passed (a busy
-stream's fits cost up to a second of CPU); in between, the last ones are published again."""
+stream's fits cost up to a second of CPU); in between, the last ones are published again. Every fit starts from the
+stream's last one (kept for the newest :data:`FITTED_STREAMS` streams): fewer Newton steps to the same minimum."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from rlens.service.common.logs import query_fields
 APPLY_BATCH = 256  # outcomes sent to Redis in one round trip
 RETRY_AFTER_S = 2.0  # after a bounded wait gave up: no new try before this
 MAX_COUNTED = 100_000  # (stream, model) calibration counts kept
-JOINT_STREAMS = 10_000  # streams whose last joint fits the learner keeps between their refits
+FITTED_STREAMS = 10_000  # streams whose last fits the learner keeps between their refits (where the next start)
 JOINT_REFIT_S = 30.0  # a stream's joint fits are made again at most this often
 log = logging.getLogger("rlens.learner")
 
@@ -61,9 +62,10 @@ class WindowWriter:
         self.backlog: deque[list] = deque()
         self._retry_at = 0.0  # monotonic clock
         self.new_rows: Counter[tuple[str, int]] = Counter()  # (stream, model): calibration rows since its last fit
-        # stream -> its last joint fits (their rows dropped; ``seen`` counts on with each new row: ``due``), the newest
-        # JOINT_STREAMS
+        # stream -> its last joint fits (their rows dropped; ``seen`` counts on with each new row: ``due``), and its
+        # calibrations' last fits; the newest FITTED_STREAMS
         self.joint: OrderedDict[str, PoolCombiner] = OrderedDict()
+        self.fits: OrderedDict[str, dict] = OrderedDict()
         self.joint_made: dict[str, float] = {}  # stream -> when its joint fits were last made (monotonic clock)
 
     def queue(
@@ -140,8 +142,10 @@ class WindowWriter:
         propagate (the caller tries again later: the counts stay)."""
         while len(self.new_rows) > MAX_COUNTED:  # streams seldom fed: the oldest counts go (their rows stay)
             del self.new_rows[next(iter(self.new_rows))]
-        while len(self.joint) > JOINT_STREAMS:  # the oldest go: their next refit makes their joint fits again
+        while len(self.joint) > FITTED_STREAMS:  # the oldest go: their next refit makes their joint fits again
             self.joint_made.pop(self.joint.popitem(last=False)[0], None)
+        while len(self.fits) > FITTED_STREAMS:  # the oldest go: their next fits start from zero
+            self.fits.popitem(last=False)
         now = time.monotonic()
         if len(self.fitted_at) > MAX_COUNTED:  # only the fits within the interval hold a stream back
             self.fitted_at = {s: at for s, at in self.fitted_at.items() if now - at < self.refit_interval_s}
@@ -159,7 +163,9 @@ class WindowWriter:
                 last.due() and time.monotonic() - self.joint_made.get(stream, 0.0) >= JOINT_REFIT_S
             )
             calibration = await self.windows.load_calibration(stream, joint=joint)
-            calibration.fit_all()
+            calibration.fit_all(self.fits.get(stream), None if last is None else last.fits)
+            self.fits[stream] = calibration.fits
+            self.fits.move_to_end(stream)
             if (combiner := calibration.combiner) is not None:  # made again
                 self.joint[stream] = combiner
                 if combiner.fitted_at:  # fits were made (or refused), at a cost
