@@ -1,22 +1,26 @@
 """A million stream keys: what one stream costs in Redis and in the learner, and how long a lookup takes, as the
 number of streams grows (issue 58's target: flat within 10 % from 10,000 to 1,000,000).
 
-    python -m bench.service.streams [--steps 10000 100000 1000000] [--outcomes 1] [--out bench/out/streams.json]
+    python -m bench.service.streams [--steps 10000 100000 1000000] [--rounds 10] [--out bench/out/streams.json]
 
-A redis-server of its own (no persistence). Streams are added up to each step, each with ``--outcomes`` outcomes
-written through the learner's path (``RedisWindows.apply_many``: the window row, the once-per-query marker, each
-called model's calibration row and the joint row, 256 outcomes a pipeline) and published fits (those of a stream
-with 64 labelled queries, as the learner's refit saves them). At each step:
+Each step (a number of streams) gets a redis-server of its own (no persistence), filled first: every stream with
+``--outcomes`` outcomes written through the learner's path (``RedisWindows.apply_many``: the window row, the
+once-per-query marker, each called model's calibration row and the joint row, 256 outcomes a pipeline) and published
+fits (those of a stream with 64 labelled queries, as the learner's refit saves them); what the fill grew
+``used_memory`` and the key count by, per stream. Then ``--rounds`` rounds, each visiting every step, in an order
+that rotates from round to round, so that what the machine does meanwhile falls on every step alike:
 
-* Redis: what the streams added at the step grew ``used_memory`` and the key count by, per stream;
 * the worker's read of a batch of 32 random streams (each window, last pool and published fits: one
-  ``load_with_pools`` round trip), p50 and p99 over 300 batches; beside it, alternated, the same read with an empty
-  cache of restored calibrations (the worker keeps the newest 1,024 streams': among 10,000 random streams some hit,
-  among 1,000,000 almost none) and the round trip alone (nothing restored); and the learner's write of 256 outcomes
-  to random streams (``apply_many``), p50 over 50 pipelines;
-* the learner: 5,000 joins (``LearnerCore``, experience + feedback with behaviour: windows, calibration rows,
-  drift, the dashboard) on random streams among all, its joins per second and its resident memory, whose
-  per-stream parts (drift detectors, dashboard series, calibration bookkeeping) are bounded by count.
+  ``load_with_pools`` round trip), ``--batches`` times; beside it, alternated, the same read with an empty cache of
+  restored calibrations (the worker keeps the newest 1,024 streams': among 10,000 random streams some hit, among
+  1,000,000 almost none) and the round trip alone (nothing restored); then the learner's write of 256 outcomes to
+  random streams (``apply_many``);
+* ``--joins`` learner joins (a ``LearnerCore`` per step, experience + feedback with behaviour: windows, calibration
+  rows, drift, the dashboard) on random streams of the step; their per-stream parts (drift detectors, dashboard
+  series, calibration bookkeeping) are bounded by count.
+
+p50 and p99 over every round; the learners' joins a second, the median over the rounds; the process's resident
+memory at the end (the three learners' cores).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import os
 import random
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -93,14 +98,28 @@ async def add_streams(
             await pipe.execute()
 
 
-async def lookups(windows: RedisWindows, streams: int, rng: random.Random) -> dict:
+@dataclass
+class Step:
+    """One number of streams, in a redis-server of its own, with a learner's core over it, and what was measured."""
+
+    streams: int
+    windows: RedisWindows
+    core: LearnerCore
+    row: dict = field(default_factory=dict)
+    reads: dict[str, list[float]] = field(default_factory=lambda: {"read": [], "cold": [], "redis": []})
+    writes: list[float] = field(default_factory=list)
+    joins_per_s: list[float] = field(default_factory=list)
+
+
+async def lookups(step: Step, batches: int, rng: random.Random) -> None:
     """Per batch of 32 random streams, alternately: the worker's read (``load_with_pools``, its cache of restored
     calibrations warm from the batches before), the same with an empty cache (a fresh ``RedisWindows``: every
-    stream's fits parsed), and the round trip alone (the same commands in one pipeline, nothing restored)."""
-    reads: dict[str, list[float]] = {"read": [], "cold": [], "redis": []}
-    for i in range(300):
-        batch = [f"s{rng.randrange(streams)}" for _ in range(32)]
-        kinds = list(reads)
+    stream's fits parsed), and the round trip alone (the same commands in one pipeline, nothing restored); then
+    ``batches // 6`` writes of 256 outcomes."""
+    windows = step.windows
+    for i in range(batches):
+        batch = [f"s{rng.randrange(step.streams)}" for _ in range(32)]
+        kinds = list(step.reads)
         for kind in kinds[i % 3 :] + kinds[: i % 3]:  # the order rotates from batch to batch
             reader = windows if kind != "cold" else RedisWindows(windows.redis, MODELS, 128, calibration_rows=200)
             started = time.perf_counter()
@@ -113,91 +132,111 @@ async def lookups(windows: RedisWindows, streams: int, rng: random.Random) -> di
                     await pipe.execute()
             else:
                 await reader.load_with_pools(batch, pools=True, fits=True)
-            reads[kind].append(time.perf_counter() - started)
-    writes = []
-    for i in range(50):
-        batch = [outcome(f"s{rng.randrange(streams)}", f"w{streams}-{i}-{k}", rng) for k in range(BATCH)]
+            step.reads[kind].append(time.perf_counter() - started)
+    for i in range(max(1, batches // 6)):
+        queued = [outcome(f"s{rng.randrange(step.streams)}", f"w{len(step.writes)}-{k}", rng) for k in range(BATCH)]
         started = time.perf_counter()
-        await windows.apply_many(batch)
-        writes.append(time.perf_counter() - started)
-    return {
-        "read_32_streams_ms_p50": round(1000 * float(np.percentile(reads["read"], 50)), 3),
-        "read_32_streams_ms_p99": round(1000 * float(np.percentile(reads["read"], 99)), 3),
-        "read_32_streams_cold_ms_p50": round(1000 * float(np.percentile(reads["cold"], 50)), 3),
-        "redis_round_trip_32_streams_ms_p50": round(1000 * float(np.percentile(reads["redis"], 50)), 3),
-        "write_256_outcomes_ms_p50": round(1000 * float(np.percentile(writes, 50)), 3),
-    }
+        await windows.apply_many(queued)
+        step.writes.append(time.perf_counter() - started)
 
 
-async def learner_joins(core: LearnerCore, tokens: FeedbackTokens, streams: int, n: int, rng: random.Random) -> float:
-    """``n`` joins on random streams among ``streams``; joins per second."""
+async def learner_joins(step: Step, tokens: FeedbackTokens, n: int, rng: random.Random) -> None:
+    """``n`` joins on random streams among the step's; their rate."""
     templates = [uniform_experience(explored=e, behaviour=True) for e in (False, True)]
+    first = len(step.joins_per_s) * n
     started = time.perf_counter()
-    for i in range(n):
-        qid, stream = f"j{streams}-{i}", f"s{rng.randrange(streams)}"
+    for i in range(first, first + n):
+        qid, stream = f"j{i}", f"s{rng.randrange(step.streams)}"
         experience = templates[i % 20 == 0].model_copy(update={"query_id": qid, "stream": stream})
-        await core.on_experience(experience, Record("rlens.experience", i, b"x" * 2500))
+        await step.core.on_experience(experience, Record("rlens.experience", i, b"x" * 2500))
         feedback = Feedback(query_id=qid, token=tokens.token(qid, stream), label=rng.randrange(CHOICES))
-        await core.on_feedback(feedback, Record("rlens.feedback", i, b"x" * 180))
+        await step.core.on_feedback(feedback, Record("rlens.feedback", i, b"x" * 180))
         if i % BATCH == BATCH - 1:
-            await core.apply_windows()
-    await core.apply_windows()
-    return n / (time.perf_counter() - started)
+            await step.core.apply_windows()
+    await step.core.apply_windows()
+    step.joins_per_s.append(n / (time.perf_counter() - started))
 
 
-async def measure(url: str, steps: list[int], outcomes: int, joins: int) -> list[dict]:
-    rng = random.Random(0)
-    redis = Redis.from_url(url)
-    engine = FocalEngine(MODELS, seed=0)
-    windows = RedisWindows(redis, MODELS, 128, calibration_rows=200, joint_rows=4000)
-    secrets = generate_secrets()
-    tokens = FeedbackTokens(secrets["RLENS_FEEDBACK_SECRET"])
+def learner_core(url: str, secrets: dict[str, str], tokens: FeedbackTokens) -> LearnerCore:
     models = [f"m{i}" for i in range(MODELS)]
-    core = LearnerCore(
-        FocalOnlineTrainer(engine, models),
+    return LearnerCore(
+        FocalOnlineTrainer(FocalEngine(MODELS, seed=0), models),
         models,
         RedisWindows(Redis.from_url(url), MODELS, 128, calibration_rows=200, joint_rows=4000),
         CheckpointStore(Path(tempfile.mkdtemp())),
         PolicySigner(secrets["RLENS_POLICY_SIGNING_KEY"]),
         tokens,
     )
-    fits = await fitted_state(windows, rng)
-    rows, added = [], 0
+
+
+def ms_at(values: list[float], q: float = 50) -> float:
+    return round(1000 * float(np.percentile(values, q)), 3)
+
+
+async def measure(servers: dict[int, LocalRedis], outcomes: int, rounds: int, batches: int, joins: int) -> list[dict]:
+    """Fill each step's Redis, then ``rounds`` rounds, each visiting every step in a rotating order (so what the
+    machine does meanwhile falls on every step alike)."""
+    rng = random.Random(0)
+    secrets = generate_secrets()
+    tokens = FeedbackTokens(secrets["RLENS_FEEDBACK_SECRET"])
+    steps = [
+        Step(
+            streams,
+            RedisWindows(Redis.from_url(server.url), MODELS, 128, calibration_rows=200, joint_rows=4000),
+            learner_core(server.url, secrets, tokens),
+        )
+        for streams, server in servers.items()
+    ]
     for step in steps:
+        redis = step.windows.redis
+        fits = await fitted_state(step.windows, rng)
         started = time.perf_counter()
         memory, keys = (await redis.info("memory"))["used_memory"], await redis.dbsize()
-        await add_streams(windows, added, step, outcomes, fits, rng)
-        memory = (await redis.info("memory"))["used_memory"] - memory
-        keys = await redis.dbsize() - keys
-        row = {
-            "streams": step,
+        await add_streams(step.windows, 0, step.streams, outcomes, fits, rng)
+        step.row = {
+            "streams": step.streams,
             "fill_s": round(time.perf_counter() - started, 1),
-            # what the streams added at this step cost (the earlier steps' lookups and joins wrote to old streams)
-            "redis_bytes_per_stream": round(memory / (step - added)),
-            "redis_keys_per_stream": round(keys / (step - added), 2),
-            **await lookups(windows, step, rng),
+            "redis_bytes_per_stream": round(((await redis.info("memory"))["used_memory"] - memory) / step.streams),
+            "redis_keys_per_stream": round((await redis.dbsize() - keys) / step.streams, 2),
         }
-        added = step
-        row["learner_joins_per_s"] = round(await learner_joins(core, tokens, step, joins, rng))
-        row["learner_rss_mb"] = round(rss_mb(os.getpid()))
-        rows.append(row)
-        print(row, flush=True)
-    await redis.aclose()
-    return rows
+        print(step.row, flush=True)
+    for r in range(rounds):
+        for step in steps[r % len(steps) :] + steps[: r % len(steps)]:
+            await lookups(step, batches, rng)
+            await learner_joins(step, tokens, joins, rng)
+        print(
+            f"round {r + 1} of {rounds}: read p50 " + " / ".join(f"{ms_at(s.reads['read'])}" for s in steps), flush=True
+        )
+    for step in steps:
+        step.row |= {
+            "read_32_streams_ms_p50": ms_at(step.reads["read"]),
+            "read_32_streams_ms_p99": ms_at(step.reads["read"], 99),
+            "read_32_streams_cold_ms_p50": ms_at(step.reads["cold"]),
+            "redis_round_trip_32_streams_ms_p50": ms_at(step.reads["redis"]),
+            "write_256_outcomes_ms_p50": ms_at(step.writes),
+            "learner_joins_per_s": round(float(np.median(step.joins_per_s))),
+        }
+        await step.windows.redis.aclose()
+    return [step.row for step in steps]
 
 
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--steps", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--outcomes", type=int, default=1)
-    parser.add_argument("--joins", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=10, help="rounds over the steps, each in a rotated order")
+    parser.add_argument("--batches", type=int, default=30, help="reads of 32 streams a step a round")
+    parser.add_argument("--joins", type=int, default=500, help="learner joins a step a round")
     add_out(parser, "bench/out/streams.json")
     args = parser.parse_args()
-    server = LocalRedis()
+    servers: dict[int, LocalRedis] = {}
     try:
-        rows = asyncio.run(measure(server.url, args.steps, args.outcomes, args.joins))
+        for streams in args.steps:
+            servers[streams] = LocalRedis()
+        rows = asyncio.run(measure(servers, args.outcomes, args.rounds, args.batches, args.joins))
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
     first = rows[0]
     for row in rows:
         for name in (
@@ -214,6 +253,7 @@ def main() -> None:
             "machine": machine_facts(),
             "load_1min": os.getloadavg()[0],
             "outcomes_per_stream": args.outcomes,
+            "learner_rss_mb": round(rss_mb(os.getpid())),
             "steps": rows,
         },
     )
