@@ -12,6 +12,12 @@ Every key the service writes in one command or script carries a hash tag (``{str
 script touches one slot; pipelines are not transactions, so a cluster spreads them over its nodes. A script queued
 in a pipeline (:func:`pipelined`) is sent by its digest where the pipeline loads missing scripts first, and whole in
 a cluster's pipeline, whose nodes (a replica that just became master) may not have it cached.
+
+Under uvloop, a command written to a connection whose transport closed (its server killed: a failover) raises
+RuntimeError ("the handler is closed") where Python's own loop raises an OSError, which redis-py makes a
+ConnectionError: a lost connection it can recover from, and a 503 at the gateway. :func:`async_redis` (and
+:func:`closed_transport_is_a_lost_connection` for a pool built apart) makes uvloop's error the same ConnectionError
+(MagicStack/uvloop#506).
 """
 
 from __future__ import annotations
@@ -83,7 +89,30 @@ def async_redis(url: str, **options: Any) -> Any:
     from redis.asyncio.cluster import ClusterNode, RedisCluster
     from redis.asyncio.sentinel import Sentinel
 
+    closed_transport_is_a_lost_connection()
     return _client(url, options, Redis, RedisCluster, ClusterNode, Sentinel)
+
+
+def closed_transport_is_a_lost_connection() -> None:
+    """redis-py's asyncio connections (every kind: plain, TLS, Unix socket) raise its ConnectionError where uvloop
+    refuses a write to a closed transport with RuntimeError; once per process."""
+    from redis.asyncio.connection import AbstractConnection
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    send = AbstractConnection.send_packed_command
+    if getattr(send, "closed_transport_is_a_lost_connection", False):
+        return
+
+    async def send_packed_command(self, command, check_health: bool = True) -> None:
+        try:
+            await send(self, command, check_health)
+        except RuntimeError as exc:  # redis-py disconnected the connection already
+            if "handler is closed" not in str(exc):
+                raise
+            raise RedisConnectionError("Error while writing to socket: the connection was closed.") from exc
+
+    send_packed_command.closed_transport_is_a_lost_connection = True  # type: ignore[attr-defined]
+    AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
 
 
 def sync_redis(url: str, **options: Any) -> Any:

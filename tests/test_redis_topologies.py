@@ -6,6 +6,7 @@ answers again once the replica took over, every process reconnecting by itself."
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
@@ -16,8 +17,8 @@ import pytest
 from redis.exceptions import RedisError
 
 from brokers import replay_stack_for_tests
-from redis_servers import RedisClusterForTests, RedisSentinelForTests, wait_until
-from rlens.redis_clients import parse_redis_url, sync_redis
+from rlens.local.redis_topologies import LocalRedisCluster, LocalRedisSentinels, wait_until
+from rlens.redis_clients import async_redis, parse_redis_url, sync_redis
 from rlens.service.gateway.api_keys import add_key
 
 CHOICES = ["A", "B", "C", "D"]
@@ -51,6 +52,41 @@ def test_redis_urls_name_one_server_a_sentinel_set_or_a_cluster():
     ]:
         with pytest.raises(ValueError, match=reason):
             parse_redis_url(bad)
+
+
+def test_under_uvloop_a_write_to_a_closed_connection_is_a_lost_connection_the_client_recovers_from(redis_server):
+    """uvloop refuses a write to a closed transport with RuntimeError (Python's loop: an OSError): a Redis master
+    killed under a gateway on uvloop gave 500s. Every client of the service sees redis-py's ConnectionError instead,
+    and its next command connects again; the gateway's pool, which retries connection errors, does not fail at all."""
+    import uvloop
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from rlens.service.gateway.app import redis_pool
+    from rlens.settings import settings
+
+    def close_a_pooled_connection(client) -> None:
+        pool = client.connection_pool
+        [connection] = getattr(pool, "_available_connections", None) or [c for c in pool._connections if c]
+        connection._writer.transport.close()  # as a failover leaves it: redis-py still holds it
+
+    async def scenario() -> None:
+        client = async_redis(redis_server.url, socket_timeout=5)
+        await client.set("k", "v")
+        close_a_pooled_connection(client)
+        await asyncio.sleep(0.1)
+        with pytest.raises(RedisConnectionError):
+            await client.get("k")
+        assert await client.get("k") == b"v"
+        await client.aclose()
+        gateway = redis_pool(settings().updated({"redis_url": redis_server.url}))
+        await gateway.set("k", "w")
+        close_a_pooled_connection(gateway)
+        await asyncio.sleep(0.1)
+        assert await gateway.get("k") == b"w"
+        await gateway.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
 
 
 def ask(url: str, key: str, question: int, stream: str = "topology") -> httpx.Response:
@@ -167,7 +203,7 @@ def run_the_service_on(redis_url: str, workdir: Path, kill_master) -> None:
 
 
 def test_the_service_on_a_redis_cluster_survives_a_masters_death(tmp_path):
-    cluster = RedisClusterForTests(tmp_path / "cluster")
+    cluster = LocalRedisCluster(tmp_path / "cluster")
     try:
 
         def kill_master(key: str) -> None:
@@ -180,7 +216,7 @@ def test_the_service_on_a_redis_cluster_survives_a_masters_death(tmp_path):
 
 
 def test_the_service_on_a_sentinel_watched_redis_survives_its_masters_death(tmp_path):
-    sentinels = RedisSentinelForTests(tmp_path / "sentinel")
+    sentinels = LocalRedisSentinels(tmp_path / "sentinel")
     try:
 
         def kill_master(key: str) -> None:

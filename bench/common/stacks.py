@@ -17,17 +17,19 @@ from rlens.local.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
 
-def replay_stack(workdir: Path, partitions: int = 4, kafka: str | None = None, **overrides) -> LocalStack:
+def replay_stack(
+    workdir: Path, partitions: int = 4, kafka: str | None = None, *, redis_url: str | None = None, **overrides
+) -> LocalStack:
     """A local stack (its own tansu broker, or the Kafka at ``kafka`` on topics and groups of its own, and its own
-    redis-server) in an emptied ``workdir`` (a cold start: no checkpoint of an earlier run), its pool the bundled
-    stream's models as `replay` backends, with short group timeouts; ``partitions`` for the per-query topics;
-    ``overrides``: other settings."""
+    redis-server, or the Redis at ``redis_url``) in an emptied ``workdir`` (a cold start: no checkpoint of an earlier
+    run), its pool the bundled stream's models as `replay` backends, with short group timeouts; ``partitions`` for
+    the per-query topics; ``overrides``: other settings."""
     shutil.rmtree(workdir, ignore_errors=True)
     pool = write_replay_pool(settings().service.demo_data, workdir / "pool.json")
     update = {"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, **overrides}
     if kafka:
         update["topic_prefix"] = f"b{uuid.uuid4().hex[:8]}."
-    return LocalStack(settings().updated(update), workdir, partitions, kafka_bootstrap=kafka)
+    return LocalStack(settings().updated(update), workdir, partitions, kafka_bootstrap=kafka, redis_url=redis_url)
 
 
 def cycled(stream: list[tuple[Query, Outcome]], prefix: str, n: int) -> list[tuple[Query, Outcome]]:

@@ -43,7 +43,7 @@ from rlens.service.gateway.core import Gateway, gateway_id
 from rlens.service.gateway.middleware import BodyLimit, Contain, Measure
 from rlens.service.gateway.openai_api import MODEL_OF
 from rlens.service.gateway.replies import subscribe_replies
-from rlens.redis_clients import async_redis, parse_redis_url
+from rlens.redis_clients import async_redis, closed_transport_is_a_lost_connection, parse_redis_url
 from rlens.service.common.tracing import trace_carrier
 from rlens.service.gateway.routes import add_error_handlers, openai_router
 from rlens.service.gateway.spending import SpendingLedger
@@ -73,6 +73,7 @@ def redis_pool(settings: Settings) -> Redis:
     }
     if parse_redis_url(url).kind != "single":
         return async_redis(url, **options)
+    closed_transport_is_a_lost_connection()
     pool = BlockingConnectionPool.from_url(url, timeout=5, health_check_interval=10, **options)
     return Redis(connection_pool=pool)
 

@@ -1,4 +1,4 @@
-"""Real Redis topologies on loopback for the tests: a Redis Cluster of 6 ``redis-server --cluster-enabled`` processes
+"""Real Redis topologies on loopback (the tests' and the failover benchmark's): a Redis Cluster of 6 ``redis-server --cluster-enabled`` processes
 (3 masters, 3 replicas, made by ``redis-cli --cluster create``) and a Sentinel set (a master, a replica, three
 Sentinels), each on free ports, nothing persisted, all stopped by :meth:`stop`."""
 
@@ -20,6 +20,7 @@ VOLATILE = ["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]
 
 
 def wait_until(check, timeout_s: float, what: str) -> None:
+    """Poll ``check`` every 0.2 s until it is true; TimeoutError naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not check():
         if time.monotonic() > deadline:
@@ -27,10 +28,11 @@ def wait_until(check, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-class RedisClusterForTests:
+class LocalRedisCluster:
     """``url`` (``redis+cluster://``) names every node as a startup node."""
 
     def __init__(self, directory: Path, masters: int = 3):
+        directory = directory.resolve()  # redis-server opens its files after a chdir to --dir
         directory.mkdir(parents=True, exist_ok=True)
         self.ports = [free_port() for _ in range(2 * masters)]
         self.nodes: dict[int, LocalProcess] = {}
@@ -88,12 +90,13 @@ class RedisClusterForTests:
             node.stop()
 
 
-class RedisSentinelForTests:
+class LocalRedisSentinels:
     """``url`` (``redis+sentinel://``) names the three Sentinels and the master's service name."""
 
     SERVICE = "rlens-master"
 
     def __init__(self, directory: Path):
+        directory = directory.resolve()  # redis-server opens its files after a chdir to --dir
         directory.mkdir(parents=True, exist_ok=True)
         self.master_port, self.replica_port = free_port(), free_port()
         here = ["--dir", str(directory), *VOLATILE]  # a replica writes what it was sent to its folder
