@@ -99,6 +99,34 @@ def test_cli_makes_lists_and_revokes_keys_and_never_prints_a_stored_secret(tmp_p
     assert missing.exit_code == 2 and "no key 'nope'" in missing.output
 
 
+def test_an_unexpected_error_is_a_500_logged_with_where_it_was_raised_never_its_text(caplog):
+    """The gateway's outermost middleware: a bug is a 500 in the API's error shape, and its log line names the route,
+    the type and the innermost frames (file, line, function), not the exception's text (it may quote the input)."""
+    from fastapi import FastAPI
+
+    from rlens.service.gateway.middleware import Contain
+
+    app = FastAPI()
+
+    @app.post("/v1/bug")
+    async def bug(body: dict) -> dict:
+        return {"value": body["prompt"].missing}  # AttributeError: 'str' object has no attribute 'missing'
+
+    app.add_middleware(Contain)  # as the gateway's app adds it
+
+    async def scenario() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            return await client.post("/v1/bug", json={"prompt": "a secret prompt"})
+
+    with caplog.at_level("ERROR", logger="rlens.gateway"):
+        reply = asyncio.run(scenario())
+    assert reply.status_code == 500 and reply.json()["error"]["code"] == "internal_error"
+    [line] = [r.getMessage() for r in caplog.records if "internal error" in r.getMessage()]
+    assert line.startswith("internal error on /v1/bug: AttributeError at test_gateway.py:")
+    assert " bug" in line and "secret" not in line and "missing" not in line
+
+
 def test_the_rate_bucket_allows_the_burst_then_says_how_long_to_wait(redis_server):
     async def run() -> list[float]:
         redis = Redis.from_url(redis_server.url)

@@ -7,6 +7,8 @@ import asyncio
 import logging
 import random
 import time
+import traceback
+from pathlib import Path
 
 
 from rlens.service.common.metrics import GatewayMetrics
@@ -68,8 +70,9 @@ class BodyLimit:
 
 
 class Contain:
-    """ASGI middleware: an unexpected error is a 500 logged by its type and route alone. A traceback would log the
-    exception's text, which may hold the request's input (a pydantic error quotes it), and prompts are never logged."""
+    """ASGI middleware: an unexpected error is a 500 logged by its type, its route and where it was raised (the
+    innermost three frames). A whole traceback would log the exception's text, which may hold the request's input (a
+    pydantic error quotes it), and prompts are never logged."""
 
     def __init__(self, app):
         self.app = app
@@ -87,8 +90,16 @@ class Contain:
             await self.app(scope, receive, sending)
         except Exception as exc:
             route = scope.get("route")
+            # where it was raised (the innermost frames' files, lines and functions), never its text
+            where = " < ".join(
+                f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
+                for frame in reversed(traceback.extract_tb(exc.__traceback__)[-3:])
+            )
             log.error(
-                "internal error on %s: %s", route.path if route is not None else scope["path"], type(exc).__name__
+                "internal error on %s: %s at %s",
+                route.path if route is not None else scope["path"],
+                type(exc).__name__,
+                where,
             )
             if not started[0]:
                 error = ApiError(500, "internal error (logged by the gateway)", "server_error", "internal_error")
