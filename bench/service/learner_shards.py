@@ -2,7 +2,7 @@
 redis-server, each shard a `rlens learner` process with ``RLENS_LEARNER_ROLE=shard``).
 
     python -m bench.service.learner_shards [--pairs 20000] [--shards 1 2 4] [--explored 0.05] [--no-behaviour]
-        [--out bench/out/learner_shards.json]
+        [--rounds 1] [--out bench/out/learner_shards.json]
 
 For each shard count, a fresh stack (its own broker and Redis, 4 partitions, the bundled stream's 5-model pool):
 ``--pairs`` experience records (5 models, 4 choices, a share ``--explored`` explored, each with its behaviour: the
@@ -14,6 +14,9 @@ and of Redis over the run. No trainer runs beside them: the shards' cost is the 
 check, the Redis windows, calibration rows and fits, drift, the OPE log, the transitions handed on). After the first
 count's shards are done, the trainer alone is started on what they handed on, and its rate reported (MAPPO every 64
 explored transitions: with every query explored, an update every 64 transitions; at the default 0.05, every 1,280).
+With ``--rounds`` N the shard counts are run N times, in an order that rotates from round to round, and each round's
+rates are divided by the same round's first count's: the ratios round by round and their median (a shared VM's
+speed drifts between runs of a few seconds each).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +144,9 @@ def main() -> None:
     parser.add_argument(
         "--explored", type=float, default=0.05, help="share of explored queries (the service's default: 0.05)"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="rounds over the shard counts, each in a rotated order (ratios per round)"
+    )
     parser.add_argument("--workdir", type=Path, default=Path("bench/out/learner_shards"))
     parser.add_argument(
         "--behaviour",
@@ -158,25 +165,35 @@ def main() -> None:
         "behaviour": args.behaviour,
         "runs": [],
     }
-    for shards in args.shards:
-        result = run(
-            args.workdir / f"shards-{shards}",
-            args.pairs,
-            shards,
-            args.explored,
-            args.behaviour,
-            with_trainer=shards == args.shards[0],
-        )
-        results["runs"].append(result)
-        print(
-            f"{shards} shard(s): {result['joins_per_s']} joins/s in all, per shard {result['per_shard_joins_per_s']}"
-            f" ({result['per_shard_joined']} joined), {result['cpu_seconds']} CPU s"
-            + (f"; then the trainer: {result['trainer_per_s']} transitions/s" if result["trainer_per_s"] else ""),
-            flush=True,
-        )
-    one = results["runs"][0]["joins_per_s"]
-    for result in results["runs"]:
-        result["ratio_to_the_first"] = round(result["joins_per_s"] / one, 2)
+    for round_ in range(args.rounds):
+        order = args.shards[round_ % len(args.shards) :] + args.shards[: round_ % len(args.shards)]
+        for shards in order:  # the order rotates from round to round
+            result = run(
+                args.workdir / f"shards-{shards}",
+                args.pairs,
+                shards,
+                args.explored,
+                args.behaviour,
+                with_trainer=round_ == 0 and shards == args.shards[0],
+            )
+            result["round"] = round_
+            results["runs"].append(result)
+            print(
+                f"round {round_ + 1}, {shards} shard(s): {result['joins_per_s']} joins/s in all, per shard "
+                f"{result['per_shard_joins_per_s']} ({result['per_shard_joined']} joined), {result['cpu_seconds']} CPU s"
+                + (f"; then the trainer: {result['trainer_per_s']} transitions/s" if result["trainer_per_s"] else ""),
+                flush=True,
+            )
+    # each round's rates against the same round's first shard count's
+    ratios: dict[int, list[float]] = {shards: [] for shards in args.shards}
+    for round_ in range(args.rounds):
+        runs = {r["shards"]: r for r in results["runs"] if r["round"] == round_}
+        for result in runs.values():
+            result["ratio_to_the_first"] = round(result["joins_per_s"] / runs[args.shards[0]]["joins_per_s"], 2)
+            ratios[result["shards"]].append(result["ratio_to_the_first"])
+    results["ratios_by_shards"] = {str(shards): values for shards, values in ratios.items()}
+    results["median_ratio_by_shards"] = {str(shards): statistics.median(values) for shards, values in ratios.items()}
+    print(f"ratios to {args.shards[0]} shard(s), round by round: {results['ratios_by_shards']}", flush=True)
     write_json(args.out, results)
 
 
