@@ -20,8 +20,9 @@ topics and consumer groups of its own, the yardstick (1) included.
    below (2)), and how long the learner then takes to read what the saturation left it: the stack's sustained maximum
    is the queries answered over the time from the first answer to the learner's catching up (a rate the workers
    answer but the learner cannot learn from only grows its lag). The learner caught up with the workers idle, so
-   ``--probe-s`` seconds at that rate follow (:func:`probe_learner`): where the learner reads fewer experiences a
-   second there, that is the sustained maximum. Then ``--load-s`` seconds of traffic at
+   ``--probe-s`` seconds at that rate follow (:func:`probe_learner`), measured the same way (queries over the time
+   to the learner's catching up): where that falls short of the rate, another probe runs at it, up to ``--probes``;
+   the last rate the stack kept up with (or its last measure) is the sustained maximum. Then ``--load-s`` seconds of traffic at
    ``--load-share`` (default 0.8) of the sustained maximum, feedback sent as each answer arrives: p50 / p99 from
    sending a query to receiving its answer, over the answers after the phase's first 5 s and per 10 s, the accuracy
    served, and the load generator's own garbage-collection pauses (longest and total), which count in the latencies
@@ -45,7 +46,7 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from bench.common.machine import cpu_seconds, machine_facts
-from bench.common.sampling import StackSampler, sample_stack, wait_for_learner
+from bench.common.sampling import StackSampler, wait_for_learner
 from bench.common.stacks import cycled, replay_stack
 from bench.common.args import add_out, arguments, write_json
 from rlens.records.dataset import load_dataset
@@ -256,6 +257,9 @@ def main() -> None:
         default=60.0,
         help="seconds at the estimated sustained maximum, to see whether the learner keeps up there (0: no probe)",
     )
+    parser.add_argument(
+        "--probes", type=int, default=3, help="the most probes, each at what the learner read in the one before"
+    )
     parser.add_argument("--learner-nice", type=int, default=0, help="RLENS_LEARNER_NICE for the latency phase")
     add_out(parser, "bench/out/service.json")
     args = parser.parse_args()
@@ -323,32 +327,39 @@ def throughput_phases(args: argparse.Namespace, stream: list, results: dict) -> 
 
 
 def probe_learner(args: argparse.Namespace, stack, stream: list, sent: int, results: dict) -> int:
-    """``--probe-s`` seconds at the estimated sustained maximum, the workers busy: the learner's reads a second
-    there, which lower the estimate where they fall short of it (the catch-up after the saturation ran with the
-    workers idle); then the wait for the learner again. The feedback the probe sent."""
-    estimate = results["sustained_queries_per_s"]
-    before, start = sample_stack(stack, lambda: sent), time.monotonic()
-    probed = asyncio.run(
-        play(stack.settings, cycled(stream, "probe", int(args.probe_s * estimate)), rate=estimate, idle_timeout_s=60)
-    )
-    after = sample_stack(stack, lambda: sent + probed.feedback_sent)
-    reads = (after["experience_read"] - before["experience_read"]) / (time.monotonic() - start)
-    results["learner_reads_per_s_under_load"] = reads
-    results["sustained_queries_per_s"] = min(estimate, reads)
-    print(
-        f"at {estimate:.0f} queries/s for {args.probe_s:g} s the learner read {reads:.0f} experiences a second: the "
-        f"sustained maximum is {results['sustained_queries_per_s']:.0f} queries/s",
-        flush=True,
-    )
-    if wait_for_learner(stack, sent + probed.feedback_sent, args.catch_up_s) is None:
-        raise SystemExit(f"the learner did not catch up on the probe's records within {args.catch_up_s:g} s")
-    return probed.feedback_sent
+    """Up to ``--probes`` rounds of ``--probe-s`` seconds at the estimated sustained maximum, the workers busy (the
+    catch-up after the saturation ran with them idle): each round's queries over its time from the first answer to
+    the learner's catching up after the last is the rate the stack answers and learns from there; where that falls
+    short of the round's rate (by more than 3 %), the next round runs at it. The feedback the probes sent."""
+    rate, probed_sent, results["probes"] = results["sustained_queries_per_s"], 0, []
+    for probe in range(args.probes):
+        traffic = cycled(stream, f"probe{probe}", int(args.probe_s * rate))
+        probed = asyncio.run(play(stack.settings, traffic, rate=rate, idle_timeout_s=60))
+        probed_sent += probed.feedback_sent
+        caught_up = wait_for_learner(stack, sent + probed_sent, args.catch_up_s)
+        if caught_up is None:
+            raise SystemExit(f"the learner did not catch up on the probe's records within {args.catch_up_s:g} s")
+        span = probed.answered_at[-1] - probed.answered_at[0]
+        learned = probed.answered / (span + caught_up)
+        results["probes"].append([round(rate, 1), round(learned, 1), round(caught_up, 1)])
+        print(
+            f"at {rate:.0f} queries/s for {args.probe_s:g} s the learner caught up {caught_up:.0f} s after the last "
+            f"answer: the stack answers and learns from {learned:.0f} queries/s",
+            flush=True,
+        )
+        if learned >= 0.97 * rate:
+            break
+        rate = learned
+    results["sustained_queries_per_s"] = min(rate, learned)
+    print(f"the sustained maximum: {results['sustained_queries_per_s']:.0f} queries/s", flush=True)
+    return probed_sent
 
 
 def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None:
     """The whole stack on a fresh broker and Redis: its maximum rate, then latency at ``--load-share`` of it."""
-    nice = {"learner": {"nice": args.learner_nice}}
-    stack = replay_stack(Path("bench/out/service-latency-stack"), args.partitions, args.kafka, **nice)
+    stack = replay_stack(
+        Path("bench/out/service-latency-stack"), args.partitions, args.kafka, learner={"nice": args.learner_nice}
+    )
     try:
         if not args.without_learner:
             stack.start_learner()
