@@ -1,6 +1,7 @@
-"""Real Redis topologies on loopback (the tests' and the failover benchmark's): a Redis Cluster of 6 ``redis-server --cluster-enabled`` processes
-(3 masters, 3 replicas, made by ``redis-cli --cluster create``) and a Sentinel set (a master, a replica, three
-Sentinels), each on free ports, nothing persisted, all stopped by :meth:`stop`."""
+"""Real Redis topologies on loopback (the tests' and the failover benchmark's): a Redis Cluster of 6
+``redis-server --cluster-enabled`` processes (3 masters, 3 replicas, made by ``redis-cli --cluster create``) and a
+Sentinel set (a master, a replica, three Sentinels), each on free ports, nothing persisted, all stopped by
+:meth:`stop`."""
 
 from __future__ import annotations
 
