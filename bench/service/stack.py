@@ -79,7 +79,7 @@ async def raw_pipe(bootstrap: str, source: str, sink: str, n: int, reply: bytes,
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=2)
     await consumer.start()
     await producer.start()
-    done, start = 0, None
+    done, start = 0, 0.0
     while done < n:
         for records in (await consumer.getmany(timeout_ms=200, max_records=batch)).values():
             start = start or time.perf_counter()
@@ -106,7 +106,8 @@ async def measure_answers(
         topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", fetch_max_wait_ms=20
     )
     await consumer.start()
-    seen, first, deadline, cpu = set(), None, time.time() + timeout_s, 0.0
+    seen: set[bytes] = set()
+    first, deadline, cpu = None, time.time() + timeout_s, 0.0
     while len(seen) < n and time.time() < deadline:
         for records in (await consumer.getmany(timeout_ms=200)).values():
             mine = [r.key for r in records if r.key.startswith(prefix)]
@@ -203,7 +204,7 @@ def evidence_phase(args: argparse.Namespace, stack, traffic: list) -> dict:
         for state, logging in (("off", False), ("on", True), ("shadow", True))
     }
     rates, cpu = alternate(args, stack, traffic, "e", states, args.evidence_reps, policies)
-    out = {"queries_per_s": rates, "cpu_us_per_query": cpu, **evidence_costs(rates, cpu)}
+    out: dict = {"queries_per_s": rates, "cpu_us_per_query": cpu, **evidence_costs(rates, cpu)}
     print(
         f"off-policy logging costs {100 * out['logging_cost']:.1f} % of the whole worker's throughput "
         f"({100 * out['logging_cpu_cost']:.1f} % by its CPU time per query), logging and shadow scoring "
