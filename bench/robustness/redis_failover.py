@@ -100,10 +100,10 @@ async def run_load(load: Load, clients: int, before_s: float, after_s: float, ki
         stop = started + before_s + after_s
         tasks = [asyncio.create_task(load.client(http, stop)) for _ in range(clients)]
         await asyncio.sleep(before_s)
-        killed_at, rows_before = await asyncio.to_thread(kill)
+        killed_at = await asyncio.to_thread(kill)
         await asyncio.gather(*tasks)
         late = await load.late_answers(http)
-    return {"started": started, "killed_at": killed_at, "rows_before": rows_before, "late": late}
+    return {"started": started, "killed_at": killed_at, "late": late}
 
 
 def window_of(stack, stream: int) -> str:
@@ -140,13 +140,9 @@ def measure(topology: str, workdir: Path, clients: int, before_s: float, after_s
         key = stack.gateway_key.read_text().strip() if stack.gateway_key else ""
         window = window_of(stack, 0)
 
-        def kill() -> tuple[float, int]:
-            rows = sync_redis(servers.url, socket_timeout=5).llen(window)
-            if isinstance(servers, LocalRedisCluster):
-                servers.kill(servers.master_of(window))
-            else:
-                servers.kill(servers.master())
-            return time.monotonic(), rows
+        def kill() -> float:
+            servers.kill(servers.master_of(window) if isinstance(servers, LocalRedisCluster) else servers.master())
+            return time.monotonic()
 
         load = Load(url, key)
         run = asyncio.run(run_load(load, clients, before_s, after_s, kill))
@@ -179,7 +175,6 @@ def measure(topology: str, workdir: Path, clients: int, before_s: float, after_s
         "lost": lost,
         "answered_twice": len(ids) - len(set(ids)),
         "feedback": {str(k): v for k, v in load.feedback.items()},
-        "first_window_rows_at_the_kill": run["rows_before"],
         # every accepted feedback's outcome is one window row (100 streams, each below its window's 128 rows): what the
         # windows hold short of it was written to the old master and never reached the replica
         "window_rows": settled,

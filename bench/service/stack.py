@@ -20,15 +20,16 @@ topics and consumer groups of its own, the yardstick (1) included.
    below (2)), and how long the learner then takes to read what the saturation left it: the stack's sustained maximum
    is the queries answered over the time from the first answer to the learner's catching up (a rate the workers
    answer but the learner cannot learn from only grows its lag). The learner caught up with the workers idle, so
-   ``--probe-s`` seconds at that rate follow (:func:`probe_learner`), measured the same way (queries over the time
-   to the learner's catching up): where that falls short of the rate, another probe runs at it, up to ``--probes``;
-   the last rate the stack kept up with (or its last measure) is the sustained maximum. Then ``--load-s`` seconds of traffic at
-   ``--load-share`` (default 0.8) of the sustained maximum, feedback sent as each answer arrives: p50 / p99 from
-   sending a query to receiving its answer, over the answers after the phase's first 5 s and per 10 s, the accuracy
-   served, and the load generator's own garbage-collection pauses (longest and total), which count in the latencies
-   it measures. The wait for the learner (at most ``--catch-up-s``) also starts the latency phase from a stack that
-   keeps up; every 10 s of that phase the bench samples the learner's lag and each process's share of a core
-   (:class:`bench.common.sampling.StackSampler`). ``--load-s 0`` skips this phase, ``--queries 0`` phases 1 and 2.
+   ``--probe-s`` seconds at that rate follow (:func:`probe_learner`), measured the same way (queries over the time to
+   the learner's catching up): where that falls short of the rate, another probe runs at it, up to ``--probes``; the
+   last rate the stack kept up with (or its last measure) is the sustained maximum. Then ``--load-s`` seconds of
+   traffic at ``--load-share`` (default 0.8) of the sustained maximum, feedback sent as each answer arrives: p50 /
+   p99 from sending a query to receiving its answer, over the answers after the phase's first 5 s and per 10 s, the
+   accuracy served, and the load generator's own garbage-collection pauses (longest and total), which count in the
+   latencies it measures. The wait for the learner (at most ``--catch-up-s``) also starts the latency phase from a
+   stack that keeps up; every 10 s of that phase the bench samples the learner's lag and each process's share of a
+   core (:class:`bench.common.sampling.StackSampler`). ``--load-s 0`` skips this phase, ``--queries 0``
+   phases 1 and 2.
    ``--without-learner``: the same with no learner (no updates taking the cores): whether the p99 is the learner's.
    ``--learner-nice N``: the learner lowers its priority by N (``RLENS_LEARNER_NICE``).
 """
@@ -259,11 +260,16 @@ def main() -> None:
         help="seconds at the estimated sustained maximum, to see whether the learner keeps up there (0: no probe)",
     )
     parser.add_argument(
-        "--probes", type=int, default=3, help="the most probes, each at what the learner read in the one before"
+        "--probes",
+        type=int,
+        default=3,
+        help="the most probes, each at the rate the stack answered and learned from in the one before",
     )
     parser.add_argument("--learner-nice", type=int, default=0, help="RLENS_LEARNER_NICE for the latency phase")
     add_out(parser, "bench/out/service.json")
     args = parser.parse_args()
+    if args.probes < 1:
+        parser.error("--probes must be at least 1 (--probe-s 0: no probe)")
     if args.saturate_s <= 12:
         parser.error("--saturate-s must be above 12: the maximum is measured after the phase's first 10 s")
     print(f"machine: {machine_facts()}", flush=True)

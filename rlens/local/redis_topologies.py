@@ -29,17 +29,31 @@ def wait_until(check, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-class LocalRedisCluster:
+class _LocalServers:
+    """Redis processes by port, each killed alone or all stopped."""
+
+    servers: dict[int, LocalProcess]
+
+    def kill(self, port: int) -> None:
+        self.servers[port].process.kill()
+        self.servers[port].process.wait()
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+class LocalRedisCluster(_LocalServers):
     """``url`` (``redis+cluster://``) names every node as a startup node."""
 
     def __init__(self, directory: Path, masters: int = 3):
         directory = directory.resolve()  # redis-server opens its files after a chdir to --dir
         directory.mkdir(parents=True, exist_ok=True)
         self.ports = [free_port() for _ in range(2 * masters)]
-        self.nodes: dict[int, LocalProcess] = {}
+        self.servers = {}
         for port in self.ports:
             bus = free_port()
-            self.nodes[port] = LocalProcess(
+            self.servers[port] = LocalProcess(
                 [REDIS, "--port", str(port), "--cluster-enabled", "yes", "--cluster-port", str(bus)]
                 + ["--cluster-config-file", str(directory / f"nodes-{port}.conf"), "--cluster-node-timeout", "2000"]
                 + ["--dir", str(directory), *VOLATILE],
@@ -65,7 +79,7 @@ class LocalRedisCluster:
     def healthy(self) -> bool:
         try:
             return all(
-                self.info(p)["cluster_state"] == "ok" for p in self.ports if self.nodes[p].process.poll() is None
+                self.info(p)["cluster_state"] == "ok" for p in self.ports if self.servers[p].process.poll() is None
             )
         except Exception:
             return False
@@ -73,7 +87,7 @@ class LocalRedisCluster:
     def master_of(self, key: str) -> int:
         """The port of the master that holds ``key``'s slot now."""
         for port in self.ports:
-            if self.nodes[port].process.poll() is not None:
+            if self.servers[port].process.poll() is not None:
                 continue
             client = Redis(port=port, socket_timeout=2)
             slot = client.execute_command("CLUSTER KEYSLOT", key)
@@ -82,16 +96,8 @@ class LocalRedisCluster:
                     return int(master[1])
         raise RuntimeError("no live node answers")
 
-    def kill(self, port: int) -> None:
-        self.nodes[port].process.kill()
-        self.nodes[port].process.wait()
 
-    def stop(self) -> None:
-        for node in self.nodes.values():
-            node.stop()
-
-
-class LocalRedisSentinels:
+class LocalRedisSentinels(_LocalServers):
     """``url`` (``redis+sentinel://``) names the three Sentinels and the master's service name."""
 
     SERVICE = "rlens-master"
@@ -131,11 +137,3 @@ class LocalRedisSentinels:
             "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE
         )
         return int(port)
-
-    def kill(self, port: int) -> None:
-        self.servers[port].process.kill()
-        self.servers[port].process.wait()
-
-    def stop(self) -> None:
-        for server in self.servers.values():
-            server.stop()
