@@ -8,9 +8,11 @@ For each shard count, a fresh stack (its own broker and Redis, 4 partitions, the
 ``--pairs`` experience records (5 models, 4 choices, a share ``--explored`` explored, each with its behaviour: the
 calibration rows and the OPE log are written; 1,000 streams) and their feedback are published first, keyed by query
 id as workers and gateways key them, then the shards start and join them. Each shard's ``/metrics`` is read every
-0.1 s. Reported per shard count: the total rate (pairs over the time from the first join to the last), each shard's
-own rate (its joins over its time from its first join to its last), and the CPU seconds of the shards, of the broker
-and of Redis over the run. No trainer runs beside them: the shards' cost is the join (the token check, the shape
+0.1 s. Reported per shard count: the total rate (pairs over the time from the first join to the last), the rate while
+every shard runs (the joins of all shards between the last one's first join and the first one's last join, over that
+time: what N shards join together, without the time one runs alone because it started later or had less to join),
+each shard's own rate (its joins over its time from its first join to its last), and the CPU seconds of the shards, of
+the broker and of Redis over the run. No trainer runs beside them: the shards' cost is the join (the token check, the shape
 check, the Redis windows, calibration rows and fits, drift, the OPE log, the transitions handed on). After the first
 count's shards are done, the trainer alone is started on what they handed on, and its rate reported (MAPPO every 64
 explored transitions: with every query explored, an update every 64 transitions; at the default 0.05, every 1,280).
@@ -27,7 +29,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
@@ -67,14 +69,26 @@ async def publish_pairs(settings: Settings, pairs: int, explored: float, behavio
 
 @dataclass
 class Joins:
-    """What each followed process joined, and when its first and its last join were seen."""
+    """What each followed process joined, and when its first and its last join were seen; ``seen``: (time, each
+    one's count) at every read."""
 
     counts: list[float]
     first: list[float]
     last: list[float]
+    seen: list[tuple[float, list[float]]] = field(default_factory=list)
 
     def rate(self, i: int) -> int:
         return round(self.counts[i] / max(self.last[i] - self.first[i], 0.1))
+
+    def rate_all_running(self, least_s: float = 1.0) -> int | None:
+        """All the processes' joins per second while every one of them was joining: from the last one's first join to
+        the first one's last join; None when that span is under ``least_s``."""
+        start, end = max(self.first), min(self.last)
+        within = [(t, counts) for t, counts in self.seen if start <= t <= end]
+        if end - start < least_s or len(within) < 2:
+            return None
+        (t0, c0), (t1, c1) = within[0], within[-1]
+        return round((sum(c1) - sum(c0)) / (t1 - t0))
 
 
 def follow(urls: list[str], total: int, timeout_s: float = 1800) -> Joins:
@@ -89,6 +103,7 @@ def follow(urls: list[str], total: int, timeout_s: float = 1800) -> Joins:
                 joins.first[i] = min(joins.first[i], now)
             if joined > joins.counts[i]:
                 joins.last[i], joins.counts[i] = now, joined
+        joins.seen.append((now, list(joins.counts)))
         time.sleep(0.1)
     return joins
 
@@ -131,6 +146,7 @@ def run(workdir: Path, pairs: int, shards: int, explored: float, behaviour: bool
         "joined": int(sum(joins.counts)),
         "seconds": round(elapsed, 2),
         "joins_per_s": round(sum(joins.counts) / elapsed),
+        "joins_per_s_all_running": joins.rate_all_running(),
         "per_shard_joins_per_s": [joins.rate(i) for i in range(shards)],
         "per_shard_joined": [int(c) for c in joins.counts],
         "cpu_seconds": cpu,
@@ -179,21 +195,36 @@ def main() -> None:
             result["round"] = round_
             results["runs"].append(result)
             print(
-                f"round {round_ + 1}, {shards} shard(s): {result['joins_per_s']} joins/s in all, per shard "
+                f"round {round_ + 1}, {shards} shard(s): {result['joins_per_s']} joins/s in all, "
+                f"{result['joins_per_s_all_running']} while all run, per shard "
                 f"{result['per_shard_joins_per_s']} ({result['per_shard_joined']} joined), {result['cpu_seconds']} CPU s"
                 + (f"; then the trainer: {result['trainer_per_s']} transitions/s" if result["trainer_per_s"] else ""),
                 flush=True,
             )
     # each round's rates against the same round's first shard count's
     ratios: dict[int, list[float]] = {shards: [] for shards in args.shards}
+    running: dict[int, list[float]] = {shards: [] for shards in args.shards}
     for round_ in range(args.rounds):
         runs = {r["shards"]: r for r in results["runs"] if r["round"] == round_}
         for result in runs.values():
-            result["ratio_to_the_first"] = round(result["joins_per_s"] / runs[args.shards[0]]["joins_per_s"], 2)
+            first = runs[args.shards[0]]
+            result["ratio_to_the_first"] = round(result["joins_per_s"] / first["joins_per_s"], 2)
             ratios[result["shards"]].append(result["ratio_to_the_first"])
-    results["ratios_by_shards"] = {str(shards): values for shards, values in ratios.items()}
-    results["median_ratio_by_shards"] = {str(shards): statistics.median(values) for shards, values in ratios.items()}
-    print(f"ratios to {args.shards[0]} shard(s), round by round: {results['ratios_by_shards']}", flush=True)
+            if result["joins_per_s_all_running"] and first["joins_per_s_all_running"]:
+                result["ratio_all_running"] = round(
+                    result["joins_per_s_all_running"] / first["joins_per_s_all_running"], 2
+                )
+                running[result["shards"]].append(result["ratio_all_running"])
+    for name, found in (("", ratios), ("_all_running", running)):
+        results[f"ratios_by_shards{name}"] = {str(shards): values for shards, values in found.items()}
+        results[f"median_ratio_by_shards{name}"] = {
+            str(shards): statistics.median(values) for shards, values in found.items() if values
+        }
+    print(
+        f"ratios to {args.shards[0]} shard(s), round by round: in all {results['ratios_by_shards']}, while all run "
+        f"{results['ratios_by_shards_all_running']}",
+        flush=True,
+    )
     write_json(args.out, results)
 
 
