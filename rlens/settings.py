@@ -143,8 +143,16 @@ class KafkaSettings(Group):
     fetch_max_wait_ms: int = Field(
         500,
         ge=0,
-        description="how long a fetch waits for data when there is none (Kafka answers as soon as data comes; "
-        "`rlens up`'s embedded tansu, which often waits it out, uses 20)",
+        description="how long a fetch on the request path (the workers' queries, the gateway's replies) waits for "
+        "data when there is none (Kafka answers as soon as data comes; `rlens up`'s embedded tansu, which often "
+        "waits it out, uses 20)",
+    )
+    background_fetch_max_wait_ms: int = Field(
+        500,
+        ge=0,
+        description="the same for the consumers off the request path (the learner's, every process's policy "
+        "reader), which need no record within milliseconds; on tansu a record waits up to this long for them, and "
+        "every idle consumer fetches 1000 / this many times a second (`rlens up` on tansu uses 250)",
     )
 
     @field_validator("bootstrap")

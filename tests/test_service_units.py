@@ -443,18 +443,30 @@ def test_the_stacks_own_redis_keeps_its_data_in_its_folder(tmp_path):
 def test_the_embedded_broker_gets_short_fetch_waits_and_a_real_kafka_kafkas_own(tmp_path):
     """Issue 59: Kafka answers a waiting fetch as soon as data comes, so its clients wait 500 ms (idle, 0.12 of a
     core for the whole stack instead of 0.32 at 20 ms); the embedded tansu often waits a fetch out, so `rlens up`
-    gives its clients 20 ms, and the clients of the stack read it from client.env. A wait the user set is kept."""
+    gives its clients 20 ms on the request path and 250 ms off it (the learner's and the policy readers' fetches),
+    and the clients of the stack read the first from client.env. A wait the user set is kept."""
     from rlens.local.servers import LocalBroker
     from rlens.local.stack import LocalStack, client_settings
+    from rlens.service.common.kafka import group_options, policy_reader
+    from rlens.service.learner.app import record_options
     from rlens.settings import Settings
 
-    assert Settings(_env_file=None).kafka.fetch_max_wait_ms == 500  # type: ignore[call-arg]
-    for update, expected in (({}, LocalBroker.FETCH_MAX_WAIT_MS), ({"kafka_fetch_max_wait_ms": 300}, 300)):
+    defaults = Settings(_env_file=None).kafka  # type: ignore[call-arg]
+    assert defaults.fetch_max_wait_ms == defaults.background_fetch_max_wait_ms == 500
+    for update, expected, background in (
+        ({}, LocalBroker.FETCH_MAX_WAIT_MS, LocalBroker.BACKGROUND_FETCH_MAX_WAIT_MS),
+        ({"kafka_fetch_max_wait_ms": 300, "kafka_background_fetch_max_wait_ms": 900}, 300, 900),
+    ):
         config = Settings().updated(update)
         stack = LocalStack(config, tmp_path / str(expected), partitions=1)
         try:
             assert stack.settings.kafka.fetch_max_wait_ms == expected
-            assert stack.env("worker")["RLENS_KAFKA_FETCH_MAX_WAIT_MS"] == str(expected)
+            env = stack.env("worker")
+            assert env["RLENS_KAFKA_FETCH_MAX_WAIT_MS"] == str(expected)
+            assert env["RLENS_KAFKA_BACKGROUND_FETCH_MAX_WAIT_MS"] == str(background)
+            assert group_options(stack.settings)["fetch_max_wait_ms"] == expected  # the workers' and the gateway's
+            assert record_options(stack.settings)["fetch_max_wait_ms"] == background  # the learner's
+            assert policy_reader(stack.settings, "workers")["fetch_max_wait_ms"] == background
             client = client_settings(stack.workdir)
             assert client is not None and client.kafka.fetch_max_wait_ms == expected
         finally:

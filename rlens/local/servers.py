@@ -98,10 +98,13 @@ def broker_port_taken(port: int) -> str:
 class LocalBroker(LocalProcess):
     """tansu on a free port, memory storage; ``bootstrap`` is its address."""
 
-    # How long its clients' fetches wait (RLENS_KAFKA_FETCH_MAX_WAIT_MS, unless set). tansu 0.6 often holds a fetch
-    # for its whole wait although data came in meanwhile (at 500 ms, Kafka's default, a stack's p50 at 10 queries/s
-    # went from 27 to 121 ms), where Apache Kafka answers at once; so 20 ms here, at 0.3 of a core idle.
+    # How long its clients' fetches wait (RLENS_KAFKA_FETCH_MAX_WAIT_MS and RLENS_KAFKA_BACKGROUND_FETCH_MAX_WAIT_MS,
+    # unless set). tansu 0.6 often holds a fetch for its whole wait although data came in meanwhile (at 500 ms,
+    # Kafka's default, a stack's p50 at 10 queries/s went from 27 to 121 ms), where Apache Kafka answers at once; so
+    # 20 ms on the request path, where each idle consumer then fetches 50 times a second, and 250 ms off it (the
+    # learner, the policy readers: a record waits up to that long for them).
     FETCH_MAX_WAIT_MS = 20
+    BACKGROUND_FETCH_MAX_WAIT_MS = 250
 
     def __init__(self, port: int | None = None):
         try:

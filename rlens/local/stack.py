@@ -244,12 +244,19 @@ class LocalStack:
             if getattr(settings.security, k) is None
         }
         configured_keys = "keys_file" in settings.gateway.model_fields_set  # the operator's own keys file
-        # tansu's fetch wait (Apache Kafka answers a fetch as soon as data comes)
-        waits = isinstance(self.broker, LocalBroker) and "fetch_max_wait_ms" not in settings.kafka.model_fields_set
+        # tansu's fetch waits, unless set (Apache Kafka answers a fetch as soon as data comes)
+        tansu = isinstance(self.broker, LocalBroker)
+        waits = {
+            name: wait if tansu and name not in settings.kafka.model_fields_set else getattr(settings.kafka, name)
+            for name, wait in (
+                ("fetch_max_wait_ms", LocalBroker.FETCH_MAX_WAIT_MS),
+                ("background_fetch_max_wait_ms", LocalBroker.BACKGROUND_FETCH_MAX_WAIT_MS),
+            )
+        }
         self.settings = settings.updated(
             {
                 "kafka_bootstrap": kafka_bootstrap,
-                "kafka_fetch_max_wait_ms": LocalBroker.FETCH_MAX_WAIT_MS if waits else settings.kafka.fetch_max_wait_ms,
+                **{f"kafka_{name}": wait for name, wait in waits.items()},
                 "kafka_partitions": partitions,
                 "redis_url": SecretStr(redis_url),
                 "checkpoint_dir": self.workdir / "learner",

@@ -330,12 +330,14 @@ def dead_letter(record: Any, reason: str, consumer: str) -> DeadLetter:
     )
 
 
-def group_options(settings: Settings) -> dict[str, Any]:
-    """A consumer group member's timings from the settings (every subscriber in a group)."""
+def group_options(settings: Settings, background: bool = False) -> dict[str, Any]:
+    """A consumer group member's timings from the settings (every subscriber in a group); ``background``: a consumer
+    off the request path, whose fetches may wait longer for data (``background_fetch_max_wait_ms``)."""
+    kafka = settings.kafka
     return {
-        "session_timeout_ms": settings.kafka.session_timeout_ms,
-        "heartbeat_interval_ms": settings.kafka.heartbeat_ms,
-        "fetch_max_wait_ms": settings.kafka.fetch_max_wait_ms,
+        "session_timeout_ms": kafka.session_timeout_ms,
+        "heartbeat_interval_ms": kafka.heartbeat_ms,
+        "fetch_max_wait_ms": kafka.background_fetch_max_wait_ms if background else kafka.fetch_max_wait_ms,
     }
 
 
@@ -351,7 +353,7 @@ def policy_reader(settings: Settings, role: Literal["workers", "learner"]) -> di
         "group_id": f"{settings.group(role)}-policy-{uuid.uuid4().hex[:12]}",
         "auto_offset_reset": "earliest",
         "ack_policy": AckPolicy.MANUAL,
-        **group_options(settings),
+        **group_options(settings, background=True),
     }
 
 

@@ -79,7 +79,7 @@ def shard_partitions(partitions: int, shards: int, shard: int) -> list[int]:
 
 def record_options(settings: Settings) -> dict[str, Any]:
     """The learner's subscribers: its consumer group, batches of up to 256 records, offsets committed by hand (up to
-    the checkpointed ones)."""
+    the checkpointed ones), fetches off the request path (:func:`group_options`)."""
     return {
         "group_id": settings.group("learner"),
         "batch": True,
@@ -87,7 +87,7 @@ def record_options(settings: Settings) -> dict[str, Any]:
         "auto_offset_reset": "earliest",
         "ack_policy": AckPolicy.MANUAL,
         **SUBSCRIBER,
-        **group_options(settings),
+        **group_options(settings, background=True),
     }
 
 
