@@ -6,7 +6,7 @@ from __future__ import annotations
 try:
     import typer
 
-    from rlens.cli import config, importers, keys, local, models, ope, policy, replay, rlae, service, zoo
+    from rlens.cli import capacity, config, importers, keys, local, models, ope, policy, replay, rlae, service, zoo
 except KeyboardInterrupt:  # Ctrl-C while the command line loads: a quiet exit, as Ctrl-C in a command gets
     raise SystemExit(130) from None
 
@@ -33,6 +33,7 @@ app.command()(service.worker)
 app.command()(service.learner)
 app.command()(service.gateway)
 app.command()(service.secrets)
+app.command()(capacity.capacity)
 app.command("serve-model")(models.serve_model)
 app.add_typer(models.pool_app, name="pool")
 app.add_typer(keys.app, name="keys")
