@@ -50,6 +50,8 @@ class Load(BaseModel):
 
 
 class RedisPerStream(BaseModel):
+    """A stream's Redis bytes, part by part."""
+
     window: float
     calibration_rows: float
     fits: float
@@ -61,7 +63,7 @@ class RedisPerStream(BaseModel):
 
 
 class Capacity(BaseModel):
-    """What the load needs; the ``spare`` unit of workers and gateways is counted in."""
+    """What the load needs (a spare worker and a spare gateway counted in)."""
 
     workers: int
     partitions: int

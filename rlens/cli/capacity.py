@@ -14,11 +14,14 @@ from rlens.cli.common import CONFIG, console, fail, use_config
 
 
 def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+    """``n`` bytes in B, KB, MB, GB, TB or PB (powers of 1,000)."""
+    if n < 1000:
+        return f"{n:,.0f} B"
+    for unit in ("KB", "MB", "GB", "TB"):
         n /= 1000
-    raise AssertionError("unreachable")
+        if n < 1000:
+            return f"{n:,.1f} {unit}"
+    return f"{n / 1000:,.1f} PB"
 
 
 def capacity(
