@@ -3,12 +3,30 @@ calling the package code that does the work."""
 
 from __future__ import annotations
 
+import signal
+import threading
+
+# Ctrl-C while the command line loads: a quiet exit (130), as Ctrl-C in a command gets. A KeyboardInterrupt raised in
+# the middle of an import can land in one of importlib's callbacks, which Python reports as "Exception ignored" with
+# a traceback and goes on; so while the modules load, a SIGINT is only noted (where this thread may set handlers
+# and SIGINT is not ignored), and acted on once they are loaded.
+_interrupts: list[int] = []
+_noting = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) not in (
+    signal.SIG_IGN,
+    None,
+)
+_previous = signal.signal(signal.SIGINT, lambda signum, frame: _interrupts.append(signum)) if _noting else None
 try:
     import typer
 
     from rlens.cli import capacity, config, importers, keys, local, models, ope, policy, replay, rlae, service, zoo
-except KeyboardInterrupt:  # Ctrl-C while the command line loads: a quiet exit, as Ctrl-C in a command gets
+except KeyboardInterrupt:
     raise SystemExit(130) from None
+finally:
+    if _noting:
+        signal.signal(signal.SIGINT, _previous)
+if _interrupts:
+    raise SystemExit(130)
 
 app = typer.Typer(help="rlens: LLM ensembles that learn from feedback.", no_args_is_help=True, add_completion=False)
 LOGGING_COMMANDS = ("worker", "learner", "gateway")  # their processes log the same warnings as records
@@ -42,3 +60,12 @@ app.add_typer(config.app, name="config")
 app.add_typer(zoo.app, name="zoo")
 app.add_typer(rlae.app, name="rlae")
 app.add_typer(importers.app, name="import")
+
+
+def main() -> None:
+    """The ``rlens`` command: :data:`app`, and a Ctrl-C that no command handles (while typer builds the command
+    tree, say) a quiet exit 130 too."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None

@@ -1,5 +1,5 @@
 """``python -m rlens.cli``: the same as the ``rlens`` command."""
 
-from rlens.cli import app
+from rlens.cli import main
 
-app()
+main()
