@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 DAY_S = 86_400
 
@@ -47,6 +47,12 @@ class Load(BaseModel):
     model_concurrency: int = Field(ge=1, description="a worker's calls in flight per model")
     dedup_ttl_s: float = Field(ge=0, description="how long a query's marker lives")
     replication: int = Field(ge=1, description="the topics' replication factor")
+
+    @model_validator(mode="after")
+    def _called_from_the_pool(self) -> Load:
+        if self.called > self.models:
+            raise ValueError(f"called {self.called:g} is more than the pool's {self.models} models")
+        return self
 
 
 class RedisPerStream(BaseModel):

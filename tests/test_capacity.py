@@ -58,8 +58,9 @@ def test_what_bounds_each_part_changes_with_the_load():
     assert shards_bound.partitions == shards_bound.learner_shards == 100  # shards need partitions too
     long_ago = plan(Load(**{**EXAMPLE, "feedback_days": 365}))
     assert long_ago.redis_per_stream.joint_rows == 4000 * (20 + 2.5 * 46)  # held to J
-    with pytest.raises(ValueError):
-        Load(**{**EXAMPLE, "feedback": 1.5})
+    for bad in ({"feedback": 1.5}, {"called": 6}):
+        with pytest.raises(ValueError):
+            Load(**{**EXAMPLE, **bad})
 
 
 def rlens(*args: str, **env: str) -> subprocess.CompletedProcess:

@@ -65,9 +65,7 @@ def capacity(
             replication=s.kafka.replication if replication is None else replication,
         )
     except ValidationError as exc:
-        fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
-    if load.called > load.models:
-        fail(f"--called {load.called} is more than the pool's {load.models} models")
+        fail("; ".join(f"{'.'.join(map(str, e['loc'])) or 'the load'}: {e['msg']}" for e in exc.errors()))
     need = plan(load)
     if as_json:
         print(json.dumps({"load": load.model_dump(), "needs": need.model_dump()}, indent=1))
