@@ -89,13 +89,13 @@ def learner_url(s: Settings) -> str | None:
     from redis.exceptions import RedisError
 
     from rlens.redis_clients import sync_redis
+    from rlens.service.common.windows import ready_urls
 
     redis = sync_redis(s.redis.url.get_secret_value(), socket_timeout=2.0, socket_connect_timeout=2.0)
     try:
-        for key in redis.scan_iter(f"{s.redis.prefix}:ready:learner:*"):
-            url = redis.get(key)
-            if isinstance(url, bytes) and url.startswith(b"http"):
-                return url.decode()
+        for url in ready_urls(redis, s.redis.prefix, "learner").values():
+            if url.startswith("http"):
+                return url
     except (RedisError, OSError):
         return None
     finally:

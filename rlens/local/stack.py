@@ -412,13 +412,11 @@ class LocalStack:
     def http_urls(self) -> dict[str, str]:
         """Each ready process's HTTP side (/metrics, /healthz, /readyz), by its readiness mark's name (role:host-pid)."""
         from rlens.redis_clients import sync_redis
+        from rlens.service.common.windows import ready_urls
 
         redis = sync_redis(self.settings.redis.url.get_secret_value())
-        prefix = f"{self.settings.redis.prefix}:ready:"
         try:
-            urls = {key.decode().removeprefix(prefix): redis.get(key) for key in redis.scan_iter(f"{prefix}*")}
-            # a mark may expire in between
-            return {name: url.decode() for name, url in urls.items() if isinstance(url, bytes)}
+            return ready_urls(redis, self.settings.redis.prefix)
         finally:
             redis.close()
 

@@ -13,6 +13,7 @@ so both keys of one stream live in one slot and the update script may touch both
 | ``{prefix}:fit:{<stream>}`` | string | the stream's calibrations (and pools' joint fits) the learner fitted from those rows (:meth:`rlens.focal.calibration.StreamCalibration.state`, JSON), what the workers vote with | one per stream | ``window_ttl_s`` |
 | ``{prefix}:pool:{<stream>}`` | string | the Decider's last pool for the stream, one ``0``/``1`` per model (every worker reads and writes it, so the Decider sees the same previous pool whichever worker serves the stream) | M bytes | ``window_ttl_s`` |
 | ``{prefix}:ready:<role>:<host>-<pid>`` | string | a worker or learner process whose subscribers have joined: the URL of its ``/metrics``, ``/healthz``, ``/readyz`` | one per process | 30 s, renewed every 2 s while the process runs; deleted on clean shutdown |
+| ``{prefix}:ready`` | set | the ``<role>:<host>-<pid>`` of every readiness mark set (:func:`ready_urls` reads the marks from it, never scanning the keyspace; a member whose mark expired is removed when read) | one member per process | 30 s, renewed with each mark |
 | ``{prefix}:replies:<reply topic>`` | string | a live gateway's reply topic: workers reply to no other (a query naming another is dead-lettered, so ``reply_to`` cannot make topics) | one per gateway replica | 30 s, renewed every 2 s while the gateway runs |
 | ``{prefix}:costs:<strategy>`` | string | the pool's model names and costs, as the strategy's workers announce them (a gateway holds a key's budget by them) | one per strategy | 30 s, renewed every 2 s while a worker runs |
 | ``{prefix}:owner:{<query id>}`` | string | the stream a query id was first asked on: a worker answers that id on no other stream (a token for one stream is no token for another) | one per query | ``dedup_ttl_s`` |
@@ -43,7 +44,7 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from redis.asyncio import Redis
@@ -104,6 +105,26 @@ class CalibrationRows:
     def from_list(cls, values: list) -> CalibrationRows:
         pool = tuple(int(m) for m in values[3]) if len(values) > 3 else ()  # a backlog checkpointed before pools
         return cls(int(values[0]), int(values[1]), {int(m): list(p) for m, p in values[2]}, pool)
+
+
+def ready_urls(redis: Any, prefix: str, role: str = "") -> dict[str, str]:
+    """The URL of each process whose readiness mark is set (of ``role`` alone, if given), by the mark's name
+    (``<role>:<host>-<pid>``), read through the ``{prefix}:ready`` set: a few reads whatever the keyspace holds, where
+    a SCAN for the marks walks every key (21.6 s among a million markers, one command at a time). Members whose mark
+    expired (a process that crashed) are removed. ``redis``: a blocking client (:func:`rlens.redis_clients.sync_redis`),
+    for the command line and the local stack."""
+    index = f"{prefix}:ready"
+    urls = {}
+    for raw in redis.smembers(index):
+        name = raw.decode() if isinstance(raw, bytes) else raw
+        if role and not name.startswith(f"{role}:"):
+            continue
+        url = redis.get(f"{index}:{name}")
+        if url is None:
+            redis.srem(index, raw)
+        else:
+            urls[name] = url.decode() if isinstance(url, bytes) else url
+    return urls
 
 
 def pool_costs_key(prefix: str, strategy: str) -> str:
@@ -428,7 +449,12 @@ class RedisWindows:
         return None
 
     def ready_key(self, role: str, name: str) -> str:
-        return f"{self.prefix}:ready:{role}:{name}"
+        return f"{self.ready_index}:{role}:{name}"
+
+    @property
+    def ready_index(self) -> str:
+        """The set of the readiness marks' names (:func:`ready_urls`)."""
+        return f"{self.prefix}:ready"
 
     async def mark_ready(self, role: str, name: str, ready: bool = True, url: str = "", warn: bool = True) -> bool:
         """Announce (with the URL of its HTTP side) or withdraw a service process; ``rlens up`` and the tests wait
@@ -436,8 +462,11 @@ class RedisWindows:
         try:
             if ready:
                 await self.redis.set(self.ready_key(role, name), url or "1", ex=READY_TTL_S)
+                await self.redis.sadd(self.ready_index, f"{role}:{name}")
+                await self.redis.expire(self.ready_index, READY_TTL_S)
             else:
                 await self.redis.delete(self.ready_key(role, name))
+                await self.redis.srem(self.ready_index, f"{role}:{name}")
         except (RedisError, OSError) as exc:
             if warn:
                 log.warning(
