@@ -8,7 +8,8 @@ for ``rlae`` or ``rl_focal``): prompts without choices (stream key = task family
 text is exactly the reference. Queries go out at ``rate`` per second.
 When a query's first answer arrives, its feedback (the label, or the reference text, with the answer's feedback
 token) is sent ``feedback_delay_s`` later.
-Answers are counted once per query id (duplicates are counted apart). The run ends when every query is answered
+Answers are read from the end of ``answers`` as it was when the play started, and counted once per query id
+(duplicates are counted apart). The run ends when every query is answered
 and every feedback sent, or when no answer came for ``idle_timeout_s``. A query or feedback the broker refuses (tansu
 restarted empty refuses a record now and then) is sent again, :data:`SEND_TRIES` times in all; one refused every
 time is counted (``send_failures``) and logged, never dropped unseen.
@@ -190,6 +191,7 @@ async def play(
     player = _Player(settings, traffic, feedback_delay_s, on_answer)
     await player.producer.start()
     await player.consumer.start()
+    await player.skip_earlier_answers()
     player.start = time.perf_counter()
     sender = asyncio.create_task(player.send_queries(rate, before_send, max_in_flight, duration_s))
     gc.freeze()  # the traffic lives to the end: no full collection scans it (0.5 s each for 450,000 queries)
@@ -241,6 +243,16 @@ class _Player:
             auto_offset_reset="earliest",
             fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
         )
+
+    async def skip_earlier_answers(self) -> None:
+        """Read ``answers`` from its end as it is now, before the first query goes out (so none of this play's
+        answers is missed): read from the start, a topic that holds an earlier run's answers (a benchmark's
+        saturation: hundreds of thousands) was parsed and skipped while this play's answers waited behind them."""
+        partitions = list(self.consumer.assignment())
+        for partition in partitions:  # the start's own reset (to the earliest) done first: it would undo the seek
+            await self.consumer.position(partition)
+        for partition, end in (await self.consumer.end_offsets(partitions)).items() if partitions else ():
+            self.consumer.seek(partition, end)
 
     async def send_queries(
         self,
