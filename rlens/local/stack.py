@@ -377,6 +377,7 @@ class LocalStack:
         import time
 
         from rlens.redis_clients import sync_redis
+        from rlens.service.common.windows import ready_index_key
 
         redis = sync_redis(self.settings.redis.url.get_secret_value())
         host = socket.gethostname()
@@ -389,7 +390,7 @@ class LocalStack:
                     raise RuntimeError(
                         f"service process `rlens {cast(list[str], dead[0].args)[3]}` exited with {dead[0].returncode}; see its log in {self.workdir}"
                     )
-                prefix = f"{self.settings.redis.prefix}:ready"
+                prefix = ready_index_key(self.settings.redis.prefix)
                 waiting = [
                     p
                     for p in self.processes()

@@ -107,13 +107,18 @@ class CalibrationRows:
         return cls(int(values[0]), int(values[1]), {int(m): list(p) for m, p in values[2]}, pool)
 
 
+def ready_index_key(prefix: str) -> str:
+    """The set of the readiness marks' names; each mark is this key, a colon, and its name (:func:`ready_urls`)."""
+    return f"{prefix}:ready"
+
+
 def ready_urls(redis: Any, prefix: str, role: str = "") -> dict[str, str]:
     """The URL of each process whose readiness mark is set (of ``role`` alone, if given), by the mark's name
     (``<role>:<host>-<pid>``), read through the ``{prefix}:ready`` set: a few reads whatever the keyspace holds, where
     a SCAN for the marks walks every key (21.6 s among a million markers, one command at a time). Members whose mark
     expired (a process that crashed) are removed. ``redis``: a blocking client (:func:`rlens.redis_clients.sync_redis`),
     for the command line and the local stack."""
-    index = f"{prefix}:ready"
+    index = ready_index_key(prefix)
     urls = {}
     for raw in redis.smembers(index):
         name = raw.decode() if isinstance(raw, bytes) else raw
@@ -453,8 +458,7 @@ class RedisWindows:
 
     @property
     def ready_index(self) -> str:
-        """The set of the readiness marks' names (:func:`ready_urls`)."""
-        return f"{self.prefix}:ready"
+        return ready_index_key(self.prefix)
 
     async def mark_ready(self, role: str, name: str, ready: bool = True, url: str = "", warn: bool = True) -> bool:
         """Announce (with the URL of its HTTP side) or withdraw a service process; ``rlens up`` and the tests wait
