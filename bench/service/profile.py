@@ -1,8 +1,9 @@
 """Where the worker's and the learner's time goes at full speed: py-spy samples, grouped by stage.
 
-    python -m bench.service.profile [--queries N] [--rate HZ] [--out bench/out/profile]
+    python -m bench.service.profile [--queries N] [--rate HZ] [--kafka BOOTSTRAP] [--out bench/out/profile]
 
-On the local stack (tansu, redis-server, the bundled stream on ``replay`` backends, as ``bench_service.py``):
+On the local stack (tansu, or the Apache Kafka at ``--kafka`` on topics of its own; redis-server; the bundled stream
+on ``replay`` backends, as :mod:`bench.service.stack`):
 1. Worker: N queries are pre-filled in ``queries``; one worker starts (cold windows, a fresh policy) and answers
    the backlog while ``py-spy`` samples it (``--idle``: time spent waiting on the broker or Redis counts too).
 2. Learner: the N answers' feedback (the label, with each answer's token) is pre-filled in ``feedback``; the learner
@@ -37,18 +38,19 @@ from aiokafka import AIOKafkaConsumer
 
 from bench.service.stack import count_answers, prefill
 from bench.common.machine import machine_facts
-from bench.common.stacks import learner_joined
+from bench.common.stacks import learner_joined, replay_stack
 from bench.common.args import add_out, arguments, write_json
 from rlens.records.dataset import load_dataset
 from rlens.messages import Answer, Query
 from rlens.service.common.kafka import Topics
 from rlens.local.load import feedback_for, queries_of
-from rlens.local.stack import LocalStack, write_replay_pool
+from rlens.local.stack import LocalStack
 from rlens.settings import settings
 
 IDLE_STAGE, IDLE = (
     "idle (waiting on the broker or Redis)",
-    re.compile(r"^(\w*\.?select \(selectors|BaseEventLoop\._run_once \()"),
+    # the event loop's wait: Python's selector, or uvloop's (its C loop leaves ``Runner.run`` the innermost frame)
+    re.compile(r"^(\w*\.?select \(selectors|BaseEventLoop\._run_once \(|Runner\.run \(asyncio/runners)"),
 )
 THREAD_WAIT = re.compile(
     r"^(Condition\.wait|Event\.wait|Queue\.get|_worker) \((threading|queue|concurrent/futures/thread)"
@@ -60,7 +62,7 @@ COMMON_STAGES = [
     ("encode messages (pydantic)", r"(^|\.)model_dump_json \("),
     (
         "publish (aiokafka send, wait for acks)",
-        r"^(publish|publish_batch|publish_dead_letters) \(rlens/service/kafka|\.(reply|dead_letter_out) \(rlens/service",
+        r"^(publish|publish_batch|publish_dead_letters) \(rlens/service/common/kafka|\.reply \(rlens/service/worker",
     ),
     ("Redis round trips (redis-py)", r"redis/asyncio/|redis/_parsers/"),
     ("aiokafka (fetch, produce, commit)", r"aiokafka/"),
@@ -72,10 +74,11 @@ FALLBACK_STAGES = [
     ("asyncio (sockets, callbacks)", r"\._run_once \(asyncio/base_events"),
 ]
 WORKER_STAGES = [
-    ("window read: rows from JSON", r"\.(_windows|_parse_row) \(rlens/service/windows"),
+    ("window read: rows from JSON", r"\.(_windows|_parse_row) \(rlens/service/common/windows"),
     ("Decider (observation + forward)", r"(^|\.)decide_batch \("),
     ("pool call (replay backends)", r"(^|\.)ask_batch \("),
     ("Fusion (observations + forward)", r"(^|\.)fuse_batch \("),
+    ("calibrated votes and evidence (OPE log)", r"^(evidence|shadow_pools) \(rlens/focal|\.calibrated_rows \("),
     ("build answers and experience", r"(^|\.)_outputs \("),
     *COMMON_STAGES,
 ]
@@ -229,6 +232,7 @@ def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--queries", type=int, default=20000)
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    parser.add_argument("--kafka", default=None, help="bootstrap of an Apache Kafka broker to run on (default: tansu)")
     add_out(parser, "bench/out/profile")
     args = parser.parse_args()
     if shutil.which("py-spy") is None:
@@ -243,15 +247,11 @@ def main() -> None:
         for i in range(args.queries)
     ]
     labels = {q.query_id: label for q, label in traffic}
-    workdir = args.out / "stack"
-    pool = write_replay_pool(data, workdir / "pool.json")
-    config = settings().updated(
-        {"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
-    )
-    stack = LocalStack(config, workdir)
+    stack = replay_stack(args.out / "stack", kafka=args.kafka)
     topics = Topics.from_settings(stack.settings)
     bootstrap = stack.settings.kafka.bootstrap
-    results: dict = {"machine": machine_facts(), "queries": args.queries, "sample_rate_hz": args.rate}
+    broker = f"Apache Kafka at {args.kafka}" if args.kafka else "tansu (memory storage)"
+    results: dict = {"machine": machine_facts(), "broker": broker, "queries": args.queries, "sample_rate_hz": args.rate}
     try:
         results["worker"] = profile_worker(stack, [q for q, _ in traffic], args.out / "worker.txt", args.rate)
         answers = asyncio.run(read_answers(bootstrap, topics.answers, args.queries))
