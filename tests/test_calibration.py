@@ -28,7 +28,7 @@ from rlens.focal.features import (
 )
 from rlens.focal.greedy import GreedyActor
 from rlens.local.load import queries_of
-from rlens.messages import MAX_CHOICES, Feedback
+from rlens.messages import MAX_CHOICES, Behaviour, Experience, Feedback
 from rlens.service.common.policy import encode_policy
 from rlens.service.common.windows import RedisWindows
 from rlens.service.learner.core import LearnerCore
@@ -294,6 +294,47 @@ async def _serve_and_label(worker: FocalWorker, learner: LearnerCore, pairs: lis
                 Record(start + i),
             )
         await learner.apply_windows()
+
+
+def test_the_learners_calibration_rows_are_the_called_models_logged_log_probabilities():
+    """Each called model's logged distribution over the query's choices becomes its row (natural logs, floored at
+    1e-6, 6 significant digits); a model not called ([]) or with another number of choices has none; no row without
+    a behaviour or with a label outside the choices."""
+    trainer = FocalOnlineTrainer(FocalEngine(3, config=FocalConfig(calibration_rows=64), seed=0), ["a", "b", "c"])
+    decision = trainer.engine.decide("s", 4, greedy=True)[0]
+    fused = trainer.engine.fuse(decision, np.full((3, 4), 0.25))
+    behaviour = Behaviour(
+        explore_rate=0.05,
+        probe=False,
+        greedy_pool=[True, False, True],
+        greedy_answer=1,
+        propensity=0.5,
+        model_probs=[[0.1, 0.6, 0.3, 0.0], [], [0.5, 0.5, 0.0]],
+        reliability=[0.7] * 3,
+        label_prior=[0.25] * 4,
+    )
+    experience = Experience(
+        query_id="q",
+        stream="s",
+        policy_version=0,
+        n_choices=4,
+        decider_state=decision.state.tolist(),
+        critic_state=fused.critic_state.tolist(),
+        pool=[True, False, True],
+        pool_logp=decision.pool_logp,
+        predictions=[1, -1, 0],
+        fusion_features=fused.features.tolist(),
+        answer_index=1,
+        answer_logp=fused.answer_logp,
+        explored=False,
+        behaviour=behaviour,
+    )
+    rows = trainer.calibration_rows(experience, 2)
+    assert rows is not None and rows.label == 2 and rows.n_choices == 4 and rows.pool == (0, 2)
+    # ln 0.1 = -2.302585093 and ln 0.6 = -0.5108256238, ln 0.3 = -1.203972804, ln 1e-6 = -13.81551056 (6 digits)
+    assert rows.log_probs == {0: [-2.30259, -0.510826, -1.20397, -13.8155]}
+    assert trainer.calibration_rows(experience, 4) is None  # no such choice
+    assert trainer.calibration_rows(experience.model_copy(update={"behaviour": None}), 2) is None
 
 
 def test_the_learner_publishes_calibrations_and_the_workers_answer_with_their_vote(tmp_path, redis_server):

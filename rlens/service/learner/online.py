@@ -194,13 +194,14 @@ class FocalOnlineTrainer(OnlineTrainer[Experience]):
             return None
         if not 0 <= label < experience.n_choices:
             return None
-        rows = {
-            m: significant(np.log(np.maximum(np.asarray(p, dtype=np.float64), LOG_FLOOR))).tolist()
-            for m, p in enumerate(behaviour.model_probs)
-            if len(p) == experience.n_choices
-        }
+        called = [m for m, p in enumerate(behaviour.model_probs) if len(p) == experience.n_choices]
+        if not called:
+            return None
+        # every called model's row at once: one pass of NumPy's per-call cost, not one per model
+        logp = significant(np.log(np.maximum(np.array([behaviour.model_probs[m] for m in called]), LOG_FLOOR)))
+        rows = dict(zip(called, logp.tolist()))
         pool = tuple(int(m) for m in np.flatnonzero(np.asarray(experience.pool, dtype=bool)))
-        return CalibrationRows(experience.n_choices, label, rows, pool) if rows else None
+        return CalibrationRows(experience.n_choices, label, rows, pool)
 
     def confidence(self, experience: Experience) -> float:
         """The Fusion agent's probability of the answer it chose."""
