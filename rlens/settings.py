@@ -321,6 +321,14 @@ class LearnerSettings(Group):
         "workers and a gateway, their requests go first and its updates take what is left (BENCHMARKS.md, the p99 "
         "with the learner); 0: none, as in a pod of its own",
     )
+    fetch_min_bytes: int = Field(
+        65536,
+        ge=1,
+        description="the learner's fetches of experience and feedback wait (up to RLENS_KAFKA_BACKGROUND_FETCH_MAX_WAIT_MS) "
+        "until this many bytes came: fewer, larger batches, each with its fixed cost (a Redis round trip, the refit "
+        "check, the broker's fetch); at 450 queries/s on Apache Kafka the learner took 10 % less CPU than with 1 "
+        "(BENCHMARKS.md), and joins at most that wait later; 1: a fetch returns as soon as any record came",
+    )
     refit_interval_s: float = Field(
         2.0,
         ge=0,

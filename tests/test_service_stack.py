@@ -735,6 +735,10 @@ def test_every_process_serves_metrics_and_health_and_the_counts_follow_the_traff
     )
     assert worker["rlens_worker_models_called_count"] == 150 and worker["rlens_worker_model_selected_total"] >= 150
     assert learner["rlens_learner_joined_total"] == 150 and learner["rlens_learner_records_total{kind=feedback}"] == 150
+    # every record read came in a counted batch (the learner's first batches may be read again after a rebalance)
+    assert (
+        learner["rlens_learner_batch_size_sum{kind=feedback}"] >= 150 and learner["rlens_learner_batch_size_count"] >= 2
+    )
     assert learner["rlens_learner_updates_total{outcome=applied}"] == 2 and learner["rlens_learner_policy_version"] == 2
     assert worker["rlens_worker_policy_version"] >= 1  # the learner's policies reached the worker
     reliabilities = {k: v for k, v in worker.items() if k.startswith("rlens_worker_window_reliability{")}

@@ -188,6 +188,13 @@ class LearnerMetrics:
         self.dead_letters = Counter(
             "rlens_learner_dead_letters", "records dead-lettered, by kind", ["kind"], registry=registry
         )
+        self.batch_size = Histogram(
+            "rlens_learner_batch_size",
+            "records per batch read, by topic kind (each batch has a fixed cost: RLENS_LEARNER_FETCH_MIN_BYTES)",
+            ["kind"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=registry,
+        )
         self.feedback_delay = Histogram(
             "rlens_learner_feedback_delay_seconds",
             "feedback record time minus experience record time, per join",

@@ -88,6 +88,7 @@ def record_options(settings: Settings) -> dict[str, Any]:
         "ack_policy": AckPolicy.MANUAL,
         **SUBSCRIBER,
         **group_options(settings, background=True),
+        "fetch_min_bytes": settings.learner.fetch_min_bytes,
     }
 
 

@@ -105,6 +105,7 @@ class RecordBatches:
     async def _handle(self, message: KafkaMessage, model: type, topic: str) -> None:
         core = self.core
         kind = "feedback" if model is Feedback else "transitions" if issubclass(model, Transition) else "experience"
+        self.metrics.batch_size.labels(kind).observe(len(message.raw_message))
         async with self.lock:
             await self.detect_new_logs(message, topic)
             await core.apply_windows()  # what a Redis outage left in the backlog
