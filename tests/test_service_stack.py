@@ -40,6 +40,9 @@ from brokers import EXTERNAL, broker_for_tests, own_broker_only, own_prefixes, s
 N = 600  # the first 5 task blocks of the bundled stream
 
 
+CLOSED_LOOP = {"learner_fetch_min_bytes": 1}  # each query waits for the last one's feedback: fetch it at once
+
+
 def make_stack(
     tmp_path: Path,
     workers: int = 1,
@@ -267,8 +270,9 @@ def operator_promotes_the_newest_candidate(stack: LocalStack, workdir: Path) -> 
 def test_end_to_end_learns_as_well_as_the_offline_loop(tmp_path, zoo):
     """In a closed loop (each query waits until the previous one's feedback is in its window, as offline), so the
     comparison does not depend on how fast the machine is; only the policy's trip to the worker may lag a little."""
-    # mostly greedy (sampled answers would blur the comparison), ~9 updates
-    stack = make_stack(tmp_path, explore=(0.25, 16))
+    # mostly greedy (sampled answers would blur the comparison), ~9 updates; in a closed loop each feedback is fetched
+    # alone: the learner must not wait for RLENS_LEARNER_FETCH_MIN_BYTES (up to 0.5 s a query) on Apache Kafka
+    stack = make_stack(tmp_path, explore=(0.25, 16), service=CLOSED_LOOP)
     queries = traffic(zoo, "e2e")
     try:
         report = asyncio.run(
@@ -303,7 +307,7 @@ def test_open_ended_queries_end_to_end_learn_as_well_as_the_offline_loop(tmp_pat
     each reference becomes a label in the learner, and the service lands where the offline loop does."""
     data = synthetic_samples(300, 3, seed=0)
     save_samples(tmp_path / "samples", data.sampled, data.model_names, data.model_costs)
-    stack = make_stack(tmp_path, explore=(0.25, 16), data=tmp_path / "samples")
+    stack = make_stack(tmp_path, explore=(0.25, 16), data=tmp_path / "samples", service=CLOSED_LOOP)
     queries = queries_of(load_dataset(tmp_path / "samples"), None, "open")
     try:
         report = asyncio.run(
