@@ -322,12 +322,13 @@ class LearnerSettings(Group):
         "with the learner); 0: none, as in a pod of its own",
     )
     fetch_min_bytes: int = Field(
-        65536,
+        1,
         ge=1,
         description="the learner's fetches of experience and feedback wait (up to RLENS_KAFKA_BACKGROUND_FETCH_MAX_WAIT_MS) "
         "until this many bytes came: fewer, larger batches, each with its fixed cost (a Redis round trip, the refit "
-        "check, the broker's fetch); at 450 queries/s on Apache Kafka the learner took 10 % less CPU than with 1 "
-        "(BENCHMARKS.md), and joins at most that wait later; 1: a fetch returns as soon as any record came",
+        "check, the broker's fetch). 1: a fetch returns as soon as any record came. At several hundred queries a "
+        "second 65536 took 10 % of the learner's CPU (BENCHMARKS.md), but every join comes up to that wait later: a "
+        "gate's evidence, a closed loop and a quiet stream's window wait for it",
     )
     refit_interval_s: float = Field(
         2.0,
