@@ -122,15 +122,14 @@ def run_the_service_on(redis_url: str, workdir: Path, kill_master) -> None:
             )
             assert given.status_code == 202, given.text
         prefix = stack.settings.redis.prefix
-        wait_until(
-            lambda: any(True for _ in redis.scan_iter(f"{prefix}:win:*topology*")), 60, "the stream's window in Redis"
-        )
+        window = f"{prefix}:win:{{@local/topology}}"
+        # all six outcomes in the window before it is counted: the learner applies a batch of them at a time
+        wait_until(lambda: redis.llen(window) >= 6, 60, "the stream's six outcomes in its Redis window")
         # a budget caps (the pool's cheapest answers cost more than 0.5 units together), the rate limit refuses
         spent = [ask(url, budget, q, "capped").status_code for q in range(4)]
         assert 429 in spent and spent[0] == 200, spent
         assert [ask(url, slow, q, "slow").status_code for q in range(2)] == [200, 429]
 
-        window = f"{prefix}:win:{{@local/topology}}"
         rows = redis.llen(window)
         # traffic through the kill: one request after another, each on a stream of its own
         statuses: list[tuple[int, str]] = []
