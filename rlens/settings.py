@@ -327,7 +327,7 @@ class LearnerSettings(Group):
         description="the learner's fetches of experience and feedback wait (up to RLENS_KAFKA_BACKGROUND_FETCH_MAX_WAIT_MS) "
         "until this many bytes came: fewer, larger batches, each with its fixed cost (a Redis round trip, the refit "
         "check, the broker's fetch). 1: a fetch returns as soon as any record came. At several hundred queries a "
-        "second 65536 took 10 % of the learner's CPU (BENCHMARKS.md), but every join comes up to that wait later: a "
+        "second 65536 saved 10 % of the learner's CPU (BENCHMARKS.md), but every join comes up to that wait later: a "
         "gate's evidence, a closed loop and a quiet stream's window wait for it",
     )
     refit_interval_s: float = Field(
