@@ -32,6 +32,8 @@ topics and consumer groups of its own, the yardstick (1) included.
    phases 1 and 2.
    ``--without-learner``: the same with no learner (no updates taking the cores): whether the p99 is the learner's.
    ``--learner-nice N``: the learner lowers its priority by N (``RLENS_LEARNER_NICE``).
+   ``--rate R``: no saturation and no probes: the ``--load-s`` seconds at R queries/s on the fresh stack (a given
+   load, where the sustained maximum's measure moves from run to run).
 """
 
 from __future__ import annotations
@@ -266,11 +268,16 @@ def main() -> None:
         help="the most probes, each at the rate the stack answered and learned from in the one before",
     )
     parser.add_argument("--learner-nice", type=int, default=0, help="RLENS_LEARNER_NICE for the latency phase")
+    parser.add_argument(
+        "--rate", type=float, default=None, help="the latency phase at this many queries/s (no saturation, no probes)"
+    )
     add_out(parser, "bench/out/service.json")
     args = parser.parse_args()
     if args.probes < 1:
         parser.error("--probes must be at least 1 (--probe-s 0: no probe)")
-    if args.saturate_s <= 12:
+    if args.rate is not None and args.rate <= 0:
+        parser.error("--rate must be above 0")
+    if args.rate is None and args.saturate_s <= 12:
         parser.error("--saturate-s must be above 12: the maximum is measured after the phase's first 10 s")
     print(f"machine: {machine_facts()}", flush=True)
     data = settings().service.demo_data
@@ -283,6 +290,7 @@ def main() -> None:
         "partitions": args.partitions,
         "learner": not args.without_learner,
         "learner_nice": args.learner_nice,
+        "given_rate": args.rate,
     }
     if args.queries:
         throughput_phases(args, stream, results)
@@ -363,7 +371,8 @@ def probe_learner(args: argparse.Namespace, stack, stream: list, sent: int, resu
 
 
 def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None:
-    """The whole stack on a fresh broker and Redis: its maximum rate, then latency at ``--load-share`` of it."""
+    """The whole stack on a fresh broker and Redis: its maximum rate, then latency at ``--load-share`` of it (or at
+    ``--rate``)."""
     stack = replay_stack(
         Path("bench/out/service-latency-stack"), args.partitions, args.kafka, learner={"nice": args.learner_nice}
     )
@@ -373,38 +382,10 @@ def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None
         for _ in range(args.workers):
             stack.start_worker()
         stack.wait_ready(120)
-        saturated = asyncio.run(
-            play(
-                stack.settings,
-                cycled(stream, "saturate", int(args.saturate_s * 10_000)),
-                rate=1e9,
-                idle_timeout_s=60,
-                max_in_flight=2000,
-                duration_s=args.saturate_s,
-            )
-        )
-        after = [t for t in saturated.answered_at if t >= saturated.answered_at[0] + 10.0]
-        results["stack_queries_per_s"] = (len(after) - 1) / (after[-1] - after[0])
-        print(f"the stack at its maximum: {results['stack_queries_per_s']:.0f} queries/s")
-        results["sustained_queries_per_s"] = results["stack_queries_per_s"]
-        sent = saturated.feedback_sent  # feedback sent so far, for the learner's lag
-        if not args.without_learner:
-            caught_up = wait_for_learner(stack, sent, args.catch_up_s)
-            if caught_up is None:
-                raise SystemExit(
-                    f"the learner did not catch up on the saturation's records within {args.catch_up_s:g} s: no "
-                    "sustained maximum to load at (raise --catch-up-s)"
-                )
-            results["learner_catch_up_s"] = caught_up
-            span = saturated.answered_at[-1] - saturated.answered_at[0]
-            results["sustained_queries_per_s"] = saturated.answered / (span + caught_up)
-            print(
-                f"the learner caught up on the saturation's records in {caught_up:.0f} s: the stack answers and "
-                f"learns from {results['sustained_queries_per_s']:.0f} queries/s"
-            )
-            if args.probe_s:
-                sent += probe_learner(args, stack, stream, sent, results)
-        rate = results["sustained_queries_per_s"] * args.load_share
+        if args.rate is None:
+            sent, rate = find_the_maximum(args, stack, stream, results)
+        else:
+            sent, rate = 0, args.rate
         report = LoadReport()
 
         def seen(latest: LoadReport) -> None:
@@ -431,11 +412,49 @@ def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None
                 if (chunk := [ms for ms, t in zip(report.latencies_ms, report.answered_at) if start <= t < start + 10])
             ],
         )
+        given = "given" if args.rate is not None else f"{args.load_share:g} of the stack's sustained maximum"
         print(
-            f"at {rate:.0f} queries/s ({args.load_share:g} of the stack's sustained maximum): p50 {results['latency_p50_ms']:.1f} ms, p99 {results['latency_p99_ms']:.1f} ms ({report.answered} answered, accuracy {100 * report.accuracy:.1f} %)"
+            f"at {rate:.0f} queries/s ({given}): p50 {results['latency_p50_ms']:.1f} ms, p99 {results['latency_p99_ms']:.1f} ms ({report.answered} answered, accuracy {100 * report.accuracy:.1f} %)"
         )
     finally:
         stack.stop()
+
+
+def find_the_maximum(args: argparse.Namespace, stack, stream: list, results: dict) -> tuple[int, float]:
+    """The stack's maximum (``--saturate-s``), the learner's catch-up and the probes: (feedback sent, the latency
+    phase's rate: ``--load-share`` of the sustained maximum)."""
+    saturated = asyncio.run(
+        play(
+            stack.settings,
+            cycled(stream, "saturate", int(args.saturate_s * 10_000)),
+            rate=1e9,
+            idle_timeout_s=60,
+            max_in_flight=2000,
+            duration_s=args.saturate_s,
+        )
+    )
+    after = [t for t in saturated.answered_at if t >= saturated.answered_at[0] + 10.0]
+    results["stack_queries_per_s"] = (len(after) - 1) / (after[-1] - after[0])
+    print(f"the stack at its maximum: {results['stack_queries_per_s']:.0f} queries/s")
+    results["sustained_queries_per_s"] = results["stack_queries_per_s"]
+    sent = saturated.feedback_sent  # feedback sent so far, for the learner's lag
+    if not args.without_learner:
+        caught_up = wait_for_learner(stack, sent, args.catch_up_s)
+        if caught_up is None:
+            raise SystemExit(
+                f"the learner did not catch up on the saturation's records within {args.catch_up_s:g} s: no "
+                "sustained maximum to load at (raise --catch-up-s)"
+            )
+        results["learner_catch_up_s"] = caught_up
+        span = saturated.answered_at[-1] - saturated.answered_at[0]
+        results["sustained_queries_per_s"] = saturated.answered / (span + caught_up)
+        print(
+            f"the learner caught up on the saturation's records in {caught_up:.0f} s: the stack answers and "
+            f"learns from {results['sustained_queries_per_s']:.0f} queries/s"
+        )
+        if args.probe_s:
+            sent += probe_learner(args, stack, stream, sent, results)
+    return sent, results["sustained_queries_per_s"] * args.load_share
 
 
 if __name__ == "__main__":
