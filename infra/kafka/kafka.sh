@@ -59,6 +59,8 @@ transaction.state.log.min.isr=$isr
 share.coordinator.state.topic.replication.factor=$replicas
 share.coordinator.state.topic.min.isr=$isr
 group.initial.rebalance.delay.ms=0
+# offset commits answered at once, not held up to 5 ms to batch the coordinator's writes (docs/service.md)
+group.coordinator.append.linger.ms=0
 # the tests' fast rebalances use 2 s sessions; Kafka's default minimum is 6 s
 group.min.session.timeout.ms=1000
 # a killed broker is fenced (and its partitions led elsewhere) within 3 s, not 9

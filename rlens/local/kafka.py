@@ -43,6 +43,9 @@ transaction.state.log.min.isr=1
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
+# offset commits answered at once: Kafka 4 holds each up to 5 ms to batch its writes, and a worker's next batch waits
+# for the commit of the last one
+group.coordinator.append.linger.ms=0
 """
 
 
