@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 
 from rlens.focal.window import OutcomeWindow
 from rlens.local.servers import LocalRedis
-from rlens.service.common.windows import RedisWindows
+from rlens.service.common.windows import RedisWindows, pushed_since
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,65 @@ def test_rows_round_trip_into_the_same_window_as_in_memory(redis_url):
         np.testing.assert_allclose(window.reliability(), reference.reliability())
         assert window.recent_reward(4) == pytest.approx(reference.recent_reward(4))
         assert await redis.llen(windows.window_key("task-a")) == 4
+        await redis.aclose()
+
+    run(scenario())
+
+
+def test_rows_pushed_since_an_earlier_read_by_hand():
+    a, b, c, d, e = (f"[{i},0.5,0,0,0]".encode() for i in range(5))
+    assert pushed_since([a, b, c], [a, b, c], 4) == 0  # nothing new
+    assert pushed_since([a, b, c], [a, b, c, d], 4) == 1  # room left: appended
+    assert pushed_since([a, b, c, d], [b, c, d, e], 4) == 1  # full: the oldest trimmed
+    assert pushed_since([a, b, c, d], [c, d, e, a], 4) == 2
+    assert pushed_since([], [a, b], 4) == 2  # a cold window: every row new
+    assert pushed_since([a, b, c, d], [c, d], 4) is None  # trimmed by hand (keep_last): no ring trims that way
+    assert pushed_since([a, b, c, d], [a, b], 4) is None
+    assert pushed_since([a, b, c, d], [e, e, e, e], 4) is None  # more than half new (or started again)
+    assert pushed_since([a, b, c, d], [], 4) is None
+    # equal rows: any overlap that fits gives the same window, the fewest pushed is taken
+    assert pushed_since([a, a, a, a], [a, a, a, a], 4) == 0 and pushed_since([a, a, b], [a, a, b, a], 4) == 1
+
+
+def in_order(window: OutcomeWindow) -> list:
+    """A window's rows, oldest first: (predictions, label, reward)."""
+    index = (window.count - window.n_rows + np.arange(window.n_rows)) % window.size
+    return [(window.predictions[i].tolist(), int(window.labels[i]), float(window.rewards[i])) for i in index]
+
+
+def test_a_window_read_again_is_the_window_parsed_whole(redis_url):
+    """A worker's reads extend the last read's window by the rows pushed since; the window is the same as a reader
+    without that memory parses, through appends, the ring's trim, a trim by hand, a window pushed into by its
+    holder, and a row that does not fit."""
+
+    async def scenario():
+        redis, windows = await fresh(redis_url)
+        other = RedisWindows(redis, n_models=3, size=4)
+        rng = np.random.default_rng(0)
+
+        async def same() -> None:
+            mine, theirs = (
+                await windows.load(["s", "t"]),
+                await RedisWindows(redis, n_models=3, size=4).load(["s", "t"]),
+            )
+            for stream in ("s", "t"):
+                assert in_order(mine[stream]) == in_order(theirs[stream])
+
+        for i in range(11):  # cold, filling, full and trimmed by the ring, one or two rows a read
+            for j in range(1 + i % 2):
+                predictions, label = rng.integers(-1, 3, 3).tolist(), int(rng.integers(0, 3))
+                await other.apply("s", f"q{i}-{j}", predictions, label, float(rng.random()))
+            await same()
+        read = (await windows.load(["s"]))["s"]
+        assert windows._read["s"][1] is read  # kept, and extended in place by the next read
+        await windows.keep_last("s", 2)  # a trim by hand: parsed whole again
+        await same()
+        (await windows.load(["s"]))["s"].push(np.array([0, 0, 0]), 0, 1.0)  # its holder's own row: not reused
+        await same()
+        await redis.rpush(windows.window_key("s"), b"[0,50,0,0,0]")  # a reward beyond ±10: skipped
+        skipped = windows.skipped_rows
+        await same()
+        assert windows.skipped_rows == skipped + 1 and "s" not in windows._read  # not kept: parsed whole each time
         await redis.aclose()
 
     run(scenario())

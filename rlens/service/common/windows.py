@@ -137,6 +137,21 @@ def pool_costs_key(prefix: str, strategy: str) -> str:
     return f"{prefix}:costs:{strategy}"
 
 
+def pushed_since(read: list[bytes], rows: list[bytes], size: int) -> int | None:
+    """How many of ``rows`` (a window's rows now, oldest first, trimmed to ``size``) were pushed since ``read`` (its
+    rows at an earlier read): the fewest such that the rest are ``read``'s newest, as many as a ring of ``size``
+    holding ``read`` and then those keeps (all of them after an empty read). None where ``rows`` are not that (the
+    window was trimmed by hand, or expired and started again), or where more than half of them would be new
+    (parsing them all costs about as much)."""
+    if not read:
+        return len(rows) if len(rows) <= size else None
+    for overlap in range(min(len(read), len(rows)), len(rows) // 2 - 1, -1):
+        pushed = len(rows) - overlap
+        if overlap and min(len(read) + pushed, size) == len(rows) and rows[:overlap] == read[len(read) - overlap :]:
+            return pushed
+    return None
+
+
 class RedisWindows:
     def __init__(
         self,
@@ -164,6 +179,9 @@ class RedisWindows:
         # RESTORED_STREAMS streams): a pool the Decider keeps is written again only to renew its expiry
         self._pools_read: dict[str, bytes | None] = {}
         self._pools_written: OrderedDict[str, float] = OrderedDict()
+        # each stream's window as the last load read it, every row fitting (its rows, the window, the window's
+        # count then; the newest RESTORED_STREAMS streams): the next load extends it by the rows pushed since
+        self._read: OrderedDict[str, tuple[list[bytes], OutcomeWindow, int]] = OrderedDict()
 
     def row_error(self, predictions: list[int], label: int, reward: float) -> str | None:
         """Why a row cannot enter a window of this pool, or None."""
@@ -360,13 +378,37 @@ class RedisWindows:
             written.popitem(last=False)
 
     def _windows(self, streams: list[str], raw: list) -> dict[str, OutcomeWindow]:
-        return {stream: self._window(rows) for stream, rows in zip(streams, raw)}
+        return {stream: self._window_of(stream, rows) for stream, rows in zip(streams, raw)}
+
+    def _window_of(self, stream: str, rows: list[bytes]) -> OutcomeWindow:
+        """The stream's window from its rows: where they are the last read's rows (less the oldest the update
+        trimmed) and then the rows pushed since, that read's window extended by those (the same window as all the
+        rows parsed, for a fraction of the work; a worker reads its streams' windows with every batch); else
+        parsed whole. A window whose every row fit is kept for the next read."""
+        known = self._read.pop(stream, None)
+        pushed = None
+        if known is not None and known[1].count == known[2]:  # nobody pushed into it since
+            pushed = pushed_since(known[0], rows, self.size)
+        if pushed is not None and known is not None:
+            window = known[1]
+            self._extend(window, rows[len(rows) - pushed :])
+        else:
+            window = self._window(rows)
+        if window.n_rows == len(rows):
+            self._read[stream] = (rows, window, window.count)
+            if len(self._read) > RESTORED_STREAMS:
+                self._read.popitem(last=False)
+        return window
 
     def _window(self, rows: list[bytes]) -> OutcomeWindow:
-        """A window from its rows, parsed in one go; rows that do not fit are skipped (and counted)."""
         window = OutcomeWindow(self.n_models, self.size)
+        self._extend(window, rows)
+        return window
+
+    def _extend(self, window: OutcomeWindow, rows: list[bytes]) -> None:
+        """Push ``rows`` into ``window``, parsed in one go; rows that do not fit are skipped (and counted)."""
         if not rows:
-            return window
+            return
         try:
             values = np.array(json.loads(b"[" + b",".join(rows) + b"]"), dtype=np.float64)
         except Exception:  # some row is not a list of (float-sized) numbers, or nested too deep: row by row
@@ -381,7 +423,6 @@ class RedisWindows:
         self.skipped_rows += int((~fits).sum())
         values = values[fits]
         window.extend(values[:, 2:].astype(np.int64), values[:, 0].astype(np.int64), values[:, 1])
-        return window
 
     def _parse_row(self, row: bytes) -> list | None:
         """The row's values, or None for a row that does not fit, whatever parsing it raises (a row of 1,000 "["
