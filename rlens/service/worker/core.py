@@ -31,7 +31,7 @@ from rlens.models.ensemble import PoolCaller, PoolQuery
 from rlens.models.pool import Price
 from rlens.focal.engine import FocalEngine
 from rlens.focal.evidence import Candidate
-from rlens.focal.serving import Decided, answer_batch, decide_batch
+from rlens.focal.serving import answer_batch, decide_batch
 from rlens.messages import (
     Behaviour,
     Shadow,
@@ -136,15 +136,23 @@ class FocalWorker(Worker):
         await self._load_state(streams)
         stage("window_read")
         candidate = self._candidate()
-        decided = await self._decide(queries, streams, candidate)
+        decided = decide_batch(
+            self.engine, [(q.stream, len(q.choices) if q.choices else 0, q.budget) for q in queries], candidate
+        )
         out.shadow_calls = decided.shadow_calls
+        # the pools saved while the models answer (in threads; inline backends answer first): ``pool_call`` holds
+        # whichever of the two ends last
+        saving = asyncio.create_task(self._save_pools(streams))
         stage("decide")
         pool_queries, called = [self._pool_query(q) for q in queries], [d.called for d in decided.decisions]
-        calls = (
-            await asyncio.to_thread(self.caller.ask_batch, pool_queries, called)
-            if self.caller.blocking
-            else self.caller.ask_batch(pool_queries, called)
-        )
+        try:
+            calls = (
+                await asyncio.to_thread(self.caller.ask_batch, pool_queries, called)
+                if self.caller.blocking
+                else self.caller.ask_batch(pool_queries, called)
+            )
+        finally:
+            await saving
         stage("pool_call")
         served = answer_batch(
             self.engine, decided, [c.probs for c in calls], [c.answered for c in calls], self.ope_logging, candidate
@@ -180,20 +188,14 @@ class FocalWorker(Worker):
             log.warning("Redis unreachable (%s): answering with cold windows", exc)
             self.engine.reset_windows()
 
-    async def _decide(self, queries: list[Query], streams: list[str], candidate: Candidate | None) -> Decided:
-        """The engine's coins and pools for the batch (each query's budget a cap; the candidate's in shadow), and the
-        streams' last pools saved for the next batch, whichever worker takes it."""
-        engine = self.engine
-        decided = decide_batch(
-            engine, [(q.stream, len(q.choices) if q.choices else 0, q.budget) for q in queries], candidate
-        )
+    async def _save_pools(self, streams: list[str]) -> None:
+        """The streams' last pools saved for the next batch, whichever worker takes it (before this batch is
+        acknowledged; while Redis is unreachable they stay in this worker)."""
+        previous = self.engine.previous_pool
         try:
-            await self.windows.save_pools(
-                {stream: engine.previous_pool[stream] for stream in streams if stream in engine.previous_pool}
-            )
+            await self.windows.save_pools({stream: previous[stream] for stream in streams if stream in previous})
         except (RedisError, OSError) as exc:
             log.warning("Redis unreachable (%s): the streams' last pools stay in this worker", exc)
-        return decided
 
     def _pool_query(self, q: Query) -> PoolQuery:
         if q.choices is None:
