@@ -141,14 +141,28 @@ def _sentinel_options(options: dict) -> dict:
     return {k: v for k, v in options.items() if k in ("socket_timeout", "socket_connect_timeout")}
 
 
-def pipelined(script: Any, pipe: Any, keys: list, args: list) -> None:
-    """Queue a registered script (``register_script``) in an asyncio pipeline: by its digest, the pipeline loading it
-    first where a server lacks it (one server, a Sentinel's master); whole (EVAL) in a Redis Cluster's pipeline, which
-    cannot load scripts."""
-    from redis.asyncio.cluster import ClusterPipeline
+async def run_scripts(redis: Any, script: Any, calls: list[tuple[list, list]]) -> list:
+    """Run a registered script (``register_script``) once per ``(keys, args)``, in order, in one pipelined round
+    trip; the results. By its digest alone (redis-py's pipeline asks the server whether it has its scripts first: a
+    second round trip every time); where the server lacks it (restarted, or its scripts flushed) every call failed,
+    so the script is loaded and the pipeline sent again. Whole (EVAL) in a Redis Cluster's pipeline, whose nodes (a
+    replica that just became master) may not have it cached."""
+    from redis.asyncio.cluster import RedisCluster
+    from redis.exceptions import NoScriptError
 
-    if isinstance(pipe, ClusterPipeline):
-        pipe.eval(script.script, len(keys), *keys, *args)
-    else:
-        pipe.scripts.add(script)
-        pipe.evalsha(script.sha, len(keys), *keys, *args)
+    for attempt in range(2):
+        async with redis.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                if isinstance(redis, RedisCluster):
+                    pipe.eval(script.script, len(keys), *keys, *args)
+                else:
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+            results = await pipe.execute(raise_on_error=False)
+        missing = [r for r in results if isinstance(r, NoScriptError)]
+        if not missing or attempt or len(missing) < len(results):
+            break
+        script.sha = await redis.script_load(script.script)
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return results

@@ -113,6 +113,32 @@ def test_a_window_read_again_is_the_window_parsed_whole(redis_url):
     run(scenario())
 
 
+def test_the_update_script_goes_by_its_digest_and_is_loaded_only_where_missing(redis_url):
+    """One round trip a batch of updates: no SCRIPT EXISTS before each pipeline; a server that lost its scripts
+    (restarted, flushed) gets the script loaded once and the updates sent again, each applied once."""
+
+    async def scenario():
+        redis, windows = await fresh(redis_url)
+        assert await windows.apply_many([("s", "q0", [0, 1, 2], 0, 1.0)]) == [True]
+        await redis.config_resetstat()
+        assert await windows.apply_many([("s", "q1", [0, 1, 2], 1, 1.0), ("s", "q0", [0, 1, 2], 0, 1.0)]) == [
+            True,
+            False,
+        ]
+        assert "cmdstat_script|exists" not in await redis.info("commandstats")
+        await redis.script_flush()
+        assert await windows.apply_many([("s", "q2", [0, 1, 2], 2, 1.0), ("s", "q3", [0, 1, 2], 0, 1.0)]) == [
+            True,
+            True,
+        ]
+        stats = await redis.info("commandstats")
+        assert stats["cmdstat_script|load"]["calls"] == 1 and "cmdstat_script|exists" not in stats
+        assert (await windows.load(["s"]))["s"].n_rows == 4
+        await redis.aclose()
+
+    run(scenario())
+
+
 def test_an_outcome_applies_once_per_query(redis_url):
     async def scenario():
         redis, windows = await fresh(redis_url)

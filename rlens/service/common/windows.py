@@ -54,7 +54,7 @@ from rlens.focal.calibration import StreamCalibration
 from rlens.focal.features import LOG_FLOOR
 from rlens.focal.window import OutcomeWindow
 from rlens.messages import MAX_CHOICES
-from rlens.redis_clients import pipelined
+from rlens.redis_clients import run_scripts
 
 log = logging.getLogger("rlens.windows")
 LEASE_TTL_S = 30
@@ -460,24 +460,24 @@ class RedisWindows:
         for stream, query_id, predictions, label, reward, *calibration in outcomes:
             if error := self.row_error(predictions, label, reward) or self.calibration_error(*calibration[:1]):
                 raise ValueError(f"query {query_id}: {error}")
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for stream, query_id, predictions, label, reward, *calibration in outcomes:
-                row = json.dumps([int(label), float(reward), *map(int, predictions)], separators=(",", ":"))
-                keys = [self.window_key(stream), self.applied_key(stream, query_id)]
-                args: list[str | int] = [row, self.size, self.window_ttl_s, self.dedup_ttl_s]  # then (row, bound)s
-                rows = calibration[0] if calibration and self.calibration_rows else None
-                if rows is not None:
-                    for model, log_probs in sorted(rows.log_probs.items()):
-                        keys.append(self.calibration_key(stream, model))
-                        args += [json.dumps([rows.n_choices, rows.label, *log_probs], separators=(",", ":"))]
-                        args += [self.calibration_rows]
-                    keys.append(self.calibration_key(stream, "labels"))
-                    args += [json.dumps([rows.n_choices, rows.label]), self.calibration_rows]
-                    if self.joint_rows:
-                        keys.append(self.joint_key(stream))
-                        args += [json.dumps(rows.to_list(), separators=(",", ":")), self.joint_rows]
-                pipelined(self._apply, pipe, keys, args)
-            return [bool(applied) for applied in await pipe.execute()]
+        calls = []
+        for stream, query_id, predictions, label, reward, *calibration in outcomes:
+            row = json.dumps([int(label), float(reward), *map(int, predictions)], separators=(",", ":"))
+            keys = [self.window_key(stream), self.applied_key(stream, query_id)]
+            args: list[str | int] = [row, self.size, self.window_ttl_s, self.dedup_ttl_s]  # then (row, bound)s
+            rows = calibration[0] if calibration and self.calibration_rows else None
+            if rows is not None:
+                for model, log_probs in sorted(rows.log_probs.items()):
+                    keys.append(self.calibration_key(stream, model))
+                    args += [json.dumps([rows.n_choices, rows.label, *log_probs], separators=(",", ":"))]
+                    args += [self.calibration_rows]
+                keys.append(self.calibration_key(stream, "labels"))
+                args += [json.dumps([rows.n_choices, rows.label]), self.calibration_rows]
+                if self.joint_rows:
+                    keys.append(self.joint_key(stream))
+                    args += [json.dumps(rows.to_list(), separators=(",", ":")), self.joint_rows]
+            calls.append((keys, args))
+        return [bool(applied) for applied in await run_scripts(self.redis, self._apply, calls)]
 
     def calibration_error(self, rows: CalibrationRows | None = None) -> str | None:
         """Why an outcome's calibration rows cannot be kept, or None."""

@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from redis.asyncio import Redis
 
 from rlens.messages import Answer
-from rlens.redis_clients import pipelined
+from rlens.redis_clients import run_scripts
 from rlens.service.common.windows import pool_costs_key
 
 # A token bucket refilled at ARGV[1] per second up to ARGV[2]; Redis's own clock, so replicas agree.
@@ -197,11 +197,11 @@ class GatewayState:
     async def restore_spending(self, found: list[tuple[str, str, float]]) -> list[float]:
         """Each (key id, period stamp, spending found elsewhere): the key's spending in that period raised to what
         was found if below it, and the key marked restored, in one round trip; what each key spent now."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key_id, stamp, amount in found:
-                ttl = PERIOD_TTL_S[period_of(stamp)]
-                pipelined(self._restore, pipe, self._stamp_keys(key_id, stamp), [amount, ttl])
-            return [float(spent) for spent in await pipe.execute()]
+        calls = [
+            (self._stamp_keys(key_id, stamp), [amount, PERIOD_TTL_S[period_of(stamp)]])
+            for key_id, stamp, amount in found
+        ]
+        return [float(spent) for spent in await run_scripts(self.redis, self._restore, calls)]
 
     async def legacy_spending(self, key_id: str) -> float:
         """What an rlens before budget periods kept as the key's spending (``spent:<key id>``; 0 when none)."""
@@ -217,18 +217,11 @@ class GatewayState:
     async def settle(self, charges: list[tuple[str, str, str, float]]) -> None:
         """Each answer's (key id, budget period, query id, cost): its hold released and its cost spent, in one round
         trip (a key without a budget: its spending counted in ``total``)."""
-        if len(charges) == 1:  # the script by its digest alone (a pipeline asks the server whether it has it first)
-            key_id, period, query_id, cost = charges[0]
+        calls = []
+        for key_id, period, query_id, cost in charges:
             period = period or "total"
-            await self._settle(self._budget_keys(key_id, period)[:2], [query_id, cost, PERIOD_TTL_S[period]])
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for key_id, period, query_id, cost in charges:
-                period = period or "total"
-                pipelined(
-                    self._settle, pipe, self._budget_keys(key_id, period)[:2], [query_id, cost, PERIOD_TTL_S[period]]
-                )
-            await pipe.execute()
+            calls.append((self._budget_keys(key_id, period)[:2], [query_id, cost, PERIOD_TTL_S[period]]))
+        await run_scripts(self.redis, self._settle, calls)
 
     async def spent(self, key_id: str, period: str = "total") -> float:
         """What the key spent in the budget period now."""
