@@ -9,9 +9,9 @@
   moves (a failover, a resharding) is followed.
 
 Every key the service writes in one command or script carries a hash tag (``{stream}``, ``{key id}``, ...), so each
-script touches one slot; pipelines are not transactions, so a cluster spreads them over its nodes. A script queued
-in a pipeline (:func:`pipelined`) is sent by its digest where the pipeline loads missing scripts first, and whole in
-a cluster's pipeline, whose nodes (a replica that just became master) may not have it cached.
+script touches one slot; pipelines are not transactions, so a cluster spreads them over its nodes. A script run
+in a pipeline (:func:`run_scripts`) is sent by its digest, loaded only where a server lacks it, and whole in a
+cluster's pipeline, whose nodes (a replica that just became master) may not have it cached.
 
 Under uvloop, a command written to a connection whose transport closed (its server killed: a failover) raises
 RuntimeError ("the handler is closed") where Python's own loop raises an OSError, which redis-py makes a
