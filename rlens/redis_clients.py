@@ -150,10 +150,11 @@ async def run_scripts(redis: Any, script: Any, calls: list[tuple[list, list]]) -
     from redis.asyncio.cluster import RedisCluster
     from redis.exceptions import NoScriptError
 
+    whole = isinstance(redis, RedisCluster)
     for attempt in range(2):
         async with redis.pipeline(transaction=False) as pipe:
             for keys, args in calls:
-                if isinstance(redis, RedisCluster):
+                if whole:
                     pipe.eval(script.script, len(keys), *keys, *args)
                 else:
                     pipe.evalsha(script.sha, len(keys), *keys, *args)

@@ -386,10 +386,12 @@ class RedisWindows:
         rows parsed, for a fraction of the work; a worker reads its streams' windows with every batch); else
         parsed whole. A window whose every row fit is kept for the next read."""
         known = self._read.pop(stream, None)
-        pushed = None
-        if known is not None and known[1].count == known[2]:  # nobody pushed into it since
-            pushed = pushed_since(known[0], rows, self.size)
-        if pushed is not None and known is not None:
+        # nobody pushed into the window kept since, and the rows read are its rows and new ones
+        if (
+            known is not None
+            and known[1].count == known[2]
+            and (pushed := pushed_since(known[0], rows, self.size)) is not None
+        ):
             window = known[1]
             self._extend(window, rows[len(rows) - pushed :])
         else:
