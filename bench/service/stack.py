@@ -28,8 +28,8 @@ topics and consumer groups of its own, the yardstick (1) included.
    accuracy served, and the load generator's own garbage-collection pauses (longest and total), which count in the
    latencies it measures. The wait for the learner (at most ``--catch-up-s``) also starts the latency phase from a
    stack that keeps up; every 10 s of that phase the bench samples the learner's lag and each process's share of a
-   core (:class:`bench.common.sampling.StackSampler`). ``--load-s 0`` skips this phase, ``--queries 0``
-   phases 1 and 2.
+   core (:class:`bench.common.sampling.StackSampler`); the phase over time is printed in one line and plotted beside
+   ``--out`` (the same name, ``.png``). ``--load-s 0`` skips this phase, ``--queries 0`` phases 1 and 2.
    ``--without-learner``: the same with no learner (no updates taking the cores): whether the p99 is the learner's.
    ``--learner-nice N``: the learner lowers its priority by N (``RLENS_LEARNER_NICE``).
    ``--rate R``: no saturation and no probes: the ``--load-s`` seconds at R queries/s on the fresh stack (a given
@@ -460,10 +460,6 @@ def find_the_maximum(args: argparse.Namespace, stack, stream: list, results: dic
     return sent, results["sustained_queries_per_s"] * args.load_share
 
 
-if __name__ == "__main__":
-    main()
-
-
 P99_TARGET_MS = 100.0  # issue 59's p99 at 80 % of the maximum
 
 
@@ -485,7 +481,7 @@ def over_time(results: dict) -> str:
         f"above {P99_TARGET_MS:g} ms"
     )
     lags = [max(row["experience_lag"], row["feedback_lag"]) for row in results["samples"]]
-    return line + (f"; the learner at most {max(lags):.0f} records behind" if results["learner"] and lags else "")
+    return line + (f"; the learner's largest lag {max(lags):,.0f} (records)" if results["learner"] and lags else "")
 
 
 def plot_latency_phase(results: dict, path: Path) -> None:
@@ -525,3 +521,7 @@ def plot_latency_phase(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
