@@ -61,7 +61,8 @@ def test_ctrl_c_while_the_command_line_loads_exits_quietly(later_s):
     """Ctrl-C while rlens loads its modules (``later_s`` after pydantic's library is loaded, a third of the way) or
     typer builds its commands ends with 130 and no traceback (not even Python's "Exception ignored" of an interrupt
     that landed in one of importlib's callbacks: 5 of 150 random moments did before); a command that finished first
-    ends with 0."""
+    ends with 0, and one interrupted while the interpreter shuts down, after Python put SIGINT's default action back,
+    ends killed by it (a shell's 130 too: 13 of 40 moments 0.33-0.44 s after pydantic's library on a fast VM)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "rlens.cli", "--help"],
         stdout=subprocess.DEVNULL,
@@ -75,7 +76,7 @@ def test_ctrl_c_while_the_command_line_loads_exits_quietly(later_s):
     time.sleep(later_s)
     process.send_signal(signal.SIGINT)
     _, errors = process.communicate(timeout=120)
-    assert process.returncode in (0, 130) and "Traceback" not in errors, errors
+    assert process.returncode in (0, 130, -signal.SIGINT) and "Traceback" not in errors, errors
 
 
 def test_tests_skipped_without_the_shared_dataset_say_what_they_need(tmp_path):
