@@ -14,7 +14,9 @@ the other (the order alternates from round to round). Measured, the same client 
 - open-loop traffic at each of ``--rates`` for ``--seconds``: the client's latency, the overhead each system says it
   added (``x-litellm-overhead-duration-ms``, ``x-rlens-overhead-duration-ms``) and the client's latency less the
   models' time (the upstream's, about 0.1 ms, for LiteLLM; ``x-rlens-model-duration-ms`` for rlens), p50 / p99 ms;
-  CPU per answered request (ms; every process of the system, /proc);
+  CPU per answered request (ms; every process of the system, /proc), in all and by role: LiteLLM's proxy; rlens's
+  gateway, workers, learner, Redis and broker (tansu, or the Apache Kafka ``infra/kafka/kafka.sh`` started: its pid
+  files under ``RLENS_KAFKA_RUN``, default /tmp/rlens-kafka);
 - capacity: ``--clients`` closed-loop clients for ``--capacity-s``: answered requests/s;
 - idle: the system's CPU over ``--idle-s`` with nothing sent (cores).
 """
@@ -35,6 +37,7 @@ import aiohttp
 
 from bench.common.args import add_out, arguments, write_json
 from bench.common.machine import cpu_seconds, machine_facts, process_tree
+from bench.common.sampling import stack_pids
 from bench.common.stacks import replay_stack
 from bench.gateway.gateway import percentiles, request_body
 from rlens.records.dataset import load_dataset
@@ -60,8 +63,12 @@ class System:
     def models_ms(self, response: aiohttp.ClientResponse) -> float:
         raise NotImplementedError
 
-    def pids(self) -> list[int]:
+    def roles(self) -> dict[str, list[int]]:
+        """The system's processes by role (the CPU a request is split by them)."""
         raise NotImplementedError
+
+    def pids(self) -> list[int]:
+        return [pid for pids in self.roles().values() for pid in pids]
 
     def stop(self) -> None:
         raise NotImplementedError
@@ -96,8 +103,8 @@ class LiteLLM(System):
     def models_ms(self, response: aiohttp.ClientResponse) -> float:
         return 0.0  # the upstream answers at once (about 0.1 ms, included in the overhead: in LiteLLM's favour)
 
-    def pids(self) -> list[int]:
-        return process_tree(self.proxy.process.pid)
+    def roles(self) -> dict[str, list[int]]:
+        return {"proxy": process_tree(self.proxy.process.pid)}
 
     def stop(self) -> None:
         self.proxy.stop()
@@ -127,9 +134,12 @@ class Rlens(System):
     def models_ms(self, response: aiohttp.ClientResponse) -> float:
         return float(response.headers.get("x-rlens-model-duration-ms", 0.0))
 
-    def pids(self) -> list[int]:
-        infra = [p.process.pid for p in (self.stack.broker, self.stack.redis) if p is not None]
-        return [p.pid for p in self.stack.processes()] + infra
+    def roles(self) -> dict[str, list[int]]:
+        """The gateway, workers, learner, Redis and the broker: tansu, or an Apache Kafka that ``infra/kafka/kafka.sh``
+        started (:func:`stack_pids`; its CPU is rlens's too)."""
+        roles = {"gateway": [self.stack.gateway.pid] if self.stack.gateway else []} | stack_pids(self.stack)
+        del roles["load"]
+        return roles
 
     def stop(self) -> None:
         self.stack.stop()
@@ -157,10 +167,11 @@ async def open_loop(system: System, rate: float, n: int) -> dict:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 codes[type(exc).__name__] += 1
 
-        pids, started = system.pids(), time.perf_counter()
-        cpu = cpu_seconds(pids)
+        roles, started = system.roles(), time.perf_counter()
+        before = {role: cpu_seconds(pids) for role, pids in roles.items()}
         await asyncio.gather(*(one(i) for i in range(n)))
-        cpu, elapsed = cpu_seconds(pids) - cpu, time.perf_counter() - started
+        by_role = {role: cpu_seconds(pids) - before[role] for role, pids in roles.items()}
+        cpu, elapsed = sum(by_role.values()), time.perf_counter() - started
     return {
         "rate": rate,
         "sent": n,
@@ -171,6 +182,7 @@ async def open_loop(system: System, rate: float, n: int) -> dict:
         "overhead_header": percentiles(header),
         "overhead_client": percentiles(overhead),
         "cpu_ms_per_request": round(1000 * cpu / max(len(client), 1), 2),
+        "cpu_ms_per_request_by_role": {role: round(1000 * s / max(len(client), 1), 2) for role, s in by_role.items()},
     }
 
 
@@ -222,7 +234,9 @@ def measure(system: System, args) -> dict:
             f"  {system.name} {rate:g}/s: {row['answered']} of {row['sent']} answered; overhead p50/p99 header "
             f"{row['overhead_header']['p50_ms']}/{row['overhead_header']['p99_ms']} ms, client "
             f"{row['overhead_client']['p50_ms']}/{row['overhead_client']['p99_ms']} ms; "
-            f"CPU {row['cpu_ms_per_request']} ms a request",
+            f"CPU {row['cpu_ms_per_request']} ms a request ("
+            + ", ".join(f"{role} {ms}" for role, ms in row["cpu_ms_per_request_by_role"].items())
+            + ")",
             flush=True,
         )
     capacity = asyncio.run(closed_loop(system, args.clients, args.capacity_s))
