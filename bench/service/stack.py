@@ -504,19 +504,20 @@ def plot_latency_phase(results: dict, path: Path) -> None:
         f"{results['broker']}: {results['latency_rate']:.0f} queries/s, p50 {results['latency_p50_ms']:.1f} ms, "
         f"p99 {results['latency_p99_ms']:.1f} ms"
     )
-    times = [row["t"] for row in samples]
-    if results["learner"]:
+    times = [row["t"] for row in samples]  # none in a phase under 10 s: those panels stay empty
+    if results["learner"] and samples:
         axes[1].plot(times, [max(r["experience_lag"], r["feedback_lag"]) for r in samples], color="tab:orange")
     axes[1].set_ylabel("the learner's lag, records")
     axes[1].set_ylim(bottom=0)
     shares = [row.get("cpu_share", {}) for row in samples]
     roles = sorted({role for share in shares for role in share})
-    stacked = [[share.get(role, 0.0) for share in shares] for role in roles]
-    axes[2].stackplot(times, stacked, labels=roles)
-    axes[2].set_ylim(0, 1.3 * max(map(sum, zip(*stacked)), default=1.0))  # room for the legend
+    if roles:
+        stacked = [[share.get(role, 0.0) for share in shares] for role in roles]
+        axes[2].stackplot(times, stacked, labels=roles)
+        axes[2].set_ylim(0, 1.3 * max(map(sum, zip(*stacked))))  # room for the legend
+        axes[2].legend(loc="upper left", ncol=len(roles))
     axes[2].set_ylabel("share of a core")
     axes[2].set_xlabel("seconds into the phase")
-    axes[2].legend(loc="upper left", ncol=len(roles))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
