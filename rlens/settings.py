@@ -144,8 +144,8 @@ class KafkaSettings(Group):
         500,
         ge=0,
         description="how long a fetch on the request path (the workers' queries, the gateway's replies) waits for "
-        "data when there is none (Kafka answers as soon as data comes; `rlens up`'s embedded tansu, which often "
-        "waits it out, uses 20)",
+        "data when there is none (Kafka answers as soon as data comes, so the wait sets only how often an idle "
+        "consumer asks: `rlens up`'s own Apache Kafka uses 5000; its embedded tansu, which often waits it out, 20)",
     )
     background_fetch_max_wait_ms: int = Field(
         500,

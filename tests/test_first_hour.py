@@ -355,6 +355,8 @@ def test_up_runs_apache_kafka_in_its_work_folder_and_a_restart_keeps_the_topics(
             assert (run == 2) == ("the learner resumes its checkpoint" in said), said
             bootstrap = re.search(r"Kafka (127\.0\.0\.1:\d+)", said)
             assert bootstrap and bootstrap.group(1) == f"127.0.0.1:{port}", said
+            client = (workdir / "client.env").read_text()  # Kafka answers a waiting fetch at once: a long wait
+            assert f"RLENS_KAFKA_FETCH_MAX_WAIT_MS={kafka.LocalKafka.FETCH_MAX_WAIT_MS}\n" in client, client
             load = subprocess.run(
                 [sys.executable, "-m", "rlens.cli", "load", "--stack", str(workdir), "--limit", "30", "--rate", "30"],
                 capture_output=True,

@@ -442,9 +442,10 @@ def test_the_stacks_own_redis_keeps_its_data_in_its_folder(tmp_path):
 
 def test_the_embedded_broker_gets_short_fetch_waits_and_a_real_kafka_kafkas_own(tmp_path):
     """Issue 59: Kafka answers a waiting fetch as soon as data comes, so its clients wait 500 ms (idle, 0.12 of a
-    core for the whole stack instead of 0.32 at 20 ms); the embedded tansu often waits a fetch out, so `rlens up`
-    gives its clients 20 ms on the request path and 250 ms off it (the learner's and the policy readers' fetches),
-    and the clients of the stack read the first from client.env. A wait the user set is kept."""
+    core for the whole stack instead of 0.32 at 20 ms; `rlens up`'s own Apache Kafka 5 s on the request path:
+    test_first_hour); the embedded tansu often waits a fetch out, so `rlens up` gives its clients 20 ms on the
+    request path and 250 ms off it (the learner's and the policy readers' fetches), and the clients of the stack
+    read the first from client.env. A wait the user set is kept."""
     from rlens.local.servers import LocalBroker
     from rlens.local.stack import LocalStack, client_settings
     from rlens.service.common.kafka import group_options, policy_reader

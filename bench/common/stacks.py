@@ -12,23 +12,39 @@ import numpy as np
 
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Behaviour, Experience, Query
+from rlens.local.kafka import LocalKafka
 from rlens.local.load import Outcome
 from rlens.local.stack import LocalStack, write_replay_pool
 from rlens.settings import settings
 
 
 def replay_stack(
-    workdir: Path, partitions: int = 4, kafka: str | None = None, *, redis_url: str | None = None, **overrides
+    workdir: Path,
+    partitions: int = 4,
+    kafka: str | None = None,
+    *,
+    redis_url: str | None = None,
+    fast_failover: bool = True,
+    **overrides,
 ) -> LocalStack:
-    """A local stack (its own tansu broker, or the Kafka at ``kafka`` on topics and groups of its own, and its own
-    redis-server, or the Redis at ``redis_url``) in an emptied ``workdir`` (a cold start: no checkpoint of an earlier
-    run), its pool the bundled stream's models as `replay` backends, with short group timeouts; ``partitions`` for
-    the per-query topics; ``overrides``: other settings."""
+    """A local stack (its own tansu broker, or the Apache Kafka at ``kafka`` on topics and groups of its own, its
+    clients' fetch waits those `rlens up` gives its own Apache Kafka; and its own redis-server, or the Redis at
+    ``redis_url``) in an emptied ``workdir`` (a cold start: no checkpoint of an earlier run), its pool the bundled
+    stream's models as `replay` backends; ``fast_failover``: group sessions of 2 s with a heartbeat every 0.5 s (a
+    killed worker's partitions move at once), else the service's defaults (the latency benchmarks: a stack as it is
+    run); ``partitions`` for the per-query topics; ``overrides``: other settings."""
     shutil.rmtree(workdir, ignore_errors=True)
     pool = write_replay_pool(settings().service.demo_data, workdir / "pool.json")
-    update = {"pool_file": pool.resolve(), "kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500, **overrides}
+    update: dict = {"pool_file": pool.resolve()}
+    if fast_failover:
+        update |= {"kafka_session_timeout_ms": 2000, "kafka_heartbeat_ms": 500}
     if kafka:
-        update["topic_prefix"] = f"b{uuid.uuid4().hex[:8]}."
+        update |= {
+            "topic_prefix": f"b{uuid.uuid4().hex[:8]}.",
+            "kafka_fetch_max_wait_ms": LocalKafka.FETCH_MAX_WAIT_MS,
+            "kafka_background_fetch_max_wait_ms": LocalKafka.BACKGROUND_FETCH_MAX_WAIT_MS,
+        }
+    update |= overrides
     return LocalStack(settings().updated(update), workdir, partitions, kafka_bootstrap=kafka, redis_url=redis_url)
 
 

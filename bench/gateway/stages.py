@@ -58,7 +58,9 @@ def main() -> None:
     args = parser.parse_args()
     facts = machine_facts()
     print(f"machine: {facts}", flush=True)
-    stack = replay_stack(args.out.parent / "stages-stack", partitions=4, kafka=args.kafka, gateway_port=0)
+    stack = replay_stack(
+        args.out.parent / "stages-stack", partitions=4, kafka=args.kafka, fast_failover=False, gateway_port=0
+    )
     results: dict = {"machine": facts, "broker": args.kafka or "tansu", "loads": []}
     traffic = queries_of(load_dataset(settings().service.demo_data), None, "stages")
     try:

@@ -114,7 +114,7 @@ class Rlens(System):
     name, overhead_header = "rlens", "x-rlens-overhead-duration-ms"
 
     def __init__(self, workdir: Path, kafka: str | None, workers: int):
-        self.stack = replay_stack(workdir, partitions=4, kafka=kafka, gateway_port=0)
+        self.stack = replay_stack(workdir, partitions=4, kafka=kafka, fast_failover=False, gateway_port=0)
         try:
             self.stack.start_service(workers=workers, gateway=True, wait_s=600.0)
         except BaseException:

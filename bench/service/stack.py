@@ -376,7 +376,11 @@ def latency_phase(args: argparse.Namespace, stream: list, results: dict) -> None
     """The whole stack on a fresh broker and Redis: its maximum rate, then latency at ``--load-share`` of it (or at
     ``--rate``)."""
     stack = replay_stack(
-        Path("bench/out/service-latency-stack"), args.partitions, args.kafka, learner={"nice": args.learner_nice}
+        Path("bench/out/service-latency-stack"),
+        args.partitions,
+        args.kafka,
+        fast_failover=False,
+        learner={"nice": args.learner_nice},
     )
     try:
         if not args.without_learner:

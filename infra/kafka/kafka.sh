@@ -67,6 +67,9 @@ group.min.session.timeout.ms=1000
 broker.session.timeout.ms=3000
 broker.heartbeat.interval.ms=1000
 CONF
+    if [ "$count" = 1 ]; then  # one node: its controller's no-op record every 5 s, not 0.5 (rlens/local/kafka.py)
+        echo "metadata.max.idle.interval.ms=5000" >>"$run/node-$node/server.properties"
+    fi
     echo "$port" >"$run/node-$node/port"
 }
 

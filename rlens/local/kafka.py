@@ -46,6 +46,9 @@ group.initial.rebalance.delay.ms=0
 # offset commits answered at once: Kafka 4 holds each up to 5 ms to batch its writes, and a worker's next batch waits
 # for the commit of the last one
 group.coordinator.append.linger.ms=0
+# one node, no follower to keep up to date: its controller writes a no-op record every 5 s, not every 0.5 s (idle, its
+# metadata log's thread took 0.004 of a core)
+metadata.max.idle.interval.ms=5000
 """
 
 
@@ -105,6 +108,14 @@ class LocalKafka(LocalProcess):
     after. ``bootstrap`` is its address."""
 
     STOP_S = 60.0  # a controlled shutdown: the logs closed cleanly, no recovery at the next start
+    # How long its clients' fetches wait for data (RLENS_KAFKA_FETCH_MAX_WAIT_MS and
+    # RLENS_KAFKA_BACKGROUND_FETCH_MAX_WAIT_MS, unless set). Apache Kafka answers a waiting fetch as soon as a record
+    # comes, so on the request path (the workers' queries, the gateway's replies) the wait costs no latency: it is
+    # how often an idle consumer asks. Its price: after a rebalance, a consumer's first fetch of its new partitions
+    # may wait behind the one in flight, up to this long. Off the request path Kafka's 500 ms: the learner's fetches
+    # wait for RLENS_LEARNER_FETCH_MIN_BYTES or this long, whichever comes first.
+    FETCH_MAX_WAIT_MS = 5000
+    BACKGROUND_FETCH_MAX_WAIT_MS = 500
 
     def __init__(self, port: int, folder: Path, fresh: bool = False):
         folder = folder.resolve()

@@ -244,13 +244,14 @@ class LocalStack:
             if getattr(settings.security, k) is None
         }
         configured_keys = "keys_file" in settings.gateway.model_fields_set  # the operator's own keys file
-        # tansu's fetch waits, unless set (Apache Kafka answers a fetch as soon as data comes)
-        tansu = isinstance(self.broker, LocalBroker)
+        # the fetch waits of the stack's own broker (LocalBroker's for tansu, LocalKafka's), unless set
         waits = {
-            name: wait if tansu and name not in settings.kafka.model_fields_set else getattr(settings.kafka, name)
-            for name, wait in (
-                ("fetch_max_wait_ms", LocalBroker.FETCH_MAX_WAIT_MS),
-                ("background_fetch_max_wait_ms", LocalBroker.BACKGROUND_FETCH_MAX_WAIT_MS),
+            name: getattr(self.broker, constant)
+            if self.broker is not None and name not in settings.kafka.model_fields_set
+            else getattr(settings.kafka, name)
+            for name, constant in (
+                ("fetch_max_wait_ms", "FETCH_MAX_WAIT_MS"),
+                ("background_fetch_max_wait_ms", "BACKGROUND_FETCH_MAX_WAIT_MS"),
             )
         }
         self.settings = settings.updated(
