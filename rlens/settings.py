@@ -150,9 +150,10 @@ class KafkaSettings(Group):
     background_fetch_max_wait_ms: int = Field(
         500,
         ge=0,
-        description="the same for the consumers off the request path (the learner's, every process's policy "
-        "reader), which need no record within milliseconds; on tansu a record waits up to this long for them, and "
-        "every idle consumer fetches 1000 / this many times a second (`rlens up` on tansu uses 250)",
+        description="the same for the consumers off the request path (the learner's; every process's policy "
+        "reader waits the longer of the two), which need no record within milliseconds; on tansu a record waits up "
+        "to this long for them, and every idle consumer fetches 1000 / this many times a second (`rlens up` on "
+        "tansu uses 250)",
     )
 
     @field_validator("bootstrap")

@@ -445,7 +445,7 @@ def test_the_embedded_broker_gets_short_fetch_waits_and_a_real_kafka_kafkas_own(
     core for the whole stack instead of 0.32 at 20 ms; `rlens up`'s own Apache Kafka 5 s on the request path:
     test_first_hour); the embedded tansu often waits a fetch out, so `rlens up` gives its clients 20 ms on the
     request path and 250 ms off it (the learner's and the policy readers' fetches), and the clients of the stack
-    read the first from client.env. A wait the user set is kept."""
+    read the first from client.env. A wait the user set is kept. A policy reader waits the longer of the two."""
     from rlens.local.servers import LocalBroker
     from rlens.local.stack import LocalStack, client_settings
     from rlens.service.common.kafka import group_options, policy_reader
@@ -457,6 +457,7 @@ def test_the_embedded_broker_gets_short_fetch_waits_and_a_real_kafka_kafkas_own(
     for update, expected, background in (
         ({}, LocalBroker.FETCH_MAX_WAIT_MS, LocalBroker.BACKGROUND_FETCH_MAX_WAIT_MS),
         ({"kafka_fetch_max_wait_ms": 300, "kafka_background_fetch_max_wait_ms": 900}, 300, 900),
+        ({"kafka_fetch_max_wait_ms": 5000, "kafka_background_fetch_max_wait_ms": 500}, 5000, 500),
     ):
         config = Settings().updated(update)
         stack = LocalStack(config, tmp_path / str(expected), partitions=1)
@@ -467,7 +468,8 @@ def test_the_embedded_broker_gets_short_fetch_waits_and_a_real_kafka_kafkas_own(
             assert env["RLENS_KAFKA_BACKGROUND_FETCH_MAX_WAIT_MS"] == str(background)
             assert group_options(stack.settings)["fetch_max_wait_ms"] == expected  # the workers' and the gateway's
             assert record_options(stack.settings)["fetch_max_wait_ms"] == background  # the learner's
-            assert policy_reader(stack.settings, "workers")["fetch_max_wait_ms"] == background
+            # a policy reader needs neither speed nor batches: the longer wait
+            assert policy_reader(stack.settings, "workers")["fetch_max_wait_ms"] == max(expected, background)
             client = client_settings(stack.workdir)
             assert client is not None and client.kafka.fetch_max_wait_ms == expected
         finally:

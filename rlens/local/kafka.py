@@ -113,7 +113,7 @@ class LocalKafka(LocalProcess):
     # comes, so on the request path (the workers' queries, the gateway's replies) the wait costs no latency: it is
     # how often an idle consumer asks. Its price: after a rebalance, a consumer's first fetch of its new partitions
     # may wait behind the one in flight, up to this long. Off the request path Kafka's 500 ms: the learner's fetches
-    # wait for RLENS_LEARNER_FETCH_MIN_BYTES or this long, whichever comes first.
+    # wait for RLENS_LEARNER_FETCH_MIN_BYTES or that long, whichever comes first (the policy readers take the 5 s).
     FETCH_MAX_WAIT_MS = 5000
     BACKGROUND_FETCH_MAX_WAIT_MS = 500
 

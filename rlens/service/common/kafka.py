@@ -348,12 +348,16 @@ def policy_reader(settings: Settings, role: Literal["workers", "learner"]) -> di
     with no committed offset, so it reads the new log from its start. (A consumer without a group kept its old
     position, past the new log's first policies: tansu answers a fetch past a log's end with nothing. A committing
     group commits its old position on re-joining.) Reading the topic again is harmless: a policy not newer than
-    the one in hand is ignored."""
+    the one in hand is ignored. Its fetches wait the longer of the two waits: it needs neither a record within
+    milliseconds nor full batches (`rlens up`'s Apache Kafka, which answers a waiting fetch at once: the request
+    path's 5 s; its tansu, which waits a fetch out: the background's 250 ms)."""
+    kafka = settings.kafka
     return {
         "group_id": f"{settings.group(role)}-policy-{uuid.uuid4().hex[:12]}",
         "auto_offset_reset": "earliest",
         "ack_policy": AckPolicy.MANUAL,
         **group_options(settings, background=True),
+        "fetch_max_wait_ms": max(kafka.fetch_max_wait_ms, kafka.background_fetch_max_wait_ms),
     }
 
 
