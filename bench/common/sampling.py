@@ -32,12 +32,11 @@ def scrape(url: str) -> dict[str, float]:
 
 def stack_pids(stack: LocalStack) -> dict[str, list[int]]:
     """The processes of ``stack`` by role; the broker also when it is an external Apache Kafka started by
-    ``infra/kafka/kafka.sh`` (its pid files under ``RLENS_KAFKA_RUN``); ``load``: this process."""
+    ``infra/kafka/kafka.sh`` (its pid files under ``RLENS_KAFKA_RUN``)."""
     pids = {
         "worker": [w.pid for w in stack.workers],
         "learner": [stack.learner.pid] if stack.learner else [],
         "redis": [stack.redis.process.pid] if stack.redis else [],
-        "load": [os.getpid()],
     }
     if stack.broker:
         pids["broker"] = [stack.broker.process.pid]
@@ -89,7 +88,7 @@ class StackSampler:
         self._thread.join()
 
     def _run(self) -> None:
-        pids = stack_pids(self.stack)
+        pids = stack_pids(self.stack) | {"load": [os.getpid()]}  # the load generator: this process
         start = time.monotonic()
         cpu, last = {role: cpu_seconds(p) for role, p in pids.items()}, start
         while not self._stop.wait(self.every_s):

@@ -137,9 +137,7 @@ class Rlens(System):
     def roles(self) -> dict[str, list[int]]:
         """The gateway, workers, learner, Redis and the broker: tansu, or an Apache Kafka that ``infra/kafka/kafka.sh``
         started (:func:`stack_pids`; its CPU is rlens's too)."""
-        roles = {"gateway": [self.stack.gateway.pid] if self.stack.gateway else []} | stack_pids(self.stack)
-        del roles["load"]
-        return roles
+        return {"gateway": [self.stack.gateway.pid] if self.stack.gateway else []} | stack_pids(self.stack)
 
     def stop(self) -> None:
         self.stack.stop()
