@@ -17,7 +17,7 @@ from rlens.checkpoint import CheckpointStore
 from rlens.evaluation.logged import FocalPolicy, LoggedQuery
 from rlens.records.recorded import RecordedDataset
 from rlens.focal.agents import Decider, Fusion
-from rlens.focal.calibration import StreamCalibration, fit_multinomial, log_softmax
+from rlens.focal.calibration import StreamCalibration, fit_multinomial, fit_scaling, log_softmax
 from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.focal.features import (
@@ -58,6 +58,50 @@ def test_a_fit_on_a_constant_input_learns_the_label_frequency():
     theta = fit_multinomial(x, y, 2)
     q = np.exp(log_softmax(x[0] @ theta[:-1] + theta[-1]))
     assert q == pytest.approx([0.75, 0.25], abs=0.01)
+
+
+def test_the_scaling_fit_is_its_penalised_likelihoods_minimum_and_reads_as_a_full_fit():
+    """softmax(a x + b): the gradient of 0.5 (a^2 + |b|^2) + 2 * cross-entropy is zero in a and in b at the fit,
+    and its theta (a times the identity, then b) gives the same posterior as a full fit's would."""
+    rng = np.random.default_rng(0)
+    x, y = np.log(rng.dirichlet(np.ones(4), size=80)), rng.integers(0, 4, 80)
+    theta = fit_scaling(x, y, 4, strength=2.0)
+    a, b = theta[0, 0], theta[-1]
+    assert np.array_equal(theta[:-1], a * np.eye(4))
+    p = np.exp(log_softmax(a * x + b))
+    residual = p - np.eye(4)[y]
+    assert abs(a + 2.0 * (residual * x).sum()) < 1e-6
+    assert np.abs(b + 2.0 * residual.sum(0)).max() < 1e-6
+    assert np.exp(log_softmax(x @ theta[:-1] + theta[-1])) == pytest.approx(p)
+
+
+def test_the_scaling_fit_learns_a_models_overconfidence_and_the_label_frequency():
+    """A model whose log-probabilities are twice what they should be (its probabilities squared, renormalised): the
+    scale comes out near 1/2. A model that says nothing, labels 3 : 1: the biases give about (3/4, 1/4)."""
+    rng = np.random.default_rng(4)
+    truth = rng.dirichlet(np.ones(3), size=3000)
+    y = np.array([rng.choice(3, p=row) for row in truth])
+    assert fit_scaling(2 * np.log(truth), y, 3)[0, 0] == pytest.approx(0.5, abs=0.05)
+    theta = fit_scaling(np.zeros((400, 2)), np.array([0, 0, 0, 1] * 100), 2)
+    assert np.exp(log_softmax(theta[-1])) == pytest.approx([0.75, 0.25], abs=0.01)
+
+
+def test_a_models_fit_is_the_scaling_form_until_it_has_ten_rows_a_choice():
+    """3 choices: fitted on 16 and 24 rows, one scale and a bias per choice (no weight across choices); from 30
+    rows on, the full form, which learns that the model names the choice after the right one."""
+    rng = np.random.default_rng(5)
+    calibration = StreamCalibration(n_models=1, rows=64, refit_every=8, min_rows=16)
+    probs, labels = _permuted(40, 3, rng)
+    forms = {}
+    for i, (p, label) in enumerate(zip(probs, labels), start=1):
+        calibration.push(p[None], np.array([True]), int(label))
+        if i in (16, 24, 32):
+            calibration.vote(p[None], np.array([True]))
+            theta = calibration.fits[0, 3][1][:-1]
+            forms[i] = np.array_equal(theta, theta[0, 0] * np.eye(3))
+    assert forms == {16: True, 24: True, 32: False}
+    vote = calibration.vote(probs[0][None], np.array([True]))
+    assert vote is not None and vote.argmax() == labels[0] != probs[0].argmax()
 
 
 def _permuted(n: int, n_choices: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

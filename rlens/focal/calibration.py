@@ -4,8 +4,11 @@ Per-task stacking learns how each model's log-probabilities map to the label, ch
 to one choice, a task with a favourite label. :class:`StreamCalibration` keeps, per stream, the last ``rows``
 labelled outcomes of each model (its log-probabilities over the choices, the label) and fits, per model and choice
 count, a multinomial logistic regression from the model's log-probabilities to the label
-(:func:`fit_multinomial`). A pool's calibrated vote is the naive-Bayes combination of its members' calibrated
-posteriors q_i:
+(:func:`fit_multinomial`): C + 1 weights a choice over C choices. While a model has fewer than ``scaling_below``
+rows a choice, the fit is the scaling form instead (:func:`fit_scaling`: one scale on its log-probabilities and a
+bias per choice, C + 1 weights in all): on a new stream's first rows the full fit overfits, most over many choices
+(RL-Focal's cold start, BENCHMARKS.md). A pool's calibrated vote is the naive-Bayes combination of its members'
+calibrated posteriors q_i:
 
     score(c) = sum_i log q_i(c) - (k - 1) log prior(c),   k members, prior the stream's smoothed label frequency,
 
@@ -75,6 +78,55 @@ def fit_multinomial(
     return theta
 
 
+def fit_scaling(
+    x: np.ndarray, y: np.ndarray, n_classes: int, strength: float = 1.0, iterations: int = 50
+) -> np.ndarray:
+    """The scaling form of :func:`fit_multinomial`: posterior(c) = softmax_c(a x_c + b_c), one scale ``a`` on the
+    log-probabilities and one bias b_c per class, by Newton's method with a backtracking line search minimising
+    0.5 (a^2 + |b|^2) + strength * sum_n cross-entropy. Returned as :func:`fit_multinomial`'s theta [K + 1, K]
+    (a times the identity, then the biases), so both forms are used alike. Deterministic; x [n, K], y int [n]."""
+    n, k = len(x), n_classes
+    x = np.asarray(x, dtype=np.float64)
+    targets = np.eye(k)[y]
+    w = np.zeros(k + 1)  # a, then b
+
+    def objective(v: np.ndarray) -> float:
+        z = v[0] * x + v[1:]
+        z = z - z.max(1, keepdims=True)
+        return float(0.5 * (v * v).sum() - strength * (z[np.arange(n), y] - np.log(np.exp(z).sum(1))).sum())
+
+    value = objective(w)
+    for _ in range(iterations):
+        z = w[0] * x + w[1:]
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        residual = p - targets
+        gradient = w + strength * np.concatenate([[(residual * x).sum()], residual.sum(0)])
+        mean_x = (p * x).sum(1, keepdims=True)  # E_p[x] per row
+        hessian = np.eye(k + 1)
+        hessian[0, 0] += strength * float((p * (x - mean_x) ** 2).sum())
+        cross = strength * (p * (x - mean_x)).sum(0)
+        hessian[0, 1:] += cross
+        hessian[1:, 0] += cross
+        hessian[1:, 1:] += strength * (np.diag(p.sum(0)) - p.T @ p)
+        step = np.linalg.solve(hessian, gradient)
+        size, decrease = 1.0, float(gradient @ step)
+        while True:
+            candidate = w - size * step
+            new_value = objective(candidate)
+            if new_value <= value - 1e-4 * size * decrease or size < 1e-6:
+                break
+            size *= 0.5
+        w, done = candidate, value - new_value < 1e-10 * max(1.0, abs(value))
+        value = new_value
+        if done:
+            break
+    theta = np.zeros((k + 1, k))
+    theta[:-1] = w[0] * np.eye(k)
+    theta[-1] = w[1:]
+    return theta
+
+
 def _hessian(features: np.ndarray, p: np.ndarray) -> np.ndarray:
     """The cross-entropy's Hessian in theta, sum_n kron(f_n f_n^T, diag(p_n) - p_n p_n^T), as [(d + 1) K, (d + 1) K]
     (rows and columns ordered feature-major, as theta.ravel()), by matrix products: one block per class on the
@@ -130,6 +182,7 @@ class StreamCalibration:
         min_rows: int = 16,
         strength: float = 1.0,
         joint_rows: int = 0,
+        scaling_below: int = 10,
     ):
         self.n_models, self.rows, self.refit_every, self.min_rows, self.strength = (
             n_models,
@@ -138,6 +191,7 @@ class StreamCalibration:
             min_rows,
             strength,
         )
+        self.scaling_below = scaling_below  # rows a choice under which a fit is the scaling form (chosen on tune)
         self.combiner = PoolCombiner(joint_rows, strength) if joint_rows else None  # None: the vote alone
         self.history: list[deque] = [deque(maxlen=rows) for _ in range(n_models)]  # (log p [C], label) per model
         self.labels: deque = deque(maxlen=rows)
@@ -169,13 +223,11 @@ class StreamCalibration:
         rows = [(x, y) for c, x, y in self.history[model] if c == n_choices]
         if len(rows) < self.min_rows:
             return None if fitted is None else fitted[1]
-        theta = fit_multinomial(
-            np.stack([x for x, _ in rows]),
-            np.array([y for _, y in rows]),
-            n_choices,
-            self.strength,
-            start=start if fitted is None else fitted[1],
-        )
+        x, y = np.stack([x for x, _ in rows]), np.array([y for _, y in rows])
+        if len(rows) < self.scaling_below * n_choices:
+            theta = fit_scaling(x, y, n_choices, self.strength)
+        else:
+            theta = fit_multinomial(x, y, n_choices, self.strength, start=start if fitted is None else fitted[1])
         self.fits[model, n_choices] = (int(self.seen[model]), theta)
         return theta
 
