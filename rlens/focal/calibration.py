@@ -26,7 +26,7 @@ of those rows better than the vote did, so on short streams the vote stays.
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import Hashable
+from typing import Callable, Hashable
 
 import numpy as np
 
@@ -49,33 +49,17 @@ def fit_multinomial(
     k = n_classes
     features = np.hstack([np.asarray(x, dtype=np.float64), np.ones((n, 1))])
     targets = np.eye(k)[y]
-    theta = np.zeros((d + 1, k)) if start is None else np.array(start, dtype=np.float64)
 
     def objective(t: np.ndarray) -> float:
-        z = features @ t
-        z = z - z.max(1, keepdims=True)
-        return float(0.5 * (t * t).sum() - strength * (z[np.arange(n), y] - np.log(np.exp(z).sum(1))).sum())
+        return _penalised_cross_entropy(t, features @ t, y, strength)
 
-    value = objective(theta)
-    for _ in range(iterations):
-        z = features @ theta
-        p = np.exp(z - z.max(1, keepdims=True))
-        p /= p.sum(1, keepdims=True)
-        gradient = theta + strength * features.T @ (p - targets)
-        hessian = strength * _hessian(features, p) + np.eye((d + 1) * k)
-        step = np.linalg.solve(hessian, gradient.ravel()).reshape(d + 1, k)
-        size, decrease = 1.0, float((gradient * step).sum())
-        while True:
-            candidate = theta - size * step
-            new_value = objective(candidate)
-            if new_value <= value - 1e-4 * size * decrease or size < 1e-6:
-                break
-            size *= 0.5
-        theta, done = candidate, value - new_value < 1e-10 * max(1.0, abs(value))
-        value = new_value
-        if done:
-            break
-    return theta
+    def derivatives(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        p = _softmax(features @ t)
+        gradient = t + strength * features.T @ (p - targets)
+        return gradient, strength * _hessian(features, p) + np.eye((d + 1) * k)
+
+    theta = np.zeros((d + 1, k)) if start is None else np.array(start, dtype=np.float64)
+    return _newton(objective, derivatives, theta, iterations)
 
 
 def fit_scaling(
@@ -85,32 +69,58 @@ def fit_scaling(
     log-probabilities and one bias b_c per class, by Newton's method with a backtracking line search minimising
     0.5 (a^2 + |b|^2) + strength * sum_n cross-entropy. Returned as :func:`fit_multinomial`'s theta [K + 1, K]
     (a times the identity, then the biases), so both forms are used alike. Deterministic; x [n, K], y int [n]."""
-    n, k = len(x), n_classes
+    k = n_classes
     x = np.asarray(x, dtype=np.float64)
     targets = np.eye(k)[y]
-    w = np.zeros(k + 1)  # a, then b
 
-    def objective(v: np.ndarray) -> float:
-        z = v[0] * x + v[1:]
-        z = z - z.max(1, keepdims=True)
-        return float(0.5 * (v * v).sum() - strength * (z[np.arange(n), y] - np.log(np.exp(z).sum(1))).sum())
+    def objective(w: np.ndarray) -> float:  # w: a, then b
+        return _penalised_cross_entropy(w, w[0] * x + w[1:], y, strength)
 
-    value = objective(w)
-    for _ in range(iterations):
-        z = w[0] * x + w[1:]
-        p = np.exp(z - z.max(1, keepdims=True))
-        p /= p.sum(1, keepdims=True)
+    def derivatives(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        p = _softmax(w[0] * x + w[1:])
         residual = p - targets
         gradient = w + strength * np.concatenate([[(residual * x).sum()], residual.sum(0)])
-        mean_x = (p * x).sum(1, keepdims=True)  # E_p[x] per row
+        centred = x - (p * x).sum(1, keepdims=True)  # x less its mean under p, per row
         hessian = np.eye(k + 1)
-        hessian[0, 0] += strength * float((p * (x - mean_x) ** 2).sum())
-        cross = strength * (p * (x - mean_x)).sum(0)
+        hessian[0, 0] += strength * float((p * centred**2).sum())
+        cross = strength * (p * centred).sum(0)
         hessian[0, 1:] += cross
         hessian[1:, 0] += cross
         hessian[1:, 1:] += strength * (np.diag(p.sum(0)) - p.T @ p)
-        step = np.linalg.solve(hessian, gradient)
-        size, decrease = 1.0, float(gradient @ step)
+        return gradient, hessian
+
+    w = _newton(objective, derivatives, np.zeros(k + 1), iterations)
+    theta = np.zeros((k + 1, k))
+    theta[:-1] = w[0] * np.eye(k)
+    theta[-1] = w[1:]
+    return theta
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    p = np.exp(z - z.max(1, keepdims=True))
+    return p / p.sum(1, keepdims=True)
+
+
+def _penalised_cross_entropy(w: np.ndarray, z: np.ndarray, y: np.ndarray, strength: float) -> float:
+    """0.5 |w|^2 + strength * the cross-entropy of the scores z [n, K] against the labels y."""
+    z = z - z.max(1, keepdims=True)
+    return float(0.5 * (w * w).sum() - strength * (z[np.arange(len(y)), y] - np.log(np.exp(z).sum(1))).sum())
+
+
+def _newton(
+    objective: Callable[[np.ndarray], float],
+    derivatives: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+    w: np.ndarray,
+    iterations: int,
+) -> np.ndarray:
+    """The minimum of a convex ``objective`` by Newton's method from ``w``, each step (one linear solve with
+    ``derivatives``' gradient, shaped as w, and Hessian, flat) halved until it decreases the objective enough
+    (Armijo); stops when a step gains less than 1e-10 of the objective."""
+    value = objective(w)
+    for _ in range(iterations):
+        gradient, hessian = derivatives(w)
+        step = np.linalg.solve(hessian, gradient.ravel()).reshape(w.shape)
+        size, decrease = 1.0, float((gradient * step).sum())
         while True:
             candidate = w - size * step
             new_value = objective(candidate)
@@ -121,10 +131,7 @@ def fit_scaling(
         value = new_value
         if done:
             break
-    theta = np.zeros((k + 1, k))
-    theta[:-1] = w[0] * np.eye(k)
-    theta[-1] = w[1:]
-    return theta
+    return w
 
 
 def _hessian(features: np.ndarray, p: np.ndarray) -> np.ndarray:
