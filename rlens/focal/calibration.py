@@ -198,7 +198,8 @@ class StreamCalibration:
             min_rows,
             strength,
         )
-        self.scaling_below = scaling_below  # rows a choice under which a fit is the scaling form (chosen on tune)
+        # rows a choice under which a fit is the scaling form (chosen on bbh_dev's tuning half)
+        self.scaling_below = scaling_below
         self.combiner = PoolCombiner(joint_rows, strength) if joint_rows else None  # None: the vote alone
         self.history: list[deque] = [deque(maxlen=rows) for _ in range(n_models)]  # (log p [C], label) per model
         self.labels: deque = deque(maxlen=rows)
@@ -230,11 +231,12 @@ class StreamCalibration:
         rows = [(x, y) for c, x, y in self.history[model] if c == n_choices]
         if len(rows) < self.min_rows:
             return None if fitted is None else fitted[1]
-        x, y = np.stack([x for x, _ in rows]), np.array([y for _, y in rows])
+        inputs, labels = np.stack([x for x, _ in rows]), np.array([y for _, y in rows])
         if len(rows) < self.scaling_below * n_choices:
-            theta = fit_scaling(x, y, n_choices, self.strength)
+            theta = fit_scaling(inputs, labels, n_choices, self.strength)
         else:
-            theta = fit_multinomial(x, y, n_choices, self.strength, start=start if fitted is None else fitted[1])
+            last = start if fitted is None else fitted[1]
+            theta = fit_multinomial(inputs, labels, n_choices, self.strength, start=last)
         self.fits[model, n_choices] = (int(self.seen[model]), theta)
         return theta
 
