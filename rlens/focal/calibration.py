@@ -223,8 +223,10 @@ class StreamCalibration:
             self.combiner.push(log_p, called, pool, label)
 
     def _theta(self, model: int, n_choices: int, start: np.ndarray | None = None) -> np.ndarray | None:
-        """The model's calibration over ``n_choices`` choices, fitted again once ``refit_every`` new rows came, from
-        the last fit (or ``start``: fewer Newton steps to the same minimum); None before ``min_rows`` rows."""
+        """The model's calibration over ``n_choices`` choices, fitted again once ``refit_every`` new rows came; None
+        before ``min_rows`` rows. Below ``scaling_below`` rows a choice the scaling form, from zero (C + 1 weights:
+        a few Newton steps); from then the full form, from the last fit (or ``start``: fewer Newton steps to the same
+        minimum)."""
         fitted = self.fits.get((model, n_choices))
         if fitted is not None and self.seen[model] - fitted[0] < self.refit_every:
             return fitted[1]
@@ -315,7 +317,7 @@ class StreamCalibration:
 
     def fit_all(self, starts: dict | None = None, joint_starts: dict | None = None) -> None:
         """Fit every (model, choice count) that has ``min_rows`` rows, then the pools' joint fits where the stream's
-        queries are kept whole (the service's learner, before it publishes). Each fit starts from the last one
+        queries are kept whole (the service's learner, before it publishes). Each full fit starts from the last one
         (fewer Newton steps to the same minimum): this one's :attr:`fits` and its combiner's, or ``starts`` and
         ``joint_starts`` (the learner's last fits of a stream it loaded afresh)."""
         starts = dict(self.fits if starts is None else starts)
