@@ -1022,16 +1022,25 @@ def test_topics_take_the_records_rlens_sends_and_a_smaller_existing_one_is_named
     async def scenario() -> dict[str, int]:
         admin = AIOKafkaAdminClient(bootstrap_servers=EXTERNAL)
         await admin.start()
+
+        async def limits_of(names: tuple[str, ...]) -> dict[str, int]:
+            """The topics' record limits, once every broker knows them: a broker learns of a topic the controller
+            made a moment later, and describes it as unknown (no entries) until then."""
+            for _ in range(300):
+                described = await admin.describe_configs(
+                    [ConfigResource(ConfigResourceType.TOPIC, t, configs={"max.message.bytes": None}) for t in names]
+                )
+                limits = {name: int(e[0][1]) for r in described for _, _, _, name, e in r.resources if e}
+                if len(limits) == len(names):
+                    return limits
+                await asyncio.sleep(0.1)
+            raise AssertionError(f"the broker did not describe {names} in 30 s: {described}")
+
         try:
             await admin.create_topics([NewTopic(topics.drift, 1, 1)])  # made by hand: Kafka's default limit
+            await limits_of((topics.drift,))
             await ensure_topics(config)
-            described = await admin.describe_configs(
-                [
-                    ConfigResource(ConfigResourceType.TOPIC, t, configs={"max.message.bytes": None})
-                    for t in (topics.policy, topics.answers, topics.drift)
-                ]
-            )
-            return {name: int(entries[0][1]) for r in described for _, _, _, name, entries in r.resources}
+            return await limits_of((topics.policy, topics.answers, topics.drift))
         finally:
             await admin.close()
 
