@@ -507,6 +507,19 @@ async def ensure_topics(settings: Settings, partitions: int | None = None, extra
         await admin.close()
 
 
+async def partition_counts(admin: Any, names: Sequence[str], wait_s: float = 30.0) -> dict[str, int]:
+    """Each topic's partition count (0: not described), once the broker describes them all or after ``wait_s``: a
+    broker learns of a topic the controller has just made a moment later, and one that is starting answers before it
+    has the cluster's metadata (KAFKA-10206); until then it describes the topic as unknown."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        described = await admin.describe_topics(list(names))
+        counts = {t["topic"]: len(t.get("partitions") or []) for t in described if t.get("error_code") == 0}
+        if all(counts.get(n) for n in names) or time.monotonic() > deadline:
+            return {n: counts.get(n, 0) for n in names}
+        await asyncio.sleep(0.2)
+
+
 async def shard_topics(settings: Settings) -> int:
     """The partition count of ``experience`` and ``feedback`` (made first if need be), which learner shards split
     between them; a clear error when the two differ (a query's halves would not meet in one shard)."""
@@ -517,10 +530,9 @@ async def shard_topics(settings: Settings) -> int:
     admin = AIOKafkaAdminClient(**client_options(settings))
     await admin.start()
     try:
-        described = await admin.describe_topics([topics.experience, topics.feedback])
+        counts = await partition_counts(admin, (topics.experience, topics.feedback))
     finally:
         await admin.close()
-    counts = {t["topic"]: len(t.get("partitions") or []) for t in described}
     if len(set(counts.values())) != 1 or not all(counts.values()):
         raise BrokerRefused(
             f"learner shards need {topics.experience} and {topics.feedback} with the same number of partitions (a "
