@@ -1063,8 +1063,8 @@ def test_learner_shards_read_the_partitions_of_topics_made_a_moment_before():
     """A learner shard's first start on a fresh cluster makes the topics and reads their partitions at once. A
     broker may describe a topic as unknown for a moment: one its controller has just made, or any while the broker
     itself is starting (KAFKA-10206; the describe of a topic's settings did so in CI's Kafka phase). Read then, that
-    was no partitions, and the shard refused to start (`BrokerRefused`); it waits for them now. On one node the
-    window did not show in 11 tries, so this test checks the counts rather than the wait."""
+    was no partitions, and the shard refused to start (`BrokerRefused`); it waits for them now. Here the window did
+    not show in 11 tries (5 on one Kafka node, 6 on a cluster of three), so this test checks the counts, not the wait."""
     broker = broker_for_tests()
     try:
         config = own_prefixes(settings().updated({"kafka_bootstrap": broker.bootstrap}))

@@ -8,8 +8,8 @@ import threading
 
 # Ctrl-C while the command line loads: a quiet exit (130), as Ctrl-C in a command gets. A KeyboardInterrupt raised in
 # the middle of an import can land in one of importlib's callbacks, which Python reports as "Exception ignored" with
-# a traceback and goes on; so while the modules load, a SIGINT is only noted (where this thread may set handlers
-# and SIGINT is not ignored), and acted on once they are loaded.
+# a traceback and goes on; so while the modules load and typer's commands are built (to the end of this module), a
+# SIGINT is only noted (where this thread may set handlers and SIGINT is not ignored), and acted on after.
 _interrupts: list[int] = []
 _noting = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) not in (
     signal.SIG_IGN,
@@ -20,13 +20,12 @@ try:
     import typer
 
     from rlens.cli import capacity, config, importers, keys, local, models, ope, policy, replay, rlae, service, zoo
-except KeyboardInterrupt:
-    raise SystemExit(130) from None
-finally:
+except BaseException as exc:  # an import failed: SIGINT's handler back before the error goes up
     if _noting:
         signal.signal(signal.SIGINT, _previous)
-if _interrupts:
-    raise SystemExit(130)
+    if isinstance(exc, KeyboardInterrupt):
+        raise SystemExit(130) from None
+    raise
 
 app = typer.Typer(help="rlens: LLM ensembles that learn from feedback.", no_args_is_help=True, add_completion=False)
 LOGGING_COMMANDS = ("worker", "learner", "gateway")  # their processes log the same warnings as records
@@ -69,3 +68,10 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         raise SystemExit(130) from None
+
+
+# loaded and built: Ctrl-C acts again, and one noted meanwhile exits now
+if _noting:
+    signal.signal(signal.SIGINT, _previous)
+if _interrupts:
+    raise SystemExit(130)
