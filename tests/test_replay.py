@@ -127,6 +127,21 @@ def test_synthetic_datasets_are_seeded_valid_and_any_shape(tmp_path):
     np.testing.assert_allclose(load_dataset(tmp_path / "synthetic").probs, a.probs, atol=1e-6)
 
 
+def test_the_task_switch_validation_sets_change_the_best_model_from_task_to_task():
+    """bench.common.datasets' ``synthetic-switches-G``: 12 tasks of 250 questions, 5 models; what they are for is a
+    model order that changes with the task (a new stream's first pools matter): at least 3 models are each the best
+    on some task."""
+    from bench.common.datasets import SYNTHETIC, dataset
+
+    for g in (1, 2, 3):
+        data = dataset(f"synthetic-switches-{g}")
+        assert data.probs.shape == (3000, 5, 4) and np.bincount(data.task).tolist() == [250] * 12
+        right = data.probs.argmax(-1) == data.labels[:, None]
+        best = [int(right[data.task == t].mean(0).argmax()) for t in range(12)]
+        assert len(set(best)) >= 3, best
+    assert {"synthetic-plain", "synthetic-families"} <= set(SYNTHETIC)
+
+
 def test_task_labels_on_the_plot_are_short_and_still_tell_the_tasks_apart():
     from rlens.evaluation.report import short_labels
 

@@ -32,17 +32,15 @@ os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 import time  # noqa: E402
 from dataclasses import replace  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common.args import add_out, add_seeds, arguments, write_json  # noqa: E402
+from bench.common.datasets import SYNTHETIC, dataset  # noqa: E402
 from bench.common.machine import machine_facts  # noqa: E402
-from rlens.records.dataset import load_dataset  # noqa: E402
 from rlens.evaluation.logged import FixedPool, FocalPolicy, LoggedQuery, Policy, evaluate, true_value  # noqa: E402
 from rlens.evaluation.protocols import task_half  # noqa: E402
-from rlens.evaluation.synthetic import synthetic_dataset  # noqa: E402
 from rlens.records.recorded import RecordedDataset  # noqa: E402
 from rlens.focal.config import FocalConfig  # noqa: E402
 from rlens.focal.engine import FocalEngine  # noqa: E402
@@ -50,17 +48,6 @@ from rlens.focal.schedule import questions, run_online, warm_start  # noqa: E402
 from rlens.settings import settings  # noqa: E402
 
 ESTIMATORS = ("exact", "replay", "ips", "snips", "dr")
-
-
-SYNTHETIC = {
-    "synthetic-plain": lambda: synthetic_dataset(10_000, 11, seed=0),
-    "synthetic-families": lambda: synthetic_dataset(10_000, 11, seed=0, families=3),
-}
-
-
-def dataset(name: str) -> RecordedDataset:
-    """A recorded dataset directory, or one of the synthetic long single-task streams by name."""
-    return SYNTHETIC[name]() if name in SYNTHETIC else load_dataset(Path(name))
 
 
 def halves(data: RecordedDataset) -> tuple[RecordedDataset, RecordedDataset]:

@@ -1,12 +1,13 @@
 """Accuracy of RL-Focal and the baselines over several seeds, both protocols (figures for BENCHMARKS.md).
 
-    python -m bench.accuracy.replay [--data DIR] [--seeds 0 1 2 3 4] [--protocols paper stream] [--out bench/out]
+    python -m bench.accuracy.replay [--data DIR|NAME] [--seeds 0 1 2 3 4] [--protocols paper stream] [--out bench/out]
                                  [--tasks all|tune|holdout] [--variants rl_focal ...] [--set explore_rate=0.25 ...]
 
 Runs the same code path as ``rlens replay`` (portable numerics) per seed, writes every run's results.json under
 OUT/<protocol>/seed<k>/ and a summary (mean and sample std over seeds) to OUT/summary.json and OUT/summary.md.
 ``--tasks tune`` keeps the tasks settings may be chosen on, ``holdout`` the others (:func:`rlens.evaluation.protocols.task_half`);
-``--set`` overrides FocalConfig fields. The machine (CPU, cores, load) is printed first and saved in the summary.
+``--set`` overrides FocalConfig fields; ``--data`` also takes a named synthetic set (:mod:`bench.common.datasets`:
+``synthetic-switches-1`` to ``-3``, the stream protocol's first pools). The machine (CPU, cores, load) is printed first and saved in the summary.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 
 from bench.common.machine import machine_facts
 from bench.common.args import add_out, add_seeds, arguments, write_json
-from rlens.records.dataset import load_dataset
+from bench.common.datasets import SYNTHETIC, dataset
 from rlens.settings import settings
 from rlens.focal.config import FocalConfig
 from rlens.evaluation.protocols import Protocol, task_half
@@ -45,7 +46,11 @@ SHOWN = (
 
 def main() -> None:
     parser = arguments(__doc__)
-    parser.add_argument("--data", default=str(settings().service.shared_data / "bbh_dev"))
+    parser.add_argument(
+        "--data",
+        default=str(settings().service.shared_data / "bbh_dev"),
+        help=f"a recorded dataset directory, or {' / '.join(SYNTHETIC)}",
+    )
     add_seeds(parser, [0, 1, 2, 3, 4])
     parser.add_argument("--protocols", nargs="+", default=["paper", "stream"], choices=[p.value for p in Protocol])
     parser.add_argument("--workers", type=int, default=2)
@@ -63,7 +68,7 @@ def main() -> None:
         config = replace(
             config, **{name: value.lower() in ("1", "true", "yes") if types[name] is bool else types[name](value)}
         )
-    data = load_dataset(args.data)
+    data = dataset(args.data)
     if args.tasks != "all":
         data = task_half(data, args.tasks)
     machine = machine_facts()
