@@ -30,10 +30,10 @@ from dataclasses import replace  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common.args import add_out, add_seeds, arguments, write_json  # noqa: E402
+from bench.common.datasets import SYNTHETIC  # noqa: E402
 from bench.common.machine import machine_facts  # noqa: E402
 from rlens.evaluation.protocols import Protocol, task_half  # noqa: E402
 from rlens.evaluation.replay import replay  # noqa: E402
-from rlens.evaluation.synthetic import synthetic_dataset  # noqa: E402
 from rlens.focal.config import FocalConfig  # noqa: E402
 from rlens.records.dataset import load_dataset  # noqa: E402
 from rlens.records.recorded import RecordedDataset  # noqa: E402
@@ -65,7 +65,7 @@ def load(name: str, zoo_data: str | None) -> RecordedDataset:
         return load_dataset(settings().service.demo_data)
     if name == "zoo":
         return load_dataset(zoo_data)
-    return synthetic_dataset(10_000, 11, seed=0, families=3 if name == "families" else 0)
+    return SYNTHETIC[f"synthetic-{name}"]()
 
 
 def run(name: str, candidate: str, seed: int, zoo_data: str | None) -> dict:

@@ -22,10 +22,10 @@ from dataclasses import replace
 import numpy as np
 
 from bench.common.args import add_out, add_seeds, arguments, write_json
+from bench.common.datasets import SYNTHETIC
 from bench.common.machine import machine_facts
 from rlens.evaluation.protocols import Protocol
 from rlens.evaluation.replay import replay
-from rlens.evaluation.synthetic import synthetic_dataset
 from rlens.focal.config import FocalConfig
 from rlens.records.dataset import load_dataset
 from rlens.records.recorded import RecordedDataset
@@ -45,7 +45,7 @@ def validation_sets(args: argparse.Namespace) -> Iterator[tuple[str, RecordedDat
         elif name == "zoo":
             yield name, load_dataset(args.zoo_data)
         else:
-            yield name, synthetic_dataset(10_000, 11, seed=0, families=3 if name == "families" else 0)
+            yield name, SYNTHETIC[f"synthetic-{name}"]()
 
 
 def main() -> None:

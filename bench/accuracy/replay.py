@@ -7,7 +7,8 @@ Runs the same code path as ``rlens replay`` (portable numerics) per seed, writes
 OUT/<protocol>/seed<k>/ and a summary (mean and sample std over seeds) to OUT/summary.json and OUT/summary.md.
 ``--tasks tune`` keeps the tasks settings may be chosen on, ``holdout`` the others (:func:`rlens.evaluation.protocols.task_half`);
 ``--set`` overrides FocalConfig fields; ``--data`` also takes a named synthetic set (:mod:`bench.common.datasets`:
-``synthetic-switches-1`` to ``-3``, the stream protocol's first pools). The machine (CPU, cores, load) is printed first and saved in the summary.
+``synthetic-switches-1`` to ``-3``, the stream protocol's first pools). The machine (CPU, cores, load) is printed
+first and saved in the summary.
 """
 
 from __future__ import annotations
