@@ -558,6 +558,14 @@ class FocalSettings(Group):
         "unset, 0.05, or 0.2 under gated promotion, the rate its evidence was measured at (its estimates rank "
         "candidates well with 20 %, not with 5 %: BENCHMARKS.md, Off-policy evaluation)",
     )
+    first_probes: int = Field(
+        FocalConfig.first_probes,
+        ge=0,
+        le=1024,
+        description="rl_focal: a stream's first queries that call every model too, so that no model is judged on two "
+        "or three rows (counted in Redis; not while the stream's budget is overspent, nor on a query with a budget of "
+        "its own; 16 chosen on the task-switch validation sets, BENCHMARKS.md); 0: none",
+    )
     budget: float | None = Field(
         FocalConfig.budget,
         gt=0,

@@ -526,18 +526,18 @@ def test_bad_calibration_rows_and_fits_in_redis_are_skipped(redis_server):
         assert [(c, label) for c, _, label in calibration.history[0]] == [(3, 1)] and windows.skipped_rows == 5
         await redis.set(windows.fit_key("s"), json.dumps({"fits": [[0, 3, [[0.0] * 2] * 4]], "prior": []}))
         await redis.set(windows.fit_key("t"), b"not json")
-        _, _, fits = await windows.load_with_pools(["s", "t"], fits=True)
+        fits = (await windows.load_with_pools(["s", "t"], fits=True)).fits
         assert fits == {} and windows.skipped_rows == 7
-        _, _, fits = await windows.load_with_pools(["s", "t"], fits=True)  # read again, kept as restored
+        fits = (await windows.load_with_pools(["s", "t"], fits=True)).fits  # read again, kept as restored
         assert fits == {} and windows.skipped_rows == 9
         # a good fit is restored once and kept while it stays the same; a new one published is read anew
         good_fit = {"fits": [[0, 3, [[0.0] * 3] * 4]], "prior": [[3, [2, 1, 1]]]}
         await redis.set(windows.fit_key("s"), json.dumps(good_fit))
-        first = (await windows.load_with_pools(["s"], fits=True))[2]["s"]
-        assert (await windows.load_with_pools(["s"], fits=True))[2]["s"] is first
+        first = (await windows.load_with_pools(["s"], fits=True)).fits["s"]
+        assert (await windows.load_with_pools(["s"], fits=True)).fits["s"] is first
         good_fit["prior"] = [[3, [1, 2, 1]]]
         await redis.set(windows.fit_key("s"), json.dumps(good_fit))
-        renewed = (await windows.load_with_pools(["s"], fits=True))[2]["s"]
+        renewed = (await windows.load_with_pools(["s"], fits=True)).fits["s"]
         assert renewed is not first and renewed.prior(3)[1] == 0.5
         await redis.aclose()
 

@@ -104,3 +104,41 @@ def test_coins_are_drawn_the_probes_first_then_the_explorations_and_a_capped_que
         [False],
         [False],
     )
+
+
+def test_a_streams_first_queries_call_every_model_while_its_budget_is_not_overspent():
+    """A stream's first ``first_probes`` queries call the whole pool (a query with a budget of its own is counted
+    but not probed); they are not logged as probes (not a random sample); an overspent budget, or counts unknown
+    (Redis unreachable), stops them."""
+    from dataclasses import replace
+
+    from rlens.focal.config import FocalConfig
+    from rlens.focal.serving import decide_batch
+
+    config = replace(FocalConfig(), first_probes=2, probe_rate=0.0, explore_rate=0.0, budget=0.5)
+    engine = FocalEngine(4, config=config)
+    assert engine.first_queries(["a", "a", "b", "a", "b"], [None, None, 0.5, None, None]) == [
+        True,
+        True,
+        False,
+        False,
+        True,
+    ]
+    assert engine.asked == {"a": 2, "b": 2}
+    assert engine.first_queries(["a", "b", "c"], [None, None, None]) == [False, False, True]
+    engine.load_state({}, {}, {}, {"c": 1})
+    decided = decide_batch(engine, [("c", 3, None), ("c", 3, None)])
+    first, second = decided.decisions
+    assert first.called is engine.everyone and second.called is second.pool and decided.probes == [False, False]
+    engine.budget.offset = -0.01  # the cap's savings used up
+    assert engine.first_queries(["d"], [None]) == [False] and engine.asked["d"] == 1
+    engine.budget.offset = 0.0
+    assert engine.first_queries(["d"], [None]) == [True]
+    engine.reset_windows(known=False)
+    assert engine.first_queries(["e"], [None]) == [False] and engine.asked is None
+    engine.reset_windows()
+    assert engine.first_queries(["e"], [None]) == [True]
+    for _ in range(2):  # a window with as many rows (a warm start's) counts as asked
+        engine.observe("w", np.zeros(4, dtype=np.int64), 0, 1.0)
+    assert engine.first_queries(["w"], [None]) == [False] and "w" not in engine.asked
+    assert FocalEngine(4, config=replace(config, first_probes=0)).first_queries(["a"], [None]) == [False]

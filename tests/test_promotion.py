@@ -62,7 +62,7 @@ def test_a_learner_whose_training_goes_wrong_is_kept_from_serving(zoo, redis_ser
 
 
 @pytest.mark.parametrize(
-    "restart_at, kind, holdback", [(352, "challenger", None), (672, "probation", None), (352, "line", 0.2)]
+    "restart_at, kind, holdback", [(352, "challenger", None), (832, "probation", None), (352, "line", 0.2)]
 )
 def test_a_learner_restarted_while_it_judges_serves_what_one_never_stopped_serves(
     zoo, redis_server, tmp_path, warm_run, restart_at, kind, holdback

@@ -220,10 +220,35 @@ def test_the_streams_last_pools_are_shared_and_bad_ones_ignored(redis_url):
         await windows.save_pools({"a": np.array([True, False, True]), "b": np.array([False, True, False])})
         for stream, value in (("short", "10"), ("letters", "1x0"), ("empty", "000")):
             await redis.set(other.pool_key(stream), value)
-        loaded, pools, _ = await other.load_with_pools(["a", "b", "short", "letters", "empty", "none"])
-        assert loaded["a"].n_rows == 1 and loaded["none"].n_rows == 0
-        assert {k: v.tolist() for k, v in pools.items()} == {"a": [True, False, True], "b": [False, True, False]}
-        assert 0 < await redis.ttl(windows.pool_key("a")) <= 60
+        state = await other.load_with_pools(["a", "b", "short", "letters", "empty", "none"])
+        assert state.windows["a"].n_rows == 1 and state.windows["none"].n_rows == 0
+        assert {k: v.tolist() for k, v in state.pools.items()} == {"a": [True, False, True], "b": [False, True, False]}
+        assert 0 < await redis.ttl(windows.pool_key("a")) <= 60 and state.asked == {}
+        await redis.aclose()
+
+    run(scenario())
+
+
+def test_the_streams_query_counts_add_up_across_workers_and_expire(redis_url):
+    """Two workers add the queries they were asked to their streams' counts; each reads the sum with its windows;
+    a count that is not an integer reads as the limit asked for (no more first-query probes), a count read at the
+    limit is not read again, and counts expire with the windows."""
+
+    async def scenario():
+        redis, windows = await fresh(redis_url, window_ttl_s=60)
+        other = RedisWindows(redis, n_models=3, size=4, window_ttl_s=60)
+        await windows.save_pools({}, {"a": 3, "b": 0})
+        await other.save_pools({}, {"a": 2, "c": 1})
+        await redis.set(windows.asked_key("bad"), "x")
+        state = await windows.load_with_pools(["a", "b", "c", "bad"], asked=16)
+        assert state.asked == {"a": 5, "c": 1, "bad": 16}
+        assert (await windows.load_with_pools(["a"])).asked == {}  # not asked for: not read
+        assert 0 < await redis.ttl(windows.asked_key("a")) <= 60 and await redis.exists(windows.asked_key("b")) == 0
+        await redis.set(windows.asked_key("a"), 20)
+        assert (await windows.load_with_pools(["a", "c"], asked=16)).asked == {"a": 20, "c": 1}
+        await redis.set(windows.asked_key("a"), 3)  # a count at the limit is not read again (counts only grow)
+        await redis.set(windows.asked_key("c"), 4)
+        assert (await windows.load_with_pools(["a", "c"], asked=16)).asked == {"a": 16, "c": 4}
         await redis.aclose()
 
     run(scenario())

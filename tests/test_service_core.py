@@ -12,6 +12,7 @@ import torch
 from redis.asyncio import Redis
 
 from rlens.backends import Backend, BackendError, create_backend
+from rlens.focal.config import FocalConfig
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Experience, Feedback, Query
 from rlens.checkpoint import CheckpointStore
@@ -448,7 +449,7 @@ def test_shadow_calls_score_the_policy_to_roll_back_to_exactly_and_leave_the_ser
         candidate = forced(FocalEngine(5, seed=1), [4])
         outputs = {}
         for calls in (None, 1.0):
-            engine = FocalEngine(5, seed=0)
+            engine = FocalEngine(5, config=FocalConfig(first_probes=0), seed=0)  # the coin's probes alone
             forced(engine, [0, 1])
             worker = FocalWorker(engine, zoo.model_names, backends, windows_for(redis_server.url), VERIFIER, TOKENS)
             policy = encode_policy(candidate, 1, 1, zoo.model_names, "rl_focal", SIGNER, "candidate", "", None, calls)
@@ -514,3 +515,28 @@ def test_asyncapi_document_and_message_schemas_are_in_sync():
         "rlens.spending",
         "rlens.transitions",
     }
+
+
+def test_a_streams_first_queries_call_every_model_whichever_worker_serves_them(zoo, redis_server):
+    """A stream's first ``first_probes`` queries call the whole pool; the count is in Redis, so a second worker
+    goes on from where the first left it, and the queries after them call the Decider's pool alone."""
+
+    async def scenario():
+        await Redis.from_url(redis_server.url).flushdb()
+        backends = {name: create_backend("replay", dataset=zoo, model=i) for i, name in enumerate(zoo.model_names)}
+        config = FocalConfig(probe_rate=0.0, explore_rate=0.0)
+        workers = []
+        for seed in (0, 1):
+            engine = FocalEngine(5, config=config, seed=seed)
+            with torch.no_grad():  # the Decider calls only models 0 and 1
+                engine.decider.heads.bias.fill_(-50.0)
+                engine.decider.heads.bias[[0, 1]] = 50.0
+            windows = windows_for(redis_server.url)
+            workers.append(FocalWorker(engine, zoo.model_names, backends, windows, VERIFIER, TOKENS))
+        queries = [q.model_copy(update={"stream": "new"}) for q, _ in queries_of(zoo, None, "f")[:30]]
+        calls = [len(a.called_models) for a in (await workers[0].handle(queries[:10])).answers]
+        calls += [len(a.called_models) for a in (await workers[1].handle(queries[10:30])).answers]
+        assert calls == [5] * config.first_probes + [2] * (30 - config.first_probes)
+        assert int(await Redis.from_url(redis_server.url).get(windows.asked_key("new"))) == config.first_probes
+
+    asyncio.run(scenario())

@@ -67,6 +67,10 @@ class FocalConfig:
     budget_rate: float = 0.5  # the offset's step per unit of cost share off the budget (rlens.focal.budget)
     explore_rate: float = 0.05  # online: share of queries on which both agents sample (and train); the rest are greedy
     probe_rate: float = 0.05  # online: fraction of queries that also call the rest of the pool to refresh windows
+    # online: a stream's first first_probes queries call every model too (while its budget has not been overspent), so
+    # that no model is judged on its first two or three rows (16 chosen on the task-switch validation sets,
+    # BENCHMARKS.md; 0: none)
+    first_probes: int = 16
     feedback_delay: int = 0  # replay: feedback of query t arrives before query t + 1 + delay
 
     def to_dict(self) -> dict:

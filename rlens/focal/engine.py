@@ -101,6 +101,8 @@ class FocalEngine:
         # one kernel per step for all tensors: the same numbers, faster
         self.optimizer = torch.optim.Adam(params, lr=self.cfg.lr, eps=1e-5, foreach=True)
         self.windows: dict[Hashable, OutcomeWindow] = {}
+        # queries asked per stream, counted up to cfg.first_probes (None: unknown, and no first-query probes)
+        self.asked: dict[Hashable, int] | None = {}
         # each model's calibration per stream (None: greedy answers without a calibrated vote)
         self.calibrations = (
             Calibrations(n_models, self.cfg.calibration_rows, self.cfg.calibration_refit, self.cfg.joint_rows)
@@ -131,10 +133,12 @@ class FocalEngine:
             self.windows[key] = OutcomeWindow(self.n_models, self.cfg.window)
         return self.windows[key]
 
-    def load_state(self, windows: dict, pools: dict, fits: dict) -> None:
+    def load_state(self, windows: dict, pools: dict, fits: dict, asked: dict | None = None) -> None:
         """A batch's state as the service keeps it (Redis), handed in: its streams' windows (replacing every other
-        stream's), their last pools, and the calibration fits the learner last published (kept with calibrations)."""
+        stream's), their last pools, the calibration fits the learner last published (kept with calibrations), and
+        the queries each stream was asked before (a stream not in it: none; None: unknown)."""
         self.windows = dict(windows)
+        self.asked = None if asked is None else dict(asked)
         if self.calibrations is not None:
             self.calibrations.streams = dict(fits)
         for key, pool in pools.items():
@@ -157,7 +161,29 @@ class FocalEngine:
             [explore and cap is None for explore, cap in zip(explored, caps)],
         )
 
-    def reset_windows(self) -> None:
+    def first_queries(self, keys: list[Hashable], caps: list[float | None]) -> list[bool]:
+        """Which queries of a batch (their streams' ``keys``, their own budgets ``caps``) call every model for being
+        among their stream's first ``first_probes``: those without a budget of their own, while the budget their
+        stream is met under has not been overspent (its offset not below 0). A stream's queries are counted
+        (:attr:`asked`, up to ``first_probes``), and a window with as many rows counts as well (a warm start's); none
+        while the counts are unknown."""
+        asked, first = self.asked, self.cfg.first_probes
+        if asked is None or first <= 0:
+            return [False] * len(keys)
+        out = []
+        for key, cap in zip(keys, caps):
+            window = self.windows.get(key)
+            seen = max(asked.get(key, 0), window.count if window is not None else 0)
+            if seen < first:
+                asked[key] = asked.get(key, 0) + 1
+            budget = self.budget_of(key)
+            out.append(seen < first and cap is None and (budget is None or budget.offset >= 0))
+        return out
+
+    def reset_windows(self, known: bool = True) -> None:
+        """Every stream's state forgotten; ``known`` False: the streams' query counts are unknown too (Redis
+        unreachable), so no stream probes its first queries."""
+        self.asked = {} if known else None
         self.windows.clear()
         self.previous_pool.clear()
         if self.calibrations is not None:

@@ -44,12 +44,15 @@ def decide_batch(
     engine: FocalEngine, queries: list[tuple[Hashable, int, float | None]], candidate: Candidate | None = None
 ) -> Decided:
     """The pools for a batch of (stream key, choice count (0: open-ended), the query's own budget or None): the
-    engine draws each query's coins (a query with a budget neither probes nor explores), then decides; a
-    ``candidate`` gets its greedy pools on the same states (:func:`shadow_pools`)."""
+    engine draws each query's coins (a query with a budget neither probes nor explores), then decides; a stream's
+    first queries call every model too (:meth:`FocalEngine.first_queries`), though only the coin's probes, a random
+    sample of the queries, are logged as probes; a ``candidate`` gets its greedy pools on the same states
+    (:func:`shadow_pools`)."""
     caps = [cap for _, _, cap in queries]
     probes, explored = engine.coins(caps)
+    first = engine.first_queries([key for key, _, _ in queries], caps)
     decisions = engine.decide_batch(
-        [(key, n_choices, p, not e) for (key, n_choices, _), p, e in zip(queries, probes, explored)],
+        [(key, n_choices, p or f, not e) for (key, n_choices, _), p, f, e in zip(queries, probes, first, explored)],
         caps if any(cap is not None for cap in caps) else None,
     )
     if candidate is None:

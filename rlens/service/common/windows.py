@@ -12,6 +12,7 @@ so both keys of one stream live in one slot and the update script may touch both
 | ``{prefix}:joint:{<stream>}`` | list | with ``joint_rows`` too: the stream's last labelled queries whole, each ``[n_choices, label, [[m, [log p_0, ...]], ...], [served model, ...]]`` (:meth:`CalibrationRows.to_list`), for the pools' joint fits | LTRIM to ``joint_rows`` | ``window_ttl_s`` |
 | ``{prefix}:fit:{<stream>}`` | string | the stream's calibrations (and pools' joint fits) the learner fitted from those rows (:meth:`rlens.focal.calibration.StreamCalibration.state`, JSON), what the workers vote with | one per stream | ``window_ttl_s`` |
 | ``{prefix}:pool:{<stream>}`` | string | the Decider's last pool for the stream, one ``0``/``1`` per model (every worker reads and writes it, so the Decider sees the same previous pool whichever worker serves the stream) | M bytes | ``window_ttl_s`` |
+| ``{prefix}:asked:{<stream>}`` | string | the queries the stream was asked, counted while under ``first_probes`` (its first queries call every model, whichever worker serves them) | an integer | ``window_ttl_s`` |
 | ``{prefix}:ready:<role>:<host>-<pid>`` | string | a worker or learner process whose subscribers have joined: the URL of its ``/metrics``, ``/healthz``, ``/readyz`` | one per process | 30 s, renewed every 2 s while the process runs; deleted on clean shutdown |
 | ``{prefix}:ready`` | set | the ``<role>:<host>-<pid>`` of every readiness mark set (:func:`ready_urls` reads the marks from it, never scanning the keyspace; a member whose mark expired is removed when read) | one member per process | 30 s, renewed with each mark |
 | ``{prefix}:replies:<reply topic>`` | string | a live gateway's reply topic: workers reply to no other (a query naming another is dead-lettered, so ``reply_to`` cannot make topics) | one per gateway replica | 30 s, renewed every 2 s while the gateway runs |
@@ -152,6 +153,17 @@ def pushed_since(read: list[bytes], rows: list[bytes], size: int) -> int | None:
     return None
 
 
+@dataclass
+class StreamStates:
+    """What a batch's streams hold in Redis (:meth:`RedisWindows.load_with_pools`), by stream: the windows, the
+    last pools and published calibrations found, and the queries asked (a stream not in it: none)."""
+
+    windows: dict[str, OutcomeWindow]
+    pools: dict[str, np.ndarray]
+    fits: dict[str, StreamCalibration]
+    asked: dict[str, int]
+
+
 class RedisWindows:
     def __init__(
         self,
@@ -182,6 +194,9 @@ class RedisWindows:
         # each stream's window as the last load read it, every row fitting (its rows, the window, the window's
         # count then; the newest RESTORED_STREAMS streams): the next load extends it by the rows pushed since
         self._read: OrderedDict[str, tuple[list[bytes], OutcomeWindow, int]] = OrderedDict()
+        # streams whose query count, or window, was last read at the limit asked for (the newest RESTORED_STREAMS):
+        # counts only grow, so theirs is not read again
+        self._settled: OrderedDict[str, int] = OrderedDict()
 
     def row_error(self, predictions: list[int], label: int, reward: float) -> str | None:
         """Why a row cannot enter a window of this pool, or None."""
@@ -214,13 +229,20 @@ class RedisWindows:
 
     async def load(self, streams: list[str]) -> dict[str, OutcomeWindow]:
         """The current window of each stream (one round trip); rows that do not fit the pool are skipped."""
-        return (await self.load_with_pools(streams, pools=False))[0]
+        return (await self.load_with_pools(streams, pools=False)).windows
+
+    def asked_key(self, stream: str) -> str:
+        return f"{self.prefix}:asked:{{{stream}}}"
 
     async def load_with_pools(
-        self, streams: list[str], pools: bool = True, fits: bool = False
-    ) -> tuple[dict[str, OutcomeWindow], dict[str, np.ndarray], dict[str, StreamCalibration]]:
-        """Each stream's window and, where one was saved and fits this pool, its last pool (bool [M]) and (with
-        ``fits``) its calibrations as the learner published them, in one round trip."""
+        self, streams: list[str], pools: bool = True, fits: bool = False, asked: int = 0
+    ) -> StreamStates:
+        """Each stream's window and, where one was saved and fits this pool, its last pool (bool [M]), (with
+        ``fits``) its calibrations as the learner published them and (with ``asked`` > 0) the queries it was asked
+        (counted up to ``asked``; a count that is not an integer reads as ``asked``; a stream whose count or window
+        was read at ``asked`` before is not read again), in one round trip."""
+        settled = self._settled
+        counted = [s for s in streams if settled.get(s, 0) < asked] if asked else []
         async with self.redis.pipeline(transaction=False) as pipe:
             for stream in streams:
                 pipe.lrange(self.window_key(stream), 0, -1)
@@ -228,8 +250,11 @@ class RedisWindows:
                     pipe.get(self.pool_key(stream))
                 if fits:
                     pipe.get(self.fit_key(stream))
+            for stream in counted:
+                pipe.get(self.asked_key(stream))
             raw = await pipe.execute()
         step = 1 + pools + fits
+        raw, raw_counts = raw[: step * len(streams)], raw[step * len(streams) :]
         last_pools = {}
         if pools:
             self._pools_read = dict(zip(streams, raw[1::step]))
@@ -240,7 +265,18 @@ class RedisWindows:
         for stream, value in zip(streams, raw[step - 1 :: step] if fits else []):
             if value is not None and (calibration := self._restored_calibration(stream, value)) is not None:
                 calibrations[stream] = calibration
-        return self._windows(streams, raw[::step]), last_pools, calibrations
+        windows = self._windows(streams, raw[::step])
+        counts = {stream: asked for stream in streams if asked and stream not in counted}
+        for stream, value in zip(counted, raw_counts):
+            if value is not None:
+                counts[stream] = int(value) if value.isdigit() else asked
+        for stream in counted:
+            if max(counts.get(stream, 0), windows[stream].n_rows) >= asked:
+                settled[stream] = asked
+                settled.move_to_end(stream)
+        while len(settled) > RESTORED_STREAMS:
+            settled.popitem(last=False)
+        return StreamStates(windows, last_pools, calibrations, counts)
 
     def _restored_calibration(self, stream: str, value: bytes) -> StreamCalibration | None:
         """:meth:`_calibration` of a stream's published value, restored again only when it changed."""
@@ -354,9 +390,10 @@ class RedisWindows:
         state = json.dumps(calibration.state(), separators=(",", ":"))
         await self.redis.set(self.fit_key(stream), state, ex=self.window_ttl_s)
 
-    async def save_pools(self, pools: dict[str, np.ndarray]) -> None:
-        """Each stream's latest pool (one round trip; the last writer wins). A pool the last load found already
-        stored is not written, unless this process last wrote it more than half its expiry ago."""
+    async def save_pools(self, pools: dict[str, np.ndarray], asked: dict[str, int] | None = None) -> None:
+        """Each stream's latest pool (one round trip; the last writer wins), and ``asked``: the queries some streams
+        were asked since they were read, added to their counts. A pool the last load found already stored is not
+        written, unless this process last wrote it more than half its expiry ago."""
         now, renew_s = time.monotonic(), self.window_ttl_s / 2
         written = self._pools_written
         values = {stream: "".join("1" if chosen else "0" for chosen in pool).encode() for stream, pool in pools.items()}
@@ -365,11 +402,15 @@ class RedisWindows:
             for stream, value in values.items()
             if value != self._pools_read.get(stream) or now - written.get(stream, -renew_s) >= renew_s
         }
-        if not values:
+        asked = {stream: n for stream, n in (asked or {}).items() if n > 0}
+        if not values and not asked:
             return
         async with self.redis.pipeline(transaction=False) as pipe:
             for stream, value in values.items():
                 pipe.set(self.pool_key(stream), value, ex=self.window_ttl_s)
+            for stream, n in asked.items():
+                pipe.incrby(self.asked_key(stream), n)
+                pipe.expire(self.asked_key(stream), self.window_ttl_s)
             await pipe.execute()
         for stream in values:
             written[stream] = now

@@ -84,6 +84,7 @@ class FocalWorker(Worker):
         self.cache = cache
         self.shadow: FocalEngine | None = None  # the candidate's agents (greedy only), scored beside the engine's
         self.ope_logging = ope_logging  # False: no behaviour and no shadow in the experience (RLENS_OPE_LOGGING)
+        self._asked_read: dict[str, int] = {}  # the batch's streams' query counts as read (FocalEngine.asked)
         self.names = np.array(models)
         self.sampling = sampling or FocalSettings().sampling()  # None: the settings' defaults
         # at most MAX_CHOICES - 1 candidates: "none of them" (n_choices) must stay a valid window label
@@ -179,21 +180,28 @@ class FocalWorker(Worker):
     async def _load_state(self, streams: list[str]) -> None:
         """The streams' windows, last pools and calibration fits from Redis into the engine (cold windows, and the
         worker answering on, while Redis is unreachable)."""
+        first = self.engine.cfg.first_probes
         try:
-            self.engine.load_state(
-                *await self.windows.load_with_pools(streams, fits=self.engine.calibrations is not None)
-            )
+            state = await self.windows.load_with_pools(streams, fits=self.engine.calibrations is not None, asked=first)
         except (RedisError, OSError) as exc:
             self.stats.cold_window_batches += 1
             log.warning("Redis unreachable (%s): answering with cold windows", exc)
-            self.engine.reset_windows()
+            self.engine.reset_windows(known=False)
+            self._asked_read = {}
+            return
+        self.engine.load_state(state.windows, state.pools, state.fits, state.asked if first else None)
+        self._asked_read = state.asked
 
     async def _save_pools(self, streams: list[str]) -> None:
-        """The streams' last pools saved for the next batch, whichever worker takes it (before this batch is
-        acknowledged; while Redis is unreachable they stay in this worker)."""
-        previous = self.engine.previous_pool
+        """The streams' last pools saved for the next batch, whichever worker takes it, and the queries they were
+        asked added to their counts while these are under ``first_probes`` (before this batch is acknowledged; while
+        Redis is unreachable the pools stay in this worker)."""
+        previous, asked, read = self.engine.previous_pool, self.engine.asked or {}, self._asked_read
         try:
-            await self.windows.save_pools({stream: previous[stream] for stream in streams if stream in previous})
+            await self.windows.save_pools(
+                {stream: previous[stream] for stream in streams if stream in previous},
+                {stream: asked.get(stream, 0) - read.get(stream, 0) for stream in streams},
+            )
         except (RedisError, OSError) as exc:
             log.warning("Redis unreachable (%s): the streams' last pools stay in this worker", exc)
 
