@@ -8,8 +8,8 @@ workers) serves the dataset's models as `replay` backends with engines seeded S;
 R queries/s, each feedback sent as soon as its answer arrives. The offline figure is the replay harness's RL-Focal
 under the stream protocol, seed S. ``--promotions direct gated`` plays each seed once per promotion mode (gated and
 holdback: the gate at 200 / 600 events, scaled to a 3,000-query stream as in ``bench.robustness.gate``), which is the gate
-measured through the whole service; ``--explore-rate``, ``--probe-rate``, ``--update-period`` and
-``--calibration-rows`` set the learning of both the live and the offline run.
+measured through the whole service; ``--explore-rate``, ``--probe-rate``, ``--first-probes``, ``--update-period``
+and ``--calibration-rows`` set the learning of both the live and the offline run.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--explore-rate", type=float, default=None, help="RLENS_FOCAL_EXPLORE_RATE (default: its own)")
     parser.add_argument("--probe-rate", type=float, default=None, help="RLENS_FOCAL_PROBE_RATE (default: its own)")
     parser.add_argument("--update-period", type=int, default=None, help="RLENS_FOCAL_UPDATE_PERIOD (default: its own)")
+    parser.add_argument("--first-probes", type=int, default=None, help="RLENS_FOCAL_FIRST_PROBES (default: its own)")
     parser.add_argument(
         "--calibration-rows", type=int, default=None, help="RLENS_FOCAL_CALIBRATION_ROWS (default: its own)"
     )
@@ -104,6 +105,7 @@ def main() -> None:
             ("focal_explore_rate", args.explore_rate),
             ("focal_probe_rate", args.probe_rate),
             ("focal_update_period", args.update_period),
+            ("focal_first_probes", args.first_probes),
             ("focal_calibration_rows", args.calibration_rows),
         )
         if value is not None

@@ -307,9 +307,13 @@ def main() -> None:
                     f"{row['models_called']:.2f} models called a query"
                     + (
                         f"; the forced policy served {row['forced_served']} queries, "
-                        f"{100 * row['forced_worse']:.1f} points worse on the {100 * row['forced_known']:.0f} % "
-                        f"where known, {row['calls_forced']:.2f} models called a query ({row['calls_before']:.2f} "
-                        "before)"
+                        + (
+                            f"{100 * row['forced_worse']:.1f} points worse on the {100 * row['forced_known']:.0f} % "
+                            "where known, "
+                            if row["forced_worse"] is not None  # known where a champion was scored in shadow
+                            else "how much worse not known (no champion in shadow), "
+                        )
+                        + f"{row['calls_forced']:.2f} models called a query ({row['calls_before']:.2f} before)"
                         if run.forced
                         else ""
                     ),
