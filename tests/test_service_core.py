@@ -9,10 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
 from rlens.backends import Backend, BackendError, create_backend
+
 from rlens.focal.config import FocalConfig
+from rlens.service.common.metrics import StreamLabels, WorkerMetrics
 from rlens.focal.engine import FocalEngine
 from rlens.messages import Experience, Feedback, Query
 from rlens.checkpoint import CheckpointStore
@@ -534,9 +537,15 @@ def test_a_streams_first_queries_call_every_model_whichever_worker_serves_them(z
             windows = windows_for(redis_server.url)
             workers.append(FocalWorker(engine, zoo.model_names, backends, windows, VERIFIER, TOKENS))
         queries = [q.model_copy(update={"stream": "new"}) for q, _ in queries_of(zoo, None, "f")[:30]]
-        calls = [len(a.called_models) for a in (await workers[0].handle(queries[:10])).answers]
-        calls += [len(a.called_models) for a in (await workers[1].handle(queries[10:30])).answers]
+        outs = [await workers[0].handle(queries[:10]), await workers[1].handle(queries[10:30])]
+        calls = [len(a.called_models) for out in outs for a in out.answers]
         assert calls == [5] * config.first_probes + [2] * (30 - config.first_probes)
+        assert [out.first_probes for out in outs] == [10, config.first_probes - 10]
+        registry = CollectorRegistry()
+        metrics = WorkerMetrics(registry, StreamLabels(10))
+        for batch, out, worker in zip((queries[:10], queries[10:30]), outs, workers):
+            metrics.count_batch(batch, out, [], worker)
+        assert registry.get_sample_value("rlens_worker_first_probes_total") == config.first_probes
         assert int(await Redis.from_url(redis_server.url).get(windows.asked_key("new"))) == config.first_probes
 
     asyncio.run(scenario())

@@ -19,13 +19,15 @@ from rlens.messages import Behaviour, Shadow
 
 @dataclass
 class Decided:
-    """A batch's decisions, in order: each query's probe coin, its decision (``called``: the models to call), and
-    the candidate's greedy pools in shadow with the model calls they added (None, 0: no candidate)."""
+    """A batch's decisions, in order: each query's probe coin, its decision (``called``: the models to call), the
+    candidate's greedy pools in shadow with the model calls they added (None, 0: no candidate), and how many queries
+    call every model for being among their stream's first."""
 
     decisions: list[Decision]
     probes: list[bool]
     candidate_pools: list[np.ndarray] | None = None
     shadow_calls: int = 0
+    first_probes: int = 0
 
 
 @dataclass
@@ -56,9 +58,9 @@ def decide_batch(
         caps if any(cap is not None for cap in caps) else None,
     )
     if candidate is None:
-        return Decided(decisions, probes)
+        return Decided(decisions, probes, first_probes=sum(first))
     candidate_pools, added = shadow_pools(engine, candidate, decisions)
-    return Decided(decisions, probes, candidate_pools, added)
+    return Decided(decisions, probes, candidate_pools, added, sum(first))
 
 
 def fused_pool(pool: np.ndarray, answered: np.ndarray) -> np.ndarray:

@@ -138,6 +138,11 @@ class WorkerMetrics:
             "(RLENS_GATE_SHADOW_CALLS)",
             registry=registry,
         )
+        self.first_probes = Counter(
+            "rlens_worker_first_probes",
+            "queries that called every model for being among their stream's first (RLENS_FOCAL_FIRST_PROBES)",
+            registry=registry,
+        )
 
     def count_batch(self, queries, out, dead, worker) -> None:
         """A batch's metrics, summed per label first (one update per label value, not per query): its queries,
@@ -160,6 +165,8 @@ class WorkerMetrics:
             self.no_model_answered.inc(unanswered)
         if out.shadow_calls:
             self.shadow_calls.inc(out.shadow_calls)
+        if out.first_probes:
+            self.first_probes.inc(out.first_probes)
         for kind, n in Tally(dead_letter_kind(letter.reason) for letter in dead).items():
             self.dead_letters.labels(kind).inc(n)
         self.policy_version.set(worker.policy_version)

@@ -33,12 +33,14 @@ class BatchOutput:
     # seconds spent in each stage (window_read, decide, pool_call, fuse, decode)
     stages: dict[str, float] = field(default_factory=dict)
     shadow_calls: int = 0  # model calls made only for the candidate on probation (its policy's shadow_calls)
+    first_probes: int = 0  # queries that called every model for being among their stream's first (first_probes)
 
     def extend(self, other: "BatchOutput") -> None:
         self.answers += other.answers
         self.experience += other.experience
         self.failed.update(other.failed)
         self.shadow_calls += other.shadow_calls
+        self.first_probes += other.first_probes
         for stage, seconds in other.stages.items():
             self.stages[stage] = self.stages.get(stage, 0.0) + seconds
 

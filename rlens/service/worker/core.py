@@ -140,7 +140,7 @@ class FocalWorker(Worker):
         decided = decide_batch(
             self.engine, [(q.stream, len(q.choices) if q.choices else 0, q.budget) for q in queries], candidate
         )
-        out.shadow_calls = decided.shadow_calls
+        out.shadow_calls, out.first_probes = decided.shadow_calls, decided.first_probes
         # the pools saved while the models answer (in threads; inline backends answer first): ``pool_call`` holds
         # whichever of the two ends last
         saving = asyncio.create_task(self._save_pools(streams))
