@@ -235,6 +235,12 @@ def replay(
     feedback_delay: int = typer.Option(
         FocalConfig.feedback_delay, min=0, help="feedback of a query arrives this many queries later"
     ),
+    first_probes: int = typer.Option(
+        FocalConfig.first_probes,
+        min=0,
+        help="a stream's first queries that call every model too (while its budget is not overspent; 0: none; in the "
+        "service RLENS_FOCAL_FIRST_PROBES)",
+    ),
     one_stream: bool = ONE_STREAM,
     drift_reaction: str = typer.Option(
         "none", help="on a drift detection: none, trim (the window keeps its last 5 outcomes) or reset"
@@ -263,6 +269,7 @@ def replay(
         update_period=update_period,
         explore_rate=explore_rate,
         feedback_delay=feedback_delay,
+        first_probes=first_probes,
     )
     drift = DriftOptions(one_stream, cast("Reaction", drift_reaction))
     run_replay(
