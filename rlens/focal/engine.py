@@ -174,10 +174,12 @@ class FocalEngine:
         for key, cap in zip(keys, caps):
             window = self.windows.get(key)
             seen = max(asked.get(key, 0), window.count if window is not None else 0)
-            if seen < first:
-                asked[key] = asked.get(key, 0) + 1
-            budget = self.budget_of(key)
-            out.append(seen < first and cap is None and (budget is None or budget.offset >= 0))
+            if seen >= first:
+                out.append(False)
+                continue
+            asked[key] = asked.get(key, 0) + 1
+            budget = self.budget_of(key)  # looked up only for a stream still in its first queries
+            out.append(cap is None and (budget is None or budget.offset >= 0))
         return out
 
     def reset_windows(self, known: bool = True) -> None:

@@ -189,7 +189,7 @@ class FocalWorker(Worker):
             self.engine.reset_windows(known=False)
             self._asked_read = {}
             return
-        self.engine.load_state(state.windows, state.pools, state.fits, state.asked if first else None)
+        self.engine.load_state(state.windows, state.pools, state.fits, state.asked)
         self._asked_read = state.asked
 
     async def _save_pools(self, streams: list[str]) -> None:
