@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -142,16 +143,26 @@ def start(args: list[str], env: dict | None = None) -> subprocess.Popen:
     )
 
 
-def read_until(process: subprocess.Popen, words: str, timeout_s: float = 240.0) -> list[str]:
+def read_until(process: subprocess.Popen, words: str, timeout_s: float = 600.0) -> list[str]:
+    """The process's lines up to the first that holds ``words``. The wait is long: `rlens up` has its own limits
+    (Apache Kafka's start, every process ready: 180 s each) and says why it gives up; on 2 busy cores a start takes
+    minutes. A reader thread keeps the deadline real while a line is awaited."""
     assert process.stdout is not None
+    stdout = process.stdout
     lines: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and (not lines or words not in lines[-1]):
-        line = process.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-    assert lines and words in lines[-1], "".join(lines)
+
+    def read() -> None:
+        for line in iter(stdout.readline, ""):
+            lines.append(line)
+            if words in line:
+                return
+
+    started = time.monotonic()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    waited = f"after {time.monotonic() - started:.0f} s, exit code {process.poll()}:\n"
+    assert lines and words in lines[-1], waited + "".join(lines)
     return lines
 
 
@@ -350,7 +361,7 @@ def test_up_runs_apache_kafka_in_its_work_folder_and_a_restart_keeps_the_topics(
             + ["--gateway-port", "0", "--broker-port", str(port)]
         )
         try:
-            said = "".join(read_until(up, "OpenAI-compatible gateway:", timeout_s=400))
+            said = "".join(read_until(up, "OpenAI-compatible gateway:"))
             assert f"broker: Apache Kafka {kafka.VERSION}, its data in {workdir / 'kafka'}" in said, said
             assert (run == 2) == ("the learner resumes its checkpoint" in said), said
             bootstrap = re.search(r"Kafka (127\.0\.0\.1:\d+)", said)
