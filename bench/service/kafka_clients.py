@@ -1,17 +1,22 @@
 """What the Kafka client costs a hop: a bare consume → produce → commit loop on aiokafka (what rlens's processes
-use, through FastStream) and on confluent-kafka (librdkafka: the protocol in C, in its own threads).
+use, through FastStream) and on confluent-kafka (librdkafka: the protocol in C, in its own threads), alone and
+bridged to an event loop as a service whose work is asynchronous would need it.
 
     python -m bench.service.kafka_clients --kafka 127.0.0.1:19092 [--rates 10 200] [--seconds 30] [--queries 20000]
     python -m bench.service.kafka_clients --kafka <tansu's address> --fetch-wait-ms 20
+    python -m bench.service.kafka_clients --kafka 127.0.0.1:19092 --clients aiokafka confluent-thread
 
 A service process per client reads a topic in a consumer group and answers each record on a second topic (an
 answer-sized record, ``acks=all``, the batch's sends confirmed before its offsets are committed: a worker's hop
-with nothing else in it). **Light load**: a driver (aiokafka, the same for both) sends the bundled stream's queries
-at each ``--rates`` a second for ``--seconds`` and reads the answers; reported: the service's CPU a message, the
-round trip's p50 / p99, and the service's idle CPU (``--idle-s`` with nothing sent). **Saturation**: ``--queries``
-messages written first, then read in batches of ``--batch``: messages/s from the first answer to the last (the
-yardstick of `bench.service.stack`'s "worker ÷ raw loop"). The two clients alternate ``--reps`` times, each run on
-topics of its own. Needs the `bench` extra (confluent-kafka).
+with nothing else in it). The clients (``--clients``): ``aiokafka`` (on uvloop), ``confluent`` (a plain loop, no event
+loop), ``confluent-asyncio`` (a consumer thread and a delivery thread hand batches and deliveries to an event loop)
+and ``confluent-thread`` (one thread does all of Kafka, the event loop the batch's work). **Light load**: a driver
+(aiokafka, the same for all) sends the bundled stream's queries at each ``--rates`` a second for ``--seconds`` and
+reads the answers; reported: the service's CPU a message, the round trip's p50 / p99, and the service's idle CPU
+(``--idle-s`` with nothing sent). **Saturation**: ``--queries`` messages written first, then read in batches of
+``--batch``: messages/s from the first answer to the last (the yardstick of `bench.service.stack`'s "worker ÷ raw
+loop"). The clients alternate ``--reps`` times, each run on topics of its own. Needs the `bench` extra
+(confluent-kafka).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -35,7 +41,7 @@ from rlens.local.kafka import LocalKafka
 from rlens.local.load import queries_of
 from rlens.settings import settings
 
-CLIENTS = ("aiokafka", "confluent")
+CLIENTS = ("aiokafka", "confluent", "confluent-asyncio", "confluent-thread")
 REPLY = b"x" * 700  # an Answer of the bundled stream is about this many bytes
 POLL_S = 0.5  # how long the service's poll waits before it polls again (it returns as soon as a record comes)
 
@@ -64,7 +70,8 @@ async def serve_aiokafka(bootstrap: str, source: str, sink: str, group: str, bat
             await consumer.commit()
 
 
-def serve_confluent(bootstrap: str, source: str, sink: str, group: str, batch: int, wait_ms: int) -> None:
+def confluent_clients(bootstrap: str, source: str, group: str, wait_ms: int) -> tuple[Any, Any]:
+    """A consumer of ``source`` in ``group`` (offsets committed by hand) and a producer, as the loops use them."""
     from confluent_kafka import Consumer, Producer
 
     consumer = Consumer(
@@ -76,18 +83,105 @@ def serve_confluent(bootstrap: str, source: str, sink: str, group: str, batch: i
             "fetch.wait.max.ms": wait_ms,
         }
     )
-    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 0})
     consumer.subscribe([source])
+    return consumer, Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 0})
+
+
+def next_batch(consumer: Any, batch: int) -> list:
+    """Waits up to POLL_S for the first record, then takes what else has come, up to ``batch``."""
+    first = consumer.poll(POLL_S)
+    records = [first, *consumer.consume(batch - 1, timeout=0)] if first is not None else []
+    return [r for r in records if r.error() is None]
+
+
+def serve_confluent(bootstrap: str, source: str, sink: str, group: str, batch: int, wait_ms: int) -> None:
+    consumer, producer = confluent_clients(bootstrap, source, group, wait_ms)
     print("ready", flush=True)
     while True:
-        first = consumer.poll(POLL_S)  # at the first record, then what else has come, up to the batch
-        records = [first, *consumer.consume(batch - 1, timeout=0)] if first is not None else []
-        records = [r for r in records if r.error() is None]
+        records = next_batch(consumer, batch)
         if records:
             for r in records:
                 producer.produce(sink, REPLY, key=r.key())
             producer.flush(30)
             consumer.commit(asynchronous=False)
+
+
+async def serve_confluent_asyncio(bootstrap: str, source: str, sink: str, group: str, batch: int, wait_ms: int) -> None:
+    """librdkafka behind an event loop, as a service whose work is asynchronous (Redis, the models) would need it: a
+    thread waits in the consumer's poll and hands each batch to the loop; the loop produces, and awaits deliveries a
+    second thread hears in the producer's poll; the consumer's thread commits once the loop says the batch is done."""
+    import threading
+
+    import uvloop
+    from confluent_kafka import KafkaException
+
+    uvloop.install()
+    loop = asyncio.get_running_loop()
+    consumer, producer = confluent_clients(bootstrap, source, group, wait_ms)
+    batches: asyncio.Queue = asyncio.Queue()
+
+    def consume() -> None:
+        while True:
+            records = next_batch(consumer, batch)
+            if records:
+                done = threading.Event()
+                loop.call_soon_threadsafe(batches.put_nowait, (records, done))
+                done.wait()
+                consumer.commit(asynchronous=False)
+
+    def deliveries() -> None:
+        while True:
+            producer.poll(POLL_S)
+
+    def delivered(future: asyncio.Future) -> object:
+        def on_delivery(error: object, _: object) -> None:
+            if not future.done():  # the loop's side of the future, set from its own thread
+                result = KafkaException(error) if error is not None else None
+                loop.call_soon_threadsafe(future.set_exception if result else future.set_result, result)
+
+        return on_delivery
+
+    threading.Thread(target=consume, daemon=True).start()
+    threading.Thread(target=deliveries, daemon=True).start()
+    print("ready", flush=True)
+    while True:
+        records, done = await batches.get()
+        futures = [loop.create_future() for _ in records]
+        for r, future in zip(records, futures):
+            producer.produce(sink, REPLY, key=r.key(), on_delivery=delivered(future))
+        await asyncio.gather(*futures)
+        done.set()
+
+
+async def serve_confluent_thread(bootstrap: str, source: str, sink: str, group: str, batch: int, wait_ms: int) -> None:
+    """librdkafka in one thread of its own beside an event loop: the thread polls, hands each batch to the loop and
+    waits for what the loop makes of it, then produces it, waits for the deliveries (``flush``) and commits. Two
+    hand-overs a batch (to the loop and back), where :func:`serve_confluent_asyncio` has four."""
+    import concurrent.futures
+    import threading
+
+    import uvloop
+
+    uvloop.install()
+    loop = asyncio.get_running_loop()
+    consumer, producer = confluent_clients(bootstrap, source, group, wait_ms)
+
+    async def work(records: list) -> list[tuple[bytes, bytes]]:  # a service's asynchronous work on the batch
+        return [(REPLY, r.key()) for r in records]
+
+    def kafka() -> None:
+        while True:
+            records = next_batch(consumer, batch)
+            if records:
+                made: concurrent.futures.Future = asyncio.run_coroutine_threadsafe(work(records), loop)
+                for value, key in made.result():
+                    producer.produce(sink, value, key=key)
+                producer.flush(30)
+                consumer.commit(asynchronous=False)
+
+    threading.Thread(target=kafka, daemon=True).start()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
 
 
 async def make_topics(bootstrap: str, *topics: str) -> None:
@@ -215,6 +309,10 @@ def main() -> None:
         batch, wait_ms = int(os.environ["BENCH_BATCH"]), int(os.environ["BENCH_WAIT_MS"])
         if client == "aiokafka":
             asyncio.run(serve_aiokafka(bootstrap, source, sink, group, batch, wait_ms))
+        elif client == "confluent-asyncio":
+            asyncio.run(serve_confluent_asyncio(bootstrap, source, sink, group, batch, wait_ms))
+        elif client == "confluent-thread":
+            asyncio.run(serve_confluent_thread(bootstrap, source, sink, group, batch, wait_ms))
         else:
             serve_confluent(bootstrap, source, sink, group, batch, wait_ms)
         return
@@ -225,7 +323,8 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=20.0)
     parser.add_argument("--queries", type=int, default=20000, help="for the saturated loop (0: none)")
     parser.add_argument("--batch", type=int, default=settings().worker.batch, help="the saturated loop's batches")
-    parser.add_argument("--reps", type=int, default=2, help="alternations of the two clients")
+    parser.add_argument("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS))
+    parser.add_argument("--reps", type=int, default=2, help="alternations of the clients")
     parser.add_argument(
         "--fetch-wait-ms",
         type=int,
@@ -240,7 +339,7 @@ def main() -> None:
     payloads = [q.model_dump_json().encode() for q, _ in cycled(stream, "clients", max(args.queries, 1000))]
     rows: list[dict] = []
     for rep in range(args.reps):
-        for client in CLIENTS if rep % 2 == 0 else CLIENTS[::-1]:
+        for client in args.clients if rep % 2 == 0 else args.clients[::-1]:
             for rate in args.rates:
                 run = light(args.kafka, client, payloads, rate, args.seconds, args.idle_s, args.fetch_wait_ms)
                 rows.append(asyncio.run(run))
