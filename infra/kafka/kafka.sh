@@ -66,6 +66,10 @@ group.min.session.timeout.ms=1000
 # a killed broker is fenced (and its partitions led elsewhere) within 3 s, not 9
 broker.session.timeout.ms=3000
 broker.heartbeat.interval.ms=1000
+# threads for one machine's few clients, not Kafka's server defaults (rlens/local/kafka.py)
+num.io.threads=2
+num.network.threads=1
+background.threads=2
 CONF
     if [ "$count" = 1 ]; then  # one node: its controller's no-op record every 5 s, not 0.5 (rlens/local/kafka.py)
         echo "metadata.max.idle.interval.ms=5000" >>"$run/node-$node/server.properties"

@@ -49,6 +49,11 @@ group.coordinator.append.linger.ms=0
 # one node, no follower to keep up to date: its controller writes a no-op record every 5 s, not every 0.5 s (idle, its
 # metadata log's thread took 0.004 of a core)
 metadata.max.idle.interval.ms=5000
+# threads for one machine's few clients, not Kafka's server defaults (8, 3, 10): each idle thread polls every 300 ms
+# (idle, with no client, 0.016 against 0.019 of a core: docs/benchmarks-history.md, 2026-12-02)
+num.io.threads=2
+num.network.threads=1
+background.threads=2
 """
 
 
