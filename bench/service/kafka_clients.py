@@ -47,9 +47,6 @@ POLL_S = 0.5  # how long the service's poll waits before it polls again (it retu
 
 
 async def serve_aiokafka(bootstrap: str, source: str, sink: str, group: str, batch: int, wait_ms: int) -> None:
-    import uvloop  # the service's processes run on uvloop
-
-    uvloop.install()
     consumer = AIOKafkaConsumer(
         source,
         bootstrap_servers=bootstrap,
@@ -112,10 +109,8 @@ async def serve_confluent_asyncio(bootstrap: str, source: str, sink: str, group:
     second thread hears in the producer's poll; the consumer's thread commits once the loop says the batch is done."""
     import threading
 
-    import uvloop
     from confluent_kafka import KafkaException
 
-    uvloop.install()
     loop = asyncio.get_running_loop()
     consumer, producer = confluent_clients(bootstrap, source, group, wait_ms)
     batches: asyncio.Queue = asyncio.Queue()
@@ -154,15 +149,12 @@ async def serve_confluent_asyncio(bootstrap: str, source: str, sink: str, group:
 
 
 async def serve_confluent_thread(bootstrap: str, source: str, sink: str, group: str, batch: int, wait_ms: int) -> None:
-    """librdkafka in one thread of its own beside an event loop: the thread polls, hands each batch to the loop and
+    """librdkafka in one thread of its own beside the event loop: the thread polls, hands each batch to the loop and
     waits for what the loop makes of it, then produces it, waits for the deliveries (``flush``) and commits. Two
     hand-overs a batch (to the loop and back), where :func:`serve_confluent_asyncio` has four."""
     import concurrent.futures
     import threading
 
-    import uvloop
-
-    uvloop.install()
     loop = asyncio.get_running_loop()
     consumer, producer = confluent_clients(bootstrap, source, group, wait_ms)
 
@@ -307,14 +299,18 @@ def main() -> None:
     if sys.argv[1:2] == ["--serve"]:
         client, bootstrap, source, sink, group = sys.argv[2:7]
         batch, wait_ms = int(os.environ["BENCH_BATCH"]), int(os.environ["BENCH_WAIT_MS"])
-        if client == "aiokafka":
-            asyncio.run(serve_aiokafka(bootstrap, source, sink, group, batch, wait_ms))
-        elif client == "confluent-asyncio":
-            asyncio.run(serve_confluent_asyncio(bootstrap, source, sink, group, batch, wait_ms))
-        elif client == "confluent-thread":
-            asyncio.run(serve_confluent_thread(bootstrap, source, sink, group, batch, wait_ms))
-        else:
+        if client == "confluent":
             serve_confluent(bootstrap, source, sink, group, batch, wait_ms)
+            return
+        import uvloop  # on the loop rlens's service processes run on (``rlens.service.run.run_app``)
+
+        serve = {
+            "aiokafka": serve_aiokafka,
+            "confluent-asyncio": serve_confluent_asyncio,
+            "confluent-thread": serve_confluent_thread,
+        }[client]
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(bootstrap, source, sink, group, batch, wait_ms))
         return
     parser = arguments(__doc__)
     parser.add_argument("--kafka", required=True, help="a broker's bootstrap (Apache Kafka or tansu)")
