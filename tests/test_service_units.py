@@ -445,7 +445,8 @@ def test_the_embedded_broker_gets_short_fetch_waits_and_a_real_kafka_kafkas_own(
     core for the whole stack instead of 0.32 at 20 ms; `rlens up`'s own Apache Kafka 5 s on the request path:
     test_first_hour); the embedded tansu often waits a fetch out, so `rlens up` gives its clients 20 ms on the
     request path and 250 ms off it (the learner's and the policy readers' fetches), and the clients of the stack
-    read the first from client.env. A wait the user set is kept. A policy reader waits the longer of the two."""
+    read the first from client.env. A wait the user set is kept. A policy reader waits the longer of the two. Each
+    consumer's fetcher looks for work besides its fetch as seldom as the fetch waits (200 ms at least)."""
     from rlens.local.servers import LocalBroker
     from rlens.local.stack import LocalStack, client_settings
     from rlens.service.common.kafka import group_options, policy_reader
@@ -470,6 +471,10 @@ def test_the_embedded_broker_gets_short_fetch_waits_and_a_real_kafka_kafkas_own(
             assert record_options(stack.settings)["fetch_max_wait_ms"] == background  # the learner's
             # a policy reader needs neither speed nor batches: the longer wait
             assert policy_reader(stack.settings, "workers")["fetch_max_wait_ms"] == max(expected, background)
+            # aiokafka's fetcher looks for work besides its fetch as seldom as the fetch waits, 200 ms at least
+            assert group_options(stack.settings)["consumer_timeout_ms"] == max(expected, 200)
+            assert record_options(stack.settings)["consumer_timeout_ms"] == max(background, 200)
+            assert policy_reader(stack.settings, "learner")["consumer_timeout_ms"] == max(expected, background, 200)
             client = client_settings(stack.workdir)
             assert client is not None and client.kafka.fetch_max_wait_ms == expected
         finally:

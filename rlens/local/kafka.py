@@ -117,10 +117,11 @@ class LocalKafka(LocalProcess):
     # RLENS_KAFKA_BACKGROUND_FETCH_MAX_WAIT_MS, unless set). Apache Kafka answers a waiting fetch as soon as a record
     # comes, so on the request path (the workers' queries, the gateway's replies) the wait costs no latency: it is
     # how often an idle consumer asks. Its price: after a rebalance, a consumer's first fetch of its new partitions
-    # may wait behind the one in flight, up to this long. Off the request path Kafka's 500 ms: the learner's fetches
-    # wait for RLENS_LEARNER_FETCH_MIN_BYTES or that long, whichever comes first (the policy readers take the 5 s).
+    # may wait behind the one in flight, up to this long. Off the request path (the learner's fetches, the policy
+    # readers') the same: the learner's fetches wait for RLENS_LEARNER_FETCH_MIN_BYTES (1 byte unless set) or that
+    # long, whichever comes first; an idle learner took 0.003 of a core more at 500 ms (BENCHMARKS.md).
     FETCH_MAX_WAIT_MS = 5000
-    BACKGROUND_FETCH_MAX_WAIT_MS = 500
+    BACKGROUND_FETCH_MAX_WAIT_MS = 5000
 
     def __init__(self, port: int, folder: Path, fresh: bool = False):
         folder = folder.resolve()

@@ -245,8 +245,9 @@ class _OnTheLoop(type(Context())):  # type: ignore[misc]  # the class behind Fas
 # ``KafkaMessage`` annotation would resolve it in a thread
 RawMessage = Annotated[KafkaMessage, _OnTheLoop("message")]
 
-# how long a batch subscriber's poll waits for records before it polls again (it returns as soon as any arrive)
-POLL_WAIT_MS = 500
+# how long a batch subscriber's poll waits for records before it polls again (it returns as soon as any arrive, and a
+# stop cancels it): how often an idle subscriber wakes
+POLL_WAIT_MS = 5000
 
 
 def woken_by_records(subscriber: Any, on_lag: Callable[[int], None] | None = None) -> Any:
@@ -337,8 +338,15 @@ def group_options(settings: Settings, background: bool = False) -> dict[str, Any
     return {
         "session_timeout_ms": kafka.session_timeout_ms,
         "heartbeat_interval_ms": kafka.heartbeat_ms,
-        "fetch_max_wait_ms": kafka.background_fetch_max_wait_ms if background else kafka.fetch_max_wait_ms,
+        **fetch_wait(kafka.background_fetch_max_wait_ms if background else kafka.fetch_max_wait_ms),
     }
+
+
+def fetch_wait(wait_ms: int) -> dict[str, int]:
+    """A consumer's fetches waiting up to ``wait_ms`` for data, and its fetcher as patient: aiokafka's fetcher
+    wakes when a fetch comes back or a rebalance, a seek or a paused partition needs it, and besides every
+    ``consumer_timeout_ms`` (200 by default: five times a second for an idle consumer with nothing to do)."""
+    return {"fetch_max_wait_ms": wait_ms, "consumer_timeout_ms": max(wait_ms, 200)}
 
 
 def policy_reader(settings: Settings, role: Literal["workers", "learner"]) -> dict[str, Any]:
@@ -357,7 +365,7 @@ def policy_reader(settings: Settings, role: Literal["workers", "learner"]) -> di
         "auto_offset_reset": "earliest",
         "ack_policy": AckPolicy.MANUAL,
         **group_options(settings, background=True),
-        "fetch_max_wait_ms": max(kafka.fetch_max_wait_ms, kafka.background_fetch_max_wait_ms),
+        **fetch_wait(max(kafka.fetch_max_wait_ms, kafka.background_fetch_max_wait_ms)),
     }
 
 
