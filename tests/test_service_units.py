@@ -431,6 +431,7 @@ def test_the_stacks_own_redis_keeps_its_data_in_its_folder(tmp_path):
         second.stop()
     plain = LocalRedis()
     Redis.from_url(plain.url).set("k", "v")
+    assert Redis.from_url(plain.url).config_get("hz") == {"hz": "1"}  # its timers once a second: idle, it sleeps
     port = plain.port
     plain.stop()
     again = LocalRedis(port)

@@ -149,8 +149,11 @@ class LocalRedis(LocalProcess):
         if data_dir is not None:
             data_dir.mkdir(parents=True, exist_ok=True)
             persistence = ["--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data_dir.resolve())]
+        # its timers once a second, not ten times (expiry sampling, the append-only file's fsync check): idle, 0.0002
+        # of a core against 0.002 (BENCHMARKS.md, the idle stack); an expired key is still gone when read
+        idle = ["--hz", "1"]
         super().__init__(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence],
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence, *idle],
             port,
             "redis-server",
         )
