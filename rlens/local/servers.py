@@ -135,7 +135,7 @@ class LocalBroker(LocalProcess):
 
 class LocalRedis(LocalProcess):
     """``redis-server`` on a free port; ``url`` is its address. Without ``data_dir`` nothing persists (the tests');
-    with it, every write goes to an append-only file there (fsync every second), so a Redis started again on that
+    with it, every write goes to an append-only file there (fsync about every second), so a Redis started again on that
     folder has what the last one had (``rlens up``'s windows, calibrations and budgets)."""
 
     def __init__(self, port: int | None = None, data_dir: Path | None = None):
