@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import tomllib
 from pathlib import Path
 
@@ -166,7 +165,7 @@ def test_config_show_reads_back_as_the_same_settings_with_secrets_redacted(tmp_p
 def test_a_newcomers_stack_from_one_file(tmp_path, quick_zoo):
     """Three `openai` model servers, the pool, the budget and the gateway's keys in rlens.toml; `rlens up
     --config` serves them; an answer through the gateway comes from those three models."""
-    from test_first_hour import read_until, start
+    from test_first_hour import interrupt, read_until, start
 
     from rlens.models.serve import ServerProcess
     from rlens.ports import free_port
@@ -215,7 +214,7 @@ def test_a_newcomers_stack_from_one_file(tmp_path, quick_zoo):
         assert used and used <= {m.name for m in specialists}, body
     finally:
         if up is not None:
-            os.killpg(up.pid, signal.SIGINT)
+            interrupt(up)
             up.communicate(timeout=90)
         for server in servers:
             server.kill()

@@ -139,9 +139,8 @@ class LocalKafka(LocalProcess):
             f"{jars()}/*",
         ]
         if not (folder / "data" / "meta.properties").is_file():
-            cluster = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")  # as its random-uuid
             formatted = subprocess.run(
-                [*java, "kafka.tools.StorageTool", "format", "-t", cluster, "-c", str(config)],
+                [*java, "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id()}", "-c", str(config)],
                 capture_output=True,
                 text=True,
                 timeout=300,
@@ -152,6 +151,14 @@ class LocalKafka(LocalProcess):
                 )
         super().__init__([*java, "kafka.Kafka", str(config)], port, f"Apache Kafka {VERSION}", startup_s=180.0)
         self.bootstrap = f"127.0.0.1:{port}"
+
+
+def cluster_id() -> str:
+    """A random cluster id as Kafka's ``random-uuid`` writes it: a UUID in URL-safe base64, never one that starts with
+    ``-`` (one in 64 would, and a command line would read it as an option)."""
+    while (cluster := base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")).startswith("-"):
+        pass
+    return cluster
 
 
 def controller_port(folder: Path) -> int:
