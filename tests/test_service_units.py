@@ -548,3 +548,46 @@ def test_the_event_loop_is_uvloop_unless_set_to_pythons_own_or_missing(monkeypat
     assert not uses_uvloop(Settings())  # auto: Python's own where uvloop is missing
     with pytest.raises(ValueError, match="uvloop is not installed"):
         uses_uvloop(Settings().updated({"event_loop": "uvloop"}))
+
+
+def test_the_http_server_ticks_once_a_second_and_a_stop_signal_wakes_it_at_once(tmp_path):
+    """uvicorn's main loop woke ten times a second, idle (0.002 of a core a process); the quiet server's ticks each
+    refresh the date header (a counter that is a multiple of 10), and SIGTERM ends it without waiting for the next
+    tick: with a tick of an hour, only the signal can end it within the test's wait."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import sys, uvicorn\n"
+        "from rlens.ports import free_port\n"
+        "from rlens.service.common.http_server import QuietServer\n"
+        "async def app(scope, receive, send):\n"
+        "    pass\n"
+        "class Counted(QuietServer):\n"
+        "    async def on_tick(self, counter):\n"
+        "        print('tick', counter, flush=True)\n"
+        "        return await super().on_tick(counter)\n"
+        "server = Counted(uvicorn.Config(app, port=free_port(), lifespan='off', log_level='warning'))\n"
+        "server.tick_s = float(sys.argv[1])\n"
+        "server.run()\n"
+    )
+
+    def ticks(tick_s: str, idle_s: float) -> list[int]:
+        process = subprocess.Popen(
+            [sys.executable, str(script), tick_s], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        try:
+            assert process.stdout is not None
+            first = process.stdout.readline()  # the first tick: the server started
+            time.sleep(idle_s)
+            process.send_signal(signal.SIGTERM)
+            out, _ = process.communicate(timeout=60)  # a signal that did not wake the server: the timeout
+        finally:
+            process.kill()
+        return [int(line.split()[1]) for line in (first + out).splitlines() if line.startswith("tick ")]
+
+    counted = ticks("0.2", 1.5)
+    assert len(counted) >= 2 and all(c % 10 == 0 for c in counted), counted  # uvicorn's: 0, 1, 2, … each 0.1 s
+    assert ticks("3600", 0.5) in ([0], [0, 10])  # the first tick, and the one the signal woke

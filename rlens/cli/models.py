@@ -22,11 +22,10 @@ def serve_model(
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:1, ..."),
 ) -> None:
     """Serve a local model over an OpenAI-compatible completions API (/v1/completions, /v1/models)."""
-    import uvicorn
-
     from rlens.backends.base import BackendError
     from rlens.backends.hf import TransformersBackend
     from rlens.models.serve import create_app
+    from rlens.service.common.http_server import serve
 
     quiet_transformers()
     try:
@@ -35,7 +34,7 @@ def serve_model(
         fail(f"cannot load {path}: {exc}")
     name = name or path.name
     console.print(f"serving [bold]{name}[/] at http://{host}:{port}/v1")
-    uvicorn.run(create_app(backend, name), host=host, port=port, log_level="warning")
+    serve(create_app(backend, name), host=host, port=port, log_level="warning")
 
 
 @pool_app.command("check")

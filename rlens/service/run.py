@@ -301,14 +301,22 @@ def uses_uvloop(settings: Settings) -> bool:
 def run_app(app, settings: Settings, role: str) -> None:
     """Run a worker's or learner's app: its subscribers and, on ``settings.metrics_host:metrics_port``, its HTTP side."""
     setup_tracing(settings, role)
-    http = {"host": settings.metrics.host, "port": settings.metrics.port, "log_config": None}  # uvicorn's records too
+    import uvicorn
+
+    from rlens.service.common.http_server import QuietServer
+
+    # FastStream's app, served as ``app.run`` would, on a server that idles quietly; uvicorn's records go through
+    # the process's one handler
+    http = uvicorn.Config(
+        app, host=settings.metrics.host, port=settings.metrics.port, log_level=logging.WARNING, log_config=None
+    )
     factory = None
     if uses_uvloop(settings):
         import uvloop
 
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(app.run(log_level=logging.WARNING, run_extra_options=http))
+        runner.run(QuietServer(http).serve())
 
 
 def run_worker(settings: Settings) -> None:
@@ -345,8 +353,7 @@ def run_learner(settings: Settings, warm_start: Path | None = None) -> None:
 
 
 def run_gateway(settings: Settings) -> None:
-    import uvicorn
-
+    from rlens.service.common.http_server import serve
     from rlens.service.gateway.app import create_gateway_app
     from rlens.service.gateway.connections import guarded_protocol
 
@@ -358,7 +365,7 @@ def run_gateway(settings: Settings) -> None:
     setup_tracing(settings, "gateway")
     app = create_gateway_app(settings)
     freeze_startup_objects()
-    uvicorn.run(
+    serve(
         app,
         host=settings.gateway.host,
         port=settings.gateway.port,
