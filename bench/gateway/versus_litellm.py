@@ -18,7 +18,8 @@ the other (the order alternates from round to round). Measured, the same client 
   gateway, workers, learner, Redis and broker (tansu, or the Apache Kafka ``infra/kafka/kafka.sh`` started: its pid
   files under ``RLENS_KAFKA_RUN``, default /tmp/rlens-kafka);
 - capacity: ``--clients`` closed-loop clients for ``--capacity-s``: answered requests/s;
-- idle: the system's CPU over ``--idle-s`` with nothing sent (cores).
+- idle: the system's CPU over ``--idle-s`` with nothing sent (cores), in all and by role, once ``--settle-s`` have
+  passed since the capacity phase (its backlog digested: the learner's joins and checkpoint, the broker's flushes).
 """
 
 from __future__ import annotations
@@ -215,11 +216,14 @@ async def closed_loop(system: System, clients: int, seconds: float) -> dict:
     }
 
 
-def idle_cores(system: System, seconds: float) -> float:
-    pids = system.pids()
-    cpu, started = cpu_seconds(pids), time.perf_counter()
+def idle_cores(system: System, seconds: float) -> dict[str, float]:
+    """The system's CPU with nothing sent for ``seconds``, in cores: each role's, and ``all``."""
+    roles = system.roles()
+    before, started = {role: cpu_seconds(pids) for role, pids in roles.items()}, time.perf_counter()
     time.sleep(seconds)
-    return round((cpu_seconds(pids) - cpu) / (time.perf_counter() - started), 3)
+    elapsed = time.perf_counter() - started
+    by_role = {role: (cpu_seconds(pids) - before[role]) / elapsed for role, pids in roles.items()}
+    return {"all": round(sum(by_role.values()), 4)} | {role: round(c, 4) for role, c in by_role.items()}
 
 
 def measure(system: System, args) -> dict:
@@ -238,8 +242,14 @@ def measure(system: System, args) -> dict:
             flush=True,
         )
     capacity = asyncio.run(closed_loop(system, args.clients, args.capacity_s))
+    time.sleep(args.settle_s)
     idle = idle_cores(system, args.idle_s)
-    print(f"  {system.name}: capacity {capacity['answered_per_s']} requests/s; idle {idle} of a core", flush=True)
+    print(
+        f"  {system.name}: capacity {capacity['answered_per_s']} requests/s; idle {idle['all']} of a core ("
+        + ", ".join(f"{role} {cores}" for role, cores in idle.items() if role != "all")
+        + ")",
+        flush=True,
+    )
     return {"system": system.name, "loads": loads, "capacity": capacity, "idle_cores": idle}
 
 
@@ -253,6 +263,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32, help="closed-loop clients for capacity")
     parser.add_argument("--capacity-s", type=float, default=15.0)
     parser.add_argument("--idle-s", type=float, default=20.0)
+    parser.add_argument("--settle-s", type=float, default=20.0, help="after the capacity phase, before idle")
     parser.add_argument("--workers", type=int, default=1, help="rlens workers")
     parser.add_argument("--kafka", default=None, help="a running Kafka's bootstrap servers (default: tansu)")
     add_out(parser, "bench/out/versus-litellm.json")
