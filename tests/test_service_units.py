@@ -551,9 +551,10 @@ def test_the_event_loop_is_uvloop_unless_set_to_pythons_own_or_missing(monkeypat
 
 
 def test_the_http_server_ticks_once_a_second_and_a_stop_signal_wakes_it_at_once(tmp_path):
-    """uvicorn's main loop woke ten times a second, idle (0.002 of a core a process); the quiet server's ticks each
+    """uvicorn's main loop woke ten times a second, idle (a bare server: 0.002 of a core); the quiet server's ticks each
     refresh the date header (a counter that is a multiple of 10), and SIGTERM ends it without waiting for the next
     tick: with a tick of an hour, only the signal can end it within the test's wait."""
+    import select
     import signal
     import subprocess
     import sys
@@ -580,6 +581,7 @@ def test_the_http_server_ticks_once_a_second_and_a_stop_signal_wakes_it_at_once(
         )
         try:
             assert process.stdout is not None
+            assert select.select([process.stdout], [], [], 120.0)[0], "the server never ticked"
             first = process.stdout.readline()  # the first tick: the server started
             time.sleep(idle_s)
             process.send_signal(signal.SIGTERM)
