@@ -16,7 +16,6 @@ variant's median by role over the rounds.
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 from bench.common.args import add_out, arguments, write_json
 from bench.common.machine import machine_facts
 from bench.gateway.versus_litellm import Rlens, idle_cores, open_loop
+from rlens.numerics import environment
 
 
 def variant(text: str) -> tuple[str, dict[str, str]]:
@@ -40,16 +40,8 @@ def variant(text: str) -> tuple[str, dict[str, str]]:
 
 def measure(workdir: Path, kafka: str | None, workers: int, env: dict[str, str], args) -> dict[str, float]:
     """One stack with ``env`` set: warmed, settled, its idle CPU by role."""
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
+    with environment(env):  # what the stack's processes start with
         system = Rlens(workdir, kafka, workers)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     try:
         asyncio.run(open_loop(system, 20.0, args.warm))
         time.sleep(args.settle_s)
