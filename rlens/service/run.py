@@ -307,7 +307,7 @@ def run_app(app, settings: Settings, role: str) -> None:
 
     # FastStream's app, served as ``app.run`` would, on a server that idles quietly; uvicorn's records go through
     # the process's one handler
-    http = uvicorn.Config(
+    config = uvicorn.Config(
         app, host=settings.metrics.host, port=settings.metrics.port, log_level=logging.WARNING, log_config=None
     )
     factory = None
@@ -316,7 +316,7 @@ def run_app(app, settings: Settings, role: str) -> None:
 
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(QuietServer(http).serve())
+        runner.run(QuietServer(config).serve())
 
 
 def run_worker(settings: Settings) -> None:

@@ -13,8 +13,7 @@ import sys
 from types import FrameType
 
 import uvicorn
-
-STARTUP_FAILURE = 3  # the exit code of a server that could not start, as uvicorn.run's
+from uvicorn.config import STARTUP_FAILURE
 
 
 class QuietServer(uvicorn.Server):
