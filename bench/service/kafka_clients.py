@@ -4,13 +4,15 @@ bridged to an event loop as a service whose work is asynchronous would need it.
 
     python -m bench.service.kafka_clients --kafka 127.0.0.1:19092 [--rates 10 200] [--seconds 30] [--queries 20000]
     python -m bench.service.kafka_clients --kafka <tansu's address> --fetch-wait-ms 20
-    python -m bench.service.kafka_clients --kafka 127.0.0.1:19092 --clients aiokafka confluent-thread
+    python -m bench.service.kafka_clients --kafka 127.0.0.1:19092 --clients aiokafka faststream confluent-thread
 
 A service process per client reads a topic in a consumer group and answers each record on a second topic (an
 answer-sized record, ``acks=all``, the batch's sends confirmed before its offsets are committed: a worker's hop
 with nothing else in it). The clients (``--clients``): ``aiokafka`` (on uvloop), ``confluent`` (a plain loop, no event
-loop), ``confluent-asyncio`` (a consumer thread and a delivery thread hand batches and deliveries to an event loop)
-and ``confluent-thread`` (one thread does all of Kafka, the event loop the batch's work). **Light load**: a driver
+loop), ``confluent-asyncio`` (a consumer thread and a delivery thread hand batches and deliveries to an event loop),
+``confluent-thread`` (one thread does all of Kafka, the event loop the batch's work), ``faststream`` (FastStream on
+aiokafka as rlens's processes use it: the hop with FastStream's subscriber, acknowledgement and publisher around it)
+and ``faststream-confluent`` (FastStream's own librdkafka broker). **Light load**: a driver
 (aiokafka, the same for all) sends the bundled stream's queries at each ``--rates`` a second for ``--seconds`` and
 reads the answers; reported: the service's CPU a message, the round trip's p50 / p99, and the service's idle CPU
 (``--idle-s`` with nothing sent). **Saturation**: ``--queries`` messages written first, then read in batches of
@@ -41,7 +43,7 @@ from rlens.local.kafka import LocalKafka
 from rlens.local.load import queries_of
 from rlens.settings import settings
 
-CLIENTS = ("aiokafka", "confluent", "confluent-asyncio", "confluent-thread")
+CLIENTS = ("aiokafka", "confluent", "confluent-asyncio", "confluent-thread", "faststream", "faststream-confluent")
 REPLY = b"x" * 700  # an Answer of the bundled stream is about this many bytes
 POLL_S = 0.5  # how long the service's poll waits before it polls again (it returns as soon as a record comes)
 
@@ -172,6 +174,65 @@ async def serve_confluent_thread(bootstrap: str, source: str, sink: str, group: 
                 consumer.commit(asynchronous=False)
 
     threading.Thread(target=kafka, daemon=True).start()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+async def serve_faststream(bootstrap: str, source: str, sink: str, group: str, batch: int, wait_ms: int) -> None:
+    """The same hop through FastStream on aiokafka as rlens's processes use it: a batch subscriber with the service's
+    parser, decoder and poll (``SUBSCRIBER``, :func:`woken_by_records`), its message resolved on the loop
+    (``RawMessage``), acknowledged (its offsets committed) once the handler returns; the batch's answers in one
+    ``publish_batch``."""
+    from faststream import AckPolicy
+    from faststream.kafka import KafkaBroker, KafkaResponse
+
+    from rlens.service.common.kafka import SUBSCRIBER, RawMessage, woken_by_records
+
+    broker = KafkaBroker(bootstrap, acks=-1, max_batch_size=1 << 20, logger=None)
+    subscriber = broker.subscriber(
+        source,
+        group_id=group,
+        batch=True,
+        max_records=batch,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=wait_ms,
+        ack_policy=AckPolicy.NACK_ON_ERROR,
+        **SUBSCRIBER,
+    )
+
+    @woken_by_records(subscriber)
+    async def on_batch(bodies: list[bytes], message: RawMessage) -> None:
+        await broker.publish_batch(*[KafkaResponse(REPLY, key=r.key) for r in message.raw_message], topic=sink)
+
+    await broker.start()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+async def serve_faststream_confluent(
+    bootstrap: str, source: str, sink: str, group: str, batch: int, wait_ms: int
+) -> None:
+    """FastStream's own librdkafka broker (``faststream.confluent``), a batch subscriber as FastStream gives it: each
+    poll is a ``consume`` in a thread pool that returns when ``max_records`` came or its polling interval (0.1 s)
+    ended, and a producer thread polls every 0.1 s."""
+    from faststream import AckPolicy, Context
+    from faststream.confluent import KafkaBroker, KafkaResponse
+
+    broker = KafkaBroker(bootstrap, acks="all", linger_ms=0, logger=None)
+
+    @broker.subscriber(
+        source,
+        group_id=group,
+        batch=True,
+        max_records=batch,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=wait_ms,
+        ack_policy=AckPolicy.NACK_ON_ERROR,
+    )
+    async def on_batch(_: Any, message: Any = Context()) -> None:  # the bodies as FastStream decodes them: unused
+        await broker.publish_batch(*[KafkaResponse(REPLY, key=r.key()) for r in message.raw_message], topic=sink)
+
+    await broker.start()
     print("ready", flush=True)
     await asyncio.Event().wait()
 
@@ -308,6 +369,8 @@ def main() -> None:
             "aiokafka": serve_aiokafka,
             "confluent-asyncio": serve_confluent_asyncio,
             "confluent-thread": serve_confluent_thread,
+            "faststream": serve_faststream,
+            "faststream-confluent": serve_faststream_confluent,
         }[client]
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(serve(bootstrap, source, sink, group, batch, wait_ms))
