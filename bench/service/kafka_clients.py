@@ -178,27 +178,33 @@ async def serve_confluent_thread(bootstrap: str, source: str, sink: str, group: 
     await asyncio.Event().wait()
 
 
+def faststream_batches(group: str, batch: int, wait_ms: int) -> dict[str, Any]:
+    """A FastStream batch subscriber's options, on either client: the group, batches of at most ``batch``, each
+    acknowledged (its offsets committed) once its handler returns."""
+    from faststream import AckPolicy
+
+    return {
+        "group_id": group,
+        "batch": True,
+        "max_records": batch,
+        "auto_offset_reset": "earliest",
+        "fetch_max_wait_ms": wait_ms,
+        "ack_policy": AckPolicy.NACK_ON_ERROR,
+    }
+
+
 async def serve_faststream(bootstrap: str, source: str, sink: str, group: str, batch: int, wait_ms: int) -> None:
     """The same hop through FastStream on aiokafka as rlens's processes use it: a batch subscriber with the service's
     parser, decoder and poll (``SUBSCRIBER``, :func:`woken_by_records`), its message resolved on the loop
     (``RawMessage``), acknowledged (its offsets committed) once the handler returns; the batch's answers in one
     ``publish_batch``."""
-    from faststream import AckPolicy
     from faststream.kafka import KafkaBroker, KafkaResponse
 
     from rlens.service.common.kafka import SUBSCRIBER, RawMessage, woken_by_records
 
+    # a batch's answers fit one producer batch (rlens's ``publish_batch`` cuts larger ones into chunks instead)
     broker = KafkaBroker(bootstrap, acks=-1, max_batch_size=1 << 20, logger=None)
-    subscriber = broker.subscriber(
-        source,
-        group_id=group,
-        batch=True,
-        max_records=batch,
-        auto_offset_reset="earliest",
-        fetch_max_wait_ms=wait_ms,
-        ack_policy=AckPolicy.NACK_ON_ERROR,
-        **SUBSCRIBER,
-    )
+    subscriber = broker.subscriber(source, **faststream_batches(group, batch, wait_ms), **SUBSCRIBER)
 
     @woken_by_records(subscriber)
     async def on_batch(bodies: list[bytes], message: RawMessage) -> None:
@@ -214,21 +220,13 @@ async def serve_faststream_confluent(
 ) -> None:
     """FastStream's own librdkafka broker (``faststream.confluent``), a batch subscriber as FastStream gives it: each
     poll is a ``consume`` in a thread pool that returns when ``max_records`` came or its polling interval (0.1 s)
-    ended, and a producer thread polls every 0.1 s."""
-    from faststream import AckPolicy, Context
+    ended, and its producer is polled every 0.1 s from a thread."""
+    from faststream import Context
     from faststream.confluent import KafkaBroker, KafkaResponse
 
     broker = KafkaBroker(bootstrap, acks="all", linger_ms=0, logger=None)
 
-    @broker.subscriber(
-        source,
-        group_id=group,
-        batch=True,
-        max_records=batch,
-        auto_offset_reset="earliest",
-        fetch_max_wait_ms=wait_ms,
-        ack_policy=AckPolicy.NACK_ON_ERROR,
-    )
+    @broker.subscriber(source, **faststream_batches(group, batch, wait_ms))
     async def on_batch(_: Any, message: Any = Context()) -> None:  # the bodies as FastStream decodes them: unused
         await broker.publish_batch(*[KafkaResponse(REPLY, key=r.key()) for r in message.raw_message], topic=sink)
 
