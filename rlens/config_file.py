@@ -37,6 +37,7 @@ OTHER_VARIABLES = frozenset(
         "RLENS_CONFIG",
         "RLENS_KAFKA_RUN",
         "RLENS_KAFKA_CACHE",
+        "RLENS_KAFKA_JVM",
         "RLENS_TEST_KAFKA_BOOTSTRAP",
         "RLENS_TEST_LITELLM",
         "RLENS_SKIP_SMOLLM2",

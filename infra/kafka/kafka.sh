@@ -9,13 +9,15 @@
 #   infra/kafka/kafka.sh stop             stop everything started here (SIGTERM, then SIGKILL) and delete its data
 #   infra/kafka/kafka.sh fetch            only fetch the jars
 # Settings: KAFKA_VERSION (4.1.1), RLENS_KAFKA_CACHE (~/.cache/rlens/kafka-VERSION), RLENS_KAFKA_RUN (/tmp/rlens-kafka:
-# data, configuration, log, GC log (node-N/gc.log) and pid). Needs Java 17 and Maven.
+# data, configuration, log, GC log (node-N/gc.log) and pid), RLENS_KAFKA_JVM (the JVM's heap and compiler options,
+# "-Xms256m -Xmx768m -XX:+UseG1GC"; docs/benchmarks-history.md compares others). Needs Java 17 and Maven.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 files=$(cd "$here/../../rlens/local/kafka_files" && pwd)  # the pom the jars are fetched by, the log configuration
 version=${KAFKA_VERSION:-4.1.1}
 cache=${RLENS_KAFKA_CACHE:-$HOME/.cache/rlens/kafka-$version}
 run=${RLENS_KAFKA_RUN:-/tmp/rlens-kafka}
+read -r -a jvm <<<"${RLENS_KAFKA_JVM:--Xms256m -Xmx768m -XX:+UseG1GC}"
 
 fetch() {
     if ! ls "$cache"/libs/kafka_2.13-"$version".jar >/dev/null 2>&1; then
@@ -27,7 +29,7 @@ fetch() {
 }
 
 java_() {
-    java -Xms256m -Xmx768m -XX:+UseG1GC -Dlog4j2.configurationFile="$files/log4j2.properties" \
+    java "${jvm[@]}" -Dlog4j2.configurationFile="$files/log4j2.properties" \
         -Drlens.kafka.log="$run/kafka.log" -cp "$cache/libs/*" "$@"
 }
 
@@ -80,7 +82,7 @@ CONF
 launch() {  # node N on its configuration and data; waits until its port answers
     local node=$1 port
     port=$(cat "$run/node-$node/port")
-    nohup java -Xms256m -Xmx768m -XX:+UseG1GC -Xlog:gc:file="$run/node-$node/gc.log":time,uptime \
+    nohup java "${jvm[@]}" -Xlog:gc:file="$run/node-$node/gc.log":time,uptime \
         -Dlog4j2.configurationFile="$files/log4j2.properties" -Drlens.kafka.log="$run/node-$node/kafka.log" \
         -cp "$cache/libs/*" kafka.Kafka "$run/node-$node/server.properties" \
         >"$run/node-$node/stdout.log" 2>&1 &
